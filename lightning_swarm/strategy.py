@@ -1,0 +1,323 @@
+"""``SwarmStrategy``: DiLoCo across islands as a Lightning strategy.
+
+This module is glue. It wires Lightning's hooks to the island topology
+(``lightning_swarm.topology``), the process groups and transport (``lightning_swarm.transport``)
+and the outer loop (``lightning_swarm.outer``); the DiLoCo math itself lives in
+``lightning_swarm.algorithm``.
+
+Lifecycle inside ``Trainer.fit``:
+1. ``setup_distributed``: the default process group, then the island and peer groups.
+2. ``configure_ddp``: rank 0's weights are broadcast to the whole world (anchors start identical
+   everywhere), then the module is wrapped in DDP over its island's group only. An island of one
+   rank is not wrapped at all.
+3. ``setup``: after Lightning built the optimizers, one ``OuterSync`` per optimizer takes a copy
+   of that optimizer's trained parameters as its anchors.
+4. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch),
+   the optimizer's ``OuterSync`` counts it and syncs every ``sync_every`` steps; the sync's
+   metrics go straight to the loggers under ``swarm/`` so ``log_every_n_steps`` cannot drop them.
+5. ``teardown``: transport closed, groups destroyed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_swarm.config import SwarmConfig
+from lightning_swarm.outer import OuterOptimizerFactory, OuterSync, SyncReport
+from lightning_swarm.topology import IslandTopology
+from lightning_swarm.transport import AllReduceTransport, Transport, ring_allreduce_bytes
+from lightning_swarm.transport.groups import SwarmGroups, build_groups
+
+default_outer_optimizer: OuterOptimizerFactory = functools.partial(
+    torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True
+)
+
+
+@dataclass
+class SwarmTotals:
+    """Running totals of this rank's outer syncs (all optimizers)."""
+
+    outer_steps: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sync_wall_s: float = 0.0
+    inner_steps: int = 0
+
+
+class SwarmStrategy(DDPStrategy):
+    """Train any LightningModule DiLoCo-style across islands of ranks.
+
+    Args:
+        sync_every: H, inner optimizer steps between outer syncs.
+        outer_optimizer: callable taking an iterable of tensors (the anchors) and returning a
+            ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True).
+        island_size: ranks per island (synced every step); must divide the world size.
+        transport: how pseudo-gradients are averaged across islands (``"allreduce"``).
+        anchor_device: device of the anchors and outer optimizer state (default ``"cpu"``).
+        anchor_dtype: dtype of the anchors, e.g. ``torch.bfloat16``; ``None`` = float32.
+        bucket_mb: MiB per all-reduce bucket; bounds the transport's extra memory.
+        **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
+            ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
+
+    Raises:
+        ValueError: an option is out of range (the message names it and the fix).
+    """
+
+    strategy_name = "swarm"
+
+    def __init__(
+        self,
+        sync_every: int = 100,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        island_size: int = 1,
+        transport: str = "allreduce",
+        anchor_device: str | torch.device = "cpu",
+        anchor_dtype: str | torch.dtype | None = None,
+        bucket_mb: float = 32.0,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(anchor_dtype, torch.dtype):
+            anchor_dtype = str(anchor_dtype).removeprefix("torch.")
+        self.config = SwarmConfig(
+            sync_every=sync_every,
+            island_size=island_size,
+            transport=transport,
+            anchor_device=str(anchor_device),
+            anchor_dtype=anchor_dtype,
+            bucket_mb=bucket_mb,
+        )
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise ValueError(
+                f"outer_optimizer must be a callable returning an optimizer, got "
+                f"{type(outer_optimizer).__name__}; pass e.g. "
+                "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+            )
+        if "process_group" in kwargs:
+            raise ValueError(
+                "process_group cannot be passed to SwarmStrategy: DDP runs over each island's "
+                "own group, which the strategy creates; set island_size instead."
+            )
+        super().__init__(**kwargs)
+        self.outer_optimizer_factory = outer_optimizer or default_outer_optimizer
+        self._topology: IslandTopology | None = None
+        self._groups: SwarmGroups | None = None
+        self._transport: Transport | None = None
+        self._outer_syncs: list[OuterSync] = []
+        self._outer_by_optimizer: dict[int, OuterSync] = {}
+        self.totals = SwarmTotals()
+        self.last_sync: SyncReport | None = None
+
+    # -- registration ---------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "swarm" in strategy_registry:
+            return
+        strategy_registry.register(
+            "swarm", cls, description="DiLoCo across islands (lightning_swarm)"
+        )
+        strategy_registry.register(
+            "swarm_spawn",
+            cls,
+            description="DiLoCo across islands, processes started with spawn",
+            start_method="spawn",
+        )
+
+    # -- read-only views ------------------------------------------------------------------
+    @property
+    def topology(self) -> IslandTopology:
+        if self._topology is None:
+            raise RuntimeError("the island topology exists only after the strategy's setup")
+        return self._topology
+
+    @property
+    def outer_syncs(self) -> list[OuterSync]:
+        """One ``OuterSync`` per optimizer, in ``trainer.optimizers`` order."""
+        return self._outer_syncs
+
+    @property
+    def transport(self) -> Transport | None:
+        return self._transport
+
+    def anchor_bytes(self) -> int:
+        return sum(o.anchor_bytes for o in self._outer_syncs)
+
+    def outer_state_bytes(self) -> int:
+        return sum(o.outer_state_bytes() for o in self._outer_syncs)
+
+    def ddp_equivalent_bytes(self) -> int:
+        """Bytes one rank would have sent across islands had the islands run DDP instead.
+
+        DDP all-reduces every trained gradient at every inner step; across islands that is the
+        same ring all-reduce the transport does, once per step instead of once per sync.
+        """
+        if self._topology is None:
+            return 0
+        total = 0
+        for outer in self._outer_syncs:
+            grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
+            per_step = ring_allreduce_bytes(grad_bytes, self._topology.num_islands)
+            total += per_step * outer.inner_steps
+        return total
+
+    # -- setup ----------------------------------------------------------------------------
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._topology = IslandTopology(
+            world_size=self.world_size,
+            island_size=self.config.island_size,
+            global_rank=self.global_rank,
+        )
+        self._groups = build_groups(self._topology, backend=self._process_group_backend)
+
+    @override
+    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
+        """Wrap in DDP over the island's group; an island of one rank needs no wrapper."""
+        assert self._groups is not None
+        if self.topology.island_size == 1:
+            return model
+        device_ids = self.determine_ddp_device_ids()
+        return DistributedDataParallel(
+            module=model,
+            device_ids=device_ids,
+            process_group=self._groups.island,
+            **self._ddp_kwargs,
+        )
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        # Anchors must start identical on every rank: take global rank 0's weights everywhere,
+        # before DDP (which would only sync inside the island) wraps the module.
+        _sync_module_states(self.model)
+        super().configure_ddp()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            super()._register_ddp_hooks()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._build_outer_syncs()
+
+    def _build_outer_syncs(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        names = {id(p): name for name, p in module.named_parameters()}
+        self._transport = self._build_transport()
+        self._outer_syncs, self._outer_by_optimizer = [], {}
+        seen: set[int] = set()
+        for index, optimizer in enumerate(self.optimizers):
+            params = _trained_params(optimizer, names, index, seen)
+            if not params:
+                continue
+            outer = OuterSync(
+                params,
+                outer_optimizer=self.outer_optimizer_factory,
+                transport=self._transport,
+                sync_every=self.config.sync_every,
+                anchor_device=self.config.anchor_device,
+                anchor_dtype=self.config.anchor_torch_dtype,
+            )
+            self._outer_syncs.append(outer)
+            self._outer_by_optimizer[id(optimizer)] = outer
+
+    def _build_transport(self) -> Transport:
+        assert self._groups is not None
+        # NCCL reduces device tensors only: the bucket visits the accelerator, anchors stay put.
+        backend = torch.distributed.get_backend()
+        device = self.root_device if backend == "nccl" else torch.device("cpu")
+        return AllReduceTransport(
+            self._groups.peers,
+            num_islands=self.topology.num_islands,
+            bucket_numel=self.config.bucket_numel,
+            device=device,
+        )
+
+    # -- training -------------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        outer = self._outer_by_optimizer.get(id(optimizer))
+        if outer is not None:
+            self.totals.inner_steps += 1
+            report = outer.on_inner_step()
+            if report is not None:
+                self._record(report, self._outer_syncs.index(outer))
+        return output
+
+    def _record(self, report: SyncReport, optimizer_index: int) -> None:
+        self.last_sync = report
+        self.totals.outer_steps += int(report.applied)
+        self.totals.bytes_sent += report.bytes_sent
+        self.totals.bytes_received += report.bytes_received
+        self.totals.sync_wall_s += report.wall_s
+        suffix = "" if len(self._outer_syncs) == 1 else f"_opt{optimizer_index}"
+        metrics = {
+            f"swarm/outer_steps{suffix}": float(report.outer_steps),
+            f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
+            "swarm/bytes_sent": float(self.totals.bytes_sent),
+            "swarm/bytes_received": float(self.totals.bytes_received),
+            f"swarm/sync_time_s{suffix}": report.wall_s,
+        }
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if trainer is None:
+            return
+        # Logged directly at the sync step: self.log would wait for log_every_n_steps and a
+        # sync every H steps could fall between two flushes. Built-in loggers are rank-0-only.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step + 1)
+
+    # -- teardown -------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        if self._groups is not None:
+            self._groups.destroy()
+            self._groups = None
+        super().teardown()
+
+
+def _trained_params(
+    optimizer: Optimizer, names: dict[int, str], index: int, seen: set[int]
+) -> dict[str, torch.nn.Parameter]:
+    """The parameters ``optimizer`` trains, by module name, in a rank-independent order."""
+    params: dict[str, torch.nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of optimizer {index} is also trained by another optimizer; "
+                    "SwarmStrategy keeps one anchor per parameter, so give each parameter to "
+                    "exactly one optimizer."
+                )
+            seen.add(id(p))
+            params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = p
+    return params

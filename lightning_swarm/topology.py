@@ -1,0 +1,70 @@
+"""Islands: how the world's ranks are grouped.
+
+An island is a contiguous block of ``island_size`` global ranks that averages gradients every
+inner step (DDP over the island's own process group). Ranks with the same position inside their
+island form a *peer group* across islands; that group is the one the transport averages
+pseudo-gradients over. Every rank of an island holds the same parameters, so each peer group
+carries the same payload in parallel: no extra hop through an island leader is needed.
+
+Contiguous blocks mean that with ``island_size`` equal to the devices per node, one island is
+one node (or one cluster), which is what the slow-link topology of DiLoCo asks for.
+
+This module is plain arithmetic: it imports neither torch nor lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IslandTopology:
+    """Where one rank sits among the islands.
+
+    Attributes:
+        world_size: number of ranks in the run.
+        island_size: ranks per island; divides ``world_size``.
+        global_rank: this rank.
+    """
+
+    world_size: int
+    island_size: int
+    global_rank: int
+
+    def __post_init__(self) -> None:
+        if self.island_size < 1:
+            raise ValueError(
+                f"island_size must be a positive integer, got {self.island_size}; "
+                "set it to the number of ranks that sync every step (1 = every rank is an island)."
+            )
+        if self.world_size % self.island_size != 0:
+            raise ValueError(
+                f"island_size={self.island_size} does not divide the world size "
+                f"{self.world_size} (devices x num_nodes); choose an island_size that divides it, "
+                f"for example {self.world_size} (one island) or 1 (one island per rank)."
+            )
+        if not 0 <= self.global_rank < self.world_size:
+            raise ValueError(f"global_rank {self.global_rank} outside world of {self.world_size}")
+
+    @property
+    def num_islands(self) -> int:
+        return self.world_size // self.island_size
+
+    @property
+    def island_index(self) -> int:
+        """Which island this rank belongs to (0 .. num_islands - 1)."""
+        return self.global_rank // self.island_size
+
+    @property
+    def local_index(self) -> int:
+        """This rank's position inside its island (0 .. island_size - 1)."""
+        return self.global_rank % self.island_size
+
+    def island_ranks(self, island_index: int) -> list[int]:
+        """Global ranks of one island, in order."""
+        start = island_index * self.island_size
+        return list(range(start, start + self.island_size))
+
+    def peer_ranks(self, local_index: int) -> list[int]:
+        """Global ranks holding position ``local_index`` in every island, ordered by island."""
+        return [i * self.island_size + local_index for i in range(self.num_islands)]

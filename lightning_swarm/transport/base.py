@@ -1,0 +1,57 @@
+"""The transport contract: "average these pseudo-gradients across islands".
+
+A transport is the only component that moves pseudo-gradients between islands. The strategy
+hands it one named set of float32 tensors per round (the pseudo-gradients of one optimizer's
+parameters, or later of one fragment) and reads them back averaged over islands. How it gets
+there is the transport's business: a bucketed all-reduce, or a rotating aggregator that spools
+peers' payloads to disk, validates them and broadcasts the result.
+
+Contract of ``Transport.average``:
+- ``tensors`` are contiguous float32 tensors owned by the caller, in the same order and with the
+  same names and shapes on every rank of the peer group. They are overwritten in place.
+- On return with ``RoundStats.applied`` true, every rank of the peer group holds the identical
+  mean (equal weights per island unless the transport says otherwise).
+- With ``applied`` false the round was skipped cleanly (e.g. too few valid contributions): the
+  tensors' contents are unspecified and the caller must leave its anchors unchanged.
+- Collective: every rank of the peer group calls it with the same ``round_index``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@dataclass
+class RoundStats:
+    """What one ``average`` call cost, as seen by this rank.
+
+    Attributes:
+        bytes_sent: payload bytes this rank put on the wire for the round.
+        bytes_received: payload bytes this rank took off the wire.
+        wall_s: wall-clock seconds spent inside ``average``.
+        num_contributions: islands whose pseudo-gradient entered the mean.
+        applied: False when the round was skipped and anchors must stay unchanged.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wall_s: float = 0.0
+    num_contributions: int = 0
+    applied: bool = True
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Averages named float32 tensors across islands; see the module docstring."""
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Overwrite ``tensors`` with their mean across islands."""
+        ...
+
+    def close(self) -> None:
+        """Release resources (buffers, spool files). Idempotent."""
+        ...

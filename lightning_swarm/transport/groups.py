@@ -1,0 +1,58 @@
+"""Process groups for islands and peer groups, built from an ``IslandTopology``.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank must create every
+group, in the same order, even the groups it is not a member of. This module is the one place
+that does so, so the order cannot drift between ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from lightning_swarm.topology import IslandTopology
+
+
+@dataclass
+class SwarmGroups:
+    """The groups one rank takes part in.
+
+    Attributes:
+        island: this rank's island (DDP's group); ``None`` when islands are single ranks.
+        peers: this rank's peer group across islands (the transport's group); ``None`` when there
+            is a single island, or the default group when every rank is its own island.
+        created: groups created here, destroyed by ``destroy``.
+    """
+
+    island: dist.ProcessGroup | None
+    peers: dist.ProcessGroup | None
+    created: list[dist.ProcessGroup]
+
+    def destroy(self) -> None:
+        for group in self.created:
+            dist.destroy_process_group(group)
+        self.created.clear()
+
+
+def build_groups(topology: IslandTopology, backend: str | None = None) -> SwarmGroups:
+    """Create the island and peer groups for ``topology`` (collective on every rank)."""
+    created: list[dist.ProcessGroup] = []
+    island: dist.ProcessGroup | None = None
+    peers: dist.ProcessGroup | None = None
+    if topology.island_size > 1:
+        for index in range(topology.num_islands):
+            group = dist.new_group(topology.island_ranks(index), backend=backend)
+            if index == topology.island_index:
+                island = group
+                created.append(group)
+    if topology.num_islands > 1:
+        if topology.island_size == 1:
+            peers = dist.group.WORLD
+        else:
+            for local in range(topology.island_size):
+                group = dist.new_group(topology.peer_ranks(local), backend=backend)
+                if local == topology.local_index:
+                    peers = group
+                    created.append(group)
+    return SwarmGroups(island=island, peers=peers, created=created)
