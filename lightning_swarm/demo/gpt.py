@@ -1,0 +1,139 @@
+"""A small GPT-style byte-level language model, the main job's LightningModule.
+
+Pre-norm transformer blocks (``blocks.<i>``) with causal self-attention; parameter names keep the
+layer index so fragment layouts can stride over layers. Validation reports cross-entropy and
+perplexity (torchmetrics), averaged over all ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics.text import Perplexity
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int
+    ) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"model.n_embd={n_embd} must be divisible by model.n_head={n_head}")
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} exceeds block_size {self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class GPTLightningModule(pl.LightningModule):
+    """Byte-level GPT trained with AdamW (the inner optimizer).
+
+    Args:
+        block_size: context length (must match the data's).
+        n_layer, n_head, n_embd: transformer size.
+        lr, weight_decay, betas: AdamW settings of the inner optimizer.
+        warmup_steps: linear LR warm-up, then constant.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 50,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(256, block_size, n_layer, n_head, n_embd)
+        self.val_perplexity = Perplexity()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.val_perplexity.update(logits, y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", self.val_perplexity, prog_bar=True)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        hp = self.hparams
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        warmup = max(1, int(hp.warmup_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
