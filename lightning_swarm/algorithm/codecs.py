@@ -1,0 +1,266 @@
+"""Payload codecs: how a float32 pseudo-gradient is shrunk before it crosses a slow link.
+
+A codec turns a flat float32 tensor into an ``Encoded`` payload (plain tensors: ``data`` and
+per-block ``scales``) and back. Codecs are pure torch and run unchanged on CPU and CUDA; there is
+no device-specific kernel and no fallback path, so a run quantizes the same way everywhere.
+
+Codecs (``CODECS``):
+- ``none``: the float32 values themselves (4 bytes per element). Exact.
+- ``bf16``: round-to-nearest-even to bfloat16 (2 bytes per element). bfloat16 keeps float32's
+  exponent range and 8 significant bits, so ``|x - x'| <= 2**-8 * |x|`` for normal values and
+  ``<= 2**-134`` (half the smallest bfloat16 subnormal) below that.
+- ``int8`` / ``int4``: symmetric round-to-nearest with one float32 absmax scale per block of
+  ``block_size`` consecutive elements. With ``q = round(x / absmax * qmax)`` (``qmax`` 127 for
+  int8, 7 for int4, i.e. 255 and 15 levels) and ``x' = q / qmax * absmax``, every element's
+  error is at most half a quantisation step:
+
+      |x - x'| <= absmax / (2 * qmax)      (int8: absmax / 254, int4: absmax / 14)
+
+  plus float32 rounding of the two scalings (a few ulp of absmax: ``tolerance`` adds
+  ``2**-21 * absmax`` and the subnormal spacing ``2**-149``). The largest element of each block
+  is exact up to that rounding, and a block of zeros decodes to exact zeros. int4 stores
+  ``q + 8`` (1 .. 15) in nibbles, two elements per byte, the earlier element in the low nibble;
+  an odd element count pads the last high nibble with the code for zero.
+
+Blocks are laid over the flat tensor from element 0, so encoding a slice that starts at a
+multiple of ``block_size`` quantizes its elements exactly as encoding the whole tensor would.
+Transports rely on that to cut a tensor into buckets without changing its quantization.
+
+Non-finite input (NaN, +-inf) raises ``ValueError``: a scale of inf would turn a whole block into
+NaN on every island, and a diverged island should stop the run rather than poison the anchors.
+
+Error feedback (``with_error_feedback``): the caller keeps a residual per tensor, adds it to the
+next round's input and stores what the codec lost this round. The residual belongs to the caller
+(one per island and tensor, like an optimizer state); this module keeps no state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+CODECS = ("none", "bf16", "int8", "int4")
+_QMAX = {"int8": 127, "int4": 7}
+_INT4_ZERO_CODE = 8
+_DATA_DTYPE = {
+    "none": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "int4": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded flat tensor. All tensors are plain, contiguous and on the input's device.
+
+    Attributes:
+        codec: the codec name (one of ``CODECS``).
+        numel: number of elements of the original flat tensor.
+        block_size: elements per scale block (int8 / int4; recorded for all codecs).
+        data: float32 (none), bfloat16 (bf16), int8 (int8) or uint8 nibble pairs (int4).
+        scales: float32 absmax per block for int8 / int4; empty otherwise.
+    """
+
+    codec: str
+    numel: int
+    block_size: int
+    data: Tensor
+    scales: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload (``data`` + ``scales``) as it would travel."""
+        return _nbytes(self.data) + _nbytes(self.scales)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A codec name and its block size, validated.
+
+    Args:
+        name: one of ``CODECS``.
+        block_size: elements sharing one absmax scale (int8 / int4). Smaller blocks bound the
+            error more tightly and cost ``4 / block_size`` extra bytes per element.
+
+    Raises:
+        ValueError: unknown name or a block size that is not a positive integer.
+    """
+
+    name: str = "none"
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.name not in CODECS:
+            raise ValueError(f"quantize={self.name!r} is not a codec; choose one of {CODECS}.")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise ValueError(
+                f"block_size must be a positive integer, got {self.block_size!r}; e.g. 128."
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}; e.g. 128.")
+
+    def encode(self, x: Tensor) -> Encoded:
+        """Encode a flat (1-D) float32 tensor; see the module docstring for the error bound.
+
+        Raises:
+            TypeError: ``x`` is not a 1-D float32 tensor.
+            ValueError: ``x`` holds NaN or inf.
+        """
+        _check_input(x, self.name)
+        if self.name == "none":
+            data = x.contiguous().clone()
+        elif self.name == "bf16":
+            data = x.to(torch.bfloat16)
+            if not bool(torch.isfinite(data).all()):
+                raise ValueError(
+                    "quantize='bf16' cannot represent values beyond bfloat16's largest finite "
+                    f"value ({torch.finfo(torch.bfloat16).max:.4g}); the pseudo-gradient has "
+                    "exploded: lower the inner learning rate, or use quantize='int8'."
+                )
+        else:
+            return self._encode_blocks(x)
+        empty = torch.empty(0, dtype=torch.float32, device=x.device)
+        return Encoded(self.name, x.numel(), self.block_size, data, empty)
+
+    def _encode_blocks(self, x: Tensor) -> Encoded:
+        qmax = _QMAX[self.name]
+        blocks = _as_blocks(x, self.block_size)
+        absmax = blocks.abs().amax(dim=1)
+        # An all-zero block divides by 1 instead of 0: its codes are 0 and decode to 0 exactly.
+        divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        # x / absmax lies in [-1, 1] exactly (IEEE division is monotone), so the codes cannot
+        # leave [-qmax, qmax]; the clamp only documents that.
+        codes = torch.round(blocks / divisor[:, None] * qmax).clamp_(-qmax, qmax)
+        codes = codes.reshape(-1)[: x.numel()]
+        if self.name == "int8":
+            data = codes.to(torch.int8)
+        else:
+            data = _pack_int4(codes.to(torch.int16) + _INT4_ZERO_CODE)
+        return Encoded(self.name, x.numel(), self.block_size, data, absmax.contiguous())
+
+    def decode(self, encoded: Encoded) -> Tensor:
+        """Return a new float32 tensor of ``encoded.numel`` elements on the payload's device."""
+        if encoded.codec != self.name or encoded.block_size != self.block_size:
+            raise ValueError(
+                f"payload was encoded with {encoded.codec}/block {encoded.block_size} but this "
+                f"codec is {self.name}/block {self.block_size}; every island must use the same "
+                "quantize and block_size."
+            )
+        if self.name in ("none", "bf16"):
+            return encoded.data.to(torch.float32)
+        if self.name == "int8":
+            codes = encoded.data.to(torch.float32)
+        else:
+            codes = _unpack_int4(encoded.data, encoded.numel).to(torch.float32) - _INT4_ZERO_CODE
+        blocks = _as_blocks(codes, self.block_size)
+        out = blocks / _QMAX[self.name] * encoded.scales[:, None]
+        return out.reshape(-1)[: encoded.numel].contiguous()
+
+    def to_bytes(self, encoded: Encoded) -> Tensor:
+        """The payload as one flat uint8 tensor: the scale bytes, then the data bytes."""
+        return torch.cat([_raw(encoded.scales), _raw(encoded.data)])
+
+    def from_bytes(self, raw: Tensor, numel: int) -> Encoded:
+        """Inverse of ``to_bytes`` for a payload of ``numel`` elements (``raw`` is not kept)."""
+        if raw.dtype != torch.uint8 or raw.numel() != self.encoded_nbytes(numel):
+            raise ValueError(
+                f"expected {self.encoded_nbytes(numel)} uint8 bytes for {numel} elements with "
+                f"{self.name}, got {raw.numel()} {raw.dtype}; islands disagree on the layout."
+            )
+        num_scales = 0 if self.name in ("none", "bf16") else -(-numel // self.block_size)
+        # Copies: a slice at an odd byte offset cannot be reinterpreted as float32 in place.
+        scales = raw[: 4 * num_scales].clone().view(torch.float32)
+        data = raw[4 * num_scales :].clone().view(_DATA_DTYPE[self.name])
+        return Encoded(self.name, numel, self.block_size, data, scales)
+
+    def roundtrip(self, x: Tensor) -> Tensor:
+        """``decode(encode(x))``: what the other islands will see of ``x``."""
+        return self.decode(self.encode(x))
+
+    def encoded_nbytes(self, numel: int) -> int:
+        """Payload bytes for ``numel`` elements, without encoding anything."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        if self.name == "none":
+            return 4 * numel
+        if self.name == "bf16":
+            return 2 * numel
+        num_blocks = -(-numel // self.block_size)
+        data = numel if self.name == "int8" else (numel + 1) // 2
+        return data + 4 * num_blocks
+
+    def error_bound(self, x: Tensor) -> Tensor:
+        """Per-element bound on ``|x - roundtrip(x)|`` stated in the module docstring."""
+        _check_input(x, self.name)
+        if self.name == "none":
+            return torch.zeros_like(x)
+        if self.name == "bf16":
+            return torch.clamp(x.abs() * 2.0**-8, min=2.0**-134)
+        blocks = _as_blocks(x, self.block_size)
+        absmax = blocks.abs().amax(dim=1, keepdim=True)
+        step = absmax / (2 * _QMAX[self.name]) + absmax * 2.0**-21 + 2.0**-149
+        return step.expand_as(blocks).reshape(-1)[: x.numel()].contiguous()
+
+
+def with_error_feedback(x: Tensor, residual: Tensor | None, codec: Codec) -> tuple[Tensor, Tensor]:
+    """Error feedback for one tensor and one round.
+
+    Returns ``(to_send, new_residual)`` where ``to_send = x + residual`` (the caller hands it
+    to the transport, which encodes it with the same codec) and ``new_residual = to_send -
+    codec.roundtrip(to_send)`` is what this round's encoding loses; the caller keeps it for the
+    next round. ``x`` and ``residual`` are not modified. A ``None`` residual means zeros.
+    """
+    to_send = x.clone() if residual is None else x + residual
+    if codec.name == "none":
+        return to_send, torch.zeros_like(to_send)
+    new_residual = to_send - codec.roundtrip(to_send.reshape(-1)).view_as(to_send)
+    return to_send, new_residual
+
+
+def _check_input(x: Tensor, codec: str) -> None:
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise TypeError(
+            f"codec {codec!r} encodes flat float32 tensors, got dtype {x.dtype} with shape "
+            f"{tuple(x.shape)}; pass tensor.reshape(-1).float()."
+        )
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"codec {codec!r} got {bad} non-finite value(s) (NaN or inf) among {x.numel()}: the "
+            "pseudo-gradient diverged on this island; check the loss for NaN, lower the inner "
+            "learning rate or enable gradient clipping."
+        )
+
+
+def _raw(t: Tensor) -> Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _as_blocks(x: Tensor, block_size: int) -> Tensor:
+    """``x`` zero-padded to whole blocks, viewed as (num_blocks, block_size)."""
+    pad = (-x.numel()) % block_size
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.reshape(-1, block_size)
+
+
+def _pack_int4(codes: Tensor) -> Tensor:
+    """Pack codes in [0, 15] two per byte: element 2k in the low nibble, 2k+1 in the high one."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_full((1,), _INT4_ZERO_CODE)])
+    pairs = codes.reshape(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+
+
+def _unpack_int4(packed: Tensor, numel: int) -> Tensor:
+    as_int = packed.to(torch.int16)
+    codes = torch.stack([as_int & 0x0F, as_int >> 4], dim=1).reshape(-1)
+    return codes[:numel]
