@@ -96,6 +96,8 @@ class GPTLightningModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
+        self.warmup_steps = warmup_steps
         self.model = GPT(256, block_size, n_layer, n_head, n_embd)
         self.val_perplexity = Perplexity()
 
@@ -118,18 +120,17 @@ class GPTLightningModule(pl.LightningModule):
         self.log("val_ppl", self.val_perplexity, prog_bar=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        hp = self.hparams
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": decay, "weight_decay": self.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
+            lr=self.lr,
+            betas=self.betas,
         )
-        warmup = max(1, int(hp.warmup_steps))
+        warmup = max(1, self.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )

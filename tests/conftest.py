@@ -1,0 +1,34 @@
+"""Test fixtures: every test leaves no process group, environment change or stray thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _clean_process_state() -> Iterator[None]:
+    env_before = dict(os.environ)
+    threads_before = set(threading.enumerate())
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test left a torch.distributed process group initialised")
+    os.environ.clear()
+    os.environ.update(env_before)
+    leftover = [
+        t
+        for t in threading.enumerate()
+        if t not in threads_before and t.is_alive() and not t.daemon
+    ]
+    for t in leftover:
+        t.join(timeout=5)
+    still = [t.name for t in leftover if t.is_alive()]
+    assert not still, f"test left non-daemon threads running: {still}"

@@ -1,0 +1,36 @@
+"""Run a function on N local ranks over a real gloo process group (torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """Call ``fn(rank, world, *args)`` on ``world`` spawned processes; re-raises their errors.
+
+    ``fn`` must be a module-level function; results travel back through files in ``args``.
+    """
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)

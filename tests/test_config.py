@@ -1,0 +1,80 @@
+"""Every bad constructor value gives a ValueError naming the option and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_swarm import SwarmConfig, SwarmStrategy
+from lightning_swarm.outer import OuterSync
+from lightning_swarm.topology import IslandTopology
+from lightning_swarm.transport import AllReduceTransport
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sync_every": 0}, "sync_every must be a positive integer, got 0"),
+        ({"sync_every": -3}, "sync_every must be a positive integer"),
+        ({"sync_every": 2.5}, "sync_every must be a positive integer"),
+        ({"sync_every": True}, "sync_every must be a positive integer"),
+        ({"island_size": 0}, "island_size must be a positive integer.*1 makes every rank"),
+        ({"transport": "carrier-pigeon"}, "transport='carrier-pigeon' is not known"),
+        ({"anchor_device": "floppy"}, "anchor_device='floppy' is not a torch device"),
+        ({"anchor_dtype": "int8"}, "anchor_dtype='int8' is not a supported dtype"),
+        ({"anchor_dtype": torch.int8}, "anchor_dtype='int8' is not a supported dtype"),
+        ({"bucket_mb": 0}, "bucket_mb must be > 0"),
+        ({"bucket_mb": "big"}, "bucket_mb must be a number of MiB"),
+    ],
+)
+def test_bad_strategy_options(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SwarmStrategy(**kwargs)
+
+
+def test_outer_optimizer_must_be_callable() -> None:
+    with pytest.raises(ValueError, match="outer_optimizer must be a callable.*functools.partial"):
+        SwarmStrategy(outer_optimizer=0.7)  # type: ignore[arg-type]
+
+
+def test_process_group_is_reserved() -> None:
+    with pytest.raises(ValueError, match="process_group cannot be passed.*island_size"):
+        SwarmStrategy(process_group=object())
+
+
+def test_outer_optimizer_must_return_optimizer() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    transport = AllReduceTransport(None, num_islands=1, bucket_numel=4)
+    with pytest.raises(TypeError, match="must return a torch.optim.Optimizer"):
+        OuterSync({"p": p}, outer_optimizer=lambda params: "sgd", transport=transport, sync_every=1)  # type: ignore[arg-type,return-value]
+
+
+def test_island_size_must_divide_world() -> None:
+    with pytest.raises(ValueError, match="island_size=3 does not divide the world size 4"):
+        IslandTopology(world_size=4, island_size=3, global_rank=0)
+
+
+def test_defaults_and_dtype_parsing() -> None:
+    cfg = SwarmConfig()
+    assert (cfg.sync_every, cfg.island_size, cfg.transport, cfg.anchor_device) == (
+        100,
+        1,
+        "allreduce",
+        "cpu",
+    )
+    assert cfg.anchor_torch_dtype is torch.float32
+    assert SwarmStrategy(anchor_dtype=torch.bfloat16).config.anchor_torch_dtype is torch.bfloat16
+    assert SwarmConfig(bucket_mb=1).bucket_numel == 2**18
+
+
+def test_ddp_keywords_pass_through() -> None:
+    strategy = SwarmStrategy(sync_every=5, find_unused_parameters=True, start_method="spawn")
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy._start_method == "spawn"
+
+
+def test_topology_numbers() -> None:
+    t = IslandTopology(world_size=6, island_size=2, global_rank=3)
+    assert (t.num_islands, t.island_index, t.local_index) == (3, 1, 1)
+    assert t.island_ranks(2) == [4, 5]
+    assert t.peer_ranks(1) == [1, 3, 5]

@@ -1,0 +1,174 @@
+"""SwarmStrategy end to end over real gloo process groups (fork launcher, CPU)."""
+
+from __future__ import annotations
+
+import csv
+import functools
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_swarm import SwarmStrategy
+from tests.helpers import (
+    QUIET,
+    Recorder,
+    TinyRegressor,
+    TwoOptimizerModule,
+    load_ranks,
+    regression_data,
+)
+
+PLAIN_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
+
+
+def _fit(strategy: object, devices: int, out: Path, steps: int, **trainer_kw: object) -> None:
+    pl.seed_everything(7)
+    kwargs = {**QUIET, **trainer_kw}
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,  # type: ignore[arg-type]
+        max_steps=steps,
+        callbacks=[Recorder(str(out))],
+        **kwargs,  # type: ignore[arg-type]
+    )
+    trainer.fit(TinyRegressor(), regression_data())
+
+
+@pytest.mark.parametrize(("world", "island_size"), [(2, 1), (4, 2)])
+def test_islands_agree_after_sync_and_differ_between(
+    tmp_path: Path, world: int, island_size: int
+) -> None:
+    sync_every = 4
+    strategy = SwarmStrategy(sync_every=sync_every, island_size=island_size, start_method="fork")
+    _fit(strategy, world, tmp_path, steps=12)
+    ranks = load_ranks(tmp_path, world)
+    for r in ranks:
+        assert r["inner_steps"] == [12] and r["outer_steps"] == [3]
+    for i in range(12):
+        step = ranks[0]["steps"][i]["global_step"]
+        params = [r["steps"][i]["params"] for r in ranks]
+        anchors = [r["steps"][i]["anchors"][0] for r in ranks]
+        # inside an island every rank is identical at every step (DDP over the island group)
+        for r in range(world):
+            leader = (r // island_size) * island_size
+            assert torch.equal(params[r], params[leader])
+        # every rank holds the same anchors at every step (they only move at a sync)
+        assert all(torch.equal(a, anchors[0]) for a in anchors)
+        if step % sync_every == 0:
+            assert all(torch.equal(p, params[0]) for p in params), f"ranks differ after sync {step}"
+            assert torch.equal(params[0], anchors[0])
+        else:
+            assert not torch.equal(params[0], params[island_size]), f"islands equal at {step}"
+    # anchors did move: three outer steps happened
+    assert not torch.equal(ranks[0]["steps"][0]["anchors"][0], ranks[0]["steps"][-1]["anchors"][0])
+
+
+def test_sync_every_1_with_plain_outer_sgd_matches_ddp(tmp_path: Path) -> None:
+    swarm_dir, ddp_dir = tmp_path / "swarm", tmp_path / "ddp"
+    swarm_dir.mkdir(), ddp_dir.mkdir()
+    _fit(
+        SwarmStrategy(sync_every=1, outer_optimizer=PLAIN_OUTER, start_method="fork"),
+        2,
+        swarm_dir,
+        steps=10,
+    )
+    _fit(DDPStrategy(start_method="fork"), 2, ddp_dir, steps=10)
+    swarm, ddp = load_ranks(swarm_dir, 2), load_ranks(ddp_dir, 2)
+    for s, d in zip(swarm, ddp, strict=True):
+        torch.testing.assert_close(s["final"], d["final"], rtol=0, atol=1e-6)
+    # not trivially equal to the starting point
+    assert not torch.allclose(swarm[0]["final"], swarm[0]["steps"][0]["anchors"][0], atol=1e-3)
+
+
+def test_single_island_with_plain_outer_sgd_matches_plain_training(tmp_path: Path) -> None:
+    swarm_dir, plain_dir = tmp_path / "swarm", tmp_path / "plain"
+    swarm_dir.mkdir(), plain_dir.mkdir()
+    _fit(
+        SwarmStrategy(sync_every=3, outer_optimizer=PLAIN_OUTER, start_method="fork"),
+        1,
+        swarm_dir,
+        steps=9,
+        use_distributed_sampler=False,  # the same batch order as the plain run
+    )
+    _fit("auto", 1, plain_dir, steps=9, use_distributed_sampler=False)
+    swarm, plain = load_ranks(swarm_dir, 1)[0], load_ranks(plain_dir, 1)[0]
+    assert swarm["outer_steps"] == [3]
+    torch.testing.assert_close(swarm["final"], plain["final"], rtol=0, atol=1e-6)
+
+
+def test_counts_real_steps_per_optimizer_not_micro_batches(tmp_path: Path) -> None:
+    # 16 batches with accumulate_grad_batches=2 -> 8 inner steps -> 2 syncs at sync_every=4
+    strategy = SwarmStrategy(sync_every=4, start_method="fork")
+    _fit(strategy, 2, tmp_path, steps=8, accumulate_grad_batches=2)
+    ranks = load_ranks(tmp_path, 2)
+    assert ranks[0]["inner_steps"] == [8] and ranks[0]["outer_steps"] == [2]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+
+
+def test_manual_optimization_with_two_optimizers(tmp_path: Path) -> None:
+    pl.seed_everything(3)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SwarmStrategy(sync_every=2, start_method="fork"),
+        max_epochs=1,
+        limit_train_batches=8,
+        callbacks=[Recorder(str(tmp_path))],
+        **QUIET,
+    )
+    trainer.fit(TwoOptimizerModule(), regression_data())
+    ranks = load_ranks(tmp_path, 2)
+    # optimizer a steps 8 times (4 syncs), optimizer b every other batch (4 steps, 2 syncs)
+    assert ranks[0]["inner_steps"] == [8, 4]
+    assert ranks[0]["outer_steps"] == [4, 2]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+
+
+def test_precision_clipping_and_schedulers_keep_working(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(sync_every=5, anchor_dtype="bfloat16", start_method="fork")
+    _fit(strategy, 2, tmp_path, steps=10, precision="bf16-mixed", gradient_clip_val=0.5)
+    ranks = load_ranks(tmp_path, 2)
+    assert ranks[0]["outer_steps"] == [2]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+    assert torch.isfinite(ranks[0]["final"]).all()
+
+
+def test_sync_metrics_logged_at_sync_steps(tmp_path: Path) -> None:
+    pl.seed_everything(7)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SwarmStrategy(sync_every=4, start_method="fork"),
+        max_steps=12,
+        logger=CSVLogger(str(tmp_path), name="m", version=0),
+        log_every_n_steps=50,  # far above sync_every: sparse events must still be written
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyRegressor(), regression_data())
+    with open(tmp_path / "m" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("swarm/outer_steps")]
+    assert [int(r["step"]) for r in rows] == [4, 8, 12]
+    assert [float(r["swarm/outer_steps"]) for r in rows] == [1.0, 2.0, 3.0]
+    sent = [float(r["swarm/bytes_sent"]) for r in rows]
+    n_params = sum(p.numel() for p in TinyRegressor().parameters())
+    # two islands: a ring all-reduce sends the payload once per sync
+    assert sent == [n_params * 4 * k for k in (1, 2, 3)]
+    assert all(float(r["swarm/pseudo_grad_norm"]) > 0 for r in rows)
+    assert all(float(r["swarm/sync_time_s"]) >= 0 for r in rows)
+
+
+def test_registry_name_and_idempotent_import() -> None:
+    import importlib
+
+    import lightning_swarm
+
+    importlib.reload(lightning_swarm)  # a second registration must not fail
+    trainer = pl.Trainer(strategy="swarm", accelerator="cpu", devices=1, **QUIET)
+    assert isinstance(trainer.strategy, SwarmStrategy)
