@@ -1,0 +1,6 @@
+"""Lightning callbacks of lightning_swarm (glue: the only layer besides strategy.py that imports
+lightning)."""
+
+from lightning_swarm.callbacks.census import HostMemoryCensus
+
+__all__ = ["HostMemoryCensus"]

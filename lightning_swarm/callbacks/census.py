@@ -1,0 +1,260 @@
+"""``HostMemoryCensus``: a per-step snapshot of host memory, logged under ``census/``.
+
+The census exists to tell a leak from a sawtooth on long runs. Each key names its source:
+
+- every ``every_n_steps`` optimizer steps, the constant-cost readings of
+  ``lightning_swarm.memory.HostSampler.sample_fast`` (``status/...``, ``meminfo/...``, or the
+  ``psutil/...`` / ``rusage/...`` stand-in where /proc is unreadable);
+- every ``smaps_every_n_steps`` steps and at the start and end of fit, the page-walking
+  ``smaps_rollup/...`` readings with the seconds they took (``smaps_rollup/read_s``), and how many
+  anchor bytes live in file-backed mappings (``swarm/anchor_file_backed_bytes``, from
+  ``/proc/self/maps``);
+- under a ``SwarmStrategy``, its resident state: ``swarm/anchor_bytes``,
+  ``swarm/outer_state_bytes`` and, once the transport has a spool, ``swarm/spool_bytes``. These
+  change only at outer syncs, so they are recomputed when the outer-step count changes or on the
+  slow cadence and logged from that cache, which keeps the per-step cost independent of the
+  number of parameters;
+- where CUDA is initialised, the device and pinned-host allocators' byte counters
+  (``cuda_device/...``, ``cuda_host/...``), each with ``current``, ``freed``, ``peak`` and
+  ``gauge`` (see ``lightning_swarm.memory.allocator``).
+
+Metrics go straight to ``logger.log_metrics(..., step=trainer.global_step)``, not through
+``self.log``, so ``log_every_n_steps`` cannot drop them. By default only global rank 0 samples
+and logs; with ``all_ranks=True`` every rank samples, rank 0 gathers the samples (one
+``gather_object`` per census step, a synchronisation point) and logs them as
+``census/rank<r>/...``. At the end of fit the summary (peak RSS, peak anonymous memory, slope of
+anonymous memory in bytes per step) is logged under ``census/summary/...`` and printed.
+
+The callback holds no tensors: it reads anchor addresses and sizes, never keeps references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_swarm.memory.allocator import CounterClassifier, byte_counters, counter_metrics
+from lightning_swarm.memory.procfs import ProcReader, file_backed_overlap
+from lightning_swarm.memory.sampler import HostSampler, RunSummary
+from lightning_swarm.strategy import SwarmStrategy
+
+AllocatorStats = Callable[[], Mapping[str, Mapping[str, Any]]]
+
+
+def cuda_allocator_stats() -> dict[str, Mapping[str, Any]]:
+    """Flat snapshots of CUDA's device and pinned-host allocators, if CUDA is initialised.
+
+    Never initialises CUDA itself: a CPU run, or one that has not touched the device, gets {}.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    out: dict[str, Mapping[str, Any]] = {"cuda_device": torch.cuda.memory_stats()}
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        out["cuda_host"] = host_stats()
+    return out
+
+
+def _check_count(name: str, value: object, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}; {fix}")
+    return value
+
+
+class HostMemoryCensus(Callback):
+    """Log a host-memory census under ``census/`` while fitting.
+
+    Args:
+        every_n_steps: optimizer steps between constant-cost samples (>= 1).
+        smaps_every_n_steps: optimizer steps between page-walking smaps_rollup reads (their cost
+            grows with resident memory); 0 reads it only at the start and end of fit.
+        all_ranks: sample on every rank and log as ``census/rank<r>/...`` (gathered to rank 0);
+            False samples on global rank 0 only.
+        proc_root: the procfs mount point; point it elsewhere to test the psutil stand-in.
+        allocator_stats: returns flat allocator snapshots by source name; default reads CUDA's.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or range (the message names it).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        smaps_every_n_steps: int = 500,
+        all_ranks: bool = False,
+        *,
+        proc_root: str = "/proc",
+        allocator_stats: AllocatorStats | None = None,
+    ) -> None:
+        self.every_n_steps = _check_count(
+            "every_n_steps", every_n_steps, 1, "use 1 to sample every optimizer step."
+        )
+        self.smaps_every_n_steps = _check_count(
+            "smaps_every_n_steps",
+            smaps_every_n_steps,
+            0,
+            "use e.g. 500, or 0 to read smaps_rollup only at the start and end of fit.",
+        )
+        if not isinstance(all_ranks, bool):
+            raise TypeError(
+                f"all_ranks must be True or False, got {all_ranks!r}; use False to sample on "
+                "global rank 0 only."
+            )
+        self.all_ranks = all_ranks
+        self.reader = ProcReader(proc_root)
+        self.sampler = HostSampler(self.reader)
+        self.allocator_stats = allocator_stats or cuda_allocator_stats
+        self.summary: dict[str, float] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._run = RunSummary()
+        self._classifiers: dict[str, CounterClassifier] = {}
+        self._last_step: int | None = None
+        self._swarm_cache: dict[str, float] = {}
+        self._swarm_key: tuple[int, int] | None = None
+
+    # -- hooks ----------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
+        self.summary = {}
+        if self._samples_here(trainer):
+            self._census(trainer, slow=True)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step = trainer.global_step
+        # Micro-batches of gradient accumulation end without a new optimizer step.
+        if step == self._last_step or not self._samples_here(trainer):
+            return
+        slow = self.smaps_every_n_steps > 0 and step % self.smaps_every_n_steps == 0
+        if slow or step % self.every_n_steps == 0:
+            self._census(trainer, slow=slow)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._samples_here(trainer):
+            return
+        self._census(trainer, slow=True, final=True)
+
+    # -- one census -----------------------------------------------------------------------
+    def _samples_here(self, trainer: pl.Trainer) -> bool:
+        return self.all_ranks or trainer.global_rank == 0
+
+    def collect(self, trainer: pl.Trainer, *, slow: bool) -> dict[str, float]:
+        """One census of this rank, keys without the ``census/`` prefix; updates the summary."""
+        step = trainer.global_step
+        self._last_step = step
+        fast = self.sampler.sample_fast()
+        self._run.update(step, fast)
+        metrics: dict[str, float] = {k: float(v) for k, v in fast.items()}
+        if slow:
+            metrics.update(self.sampler.sample_slow())
+        metrics.update(self._swarm_metrics(trainer, slow=slow))
+        for source, snapshot in self.allocator_stats().items():
+            counters = byte_counters(snapshot)
+            kinds = self._classifiers.setdefault(source, CounterClassifier()).update(counters)
+            metrics.update(counter_metrics(source, counters, kinds))
+        return metrics
+
+    def _census(self, trainer: pl.Trainer, *, slow: bool, final: bool = False) -> None:
+        metrics = self.collect(trainer, slow=slow)
+        if final:
+            metrics.update(self._run.metrics())
+        per_rank = self._gather(trainer, metrics)
+        if per_rank is None:
+            return  # a non-zero rank under all_ranks: rank 0 logs for it
+        logged: dict[str, float] = {}
+        for rank, rank_metrics in per_rank.items():
+            prefix = "census/" if rank is None else f"census/rank{rank}/"
+            logged.update({prefix + k: v for k, v in rank_metrics.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=trainer.global_step)
+        if final:
+            self.summary = {k: v for k, v in logged.items() if "/summary/" in k}
+            for rank, rank_metrics in per_rank.items():
+                rank_zero_info(_summary_line(rank, rank_metrics))
+
+    def _gather(
+        self, trainer: pl.Trainer, metrics: dict[str, float]
+    ) -> dict[int | None, dict[str, float]] | None:
+        if not self.all_ranks:
+            return {None: metrics}
+        if trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return {trainer.global_rank: metrics}
+        gathered: list[Any] | None = [None] * trainer.world_size if trainer.global_rank == 0 else None
+        torch.distributed.gather_object(metrics, gathered, dst=0)
+        if gathered is None:
+            return None
+        return {rank: dict(m) for rank, m in enumerate(gathered)}
+
+    # -- strategy state -------------------------------------------------------------------
+    def _swarm_metrics(self, trainer: pl.Trainer, *, slow: bool) -> dict[str, float]:
+        strategy = trainer.strategy
+        if not isinstance(strategy, SwarmStrategy):
+            return {}
+        key = (len(strategy.outer_syncs), strategy.totals.outer_steps)
+        if slow or key != self._swarm_key:
+            self._swarm_key = key
+            cache = {
+                "swarm/anchor_bytes": float(strategy.anchor_bytes()),
+                "swarm/outer_state_bytes": float(strategy.outer_state_bytes()),
+            }
+            spool_bytes = getattr(strategy.transport, "spool_bytes", None)
+            if callable(spool_bytes):
+                cache["swarm/spool_bytes"] = float(spool_bytes())
+            self._swarm_cache = cache
+        out = dict(self._swarm_cache)
+        if slow:
+            backed = self._anchor_file_backed_bytes(strategy)
+            if backed is not None:
+                out["swarm/anchor_file_backed_bytes"] = float(backed)
+        return out
+
+    def _anchor_file_backed_bytes(self, strategy: SwarmStrategy) -> int | None:
+        """Anchor bytes inside file-backed mappings; None when unmeasurable (no maps, no CPU
+        anchors)."""
+        spans: dict[int, int] = {}
+        for outer in strategy.outer_syncs:
+            for anchor in outer.anchors.values():
+                if anchor.device.type != "cpu":
+                    continue
+                storage = anchor.untyped_storage()
+                spans[storage.data_ptr()] = storage.nbytes()
+        if not spans:
+            return None
+        regions = self.reader.maps()
+        if regions is None:
+            return None
+        return file_backed_overlap(spans.items(), regions)
+
+
+def _summary_line(rank: int | None, metrics: Mapping[str, float]) -> str:
+    def gib(key: str) -> str:
+        value = metrics.get(key)
+        return "n/a" if value is None else f"{value / 2**30:.3f} GiB"
+
+    slope = metrics.get("summary/anon_slope_bytes_per_step")
+    slope_text = "n/a" if slope is None else f"{slope / 1024:+.1f} KiB/step"
+    who = "" if rank is None else f" rank {rank}"
+    return (
+        f"census{who}: peak RSS {gib('summary/peak_rss_bytes')}, "
+        f"peak anon {gib('summary/peak_anon_bytes')}, anon slope {slope_text} "
+        f"over {int(metrics.get('summary/num_samples', 0))} samples"
+    )

@@ -1,0 +1,118 @@
+"""Allocator byte counters, told apart as gauges or running totals.
+
+torch's caching allocators (``torch.cuda.memory_stats`` for device memory,
+``torch.cuda.host_memory_stats`` for pinned host memory) report each statistic as four numbers:
+``current``, ``peak``, ``allocated`` (all increases ever) and ``freed`` (all decreases ever), so
+``current == allocated - freed``. A statistic whose ``freed`` moves is a *gauge*: it goes up and
+down with what is held. One whose ``freed`` never moves while ``current`` climbs behaves as a
+*running total*: its ``current`` only ever rises, and read as a gauge it shows a leak that is not
+there (the pinned allocator's ``active_bytes`` has been seen doing exactly this). Subtracting a
+running total from a gauge goes negative and stays there, so never mix the two.
+
+This module works on the flat snapshot dicts those functions return (``"stem.current"`` keys,
+device stats with a pool segment such as ``"allocated_bytes.all.current"``); it imports no torch,
+so recorded snapshots test it. Only byte counters are kept, and for device stats only the
+``all`` pool (``small_pool``/``large_pool`` are a split of it).
+
+Classification needs history: ``CounterClassifier`` remembers, per counter, the ``freed`` value
+first seen, and calls a counter a gauge once ``freed`` has moved from it or was already nonzero
+(a decrease happened before we looked), a running total while ``freed`` sits at zero and
+``current`` is positive, and leaves it unclassified while nothing has happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+_PARTS = ("current", "freed", "peak", "allocated")
+_SPLIT_POOLS = (".small_pool", ".large_pool")
+
+
+class CounterKind(Enum):
+    GAUGE = "gauge"
+    RUNNING_TOTAL = "running_total"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One allocator statistic at one moment (bytes)."""
+
+    current: int
+    freed: int
+    peak: int
+    allocated: int | None = None
+
+
+def byte_counters(snapshot: Mapping[str, Any]) -> dict[str, Counter]:
+    """The byte statistics of a flat allocator snapshot, by stem.
+
+    A stem is kept when its name mentions bytes and it reports ``current``, ``freed`` and
+    ``peak``. The device allocator's ``.all`` pool suffix is dropped from the stem
+    (``"allocated_bytes.all"`` -> ``"allocated_bytes"``); its split pools are skipped.
+    """
+    stems: dict[str, dict[str, int]] = {}
+    for key, value in snapshot.items():
+        stem, _, part = key.rpartition(".")
+        if part not in _PARTS or "bytes" not in stem or not isinstance(value, int | float):
+            continue
+        if stem.endswith(_SPLIT_POOLS):
+            continue
+        stems.setdefault(stem.removesuffix(".all"), {})[part] = int(value)
+    return {
+        stem: Counter(
+            current=parts["current"],
+            freed=parts["freed"],
+            peak=parts["peak"],
+            allocated=parts.get("allocated"),
+        )
+        for stem, parts in sorted(stems.items())
+        if {"current", "freed", "peak"} <= parts.keys()
+    }
+
+
+class CounterClassifier:
+    """Tells gauges from running totals across successive snapshots of one allocator."""
+
+    def __init__(self) -> None:
+        self._first_freed: dict[str, int] = {}
+        self._kinds: dict[str, CounterKind] = {}
+
+    def update(self, counters: Mapping[str, Counter]) -> dict[str, CounterKind]:
+        """Feed one snapshot's counters; return every counter's kind so far."""
+        for stem, counter in counters.items():
+            first = self._first_freed.setdefault(stem, counter.freed)
+            if self._kinds.get(stem) is CounterKind.GAUGE:
+                continue  # once freed has moved, the counter is a gauge for good
+            if counter.freed != first or counter.freed > 0:
+                self._kinds[stem] = CounterKind.GAUGE
+            elif counter.current > 0:
+                self._kinds[stem] = CounterKind.RUNNING_TOTAL
+            else:
+                self._kinds[stem] = CounterKind.UNKNOWN
+        return dict(self._kinds)
+
+    @property
+    def kinds(self) -> dict[str, CounterKind]:
+        return dict(self._kinds)
+
+
+def counter_metrics(
+    prefix: str, counters: Mapping[str, Counter], kinds: Mapping[str, CounterKind]
+) -> dict[str, float]:
+    """Flatten counters to ``{prefix/stem/current|freed|peak: bytes}`` plus ``/gauge``.
+
+    ``/gauge`` is 1.0 for a gauge, 0.0 for a running total, and absent while unclassified.
+    """
+    out: dict[str, float] = {}
+    for stem, counter in counters.items():
+        out[f"{prefix}/{stem}/current"] = float(counter.current)
+        out[f"{prefix}/{stem}/freed"] = float(counter.freed)
+        out[f"{prefix}/{stem}/peak"] = float(counter.peak)
+        kind = kinds.get(stem, CounterKind.UNKNOWN)
+        if kind is not CounterKind.UNKNOWN:
+            out[f"{prefix}/{stem}/gauge"] = 1.0 if kind is CounterKind.GAUGE else 0.0
+    return out

@@ -1,0 +1,159 @@
+"""Host-memory samples on two cadences, a psutil stand-in, and the end-of-run summary.
+
+``HostSampler.sample_fast`` reads only constant-cost sources (``/proc/self/status``,
+``/proc/meminfo``) and is meant for every step; ``HostSampler.sample_slow`` reads the
+page-walking ``/proc/self/smaps_rollup`` and times itself, for a rare cadence. Keys are
+``"<source>/<field>_bytes"`` so every number says where it came from.
+
+Where a procfs file cannot be read (no /proc, a locked-down container), the sampler falls back,
+per source, to psutil for what psutil can measure without walking page tables (this process's
+RSS, the node's available memory) and to ``resource.getrusage`` for the peak RSS. What neither
+can measure (anonymous memory, dirty private pages) is absent from the sample, never zero.
+
+``RunSummary`` folds samples into peak RSS, peak anonymous memory and the least-squares slope of
+anonymous memory against the step, in constant memory: it keeps exact integer sums, not the
+series, so a million-step run costs the same as a ten-step one and the slope does not lose
+precision to float cancellation.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_swarm.memory.procfs import ProcReader
+
+RSS_KEYS = ("status/VmRSS_bytes", "psutil/rss_bytes")
+PEAK_RSS_KEYS = ("status/VmHWM_bytes", "rusage/ru_maxrss_bytes")
+ANON_KEY = "status/RssAnon_bytes"
+
+
+def _import_psutil() -> Any:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil
+
+
+class HostSampler:
+    """Samples this process's and this node's memory.
+
+    Args:
+        reader: where procfs text comes from (``ProcReader("/nonexistent")`` plays a machine
+            without /proc).
+        psutil_module: the stand-in's psutil; ``None`` imports the installed one (and the
+            stand-in measures nothing if psutil is not installed).
+    """
+
+    def __init__(self, reader: ProcReader | None = None, psutil_module: Any = None) -> None:
+        self.reader = reader if reader is not None else ProcReader()
+        self._psutil = psutil_module if psutil_module is not None else _import_psutil()
+        self._process: Any = None
+
+    def sample_fast(self) -> dict[str, int]:
+        """Constant-cost readings: status and meminfo, or the stand-in for either."""
+        out: dict[str, int] = {}
+        status = self.reader.status()
+        if status:
+            out.update({f"status/{k}_bytes": v for k, v in status.items()})
+        else:
+            out.update(self._standin_process())
+        meminfo = self.reader.meminfo()
+        if meminfo:
+            out.update({f"meminfo/{k}_bytes": v for k, v in meminfo.items()})
+        else:
+            out.update(self._standin_node())
+        return out
+
+    def sample_slow(self) -> dict[str, float]:
+        """Page-walking readings (smaps_rollup) and the seconds the read took."""
+        start = time.perf_counter()
+        rollup = self.reader.smaps_rollup()
+        elapsed = time.perf_counter() - start
+        if not rollup:
+            return {}
+        out: dict[str, float] = {f"smaps_rollup/{k}_bytes": float(v) for k, v in rollup.items()}
+        out["smaps_rollup/read_s"] = elapsed
+        return out
+
+    # -- stand-in ---------------------------------------------------------------------------
+    def _standin_process(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if self._psutil is not None:
+            try:
+                if self._process is None:
+                    self._process = self._psutil.Process()
+                out["psutil/rss_bytes"] = int(self._process.memory_info().rss)
+            except Exception:  # psutil reads /proc too on Linux; it may fail the same way
+                pass
+        peak = _rusage_maxrss_bytes()
+        if peak is not None:
+            out["rusage/ru_maxrss_bytes"] = peak
+        return out
+
+    def _standin_node(self) -> dict[str, int]:
+        if self._psutil is None:
+            return {}
+        try:
+            return {"psutil/available_bytes": int(self._psutil.virtual_memory().available)}
+        except Exception:
+            return {}
+
+
+def _rusage_maxrss_bytes() -> int | None:
+    """Peak RSS from getrusage (a syscall, no /proc); None where the module is missing."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux and the BSDs report KiB, macOS reports bytes.
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024
+
+
+class RunSummary:
+    """Peak RSS, peak anonymous memory and anonymous-memory slope over one run."""
+
+    def __init__(self) -> None:
+        self.peak_rss: int | None = None
+        self.peak_anon: int | None = None
+        self.num_samples = 0
+        # Exact integer sums for least squares of anon (y) against step (x).
+        self._n = self._sx = self._sy = self._sxy = self._sxx = 0
+
+    def update(self, step: int, sample: Mapping[str, float]) -> None:
+        """Fold one fast sample taken at ``step`` (an integer optimizer step)."""
+        self.num_samples += 1
+        for key in (*RSS_KEYS, *PEAK_RSS_KEYS):
+            if key in sample:
+                self.peak_rss = max(self.peak_rss or 0, int(sample[key]))
+        if ANON_KEY in sample:
+            anon = int(sample[ANON_KEY])
+            self.peak_anon = max(self.peak_anon or 0, anon)
+            self._n += 1
+            self._sx += step
+            self._sy += anon
+            self._sxy += step * anon
+            self._sxx += step * step
+
+    def anon_slope(self) -> float | None:
+        """Least-squares bytes per step of anonymous memory; None with < 2 distinct steps."""
+        denom = self._n * self._sxx - self._sx * self._sx
+        if self._n < 2 or denom == 0:
+            return None
+        return (self._n * self._sxy - self._sx * self._sy) / denom
+
+    def metrics(self) -> dict[str, float]:
+        """``summary/...`` values that could be measured (absent otherwise)."""
+        out: dict[str, float] = {"summary/num_samples": float(self.num_samples)}
+        if self.peak_rss is not None:
+            out["summary/peak_rss_bytes"] = float(self.peak_rss)
+        if self.peak_anon is not None:
+            out["summary/peak_anon_bytes"] = float(self.peak_anon)
+        slope = self.anon_slope()
+        if slope is not None:
+            out["summary/anon_slope_bytes_per_step"] = slope
+        return out
