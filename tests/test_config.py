@@ -46,7 +46,12 @@ def test_outer_optimizer_must_return_optimizer() -> None:
     p = torch.nn.Parameter(torch.zeros(2))
     transport = AllReduceTransport(None, num_islands=1, bucket_numel=4)
     with pytest.raises(TypeError, match="must return a torch.optim.Optimizer"):
-        OuterSync({"p": p}, outer_optimizer=lambda params: "sgd", transport=transport, sync_every=1)  # type: ignore[arg-type,return-value]
+        OuterSync(
+            {"p": p},
+            outer_optimizer=lambda params: "sgd",  # type: ignore[arg-type,return-value]
+            transport=transport,
+            sync_every=1,
+        )
 
 
 def test_island_size_must_divide_world() -> None:
