@@ -21,6 +21,7 @@ Lifecycle inside ``Trainer.fit``:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,7 @@ class SwarmStrategy(DDPStrategy):
                 "own group, which the strategy creates; set island_size instead."
             )
         super().__init__(**kwargs)
+        _check_ddp_kwargs(self._ddp_kwargs)
         self.outer_optimizer_factory = outer_optimizer or default_outer_optimizer
         self._topology: IslandTopology | None = None
         self._groups: SwarmGroups | None = None
@@ -321,3 +323,20 @@ def _trained_params(
             seen.add(id(p))
             params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = p
     return params
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """Reject keywords that neither DDPStrategy nor DistributedDataParallel accepts.
+
+    DDPStrategy forwards unknown keywords to the DDP wrapper, which is built only after the
+    processes have launched (and never for islands of one rank): a typo would surface late or
+    not at all, so it is caught here.
+    """
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    accepted -= {"self", "module", "device_ids", "process_group"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"SwarmStrategy got unknown option(s) {unknown}; use SwarmStrategy's own options, "
+            "DDPStrategy's, or DistributedDataParallel keywords such as find_unused_parameters."
+        )

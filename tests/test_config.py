@@ -72,6 +72,11 @@ def test_defaults_and_dtype_parsing() -> None:
     assert SwarmConfig(bucket_mb=1).bucket_numel == 2**18
 
 
+def test_unknown_keyword_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['sync_evry'\]"):
+        SwarmStrategy(sync_evry=5)
+
+
 def test_ddp_keywords_pass_through() -> None:
     strategy = SwarmStrategy(sync_every=5, find_unused_parameters=True, start_method="spawn")
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
