@@ -1,0 +1,246 @@
+"""Streaming DiLoCo fragments (arXiv 2501.18512): which parameters sync together, and when.
+
+Layout. The trained parameters are split into ``num_fragments`` disjoint fragments, each of
+which syncs on its own schedule. The unit of the split is a *layer*:
+
+- a parameter whose dotted name has a numeric component belongs to the layer named by the prefix
+  up to and including the first such component: ``blocks.3.attn.weight`` -> ``blocks.3``,
+  ``transformer.h.11.mlp.c_fc.bias`` -> ``transformer.h.11`` (the repeated blocks of a
+  ``ModuleList`` / ``Sequential``);
+- any other parameter belongs to its owning module: ``transformer.wte.weight`` ->
+  ``transformer.wte``; a parameter of the root module is a layer of its own.
+
+Layers are numbered in order of first appearance in the given names (``named_parameters``
+order, i.e. definition order). ``"strided"`` (the default) puts layer ``i`` into fragment
+``i mod F``, so each fragment holds layers from the whole depth; ``"sequential"`` cuts the layer
+list into ``F`` contiguous chunks whose sizes differ by at most one (earlier chunks larger).
+An explicit layout is a list of ``F`` lists of module names; a parameter belongs to the fragment
+naming it or one of its parent modules
+(a bare string stands for a list of one name).
+
+Schedule. Steps are 1-based counts of completed inner steps, counted after the inner optimizer
+step, exactly like ``OuterSync.inner_steps``. Fragment ``f`` sends its pseudo-gradient at every
+step ``s >= 1`` with ``(s - offset_f) % sync_every == 0``, ``offset_f = f * sync_every / F``, and
+applies the averaged result at ``s + sync_delay``. So fragment 0 first sends at ``sync_every``
+(one fragment and no delay is plain DiLoCo, step for step), while fragment ``f > 0`` first sends
+after only ``offset_f`` steps; from then on every fragment sends every ``sync_every`` steps.
+
+Because ``0 <= sync_delay < sync_every / F``, at most one fragment is ever in flight: fragment
+``f`` has applied before fragment ``f + 1`` sends. At a step where a fragment both sends and
+applies (``sync_delay == 0``) the send comes first; with a positive delay no step both sends one
+fragment and applies another.
+
+Pure Python: this module touches no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+LAYOUTS = ("strided", "sequential")
+
+FragmentLayout = str | Sequence[Sequence[str]]
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to (see the module docstring)."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ".".join(parts[:-1]) if len(parts) > 1 else name
+
+
+def build_fragments(
+    names: Sequence[str], num_fragments: int, layout: FragmentLayout = "strided"
+) -> list[list[str]]:
+    """Split trained parameter names into fragments.
+
+    Args:
+        names: trained parameter names in a fixed order (identical on every rank).
+        num_fragments: F, the number of fragments.
+        layout: ``"strided"``, ``"sequential"`` or ``F`` lists of module names.
+
+    Returns:
+        ``F`` non-empty lists of names; together they hold every name exactly once, each list
+        in the order of ``names``.
+
+    Raises:
+        ValueError: the layout cannot cover the names as asked (the message says how to fix it).
+    """
+    _check_positive_int("num_fragments", num_fragments)
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names must be unique; got duplicates in the trained set")
+    if not names:
+        raise ValueError("no trained parameters to split into fragments")
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"fragment_layout={layout!r} is not known; use one of {list(LAYOUTS)} or a "
+                "list of num_fragments lists of module names."
+            )
+        return _by_layers(names, num_fragments, layout)
+    return _explicit(names, num_fragments, layout)
+
+
+def _by_layers(names: Sequence[str], num_fragments: int, layout: str) -> list[list[str]]:
+    layers: dict[str, int] = {}
+    for name in names:
+        layers.setdefault(layer_of(name), len(layers))
+    num_layers = len(layers)
+    if num_layers < num_fragments:
+        raise ValueError(
+            f"num_fragments={num_fragments} but the model has only {num_layers} layer(s) "
+            f"({', '.join(list(layers)[:8])}{', ...' if num_layers > 8 else ''}), so a fragment "
+            f"would be empty; set num_fragments <= {num_layers}, or pass fragment_layout as "
+            "explicit lists of module names."
+        )
+    if layout == "strided":
+        fragment_of_layer = [i % num_fragments for i in range(num_layers)]
+    else:
+        base, extra = divmod(num_layers, num_fragments)
+        fragment_of_layer = []
+        for f in range(num_fragments):
+            fragment_of_layer += [f] * (base + (1 if f < extra else 0))
+    fragments: list[list[str]] = [[] for _ in range(num_fragments)]
+    for name in names:
+        fragments[fragment_of_layer[layers[layer_of(name)]]].append(name)
+    return fragments
+
+
+def _explicit(
+    names: Sequence[str], num_fragments: int, layout: Sequence[Sequence[str]]
+) -> list[list[str]]:
+    groups = [
+        [layout_entry] if isinstance(layout_entry, str) else list(layout_entry)
+        for layout_entry in layout
+    ]
+    if len(groups) != num_fragments:
+        raise ValueError(
+            f"fragment_layout lists {len(groups)} fragment(s) but num_fragments={num_fragments}; "
+            "give exactly one list of module names per fragment."
+        )
+    owner: dict[str, int] = {}
+    for f, modules in enumerate(groups):
+        if not modules:
+            raise ValueError(
+                f"fragment_layout[{f}] is empty; every fragment needs at least one module name."
+            )
+        for module in modules:
+            matched = [n for n in names if n == module or n.startswith(module + ".")]
+            if not matched:
+                raise ValueError(
+                    f"fragment_layout[{f}] names {module!r}, which matches no trained parameter; "
+                    f"use module names such as {names[0].rsplit('.', 1)[0]!r}."
+                )
+            for name in matched:
+                if name in owner and owner[name] != f:
+                    raise ValueError(
+                        f"parameter {name!r} is in fragment_layout[{owner[name]}] and "
+                        f"fragment_layout[{f}]; each parameter must be in exactly one fragment."
+                    )
+                owner[name] = f
+    missing = [n for n in names if n not in owner]
+    if missing:
+        raise ValueError(
+            f"fragment_layout leaves {len(missing)} trained parameter(s) out, e.g. "
+            f"{missing[:3]}; add their modules to one of the fragments."
+        )
+    return [[n for n in names if owner[n] == f] for f in range(num_fragments)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FragmentSchedule:
+    """When each fragment sends and applies (see the module docstring for the step convention).
+
+    Attributes:
+        sync_every: H, inner steps between two sends of the same fragment.
+        num_fragments: F; must divide ``sync_every``.
+        sync_delay: tau, inner steps between a fragment's send and its apply;
+            ``0 <= tau < sync_every / F``.
+        merge_alpha: on apply, ``local <- (1 - alpha) * global + alpha * local``; in [0, 1].
+    """
+
+    sync_every: int
+    num_fragments: int = 1
+    sync_delay: int = 0
+    merge_alpha: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("sync_every", self.sync_every)
+        _check_positive_int("num_fragments", self.num_fragments)
+        if self.sync_every % self.num_fragments:
+            raise ValueError(
+                f"sync_every={self.sync_every} is not divisible by num_fragments="
+                f"{self.num_fragments}; fragments are staggered by sync_every / num_fragments "
+                "inner steps, so choose a sync_every that is a multiple of num_fragments."
+            )
+        interval = self.sync_every // self.num_fragments
+        if (
+            isinstance(self.sync_delay, bool)
+            or not isinstance(self.sync_delay, int)
+            or not 0 <= self.sync_delay < interval
+        ):
+            raise ValueError(
+                f"sync_delay={self.sync_delay!r} must be an integer with 0 <= sync_delay < "
+                f"sync_every / num_fragments = {interval}, so a fragment is applied before the "
+                "next one is sent; lower sync_delay or num_fragments."
+            )
+        alpha = self.merge_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise ValueError(
+                f"merge_alpha={alpha!r} must lie in [0, 1]: 0 takes the global parameters on "
+                "arrival (DiLoCo), 1 keeps the local ones."
+            )
+
+    @property
+    def interval(self) -> int:
+        """Inner steps between the sends of two consecutive fragments (H / F)."""
+        return self.sync_every // self.num_fragments
+
+    def offset(self, fragment: int) -> int:
+        """``offset_f = f * H / F``: the phase of fragment ``f`` in the H-step cycle."""
+        if not 0 <= fragment < self.num_fragments:
+            raise ValueError(f"fragment {fragment} outside 0 .. {self.num_fragments - 1}")
+        return fragment * self.interval
+
+    def sends_at(self, step: int) -> int | None:
+        """The fragment that sends after inner step ``step`` (1-based), or None."""
+        _check_step(step)
+        if step % self.interval:
+            return None
+        return (step % self.sync_every) // self.interval
+
+    def applies_at(self, step: int) -> int | None:
+        """The fragment whose averaged result is applied after inner step ``step``, or None."""
+        _check_step(step)
+        send = step - self.sync_delay
+        return self.sends_at(send) if send >= 1 else None
+
+    def in_flight(self, step: int) -> int | None:
+        """The fragment sent at or before ``step`` and applied after it (None if none).
+
+        This is the state a checkpoint taken after ``step`` must carry.
+        """
+        _check_step(step)
+        for sent in range(max(1, step - self.sync_delay + 1), step + 1):
+            fragment = self.sends_at(sent)
+            if fragment is not None and sent + self.sync_delay > step:
+                return fragment
+        return None
+
+    def send_steps(self, fragment: int, up_to: int) -> list[int]:
+        """Every step ``<= up_to`` at which ``fragment`` sends."""
+        first = self.offset(fragment) or self.sync_every
+        return list(range(first, up_to + 1, self.sync_every))
+
+
+def _check_positive_int(option: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{option} must be a positive integer, got {value!r}.")
+
+
+def _check_step(step: int) -> None:
+    if step < 1:
+        raise ValueError(f"steps count completed inner steps from 1, got {step}")

@@ -1,0 +1,189 @@
+"""Quantized transport: the mean across islands of codec-encoded pseudo-gradients.
+
+An all-reduce cannot sum int8 or int4 codes (each island's block scales differ), so this
+transport gathers the encoded payloads and accumulates in float32:
+
+1. The tensors are cut into *pieces* packed into buckets of at most ``bucket_numel`` elements.
+   A piece starts at a multiple of the codec's ``block_size`` inside its tensor, so every piece
+   is quantized exactly as ``codec.roundtrip(tensor)`` would quantize the whole tensor (error
+   feedback computed by the caller with the same codec stays exact). A tensor larger than a
+   bucket spans several buckets; a bucket that cannot take another whole block is sent
+   under-filled.
+2. Each rank encodes its pieces into one uint8 payload and ``all_gather``s it over the peer
+   group (one rank per island, group rank = island index); the payload size follows from the
+   shapes, so no header travels.
+3. Every rank decodes the payloads in island order 0 .. n-1 and sums them in float32, then
+   divides by n. The same operations in the same order on the same bytes give bitwise identical
+   results on every rank, including the island's own contribution, which also enters decoded.
+
+The result is ``mean_i decode(encode(x_i))`` for any number of islands; with one island that is
+``decode(encode(x))`` and nothing is moved. Extra memory while a bucket is in flight: n encoded
+payloads, one float32 accumulator and one decoded payload of ``bucket_numel`` elements each;
+nothing is kept between rounds.
+
+Byte accounting: in an all-gather each rank sends its payload to, and receives one from, each of
+the other n - 1 islands (the ring all-gather of gloo and NCCL moves exactly that), so
+``bytes_sent = bytes_received = (n - 1) * encoded payload bytes``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.base import RoundStats
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + length)`` of one flat tensor, carried in one bucket."""
+
+    tensor_index: int
+    start: int
+    length: int
+
+
+def plan_buckets(numels: list[int], bucket_numel: int, block_size: int) -> list[list[Piece]]:
+    """Cut tensors of ``numels`` elements into buckets of at most ``bucket_numel`` elements.
+
+    Pieces start at multiples of ``block_size`` inside their tensor. ``bucket_numel`` must be
+    at least ``block_size``; each bucket holds at least one element.
+    """
+    if bucket_numel < block_size:
+        raise ValueError(
+            f"bucket_numel={bucket_numel} is smaller than one codec block ({block_size} "
+            "elements); raise bucket_mb or lower block_size."
+        )
+    buckets: list[list[Piece]] = []
+    current: list[Piece] = []
+    fill = 0
+    for index, numel in enumerate(numels):
+        pos = 0
+        while pos < numel:
+            space = bucket_numel - fill
+            remaining = numel - pos
+            take = remaining if remaining <= space else (space // block_size) * block_size
+            if take == 0:
+                buckets.append(current)
+                current, fill = [], 0
+                continue
+            current.append(Piece(index, pos, take))
+            fill += take
+            pos += take
+            if fill == bucket_numel:
+                buckets.append(current)
+                current, fill = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class QuantizedTransport:
+    """Mean over a peer group of codec-encoded tensors, gathered and accumulated in float32.
+
+    Args:
+        group: the peer group (one rank per island, group rank = island index); ``None`` means
+            the default group.
+        num_islands: size of the peer group.
+        codec: how payloads are encoded (``Codec("int4", block_size=128)`` etc.).
+        bucket_numel: float32 elements per bucket; bounds the extra memory (module docstring).
+        device: where encoding, gathering and accumulation happen (``cuda`` for NCCL, ``cpu``
+            for gloo); the caller's tensors stay where they are.
+
+    Raises:
+        ValueError: ``bucket_numel`` below the codec's block size or ``num_islands < 1``.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        codec: Codec,
+        bucket_numel: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_islands < 1:
+            raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+        if bucket_numel < codec.block_size:
+            raise ValueError(
+                f"bucket_numel={bucket_numel} is smaller than one codec block "
+                f"({codec.block_size} elements); raise bucket_mb or lower block_size."
+            )
+        self.group = group
+        self.num_islands = num_islands
+        self.codec = codec
+        self.bucket_numel = bucket_numel
+        self.device = torch.device(device)
+        self.total = RoundStats()
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        start = time.perf_counter()
+        stats = RoundStats(num_contributions=self.num_islands)
+        flats = []
+        for name, t in tensors.items():
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(
+                    f"QuantizedTransport averages contiguous float32 tensors only; {name!r} is "
+                    f"{t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
+                )
+            flats.append(t.view(-1))
+        numels = [f.numel() for f in flats]
+        for bucket in plan_buckets(numels, self.bucket_numel, self.codec.block_size):
+            self._average_bucket(flats, bucket, stats)
+        stats.wall_s = time.perf_counter() - start
+        self.total.bytes_sent += stats.bytes_sent
+        self.total.bytes_received += stats.bytes_received
+        self.total.wall_s += stats.wall_s
+        return stats
+
+    @torch.no_grad()
+    def _average_bucket(self, flats: list[Tensor], bucket: list[Piece], stats: RoundStats) -> None:
+        payload = torch.cat(
+            [
+                self.codec.to_bytes(self.codec.encode(_slice(flats, p).to(self.device)))
+                for p in bucket
+            ]
+        )
+        if self.num_islands > 1:
+            gathered = [torch.empty_like(payload) for _ in range(self.num_islands)]
+            dist.all_gather(gathered, payload, group=self.group)
+            moved = (self.num_islands - 1) * payload.numel()
+            stats.bytes_sent += moved
+            stats.bytes_received += moved
+        else:
+            gathered = [payload]
+        del payload
+        total = None
+        for island_payload in gathered:  # island order: the float sum is the same on all ranks
+            decoded = self._decode(island_payload, bucket)
+            total = decoded if total is None else total.add_(decoded)
+        assert total is not None
+        total.div_(self.num_islands)
+        offset = 0
+        for p in bucket:
+            _slice(flats, p).copy_(total[offset : offset + p.length])
+            offset += p.length
+
+    def _decode(self, payload: Tensor, bucket: list[Piece]) -> Tensor:
+        parts = []
+        offset = 0
+        for p in bucket:
+            size = self.codec.encoded_nbytes(p.length)
+            raw = payload[offset : offset + size]
+            parts.append(self.codec.decode(self.codec.from_bytes(raw, p.length)))
+            offset += size
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def close(self) -> None:
+        """Nothing to release: buckets live only inside ``average``."""
+
+
+def _slice(flats: list[Tensor], piece: Piece) -> Tensor:
+    return flats[piece.tensor_index][piece.start : piece.start + piece.length]
