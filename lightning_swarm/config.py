@@ -11,7 +11,7 @@ Imports neither torch.distributed nor lightning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,23 @@ def parse_dtype(value: str | torch.dtype | None, *, option: str) -> torch.dtype 
 
 
 @dataclass(kw_only=True)
+class AnchorConfig:
+    """How anchors are restored from a checkpoint.
+
+    Attributes:
+        mmap: map the saved anchors (``torch.load(mmap=True)``) so bytes a restart does not
+            touch stay file-backed; ``False`` reads them eagerly into RAM. The environment
+            variable ``LIGHTNING_SWARM_ANCHOR_MMAP=0`` also turns mapping off.
+    """
+
+    mmap: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mmap, bool):
+            raise ValueError(f"anchors.mmap must be true or false, got {self.mmap!r}.")
+
+
+@dataclass(kw_only=True)
 class SwarmConfig:
     """Options of ``SwarmStrategy`` that are plain data.
 
@@ -54,6 +71,7 @@ class SwarmConfig:
             never silently on the accelerator).
         anchor_dtype: dtype of the stored anchors; ``None`` means float32.
         bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory.
+        anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
     """
 
     sync_every: int = 100
@@ -62,6 +80,7 @@ class SwarmConfig:
     anchor_device: str = "cpu"
     anchor_dtype: str | None = None
     bucket_mb: float = 32.0
+    anchors: AnchorConfig = field(default_factory=AnchorConfig)
 
     def __post_init__(self) -> None:
         _check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -78,6 +97,7 @@ class SwarmConfig:
                 "(recommended) or an accelerator such as 'cuda'."
             ) from err
         parse_dtype(self.anchor_dtype, option="anchor_dtype")
+        self.anchors = as_anchor_config(self.anchors)
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)):
             raise ValueError(f"bucket_mb must be a number of MiB, got {self.bucket_mb!r}.")
         if not self.bucket_mb > 0:
@@ -96,3 +116,19 @@ class SwarmConfig:
 def _check_positive_int(option: str, value: object, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{option} must be a positive integer, got {value!r}; {hint}.")
+
+
+def as_anchor_config(value: object) -> AnchorConfig:
+    """Accept an ``AnchorConfig`` or a mapping of its fields (YAML / keyword dict)."""
+    if isinstance(value, AnchorConfig):
+        return value
+    if isinstance(value, dict) or hasattr(value, "keys"):
+        items = dict(value)  # type: ignore[call-overload]
+        unknown = sorted(set(items) - {"mmap"})
+        if unknown:
+            raise ValueError(f"anchors has unknown keys {unknown}; the only key is 'mmap'.")
+        return AnchorConfig(**items)
+    raise TypeError(
+        f"anchors must be an AnchorConfig or a dict such as {{'mmap': False}}, got "
+        f"{type(value).__name__}."
+    )

@@ -66,13 +66,22 @@ class OuterSync:
         sync_every: int,
         anchor_device: torch.device | str = "cpu",
         anchor_dtype: torch.dtype = torch.float32,
+        defer_anchors: bool = False,
     ) -> None:
         self.params = dict(params)
         self.transport = transport
         self.sync_every = sync_every
+        self.anchor_device = torch.device(anchor_device)
+        self.anchor_dtype = anchor_dtype
+        self._outer_optimizer_factory = outer_optimizer
+        # A resume replaces the anchors right after setup: copying the weights first would add
+        # the full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors``
+        # builds memory-less placeholders (meta device) that ``load_state_dict`` must replace;
+        # a sync on placeholders fails loudly instead of training on half-loaded state.
+        placement = "meta" if defer_anchors else anchor_device
         with torch.no_grad():
             self.anchors: dict[str, Tensor] = {
-                name: p.detach().to(device=anchor_device, dtype=anchor_dtype, copy=True)
+                name: p.detach().to(device=placement, dtype=anchor_dtype, copy=True)
                 for name, p in self.params.items()
             }
         self.outer_optimizer = outer_optimizer(list(self.anchors.values()))
@@ -139,3 +148,36 @@ class OuterSync:
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
         }
+
+    @property
+    def anchors_deferred(self) -> bool:
+        """True while the anchors are placeholders awaiting ``load_state_dict``."""
+        return any(a.device.type == "meta" for a in self.anchors.values())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install anchors, outer optimizer state and counters saved by ``state_dict``.
+
+        The given anchor tensors are adopted, not copied, when they already have this object's
+        anchor device and dtype: memory-mapped anchors stay file-backed until a sync writes
+        them. Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors).
+        The outer optimizer is rebuilt over the new anchors, then given the saved state.
+
+        Raises:
+            ValueError: a parameter has no anchor, or an anchor of the wrong shape.
+        """
+        anchors: Mapping[str, Tensor] = state["anchors"]
+        for name, p in self.params.items():
+            if name not in anchors or tuple(anchors[name].shape) != tuple(p.shape):
+                found = tuple(anchors[name].shape) if name in anchors else "no anchor"
+                raise ValueError(
+                    f"saved anchors do not fit parameter {name!r} (shape {tuple(p.shape)}, "
+                    f"saved {found}); resume with the model the checkpoint was written by."
+                )
+        self.anchors = {
+            name: anchors[name].to(device=self.anchor_device, dtype=self.anchor_dtype)
+            for name in self.params
+        }
+        self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.inner_steps = int(state["inner_steps"])
+        self.outer_steps = int(state["outer_steps"])

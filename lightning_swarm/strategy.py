@@ -24,7 +24,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -37,11 +37,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.checkpoint import prune_saves, swarm_root
+from lightning_swarm.config import AnchorConfig, SwarmConfig, as_anchor_config
 from lightning_swarm.outer import OuterOptimizerFactory, OuterSync, SyncReport
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import AllReduceTransport, Transport, ring_allreduce_bytes
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
+
+if TYPE_CHECKING:
+    # lightning_swarm.callbacks imports this module; the resume glue is imported where used.
+    from lightning_swarm.callbacks.resume import SwarmResume
 
 default_outer_optimizer: OuterOptimizerFactory = functools.partial(
     torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True
@@ -71,6 +76,8 @@ class SwarmStrategy(DDPStrategy):
         anchor_device: device of the anchors and outer optimizer state (default ``"cpu"``).
         anchor_dtype: dtype of the anchors, e.g. ``torch.bfloat16``; ``None`` = float32.
         bucket_mb: MiB per all-reduce bucket; bounds the transport's extra memory.
+        anchors: how a resume restores anchors: ``AnchorConfig(mmap=True)`` (default) maps
+            them; ``{"mmap": False}`` reads them eagerly.
         **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
@@ -89,6 +96,7 @@ class SwarmStrategy(DDPStrategy):
         anchor_device: str | torch.device = "cpu",
         anchor_dtype: str | torch.dtype | None = None,
         bucket_mb: float = 32.0,
+        anchors: AnchorConfig | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(anchor_dtype, torch.dtype):
@@ -100,6 +108,7 @@ class SwarmStrategy(DDPStrategy):
             anchor_device=str(anchor_device),
             anchor_dtype=anchor_dtype,
             bucket_mb=bucket_mb,
+            anchors=as_anchor_config(anchors if anchors is not None else AnchorConfig()),
         )
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise ValueError(
@@ -122,6 +131,7 @@ class SwarmStrategy(DDPStrategy):
         self._outer_by_optimizer: dict[int, OuterSync] = {}
         self.totals = SwarmTotals()
         self.last_sync: SyncReport | None = None
+        self._defer_anchors = False
 
     # -- registration ---------------------------------------------------------------------
     @classmethod
@@ -218,6 +228,8 @@ class SwarmStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            # A pending swarm resume installs anchors later: build placeholders, not copies.
+            self._defer_anchors = self._resume_callback(trainer).pending
             self._build_outer_syncs()
 
     def _build_outer_syncs(self) -> None:
@@ -238,6 +250,7 @@ class SwarmStrategy(DDPStrategy):
                 sync_every=self.config.sync_every,
                 anchor_device=self.config.anchor_device,
                 anchor_dtype=self.config.anchor_torch_dtype,
+                defer_anchors=self._defer_anchors,
             )
             self._outer_syncs.append(outer)
             self._outer_by_optimizer[id(optimizer)] = outer
@@ -293,6 +306,62 @@ class SwarmStrategy(DDPStrategy):
         # sync every H steps could fall between two flushes. Built-in loggers are rank-0-only.
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step + 1)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _resume_callback(self, trainer: pl.Trainer) -> SwarmResume:
+        """The trainer's ``SwarmResume``; one is added when the user did not add one."""
+        from lightning_swarm.callbacks.resume import SwarmResume
+
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, SwarmResume):
+                return callback
+        callback = SwarmResume()
+        trainer.callbacks.append(callback)  # type: ignore[attr-defined]
+        return callback
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resume_callback(trainer).capture(checkpoint_path, checkpoint)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # After setup (outer syncs exist) and after rank 0's optimizer state went everywhere:
+        # each island's own state replaces it here, before any sanity check or training step.
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            self._resume_callback(module._trainer).restore(self)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._outer_syncs or "optimizer_states" not in checkpoint:
+            # Not fitting, or a weights-only file: nothing of the swarm to resume from.
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        from lightning_swarm.callbacks.resume import save_swarm_state
+
+        save_id = save_swarm_state(self, checkpoint, filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:
+            # Only now does the Lightning file name the new save; older ones can go.
+            prune_saves(swarm_root(filepath), keep=save_id)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            from lightning_swarm.callbacks.resume import remove_swarm_state
+
+            remove_swarm_state(filepath)
 
     # -- teardown -------------------------------------------------------------------------
     @override

@@ -1,0 +1,258 @@
+"""The swarm part of a checkpoint: layout, fingerprint, atomic writes, mapped reads.
+
+A Lightning checkpoint file holds one rank's view (global rank 0's model and inner optimizer),
+and Lightning writes it on rank 0 only. A DiLoCo run needs more: the anchors and outer optimizer
+state (global, identical on every island) and each island's own local parameters and inner
+optimizer state (different on every island between syncs). That state lives in a directory next
+to the checkpoint file, one sub-directory per save::
+
+    model.ckpt                          Lightning's file; ckpt["swarm"] is the small record below
+    model.ckpt.swarm/<save_id>/anchors.pt       anchors + outer optimizer state + counters
+    model.ckpt.swarm/<save_id>/island-00001.pt  island 1: module state + inner optimizer state
+
+Why a separate directory and not keys inside the Lightning dict:
+- Lightning serialises its dict into an in-memory buffer before writing, so anchors inside it
+  would cost their full size again in host memory on every save; ``torch.save`` to a path
+  streams each tensor's bytes straight to the file.
+- Island files are written by one rank per island; Lightning's rank-0-only write would lose them.
+- ``torch.load(mmap=True)`` needs a local path (Lightning opens its file through fsspec).
+
+Invariants:
+- Every file is written to a temporary name and renamed into place, and the Lightning file
+  (renamed last by fsspec's transaction) names its ``save_id``: a crash mid-save leaves the
+  previous checkpoint and the directory it names intact; stale directories are pruned only after
+  the new Lightning file is in place. Renaming also means a file is never rewritten in place, so
+  a mapping of an older save keeps seeing its own bytes.
+- A mapped tensor borrows pages of its file; the mapping lives as long as the tensor (torch keeps
+  it alive), and unlinking the file does not invalidate it. Writing to a mapped tensor turns the
+  written pages into private anonymous memory; untouched pages stay file-backed.
+- Everything saved is tensors, numbers, strings and plain containers: loadable with
+  ``weights_only=True``.
+
+This module imports torch only (no lightning, no torch.distributed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FORMAT_VERSION = 1
+MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
+ANCHORS_FILE = "anchors.pt"
+_ZIP_MAGIC = b"PK\x03\x04"
+_FALSE = {"0", "false", "no", "off"}
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class SwarmCheckpointError(ValueError):
+    """A swarm checkpoint cannot be resumed from; the message says why and what to do."""
+
+
+# -- paths ------------------------------------------------------------------------------------
+def swarm_root(ckpt_path: str | os.PathLike[str]) -> Path:
+    """The directory holding the swarm state of the Lightning checkpoint at ``ckpt_path``."""
+    return Path(os.fspath(ckpt_path) + ".swarm")
+
+
+def island_file_name(island: int) -> str:
+    return f"island-{island:05d}.pt"
+
+
+def require_local_path(path: str | os.PathLike[str], *, what: str) -> Path:
+    """Return ``path`` as a local ``Path``; reject fsspec URLs such as ``s3://``."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        raise SwarmCheckpointError(
+            f"{what} {text!r} is not a local path; SwarmStrategy writes each island's state and "
+            "maps the anchors next to the checkpoint, which needs a local or shared filesystem. "
+            "Point ModelCheckpoint(dirpath=...) / ckpt_path at one."
+        )
+    return Path(text.removeprefix("file://"))
+
+
+# -- options ----------------------------------------------------------------------------------
+def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
+    """Whether to map anchors, and which switch decided it (for the restore message).
+
+    Both the config (``anchors.mmap``) and the environment (``LIGHTNING_SWARM_ANCHOR_MMAP=0``)
+    can only turn mapping *off*; the returned reason names the switch so it is never silent.
+    """
+    raw = os.environ.get(MMAP_ENV)
+    if raw is not None:
+        value = raw.strip().lower()
+        if value not in _FALSE | _TRUE:
+            raise ValueError(
+                f"{MMAP_ENV}={raw!r} is not understood; set it to 0 to read anchors eagerly or "
+                "1 (or unset it) to map them."
+            )
+        if value in _FALSE:
+            return False, f"eager read ({MMAP_ENV}={raw})"
+    if not config_mmap:
+        return False, "eager read (anchors.mmap=false)"
+    return True, "memory-mapped"
+
+
+# -- fingerprint ------------------------------------------------------------------------------
+def layout_fingerprint(
+    num_islands: int,
+    params_per_optimizer: Sequence[Mapping[str, Tensor]],
+    fragments: Any = None,
+) -> dict[str, Any]:
+    """What must match between the saving and the resuming run.
+
+    ``fragments`` is reserved for Streaming DiLoCo's fragment layout (``None`` until then); it
+    is compared as plain data.
+    """
+    return {
+        "num_islands": int(num_islands),
+        "params": [
+            [[name, list(p.shape)] for name, p in params.items()] for params in params_per_optimizer
+        ],
+        "fragments": fragments,
+    }
+
+
+def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Raise ``SwarmCheckpointError`` naming every difference between two fingerprints."""
+    problems: list[str] = []
+    if saved.get("num_islands") != current["num_islands"]:
+        problems.append(
+            f"island count: checkpoint has {saved.get('num_islands')}, this run has "
+            f"{current['num_islands']} (devices x num_nodes / island_size)"
+        )
+    saved_params, current_params = saved.get("params", []), current["params"]
+    if len(saved_params) != len(current_params):
+        problems.append(
+            f"optimizers: checkpoint has {len(saved_params)}, this run has {len(current_params)}"
+        )
+    for index, (old, new) in enumerate(zip(saved_params, current_params, strict=False)):
+        problems.extend(_param_differences(index, dict(old), dict(new)))
+    if saved.get("fragments") != current.get("fragments"):
+        problems.append(
+            f"fragment layout: checkpoint has {saved.get('fragments')!r}, this run has "
+            f"{current.get('fragments')!r}"
+        )
+    if problems:
+        raise SwarmCheckpointError(
+            "the checkpoint's swarm layout does not match this run: "
+            + "; ".join(problems)
+            + ". Resume with the same model, optimizers, island count and fragments, or start "
+            "from the plain weights (load them into the module without ckpt_path)."
+        )
+
+
+def _param_differences(
+    index: int, old: dict[str, list[int]], new: dict[str, list[int]]
+) -> list[str]:
+    out: list[str] = []
+    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+    if missing or extra:
+        out.append(
+            f"optimizer {index} parameters renamed or changed: only in checkpoint {missing}, "
+            f"only in this run {extra}"
+        )
+    for name in sorted(old.keys() & new.keys()):
+        if list(old[name]) != list(new[name]):
+            out.append(f"parameter {name!r} reshaped: checkpoint {old[name]}, this run {new[name]}")
+    return out
+
+
+def check_anchor_shapes(
+    anchors: Mapping[str, Tensor], params: Mapping[str, Tensor], *, source: Path
+) -> None:
+    """Each parameter needs an anchor of its shape; anything else means a damaged file."""
+    for name, p in params.items():
+        anchor = anchors.get(name)
+        if anchor is None:
+            raise SwarmCheckpointError(
+                f"{source} holds no anchor for parameter {name!r}; the file does not belong to "
+                "this checkpoint or is damaged. Resume from another checkpoint."
+            )
+        if tuple(anchor.shape) != tuple(p.shape):
+            raise SwarmCheckpointError(
+                f"{source}: anchor {name!r} has shape {tuple(anchor.shape)} but the parameter "
+                f"has shape {tuple(p.shape)}; the file is damaged or from another model. Resume "
+                "from another checkpoint."
+            )
+
+
+# -- writing ----------------------------------------------------------------------------------
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary sibling, fsync, then rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune_saves(root: Path, keep: str) -> None:
+    """Remove every save directory under ``root`` except ``keep`` (after the new file exists)."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name != keep:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+# -- reading ----------------------------------------------------------------------------------
+def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
+    """Load one swarm file; returns ``(payload, legacy)``.
+
+    With ``mmap`` the tensors borrow the file's pages (see the module docstring). A file in
+    torch's legacy (non-zipfile) format cannot be mapped: it is read eagerly and ``legacy`` is
+    True so the caller can warn once. A missing, truncated or corrupt file raises
+    ``SwarmCheckpointError``.
+    """
+    if not path.is_file():
+        raise SwarmCheckpointError(
+            f"swarm state file {path} is missing; the checkpoint is incomplete (a save was "
+            "interrupted, or the .swarm directory was not copied with the .ckpt file). Copy it "
+            "along or resume from another checkpoint."
+        )
+    with open(path, "rb") as handle:
+        legacy = handle.read(4) != _ZIP_MAGIC
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not legacy)
+    except Exception as err:
+        raise SwarmCheckpointError(
+            f"swarm state file {path} is truncated or corrupt ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); resume from another checkpoint."
+        ) from err
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+        raise SwarmCheckpointError(
+            f"{path} is not a lightning_swarm state file of format {FORMAT_VERSION}; resume "
+            "from a checkpoint written by this version of SwarmStrategy."
+        )
+    return payload, legacy
+
+
+def warn_legacy(paths: Sequence[Path]) -> None:
+    """One warning for all files that had to be read eagerly."""
+    if paths:
+        warnings.warn(
+            f"{', '.join(str(p) for p in paths)} use torch's legacy (non-zipfile) format, which "
+            "cannot be memory-mapped; read eagerly into RAM instead. Re-save with a current "
+            "torch.save (zipfile format) to restore mapping.",
+            stacklevel=3,
+        )
