@@ -1,0 +1,146 @@
+"""Aggregation rules over islands' contributions to ONE parameter (or one block of it).
+
+Every function takes a sequence of same-shaped tensors, one per accepted island in island order,
+and returns a new tensor of that shape; the inputs are never modified. The swarm transport calls
+them block by block (a slice of one parameter from each island), so the memory they use is
+``len(tensors)`` x one block, never islands x model.
+
+Results are computed elementwise with a fixed order of operations (island order for sums, a sort
+for order statistics), so applying a rule to a whole tensor or to consecutive slices of it gives
+bitwise identical results: blocking is invisible in the output.
+
+Rules:
+- ``mean``: the plain average.
+- ``weighted_mean``: sum of ``w_i * x_i`` divided by the sum of the weights used.
+- ``median``: coordinate-wise median; with an even count the mean of the two middle values
+  (numpy's convention, not torch.median's lower median).
+- ``trimmed_mean``: per coordinate, drop the ``floor(trim_ratio * n)`` smallest and as many
+  largest values, average the rest (scipy.stats.trim_mean's convention).
+
+Lower-precision inputs are accumulated in float32 and cast back to their dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("mean", "weighted_mean", "median", "trimmed_mean")
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(tensors: Sequence[Tensor]) -> None:
+    if len(tensors) == 0:
+        raise ValueError("cannot aggregate zero contributions; at least one island must count")
+    first = tensors[0]
+    for t in tensors[1:]:
+        if t.shape != first.shape or t.dtype != first.dtype:
+            raise ValueError(
+                f"contributions differ in shape or dtype ({tuple(first.shape)} {first.dtype} vs "
+                f"{tuple(t.shape)} {t.dtype}); every island must send the same layout"
+            )
+
+
+def mean(tensors: Sequence[Tensor]) -> Tensor:
+    """Elementwise mean: ``((x_0 + x_1) + ...) / n``, summed in island order."""
+    _check(tensors)
+    acc_dtype = _accumulation_dtype(tensors[0].dtype)
+    acc = tensors[0].to(acc_dtype, copy=True)
+    for t in tensors[1:]:
+        acc.add_(t.to(acc_dtype))
+    acc.div_(len(tensors))
+    return acc.to(tensors[0].dtype)
+
+
+def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """``sum(w_i * x_i) / sum(w_i)``, summed in island order.
+
+    Raises:
+        ValueError: the weights do not match the tensors, are negative or non-finite, or sum to 0.
+    """
+    _check(tensors)
+    if len(weights) != len(tensors):
+        raise ValueError(f"{len(weights)} weights for {len(tensors)} contributions")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"weights must be finite, non-negative and sum to > 0, got {list(weights)}"
+        )
+    acc_dtype = _accumulation_dtype(tensors[0].dtype)
+    acc = tensors[0].to(acc_dtype).mul(weights[0])
+    for t, w in zip(tensors[1:], weights[1:], strict=True):
+        # A separate multiply and add, not add_(alpha=w): a fused multiply-add in the vectorised
+        # body but not in the tail would make results depend on where a block starts.
+        acc.add_(t.to(acc_dtype).mul(w))
+    acc.div_(sum(weights))
+    return acc.to(tensors[0].dtype)
+
+
+def _sorted_stack(tensors: Sequence[Tensor]) -> Tensor:
+    acc_dtype = _accumulation_dtype(tensors[0].dtype)
+    stacked = torch.stack([t.to(acc_dtype) for t in tensors])
+    return torch.sort(stacked, dim=0).values
+
+
+def median(tensors: Sequence[Tensor]) -> Tensor:
+    """Coordinate-wise median; the mean of the two middle values for an even count."""
+    _check(tensors)
+    n = len(tensors)
+    ordered = _sorted_stack(tensors)
+    middle = ordered[n // 2].clone() if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return middle.to(tensors[0].dtype)
+
+
+def trimmed_count(n: int, trim_ratio: float) -> int:
+    """How many values ``trimmed_mean`` drops at EACH end for ``n`` contributions."""
+    return math.floor(trim_ratio * n)
+
+
+def trimmed_mean(tensors: Sequence[Tensor], trim_ratio: float) -> Tensor:
+    """Per coordinate: sort, drop ``floor(trim_ratio * n)`` values at each end, average the rest.
+
+    Raises:
+        ValueError: ``trim_ratio`` is outside ``[0, 0.5)``.
+    """
+    _check(tensors)
+    if not 0.0 <= trim_ratio < 0.5:
+        raise ValueError(f"trim_ratio must lie in [0, 0.5), got {trim_ratio}")
+    n = len(tensors)
+    k = trimmed_count(n, trim_ratio)
+    ordered = _sorted_stack(tensors)
+    kept = ordered[k : n - k]
+    acc = kept[0].clone()
+    for row in kept[1:]:
+        acc.add_(row)
+    acc.div_(n - 2 * k)
+    return acc.to(tensors[0].dtype)
+
+
+def aggregate(
+    rule: str,
+    tensors: Sequence[Tensor],
+    *,
+    weights: Sequence[float] | None = None,
+    trim_ratio: float = 0.0,
+) -> Tensor:
+    """Dispatch to one of ``AGGREGATIONS`` by name.
+
+    Raises:
+        ValueError: an unknown rule, or ``weighted_mean`` without weights.
+    """
+    if rule == "mean":
+        return mean(tensors)
+    if rule == "weighted_mean":
+        if weights is None:
+            raise ValueError("aggregation 'weighted_mean' needs one weight per contribution")
+        return weighted_mean(tensors, weights)
+    if rule == "median":
+        return median(tensors)
+    if rule == "trimmed_mean":
+        return trimmed_mean(tensors, trim_ratio)
+    raise ValueError(f"aggregation {rule!r} is not known; choose one of {list(AGGREGATIONS)}")

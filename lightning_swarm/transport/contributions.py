@@ -1,0 +1,185 @@
+"""The aggregator's side of a round: where each island's contribution lands, and what is done
+with it once complete (validation, blocked aggregation).
+
+A *sink* receives one peer's payload chunk by chunk: ``SpoolSink`` writes each chunk straight
+into a preallocated spool file, ``MemorySink`` into one flat in-memory buffer (offload off),
+``DiscardSink`` nowhere (a peer whose layout was rejected, or whose spool write failed: its
+chunks must still be received so that the peer's sends complete).
+
+A *contribution* is a finished payload that can copy element ranges of its tensors into
+caller-owned blocks: ``MemoryContribution`` (a flat buffer, or the aggregator's own tensors)
+or ``SpooledContribution`` (a leased spool file). ``check_values`` and ``aggregate_into`` read
+every contribution one block at a time, so their memory is contributions x one block of
+``block_numel`` elements, never contributions x model. No tensor backed by a spool file leaves
+this module; results are written into the aggregator's own (ordinary, in-memory) tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.robust import aggregate
+from lightning_swarm.transport.layout import PayloadLayout, TensorSpec
+from lightning_swarm.transport.spool import Spool, SpoolReader, SpoolWriter
+
+
+class Sink(Protocol):
+    def write(self, data_offset: int, chunk: Tensor) -> None: ...
+
+    def finish(self) -> Contribution | None: ...
+
+    def abort(self) -> None: ...
+
+
+class Contribution(Protocol):
+    island: int
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryContribution:
+    """A payload held in memory as flat per-tensor views, in layout order (no copy)."""
+
+    def __init__(self, island: int, views: Sequence[Tensor]) -> None:
+        self.island = island
+        self._views = [v.detach().reshape(-1) for v in views]
+
+    @classmethod
+    def from_buffer(cls, island: int, layout: PayloadLayout, buffer: Tensor) -> MemoryContribution:
+        """Views of a flat uint8 payload buffer, one per tensor of ``layout``."""
+        return cls(
+            island, [buffer[s.offset : s.offset + s.nbytes].view(s.dtype) for s in layout.specs]
+        )
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
+        out.copy_(self._views[spec.index][start : start + out.numel()])
+
+    def close(self) -> None:
+        self._views = []
+
+
+class SpooledContribution:
+    """A payload in a leased spool file; ``close`` releases the lease."""
+
+    def __init__(self, island: int, reader: SpoolReader) -> None:
+        self.island = island
+        self.reader = reader
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
+        self.reader.read_into(spec.name, start, out)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class MemorySink:
+    """Chunks land in one flat buffer of the payload's size (offload off)."""
+
+    def __init__(self, island: int, layout: PayloadLayout) -> None:
+        self.island, self.layout = island, layout
+        self.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
+
+    def write(self, data_offset: int, chunk: Tensor) -> None:
+        self.buffer[data_offset : data_offset + chunk.numel()].copy_(chunk)
+
+    def finish(self) -> Contribution:
+        return MemoryContribution.from_buffer(self.island, self.layout, self.buffer)
+
+    def abort(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+class SpoolSink:
+    """Chunks land in a spool file; ``finish`` commits it and opens a leased reader."""
+
+    def __init__(
+        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
+    ):
+        self.spool, self.round_id, self.island, self.layout = spool, round_id, island, layout
+        self.remap_bytes = remap_bytes
+        self.writer: SpoolWriter = spool.writer(round_id, island, layout)
+
+    def write(self, data_offset: int, chunk: Tensor) -> None:
+        self.writer.write(data_offset, chunk.cpu())
+
+    def finish(self) -> Contribution:
+        self.writer.commit()
+        reader = self.spool.reader(
+            self.round_id, self.island, self.layout, remap_bytes=self.remap_bytes
+        )
+        return SpooledContribution(self.island, reader)
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+class DiscardSink:
+    """Receives and forgets; ``finish`` yields no contribution."""
+
+    def write(self, data_offset: int, chunk: Tensor) -> None:
+        pass
+
+    def finish(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+
+def _blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
+    return [(s, min(block_numel, spec.numel - s)) for s in range(0, spec.numel, block_numel)]
+
+
+def check_values(
+    contribution: Contribution, layout: PayloadLayout, *, max_norm: float | None, block_numel: int
+) -> str | None:
+    """Why ``contribution`` must not count (non-finite values, norm above bound), or ``None``."""
+    sum_sq = 0.0
+    for spec in layout.specs:
+        if not spec.dtype.is_floating_point:
+            continue
+        scratch = torch.empty(min(block_numel, spec.numel), dtype=spec.dtype)
+        for start, n in _blocks(spec, block_numel):
+            block = scratch[:n]
+            contribution.read_into(spec, start, block)
+            if not bool(torch.isfinite(block).all()):
+                return f"non-finite values (NaN or Inf) in tensor {spec.name!r}"
+            if max_norm is not None:
+                sum_sq += float(block.double().square().sum())
+    if max_norm is not None and math.sqrt(sum_sq) > max_norm:
+        return f"L2 norm {math.sqrt(sum_sq):.6g} exceeds max_norm={max_norm:g}"
+    return None
+
+
+def aggregate_into(
+    targets: Sequence[Tensor],
+    contributions: Sequence[Contribution],
+    layout: PayloadLayout,
+    *,
+    rule: str,
+    weights: Sequence[float] | None,
+    trim_ratio: float,
+    block_numel: int,
+) -> None:
+    """Overwrite ``targets`` (in layout order) with the aggregate of ``contributions``.
+
+    ``contributions`` are in island order; a target may itself be one of the contributions
+    (the aggregator's own tensors): each block is read from every contribution before it is
+    overwritten.
+    """
+    for spec, target in zip(layout.specs, targets, strict=True):
+        flat = target.view(-1)
+        scratch = torch.empty((len(contributions), min(block_numel, spec.numel)), dtype=spec.dtype)
+        for start, n in _blocks(spec, block_numel):
+            blocks = [scratch[i, :n] for i in range(len(contributions))]
+            for contribution, block in zip(contributions, blocks, strict=True):
+                contribution.read_into(spec, start, block)
+            result = aggregate(rule, blocks, weights=weights, trim_ratio=trim_ratio)
+            flat[start : start + n].copy_(result)

@@ -1,0 +1,239 @@
+"""The layout of one round's payload: names, shapes and dtypes, in order, and their bytes.
+
+A payload is the concatenation of its tensors' raw bytes in layout order. The same byte stream
+is three things at once, which is what lets the swarm transport stream without copies of whole
+models:
+- on the wire, it is cut into fixed-size chunks (``chunk_pieces`` says which tensor bytes fall
+  into chunk ``k``; ``pack_chunk`` / ``unpack_chunk`` copy them);
+- on disk, it is the data section of a safetensors file whose header ``safetensors_header``
+  computes ahead from the layout alone, so a receiver can size the file up front and write
+  chunk ``k`` at ``header + k * chunk_bytes`` as it arrives;
+- in memory (offload off), it is one flat uint8 buffer viewed per tensor.
+
+Spool files declare every tensor flattened to one dimension (the true shapes travel in the wire
+description, ``to_json``), so a reader can take any element range of a tensor with
+``get_slice``: aggregation then works in blocks of bounded size however large one parameter is.
+
+Peer descriptions are untrusted input: ``from_json`` validates them and raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# safetensors dtype codes for the dtypes a payload may carry.
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a payload: its place in the byte stream."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # first byte in the payload stream
+    index: int  # position in the layout
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ChunkPiece:
+    """Bytes ``[tensor_start, tensor_start + length)`` of tensor ``index`` sit at
+    ``chunk_start`` in the chunk."""
+
+    index: int
+    tensor_start: int
+    chunk_start: int
+    length: int
+
+
+class PayloadLayout:
+    """Ordered tensor specs; equal layouts describe byte-compatible payloads."""
+
+    def __init__(self, entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        specs: list[TensorSpec] = []
+        offset = 0
+        for index, (name, shape, dtype) in enumerate(entries):
+            spec = TensorSpec(
+                name=name, shape=tuple(shape), dtype=dtype, offset=offset, index=index
+            )
+            specs.append(spec)
+            offset += spec.nbytes
+        self.specs: tuple[TensorSpec, ...] = tuple(specs)
+        self.data_bytes = offset
+        self._starts = [s.offset for s in specs]
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Tensor]) -> PayloadLayout:
+        """The layout of ``tensors`` in mapping order.
+
+        Raises:
+            ValueError: a tensor is not contiguous, or its dtype cannot travel.
+        """
+        entries = []
+        for name, t in tensors.items():
+            if t.dtype not in DTYPE_CODES:
+                raise ValueError(
+                    f"tensor {name!r} has dtype {t.dtype}, which the swarm transport cannot "
+                    f"send; use one of {sorted(str(d) for d in DTYPE_CODES)}"
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"tensor {name!r} is not contiguous; pass .contiguous() tensors")
+            entries.append((name, tuple(t.shape), t.dtype))
+        return cls(entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PayloadLayout) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        return tuple((s.name, s.shape, DTYPE_CODES[s.dtype]) for s in self.specs)
+
+    # -- wire description ---------------------------------------------------------------------
+    def to_json(self) -> bytes:
+        """Deterministic description (names, shapes, dtype codes) sent ahead of a payload."""
+        items = [[s.name, list(s.shape), DTYPE_CODES[s.dtype]] for s in self.specs]
+        return json.dumps(items, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, blob: bytes) -> PayloadLayout:
+        """Parse a peer's description.
+
+        Raises:
+            ValueError: the description is not valid JSON of the expected form.
+        """
+        try:
+            items = json.loads(blob.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"payload description is not valid JSON ({err})") from err
+        if not isinstance(items, list):
+            raise ValueError("payload description must be a JSON list of [name, shape, dtype]")
+        entries = []
+        for item in items:
+            ok = (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[0], str)
+                and isinstance(item[1], list)
+                and all(isinstance(d, int) and d >= 0 for d in item[1])
+                and item[2] in CODE_DTYPES
+            )
+            if not ok:
+                raise ValueError(f"malformed payload description entry {str(item)[:200]}")
+            entries.append((item[0], tuple(item[1]), CODE_DTYPES[item[2]]))
+        return cls(entries)
+
+    def difference(self, other: PayloadLayout) -> str | None:
+        """Human-readable first difference between ``other`` (a peer's) and this layout."""
+        if self == other:
+            return None
+        mine = {s.name: s for s in self.specs}
+        theirs = {s.name: s for s in other.specs}
+        missing = [n for n in mine if n not in theirs]
+        extra = [n for n in theirs if n not in mine]
+        if missing or extra:
+            return f"names differ (missing {missing[:3]}, unexpected {extra[:3]})"
+        for s in self.specs:
+            o = theirs[s.name]
+            if (o.shape, o.dtype) != (s.shape, s.dtype):
+                return (
+                    f"tensor {s.name!r} is {list(o.shape)} {o.dtype}, expected "
+                    f"{list(s.shape)} {s.dtype}"
+                )
+        return "tensor order differs"
+
+    # -- safetensors file ---------------------------------------------------------------------
+    def safetensors_header(self, metadata: Mapping[str, str] | None = None) -> bytes:
+        """The first bytes of the spool file: 8-byte little-endian length + padded JSON.
+
+        Tensors are declared flat (shape ``[numel]``) at their payload offsets.
+        """
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        for s in self.specs:
+            header[s.name] = {
+                "dtype": DTYPE_CODES[s.dtype],
+                "shape": [s.numel],
+                "data_offsets": [s.offset, s.offset + s.nbytes],
+            }
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        return struct.pack("<Q", len(blob)) + blob
+
+    # -- chunking -----------------------------------------------------------------------------
+    def num_chunks(self, chunk_bytes: int) -> int:
+        return -(-self.data_bytes // chunk_bytes)
+
+    def chunk_pieces(self, k: int, chunk_bytes: int) -> list[ChunkPiece]:
+        """Which tensor bytes make up chunk ``k`` of the payload stream."""
+        lo = k * chunk_bytes
+        hi = min(lo + chunk_bytes, self.data_bytes)
+        pieces = []
+        index = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        while index < len(self.specs) and self.specs[index].offset < hi:
+            s = self.specs[index]
+            start = max(lo, s.offset)
+            stop = min(hi, s.offset + s.nbytes)
+            if stop > start:
+                pieces.append(ChunkPiece(index, start - s.offset, start - lo, stop - start))
+            index += 1
+        return pieces
+
+
+def byte_view(t: Tensor) -> Tensor:
+    """A flat uint8 view of a contiguous tensor's storage (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def pack_chunk(
+    sources: Sequence[Tensor], layout: PayloadLayout, k: int, chunk_bytes: int, out: Tensor
+) -> int:
+    """Copy chunk ``k`` of the stream of ``sources`` (uint8 views) into ``out``; return its size."""
+    size = 0
+    for p in layout.chunk_pieces(k, chunk_bytes):
+        out[p.chunk_start : p.chunk_start + p.length].copy_(
+            sources[p.index][p.tensor_start : p.tensor_start + p.length]
+        )
+        size = p.chunk_start + p.length
+    return size
+
+
+def unpack_chunk(
+    chunk: Tensor, layout: PayloadLayout, k: int, chunk_bytes: int, targets: Sequence[Tensor]
+) -> None:
+    """Copy chunk ``k`` (uint8) back into ``targets`` (uint8 views), the inverse of pack."""
+    for p in layout.chunk_pieces(k, chunk_bytes):
+        targets[p.index][p.tensor_start : p.tensor_start + p.length].copy_(
+            chunk[p.chunk_start : p.chunk_start + p.length]
+        )

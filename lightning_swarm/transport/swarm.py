@@ -1,0 +1,567 @@
+"""Swarm transport: a rotating aggregator that spools, validates and aggregates, then broadcasts.
+
+Round ``r`` is aggregated by island ``r % num_islands``; every rank computes this itself, so no
+message elects it. One round, over the peer group (one rank per island):
+1. Each other island sends the aggregator a descriptor (description length, payload bytes,
+   chunk bytes), the description of its payload (names, shapes, dtypes) and then its payload in
+   fixed-size chunks, double-buffered, through torch.distributed point-to-point ops.
+2. The aggregator receives from all peers at once (two chunks in flight per peer) and writes
+   each chunk straight into that peer's sink: a preallocated safetensors spool file
+   (``offload=True``) or a flat in-memory buffer (``offload=False``). A peer whose description
+   differs from the aggregator's own is received into a discard sink and rejected. It never
+   holds a whole peer payload in RAM with offload on: at most two chunks per peer.
+3. Validation: finite values and an optional L2 norm bound, read back one block at a time.
+   Rejected contributions are logged with their island and left out. The aggregator's own
+   contribution (the caller's tensors) stays in memory and is validated the same way.
+4. With at least ``min_contributions`` accepted, the aggregation rule runs block by block over
+   the accepted contributions in island order, writing into the aggregator's own tensors.
+5. The aggregator sends every peer a status (applied / skipped / failed, and each island's
+   verdict), then the result in chunks (a point-to-point fan-out, so byte counts are exact).
+   Each rank unpacks it into its own tensors: ordinary in-memory tensors everywhere.
+6. The round's spool files are deleted (``Spool.release_round`` waits for leases).
+
+Failure modes: too few accepted contributions -> ``RoundStats(applied=False)`` and a warning
+on every rank. A spool that cannot be written or read (disk full, unwritable root, truncated or
+corrupt file) -> every rank raises ``SwarmRoundError`` after the peers' sends completed, with
+no spool file left; the caller's anchors are untouched. A rank whose own layout was rejected
+raises ``ValueError``.
+
+Results are identical whichever island aggregates and whether offload is on: contributions
+always enter the rule in island order, and blocking does not change elementwise results.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_swarm.algorithm.robust import AGGREGATIONS
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.contributions import (
+    Contribution,
+    DiscardSink,
+    MemoryContribution,
+    MemorySink,
+    Sink,
+    SpoolSink,
+    aggregate_into,
+    check_values,
+)
+from lightning_swarm.transport.layout import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+from lightning_swarm.transport.spool import Spool, SpoolError
+
+log = logging.getLogger(__name__)
+
+APPLIED, SKIPPED, FAILED = 0, 1, 2
+ACCEPTED, NON_FINITE, ABOVE_NORM, BAD_LAYOUT = 0, 1, 2, 3
+_VERDICT_TEXT = {NON_FINITE: "non-finite values", ABOVE_NORM: "norm above max_norm"}
+_TAG_DESCRIPTOR, _TAG_DESCRIPTION, _TAG_CHUNK, _TAG_STATUS, _TAG_RESULT = 51, 52, 53, 54, 55
+
+
+class SwarmRoundError(RuntimeError):
+    """A swarm round failed on the aggregator (spool trouble); anchors must stay unchanged."""
+
+
+@dataclass
+class RoundReport:
+    """What this rank knows about the last round (the aggregator knows every verdict)."""
+
+    round_index: int
+    aggregator: int
+    status: str = "applied"
+    accepted: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _PeerPlan:
+    island: int
+    data_bytes: int
+    chunk_bytes: int
+    layout_problem: str | None
+
+
+class SwarmTransport:
+    """Rotating-aggregator transport; see the module docstring.
+
+    Args:
+        group: the peer group (one rank per island, ordered by island); ``None`` = default.
+        num_islands: size of the peer group.
+        island_index: this rank's island.
+        offload: spool peer payloads to disk (``True``) or hold them in memory.
+        spool_dir: where the run's spool root is created (``None``: TMPDIR).
+        aggregation: one of ``mean``, ``weighted_mean``, ``median``, ``trimmed_mean``.
+        trim_ratio: fraction trimmed at each end by ``trimmed_mean``.
+        min_contributions: accepted contributions (the aggregator's own included) a round needs.
+        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
+        island_weights: one weight per island for ``weighted_mean``.
+        chunk_bytes: bytes per message and the block size of validation and aggregation.
+        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+        device: where send/receive buffers live (``cpu`` for gloo, ``cuda`` for NCCL).
+        spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
+
+    Raises:
+        ValueError: an option is out of range for this topology.
+        SpoolError: the spool root cannot be created.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        island_index: int,
+        offload: bool = True,
+        spool_dir: str | None = None,
+        aggregation: str = "mean",
+        trim_ratio: float = 0.0,
+        min_contributions: int = 1,
+        max_norm: float | None = None,
+        island_weights: Sequence[float] | None = None,
+        chunk_bytes: int = 4 * 2**20,
+        cleanup_timeout_s: float = 60.0,
+        device: torch.device | str = "cpu",
+        spool: Spool | None = None,
+    ) -> None:
+        _check_options(num_islands, island_index, aggregation, min_contributions, chunk_bytes)
+        if aggregation == "weighted_mean" and (
+            island_weights is None or len(island_weights) != num_islands
+        ):
+            raise ValueError(
+                f"aggregation='weighted_mean' needs island_weights with one weight per island "
+                f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
+            )
+        self.group, self.num_islands, self.island_index = group, num_islands, island_index
+        self.offload, self.aggregation, self.trim_ratio = offload, aggregation, trim_ratio
+        self.min_contributions, self.max_norm = min_contributions, max_norm
+        self.island_weights = list(island_weights) if island_weights is not None else None
+        self.chunk_bytes, self.device = chunk_bytes, torch.device(device)
+        self._spool = spool
+        if self._spool is None and offload and num_islands > 1:
+            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self._ranks = _global_ranks(group, num_islands)
+        self._sequence = 0  # average() calls so far: names spool rounds uniquely
+        self.total = RoundStats()
+        self.last_round: RoundReport | None = None
+
+    # -- public ----------------------------------------------------------------------------
+    def aggregator_of(self, round_index: int) -> int:
+        """The island that aggregates round ``round_index`` (round-robin)."""
+        return round_index % self.num_islands
+
+    def spool_bytes(self) -> int:
+        """Bytes the spool currently holds on disk (0 without offload)."""
+        return self._spool.disk_bytes if self._spool is not None else 0
+
+    def peak_spool_bytes(self) -> int:
+        return self._spool.peak_disk_bytes if self._spool is not None else 0
+
+    @property
+    def spool(self) -> Spool | None:
+        return self._spool
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Aggregate ``tensors`` across islands in place; collective over the peer group."""
+        start = time.perf_counter()
+        layout = PayloadLayout.from_tensors(tensors)
+        targets = list(tensors.values())
+        round_id, self._sequence = self._sequence, self._sequence + 1
+        aggregator = self.aggregator_of(round_index)
+        self.last_round = RoundReport(round_index, aggregator)
+        if self.num_islands == 1:
+            stats = RoundStats(num_contributions=1)
+        elif aggregator == self.island_index:
+            stats = self._aggregate(layout, targets, round_index, round_id)
+        else:
+            stats = self._contribute(layout, targets, round_index)
+        stats.wall_s = time.perf_counter() - start
+        self.total.bytes_sent += stats.bytes_sent
+        self.total.bytes_received += stats.bytes_received
+        self.total.wall_s += stats.wall_s
+        return stats
+
+    def close(self) -> None:
+        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
+        if self._spool is not None:
+            self._spool.close()
+
+    # -- a peer's round --------------------------------------------------------------------
+    def _contribute(
+        self, layout: PayloadLayout, targets: list[Tensor], round_index: int
+    ) -> RoundStats:
+        report = self.last_round
+        assert report is not None
+        dst = self._ranks[report.aggregator]
+        description = torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8)
+        head = torch.tensor([description.numel(), layout.data_bytes, self.chunk_bytes])
+        works = [
+            self._isend(head, dst, _TAG_DESCRIPTOR),
+            self._isend(description, dst, _TAG_DESCRIPTION),
+        ]
+        sent = head.numel() * 8 + description.numel()
+        sent += self._send_stream([dst], layout, targets, self.chunk_bytes, _TAG_CHUNK)
+        for w in works:
+            w.wait()
+        status = torch.empty(4 + self.num_islands, dtype=torch.int64)
+        self._irecv(status, dst, _TAG_STATUS).wait()
+        stats = RoundStats(bytes_sent=sent, bytes_received=status.numel() * 8)
+        code, accepted, _, result_chunk = (int(v) for v in status[:4])
+        verdict = int(status[4 + self.island_index])
+        stats.num_contributions = accepted
+        if verdict == BAD_LAYOUT:
+            raise ValueError(
+                f"swarm round {round_index}: this island's pseudo-gradient layout (names, shapes, "
+                f"dtypes) differs from the aggregator's (island {report.aggregator}); its log "
+                "names the first difference. Every island must train the same parameters."
+            )
+        if verdict != ACCEPTED:
+            log.warning(
+                "swarm round %d: the aggregator rejected this island's contribution (%s)",
+                round_index,
+                _VERDICT_TEXT.get(verdict, verdict),
+            )
+        if code == FAILED:
+            report.status = "failed"
+            raise SwarmRoundError(
+                f"swarm round {round_index} failed on the aggregator (island "
+                f"{report.aggregator}): it could not spool the contributions (disk full, "
+                "unwritable spool_dir, or a truncated/corrupt spool file; its own error says "
+                "which). Anchors are unchanged."
+            )
+        if code == SKIPPED:
+            report.status = "skipped"
+            stats.applied = False
+            self._warn_skipped(round_index, accepted)
+            return stats
+        stats.bytes_received += self._recv_stream(dst, layout, targets, result_chunk)
+        return stats
+
+    # -- the aggregator's round ------------------------------------------------------------
+    def _aggregate(
+        self, layout: PayloadLayout, targets: list[Tensor], round_index: int, round_id: int
+    ) -> RoundStats:
+        report = self.last_round
+        assert report is not None
+        contributions: dict[int, Contribution] = {}
+        stats = RoundStats()
+        try:
+            plans, stats.bytes_received = self._recv_descriptions(layout)
+            sinks, failure = self._open_sinks(plans, layout, round_id)
+            received, failure = self._recv_payloads(plans, sinks, failure)
+            stats.bytes_received += received
+            failure = _finish_sinks(sinks, contributions, failure)
+            verdicts = {p.island: BAD_LAYOUT for p in plans if p.layout_problem}
+            for p in plans:
+                if p.layout_problem:
+                    self._log_rejection(round_index, p.island, p.layout_problem)
+            code = FAILED
+            if failure is None:
+                own = MemoryContribution(self.island_index, targets)
+                contributions[self.island_index] = own
+                code = self._validate_and_aggregate(layout, targets, contributions, verdicts)
+            status = self._status(code, verdicts, layout)
+            stats.bytes_sent = self._send_status(status)
+            if code == APPLIED:
+                receivers = [self._ranks[p.island] for p in plans if p.layout_problem is None]
+                stats.bytes_sent += self._send_stream(
+                    receivers, layout, targets, self.chunk_bytes, _TAG_RESULT
+                )
+        finally:
+            for c in contributions.values():
+                c.close()
+            if self._spool is not None:
+                self._spool.release_round(round_id)
+        stats.num_contributions = int(status[1])
+        return self._conclude(stats, code, failure, round_index)
+
+    def _conclude(
+        self, stats: RoundStats, code: int, failure: SpoolError | None, round_index: int
+    ) -> RoundStats:
+        report = self.last_round
+        assert report is not None
+        if failure is not None:
+            report.status = "failed"
+            raise SwarmRoundError(
+                f"swarm round {round_index} failed on this aggregator (island "
+                f"{self.island_index}): {failure}. Anchors are unchanged."
+            ) from failure
+        if code == SKIPPED:
+            report.status = "skipped"
+            stats.applied = False
+            self._warn_skipped(round_index, stats.num_contributions)
+        return stats
+
+    def _validate_and_aggregate(
+        self,
+        layout: PayloadLayout,
+        targets: list[Tensor],
+        contributions: dict[int, Contribution],
+        verdicts: dict[int, int],
+    ) -> int:
+        report = self.last_round
+        assert report is not None
+        block_numel = max(1, self.chunk_bytes // 4)
+        accepted: list[Contribution] = []
+        for island in sorted(contributions):
+            c = contributions[island]
+            problem = check_values(c, layout, max_norm=self.max_norm, block_numel=block_numel)
+            if problem is None:
+                verdicts[island] = ACCEPTED
+                accepted.append(c)
+            else:
+                verdicts[island] = NON_FINITE if problem.startswith("non-finite") else ABOVE_NORM
+                self._log_rejection(report.round_index, island, problem)
+        report.accepted = [c.island for c in accepted]
+        if len(accepted) < self.min_contributions:
+            return SKIPPED
+        weights = None
+        if self.island_weights is not None:
+            weights = [self.island_weights[c.island] for c in accepted]
+        aggregate_into(
+            targets,
+            accepted,
+            layout,
+            rule=self.aggregation,
+            weights=weights,
+            trim_ratio=self.trim_ratio,
+            block_numel=block_numel,
+        )
+        return APPLIED
+
+    def _recv_descriptions(self, layout: PayloadLayout) -> tuple[list[_PeerPlan], int]:
+        peers = [i for i in range(self.num_islands) if i != self.island_index]
+        heads = {i: torch.empty(3, dtype=torch.int64) for i in peers}
+        for w in [self._irecv(heads[i], self._ranks[i], _TAG_DESCRIPTOR) for i in peers]:
+            w.wait()
+        blobs = {i: torch.empty(int(heads[i][0]), dtype=torch.uint8) for i in peers}
+        for w in [self._irecv(blobs[i], self._ranks[i], _TAG_DESCRIPTION) for i in peers]:
+            w.wait()
+        plans, received = [], 0
+        for i in peers:
+            description_len, data_bytes, chunk_bytes = (int(v) for v in heads[i])
+            received += 24 + description_len
+            plans.append(
+                _PeerPlan(i, data_bytes, max(1, chunk_bytes), _layout_problem(layout, blobs[i]))
+            )
+        return plans, received
+
+    def _open_sinks(
+        self, plans: list[_PeerPlan], layout: PayloadLayout, round_id: int
+    ) -> tuple[dict[int, Sink], SpoolError | None]:
+        sinks: dict[int, Sink] = {}
+        failure: SpoolError | None = None
+        for p in plans:
+            if p.layout_problem is not None or failure is not None:
+                sinks[p.island] = DiscardSink()
+            elif self._spool is None:
+                sinks[p.island] = MemorySink(p.island, layout)
+            else:
+                try:
+                    sinks[p.island] = SpoolSink(
+                        self._spool, round_id, p.island, layout, remap_bytes=self.chunk_bytes
+                    )
+                except SpoolError as err:
+                    failure = err
+                    sinks[p.island] = DiscardSink()
+        return sinks, failure
+
+    def _recv_payloads(
+        self, plans: list[_PeerPlan], sinks: dict[int, Sink], failure: SpoolError | None
+    ) -> tuple[int, SpoolError | None]:
+        """Receive every peer's chunks concurrently into its sink; drain after a failure."""
+        queues: dict[int, deque[tuple[int, dist.Work, Tensor]]] = {}
+        buffers: dict[int, list[Tensor]] = {}
+        for p in plans:
+            size = min(p.chunk_bytes, max(p.data_bytes, 1))
+            buffers[p.island] = [
+                torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)
+            ]
+            queues[p.island] = deque()
+            for k in range(min(2, _num_chunks(p))):
+                queues[p.island].append(self._post_chunk(p, k, buffers[p.island][k % 2]))
+        received = 0
+        by_island = {p.island: p for p in plans}
+        while any(queues.values()):
+            for island, queue in queues.items():
+                if not queue:
+                    continue
+                p = by_island[island]
+                k, work, chunk = queue.popleft()
+                work.wait()
+                received += chunk.numel()
+                try:
+                    sinks[island].write(k * p.chunk_bytes, chunk)
+                except SpoolError as err:
+                    failure = failure or err
+                    sinks[island] = DiscardSink()  # the writer already removed its file
+                if k + 2 < _num_chunks(p):
+                    queue.append(self._post_chunk(p, k + 2, buffers[island][k % 2]))
+        if failure is not None:
+            for sink in sinks.values():
+                sink.abort()
+        return received, failure
+
+    def _post_chunk(self, p: _PeerPlan, k: int, buffer: Tensor) -> tuple[int, dist.Work, Tensor]:
+        n = min(p.chunk_bytes, p.data_bytes - k * p.chunk_bytes)
+        chunk = buffer[:n]
+        return k, self._irecv(chunk, self._ranks[p.island], _TAG_CHUNK), chunk
+
+    def _status(self, code: int, verdicts: dict[int, int], layout: PayloadLayout) -> Tensor:
+        status = torch.zeros(4 + self.num_islands, dtype=torch.int64)
+        status[0] = code
+        status[1] = sum(1 for v in verdicts.values() if v == ACCEPTED) if code != FAILED else 0
+        status[2], status[3] = layout.data_bytes, self.chunk_bytes
+        for island, verdict in verdicts.items():
+            status[4 + island] = verdict
+        return status
+
+    def _send_status(self, status: Tensor) -> int:
+        peers = [self._ranks[i] for i in range(self.num_islands) if i != self.island_index]
+        for w in [self._isend(status, r, _TAG_STATUS) for r in peers]:
+            w.wait()
+        return status.numel() * 8 * len(peers)
+
+    # -- streams ---------------------------------------------------------------------------
+    def _send_stream(
+        self,
+        dsts: list[int],
+        layout: PayloadLayout,
+        sources: list[Tensor],
+        chunk_bytes: int,
+        tag: int,
+    ) -> int:
+        """Send the payload of ``sources`` to every rank in ``dsts``, two chunks in flight."""
+        views = [byte_view(t) for t in sources]
+        size = min(chunk_bytes, max(layout.data_bytes, 1))
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        inflight: list[list[dist.Work]] = [[], []]
+        sent = 0
+        for k in range(layout.num_chunks(chunk_bytes)):
+            slot = k % 2
+            for w in inflight[slot]:
+                w.wait()
+            n = pack_chunk(views, layout, k, chunk_bytes, buffers[slot])
+            inflight[slot] = [self._isend(buffers[slot][:n], dst, tag) for dst in dsts]
+            sent += n * len(dsts)
+        for works in inflight:
+            for w in works:
+                w.wait()
+        return sent
+
+    def _recv_stream(
+        self, src: int, layout: PayloadLayout, targets: list[Tensor], chunk_bytes: int
+    ) -> int:
+        """Receive a payload from ``src`` into ``targets``, two chunks in flight."""
+        views = [byte_view(t) for t in targets]
+        size = min(chunk_bytes, max(layout.data_bytes, 1))
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        total = layout.num_chunks(chunk_bytes)
+
+        def post(k: int) -> tuple[dist.Work, Tensor]:
+            n = min(chunk_bytes, layout.data_bytes - k * chunk_bytes)
+            chunk = buffers[k % 2][:n]
+            return self._irecv(chunk, src, _TAG_RESULT), chunk
+
+        pending = deque(post(k) for k in range(min(2, total)))
+        for k in range(total):
+            work, chunk = pending.popleft()
+            work.wait()
+            unpack_chunk(chunk, layout, k, chunk_bytes, views)
+            if k + 2 < total:
+                pending.append(post(k + 2))
+        return layout.data_bytes
+
+    # -- small helpers ---------------------------------------------------------------------
+    def _isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
+        work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        assert work is not None, "this rank is not a member of the peer group"
+        return work
+
+    def _irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
+        work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
+        assert work is not None, "this rank is not a member of the peer group"
+        return work
+
+    def _log_rejection(self, round_index: int, island: int, problem: str) -> None:
+        report = self.last_round
+        assert report is not None
+        report.rejected[island] = problem
+        log.warning(
+            "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
+            round_index,
+            island,
+            problem,
+        )
+
+    def _warn_skipped(self, round_index: int, accepted: int) -> None:
+        warnings.warn(
+            f"swarm round {round_index} skipped: {accepted} of {self.num_islands} contributions "
+            f"were accepted, fewer than min_contributions={self.min_contributions}; anchors "
+            "are unchanged (see the aggregator's log for the rejected islands)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _num_chunks(p: _PeerPlan) -> int:
+    return -(-p.data_bytes // p.chunk_bytes)
+
+
+def _layout_problem(layout: PayloadLayout, blob: Tensor) -> str | None:
+    try:
+        theirs = PayloadLayout.from_json(blob.numpy().tobytes())
+    except ValueError as err:
+        return f"unreadable payload description ({err})"
+    difference = layout.difference(theirs)
+    return None if difference is None else f"payload layout differs: {difference}"
+
+
+def _finish_sinks(
+    sinks: dict[int, Sink], contributions: dict[int, Contribution], failure: SpoolError | None
+) -> SpoolError | None:
+    """Commit every sink into a contribution; the first spool error wins."""
+    for island, sink in sinks.items():
+        if failure is not None:
+            sink.abort()
+            continue
+        try:
+            finished = sink.finish()
+        except SpoolError as err:
+            failure = err
+            continue
+        if finished is not None:
+            contributions[island] = finished
+    return failure
+
+
+def _global_ranks(group: dist.ProcessGroup | None, num_islands: int) -> list[int]:
+    """Global rank of each island's member of the peer group (the group is ordered by island)."""
+    if num_islands == 1 or group is None or group is dist.group.WORLD:
+        return list(range(num_islands))
+    return [dist.get_global_rank(group, i) for i in range(num_islands)]
+
+
+def _check_options(
+    num_islands: int, island_index: int, aggregation: str, min_contributions: int, chunk: int
+) -> None:
+    if not 0 <= island_index < num_islands:
+        raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(
+            f"aggregation={aggregation!r} is not known; choose one of {list(AGGREGATIONS)}"
+        )
+    if not 1 <= min_contributions <= num_islands:
+        raise ValueError(
+            f"min_contributions={min_contributions} must lie in 1..{num_islands} (the number of "
+            "islands); a larger value would skip every round"
+        )
+    if chunk < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk}; e.g. 4 MiB per chunk")
