@@ -157,7 +157,7 @@ class FakePsutil:
     def __init__(self, rss: int = 123 * 2**20, available: int = 7 * 2**30, fail: bool = False):
         self.rss, self.available, self.fail = rss, available, fail
 
-    def Process(self) -> Any:  # noqa: N802 - psutil's name
+    def Process(self) -> Any:
         if self.fail:
             raise PermissionError("/proc is not readable")
         return SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=self.rss))

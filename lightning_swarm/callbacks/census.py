@@ -31,7 +31,7 @@ The callback holds no tensors: it reads anchor addresses and sizes, never keeps 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,7 +42,10 @@ from typing_extensions import override
 from lightning_swarm.memory.allocator import CounterClassifier, byte_counters, counter_metrics
 from lightning_swarm.memory.procfs import ProcReader, file_backed_overlap
 from lightning_swarm.memory.sampler import HostSampler, RunSummary
-from lightning_swarm.strategy import SwarmStrategy
+
+if TYPE_CHECKING:
+    # strategy.py may import lightning_swarm.callbacks (resume glue); import it where used.
+    from lightning_swarm.strategy import SwarmStrategy
 
 AllocatorStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 
@@ -198,7 +201,9 @@ class HostMemoryCensus(Callback):
             return {None: metrics}
         if trainer.world_size == 1 or not torch.distributed.is_initialized():
             return {trainer.global_rank: metrics}
-        gathered: list[Any] | None = [None] * trainer.world_size if trainer.global_rank == 0 else None
+        gathered: list[Any] | None = None
+        if trainer.global_rank == 0:
+            gathered = [None] * trainer.world_size
         torch.distributed.gather_object(metrics, gathered, dst=0)
         if gathered is None:
             return None
@@ -206,6 +211,8 @@ class HostMemoryCensus(Callback):
 
     # -- strategy state -------------------------------------------------------------------
     def _swarm_metrics(self, trainer: pl.Trainer, *, slow: bool) -> dict[str, float]:
+        from lightning_swarm.strategy import SwarmStrategy  # a dict lookup once imported
+
         strategy = trainer.strategy
         if not isinstance(strategy, SwarmStrategy):
             return {}
