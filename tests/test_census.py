@@ -244,6 +244,29 @@ def test_file_backed_anchor_bytes(tmp_path: Path) -> None:
     assert "swarm/anchor_file_backed_bytes" not in census.collect(trainer, slow=False)
 
 
+class SpoolingTransport:
+    """A transport stand-in that reports spool usage (the swarm transport's accessor)."""
+
+    def __init__(self, disk_bytes: int) -> None:
+        self.disk_bytes = disk_bytes
+
+    def spool_bytes(self) -> int:
+        return self.disk_bytes
+
+
+def test_spool_bytes_only_when_transport_has_them() -> None:
+    census = HostMemoryCensus()
+    trainer, logger = fit([census])
+    assert not any("spool" in k for _, m in logger.census() for k in m)
+    strategy = trainer.strategy
+    assert isinstance(strategy, SwarmStrategy)
+    transport = SpoolingTransport(12345)
+    strategy._transport = transport  # type: ignore[assignment]
+    assert census.collect(trainer, slow=False)["swarm/spool_bytes"] == 12345
+    transport.disk_bytes = 0  # drained after the round: read afresh, not cached
+    assert census.collect(trainer, slow=False)["swarm/spool_bytes"] == 0
+
+
 def test_all_ranks_gathers_to_rank0(tmp_path: Path) -> None:
     pl.seed_everything(3)
     trainer = pl.Trainer(

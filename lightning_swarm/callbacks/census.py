@@ -10,10 +10,11 @@ The census exists to tell a leak from a sawtooth on long runs. Each key names it
   anchor bytes live in file-backed mappings (``swarm/anchor_file_backed_bytes``, from
   ``/proc/self/maps``);
 - under a ``SwarmStrategy``, its resident state: ``swarm/anchor_bytes``,
-  ``swarm/outer_state_bytes`` and, once the transport has a spool, ``swarm/spool_bytes``. These
-  change only at outer syncs, so they are recomputed when the outer-step count changes or on the
-  slow cadence and logged from that cache, which keeps the per-step cost independent of the
-  number of parameters;
+  ``swarm/outer_state_bytes`` and, where the transport has ``spool_bytes()`` (a running count,
+  read every census step), ``swarm/spool_bytes``. Anchor and outer-state sizes change only at
+  outer syncs, so they are recomputed when the outer-step count changes or on the slow cadence
+  and logged from that cache, which keeps the per-step cost independent of the number of
+  parameters;
 - where CUDA is initialised, the device and pinned-host allocators' byte counters
   (``cuda_device/...``, ``cuda_host/...``), each with ``current``, ``freed``, ``peak`` and
   ``gauge`` (see ``lightning_swarm.memory.allocator``).
@@ -219,15 +220,16 @@ class HostMemoryCensus(Callback):
         key = (len(strategy.outer_syncs), strategy.totals.outer_steps)
         if slow or key != self._swarm_key:
             self._swarm_key = key
-            cache = {
+            self._swarm_cache = {
                 "swarm/anchor_bytes": float(strategy.anchor_bytes()),
                 "swarm/outer_state_bytes": float(strategy.outer_state_bytes()),
             }
-            spool_bytes = getattr(strategy.transport, "spool_bytes", None)
-            if callable(spool_bytes):
-                cache["swarm/spool_bytes"] = float(spool_bytes())
-            self._swarm_cache = cache
         out = dict(self._swarm_cache)
+        # The spool fills and drains inside a sync; the transport keeps a running byte count,
+        # so it is read afresh at every census step.
+        spool_bytes = getattr(strategy.transport, "spool_bytes", None)
+        if callable(spool_bytes):
+            out["swarm/spool_bytes"] = float(spool_bytes())
         if slow:
             backed = self._anchor_file_backed_bytes(strategy)
             if backed is not None:
