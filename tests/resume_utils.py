@@ -48,6 +48,16 @@ class DumpFinal(pl.Callback):
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
+        self.start_anchors: list[dict[str, Tensor]] = []
+        self.start_params: dict[str, Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        self.start_anchors = [
+            {k: v.clone() for k, v in o.anchors.items()} for o in strategy.outer_syncs
+        ]
+        self.start_params = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -62,6 +72,8 @@ class DumpFinal(pl.Callback):
             "optimizer": trainer.optimizers[0].state_dict(),
             "summary": resume[0].summary if resume else None,
             "global_step": trainer.global_step,
+            "start_anchors": self.start_anchors,
+            "start_params": self.start_params,
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(info, self.out_dir / f"rank{trainer.global_rank}.pt")

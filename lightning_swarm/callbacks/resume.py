@@ -23,10 +23,10 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from lightning_swarm.strategy import SwarmStrategy
 
 log = logging.getLogger("lightning_swarm")
+_T = TypeVar("_T")
 
 
 def current_fingerprint(strategy: SwarmStrategy) -> dict[str, Any]:
@@ -187,26 +188,20 @@ class SwarmResume(pl.Callback):
         if source is None:
             return
         use_mmap, how = resolve_mmap(strategy.config.anchors.mmap)
-        loaded: _Loaded | None = None
-        error: str | None = None
-        try:
-            compare_fingerprints(source.record["fingerprint"], current_fingerprint(strategy))
-            loaded = self._load(strategy, source, use_mmap)
-        except SwarmCheckpointError as err:
-            error = str(err)
-        except Exception as err:  # any failure must reach the other ranks, or they would hang
-            error = f"{type(err).__name__}: {err}"
-        _agree(strategy, error)
-        assert loaded is not None
+        # Every collective below runs on every rank in the same order, failures included.
+        own = _attempt(lambda: self._own_source(strategy, source))
+        newest = _newest(own, source)
+        loaded = _attempt(lambda: self._load(strategy, source, own, newest, use_mmap))
         warn_legacy(loaded.legacy)
         stale = self._install(strategy, loaded)
         self._pending = None
-        mib = sum(o.anchor_bytes for o in strategy.outer_syncs) / 2**20
+        kib = sum(o.anchor_bytes for o in strategy.outer_syncs) / 2**10
+        size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
         dtype = source.record.get("anchor_dtype")
         self.summary = (
             f"island {strategy.topology.island_index}: restored round(s) "
             f"{loaded.island['outer_steps']} at inner step(s) {loaded.island['inner_steps']}; "
-            f"anchors {mib:.1f} MiB ({how}{', legacy format read eagerly' if loaded.legacy else ''}"
+            f"anchors {size} ({how}{', legacy format read eagerly' if loaded.legacy else ''}"
             f", written as {dtype}); "
             + (
                 f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
@@ -218,6 +213,7 @@ class SwarmResume(pl.Callback):
         rank_zero_info(f"SwarmResume: {self.summary}")
 
     def _own_source(self, strategy: SwarmStrategy, main: _Source) -> _Source:
+        compare_fingerprints(main.record["fingerprint"], current_fingerprint(strategy))
         island = strategy.topology.island_index
         if island not in self.island_ckpt_paths:
             return main
@@ -238,8 +234,14 @@ class SwarmResume(pl.Callback):
         compare_fingerprints(record["fingerprint"], current_fingerprint(strategy))
         return _Source(path, record)
 
-    def _load(self, strategy: SwarmStrategy, main: _Source, use_mmap: bool) -> _Loaded:
-        own = self._own_source(strategy, main)
+    def _load(
+        self,
+        strategy: SwarmStrategy,
+        main: _Source,
+        own: _Source,
+        newest_source: tuple[list[int], str],
+        use_mmap: bool,
+    ) -> _Loaded:
         island = strategy.topology.island_index
         legacy: list[Path] = []
 
@@ -257,7 +259,7 @@ class SwarmResume(pl.Callback):
 
         island_state = read(own, island_file_name(island))
         own_anchors = read(own, ANCHORS_FILE)
-        newest_rounds, newest_path = _newest(own, main)
+        newest_rounds, newest_path = newest_source
         newest = own_anchors
         if newest_path != str(own.ckpt_path):
             # Every island must reach the newest source (shared filesystem, as for ckpt_path).
@@ -351,7 +353,22 @@ def _validate(
             check_anchor_shapes(state["anchors"], outer.params, source=directory / ANCHORS_FILE)
 
 
-def _agree(strategy: SwarmStrategy, error: str | None) -> None:
+def _attempt(step: Callable[[], _T]) -> _T:
+    """Run ``step`` on every rank; if it failed on any rank, raise on all of them."""
+    result: _T | None = None
+    error: str | None = None
+    try:
+        result = step()
+    except SwarmCheckpointError as err:
+        error = str(err)
+    except Exception as err:  # any failure must reach the other ranks, or they would hang
+        error = f"{type(err).__name__}: {err}"
+    _agree(error)
+    assert result is not None
+    return result
+
+
+def _agree(error: str | None) -> None:
     """Raise on every rank if any rank failed to load, so no rank waits forever on another."""
     errors = [error]
     if dist.is_available() and dist.is_initialized():

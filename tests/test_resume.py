@@ -1,0 +1,220 @@
+"""Exact resume through real Trainer runs (fork launcher, gloo, CPU).
+
+One uninterrupted run checkpoints after every step through ModelCheckpoint; runs resumed from
+its checkpoints with ``trainer.fit(ckpt_path=...)`` must end bitwise equal to it on every rank.
+``sync_every`` is 3, so step 2 is just before a sync, 3 is at one and 4 just after.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_swarm import SwarmStrategy
+from lightning_swarm.callbacks.resume import SwarmResume
+from lightning_swarm.checkpoint import ANCHORS_FILE, MMAP_ENV, swarm_root
+from tests.resume_utils import assert_bitwise_equal, fit, load_ranks
+
+MAX_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def full_run_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 islands of 1 rank, checkpoints after every step."""
+    root = tmp_path_factory.mktemp("full1")
+    fit(root / "out", devices=2, island_size=1, max_steps=MAX_STEPS, ckpt_dir=root / "ckpts")
+    return root
+
+
+def _ckpt(root: Path, step: int) -> Path:
+    return root / "ckpts" / f"step={step}.ckpt"
+
+
+def _resume_and_compare(
+    root: Path, tmp: Path, step: int, devices: int, island_size: int, **kw: object
+) -> list[dict]:
+    fit(
+        tmp / "resumed",
+        devices=devices,
+        island_size=island_size,
+        max_steps=MAX_STEPS,
+        ckpt_path=_ckpt(root, step),
+        **kw,  # type: ignore[arg-type]
+    )
+    full, resumed = load_ranks(root / "out", devices), load_ranks(tmp / "resumed", devices)
+    for rank in range(devices):
+        assert_bitwise_equal(full[rank], resumed[rank], f"resume at step {step}, rank {rank}")
+    return resumed
+
+
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_exact_resume_two_islands_of_one(full_run_1: Path, tmp_path: Path, step: int) -> None:
+    resumed = _resume_and_compare(full_run_1, tmp_path, step, devices=2, island_size=1)
+    for rank, info in enumerate(resumed):
+        assert f"island {rank}: restored round(s) [{step // 3}]" in info["summary"]
+        assert "memory-mapped" in info["summary"] and "no catch-up needed" in info["summary"]
+    # islands really differ between syncs at the stop point: rank 0's state alone would not do
+    if step % 3 != 0:
+        ckpt = torch.load(_ckpt(full_run_1, step), weights_only=True)
+        saved_id = ckpt["swarm"]["save_id"]
+        island1 = torch.load(
+            swarm_root(_ckpt(full_run_1, step)) / saved_id / "island-00001.pt", weights_only=True
+        )
+        assert not torch.equal(
+            ckpt["state_dict"]["net.0.weight"], island1["module"]["net.0.weight"]
+        )
+
+
+def test_checkpoint_layout_and_pruning(full_run_1: Path) -> None:
+    ckpt = torch.load(_ckpt(full_run_1, 4), weights_only=True)
+    record = ckpt["swarm"]
+    assert record["outer_steps"] == [1] and record["inner_steps"] == [4]
+    assert record["anchor_dtype"] == "float32" and record["fingerprint"]["num_islands"] == 2
+    saves = list(swarm_root(_ckpt(full_run_1, 4)).iterdir())
+    assert [p.name for p in saves] == [record["save_id"]]
+    assert sorted(p.name for p in saves[0].iterdir()) == [
+        ANCHORS_FILE,
+        "island-00000.pt",
+        "island-00001.pt",
+    ]
+
+
+def test_eager_switches_resume_exactly(
+    full_run_1: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resumed = _resume_and_compare(
+        full_run_1, tmp_path / "config", 4, devices=2, island_size=1, anchors={"mmap": False}
+    )
+    assert "eager read (anchors.mmap=false)" in resumed[0]["summary"]
+    monkeypatch.setenv(MMAP_ENV, "0")
+    resumed = _resume_and_compare(full_run_1, tmp_path / "env", 4, devices=2, island_size=1)
+    assert f"eager read ({MMAP_ENV}=0)" in resumed[1]["summary"]
+
+
+def test_legacy_anchor_file_resumes_exactly(full_run_1: Path, tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(full_run_1 / "ckpts", root / "ckpts")
+    shutil.copytree(full_run_1 / "out", root / "out")
+    ckpt = torch.load(_ckpt(root, 4), weights_only=True)
+    anchors = swarm_root(_ckpt(root, 4)) / ckpt["swarm"]["save_id"] / ANCHORS_FILE
+    torch.save(
+        torch.load(anchors, weights_only=True), anchors, _use_new_zipfile_serialization=False
+    )
+    resumed = _resume_and_compare(root, tmp_path, 4, devices=2, island_size=1)
+    assert "legacy format read eagerly" in resumed[0]["summary"]
+
+
+def test_plain_checkpoint_starts_fresh_anchors_from_its_weights(
+    full_run_1: Path, tmp_path: Path
+) -> None:
+    ckpt = torch.load(_ckpt(full_run_1, 4), weights_only=True)
+    del ckpt["swarm"]
+    plain = tmp_path / "plain.ckpt"
+    torch.save(ckpt, plain)
+    fit(tmp_path / "out", devices=2, island_size=1, max_steps=5, ckpt_path=plain)
+    for info in load_ranks(tmp_path / "out", 2):
+        assert info["summary"] is None
+        assert info["inner_steps"] == [1] and info["outer_steps"] == [0]
+        assert torch.equal(
+            info["start_anchors"][0]["net.0.weight"], ckpt["state_dict"]["net.0.weight"]
+        )
+
+
+def test_resume_with_other_island_count_fails_on_every_rank(
+    full_run_1: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(Exception, match="island count: checkpoint has 2, this run has 1"):
+        fit(tmp_path, devices=2, island_size=2, max_steps=MAX_STEPS, ckpt_path=_ckpt(full_run_1, 4))
+
+
+def test_damaged_island_file_fails_before_training(full_run_1: Path, tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(full_run_1 / "ckpts", root / "ckpts")
+    ckpt = torch.load(_ckpt(root, 4), weights_only=True)
+    island = swarm_root(_ckpt(root, 4)) / ckpt["swarm"]["save_id"] / "island-00001.pt"
+    island.write_bytes(island.read_bytes()[:100])
+    with pytest.raises(Exception, match=r"rank 1: swarm state file .*island-00001.pt is truncated"):
+        fit(
+            tmp_path / "out",
+            devices=2,
+            island_size=1,
+            max_steps=MAX_STEPS,
+            ckpt_path=_ckpt(root, 4),
+        )
+    assert not (tmp_path / "out").exists()  # no rank reached the end of a training run
+
+
+def test_rejoining_island_catches_up(full_run_1: Path, tmp_path: Path) -> None:
+    """Island 1 restores from step 2 (round 0), island 0 from step 7 (round 2)."""
+    old, new = _ckpt(full_run_1, 2), _ckpt(full_run_1, 7)
+    fit(
+        tmp_path / "out",
+        devices=2,
+        island_size=1,
+        max_steps=8,
+        ckpt_path=new,
+        callbacks=[SwarmResume(island_ckpt_paths={1: old})],
+    )
+    info = load_ranks(tmp_path / "out", 2)
+    assert "caught up optimizer(s) [0] to round(s) [2]" in info[1]["summary"]
+    assert "no catch-up needed" in info[0]["summary"]
+    old_ckpt, new_ckpt = (torch.load(p, weights_only=True) for p in (old, new))
+    old_dir = swarm_root(old) / old_ckpt["swarm"]["save_id"]
+    new_dir = swarm_root(new) / new_ckpt["swarm"]["save_id"]
+    local = torch.load(old_dir / "island-00001.pt", weights_only=True)["module"]
+    anchor_old = torch.load(old_dir / ANCHORS_FILE, weights_only=True)["outer"][0]["anchors"]
+    anchor_new = torch.load(new_dir / ANCHORS_FILE, weights_only=True)["outer"][0]["anchors"]
+    for name, value in local.items():
+        expected = anchor_new[name] + (value - anchor_old[name])
+        assert torch.equal(info[1]["start_params"][name], expected), name
+        assert torch.equal(info[1]["start_anchors"][0][name], anchor_new[name])
+    assert info[1]["outer_steps"] == [2] and info[1]["inner_steps"] == [8]
+
+
+def test_bfloat16_anchors_resume_exactly(tmp_path: Path) -> None:
+    root = tmp_path / "full"
+    fit(
+        root / "out",
+        devices=2,
+        island_size=1,
+        max_steps=MAX_STEPS,
+        ckpt_dir=root / "ckpts",
+        anchor_dtype=torch.bfloat16,
+    )
+    record = torch.load(_ckpt(root, 4), weights_only=True)["swarm"]
+    assert record["anchor_dtype"] == "bfloat16"
+    resumed = _resume_and_compare(
+        root, tmp_path, 4, devices=2, island_size=1, anchor_dtype=torch.bfloat16
+    )
+    assert resumed[0]["anchor_dtypes"] == ["torch.bfloat16"]
+    assert "written as bfloat16" in resumed[0]["summary"]
+
+
+@pytest.fixture(scope="module")
+def full_run_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 islands of 2 ranks (4 processes), checkpoints after every step."""
+    root = tmp_path_factory.mktemp("full2")
+    fit(root / "out", devices=4, island_size=2, max_steps=MAX_STEPS, ckpt_dir=root / "ckpts")
+    return root
+
+
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_exact_resume_two_islands_of_two(full_run_2: Path, tmp_path: Path, step: int) -> None:
+    resumed = _resume_and_compare(full_run_2, tmp_path, step, devices=4, island_size=2)
+    assert [f"island {r // 2}:" in info["summary"] for r, info in enumerate(resumed)] == [True] * 4
+
+
+def test_strategy_adds_one_resume_callback(tmp_path: Path) -> None:
+    strategy = SwarmStrategy()
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    first = strategy._resume_callback(trainer)
+    assert strategy._resume_callback(trainer) is first
+    assert sum(isinstance(c, SwarmResume) for c in trainer.callbacks) == 1

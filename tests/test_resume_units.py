@@ -1,0 +1,354 @@
+"""Swarm checkpoint pieces without a Trainer: files, fingerprints, catch-up, mapped restore."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_swarm import SwarmStrategy
+from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.callbacks.resume import SwarmResume
+from lightning_swarm.checkpoint import (
+    FORMAT_VERSION,
+    MMAP_ENV,
+    SwarmCheckpointError,
+    atomic_save,
+    check_anchor_shapes,
+    compare_fingerprints,
+    layout_fingerprint,
+    load_swarm_file,
+    prune_saves,
+    require_local_path,
+    resolve_mmap,
+    warn_legacy,
+)
+from lightning_swarm.config import AnchorConfig, SwarmConfig
+from lightning_swarm.memory import ProcReader
+from lightning_swarm.outer import OuterSync
+from lightning_swarm.transport.base import RoundStats
+
+OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+class OneIsland:
+    """A transport for a single island: the average of one contribution is itself."""
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        return RoundStats(num_contributions=1)
+
+    def close(self) -> None:
+        pass
+
+
+def _params(seed: int = 0, meta: bool = False) -> dict[str, torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (4, 3), "b": (3,)}
+    device = "meta" if meta else "cpu"
+    return {
+        k: torch.nn.Parameter(torch.randn(*s, generator=g).to(device)) for k, s in shapes.items()
+    }
+
+
+def _outer(params: Mapping[str, torch.nn.Parameter], **kw: object) -> OuterSync:
+    return OuterSync(params, outer_optimizer=OUTER, transport=OneIsland(), sync_every=2, **kw)  # type: ignore[arg-type]
+
+
+def _trained_outer(dtype: torch.dtype = torch.float32) -> tuple[OuterSync, dict[str, Tensor]]:
+    params = _params()
+    outer = _outer(params, anchor_dtype=dtype)
+    with torch.no_grad():
+        for step in range(5):  # two syncs (momentum exists) and one step past the second
+            for p in params.values():
+                p.add_(0.01 * (step + 1))
+            outer.on_inner_step()
+    return outer, params
+
+
+def _payload(outer: OuterSync) -> dict[str, object]:
+    return {"format": FORMAT_VERSION, "save_id": "s", "outer": [outer.state_dict()]}
+
+
+# -- OuterSync round trip ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_outer_state_round_trip_continues_identically(
+    tmp_path: Path, dtype: torch.dtype, mmap: bool
+) -> None:
+    outer, params = _trained_outer(dtype)
+    atomic_save(_payload(outer), tmp_path / "anchors.pt")
+    payload, legacy = load_swarm_file(tmp_path / "anchors.pt", mmap=mmap)
+    assert not legacy
+    twin_params = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
+    twin = _outer(twin_params, anchor_dtype=dtype, defer_anchors=True)
+    assert twin.anchors_deferred
+    twin.load_state_dict(payload["outer"][0])
+    assert not twin.anchors_deferred
+    assert (twin.inner_steps, twin.outer_steps) == (5, 2)
+    for name in params:
+        assert twin.anchors[name].dtype == dtype
+        assert torch.equal(twin.anchors[name], outer.anchors[name])
+    # one more round on both: bitwise the same trajectory (momentum restored too)
+    with torch.no_grad():
+        for p, q in zip(params.values(), twin_params.values(), strict=True):
+            p.add_(0.3)
+            q.add_(0.3)
+    outer.on_inner_step()
+    twin.on_inner_step()
+    for name in params:
+        assert torch.equal(twin.anchors[name], outer.anchors[name])
+        assert torch.equal(twin_params[name], params[name])
+
+
+def test_resume_converts_file_dtype_to_configured_anchor_dtype(tmp_path: Path) -> None:
+    outer, params = _trained_outer(torch.float32)
+    atomic_save(_payload(outer), tmp_path / "anchors.pt")
+    payload, _ = load_swarm_file(tmp_path / "anchors.pt", mmap=True)
+    twin = _outer(params, anchor_dtype=torch.bfloat16, defer_anchors=True)
+    twin.load_state_dict(payload["outer"][0])
+    for name in params:
+        assert twin.anchors[name].dtype == torch.bfloat16
+        assert torch.equal(twin.anchors[name], outer.anchors[name].to(torch.bfloat16))
+
+
+def test_sync_on_deferred_placeholders_fails_loudly() -> None:
+    outer = _outer(_params(), defer_anchors=True)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        outer.sync()
+
+
+def test_outer_load_rejects_wrong_anchor_shape() -> None:
+    outer, params = _trained_outer()
+    state = outer.state_dict()
+    state["anchors"] = {**state["anchors"], "w": torch.zeros(3, 4)}
+    twin = _outer(params, defer_anchors=True)
+    with pytest.raises(ValueError, match=r"saved anchors do not fit parameter 'w'.*\(3, 4\)"):
+        twin.load_state_dict(state)
+
+
+# -- catch-up ---------------------------------------------------------------------------------
+def test_catch_up_against_hand_computed_values() -> None:
+    local = torch.tensor([1.0, 2.0, -3.0])
+    anchor_old = torch.tensor([0.5, 0.5, -1.0])
+    global_new = torch.tensor([2.0, 3.0, 0.25])
+    catch_up_(local, anchor_old, global_new)
+    # global_new + (local - anchor_old) = [2 + 0.5, 3 + 1.5, 0.25 - 2]
+    assert torch.equal(local, torch.tensor([2.5, 4.5, -1.75]))
+    assert torch.equal(anchor_old, torch.tensor([0.5, 0.5, -1.0]))
+
+
+def test_catch_up_with_bfloat16_anchors_computes_in_float32() -> None:
+    local = torch.tensor([1.0 + 2**-12])
+    anchor_old = torch.tensor([1.0], dtype=torch.bfloat16)
+    global_new = torch.tensor([4.0], dtype=torch.bfloat16)
+    catch_up_(local, anchor_old, global_new)
+    assert local.item() == 4.0 + 2**-12  # the small progress survives the rebase
+
+
+def test_catch_up_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="catch-up needs one shape"):
+        catch_up_(torch.zeros(2), torch.zeros(3), torch.zeros(2))
+
+
+# -- fingerprint ------------------------------------------------------------------------------
+def _fp(num_islands: int = 2, fragments: object = None, **shapes: tuple[int, ...]) -> dict:
+    shapes = shapes or {"w": (4, 3), "b": (3,)}
+    params = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    return layout_fingerprint(num_islands, [params], fragments)
+
+
+def test_matching_fingerprints_pass() -> None:
+    compare_fingerprints(_fp(), _fp())
+
+
+@pytest.mark.parametrize(
+    ("current", "message"),
+    [
+        (_fp(num_islands=3), r"island count: checkpoint has 2, this run has 3"),
+        (_fp(w=(4, 3), bias=(3,)), r"only in checkpoint \['b'\], only in this run \['bias'\]"),
+        (_fp(w=(4, 4), b=(3,)), r"parameter 'w' reshaped: checkpoint \[4, 3\], this run \[4, 4\]"),
+        (_fp(fragments=[["w"], ["b"]]), r"fragment layout: checkpoint has None"),
+    ],
+)
+def test_fingerprint_mismatch_names_the_difference(current: dict, message: str) -> None:
+    with pytest.raises(SwarmCheckpointError, match=message):
+        compare_fingerprints(_fp(), current)
+
+
+def test_fingerprint_counts_optimizers() -> None:
+    saved = _fp()
+    current = {**saved, "params": saved["params"] * 2}
+    with pytest.raises(SwarmCheckpointError, match="optimizers: checkpoint has 1, this run has 2"):
+        compare_fingerprints(saved, current)
+
+
+def test_anchor_of_wrong_shape_or_missing(tmp_path: Path) -> None:
+    params = _params()
+    with pytest.raises(SwarmCheckpointError, match=r"anchor 'w' has shape \(3,\) but"):
+        check_anchor_shapes({"w": torch.zeros(3), "b": torch.zeros(3)}, params, source=tmp_path)
+    with pytest.raises(SwarmCheckpointError, match="holds no anchor for parameter 'b'"):
+        check_anchor_shapes({"w": torch.zeros(4, 3)}, params, source=tmp_path)
+
+
+# -- files ------------------------------------------------------------------------------------
+def test_missing_file_says_incomplete(tmp_path: Path) -> None:
+    with pytest.raises(SwarmCheckpointError, match="is missing; the checkpoint is incomplete"):
+        load_swarm_file(tmp_path / "anchors.pt", mmap=True)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_truncated_file_is_reported(tmp_path: Path, mmap: bool) -> None:
+    outer, _ = _trained_outer()
+    path = tmp_path / "anchors.pt"
+    atomic_save(_payload(outer), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SwarmCheckpointError, match="is truncated or corrupt"):
+        load_swarm_file(path, mmap=mmap)
+
+
+def test_corrupt_file_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.pt"
+    path.write_bytes(b"PK\x03\x04" + os.urandom(4096))
+    with pytest.raises(SwarmCheckpointError, match="is truncated or corrupt"):
+        load_swarm_file(path, mmap=True)
+
+
+def test_foreign_file_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.pt"
+    torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(SwarmCheckpointError, match="is not a lightning_swarm state file"):
+        load_swarm_file(path, mmap=True)
+
+
+def test_legacy_format_is_read_eagerly_with_one_warning(tmp_path: Path) -> None:
+    outer, _ = _trained_outer()
+    paths = [tmp_path / "anchors.pt", tmp_path / "island-00000.pt"]
+    for path in paths:
+        torch.save(_payload(outer), path, _use_new_zipfile_serialization=False)
+    with pytest.raises(RuntimeError, match="mmap can only be used"):
+        torch.load(paths[0], mmap=True, weights_only=True)  # why the fallback exists
+    loaded = [load_swarm_file(p, mmap=True) for p in paths]
+    assert all(legacy for _, legacy in loaded)
+    anchors = loaded[0][0]["outer"][0]["anchors"]
+    assert torch.equal(anchors["w"], outer.anchors["w"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_legacy([p for p, (_, legacy) in zip(paths, loaded, strict=True) if legacy])
+    assert len(caught) == 1
+    assert "legacy (non-zipfile) format" in str(caught[0].message)
+    assert all(str(p) in str(caught[0].message) for p in paths)
+
+
+def test_atomic_save_keeps_previous_file_when_the_write_fails(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.pt"
+    atomic_save({"format": FORMAT_VERSION, "value": torch.ones(3)}, path)
+    with pytest.raises(Exception, match="Can't (pickle|get local object)"):
+        atomic_save({"format": FORMAT_VERSION, "bad": lambda: None}, path)
+    payload, _ = load_swarm_file(path, mmap=True)
+    assert torch.equal(payload["value"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchors.pt"]
+
+
+def test_prune_keeps_only_the_named_save(tmp_path: Path) -> None:
+    for name in ("old", "new", "orphan"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "anchors.pt").write_bytes(b"x")
+    prune_saves(tmp_path, keep="new")
+    assert [p.name for p in tmp_path.iterdir()] == ["new"]
+
+
+def test_remote_paths_are_rejected() -> None:
+    with pytest.raises(SwarmCheckpointError, match=r"'s3://bucket/x.ckpt' is not a local path"):
+        require_local_path("s3://bucket/x.ckpt", what="checkpoint path")
+    assert require_local_path("file:///tmp/x.ckpt", what="x") == Path("/tmp/x.ckpt")
+
+
+# -- options ----------------------------------------------------------------------------------
+def test_mmap_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MMAP_ENV, raising=False)
+    assert resolve_mmap(True) == (True, "memory-mapped")
+    assert resolve_mmap(False) == (False, "eager read (anchors.mmap=false)")
+    monkeypatch.setenv(MMAP_ENV, "0")
+    assert resolve_mmap(True) == (False, f"eager read ({MMAP_ENV}=0)")
+    monkeypatch.setenv(MMAP_ENV, "1")
+    assert resolve_mmap(True)[0] and not resolve_mmap(False)[0]
+    monkeypatch.setenv(MMAP_ENV, "maybe")
+    with pytest.raises(ValueError, match=f"{MMAP_ENV}='maybe' is not understood; set it to 0"):
+        resolve_mmap(True)
+
+
+def test_anchor_config_forms() -> None:
+    assert SwarmConfig(anchors={"mmap": False}).anchors == AnchorConfig(mmap=False)
+    assert SwarmConfig().anchors.mmap is True
+    assert SwarmStrategy(anchors={"mmap": False}).config.anchors.mmap is False
+    assert SwarmStrategy(anchors=AnchorConfig(mmap=False)).config.anchors.mmap is False
+    with pytest.raises(ValueError, match=r"anchors has unknown keys \['map'\]; the only key"):
+        SwarmConfig(anchors={"map": False})
+    with pytest.raises(ValueError, match="anchors.mmap must be true or false, got 'no'"):
+        SwarmConfig(anchors={"mmap": "no"})
+    with pytest.raises(TypeError, match="anchors must be an AnchorConfig or a dict"):
+        SwarmConfig(anchors=True)  # type: ignore[arg-type]
+
+
+# -- callback ---------------------------------------------------------------------------------
+def test_plain_lightning_checkpoint_warns_and_keeps_fresh_anchors() -> None:
+    callback = SwarmResume()
+    with pytest.warns(UserWarning, match="holds no swarm state .* anchors start fresh"):
+        callback.capture("/tmp/plain.ckpt", {"state_dict": {}})
+    assert not callback.pending
+
+
+def test_unknown_swarm_record_format_is_rejected() -> None:
+    with pytest.raises(SwarmCheckpointError, match="swarm state of an unknown format"):
+        SwarmResume().capture("/tmp/x.ckpt", {"swarm": {"format": 99}})
+
+
+# -- mapped restore: anonymous memory -----------------------------------------------------------
+def _anonymous() -> int:
+    rollup = ProcReader().smaps_rollup()
+    if rollup is None:
+        pytest.skip("/proc/self/smaps_rollup is not readable here")
+    return rollup["Anonymous"]
+
+
+def _restore_anchor_growth(path: Path, mmap: bool) -> tuple[int, OuterSync]:
+    """Anonymous bytes added by loading ``path`` and installing it into a deferred OuterSync."""
+    params = {"w": torch.nn.Parameter(torch.empty(64, 2**20, device="meta"))}
+    outer = _outer(params, defer_anchors=True)
+    gc.collect()
+    before = _anonymous()
+    payload, _ = load_swarm_file(path, mmap=mmap)
+    outer.load_state_dict(payload["outer"][0])
+    del payload
+    return _anonymous() - before, outer
+
+
+def test_mapped_anchors_stay_out_of_anonymous_memory(tmp_path: Path) -> None:
+    anchor_bytes = 64 * 2**20 * 4  # 256 MiB of float32 anchors
+    path = tmp_path / "anchors.pt"
+    anchors = {"w": torch.full((64, 2**20), 0.5)}
+    state = {"anchors": anchors, "outer_optimizer": _outer_state(), "inner_steps": 7}
+    atomic_save({"format": FORMAT_VERSION, "outer": [{**state, "outer_steps": 3}]}, path)
+    del anchors, state
+    gc.collect()
+    mapped, outer = _restore_anchor_growth(path, mmap=True)
+    assert torch.equal(outer.anchors["w"][-1, -4:], torch.full((4,), 0.5))
+    del outer
+    gc.collect()
+    eager, outer = _restore_anchor_growth(path, mmap=False)
+    del outer
+    assert mapped < 0.05 * anchor_bytes, f"mapped restore added {mapped / 2**20:.1f} MiB"
+    assert eager > 0.9 * anchor_bytes, f"eager restore added only {eager / 2**20:.1f} MiB"
+
+
+def _outer_state() -> dict[str, object]:
+    meta = {"w": torch.nn.Parameter(torch.empty(1, device="meta"))}
+    return _outer(meta, defer_anchors=True).outer_optimizer.state_dict()
