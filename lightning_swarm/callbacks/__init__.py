@@ -2,5 +2,6 @@
 lightning)."""
 
 from lightning_swarm.callbacks.census import HostMemoryCensus
+from lightning_swarm.callbacks.resume import SwarmResume
 
-__all__ = ["HostMemoryCensus"]
+__all__ = ["HostMemoryCensus", "SwarmResume"]
