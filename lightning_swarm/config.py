@@ -11,11 +11,15 @@ Imports neither torch.distributed nor lightning.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-TRANSPORTS = ("allreduce",)
+from lightning_swarm.algorithm.robust import AGGREGATIONS
+
+TRANSPORTS = ("allreduce", "swarm")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -60,6 +64,91 @@ class AnchorConfig:
 
 
 @dataclass(kw_only=True)
+class SwarmTransportConfig:
+    """Options of the swarm transport (``transport="swarm"``), under ``swarm:`` in YAML.
+
+    Attributes:
+        offload: spool peers' pseudo-gradients to disk on the aggregator (``True``) or hold
+            them in memory (``False``); results are identical.
+        spool_dir: where each rank creates its run's spool directory; ``None`` = TMPDIR. Point
+            it at a local disk (not tmpfs) with room for about peers x payload bytes.
+        aggregation: ``mean``, ``weighted_mean``, ``median`` or ``trimmed_mean``.
+        trim_ratio: fraction of contributions dropped at EACH end per coordinate by
+            ``trimmed_mean`` (in ``[0, 0.5)``).
+        min_contributions: accepted contributions (the aggregator's own included) a round
+            needs; with fewer the round is skipped and anchors stay unchanged.
+        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
+        island_weights: one non-negative weight per island for ``weighted_mean``, e.g. each
+            island's samples per inner step; rejected islands' weights drop out.
+        chunk_mb: MiB per point-to-point message, and the block size of validation and
+            aggregation (bounds the aggregator's extra memory to about peers x chunk).
+        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+    """
+
+    offload: bool = True
+    spool_dir: str | None = None
+    aggregation: str = "mean"
+    trim_ratio: float = 0.1
+    min_contributions: int = 1
+    max_norm: float | None = None
+    island_weights: list[float] | None = None
+    chunk_mb: float = 4.0
+    cleanup_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"swarm.offload must be true or false, got {self.offload!r}.")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"swarm.aggregation={self.aggregation!r} is not known; choose one of "
+                f"{list(AGGREGATIONS)}."
+            )
+        if not _is_number(self.trim_ratio) or not 0.0 <= self.trim_ratio < 0.5:
+            raise ValueError(
+                f"swarm.trim_ratio must lie in [0, 0.5), got {self.trim_ratio!r}; e.g. 0.1."
+            )
+        _check_positive_int(
+            "swarm.min_contributions", self.min_contributions, "1 applies any round"
+        )
+        if self.max_norm is not None and (not _is_number(self.max_norm) or self.max_norm <= 0):
+            raise ValueError(
+                f"swarm.max_norm must be a positive number or null, got {self.max_norm!r}."
+            )
+        for option in ("chunk_mb", "cleanup_timeout_s"):
+            value = getattr(self, option)
+            if not _is_number(value) or value <= 0:
+                raise ValueError(f"swarm.{option} must be a positive number, got {value!r}.")
+        self._check_weights()
+
+    def _check_weights(self) -> None:
+        weights = self.island_weights
+        if self.aggregation == "weighted_mean" and weights is None:
+            raise ValueError(
+                "swarm.aggregation='weighted_mean' needs swarm.island_weights, one weight per "
+                "island (e.g. [2, 1] when island 0 sees twice the samples of island 1)."
+            )
+        if weights is not None:
+            weights = list(weights)
+            if not weights or not all(_is_number(w) and w >= 0 for w in weights):
+                raise ValueError(
+                    f"swarm.island_weights must be non-negative numbers, got {weights!r}."
+                )
+            if sum(weights) <= 0:
+                raise ValueError(f"swarm.island_weights must not all be 0, got {weights!r}.")
+            self.island_weights = [float(w) for w in weights]
+            if self.aggregation != "weighted_mean":
+                warnings.warn(
+                    "swarm.island_weights has no effect unless swarm.aggregation='weighted_mean'.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * 2**20))
+
+
+@dataclass(kw_only=True)
 class SwarmConfig:
     """Options of ``SwarmStrategy`` that are plain data.
 
@@ -72,6 +161,8 @@ class SwarmConfig:
         anchor_dtype: dtype of the stored anchors; ``None`` means float32.
         bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory.
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
+        swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted);
+            setting them with ``transport="allreduce"`` has no effect and warns.
     """
 
     sync_every: int = 100
@@ -81,6 +172,7 @@ class SwarmConfig:
     anchor_dtype: str | None = None
     bucket_mb: float = 32.0
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
+    swarm: SwarmTransportConfig = field(default_factory=SwarmTransportConfig)
 
     def __post_init__(self) -> None:
         _check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -98,6 +190,14 @@ class SwarmConfig:
             ) from err
         parse_dtype(self.anchor_dtype, option="anchor_dtype")
         self.anchors = as_anchor_config(self.anchors)
+        self.swarm = as_swarm_transport_config(self.swarm)
+        if self.transport != "swarm" and self.swarm != SwarmTransportConfig():
+            warnings.warn(
+                f"swarm transport options have no effect with transport={self.transport!r}; "
+                "set transport='swarm' to use them, or drop them.",
+                UserWarning,
+                stacklevel=3,
+            )
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)):
             raise ValueError(f"bucket_mb must be a number of MiB, got {self.bucket_mb!r}.")
         if not self.bucket_mb > 0:
@@ -130,5 +230,26 @@ def as_anchor_config(value: object) -> AnchorConfig:
         return AnchorConfig(**items)
     raise TypeError(
         f"anchors must be an AnchorConfig or a dict such as {{'mmap': False}}, got "
+        f"{type(value).__name__}."
+    )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def as_swarm_transport_config(value: object) -> SwarmTransportConfig:
+    """Accept a ``SwarmTransportConfig`` or a mapping of its fields (YAML / keyword dict)."""
+    if isinstance(value, SwarmTransportConfig):
+        return value
+    if isinstance(value, dict) or hasattr(value, "keys"):
+        items = dict(value)  # type: ignore[call-overload]
+        known = set(SwarmTransportConfig.__dataclass_fields__)
+        unknown = sorted(set(items) - known)
+        if unknown:
+            raise ValueError(f"swarm has unknown keys {unknown}; known keys: {sorted(known)}.")
+        return SwarmTransportConfig(**items)
+    raise TypeError(
+        f"swarm must be a SwarmTransportConfig or a dict such as {{'offload': False}}, got "
         f"{type(value).__name__}."
     )

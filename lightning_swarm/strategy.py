@@ -38,11 +38,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.checkpoint import prune_saves, swarm_root
-from lightning_swarm.config import AnchorConfig, SwarmConfig, as_anchor_config
+from lightning_swarm.config import (
+    AnchorConfig,
+    SwarmConfig,
+    SwarmTransportConfig,
+    as_anchor_config,
+    as_swarm_transport_config,
+)
 from lightning_swarm.outer import OuterOptimizerFactory, OuterSync, SyncReport
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import AllReduceTransport, Transport, ring_allreduce_bytes
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
+from lightning_swarm.transport.swarm import SwarmTransport
 
 if TYPE_CHECKING:
     # lightning_swarm.callbacks imports this module; the resume glue is imported where used.
@@ -72,12 +79,15 @@ class SwarmStrategy(DDPStrategy):
         outer_optimizer: callable taking an iterable of tensors (the anchors) and returning a
             ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True).
         island_size: ranks per island (synced every step); must divide the world size.
-        transport: how pseudo-gradients are averaged across islands (``"allreduce"``).
+        transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` or
+            ``"swarm"`` (a rotating aggregator that spools, validates and aggregates).
         anchor_device: device of the anchors and outer optimizer state (default ``"cpu"``).
         anchor_dtype: dtype of the anchors, e.g. ``torch.bfloat16``; ``None`` = float32.
         bucket_mb: MiB per all-reduce bucket; bounds the transport's extra memory.
         anchors: how a resume restores anchors: ``AnchorConfig(mmap=True)`` (default) maps
             them; ``{"mmap": False}`` reads them eagerly.
+        swarm: options of the swarm transport (``SwarmTransportConfig`` or a dict such as
+            ``{"offload": True, "aggregation": "median"}``); warns unless transport="swarm".
         **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
@@ -97,6 +107,7 @@ class SwarmStrategy(DDPStrategy):
         anchor_dtype: str | torch.dtype | None = None,
         bucket_mb: float = 32.0,
         anchors: AnchorConfig | dict[str, Any] | None = None,
+        swarm: SwarmTransportConfig | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(anchor_dtype, torch.dtype):
@@ -109,6 +120,7 @@ class SwarmStrategy(DDPStrategy):
             anchor_dtype=anchor_dtype,
             bucket_mb=bucket_mb,
             anchors=as_anchor_config(anchors if anchors is not None else AnchorConfig()),
+            swarm=as_swarm_transport_config(swarm if swarm is not None else SwarmTransportConfig()),
         )
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise ValueError(
@@ -260,6 +272,23 @@ class SwarmStrategy(DDPStrategy):
         # NCCL reduces device tensors only: the bucket visits the accelerator, anchors stay put.
         backend = torch.distributed.get_backend()
         device = self.root_device if backend == "nccl" else torch.device("cpu")
+        if self.config.transport == "swarm":
+            options = self.config.swarm
+            return SwarmTransport(
+                self._groups.peers,
+                num_islands=self.topology.num_islands,
+                island_index=self.topology.island_index,
+                offload=options.offload,
+                spool_dir=options.spool_dir,
+                aggregation=options.aggregation,
+                trim_ratio=options.trim_ratio,
+                min_contributions=options.min_contributions,
+                max_norm=options.max_norm,
+                island_weights=options.island_weights,
+                chunk_bytes=options.chunk_bytes,
+                cleanup_timeout_s=options.cleanup_timeout_s,
+                device=device,
+            )
         return AllReduceTransport(
             self._groups.peers,
             num_islands=self.topology.num_islands,

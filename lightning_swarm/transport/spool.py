@@ -128,6 +128,7 @@ class Spool:
         self._closed = False
         self.disk_bytes = 0
         self.peak_disk_bytes = 0
+        self.cleanup_waits = 0  # cleanups that found a lease in flight and waited for it
         fs = filesystem_type(self.root)
         if fs in _MEMORY_FILESYSTEMS:
             warnings.warn(
@@ -211,6 +212,8 @@ class Spool:
     def _drain(self, paths: set[Path], what: str) -> None:
         """Wait for leases on ``paths``, delete the free ones, defer the rest; holds the lock."""
         deadline = time.monotonic() + self.cleanup_timeout_s
+        if any(p in self._leases for p in paths):
+            self.cleanup_waits += 1
         while any(p in self._leases for p in paths):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -279,7 +282,9 @@ class SpoolWriter:
             _preallocate(self._fd, self.total_bytes)
             self._write_all(memoryview(self.header), 0)
         except OSError as err:
-            self._discard()
+            # Remove what exists but keep the lease: ``Spool.writer`` releases it.
+            self._close_and_unlink()
+            self._done = True
             raise SpoolError(_describe_os_error(err, what, spool.root)) from err
 
     def _write_all(self, data: memoryview, offset: int) -> None:
@@ -336,14 +341,17 @@ class SpoolWriter:
             self._discard()
 
     def _discard(self) -> None:
+        if not self._done:
+            self._close_and_unlink()
+            self._done = True
+            self.spool._release(self.path)
+
+    def _close_and_unlink(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if not self._done:
-            with self.spool._cond:
-                self.spool._unlink(self.path)
-            self._done = True
-            self.spool._release(self.path)
+        with self.spool._cond:
+            self.spool._unlink(self.path)
 
     def __enter__(self) -> SpoolWriter:
         return self

@@ -1,0 +1,393 @@
+"""The swarm transport over real gloo process groups (forked ranks on CPU), and its options."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_swarm import SwarmStrategy
+from lightning_swarm.algorithm import robust
+from lightning_swarm.config import SwarmConfig, SwarmTransportConfig
+from lightning_swarm.outer import OuterSync
+from lightning_swarm.transport import AllReduceTransport
+from lightning_swarm.transport.layout import PayloadLayout
+from lightning_swarm.transport.spool import Spool, SpoolError
+from lightning_swarm.transport.swarm import SwarmRoundError, SwarmTransport
+from tests.dist_utils import free_port
+from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
+
+STATUS_BYTES = lambda world: (4 + world) * 8  # noqa: E731
+
+
+def _entry(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(fn: Any, world: int, *args: Any) -> None:
+    """``fn(rank, world, *args)`` on ``world`` forked ranks; a failing rank fails the test."""
+    mp.start_processes(
+        _entry, args=(world, free_port(), fn, args), nprocs=world, start_method="fork"
+    )
+
+
+def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * round_index + island)
+    return {
+        "w": torch.randn(70, 30, generator=g),  # 8400 bytes: several chunks, none full at the end
+        "b": torch.randn(33, generator=g),
+        "s": torch.randn((), generator=g),
+    }
+
+
+def _reference(rule: str, world: int, round_index: int, **kw: Any) -> dict[str, torch.Tensor]:
+    per_island = [_contribution(i, round_index) for i in range(world)]
+    return {k: robust.aggregate(rule, [c[k] for c in per_island], **kw) for k in per_island[0]}
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _capture_log() -> _Messages:
+    handler = _Messages()
+    logging.getLogger("lightning_swarm.transport.swarm").addHandler(handler)
+    return handler
+
+
+# -- exact results ---------------------------------------------------------------------------
+def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
+    common = {"num_islands": world, "island_index": rank, "spool_dir": spool_dir}
+    weights = [float(i + 1) for i in range(world)]
+    cases = {
+        "offload": (SwarmTransport(None, chunk_bytes=1000, **common), "mean", {}),
+        "memory": (SwarmTransport(None, offload=False, chunk_bytes=1000, **common), "mean", {}),
+        "median": (
+            SwarmTransport(None, aggregation="median", chunk_bytes=600, **common),
+            "median",
+            {},
+        ),
+        "trimmed": (
+            SwarmTransport(None, aggregation="trimmed_mean", trim_ratio=0.25, **common),
+            "trimmed_mean",
+            {"trim_ratio": 0.25},
+        ),
+        "weighted": (
+            SwarmTransport(
+                None, aggregation="weighted_mean", island_weights=weights, chunk_bytes=999, **common
+            ),
+            "weighted_mean",
+            {"weights": weights},
+        ),
+    }
+    payload = PayloadLayout.from_tensors(_contribution(0, 0))
+    description = len(payload.to_json())
+    for r in range(world):  # every island aggregates once
+        for name, (transport, rule, kw) in cases.items():
+            tensors = _contribution(rank, r)
+            stats = transport.average(tensors, round_index=r)
+            expected = _reference(rule, world, r, **kw)
+            for key in tensors:
+                assert torch.equal(tensors[key], expected[key]), f"{name} round {r} {key}"
+            assert stats.applied and stats.num_contributions == world
+            assert transport.last_round is not None and transport.last_round.aggregator == r
+            if rank == r:
+                assert stats.bytes_received == (world - 1) * (24 + description + payload.data_bytes)
+                assert stats.bytes_sent == (world - 1) * (STATUS_BYTES(world) + payload.data_bytes)
+            else:
+                assert stats.bytes_sent == 24 + description + payload.data_bytes
+                assert stats.bytes_received == STATUS_BYTES(world) + payload.data_bytes
+            assert transport.spool_bytes() == 0, "a round's files outlived its aggregation"
+        # the reference median / trimmed mean also agree with numpy's
+        stacked = np.stack([_contribution(i, r)["w"].numpy() for i in range(world)])
+        tensors = _contribution(rank, r)
+        cases["median"][0].average(tensors, round_index=r)
+        np.testing.assert_allclose(tensors["w"].numpy(), np.median(stacked, 0), rtol=1e-6)
+        allreduce = AllReduceTransport(None, num_islands=world, bucket_numel=333)
+        tensors = _contribution(rank, r)
+        allreduce.average(tensors, round_index=r)
+        mean = _reference("mean", world, r)
+        assert all(torch.allclose(tensors[k], mean[k], atol=1e-6) for k in tensors)
+    offload = cases["offload"][0]
+    file_bytes = len(payload.safetensors_header({"round": "0", "island": "1"})) + payload.data_bytes
+    assert offload.peak_spool_bytes() == (world - 1) * file_bytes
+    assert offload.spool is not None
+    root = offload.spool.root
+    for transport, _, _ in cases.values():
+        transport.close()
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_result_equals_in_memory_reference_exactly(tmp_path: Path, world: int) -> None:
+    _run(_exact_worker, world, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- validation ------------------------------------------------------------------------------
+def _poison(tensors: dict[str, torch.Tensor], rank: int, bad: dict[int, str]) -> None:
+    if bad.get(rank) == "nan":
+        tensors["w"][3, 4] = float("nan")
+    elif bad.get(rank) == "inf":
+        tensors["s"].fill_(float("inf"))
+    elif bad.get(rank) == "big":
+        tensors["b"].mul_(1e4)
+
+
+def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
+    messages = _capture_log()
+    transport = SwarmTransport(
+        None,
+        num_islands=world,
+        island_index=rank,
+        spool_dir=spool_dir,
+        max_norm=500.0,
+        min_contributions=2,
+        chunk_bytes=512,
+    )
+    # round 0, aggregator 0: islands 1 (NaN) and 2 (norm) are left out; the mean divides by 2
+    tensors = _contribution(rank, 0)
+    _poison(tensors, rank, {1: "nan", 2: "big"})
+    stats = transport.average(tensors, round_index=0)
+    kept = [_contribution(0, 0), _contribution(3, 0)]
+    for k in tensors:
+        assert torch.equal(tensors[k], robust.mean([c[k] for c in kept])), k
+    assert stats.applied and stats.num_contributions == 2
+    if rank == 0:
+        report = transport.last_round
+        assert report is not None and report.accepted == [0, 3]
+        assert report.rejected[1] == "non-finite values (NaN or Inf) in tensor 'w'"
+        assert "exceeds max_norm=500" in report.rejected[2]
+        assert any("contribution of island 1 rejected" in m for m in messages.lines)
+    if rank == 1:
+        assert any("rejected this island's contribution (non-finite" in m for m in messages.lines)
+    # round 1, aggregator 1: three islands bad -> 1 accepted < min_contributions=2: skipped
+    tensors = _contribution(rank, 1)
+    _poison(tensors, rank, {0: "inf", 2: "nan", 3: "big"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = transport.average(tensors, round_index=1)
+    assert not stats.applied and stats.num_contributions == 1
+    text = [str(w.message) for w in caught]
+    assert any(
+        "skipped: 1 of 4 contributions were accepted, fewer than min_contributions=2" in t
+        and "anchors are unchanged" in t
+        for t in text
+    ), text
+    # round 2, aggregator 2: island 3's layout differs; it raises, the others average without it
+    tensors = _contribution(rank, 2)
+    if rank == 3:
+        tensors["extra"] = torch.zeros(3)
+        with pytest.raises(ValueError, match="layout .* differs from the aggregator's"):
+            transport.average(tensors, round_index=2)
+    else:
+        transport.average(tensors, round_index=2)
+        expected = [_contribution(i, 2) for i in range(3)]
+        assert all(torch.equal(tensors[k], robust.mean([c[k] for c in expected])) for k in tensors)
+    if rank == 2:
+        assert "payload layout differs: names differ" in transport.last_round.rejected[3]  # type: ignore[union-attr]
+    transport.close()
+
+
+def test_invalid_contributions_are_left_out_or_skip_the_round(tmp_path: Path) -> None:
+    _run(_validation_worker, 4, str(tmp_path))
+
+
+def _anchors_worker(rank: int, world: int, spool_dir: str) -> None:
+    transport = SwarmTransport(
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=2
+    )
+    param = torch.nn.Parameter(torch.arange(6.0))
+    outer = OuterSync(
+        {"p": param},
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+        transport=transport,
+        sync_every=1,
+    )
+    with torch.no_grad():
+        param.add_(float("nan") if rank == 1 else 1.0)  # island 1 diverged
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = outer.on_inner_step()
+    assert report is not None and not report.applied
+    assert torch.equal(outer.anchors["p"], torch.arange(6.0)), "a skipped round moved anchors"
+    transport.close()
+
+
+def test_skipped_round_leaves_anchors_unchanged(tmp_path: Path) -> None:
+    _run(_anchors_worker, 2, str(tmp_path))
+
+
+# -- spool failures --------------------------------------------------------------------------
+class _TruncatingSpool(Spool):
+    """Plays a disk that loses the end of a file between its write and its read."""
+
+    def reader(self, round_id: int, island: int, layout: PayloadLayout, **kw: Any) -> Any:
+        path = self.path(round_id, island)
+        os.truncate(path, path.stat().st_size - 8)
+        return super().reader(round_id, island, layout, **kw)
+
+
+def _failures_worker(rank: int, world: int, spool_dir: str) -> None:
+    calls = {"n": 0}
+
+    def disk_fills_up(fd: int, data: memoryview, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise OSError(28, "No space left on device")
+        return os.pwrite(fd, data, offset)
+
+    spool = None  # the default one, except on the two aggregators that meet trouble
+    if rank == 0:
+        spool = Spool(spool_dir, write_at=disk_fills_up)
+    elif rank == 2:
+        spool = _TruncatingSpool(spool_dir)
+    transport = SwarmTransport(
+        None,
+        num_islands=world,
+        island_index=rank,
+        spool=spool,
+        spool_dir=spool_dir,
+        chunk_bytes=1024,
+    )
+    assert transport.spool is not None
+    expected = {
+        0: r"round 0 failed on this aggregator \(island 0\): out of disk space \(ENOSPC\)",
+        2: r"round 2 failed on this aggregator \(island 2\): spool file .* is truncated",
+    }
+    for r in (0, 2):
+        tensors = _contribution(rank, r)
+        before = {k: v.clone() for k, v in tensors.items()}
+        message = expected[r] if rank == r else rf"failed on the aggregator \(island {r}\)"
+        with pytest.raises(SwarmRoundError, match=message):
+            transport.average(tensors, round_index=r)
+        assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
+        assert transport.spool.files() == [], "a failed round left spool files"
+        # the failure was clean: the next round (another aggregator) works and is exact
+        tensors = _contribution(rank, r + 1)
+        transport.average(tensors, round_index=r + 1)
+        reference = _reference("mean", world, r + 1)
+        assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
+    transport.close()
+
+
+def test_spool_failures_fail_the_round_cleanly_on_every_rank(tmp_path: Path) -> None:
+    _run(_failures_worker, 4, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- options ---------------------------------------------------------------------------------
+def test_transport_options_are_checked(tmp_path: Path) -> None:
+    common: dict[str, Any] = {"num_islands": 3, "island_index": 0, "offload": False}
+    with pytest.raises(ValueError, match=r"min_contributions=4 must lie in 1..3"):
+        SwarmTransport(None, min_contributions=4, **common)
+    with pytest.raises(ValueError, match="needs island_weights with one weight per island"):
+        SwarmTransport(None, aggregation="weighted_mean", island_weights=[1.0], **common)
+    with pytest.raises(ValueError, match="aggregation='vote' is not known"):
+        SwarmTransport(None, aggregation="vote", **common)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SpoolError, match="cannot create the spool under spool_dir"):
+        SwarmTransport(None, num_islands=2, island_index=0, spool_dir=str(blocker))
+
+
+def test_swarm_config_validates_and_converts_dicts() -> None:
+    config = SwarmConfig(transport="swarm", swarm={"offload": False, "chunk_mb": 0.5})
+    assert isinstance(config.swarm, SwarmTransportConfig)
+    assert config.swarm.chunk_bytes == 2**19 and not config.swarm.offload
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"aggregation": "mode"}, "swarm.aggregation='mode' is not known"),
+        ({"trim_ratio": 0.5}, r"swarm.trim_ratio must lie in \[0, 0.5\)"),
+        ({"min_contributions": 0}, "swarm.min_contributions must be a positive integer"),
+        ({"max_norm": -1.0}, "swarm.max_norm must be a positive number or null"),
+        ({"chunk_mb": 0}, "swarm.chunk_mb must be a positive number"),
+        ({"cleanup_timeout_s": float("nan")}, "swarm.cleanup_timeout_s must be a positive"),
+        ({"offload": "yes"}, "swarm.offload must be true or false"),
+        ({"aggregation": "weighted_mean"}, "needs swarm.island_weights"),
+        ({"island_weights": [1.0, -2.0]}, "must be non-negative numbers"),
+        ({"island_weights": [0, 0]}, "must not all be 0"),
+        ({"spool": "/tmp"}, r"swarm has unknown keys \['spool'\]"),
+    ]
+    for options, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SwarmConfig(transport="swarm", swarm=options)
+    with pytest.raises(TypeError, match="swarm must be a SwarmTransportConfig or a dict"):
+        SwarmConfig(transport="swarm", swarm=3)  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="island_weights has no effect unless"):
+        SwarmTransportConfig(island_weights=[1.0, 2.0])
+
+
+def test_swarm_options_with_allreduce_warn() -> None:
+    with pytest.warns(
+        UserWarning, match="swarm transport options have no effect with transport='allreduce'"
+    ):
+        SwarmStrategy(swarm={"offload": False})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*swarm transport options.*")
+        SwarmStrategy()  # defaults: nothing to warn about
+        SwarmStrategy(transport="swarm", swarm={"offload": False})
+
+
+# -- through Lightning -----------------------------------------------------------------------
+def _fit(tmp_path: Path, name: str, **strategy_kw: Any) -> list[dict[str, Any]]:
+    out = tmp_path / name
+    out.mkdir()
+    strategy = SwarmStrategy(
+        sync_every=3,
+        island_size=2,
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+        start_method="fork",
+        **strategy_kw,
+    )
+    pl.seed_everything(11)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=9,
+        callbacks=[Recorder(str(out))],
+        **QUIET,
+    )
+    trainer.fit(TinyRegressor(), regression_data())
+    return load_ranks(out, 4)
+
+
+def test_offload_on_and_off_train_identically_through_lightning(tmp_path: Path) -> None:
+    spool_dir = tmp_path / "spool"
+    runs = {
+        "offload": _fit(tmp_path, "on", transport="swarm", swarm={"spool_dir": str(spool_dir)}),
+        "memory": _fit(tmp_path, "off", transport="swarm", swarm={"offload": False}),
+        "allreduce": _fit(tmp_path, "allreduce"),
+    }
+    for ranks in runs.values():
+        assert all(r["outer_steps"] == [3] for r in ranks)
+        assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
+    on, off = runs["offload"], runs["memory"]
+    for step_on, step_off in zip(on[0]["steps"], off[0]["steps"], strict=True):
+        assert torch.equal(step_on["params"], step_off["params"])
+        assert torch.equal(step_on["anchors"][0], step_off["anchors"][0])
+    assert torch.allclose(on[0]["final"], runs["allreduce"][0]["final"], atol=1e-6)
+    assert not torch.equal(on[0]["steps"][0]["anchors"][0], on[0]["final"])
+    assert list(spool_dir.iterdir()) == [], "teardown must remove every rank's spool root"
