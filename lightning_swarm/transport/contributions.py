@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.robust import aggregate
 from lightning_swarm.transport.layout import PayloadLayout, TensorSpec
-from lightning_swarm.transport.spool import Spool, SpoolReader, SpoolWriter
+from lightning_swarm.transport.spool import Spool, SpoolError, SpoolReader, SpoolWriter
 
 
 class Sink(Protocol):
@@ -131,6 +131,53 @@ class DiscardSink:
 
     def abort(self) -> None:
         pass
+
+
+def open_sinks(
+    islands: list[int],
+    accepted_layout: list[int],
+    layout: PayloadLayout,
+    spool: Spool | None,
+    round_id: int,
+    *,
+    remap_bytes: int,
+) -> tuple[dict[int, Sink], SpoolError | None]:
+    """One sink per peer island: a spool file (``spool`` given) or memory for peers whose
+    layout was accepted, a discard sink otherwise. After a spool error (e.g. no room for the
+    preallocation) every later peer gets a discard sink and the error is returned."""
+    sinks: dict[int, Sink] = {}
+    failure: SpoolError | None = None
+    for island in islands:
+        if island not in accepted_layout or failure is not None:
+            sinks[island] = DiscardSink()
+        elif spool is None:
+            sinks[island] = MemorySink(island, layout)
+        else:
+            try:
+                sinks[island] = SpoolSink(spool, round_id, island, layout, remap_bytes)
+            except SpoolError as err:
+                failure = err
+                sinks[island] = DiscardSink()
+    return sinks, failure
+
+
+def finish_sinks(
+    sinks: dict[int, Sink], contributions: dict[int, Contribution], failure: SpoolError | None
+) -> SpoolError | None:
+    """Turn every sink into a contribution (added to ``contributions``); the first spool error
+    wins, and after one the remaining sinks are aborted."""
+    for island, sink in sinks.items():
+        if failure is not None:
+            sink.abort()
+            continue
+        try:
+            finished = sink.finish()
+        except SpoolError as err:
+            failure = err
+            continue
+        if finished is not None:
+            contributions[island] = finished
+    return failure
 
 
 def _blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:

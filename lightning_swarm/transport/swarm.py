@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -47,23 +46,29 @@ from lightning_swarm.algorithm.robust import AGGREGATIONS
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.contributions import (
     Contribution,
-    DiscardSink,
     MemoryContribution,
-    MemorySink,
-    Sink,
-    SpoolSink,
     aggregate_into,
     check_values,
+    finish_sinks,
+    open_sinks,
 )
-from lightning_swarm.transport.layout import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+from lightning_swarm.transport.layout import PayloadLayout
 from lightning_swarm.transport.spool import Spool, SpoolError
+from lightning_swarm.transport.streams import (
+    TAG_CHUNK,
+    TAG_DESCRIPTION,
+    TAG_DESCRIPTOR,
+    TAG_RESULT,
+    TAG_STATUS,
+    IncomingPayload,
+    Link,
+)
 
 log = logging.getLogger(__name__)
 
 APPLIED, SKIPPED, FAILED = 0, 1, 2
 ACCEPTED, NON_FINITE, ABOVE_NORM, BAD_LAYOUT = 0, 1, 2, 3
 _VERDICT_TEXT = {NON_FINITE: "non-finite values", ABOVE_NORM: "norm above max_norm"}
-_TAG_DESCRIPTOR, _TAG_DESCRIPTION, _TAG_CHUNK, _TAG_STATUS, _TAG_RESULT = 51, 52, 53, 54, 55
 
 
 class SwarmRoundError(RuntimeError):
@@ -79,14 +84,6 @@ class RoundReport:
     status: str = "applied"
     accepted: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class _PeerPlan:
-    island: int
-    data_bytes: int
-    chunk_bytes: int
-    layout_problem: str | None
 
 
 class SwarmTransport:
@@ -148,6 +145,7 @@ class SwarmTransport:
         if self._spool is None and offload and num_islands > 1:
             self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
         self._ranks = _global_ranks(group, num_islands)
+        self._link = Link(group, self.device)
         self._sequence = 0  # average() calls so far: names spool rounds uniquely
         self.total = RoundStats()
         self.last_round: RoundReport | None = None
@@ -203,15 +201,15 @@ class SwarmTransport:
         description = torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8)
         head = torch.tensor([description.numel(), layout.data_bytes, self.chunk_bytes])
         works = [
-            self._isend(head, dst, _TAG_DESCRIPTOR),
-            self._isend(description, dst, _TAG_DESCRIPTION),
+            self._link.isend(head, dst, TAG_DESCRIPTOR),
+            self._link.isend(description, dst, TAG_DESCRIPTION),
         ]
         sent = head.numel() * 8 + description.numel()
-        sent += self._send_stream([dst], layout, targets, self.chunk_bytes, _TAG_CHUNK)
+        sent += self._link.send_stream([dst], layout, targets, self.chunk_bytes, TAG_CHUNK)
         for w in works:
             w.wait()
         status = torch.empty(4 + self.num_islands, dtype=torch.int64)
-        self._irecv(status, dst, _TAG_STATUS).wait()
+        self._link.irecv(status, dst, TAG_STATUS).wait()
         stats = RoundStats(bytes_sent=sent, bytes_received=status.numel() * 8)
         code, accepted, _, result_chunk = (int(v) for v in status[:4])
         verdict = int(status[4 + self.island_index])
@@ -241,7 +239,9 @@ class SwarmTransport:
             stats.applied = False
             self._warn_skipped(round_index, accepted)
             return stats
-        stats.bytes_received += self._recv_stream(dst, layout, targets, result_chunk)
+        stats.bytes_received += self._link.recv_stream(
+            dst, layout, targets, result_chunk, TAG_RESULT
+        )
         return stats
 
     # -- the aggregator's round ------------------------------------------------------------
@@ -254,10 +254,18 @@ class SwarmTransport:
         stats = RoundStats()
         try:
             plans, stats.bytes_received = self._recv_descriptions(layout)
-            sinks, failure = self._open_sinks(plans, layout, round_id)
-            received, failure = self._recv_payloads(plans, sinks, failure)
+            accepted_layout = [p.island for p in plans if p.layout_problem is None]
+            sinks, failure = open_sinks(
+                [p.island for p in plans],
+                accepted_layout,
+                layout,
+                self._spool,
+                round_id,
+                remap_bytes=self.chunk_bytes,
+            )
+            received, receive_failure = self._link.recv_into_sinks(plans, sinks, TAG_CHUNK)
             stats.bytes_received += received
-            failure = _finish_sinks(sinks, contributions, failure)
+            failure = finish_sinks(sinks, contributions, failure or receive_failure)
             verdicts = {p.island: BAD_LAYOUT for p in plans if p.layout_problem}
             for p in plans:
                 if p.layout_problem:
@@ -271,8 +279,8 @@ class SwarmTransport:
             stats.bytes_sent = self._send_status(status)
             if code == APPLIED:
                 receivers = [self._ranks[p.island] for p in plans if p.layout_problem is None]
-                stats.bytes_sent += self._send_stream(
-                    receivers, layout, targets, self.chunk_bytes, _TAG_RESULT
+                stats.bytes_sent += self._link.send_stream(
+                    receivers, layout, targets, self.chunk_bytes, TAG_RESULT
                 )
         finally:
             for c in contributions.values():
@@ -336,83 +344,25 @@ class SwarmTransport:
         )
         return APPLIED
 
-    def _recv_descriptions(self, layout: PayloadLayout) -> tuple[list[_PeerPlan], int]:
+    def _recv_descriptions(self, layout: PayloadLayout) -> tuple[list[IncomingPayload], int]:
+        """Every peer's announced sizes and layout; a layout unlike ours is noted, not fatal."""
         peers = [i for i in range(self.num_islands) if i != self.island_index]
         heads = {i: torch.empty(3, dtype=torch.int64) for i in peers}
-        for w in [self._irecv(heads[i], self._ranks[i], _TAG_DESCRIPTOR) for i in peers]:
+        link = self._link
+        for w in [link.irecv(heads[i], self._ranks[i], TAG_DESCRIPTOR) for i in peers]:
             w.wait()
         blobs = {i: torch.empty(int(heads[i][0]), dtype=torch.uint8) for i in peers}
-        for w in [self._irecv(blobs[i], self._ranks[i], _TAG_DESCRIPTION) for i in peers]:
+        for w in [link.irecv(blobs[i], self._ranks[i], TAG_DESCRIPTION) for i in peers]:
             w.wait()
         plans, received = [], 0
         for i in peers:
             description_len, data_bytes, chunk_bytes = (int(v) for v in heads[i])
             received += 24 + description_len
+            problem = _layout_problem(layout, blobs[i])
             plans.append(
-                _PeerPlan(i, data_bytes, max(1, chunk_bytes), _layout_problem(layout, blobs[i]))
+                IncomingPayload(i, self._ranks[i], data_bytes, max(1, chunk_bytes), problem)
             )
         return plans, received
-
-    def _open_sinks(
-        self, plans: list[_PeerPlan], layout: PayloadLayout, round_id: int
-    ) -> tuple[dict[int, Sink], SpoolError | None]:
-        sinks: dict[int, Sink] = {}
-        failure: SpoolError | None = None
-        for p in plans:
-            if p.layout_problem is not None or failure is not None:
-                sinks[p.island] = DiscardSink()
-            elif self._spool is None:
-                sinks[p.island] = MemorySink(p.island, layout)
-            else:
-                try:
-                    sinks[p.island] = SpoolSink(
-                        self._spool, round_id, p.island, layout, remap_bytes=self.chunk_bytes
-                    )
-                except SpoolError as err:
-                    failure = err
-                    sinks[p.island] = DiscardSink()
-        return sinks, failure
-
-    def _recv_payloads(
-        self, plans: list[_PeerPlan], sinks: dict[int, Sink], failure: SpoolError | None
-    ) -> tuple[int, SpoolError | None]:
-        """Receive every peer's chunks concurrently into its sink; drain after a failure."""
-        queues: dict[int, deque[tuple[int, dist.Work, Tensor]]] = {}
-        buffers: dict[int, list[Tensor]] = {}
-        for p in plans:
-            size = min(p.chunk_bytes, max(p.data_bytes, 1))
-            buffers[p.island] = [
-                torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)
-            ]
-            queues[p.island] = deque()
-            for k in range(min(2, _num_chunks(p))):
-                queues[p.island].append(self._post_chunk(p, k, buffers[p.island][k % 2]))
-        received = 0
-        by_island = {p.island: p for p in plans}
-        while any(queues.values()):
-            for island, queue in queues.items():
-                if not queue:
-                    continue
-                p = by_island[island]
-                k, work, chunk = queue.popleft()
-                work.wait()
-                received += chunk.numel()
-                try:
-                    sinks[island].write(k * p.chunk_bytes, chunk)
-                except SpoolError as err:
-                    failure = failure or err
-                    sinks[island] = DiscardSink()  # the writer already removed its file
-                if k + 2 < _num_chunks(p):
-                    queue.append(self._post_chunk(p, k + 2, buffers[island][k % 2]))
-        if failure is not None:
-            for sink in sinks.values():
-                sink.abort()
-        return received, failure
-
-    def _post_chunk(self, p: _PeerPlan, k: int, buffer: Tensor) -> tuple[int, dist.Work, Tensor]:
-        n = min(p.chunk_bytes, p.data_bytes - k * p.chunk_bytes)
-        chunk = buffer[:n]
-        return k, self._irecv(chunk, self._ranks[p.island], _TAG_CHUNK), chunk
 
     def _status(self, code: int, verdicts: dict[int, int], layout: PayloadLayout) -> Tensor:
         status = torch.zeros(4 + self.num_islands, dtype=torch.int64)
@@ -425,70 +375,9 @@ class SwarmTransport:
 
     def _send_status(self, status: Tensor) -> int:
         peers = [self._ranks[i] for i in range(self.num_islands) if i != self.island_index]
-        for w in [self._isend(status, r, _TAG_STATUS) for r in peers]:
+        for w in [self._link.isend(status, r, TAG_STATUS) for r in peers]:
             w.wait()
         return status.numel() * 8 * len(peers)
-
-    # -- streams ---------------------------------------------------------------------------
-    def _send_stream(
-        self,
-        dsts: list[int],
-        layout: PayloadLayout,
-        sources: list[Tensor],
-        chunk_bytes: int,
-        tag: int,
-    ) -> int:
-        """Send the payload of ``sources`` to every rank in ``dsts``, two chunks in flight."""
-        views = [byte_view(t) for t in sources]
-        size = min(chunk_bytes, max(layout.data_bytes, 1))
-        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        inflight: list[list[dist.Work]] = [[], []]
-        sent = 0
-        for k in range(layout.num_chunks(chunk_bytes)):
-            slot = k % 2
-            for w in inflight[slot]:
-                w.wait()
-            n = pack_chunk(views, layout, k, chunk_bytes, buffers[slot])
-            inflight[slot] = [self._isend(buffers[slot][:n], dst, tag) for dst in dsts]
-            sent += n * len(dsts)
-        for works in inflight:
-            for w in works:
-                w.wait()
-        return sent
-
-    def _recv_stream(
-        self, src: int, layout: PayloadLayout, targets: list[Tensor], chunk_bytes: int
-    ) -> int:
-        """Receive a payload from ``src`` into ``targets``, two chunks in flight."""
-        views = [byte_view(t) for t in targets]
-        size = min(chunk_bytes, max(layout.data_bytes, 1))
-        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        total = layout.num_chunks(chunk_bytes)
-
-        def post(k: int) -> tuple[dist.Work, Tensor]:
-            n = min(chunk_bytes, layout.data_bytes - k * chunk_bytes)
-            chunk = buffers[k % 2][:n]
-            return self._irecv(chunk, src, _TAG_RESULT), chunk
-
-        pending = deque(post(k) for k in range(min(2, total)))
-        for k in range(total):
-            work, chunk = pending.popleft()
-            work.wait()
-            unpack_chunk(chunk, layout, k, chunk_bytes, views)
-            if k + 2 < total:
-                pending.append(post(k + 2))
-        return layout.data_bytes
-
-    # -- small helpers ---------------------------------------------------------------------
-    def _isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
-        work = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
-        assert work is not None, "this rank is not a member of the peer group"
-        return work
-
-    def _irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
-        work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
-        assert work is not None, "this rank is not a member of the peer group"
-        return work
 
     def _log_rejection(self, round_index: int, island: int, problem: str) -> None:
         report = self.last_round
@@ -511,10 +400,6 @@ class SwarmTransport:
         )
 
 
-def _num_chunks(p: _PeerPlan) -> int:
-    return -(-p.data_bytes // p.chunk_bytes)
-
-
 def _layout_problem(layout: PayloadLayout, blob: Tensor) -> str | None:
     try:
         theirs = PayloadLayout.from_json(blob.numpy().tobytes())
@@ -522,24 +407,6 @@ def _layout_problem(layout: PayloadLayout, blob: Tensor) -> str | None:
         return f"unreadable payload description ({err})"
     difference = layout.difference(theirs)
     return None if difference is None else f"payload layout differs: {difference}"
-
-
-def _finish_sinks(
-    sinks: dict[int, Sink], contributions: dict[int, Contribution], failure: SpoolError | None
-) -> SpoolError | None:
-    """Commit every sink into a contribution; the first spool error wins."""
-    for island, sink in sinks.items():
-        if failure is not None:
-            sink.abort()
-            continue
-        try:
-            finished = sink.finish()
-        except SpoolError as err:
-            failure = err
-            continue
-        if finished is not None:
-            contributions[island] = finished
-    return failure
 
 
 def _global_ranks(group: dist.ProcessGroup | None, num_islands: int) -> list[int]:
