@@ -3,7 +3,7 @@
 Ownership and lifecycle:
 - ``Spool`` is the single owner of its root directory (mode 0700, created under ``base_dir`` or
   TMPDIR) and of every file in it (mode 0600). Nothing else creates or deletes files there.
-- A file is written through a ``SpoolWriter``: created as ``<name>.partial``, sized up front
+- A file is written through a ``SpoolWriter`` (``spool_files``): created as ``<name>.partial``, sized up front
   from the payload layout (``posix_fallocate``, so a full disk is reported before any data
   arrives), filled chunk by chunk at known offsets, and renamed to its final name only when
   every byte is in place. A failed or abandoned write removes the partial file.
@@ -23,8 +23,6 @@ happened and what to do; a failed write leaves no file behind.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import shutil
 import tempfile
@@ -32,22 +30,18 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
-from typing import Any
-
-from safetensors import SafetensorError, safe_open
-from torch import Tensor
 
 from lightning_swarm.transport.layout import PayloadLayout
+from lightning_swarm.transport.spool_files import (
+    SpoolError,
+    SpoolReader,
+    SpoolWriter,
+    WriteAt,
+    partial_path,
+)
 
-WriteAt = Callable[[int, memoryview, int], int]  # os.pwrite's signature: (fd, data, offset)
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
-
-
-class SpoolError(RuntimeError):
-    """A spool file could not be written or read; the round cannot use it."""
 
 
 def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> str | None:
@@ -71,20 +65,6 @@ def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> 
         if inside and len(mount) >= len(best):
             best, best_type = mount, fields[2]
     return best_type
-
-
-def _describe_os_error(err: OSError, what: str, root: Path) -> str:
-    if err.errno == errno.ENOSPC:
-        return (
-            f"out of disk space (ENOSPC) {what} in spool root {root}; free space there or set "
-            "spool_dir to a local disk with room for about peers x payload bytes per round"
-        )
-    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return (
-            f"spool root {root} is not writable ({err.strerror}) {what}; set spool_dir to a "
-            "writable local directory"
-        )
-    return f"spool I/O error {what} in {root}: {err}"
 
 
 class Spool:
@@ -169,7 +149,7 @@ class Spool:
 
     def _unlink(self, path: Path) -> None:
         """Delete a file and its partial twin; caller holds the lock."""
-        for candidate in (path, _partial(path)):
+        for candidate in (path, partial_path(path)):
             candidate.unlink(missing_ok=True)
         self.disk_bytes -= self._allocated.pop(path, 0)
 
@@ -253,202 +233,4 @@ class Spool:
         return sorted(self.root.iterdir()) if self.root.exists() else []
 
 
-def _partial(path: Path) -> Path:
-    return path.with_name(path.name + ".partial")
-
-
-class SpoolWriter:
-    """Fills one preallocated spool file; ``commit`` publishes it, ``abort`` removes it.
-
-    Use as a context manager: leaving the block by an exception aborts.
-    """
-
-    def __init__(
-        self, spool: Spool, path: Path, layout: PayloadLayout, metadata: dict[str, str]
-    ) -> None:
-        self.spool, self.path, self.layout = spool, path, layout
-        self.header = layout.safetensors_header(metadata)
-        self.total_bytes = len(self.header) + layout.data_bytes
-        self.written = 0
-        self._fd: int | None = None
-        self._done = False  # committed or discarded: the lease is gone
-        self._committed = False
-        what = f"creating {path.name} ({self.total_bytes} bytes)"
-        try:
-            self._fd = os.open(
-                _partial(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600
-            )
-            spool._note_allocated(path, self.total_bytes)
-            _preallocate(self._fd, self.total_bytes)
-            self._write_all(memoryview(self.header), 0)
-        except OSError as err:
-            # Remove what exists but keep the lease: ``Spool.writer`` releases it.
-            self._close_and_unlink()
-            self._done = True
-            raise SpoolError(_describe_os_error(err, what, spool.root)) from err
-
-    def _write_all(self, data: memoryview, offset: int) -> None:
-        assert self._fd is not None
-        while len(data):
-            n = self.spool.write_at(self._fd, data, offset)
-            if n <= 0:
-                raise OSError(errno.EIO, "positional write made no progress")
-            data, offset = data[n:], offset + n
-
-    def write(self, data_offset: int, chunk: Tensor) -> None:
-        """Write ``chunk`` (contiguous CPU uint8) at ``data_offset`` of the data section."""
-        if self._done:
-            raise SpoolError(f"{self.path.name} is already committed or aborted")
-        if data_offset < 0 or data_offset + chunk.numel() > self.layout.data_bytes:
-            self._discard()
-            raise SpoolError(
-                f"chunk [{data_offset}, {data_offset + chunk.numel()}) lies outside the "
-                f"{self.layout.data_bytes}-byte payload of {self.path.name}"
-            )
-        try:
-            self._write_all(chunk.numpy().data.cast("B"), len(self.header) + data_offset)
-        except OSError as err:
-            self._discard()
-            what = f"writing {self.path.name} at byte {data_offset}"
-            raise SpoolError(_describe_os_error(err, what, self.spool.root)) from err
-        self.written += chunk.numel()
-
-    def commit(self) -> Path:
-        """Check that every byte arrived, close and publish the file under its final name."""
-        if self._done:
-            raise SpoolError(f"{self.path.name} is already committed or aborted")
-        if self.written != self.layout.data_bytes:
-            self._discard()
-            raise SpoolError(
-                f"{self.path.name} is incomplete: {self.written} of {self.layout.data_bytes} "
-                "payload bytes were written"
-            )
-        assert self._fd is not None
-        try:
-            os.close(self._fd)
-            self._fd = None
-            os.replace(_partial(self.path), self.path)
-        except OSError as err:
-            self._discard()
-            raise SpoolError(_describe_os_error(err, "publishing", self.spool.root)) from err
-        self._done = self._committed = True
-        self.spool._release(self.path)
-        return self.path
-
-    def abort(self) -> None:
-        """Drop the partial file; a committed file is the spool's to delete. Idempotent."""
-        if not self._committed:
-            self._discard()
-
-    def _discard(self) -> None:
-        if not self._done:
-            self._close_and_unlink()
-            self._done = True
-            self.spool._release(self.path)
-
-    def _close_and_unlink(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        with self.spool._cond:
-            self.spool._unlink(self.path)
-
-    def __enter__(self) -> SpoolWriter:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.abort()
-
-
-def _preallocate(fd: int, nbytes: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as err:
-        # Some filesystems cannot preallocate; a sparse file of the right size still works,
-        # and a full disk is then reported by the first write that hits it.
-        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, nbytes)
-
-
-class SpoolReader:
-    """Copies element ranges of one committed spool file into caller-owned tensors."""
-
-    def __init__(self, spool: Spool, path: Path, layout: PayloadLayout, *, remap_bytes: int):
-        self.spool, self.path, self.layout = spool, path, layout
-        self.remap_bytes = remap_bytes
-        self._handle: Any = None
-        self._touched = 0
-        self._closed = False
-        self._check()
-
-    def _check(self) -> None:
-        try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(8)
-                header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
-                header = head + f.read(max(0, min(header_len, 2**26)))
-        except FileNotFoundError as err:
-            raise SpoolError(
-                f"no committed spool file {self.path.name}: its write never completed"
-            ) from err
-        meta_free = self.layout.safetensors_header()
-        expected = len(header) + self.layout.data_bytes
-        if header_len < 0 or len(header) < 8 + header_len:
-            raise SpoolError(f"spool file {self.path.name} is truncated inside its header")
-        if not _same_tensors(header, meta_free):
-            raise SpoolError(
-                f"spool file {self.path.name} is corrupt: its header does not describe the "
-                "expected tensors"
-            )
-        if size != expected:
-            state = "truncated" if size < expected else "corrupt (longer than its layout)"
-            raise SpoolError(f"spool file {self.path.name} is {state}: {size} of {expected} bytes")
-
-    def read_into(self, name: str, start: int, out: Tensor) -> None:
-        """Copy elements ``[start, start + out.numel())`` of tensor ``name`` into ``out``."""
-        if self._closed:
-            raise SpoolError(f"reader of {self.path.name} is closed")
-        try:
-            if self._handle is None:
-                self._handle = safe_open(str(self.path), framework="pt")
-            view = self._handle.get_slice(name)[start : start + out.numel()]
-            out.copy_(view)
-            del view
-        except SafetensorError as err:
-            raise SpoolError(f"spool file {self.path.name} is corrupt: {err}") from err
-        self._touched += out.numel() * out.element_size()
-        if self._touched >= self.remap_bytes:
-            # Dropping the mapping returns the pages read so far from this process's RSS.
-            self._handle, self._touched = None, 0
-
-    def close(self) -> None:
-        """Drop the mapping and the lease. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._handle = None
-            self.spool._release(self.path)
-
-    def __enter__(self) -> SpoolReader:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-def _same_tensors(header: bytes, expected: bytes) -> bool:
-    """Compare two safetensors headers ignoring ``__metadata__``."""
-    try:
-        found = json.loads(header[8:].decode())
-        want = json.loads(expected[8:].decode())
-    except (UnicodeDecodeError, ValueError):
-        return False
-    if not isinstance(found, dict):
-        return False
-    found.pop("__metadata__", None)
-    return bool(found == want)
+__all__ = ["Spool", "SpoolError", "SpoolReader", "SpoolWriter", "filesystem_type"]
