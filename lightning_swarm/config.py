@@ -14,9 +14,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.fragments import LAYOUTS, FragmentSchedule
 from lightning_swarm.algorithm.robust import AGGREGATIONS
 
 TRANSPORTS = ("allreduce", "swarm")
@@ -163,6 +166,16 @@ class SwarmConfig:
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
         swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted);
             setting them with ``transport="allreduce"`` has no effect and warns.
+        num_fragments: Streaming DiLoCo's F: the trained parameters split into F fragments
+            that sync on staggered schedules (fragment f at offset f x sync_every / F).
+        fragment_layout: ``"strided"`` (layer i -> fragment i mod F), ``"sequential"`` or
+            explicit lists of module names, one list per fragment (checked at setup).
+        sync_delay: tau, inner steps between sending a fragment's pseudo-gradient and applying
+            the averaged result; the exchange runs in a background thread meanwhile.
+        merge_alpha: on arrival, ``local <- (1 - alpha) x global + alpha x local``.
+        quantize: codec of the exchanged pseudo-gradients: none, bf16, int8 or int4.
+        quantize_block_size: elements sharing one absmax scale (int8 / int4).
+        error_feedback: carry each island's quantization error into its next round.
     """
 
     sync_every: int = 100
@@ -173,6 +186,14 @@ class SwarmConfig:
     bucket_mb: float = 32.0
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
     swarm: SwarmTransportConfig = field(default_factory=SwarmTransportConfig)
+    num_fragments: int = 1
+    # A layout name or lists of module names; Any so the Hydra schema accepts both forms.
+    fragment_layout: Any = "strided"
+    sync_delay: int = 0
+    merge_alpha: float = 0.0
+    quantize: str = "none"
+    quantize_block_size: int = 128
+    error_feedback: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -202,6 +223,7 @@ class SwarmConfig:
             raise ValueError(f"bucket_mb must be a number of MiB, got {self.bucket_mb!r}.")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}; e.g. bucket_mb=32.")
+        check_streaming(self)
 
     @property
     def anchor_torch_dtype(self) -> torch.dtype:
@@ -252,4 +274,66 @@ def as_swarm_transport_config(value: object) -> SwarmTransportConfig:
     raise TypeError(
         f"swarm must be a SwarmTransportConfig or a dict such as {{'offload': False}}, got "
         f"{type(value).__name__}."
+    )
+
+
+def check_streaming(config: SwarmConfig) -> None:
+    """Validate the Streaming DiLoCo options (fragments, delay, merge, quantization).
+
+    The schedule's own checks (divisibility, delay range, alpha range) run by building the
+    ``FragmentSchedule``; whether an explicit layout covers every trained parameter is checked
+    at setup, when the names are known.
+    """
+    _check_positive_int("num_fragments", config.num_fragments, "1 syncs the whole model at once")
+    _check_positive_int(
+        "quantize_block_size", config.quantize_block_size, "e.g. 128 elements per scale"
+    )
+    FragmentSchedule(
+        sync_every=config.sync_every,
+        num_fragments=config.num_fragments,
+        sync_delay=config.sync_delay,
+        merge_alpha=config.merge_alpha,
+    )
+    config.fragment_layout = _as_layout(config.fragment_layout, config.num_fragments)
+    Codec(config.quantize, config.quantize_block_size)
+    if not isinstance(config.error_feedback, bool):
+        raise ValueError(f"error_feedback must be true or false, got {config.error_feedback!r}.")
+    if config.quantize != "none" and config.transport == "swarm":
+        raise ValueError(
+            f"quantize={config.quantize!r} is not supported with transport='swarm' yet (its "
+            "aggregator validates and aggregates float32 payloads); use transport='allreduce' "
+            "for quantized pseudo-gradients, or quantize='none' with the swarm transport."
+        )
+    if config.error_feedback and config.quantize == "none":
+        warnings.warn(
+            "error_feedback has no effect with quantize='none' (nothing is lost to carry over); "
+            "set quantize to bf16, int8 or int4, or drop error_feedback.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _as_layout(layout: object, num_fragments: int) -> str | list[list[str]]:
+    """A layout name, or explicit lists of module names as plain lists."""
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"fragment_layout={layout!r} is not known; use one of {list(LAYOUTS)} or a "
+                "list of num_fragments lists of module names."
+            )
+        return layout
+    try:
+        groups = [[e] if isinstance(e, str) else list(e) for e in layout]  # type: ignore[attr-defined]
+    except TypeError:
+        groups = []
+    if groups and all(isinstance(n, str) for g in groups for n in g):
+        if len(groups) != num_fragments:
+            raise ValueError(
+                f"fragment_layout lists {len(groups)} fragment(s) but num_fragments="
+                f"{num_fragments}; give exactly one list of module names per fragment."
+            )
+        return groups
+    raise ValueError(
+        f"fragment_layout must be 'strided', 'sequential' or a list of lists of module names "
+        f"(one list per fragment), got {layout!r}; e.g. [['blocks.0', 'blocks.2'], ['blocks.1']]."
     )

@@ -1,40 +1,62 @@
-"""The outer loop of one inner optimizer's parameters: anchors, outer optimizer, counters.
+"""The outer loop of one inner optimizer's parameters: anchors, outer optimizer, fragment rounds.
 
 ``OuterSync`` ties the DiLoCo math (``lightning_swarm.algorithm``) to a ``Transport``. It knows
 nothing of Lightning: the strategy calls ``on_inner_step`` after every real inner optimizer step
-and gets a ``SyncReport`` back when an outer sync happened.
+and gets a ``SyncReport`` back when a round was applied.
+
+Rounds (Streaming DiLoCo, arXiv 2501.18512). The parameters are split into fragments, each
+syncing on a ``FragmentSchedule``. After inner step ``s`` where fragment ``f`` is due, ``_send``
+computes its pseudo-gradients and starts the exchange (error feedback, then
+``transport.average``); after step ``s + sync_delay``, ``_apply`` waits for the result, steps the
+outer optimizer on fragment ``f``'s anchors only (the other anchors have no gradient, so SGD and
+Adam skip them) and merges the new anchors into the locals with ``merge_alpha``. With
+``sync_delay == 0`` the exchange runs inline; otherwise in the ``SyncWorker`` thread while
+training continues. One fragment, no delay and no codec is plain DiLoCo, operation for operation.
 
 Ownership and lifetime:
 - ``anchors`` are owned here: one tensor per trained parameter, on ``anchor_device`` in
   ``anchor_dtype``, created as a copy of the parameters at construction time. They are never
-  aliased to the model's parameters.
-- The outer optimizer is built over the anchors and owns its state (e.g. Nesterov momentum),
+  aliased to the model's parameters, and always hold the pure global model (no alpha mixing).
+- The outer optimizer is built over all anchors and owns its state (e.g. Nesterov momentum),
   which therefore lives on the anchor device too.
-- Pseudo-gradients exist only during a sync: they are created, averaged by the transport,
-  applied, and dropped. Between syncs this object holds anchors + outer state, nothing more.
-- ``params`` are the model's live parameters, owned by the LightningModule; a sync overwrites
-  them in place with the new anchors.
+- Pseudo-gradients exist only while a round is in flight (at most one: the schedule guarantees
+  fragment f has applied before fragment f + 1 sends). Until the worker's future resolves, the
+  round's tensors and the fragment's error-feedback residuals belong to the worker.
+- ``residuals`` (error feedback) are per-island state, like the inner optimizer's; the anchors,
+  outer state, counters and an in-flight round's averaged result are global.
+- ``params`` are the model's live parameters, owned by the LightningModule; an apply overwrites
+  (or mixes into) them in place.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
-from lightning_swarm.transport.base import Transport
+from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
+from lightning_swarm.algorithm.fragments import FragmentSchedule
+from lightning_swarm.transport.base import RoundStats, Transport
+from lightning_swarm.transport.worker import SyncWorker
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
 class SyncReport:
-    """One outer sync as seen by this rank."""
+    """One applied (or skipped) round as seen by this rank.
+
+    ``wall_s`` is the time the training thread was blocked by the round: computing the
+    pseudo-gradients at the send, the exchange itself when it ran inline, waiting for the worker
+    and the outer step and merge at the apply. ``transport_s`` is the exchange's own duration,
+    wherever it ran (hidden behind inner steps when ``sync_delay > 0``).
+    """
 
     outer_steps: int
     inner_steps: int
@@ -43,18 +65,70 @@ class SyncReport:
     bytes_received: int
     wall_s: float
     applied: bool
+    fragment: int = 0
+    fragment_rounds: int = 0
+    send_step: int = 0
+    transport_s: float = 0.0
+
+
+@dataclass
+class _Exchanged:
+    """What an exchange produced: the averaged tensors and its cost (identical on all ranks)."""
+
+    stats: RoundStats
+    norm: float
+
+
+@dataclass
+class _Round:
+    """A fragment's round between its send and its apply."""
+
+    fragment: int
+    send_step: int
+    deltas: dict[str, Tensor]
+    send_blocked_s: float = 0.0
+    future: Future[_Exchanged] | None = None
+    result: _Exchanged | None = None
+
+
+@dataclass
+class Streaming:
+    """Streaming DiLoCo options of one ``OuterSync`` (defaults: plain DiLoCo).
+
+    Attributes:
+        fragments: lists of parameter names, together covering every parameter exactly once;
+            ``None`` = one fragment of all parameters.
+        sync_delay: tau, inner steps between a fragment's send and its apply.
+        merge_alpha: on apply, ``local <- (1 - alpha) * global + alpha * local``.
+        codec: the transport's codec, needed for error feedback; ``None`` = no feedback.
+        error_feedback: keep each parameter's quantization error for its next round.
+        worker: runs delayed exchanges; required when ``sync_delay > 0``.
+    """
+
+    fragments: Sequence[Sequence[str]] | None = None
+    sync_delay: int = 0
+    merge_alpha: float = 0.0
+    codec: Codec | None = None
+    error_feedback: bool = False
+    worker: SyncWorker | None = field(default=None, compare=False)
 
 
 class OuterSync:
-    """DiLoCo outer state and sync for one set of parameters.
+    """DiLoCo outer state and per-fragment rounds for one set of parameters.
 
     Args:
         params: the trained parameters by name, in a fixed order identical on every rank.
         outer_optimizer: factory called once with the anchors.
         transport: averages pseudo-gradients across islands.
-        sync_every: inner steps between outer syncs.
+        sync_every: inner steps between two rounds of the same fragment.
         anchor_device: device for anchors and outer optimizer state.
         anchor_dtype: dtype of the stored anchors.
+        defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
+        streaming: fragments, delay, merge and error feedback (``Streaming``).
+
+    Raises:
+        ValueError: the fragments do not cover the parameters exactly once, the schedule is
+            invalid, or ``sync_delay > 0`` without a worker.
     """
 
     def __init__(
@@ -67,6 +141,7 @@ class OuterSync:
         anchor_device: torch.device | str = "cpu",
         anchor_dtype: torch.dtype = torch.float32,
         defer_anchors: bool = False,
+        streaming: Streaming | None = None,
     ) -> None:
         self.params = dict(params)
         self.transport = transport
@@ -74,6 +149,16 @@ class OuterSync:
         self.anchor_device = torch.device(anchor_device)
         self.anchor_dtype = anchor_dtype
         self._outer_optimizer_factory = outer_optimizer
+        self.streaming = streaming or Streaming()
+        self.fragments = _check_fragments(self.streaming.fragments, list(self.params))
+        self.schedule = FragmentSchedule(
+            sync_every=sync_every,
+            num_fragments=len(self.fragments),
+            sync_delay=self.streaming.sync_delay,
+            merge_alpha=self.streaming.merge_alpha,
+        )
+        if self.schedule.sync_delay > 0 and self.streaming.worker is None:
+            raise ValueError("sync_delay > 0 needs a SyncWorker to run the delayed exchanges")
         # A resume replaces the anchors right after setup: copying the weights first would add
         # the full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors``
         # builds memory-less placeholders (meta device) that ``load_state_dict`` must replace;
@@ -93,6 +178,9 @@ class OuterSync:
             )
         self.inner_steps = 0
         self.outer_steps = 0
+        self.fragment_rounds = [0] * len(self.fragments)
+        self.residuals: dict[str, Tensor] = {}
+        self._in_flight: _Round | None = None
 
     @property
     def anchor_bytes(self) -> int:
@@ -107,46 +195,175 @@ class OuterSync:
                     total += value.numel() * value.element_size()
         return total
 
+    @property
+    def in_flight(self) -> int | None:
+        """The fragment sent and not applied yet, or None."""
+        return self._in_flight.fragment if self._in_flight is not None else None
+
     def on_inner_step(self) -> SyncReport | None:
-        """Count one inner step; run the outer sync when ``sync_every`` steps have passed."""
+        """Count one inner step; send and/or apply the fragment the schedule names."""
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every != 0:
-            return None
-        return self.sync()
+        step = self.inner_steps
+        sending = self.schedule.sends_at(step)
+        if sending is not None:
+            self._send(sending, inline=self.schedule.sync_delay == 0)
+        applying = self.schedule.applies_at(step)
+        return self._apply(applying) if applying is not None else None
+
+    def sync(self) -> SyncReport:
+        """Run a full round of every fragment now, inline (a round in flight is applied first).
+
+        Returns the last fragment's report. With one fragment this is plain DiLoCo's sync.
+        """
+        if self._in_flight is not None:
+            self._apply(self._in_flight.fragment)
+        report = None
+        for fragment in range(len(self.fragments)):
+            self._send(fragment, inline=True)
+            report = self._apply(fragment)
+        assert report is not None
+        return report
 
     @torch.no_grad()
-    def sync(self) -> SyncReport:
-        """Average pseudo-gradients across islands, step the anchors, reset the locals."""
+    def _send(self, fragment: int, *, inline: bool) -> None:
+        """Compute fragment ``fragment``'s pseudo-gradients and start their exchange."""
+        assert self._in_flight is None, "the schedule allows one round in flight at a time"
         start = time.perf_counter()
-        deltas = {name: pseudo_gradient(self.anchors[name], p) for name, p in self.params.items()}
-        stats = self.transport.average(deltas, round_index=self.outer_steps)
-        norm = 0.0
-        if stats.applied:
-            norm = global_norm(list(deltas.values()))
-            outer_step(self.outer_optimizer, list(self.anchors.values()), list(deltas.values()))
+        names = self.fragments[fragment]
+        deltas = {name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names}
+        rnd = _Round(fragment, self.inner_steps, deltas)
+        round_index = self.outer_steps
+        if inline:
+            rnd.result = self._exchange(deltas, round_index)
+        else:
+            assert self.streaming.worker is not None
+            rnd.future = self.streaming.worker.submit(lambda: self._exchange(deltas, round_index))
+        rnd.send_blocked_s = time.perf_counter() - start
+        self._in_flight = rnd
+
+    @torch.no_grad()
+    def _exchange(self, deltas: dict[str, Tensor], round_index: int) -> _Exchanged:
+        """Error feedback, then the transport's average (runs in the worker when delayed).
+
+        Overwrites ``deltas`` with the average. The residuals of a skipped round are restored:
+        its whole pseudo-gradient re-enters the next round anyway (anchors and locals stay).
+        """
+        codec = self.streaming.codec
+        feedback = self.streaming.error_feedback and codec is not None and codec.name != "none"
+        previous = {name: self.residuals.get(name) for name in deltas} if feedback else {}
+        if feedback:
+            assert codec is not None
+            for name, delta in deltas.items():
+                to_send, new_residual = with_error_feedback(delta, previous[name], codec)
+                delta.copy_(to_send)
+                self.residuals[name] = new_residual
+        stats = self.transport.average(deltas, round_index=round_index)
+        if not stats.applied:
+            for name, old in previous.items():
+                if old is None:
+                    self.residuals.pop(name, None)
+                else:
+                    self.residuals[name] = old
+            return _Exchanged(stats, 0.0)
+        return _Exchanged(stats, global_norm(list(deltas.values())))
+
+    @torch.no_grad()
+    def _apply(self, fragment: int) -> SyncReport:
+        """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals."""
+        rnd = self._in_flight
+        assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
+        start = time.perf_counter()
+        result = self._result(rnd)
+        self._in_flight = None
+        names = self.fragments[fragment]
+        if result.stats.applied:
+            anchors = [self.anchors[name] for name in names]
+            outer_step(self.outer_optimizer, anchors, [rnd.deltas[name] for name in names])
             self.outer_steps += 1
-            for name, p in self.params.items():
-                merge_into_local(p.data, self.anchors[name])
+            self.fragment_rounds[fragment] += 1
+            for name in names:
+                merge_into_local(
+                    self.params[name].data, self.anchors[name], self.schedule.merge_alpha
+                )
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
         # away, it simply enters the next round's pseudo-gradient.
-        del deltas
+        del rnd.deltas
         return SyncReport(
             outer_steps=self.outer_steps,
             inner_steps=self.inner_steps,
-            pseudo_grad_norm=norm,
-            bytes_sent=stats.bytes_sent,
-            bytes_received=stats.bytes_received,
-            wall_s=time.perf_counter() - start,
-            applied=stats.applied,
+            pseudo_grad_norm=result.norm,
+            bytes_sent=result.stats.bytes_sent,
+            bytes_received=result.stats.bytes_received,
+            wall_s=rnd.send_blocked_s + time.perf_counter() - start,
+            applied=result.stats.applied,
+            fragment=fragment,
+            fragment_rounds=self.fragment_rounds[fragment],
+            send_step=rnd.send_step,
+            transport_s=result.stats.wall_s,
         )
 
+    def _result(self, rnd: _Round) -> _Exchanged:
+        if rnd.result is None:
+            assert rnd.future is not None
+            rnd.result = SyncWorker.wait(
+                rnd.future,
+                f"the outer sync of fragment {rnd.fragment} (sent after inner step "
+                f"{rnd.send_step})",
+            )
+            rnd.future = None
+        return rnd.result
+
+    def drain(self) -> None:
+        """Wait for a round in flight without applying it (before a save or at teardown)."""
+        if self._in_flight is not None:
+            self._result(self._in_flight)
+
     def state_dict(self) -> dict[str, Any]:
-        """Anchors, outer optimizer state and counters (tensors stay on the anchor device)."""
+        """Anchors, outer optimizer state, counters and a round in flight (global state).
+
+        A round in flight is waited for; its averaged result (identical on every island) is
+        saved so a resumed run applies it at the same step as an uninterrupted one. Tensors
+        stay on the anchor device.
+        """
+        pending = None
+        if self._in_flight is not None:
+            result = self._result(self._in_flight)
+            pending = {
+                "fragment": self._in_flight.fragment,
+                "send_step": self._in_flight.send_step,
+                "deltas": dict(self._in_flight.deltas),
+                "applied": result.stats.applied,
+                "norm": result.norm,
+                "bytes_sent": result.stats.bytes_sent,
+                "bytes_received": result.stats.bytes_received,
+                "transport_s": result.stats.wall_s,
+            }
         return {
             "anchors": dict(self.anchors),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
+            "fragment_rounds": list(self.fragment_rounds),
+            "pending": pending,
+        }
+
+    def island_state_dict(self) -> dict[str, Any]:
+        """This island's own state: the error-feedback residuals (after any round in flight)."""
+        self.drain()
+        return {"residuals": dict(self.residuals)}
+
+    def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install residuals saved by ``island_state_dict`` (converted to the anchor device)."""
+        residuals: Mapping[str, Tensor] = state.get("residuals", {})
+        for name, residual in residuals.items():
+            if name not in self.params or residual.shape != self.params[name].shape:
+                raise ValueError(
+                    f"saved error-feedback residual {name!r} does not fit this model; resume "
+                    "with the model and fragments the checkpoint was written by."
+                )
+        self.residuals = {
+            name: r.to(device=self.anchor_device, dtype=torch.float32)
+            for name, r in residuals.items()
         }
 
     @property
@@ -155,7 +372,7 @@ class OuterSync:
         return any(a.device.type == "meta" for a in self.anchors.values())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install anchors, outer optimizer state and counters saved by ``state_dict``.
+        """Install anchors, outer optimizer state, counters and a round in flight.
 
         The given anchor tensors are adopted, not copied, when they already have this object's
         anchor device and dtype: memory-mapped anchors stay file-backed until a sync writes
@@ -163,7 +380,8 @@ class OuterSync:
         The outer optimizer is rebuilt over the new anchors, then given the saved state.
 
         Raises:
-            ValueError: a parameter has no anchor, or an anchor of the wrong shape.
+            ValueError: a parameter has no anchor, or an anchor of the wrong shape; or the
+                saved round in flight does not fit this run's schedule.
         """
         anchors: Mapping[str, Tensor] = state["anchors"]
         for name, p in self.params.items():
@@ -181,3 +399,58 @@ class OuterSync:
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_steps = int(state["inner_steps"])
         self.outer_steps = int(state["outer_steps"])
+        rounds = state.get("fragment_rounds")
+        self.fragment_rounds = list(rounds) if rounds is not None else [0] * len(self.fragments)
+        self._in_flight = self._restore_round(state.get("pending"))
+
+    def _restore_round(self, pending: Mapping[str, Any] | None) -> _Round | None:
+        expected = self.schedule.in_flight(self.inner_steps) if self.inner_steps else None
+        found = None if pending is None else int(pending["fragment"])
+        if found != expected:
+            raise ValueError(
+                f"the checkpoint has fragment {found} in flight at inner step {self.inner_steps} "
+                f"but this run's schedule expects {expected}; resume with the sync_every, "
+                "num_fragments and sync_delay the checkpoint was written with."
+            )
+        if pending is None:
+            return None
+        stats = RoundStats(
+            bytes_sent=int(pending["bytes_sent"]),
+            bytes_received=int(pending["bytes_received"]),
+            wall_s=float(pending["transport_s"]),
+            applied=bool(pending["applied"]),
+        )
+        deltas = {name: t.to(torch.float32) for name, t in pending["deltas"].items()}
+        return _Round(
+            int(pending["fragment"]),
+            int(pending["send_step"]),
+            deltas,
+            result=_Exchanged(stats, float(pending["norm"])),
+        )
+
+
+def _check_fragments(
+    fragments: Sequence[Sequence[str]] | None, names: list[str]
+) -> list[list[str]]:
+    """Fragments as lists in parameter order; each parameter in exactly one of them."""
+    if fragments is None:
+        return [names]
+    owner: dict[str, int] = {}
+    for index, fragment in enumerate(fragments):
+        if not fragment:
+            raise ValueError(f"fragment {index} is empty; every fragment needs a parameter.")
+        for name in fragment:
+            if name not in names or name in owner:
+                problem = "is not a trained parameter" if name not in names else "is repeated"
+                raise ValueError(
+                    f"fragment {index}: {name!r} {problem}; each trained parameter must be in "
+                    "exactly one fragment (build them with build_fragments)."
+                )
+            owner[name] = index
+    missing = [n for n in names if n not in owner]
+    if missing:
+        raise ValueError(
+            f"the fragments leave {len(missing)} trained parameter(s) out, e.g. {missing[:3]}; "
+            "each trained parameter must be in exactly one fragment."
+        )
+    return [[n for n in names if owner[n] == index] for index in range(len(fragments))]

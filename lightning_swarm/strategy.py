@@ -15,7 +15,8 @@ Lifecycle inside ``Trainer.fit``:
 4. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch),
    the optimizer's ``OuterSync`` counts it and syncs every ``sync_every`` steps; the sync's
    metrics go straight to the loggers under ``swarm/`` so ``log_every_n_steps`` cannot drop them.
-5. ``teardown``: transport closed, groups destroyed.
+5. ``teardown``: the sync worker drained and joined (Streaming DiLoCo), then the transport
+   closed and the groups destroyed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.fragments import FragmentLayout, build_fragments
 from lightning_swarm.checkpoint import prune_saves, swarm_root
 from lightning_swarm.config import (
     AnchorConfig,
@@ -45,11 +48,13 @@ from lightning_swarm.config import (
     as_anchor_config,
     as_swarm_transport_config,
 )
-from lightning_swarm.outer import OuterOptimizerFactory, OuterSync, SyncReport
+from lightning_swarm.outer import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import AllReduceTransport, Transport, ring_allreduce_bytes
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
+from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.swarm import SwarmTransport
+from lightning_swarm.transport.worker import SyncWorker
 
 if TYPE_CHECKING:
     # lightning_swarm.callbacks imports this module; the resume glue is imported where used.
@@ -88,6 +93,17 @@ class SwarmStrategy(DDPStrategy):
             them; ``{"mmap": False}`` reads them eagerly.
         swarm: options of the swarm transport (``SwarmTransportConfig`` or a dict such as
             ``{"offload": True, "aggregation": "median"}``); warns unless transport="swarm".
+        num_fragments: Streaming DiLoCo: sync the model in this many fragments on staggered
+            schedules (``sync_every`` must be a multiple of it); 1 = plain DiLoCo.
+        fragment_layout: ``"strided"`` (layer i -> fragment i mod F), ``"sequential"``, or one
+            list of module names per fragment.
+        sync_delay: inner steps between sending a fragment and applying its average; the
+            exchange runs in a background thread meanwhile (``< sync_every / num_fragments``).
+        merge_alpha: on arrival ``local <- (1 - alpha) * global + alpha * local``, in [0, 1].
+        quantize: ``"none"``, ``"bf16"``, ``"int8"`` or ``"int4"`` pseudo-gradients (per-block
+            absmax scales, accumulated in float32); transport="allreduce" only for now.
+        quantize_block_size: elements per scale block for int8 / int4.
+        error_feedback: carry each island's quantization error into its next round.
         **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
@@ -108,6 +124,13 @@ class SwarmStrategy(DDPStrategy):
         bucket_mb: float = 32.0,
         anchors: AnchorConfig | dict[str, Any] | None = None,
         swarm: SwarmTransportConfig | dict[str, Any] | None = None,
+        num_fragments: int = 1,
+        fragment_layout: FragmentLayout = "strided",
+        sync_delay: int = 0,
+        merge_alpha: float = 0.0,
+        quantize: str = "none",
+        quantize_block_size: int = 128,
+        error_feedback: bool = False,
         **kwargs: Any,
     ) -> None:
         if isinstance(anchor_dtype, torch.dtype):
@@ -121,6 +144,13 @@ class SwarmStrategy(DDPStrategy):
             bucket_mb=bucket_mb,
             anchors=as_anchor_config(anchors if anchors is not None else AnchorConfig()),
             swarm=as_swarm_transport_config(swarm if swarm is not None else SwarmTransportConfig()),
+            num_fragments=num_fragments,
+            fragment_layout=fragment_layout,
+            sync_delay=sync_delay,
+            merge_alpha=merge_alpha,
+            quantize=quantize,
+            quantize_block_size=quantize_block_size,
+            error_feedback=error_feedback,
         )
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise ValueError(
@@ -144,6 +174,7 @@ class SwarmStrategy(DDPStrategy):
         self.totals = SwarmTotals()
         self.last_sync: SyncReport | None = None
         self._defer_anchors = False
+        self._worker: SyncWorker | None = None
 
     # -- registration ---------------------------------------------------------------------
     @classmethod
@@ -207,7 +238,12 @@ class SwarmStrategy(DDPStrategy):
             island_size=self.config.island_size,
             global_rank=self.global_rank,
         )
-        self._groups = build_groups(self._topology, backend=self._process_group_backend)
+        # A delayed exchange runs in a worker thread: it gets a peer group of its own.
+        self._groups = build_groups(
+            self._topology,
+            backend=self._process_group_backend,
+            dedicated_peers=self.config.sync_delay > 0,
+        )
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
@@ -263,6 +299,7 @@ class SwarmStrategy(DDPStrategy):
                 anchor_device=self.config.anchor_device,
                 anchor_dtype=self.config.anchor_torch_dtype,
                 defer_anchors=self._defer_anchors,
+                streaming=self._streaming(params),
             )
             self._outer_syncs.append(outer)
             self._outer_by_optimizer[id(optimizer)] = outer
@@ -289,12 +326,49 @@ class SwarmStrategy(DDPStrategy):
                 cleanup_timeout_s=options.cleanup_timeout_s,
                 device=device,
             )
+        if self.config.quantize != "none":
+            return QuantizedTransport(
+                self._groups.peers,
+                num_islands=self.topology.num_islands,
+                codec=self._codec(),
+                bucket_numel=self.config.bucket_numel,
+                device=device,
+            )
         return AllReduceTransport(
             self._groups.peers,
             num_islands=self.topology.num_islands,
             bucket_numel=self.config.bucket_numel,
             device=device,
         )
+
+    def _codec(self) -> Codec:
+        return Codec(self.config.quantize, self.config.quantize_block_size)
+
+    def _streaming(self, params: dict[str, torch.nn.Parameter]) -> Streaming:
+        """Fragments (the layout is checked here, where the names are known) and options."""
+        config = self.config
+        if config.sync_delay > 0 and self._worker is None:
+            self._worker = SyncWorker()
+        return Streaming(
+            fragments=build_fragments(list(params), config.num_fragments, config.fragment_layout),
+            sync_delay=config.sync_delay,
+            merge_alpha=config.merge_alpha,
+            codec=self._codec(),
+            error_feedback=config.error_feedback,
+            worker=self._worker,
+        )
+
+    def _close_worker(self) -> None:
+        """Wait for exchanges in flight, then join the worker (before groups are destroyed)."""
+        if self._worker is None:
+            return
+        try:
+            for outer in self._outer_syncs:
+                # A round still in flight when fit ends is dropped (it is in the last checkpoint).
+                outer.drain()
+        finally:
+            self._worker.close()
+            self._worker = None
 
     # -- training -------------------------------------------------------------------------
     @override
@@ -327,7 +401,12 @@ class SwarmStrategy(DDPStrategy):
             "swarm/bytes_sent": float(self.totals.bytes_sent),
             "swarm/bytes_received": float(self.totals.bytes_received),
             f"swarm/sync_time_s{suffix}": report.wall_s,
+            f"swarm/transport_time_s{suffix}": report.transport_s,
         }
+        if self.config.num_fragments > 1:
+            metrics[f"swarm/fragment{report.fragment}_rounds{suffix}"] = float(
+                report.fragment_rounds
+            )
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if trainer is None:
             return
@@ -395,6 +474,7 @@ class SwarmStrategy(DDPStrategy):
     # -- teardown -------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        self._close_worker()
         if self._transport is not None:
             self._transport.close()
         if self._groups is not None:

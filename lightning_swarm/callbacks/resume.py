@@ -61,8 +61,26 @@ _T = TypeVar("_T")
 
 def current_fingerprint(strategy: SwarmStrategy) -> dict[str, Any]:
     return layout_fingerprint(
-        strategy.topology.num_islands, [o.params for o in strategy.outer_syncs]
+        strategy.topology.num_islands,
+        [o.params for o in strategy.outer_syncs],
+        fragments=_fragment_fingerprint(strategy),
     )
+
+
+def _fragment_fingerprint(strategy: SwarmStrategy) -> dict[str, Any] | None:
+    """Streaming DiLoCo's layout and schedule; ``None`` for plain DiLoCo (older saves too).
+
+    A round in flight is applied at ``send_step + sync_delay`` to the fragment it was sent for,
+    so a resume needs the same fragments, ``sync_every`` and ``sync_delay``.
+    """
+    config = strategy.config
+    if config.num_fragments == 1 and config.sync_delay == 0:
+        return None
+    return {
+        "sync_every": config.sync_every,
+        "sync_delay": config.sync_delay,
+        "layout": [o.fragments for o in strategy.outer_syncs],
+    }
 
 
 # -- saving -----------------------------------------------------------------------------------
@@ -94,6 +112,8 @@ def save_swarm_state(strategy: SwarmStrategy, checkpoint: dict[str, Any], filepa
             "module": module.state_dict(),
             "optimizers": [opt.state_dict() for opt in strategy.optimizers],
             "totals": dict(vars(strategy.totals)),
+            # Error-feedback residuals differ per island, like the inner optimizer state.
+            "outer_island": [o.island_state_dict() for o in outers],
         }
         atomic_save(island_state, directory / island_file_name(topology.island_index))
         if strategy.global_rank == 0:
@@ -292,6 +312,10 @@ class SwarmResume(pl.Callback):
             _optimizer_to_device(optimizer, strategy.root_device)
         for outer, state in zip(strategy.outer_syncs, loaded.newest["outer"], strict=True):
             outer.load_state_dict(state)
+        for outer, own in zip(
+            strategy.outer_syncs, loaded.island.get("outer_island", []), strict=False
+        ):
+            outer.load_island_state_dict(own)
         for key, value in loaded.island.get("totals", {}).items():
             if hasattr(strategy.totals, key):
                 setattr(strategy.totals, key, value)

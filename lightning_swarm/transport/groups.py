@@ -35,8 +35,15 @@ class SwarmGroups:
         self.created.clear()
 
 
-def build_groups(topology: IslandTopology, backend: str | None = None) -> SwarmGroups:
-    """Create the island and peer groups for ``topology`` (collective on every rank)."""
+def build_groups(
+    topology: IslandTopology, backend: str | None = None, *, dedicated_peers: bool = False
+) -> SwarmGroups:
+    """Create the island and peer groups for ``topology`` (collective on every rank).
+
+    With ``dedicated_peers`` the peer group is always a group of its own, never the default
+    group: a transport driven from a background thread must not share a group with the
+    training thread's collectives (their order would differ between ranks).
+    """
     created: list[dist.ProcessGroup] = []
     island: dist.ProcessGroup | None = None
     peers: dist.ProcessGroup | None = None
@@ -47,7 +54,7 @@ def build_groups(topology: IslandTopology, backend: str | None = None) -> SwarmG
                 island = group
                 created.append(group)
     if topology.num_islands > 1:
-        if topology.island_size == 1:
+        if topology.island_size == 1 and not dedicated_peers:
             peers = dist.group.WORLD
         else:
             for local in range(topology.island_size):

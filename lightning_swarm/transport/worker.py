@@ -1,0 +1,69 @@
+"""One background thread that runs outer-sync exchanges while training continues.
+
+Streaming DiLoCo hides communication behind inner steps: a fragment's pseudo-gradient is sent
+after inner step ``s`` and its average is needed only after step ``s + sync_delay``. The
+exchange (error feedback, encoding, collectives, decoding) runs here in between; gloo and NCCL
+release the GIL while they wait on the wire, so the training thread keeps computing.
+
+Invariants:
+- One worker thread per strategy, jobs run in submission order. Every rank submits the same
+  jobs in the same order, so collectives match across ranks without further coordination.
+- While a job runs, only this thread touches the transport and its process group. That group
+  must not be one the training thread also uses (Lightning's barriers and broadcasts run on the
+  default group): ``build_groups(..., dedicated_peers=True)`` gives the transport its own.
+- The tensors a job reads and writes belong to the job until its future resolves; the caller
+  touches them only after ``wait``.
+- ``close`` waits for the running job and joins the thread; call it before destroying the
+  process groups the jobs use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+class SyncWorkerError(RuntimeError):
+    """An exchange failed in the background worker; raised in the training thread."""
+
+
+class SyncWorker:
+    """A single-thread executor with a clear error when a job fails.
+
+    Args:
+        name: prefix of the thread's name (visible in stack dumps and thread listings).
+    """
+
+    def __init__(self, name: str = "swarm-sync") -> None:
+        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name
+        )
+
+    def submit(self, job: Callable[[], _T]) -> Future[_T]:
+        """Queue ``job``; it runs after every job submitted before it."""
+        if self._executor is None:
+            raise RuntimeError("the sync worker is closed; no exchange can be started")
+        return self._executor.submit(job)
+
+    @staticmethod
+    def wait(future: Future[_T], what: str) -> _T:
+        """Block until ``future`` is done and return its result.
+
+        Raises:
+            SyncWorkerError: the job raised; the message names ``what`` and the cause.
+        """
+        try:
+            return future.result()
+        except Exception as err:
+            raise SyncWorkerError(
+                f"{what} failed in the background sync worker: {type(err).__name__}: {err}"
+            ) from err
+
+    def close(self) -> None:
+        """Wait for queued jobs and join the thread. Idempotent."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

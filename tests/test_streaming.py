@@ -1,0 +1,297 @@
+"""Streaming DiLoCo in ``OuterSync``, single process: schedule, delay, merge, error feedback.
+
+The transports here are stand-ins: ``FakePeer`` averages the island's tensors with a fixed
+"other island" contribution, so the mean is not the identity and the math can be computed by
+hand; it records which thread ran each exchange.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.outer import OuterSync, Streaming
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.quantized import QuantizedTransport
+from lightning_swarm.transport.worker import SyncWorker, SyncWorkerError
+
+NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+PLAIN = functools.partial(torch.optim.SGD, lr=1.0)
+
+
+class FakePeer:
+    """Two islands where the other one always contributes ``0.5 * x``: mean = ``0.75 * x``."""
+
+    def __init__(self, applied: bool = True, fail_at: int | None = None) -> None:
+        self.calls: list[tuple[list[str], str]] = []
+        self.applied = applied
+        self.fail_at = fail_at
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        self.calls.append((list(tensors), threading.current_thread().name))
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise ConnectionError("peer vanished")
+        for t in tensors.values():
+            t.mul_(0.75)
+        return RoundStats(bytes_sent=4, bytes_received=4, applied=self.applied)
+
+    def close(self) -> None:
+        pass
+
+
+def _params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"a.weight": (5, 3), "a.bias": (5,), "b.weight": (2, 5), "b.bias": (2,)}
+    return {n: torch.nn.Parameter(torch.randn(*s, generator=g)) for n, s in shapes.items()}
+
+
+def _inner_step(params: Mapping[str, torch.nn.Parameter], step: int) -> None:
+    """A deterministic stand-in for an inner optimizer step (different per parameter)."""
+    with torch.no_grad():
+        for i, p in enumerate(params.values()):
+            p.add_(
+                torch.sin(torch.arange(p.numel(), dtype=torch.float32) + step + 3 * i).view_as(p)
+            )
+
+
+FRAGMENTS = [["a.weight", "a.bias"], ["b.weight", "b.bias"]]
+
+
+def _streaming_outer(
+    params: dict[str, torch.nn.Parameter],
+    transport: object,
+    worker: SyncWorker | None,
+    **kw: object,
+) -> OuterSync:
+    return OuterSync(
+        params,
+        outer_optimizer=PLAIN,
+        transport=transport,  # type: ignore[arg-type]
+        sync_every=4,
+        streaming=Streaming(fragments=FRAGMENTS, worker=worker, **kw),  # type: ignore[arg-type]
+    )
+
+
+def test_one_fragment_no_delay_is_plain_diloco_bitwise() -> None:
+    """The reference is DiLoCo's sync as written before fragments existed."""
+    params, ref_params = _params(), _params()
+    outer = OuterSync(params, outer_optimizer=NESTEROV, transport=FakePeer(), sync_every=3)
+    anchors = {n: p.detach().clone() for n, p in ref_params.items()}
+    ref_opt = NESTEROV(list(anchors.values()))
+    ref_transport = FakePeer()
+    for step in range(1, 13):
+        _inner_step(params, step)
+        _inner_step(ref_params, step)
+        report = outer.on_inner_step()
+        if step % 3 == 0:
+            deltas = {n: pseudo_gradient(anchors[n], p) for n, p in ref_params.items()}
+            ref_transport.average(deltas, round_index=step // 3 - 1)
+            outer_step(ref_opt, list(anchors.values()), list(deltas.values()))
+            for n, p in ref_params.items():
+                merge_into_local(p.data, anchors[n])
+            assert report is not None and report.fragment == 0
+        else:
+            assert report is None
+        for n in params:
+            assert torch.equal(params[n], ref_params[n]), (step, n)
+            assert torch.equal(outer.anchors[n], anchors[n]), (step, n)
+    assert outer.outer_steps == 4 and outer.fragment_rounds == [4]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_fragments_with_delay_follow_the_schedule(alpha: float) -> None:
+    """H=4, F=2, tau=1: fragment 1 sends at 2, 6 and applies at 3, 7; fragment 0 at 4 -> 5."""
+    params = _params()
+    transport = FakePeer()
+    worker = SyncWorker()
+    try:
+        outer = _streaming_outer(params, transport, worker, sync_delay=1, merge_alpha=alpha)
+        events: dict[int, int] = {}
+        for step in range(1, 9):
+            anchors_before = {n: a.clone() for n, a in outer.anchors.items()}
+            if outer.schedule.sends_at(step) is not None:
+                sent_from = {n: a.clone() for n, a in outer.anchors.items()}
+            _inner_step(params, step)
+            at_send = {n: p.detach().clone() for n, p in params.items()}
+            if outer.schedule.sends_at(step) is not None:
+                sent_locals = at_send
+            report = outer.on_inner_step()
+            if report is None:
+                assert all(torch.equal(outer.anchors[n], anchors_before[n]) for n in params)
+                continue
+            events[step] = report.fragment
+            assert report.send_step == step - 1 and report.inner_steps == step
+            mine, other = FRAGMENTS[report.fragment], FRAGMENTS[1 - report.fragment]
+            for n in mine:  # outer SGD lr=1: anchor - 0.75 * (anchor - local at send)
+                expected = sent_from[n] - 0.75 * (sent_from[n] - sent_locals[n])
+                torch.testing.assert_close(outer.anchors[n], expected, rtol=0, atol=1e-6)
+                local = alpha * at_send[n] + (1 - alpha) * expected
+                torch.testing.assert_close(params[n].detach(), local, rtol=0, atol=1e-6)
+            for n in other:  # the other fragment: neither anchors nor locals touched
+                assert torch.equal(outer.anchors[n], anchors_before[n])
+                assert torch.equal(params[n].detach(), at_send[n])
+    finally:
+        worker.close()
+    assert events == {3: 1, 5: 0, 7: 1}
+    assert outer.fragment_rounds == [1, 2] and outer.outer_steps == 3
+    assert outer.in_flight == 0  # sent at 8, applies at 9
+    # delayed exchanges ran in the worker thread, in the order sent
+    assert [names for names, _ in transport.calls] == [FRAGMENTS[1], FRAGMENTS[0]] * 2
+    assert all(thread.startswith("swarm-sync") for _, thread in transport.calls)
+
+
+def test_no_delay_exchanges_inline() -> None:
+    transport = FakePeer()
+    outer = _streaming_outer(_params(), transport, None)
+    for step in range(1, 5):
+        _inner_step(outer.params, step)
+        report = outer.on_inner_step()
+        assert (report is not None) == (step in (2, 4))
+    assert [t for _, t in transport.calls] == [threading.current_thread().name] * 2
+
+
+def test_worker_failure_surfaces_at_the_apply_step() -> None:
+    worker = SyncWorker()
+    try:
+        outer = _streaming_outer(_params(), FakePeer(fail_at=2), worker, sync_delay=1)
+        for _ in range(4):  # fragment 1 sends at 2, applies at 3; fragment 0 sends at 4
+            outer.on_inner_step()
+        with pytest.raises(
+            SyncWorkerError,
+            match=r"outer sync of fragment 0 \(sent after inner step 4\) failed in the "
+            r"background sync worker: ConnectionError: peer vanished",
+        ):
+            outer.on_inner_step()
+    finally:
+        worker.close()
+
+
+def test_delay_needs_a_worker() -> None:
+    with pytest.raises(ValueError, match="sync_delay > 0 needs a SyncWorker"):
+        _streaming_outer(_params(), FakePeer(), None, sync_delay=1)
+
+
+@pytest.mark.parametrize(
+    ("fragments", "message"),
+    [
+        ([["a.weight", "a.bias"]], r"leave 2 trained parameter\(s\) out, e.g. \['b.weight'"),
+        ([["a.weight", "a.bias", "b.bias"], ["b.weight", "a.bias"]], "'a.bias' is repeated"),
+        ([["a.weight", "a.bias", "b.bias", "b.weight", "c"]], "'c' is not a trained parameter"),
+        ([["a.weight", "a.bias", "b.bias", "b.weight"], []], "fragment 1 is empty"),
+    ],
+)
+def test_fragments_must_cover_parameters_once(fragments: list[list[str]], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OuterSync(
+            _params(),
+            outer_optimizer=PLAIN,
+            transport=FakePeer(),
+            sync_every=4,
+            streaming=Streaming(fragments=fragments),
+        )
+
+
+def test_error_feedback_carries_the_quantization_error() -> None:
+    codec = Codec("int4", block_size=4)
+    transport = QuantizedTransport(None, num_islands=1, codec=codec, bucket_numel=64)
+    params = _params()
+    outer = OuterSync(
+        params,
+        outer_optimizer=PLAIN,
+        transport=transport,
+        sync_every=2,
+        streaming=Streaming(codec=codec, error_feedback=True),
+    )
+    residual: dict[str, Tensor] = {n: torch.zeros_like(p) for n, p in params.items()}
+    for step in range(1, 7):
+        anchors = {n: a.clone() for n, a in outer.anchors.items()}
+        _inner_step(params, step)
+        locals_ = {n: p.detach().clone() for n, p in params.items()}
+        outer.on_inner_step()
+        if step % 2:
+            continue
+        for n in params:
+            to_send = (anchors[n] - locals_[n]) + residual[n]
+            sent = codec.roundtrip(to_send.reshape(-1)).view_as(to_send)
+            residual[n] = to_send - sent
+            assert torch.equal(outer.residuals[n], residual[n])
+            assert torch.equal(outer.anchors[n], anchors[n] - sent)
+        assert any(bool(r.abs().sum() > 0) for r in residual.values())
+
+
+def test_skipped_round_restores_residuals() -> None:
+    codec = Codec("int8", block_size=4)
+    outer = OuterSync(
+        _params(),
+        outer_optimizer=PLAIN,
+        transport=FakePeer(applied=False),
+        sync_every=1,
+        streaming=Streaming(codec=codec, error_feedback=True),
+    )
+    _inner_step(outer.params, 1)
+    report = outer.on_inner_step()
+    assert report is not None and not report.applied
+    assert outer.residuals == {}
+
+
+def _run_with_save(save_at: int | None, steps: int = 9) -> tuple[OuterSync, list[SyncWorker]]:
+    """Fragments + delay + int4 feedback; optionally a save/restore into a twin at ``save_at``."""
+    codec = Codec("int4", block_size=4)
+    workers = [SyncWorker()]
+
+    def build(params: dict[str, torch.nn.Parameter], worker: SyncWorker) -> OuterSync:
+        return OuterSync(
+            params,
+            outer_optimizer=NESTEROV,
+            transport=QuantizedTransport(None, num_islands=1, codec=codec, bucket_numel=64),
+            sync_every=4,
+            streaming=Streaming(
+                fragments=FRAGMENTS, sync_delay=1, codec=codec, error_feedback=True, worker=worker
+            ),
+        )
+
+    outer = build(_params(), workers[0])
+    for step in range(1, steps + 1):
+        _inner_step(outer.params, step)
+        outer.on_inner_step()
+        if step == save_at:
+            state, island = outer.state_dict(), outer.island_state_dict()
+            assert state["pending"] is not None, "the save should carry a round in flight"
+            workers.append(SyncWorker())
+            twin_params = {
+                n: torch.nn.Parameter(p.detach().clone()) for n, p in outer.params.items()
+            }
+            outer = build(twin_params, workers[-1])
+            outer.load_state_dict(state)
+            outer.load_island_state_dict(island)
+    return outer, workers
+
+
+@pytest.mark.parametrize("save_at", [2, 4, 6])
+def test_state_round_trip_with_a_round_in_flight(save_at: int) -> None:
+    full, w1 = _run_with_save(None)
+    resumed, w2 = _run_with_save(save_at)
+    for w in w1 + w2:
+        w.close()
+    assert resumed.outer_steps == full.outer_steps == 4
+    for n in full.params:
+        assert torch.equal(full.params[n], resumed.params[n]), n
+        assert torch.equal(full.anchors[n], resumed.anchors[n]), n
+        assert torch.equal(full.residuals[n], resumed.residuals[n]), n
+
+
+def test_restore_rejects_a_round_the_schedule_does_not_expect() -> None:
+    resumed, workers = _run_with_save(None, steps=4)
+    state = resumed.state_dict()  # fragment 0 in flight after step 4
+    for w in workers:
+        w.close()
+    plain = OuterSync(_params(), outer_optimizer=NESTEROV, transport=FakePeer(), sync_every=4)
+    with pytest.raises(ValueError, match="fragment 0 in flight at inner step 4 but this run's"):
+        plain.load_state_dict(state)
