@@ -3,10 +3,11 @@
 Ownership and lifecycle:
 - ``Spool`` is the single owner of its root directory (mode 0700, created under ``base_dir`` or
   TMPDIR) and of every file in it (mode 0600). Nothing else creates or deletes files there.
-- A file is written through a ``SpoolWriter`` (``spool_files``): created as ``<name>.partial``, sized up front
-  from the payload layout (``posix_fallocate``, so a full disk is reported before any data
-  arrives), filled chunk by chunk at known offsets, and renamed to its final name only when
-  every byte is in place. A failed or abandoned write removes the partial file.
+- A file is written through a ``SpoolWriter`` (``spool_files``): created as
+  ``<name>.partial``, sized up front from the payload layout (``posix_fallocate``, so a full
+  disk is reported before any data arrives), filled chunk by chunk at known offsets, and
+  renamed to its final name only when every byte is in place. A failed or abandoned write
+  removes the partial file.
 - A file is read through a ``SpoolReader``, which copies blocks out of a ``safe_open`` mapping
   into caller-owned tensors; no tensor backed by the file ever leaves the reader. The mapping is
   reopened every ``remap_bytes`` so pages already consumed stop counting in this process's RSS.
