@@ -92,9 +92,8 @@ def fit(
 ) -> None:
     """One ``Trainer.fit``; checkpoints after every step into ``ckpt_dir`` when given."""
     pl.seed_everything(0)
-    strategy = SwarmStrategy(
-        sync_every=SYNC_EVERY, island_size=island_size, start_method="fork", **strategy_kw
-    )
+    strategy_kw.setdefault("sync_every", SYNC_EVERY)
+    strategy = SwarmStrategy(island_size=island_size, start_method="fork", **strategy_kw)
     cbs: list[pl.Callback] = [DumpFinal(out), *(callbacks or [])]
     if ckpt_dir is not None:
         cbs.append(

@@ -295,3 +295,34 @@ def test_restore_rejects_a_round_the_schedule_does_not_expect() -> None:
     plain = OuterSync(_params(), outer_optimizer=NESTEROV, transport=FakePeer(), sync_every=4)
     with pytest.raises(ValueError, match="fragment 0 in flight at inner step 4 but this run's"):
         plain.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_fragments": 0}, "num_fragments must be a positive integer, got 0"),
+        ({"num_fragments": 3}, "sync_every=100 is not divisible by num_fragments=3"),
+        ({"num_fragments": 4, "sync_delay": 25}, r"0 <= sync_delay < sync_every / num_frag"),
+        ({"sync_delay": -1}, "sync_delay=-1 must be an integer with 0 <= sync_delay"),
+        ({"merge_alpha": 1.5}, r"merge_alpha=1.5 must lie in \[0, 1\]"),
+        ({"quantize": "int2"}, "quantize='int2' is not a codec; choose one of"),
+        ({"quantize_block_size": 0}, "quantize_block_size must be a positive integer, got 0"),
+        ({"error_feedback": "yes"}, "error_feedback must be true or false"),
+        ({"fragment_layout": "zigzag"}, "fragment_layout='zigzag' is not known"),
+        ({"fragment_layout": 3}, "fragment_layout must be 'strided', 'sequential' or a list"),
+        ({"num_fragments": 2, "fragment_layout": [["a"]]}, r"lists 1 fragment\(s\) but num_f"),
+        ({"transport": "swarm", "quantize": "int4"}, "not supported with transport='swarm'"),
+    ],
+)
+def test_bad_streaming_options(kwargs: dict, message: str) -> None:
+    from lightning_swarm import SwarmStrategy
+
+    with pytest.raises(ValueError, match=message):
+        SwarmStrategy(**kwargs)
+
+
+def test_error_feedback_without_codec_warns() -> None:
+    from lightning_swarm import SwarmStrategy
+
+    with pytest.warns(UserWarning, match="error_feedback has no effect with quantize='none'"):
+        SwarmStrategy(error_feedback=True)
