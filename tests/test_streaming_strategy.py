@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -22,7 +23,7 @@ from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression
 from tests.resume_utils import assert_bitwise_equal, fit
 from tests.resume_utils import load_ranks as load_resume_ranks
 
-STREAMING = {
+STREAMING: dict[str, Any] = {
     "sync_every": 4,
     "num_fragments": 2,
     "sync_delay": 1,
@@ -98,7 +99,7 @@ def test_layout_not_covering_the_model_fails_at_setup() -> None:
 
 def test_resume_with_a_fragment_in_flight_is_exact(tmp_path: Path) -> None:
     """Steps 2, 4 and 6 end with a fragment in flight (sent there, applied one step later)."""
-    kw = {"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "quantize": "int4"}
+    kw: dict[str, Any] = {"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "quantize": "int4"}
     kw |= {"quantize_block_size": 8, "error_feedback": True}
     full = tmp_path / "full"
     fit(full / "out", devices=2, island_size=1, max_steps=8, ckpt_dir=full / "ckpts", **kw)
@@ -129,7 +130,7 @@ def test_resume_with_a_fragment_in_flight_is_exact(tmp_path: Path) -> None:
 
 
 def test_resume_with_other_fragments_is_refused(tmp_path: Path) -> None:
-    kw = {"sync_every": 4, "num_fragments": 2, "sync_delay": 1}
+    kw: dict[str, Any] = {"sync_every": 4, "num_fragments": 2, "sync_delay": 1}
     fit(tmp_path / "out", devices=2, island_size=1, max_steps=2, ckpt_dir=tmp_path / "c", **kw)
     with pytest.raises(Exception, match="fragment layout: checkpoint has"):
         fit(
