@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
-from lightning_swarm.algorithm.fragments import FragmentSchedule
+from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.transport.base import RoundStats, Transport
 from lightning_swarm.transport.worker import SyncWorker
 
@@ -150,7 +150,7 @@ class OuterSync:
         self.anchor_dtype = anchor_dtype
         self._outer_optimizer_factory = outer_optimizer
         self.streaming = streaming or Streaming()
-        self.fragments = _check_fragments(self.streaming.fragments, list(self.params))
+        self.fragments = check_fragments(self.streaming.fragments, list(self.params))
         self.schedule = FragmentSchedule(
             sync_every=sync_every,
             num_fragments=len(self.fragments),
@@ -427,30 +427,3 @@ class OuterSync:
             deltas,
             result=_Exchanged(stats, float(pending["norm"])),
         )
-
-
-def _check_fragments(
-    fragments: Sequence[Sequence[str]] | None, names: list[str]
-) -> list[list[str]]:
-    """Fragments as lists in parameter order; each parameter in exactly one of them."""
-    if fragments is None:
-        return [names]
-    owner: dict[str, int] = {}
-    for index, fragment in enumerate(fragments):
-        if not fragment:
-            raise ValueError(f"fragment {index} is empty; every fragment needs a parameter.")
-        for name in fragment:
-            if name not in names or name in owner:
-                problem = "is not a trained parameter" if name not in names else "is repeated"
-                raise ValueError(
-                    f"fragment {index}: {name!r} {problem}; each trained parameter must be in "
-                    "exactly one fragment (build them with build_fragments)."
-                )
-            owner[name] = index
-    missing = [n for n in names if n not in owner]
-    if missing:
-        raise ValueError(
-            f"the fragments leave {len(missing)} trained parameter(s) out, e.g. {missing[:3]}; "
-            "each trained parameter must be in exactly one fragment."
-        )
-    return [[n for n in names if owner[n] == index] for index in range(len(fragments))]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,7 +55,7 @@ from lightning_swarm.transport import AllReduceTransport, Transport, ring_allred
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
 from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.swarm import SwarmTransport
-from lightning_swarm.transport.worker import SyncWorker
+from lightning_swarm.transport.worker import SyncWorker, SyncWorkerError
 
 if TYPE_CHECKING:
     # lightning_swarm.callbacks imports this module; the resume glue is imported where used.
@@ -366,6 +367,9 @@ class SwarmStrategy(DDPStrategy):
             for outer in self._outer_syncs:
                 # A round still in flight when fit ends is dropped (it is in the last checkpoint).
                 outer.drain()
+        except SyncWorkerError as err:
+            # Teardown also runs after a failed fit: do not mask that error with this one.
+            warnings.warn(f"{err}; the round was dropped at teardown", RuntimeWarning, stacklevel=2)
         finally:
             self._worker.close()
             self._worker = None

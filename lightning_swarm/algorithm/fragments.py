@@ -150,6 +150,38 @@ def _explicit(
     return [[n for n in names if owner[n] == f] for f in range(num_fragments)]
 
 
+def check_fragments(fragments: Sequence[Sequence[str]] | None, names: list[str]) -> list[list[str]]:
+    """Validate fragments given as lists of parameter names (``None`` = one of everything).
+
+    Returns:
+        The fragments as lists in the order of ``names``.
+
+    Raises:
+        ValueError: a fragment is empty, or a name is unknown, repeated or left out.
+    """
+    if fragments is None:
+        return [names]
+    owner: dict[str, int] = {}
+    for index, fragment in enumerate(fragments):
+        if not fragment:
+            raise ValueError(f"fragment {index} is empty; every fragment needs a parameter.")
+        for name in fragment:
+            if name not in names or name in owner:
+                problem = "is not a trained parameter" if name not in names else "is repeated"
+                raise ValueError(
+                    f"fragment {index}: {name!r} {problem}; each trained parameter must be in "
+                    "exactly one fragment (build them with build_fragments)."
+                )
+            owner[name] = index
+    missing = [n for n in names if n not in owner]
+    if missing:
+        raise ValueError(
+            f"the fragments leave {len(missing)} trained parameter(s) out, e.g. {missing[:3]}; "
+            "each trained parameter must be in exactly one fragment."
+        )
+    return [[n for n in names if owner[n] == index] for index in range(len(fragments))]
+
+
 @dataclass(frozen=True, kw_only=True)
 class FragmentSchedule:
     """When each fragment sends and applies (see the module docstring for the step convention).
