@@ -113,15 +113,12 @@ def plot_loss_vs_bytes(results: dict[str, Any]) -> None:
             continue
         total = ddp_step * r["steps"] if name == "ddp" else r.get("bytes_sent", 0.0)
         marker = "s" if name == "ddp" else ("o" if name.startswith("diloco") else "^")
-        ax.scatter(total, r["val_loss"], marker=marker, s=50)
-        ax.annotate(
-            label, (total, r["val_loss"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
-        )
+        ax.scatter(total, r["val_loss"], marker=marker, s=50, label=label)
     if "no_sync" in results:
         ax.axhline(
             results["no_sync"]["val_loss"], color="grey", ls="--", lw=1, label="no sync (0 bytes)"
         )
-        ax.legend(loc="upper right")
+    ax.legend(fontsize=7, loc="upper right")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent across islands per rank (whole run, log scale)")
     ax.set_ylabel("final validation loss")
