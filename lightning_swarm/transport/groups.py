@@ -21,7 +21,8 @@ class SwarmGroups:
     Attributes:
         island: this rank's island (DDP's group); ``None`` when islands are single ranks.
         peers: this rank's peer group across islands (the transport's group); ``None`` when there
-            is a single island, or the default group when every rank is its own island.
+            is a single island, or the default group when every rank is its own island (unless
+            ``build_groups`` was asked for a dedicated one).
         created: groups created here, destroyed by ``destroy``.
     """
 
