@@ -10,6 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# One intra-op thread, and say so in the environment too: Lightning otherwise raises the thread
+# count of an in-process fit, and a fork launched after that inherits a live OpenMP pool, which
+# deadlocks the child (GNU OpenMP is not fork-safe). Tests fork ranks, so keep the pool unborn.
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 

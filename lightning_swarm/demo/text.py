@@ -34,7 +34,8 @@ def read_corpus(root: Path, max_bytes: int, val_every: int) -> tuple[bytes, byte
         raise FileNotFoundError(
             f"corpus directory {root} does not exist; pass data.corpus_dir=<a folder of text files>"
         )
-    train, val, total = bytearray(), bytearray(), 0
+    files: list[tuple[bool, bytes]] = []  # (held out, content)
+    total = 0
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if "site-packages" in rel or "dist-packages" in rel:
@@ -43,11 +44,15 @@ def read_corpus(root: Path, max_bytes: int, val_every: int) -> tuple[bytes, byte
             data = path.read_bytes()
         except OSError:
             continue
-        target = val if zlib.crc32(rel.encode()) % val_every == 0 else train
-        target.extend(data)
+        files.append((zlib.crc32(rel.encode()) % val_every == 0, data))
         total += len(data)
         if total >= max_bytes:
             break
+    if files and not any(held for held, _ in files):
+        # A small max_bytes can miss every held-out file: then the last file read is held out.
+        files[-1] = (True, files[-1][1])
+    train = b"".join(data for held, data in files if not held)
+    val = b"".join(data for held, data in files if held)
     if not train or not val:
         raise ValueError(
             f"corpus under {root} gave {len(train)} training and {len(val)} validation bytes; "
