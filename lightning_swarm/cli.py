@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_swarm.callbacks import HostMemoryCensus
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.strategy import SwarmStrategy
 from lightning_swarm.topology import IslandTopology
@@ -80,6 +81,11 @@ def build(cfg: DictConfig) -> Run:
                 global_rank=0,
             )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    census = cfg.get("census")
+    if census is not None and census.enabled:
+        if not any(isinstance(c, HostMemoryCensus) for c in callbacks):
+            options = {k: v for k, v in census.items() if k != "enabled"}
+            callbacks.append(HostMemoryCensus(**options))  # type: ignore[arg-type]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = pl.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]

@@ -133,3 +133,21 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert "DDP / swarm traffic ratio                3.0x" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["census.enabled=true"], ["callbacks=census"], ["callbacks=census", "census.enabled=true"]],
+)
+def test_census_switches_add_one_census(compose, overrides: list[str]) -> None:
+    from lightning_swarm.callbacks import HostMemoryCensus
+
+    callbacks = build(compose(*overrides)).trainer.callbacks
+    assert sum(isinstance(c, HostMemoryCensus) for c in callbacks) == 1  # type: ignore[attr-defined]
+    off = build(compose()).trainer.callbacks
+    assert not any(isinstance(c, HostMemoryCensus) for c in off)  # type: ignore[attr-defined]
+
+
+def test_census_bad_value_names_the_option(compose) -> None:
+    with pytest.raises(ValueError, match="every_n_steps"):
+        build(compose("census.enabled=true", "census.every_n_steps=0"))
