@@ -82,10 +82,10 @@ def build(cfg: DictConfig) -> Run:
             )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     census = cfg.get("census")
-    if census is not None and census.enabled:
-        if not any(isinstance(c, HostMemoryCensus) for c in callbacks):
-            options = {k: v for k, v in census.items() if k != "enabled"}
-            callbacks.append(HostMemoryCensus(**options))  # type: ignore[arg-type]
+    has_census = any(isinstance(c, HostMemoryCensus) for c in callbacks)
+    if census is not None and census.enabled and not has_census:
+        options = {str(k): v for k, v in census.items() if k != "enabled"}
+        callbacks.append(HostMemoryCensus(**options))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = pl.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
