@@ -52,8 +52,8 @@ def build_groups(
         for index in range(topology.num_islands):
             group = dist.new_group(topology.island_ranks(index), backend=backend)
             if index == topology.island_index:
-                island = group
-                created.append(group)
+                island = _member(group)
+                created.append(island)
     if topology.num_islands > 1:
         if topology.island_size == 1 and not dedicated_peers:
             peers = dist.group.WORLD
@@ -61,6 +61,16 @@ def build_groups(
             for local in range(topology.island_size):
                 group = dist.new_group(topology.peer_ranks(local), backend=backend)
                 if local == topology.local_index:
-                    peers = group
-                    created.append(group)
+                    peers = _member(group)
+                    created.append(peers)
     return SwarmGroups(island=island, peers=peers, created=created)
+
+
+def _member(group: object) -> dist.ProcessGroup:
+    """The group handle of a group this rank belongs to.
+
+    ``new_group`` returns a sentinel for non-members (typed as such from torch 2.14 on); every
+    caller here asks only for groups that contain this rank.
+    """
+    assert isinstance(group, dist.ProcessGroup), "asked for a group this rank is not in"
+    return group
