@@ -298,12 +298,6 @@ def check_streaming(config: SwarmConfig) -> None:
     Codec(config.quantize, config.quantize_block_size)
     if not isinstance(config.error_feedback, bool):
         raise ValueError(f"error_feedback must be true or false, got {config.error_feedback!r}.")
-    if config.quantize != "none" and config.transport == "swarm":
-        raise ValueError(
-            f"quantize={config.quantize!r} is not supported with transport='swarm' yet (its "
-            "aggregator validates and aggregates float32 payloads); use transport='allreduce' "
-            "for quantized pseudo-gradients, or quantize='none' with the swarm transport."
-        )
     if config.error_feedback and config.quantize == "none":
         warnings.warn(
             "error_feedback has no effect with quantize='none' (nothing is lost to carry over); "

@@ -102,7 +102,7 @@ class SwarmStrategy(DDPStrategy):
             exchange runs in a background thread meanwhile (``< sync_every / num_fragments``).
         merge_alpha: on arrival ``local <- (1 - alpha) * global + alpha * local``, in [0, 1].
         quantize: ``"none"``, ``"bf16"``, ``"int8"`` or ``"int4"`` pseudo-gradients (per-block
-            absmax scales, accumulated in float32); transport="allreduce" only for now.
+            absmax scales, accumulated in float32), on either transport.
         quantize_block_size: elements per scale block for int8 / int4.
         error_feedback: carry each island's quantization error into its next round.
         **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
@@ -326,6 +326,7 @@ class SwarmStrategy(DDPStrategy):
                 chunk_bytes=options.chunk_bytes,
                 cleanup_timeout_s=options.cleanup_timeout_s,
                 device=device,
+                codec=self._codec() if self.config.quantize != "none" else None,
             )
         if self.config.quantize != "none":
             return QuantizedTransport(

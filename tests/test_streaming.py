@@ -311,7 +311,6 @@ def test_restore_rejects_a_round_the_schedule_does_not_expect() -> None:
         ({"fragment_layout": "zigzag"}, "fragment_layout='zigzag' is not known"),
         ({"fragment_layout": 3}, "fragment_layout must be 'strided', 'sequential' or a list"),
         ({"num_fragments": 2, "fragment_layout": [["a"]]}, r"lists 1 fragment\(s\) but num_f"),
-        ({"transport": "swarm", "quantize": "int4"}, "not supported with transport='swarm'"),
     ],
 )
 def test_bad_streaming_options(kwargs: dict, message: str) -> None:

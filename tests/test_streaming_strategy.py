@@ -170,8 +170,3 @@ def test_swarm_transport_with_fragments_and_delay(tmp_path: Path) -> None:
         torch.equal(a["anchors"][0], b["anchors"][0])
         for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True)
     )
-
-
-def test_quantize_with_swarm_transport_is_refused() -> None:
-    with pytest.raises(ValueError, match="quantize='int8' is not supported with transport='swarm'"):
-        SwarmStrategy(transport="swarm", quantize="int8")

@@ -28,6 +28,16 @@ raises ``ValueError``.
 
 Results are identical whichever island aggregates and whether offload is on: contributions
 always enter the rule in island order, and blocking does not change elementwise results.
+
+Quantized payloads (``codec``, see ``coded``): every island, the aggregator included, encodes
+its pseudo-gradient; peers stream and the aggregator spools the encoded bytes (per tensor: the
+codec's data and float32 block scales), and validation and aggregation read them back decoded,
+one block at a time, in float32. The aggregator's own contribution takes the same encode/decode
+round trip, so the mean is ``mean_i decode(encode(x_i))``, bitwise what ``QuantizedTransport``
+computes, and error feedback upstream stays exact. The result is sent back in float32: encoding
+it again would add an error no island's residual accounts for. So each round moves encoded
+bytes towards the aggregator and float32 bytes back. With one island the tensors are replaced
+by their round trip (nothing moves), as with ``QuantizedTransport``.
 """
 
 from __future__ import annotations
@@ -42,8 +52,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import AGGREGATIONS
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.coded import CodedPayload
 from lightning_swarm.transport.contributions import (
     Contribution,
     MemoryContribution,
@@ -103,6 +115,8 @@ class SwarmTransport:
         chunk_bytes: bytes per message and the block size of validation and aggregation.
         cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
         device: where send/receive buffers live (``cpu`` for gloo, ``cuda`` for NCCL).
+        codec: encode contributions with this codec (module docstring); ``None`` or a ``none``
+            codec sends float32 as is. Every island must pass the same codec.
         spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
 
     Raises:
@@ -126,6 +140,7 @@ class SwarmTransport:
         chunk_bytes: int = 4 * 2**20,
         cleanup_timeout_s: float = 60.0,
         device: torch.device | str = "cpu",
+        codec: Codec | None = None,
         spool: Spool | None = None,
     ) -> None:
         _check_options(num_islands, island_index, aggregation, min_contributions, chunk_bytes)
@@ -141,6 +156,7 @@ class SwarmTransport:
         self.min_contributions, self.max_norm = min_contributions, max_norm
         self.island_weights = list(island_weights) if island_weights is not None else None
         self.chunk_bytes, self.device = chunk_bytes, torch.device(device)
+        self.codec = codec if codec is not None and codec.name != "none" else None
         self._spool = spool
         if self._spool is None and offload and num_islands > 1:
             self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
@@ -170,16 +186,19 @@ class SwarmTransport:
         """Aggregate ``tensors`` across islands in place; collective over the peer group."""
         start = time.perf_counter()
         layout = PayloadLayout.from_tensors(tensors)
+        coded = CodedPayload(layout, self.codec) if self.codec is not None else None
         targets = list(tensors.values())
         round_id, self._sequence = self._sequence, self._sequence + 1
         aggregator = self.aggregator_of(round_index)
         self.last_round = RoundReport(round_index, aggregator)
         if self.num_islands == 1:
             stats = RoundStats(num_contributions=1)
+            if coded is not None:
+                coded.roundtrip_into(targets)
         elif aggregator == self.island_index:
-            stats = self._aggregate(layout, targets, round_index, round_id)
+            stats = self._aggregate(layout, coded, targets, round_index, round_id)
         else:
-            stats = self._contribute(layout, targets, round_index)
+            stats = self._contribute(layout, coded, targets, round_index)
         stats.wall_s = time.perf_counter() - start
         self.total.bytes_sent += stats.bytes_sent
         self.total.bytes_received += stats.bytes_received
@@ -193,19 +212,26 @@ class SwarmTransport:
 
     # -- a peer's round --------------------------------------------------------------------
     def _contribute(
-        self, layout: PayloadLayout, targets: list[Tensor], round_index: int
+        self,
+        layout: PayloadLayout,
+        coded: CodedPayload | None,
+        targets: list[Tensor],
+        round_index: int,
     ) -> RoundStats:
         report = self.last_round
         assert report is not None
         dst = self._ranks[report.aggregator]
-        description = torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8)
-        head = torch.tensor([description.numel(), layout.data_bytes, self.chunk_bytes])
+        # With a codec the encoded payload travels; the result comes back in float32 (layout).
+        wire, sources = (coded.wire, coded.encode(targets)) if coded else (layout, targets)
+        description = torch.frombuffer(bytearray(wire.to_json()), dtype=torch.uint8)
+        head = torch.tensor([description.numel(), wire.data_bytes, self.chunk_bytes])
         works = [
             self._link.isend(head, dst, TAG_DESCRIPTOR),
             self._link.isend(description, dst, TAG_DESCRIPTION),
         ]
         sent = head.numel() * 8 + description.numel()
-        sent += self._link.send_stream([dst], layout, targets, self.chunk_bytes, TAG_CHUNK)
+        sent += self._link.send_stream([dst], wire, sources, self.chunk_bytes, TAG_CHUNK)
+        del sources
         for w in works:
             w.wait()
         status = torch.empty(4 + self.num_islands, dtype=torch.int64)
@@ -218,7 +244,8 @@ class SwarmTransport:
             raise ValueError(
                 f"swarm round {round_index}: this island's pseudo-gradient layout (names, shapes, "
                 f"dtypes) differs from the aggregator's (island {report.aggregator}); its log "
-                "names the first difference. Every island must train the same parameters."
+                "names the first difference. Every island must train the same parameters with "
+                "the same quantize and quantize_block_size."
             )
         if verdict != ACCEPTED:
             log.warning(
@@ -246,19 +273,25 @@ class SwarmTransport:
 
     # -- the aggregator's round ------------------------------------------------------------
     def _aggregate(
-        self, layout: PayloadLayout, targets: list[Tensor], round_index: int, round_id: int
+        self,
+        layout: PayloadLayout,
+        coded: CodedPayload | None,
+        targets: list[Tensor],
+        round_index: int,
+        round_id: int,
     ) -> RoundStats:
         report = self.last_round
         assert report is not None
         contributions: dict[int, Contribution] = {}
         stats = RoundStats()
+        wire = coded.wire if coded else layout  # what peers send and the spool holds
         try:
-            plans, stats.bytes_received = self._recv_descriptions(layout)
+            plans, stats.bytes_received = self._recv_descriptions(wire)
             accepted_layout = [p.island for p in plans if p.layout_problem is None]
             sinks, failure = open_sinks(
                 [p.island for p in plans],
                 accepted_layout,
-                layout,
+                wire,
                 self._spool,
                 round_id,
                 remap_bytes=self.chunk_bytes,
@@ -272,9 +305,16 @@ class SwarmTransport:
                     self._log_rejection(round_index, p.island, p.layout_problem)
             code = FAILED
             if failure is None:
-                own = MemoryContribution(self.island_index, targets)
-                contributions[self.island_index] = own
-                code = self._validate_and_aggregate(layout, targets, contributions, verdicts)
+                own = coded.encode(targets) if coded else targets  # the same round trip as peers'
+                contributions[self.island_index] = MemoryContribution(self.island_index, own)
+                block_numel = max(1, self.chunk_bytes // 4)
+                if coded is not None:
+                    block_numel = coded.block_numel(self.chunk_bytes)
+                    for island, c in contributions.items():
+                        contributions[island] = coded.decoded(c)
+                code = self._validate_and_aggregate(
+                    layout, targets, contributions, verdicts, block_numel
+                )
             status = self._status(code, verdicts, layout)
             stats.bytes_sent = self._send_status(status)
             if code == APPLIED:
@@ -313,10 +353,10 @@ class SwarmTransport:
         targets: list[Tensor],
         contributions: dict[int, Contribution],
         verdicts: dict[int, int],
+        block_numel: int,
     ) -> int:
         report = self.last_round
         assert report is not None
-        block_numel = max(1, self.chunk_bytes // 4)
         accepted: list[Contribution] = []
         for island in sorted(contributions):
             c = contributions[island]

@@ -1,0 +1,161 @@
+"""Quantized payloads on the swarm transport: the codec's encoding travels and is spooled, its
+decoding is what the aggregator validates and aggregates.
+
+A round's *float layout* (the caller's float32 tensors) has a *wire layout* derived from it and
+the codec alone, so every island computes the same one without a message:
+- ``<name>#scales`` for every tensor, in order: the float32 absmax scale of each block (int8 /
+  int4 only);
+- then ``<name>#data`` for every tensor: the codec's data of the flattened tensor in its own
+  dtype (float32 for ``none``, bfloat16, int8, or uint8 nibble pairs for int4), declared flat.
+Scales first keeps every tensor at an offset that is a multiple of its element size (an odd
+int8 tensor before a float32 one would not be), so a buffer can be viewed per tensor.
+Peers stream the wire payload (so bytes on the wire shrink by the codec's ratio) and the
+aggregator spools it unchanged, in a safetensors file of that layout.
+
+``DecodedContribution`` wraps a finished wire contribution (spooled or in memory) and answers
+the float layout's block reads by reading just the matching data bytes and scales and decoding
+them: validation (finite values, ``max_norm``) and aggregation see decoded values, and memory
+stays contributions x one block, as without a codec. Blocks must start at a multiple of
+``align`` (the codec block size, made even for int4 so no byte is split); a block decoded on
+its own equals the same elements of a whole-tensor decode, bit for bit, because decoding is
+elementwise once the block's scales are known.
+
+Non-finite input cannot be encoded by ``Codec.encode``; ``encode_marked`` encodes the finite
+values and marks the rest so that they decode to NaN (the block's scale for int8 / int4, the
+element itself for none / bf16; values beyond bfloat16's range too). Such a contribution then
+reaches the aggregator and is rejected by validation like an uncoded one, instead of one island
+raising while the others wait for its payload.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.codecs import Codec, Encoded
+from lightning_swarm.transport.contributions import Contribution
+from lightning_swarm.transport.layout import PayloadLayout, TensorSpec
+
+DATA_SUFFIX, SCALES_SUFFIX = "#data", "#scales"
+_BLOCK_CODECS = ("int8", "int4")
+
+
+class CodedPayload:
+    """The wire layout of one float layout under one codec, and the verbs between the two.
+
+    Args:
+        layout: the caller's tensors (float32 only: codecs encode float32).
+        codec: the codec every island uses (``none`` is allowed and sends float32 unchanged).
+
+    Raises:
+        ValueError: a tensor of ``layout`` is not float32.
+    """
+
+    def __init__(self, layout: PayloadLayout, codec: Codec) -> None:
+        for spec in layout.specs:
+            if spec.dtype != torch.float32:
+                raise ValueError(
+                    f"quantize={codec.name!r} encodes float32 pseudo-gradients; tensor "
+                    f"{spec.name!r} is {spec.dtype}. Keep pseudo-gradients in float32 or set "
+                    "quantize='none'."
+                )
+        self.layout, self.codec = layout, codec
+        self.blocked = codec.name in _BLOCK_CODECS
+        data_dtype = codec.encode(torch.zeros(1)).data.dtype
+        entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        if self.blocked:
+            for spec in layout.specs:
+                num_blocks = -(-spec.numel // codec.block_size)
+                entries.append((spec.name + SCALES_SUFFIX, (num_blocks,), torch.float32))
+        for spec in layout.specs:
+            entries.append((spec.name + DATA_SUFFIX, (self._data_numel(spec.numel),), data_dtype))
+        self.wire = PayloadLayout(entries)
+        assert self.wire.data_bytes == sum(codec.encoded_nbytes(s.numel) for s in layout.specs)
+        pair = 2 if codec.name == "int4" else 1
+        self.align = codec.block_size * pair // math.gcd(codec.block_size, pair)
+
+    def _data_numel(self, numel: int) -> int:
+        return (numel + 1) // 2 if self.codec.name == "int4" else numel
+
+    def _wire_specs(self, spec: TensorSpec) -> tuple[TensorSpec, TensorSpec | None]:
+        """The data spec and (block codecs) scales spec of float spec ``spec``."""
+        if not self.blocked:
+            return self.wire.specs[spec.index], None
+        count = len(self.layout.specs)
+        return self.wire.specs[count + spec.index], self.wire.specs[spec.index]
+
+    def block_numel(self, block_bytes: int) -> int:
+        """Elements per validation / aggregation block: about ``block_bytes`` of float32,
+        a multiple of ``align`` (at least one ``align``)."""
+        return max(1, block_bytes // 4 // self.align) * self.align
+
+    def encode(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The wire tensors of ``tensors`` (float layout order), in wire layout order."""
+        data: list[Tensor] = []
+        scales: list[Tensor] = []
+        for t in tensors:
+            encoded = encode_marked(self.codec, t.detach().reshape(-1))
+            data.append(encoded.data)
+            scales.append(encoded.scales)
+        return scales + data if self.blocked else data
+
+    @torch.no_grad()
+    def roundtrip_into(self, tensors: Sequence[Tensor]) -> None:
+        """Overwrite each tensor with ``decode(encode(tensor))`` (what the others would see)."""
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            flat.copy_(self.codec.decode(encode_marked(self.codec, flat)))
+
+    def decoded(self, contribution: Contribution) -> DecodedContribution:
+        """``contribution`` (holding the wire layout) read back as decoded float32."""
+        return DecodedContribution(self, contribution)
+
+
+class DecodedContribution:
+    """A wire contribution whose float blocks are decoded on read; see the module docstring."""
+
+    def __init__(self, payload: CodedPayload, inner: Contribution) -> None:
+        self.payload, self.inner = payload, inner
+        self.island = inner.island
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
+        """Decode float elements ``[start, start + out.numel())`` of ``spec`` into ``out``."""
+        payload, codec = self.payload, self.payload.codec
+        assert start % payload.align == 0, "decoded blocks must start on a codec block"
+        n = out.numel()
+        data_spec, scales_spec = payload._wire_specs(spec)
+        lo = start // 2 if codec.name == "int4" else start
+        hi = lo + payload._data_numel(n)
+        data = torch.empty(hi - lo, dtype=data_spec.dtype)
+        self.inner.read_into(data_spec, lo, data)
+        scales = torch.empty(0, dtype=torch.float32)
+        if scales_spec is not None:
+            first = start // codec.block_size
+            scales = torch.empty(-(-n // codec.block_size), dtype=torch.float32)
+            self.inner.read_into(scales_spec, first, scales)
+        decoded = codec.decode(Encoded(codec.name, n, codec.block_size, data, scales))
+        out.copy_(decoded.view_as(out))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def encode_marked(codec: Codec, flat: Tensor) -> Encoded:
+    """``codec.encode(flat)``, except that non-finite values (and, for bf16, values beyond its
+    range) are encoded so that they decode non-finite instead of raising."""
+    if codec.name == "bf16":
+        bad = ~torch.isfinite(flat.to(torch.bfloat16))
+    else:
+        bad = ~torch.isfinite(flat)
+    if not bool(bad.any()):
+        return codec.encode(flat)
+    encoded = codec.encode(torch.where(bad, torch.zeros_like(flat), flat))
+    if codec.name in _BLOCK_CODECS:
+        blocks = bad.nonzero().reshape(-1) // codec.block_size
+        encoded.scales[blocks] = float("nan")
+    else:
+        encoded.data[bad] = float("nan")
+    return encoded
