@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import errno
 import gc
+import multiprocessing
 import os
+import re
 import stat
+import tempfile
 import threading
 from collections import Counter
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -164,6 +168,50 @@ def test_read_only_spool_dir_is_a_clear_error(tmp_path: Path) -> None:
     locked.mkdir(mode=0o500)
     with pytest.raises(SpoolError, match="cannot create the spool under spool_dir"):
         Spool(locked)
+
+
+NOBODY = 65534  # the conventional unprivileged uid/gid; needs no passwd entry
+
+
+def _spool_as_unprivileged_user(base: str, out: Connection) -> None:
+    """Forked child: drop root (if held) so directory permissions apply, then try the spool."""
+    try:
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        Spool(base)
+        out.send("no error: the spool was created")
+    except SpoolError as err:
+        out.send(str(err))
+    except OSError as err:
+        out.send(f"could not drop privileges: {err}")
+    finally:
+        out.close()
+
+
+def test_read_only_spool_dir_is_a_clear_error_even_as_root() -> None:
+    """The same path as above where CI runs it (as root): a child that gave up root meets a
+    directory it may not write, exactly like an ordinary user does."""
+    context = multiprocessing.get_context("fork")
+    # Outside pytest's tmp_path, whose parents are private to root: nobody must reach ``locked``.
+    with tempfile.TemporaryDirectory(prefix="spool-perm-") as parent:
+        os.chmod(parent, 0o755)
+        locked = Path(parent) / "locked"
+        locked.mkdir(mode=0o555)
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_spool_as_unprivileged_user, args=(str(locked), send))
+        child.start()
+        send.close()
+        message = receive.recv() if receive.poll(WAIT_S) else "the child did not answer"
+        child.join(WAIT_S)
+        assert list(locked.iterdir()) == [], "a failed spool left something behind"
+    assert child.exitcode == 0
+    assert re.fullmatch(
+        rf"cannot create the spool under spool_dir='{re.escape(str(locked))}' \(Permission "
+        r"denied\); point spool_dir at a writable local directory, or leave it unset to use TMPDIR",
+        message,
+    ), message
 
 
 # -- failures leave no partial file ----------------------------------------------------------
