@@ -1,71 +1,27 @@
 """Main job under three strategies, side by side in one run.
 
-Runs the Hydra app (the README's main job) with:
+Runs the Hydra app (the README's main job) at the same number of inner steps with:
+  no_sync   the same islands with no cross-island sync at all (the floor)
   swarm     SwarmStrategy, sync_every=H (default 50)
-  no_sync   the same islands without any cross-island sync (the floor)
   ddp       Lightning's DDP (gradients averaged across all ranks every step)
-and reports wall time of fit, the time spent in outer syncs, final validation loss and the bytes
-sent across islands per rank (SwarmStrategy counts them; for DDP the same ring formula at every
-step, which is what ``SwarmStrategy.ddp_equivalent_bytes`` reports).
+and reports the wall time of the whole command, the time spent inside outer syncs (measured by
+the strategy), the final validation loss, and the bytes sent across islands per rank (counted
+by the transport; for DDP the same ring formula at every step, as the summary reports it).
 
 Usage: .venv/bin/python benchmarks/main_job_strategies.py [--steps 300] [--sync-every 50]
-Writes a Markdown table to stdout (and JSON to --json if given).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
-SUMMARY_KEYS = {
-    "final validation loss": "val_loss",
-    "outer steps": "outer_steps",
-    "bytes sent across islands (per rank)": "bytes_sent",
-    "bytes DDP would have sent (per rank)": "ddp_bytes",
-    "time in outer syncs (s)": "sync_s",
-}
-
-
-def run_job(strategy: str, steps: int, sync_every: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "lightning_swarm.cli",
-            f"strategy={strategy}",
-            f"trainer.max_steps={steps}",
-            f"trainer.val_check_interval={steps}",
-            "trainer.enable_progress_bar=false",
-            "logger=none",
-            f"hydra.run.dir={out}",
-        ]
-        if strategy == "swarm":
-            cmd.append(f"strategy.sync_every={sync_every}")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        start = time.perf_counter()
-        done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{strategy} run failed:\n{done.stderr[-4000:]}")
-    result: dict[str, float] = {"wall_s": wall}
-    for line in done.stdout.splitlines():
-        for label, key in SUMMARY_KEYS.items():
-            m = re.match(rf"\s+{re.escape(label)}\s+([\d,.]+)$", line)
-            if m:
-                result[key] = float(m.group(1).replace(",", ""))
-    val = re.findall(r"val_loss=([\d.]+)", done.stderr + done.stdout)
-    if "val_loss" not in result and val:
-        result["val_loss"] = float(val[-1])
-    return result
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mainjob import run_main_job
 
 
 def main() -> None:
@@ -74,30 +30,42 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = {}
-    for strategy in ("no_sync", "swarm", "ddp"):
-        results[strategy] = run_job(strategy, args.steps, args.sync_every)
-        print(f"{strategy}: {results[strategy]}", file=sys.stderr, flush=True)
+    common = [
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_check_interval={args.steps}",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+    ]
+    runs = {
+        "no_sync": ["strategy=no_sync"],
+        "swarm": ["strategy=swarm", f"strategy.sync_every={args.sync_every}"],
+        "ddp": ["strategy=ddp"],
+    }
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for name, overrides in runs.items():
+            results[name] = run_main_job([*overrides, *common], Path(work) / name)
+            print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     floor = results["no_sync"]["wall_s"]
     swarm = results["swarm"]
-    ddp_bytes = swarm.get("ddp_bytes", float("nan"))
+    print(f"steps={args.steps}, sync_every={args.sync_every}, 2 islands of 1 CPU rank\n")
     print(
-        "| strategy | wall time (s) | vs no_sync | outer-sync time (s) | final val loss | "
-        "bytes sent across islands per rank |"
+        "| strategy | wall time (s) | vs no_sync | in outer syncs (s) | final val loss "
+        "| bytes sent across islands per rank |"
     )
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        sent = r.get("bytes_sent", ddp_bytes if name == "ddp" else 0.0)
+        sent = r.get("bytes_sent_per_rank", swarm["ddp_bytes_per_rank"])
         print(
             f"| {name} | {r['wall_s']:.1f} | {r['wall_s'] / floor:.3f} | "
-            f"{r.get('sync_s', 0.0):.2f} | {r.get('val_loss', float('nan')):.4f} | {sent:,.0f} |"
+            f"{r.get('sync_wall_s', 0.0):.3f} | {r['val_loss']:.4f} | {sent:,.0f} |"
         )
-    if swarm.get("bytes_sent"):
-        print(
-            f"\nDDP / swarm bytes: {ddp_bytes / swarm['bytes_sent']:.1f}x; "
-            f"outer syncs took {100 * swarm.get('sync_s', 0) / swarm['wall_s']:.2f}% of the "
-            f"swarm run's wall time"
-        )
+    ratio = swarm["ddp_bytes_per_rank"] / swarm["bytes_sent_per_rank"]
+    share = 100 * swarm["sync_wall_s"] / swarm["wall_s"]
+    print(
+        f"\nDDP / swarm bytes: {ratio:.1f}x; outer syncs: {share:.2f}% of the swarm run's wall "
+        f"time; swarm wall time {100 * (swarm['wall_s'] / floor - 1):+.1f}% vs no_sync"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -21,15 +21,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from mainjob import run_main_job  # noqa: E402
+
 RESULTS = ROOT / "docs" / "streaming_results.json"
 STREAM = ["strategy.num_fragments=4", "strategy.sync_delay=1"]
 
@@ -64,16 +63,17 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     ),
 }
 
+# result key -> key of the app's summary.json
 SUMMARY_KEYS = {
-    "final validation loss": "val_loss",
-    "outer steps": "outer_steps",
-    "bytes sent across islands (per rank)": "bytes_sent",
-    "bytes DDP would have sent (per rank)": "ddp_bytes",
-    "time in outer syncs (s)": "sync_s",
+    "val_loss": "val_loss",
+    "outer_steps": "outer_steps",
+    "bytes_sent": "bytes_sent_per_rank",
+    "ddp_bytes": "ddp_bytes_per_rank",
+    "sync_s": "sync_wall_s",
 }
 
 
-def _overrides(name: str, steps: int, val_every: int, out: Path) -> list[str]:
+def _overrides(name: str, steps: int, val_every: int) -> list[str]:
     group, extra = CONFIGS[name]
     return [
         f"strategy={group}",
@@ -81,7 +81,6 @@ def _overrides(name: str, steps: int, val_every: int, out: Path) -> list[str]:
         f"trainer.val_check_interval={val_every}",
         "trainer.enable_progress_bar=false",
         "logger=csv",
-        f"hydra.run.dir={out}",
         *extra,
     ]
 
@@ -108,20 +107,12 @@ def _parse_metrics(rows: list[dict[str, str]], sync_every: int, fragments: int) 
 
 def run_one(name: str, steps: int, val_every: int, work: Path) -> dict[str, Any]:
     out = work / name
-    cmd = [sys.executable, "-m", "lightning_swarm.cli", *_overrides(name, steps, val_every, out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
-    result: dict[str, Any] = {"name": name, "wall_s": wall, "steps": steps}
-    result["overrides"] = _overrides(name, steps, val_every, Path("<run dir>"))
-    for line in done.stdout.splitlines():
-        for label, key in SUMMARY_KEYS.items():
-            m = re.match(rf"\s+{re.escape(label)}\s+([\d,.]+)$", line)
-            if m:
-                result[key] = float(m.group(1).replace(",", ""))
+    summary = run_main_job(_overrides(name, steps, val_every), out)
+    result: dict[str, Any] = {"name": name, "wall_s": summary["wall_s"], "steps": steps}
+    result["overrides"] = _overrides(name, steps, val_every)
+    for key, summary_key in SUMMARY_KEYS.items():
+        if summary_key in summary:
+            result[key] = summary[summary_key]
     extra = CONFIGS[name][1]
     sync_every = next((int(o.split("=")[1]) for o in extra if "sync_every" in o), 50)
     fragments = next((int(o.split("=")[1]) for o in extra if "num_fragments" in o), 1)

@@ -13,6 +13,7 @@ defaults gets type checks and unknown-key errors, and a user's own Hydra app can
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -134,13 +136,16 @@ def format_summary(summary: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, summary_path: Path | None = None) -> dict[str, float]:
+    """Train the composed run; global rank 0 prints the summary and writes it as JSON."""
     pl.seed_everything(cfg.seed, workers=True)
     job = build(cfg)
     job.trainer.fit(job.model, job.datamodule, ckpt_path=cfg.get("ckpt_path"))
     summary = summarize(job)
     if job.trainer.is_global_zero:
         print(format_summary(summary), flush=True)
+        if summary_path is not None:
+            summary_path.write_text(json.dumps(summary, indent=1))
     return summary
 
 
@@ -149,7 +154,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg)
+    run(cfg, summary_path=Path(HydraConfig.get().runtime.output_dir) / "summary.json")
 
 
 def main() -> None:
