@@ -55,11 +55,15 @@ def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _quantized_mean(codec: Codec, world: int, round_index: int) -> dict[str, torch.Tensor]:
-    """The in-memory reference: the mean over islands of decode(encode(x_i)), island order."""
+def _quantized_mean(
+    codec: Codec, world: int, round_index: int, rule: str = "mean"
+) -> dict[str, torch.Tensor]:
+    """The in-memory reference: the rule over islands of decode(encode(x_i)), island order."""
     per_island = [_contribution(i, round_index) for i in range(world)]
     return {
-        k: robust.mean([codec.roundtrip(c[k].reshape(-1)).view_as(c[k]) for c in per_island])
+        k: robust.aggregate(
+            rule, [codec.roundtrip(c[k].reshape(-1)).view_as(c[k]) for c in per_island]
+        )
         for k in per_island[0]
     }
 
@@ -74,7 +78,12 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         offload = SwarmTransport(None, spool_dir=spool_dir, chunk_bytes=1000, **common)
         memory = SwarmTransport(None, offload=False, chunk_bytes=333, **common)
         gather = QuantizedTransport(None, num_islands=world, codec=codec, bucket_numel=512)
+        median = SwarmTransport(None, aggregation="median", spool_dir=spool_dir, **common)
         for r in range(world):  # every island aggregates once
+            tensors = _contribution(rank, r)
+            median.average(tensors, round_index=r)
+            expected = _quantized_mean(codec, world, r, "median")
+            assert all(torch.equal(tensors[k], expected[k]) for k in tensors), f"{name} median"
             expected = _quantized_mean(codec, world, r)
             # the encoded payload is what travels towards the aggregator, float32 comes back
             upload = 24 + len(wire.to_json()) + wire.data_bytes
@@ -100,8 +109,8 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         assert wire.data_bytes == hand[name] and layout.data_bytes == 4 * 2134
         header = wire.safetensors_header({"round": "0", "island": "1"})
         assert offload.peak_spool_bytes() == (world - 1) * (len(header) + wire.data_bytes)
-        offload.close()
-        memory.close()
+        for transport in (offload, memory, median):
+            transport.close()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -160,6 +169,22 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
         assert report.rejected[1] == "non-finite values (NaN or Inf) in tensor 'w'"
         if not own_counts:
             assert f"exceeds max_norm={max_norm:g}" in report.rejected[0]
+    # round 1 (aggregator 1): island 2 was configured with another codec; it alone fails
+    if rank == 2:
+        other = SwarmTransport(
+            None, num_islands=world, island_index=rank, offload=False, codec=Codec("int8", BLOCK)
+        )
+        with pytest.raises(ValueError, match="the same quantize and quantize_block_size"):
+            other.average(_contribution(rank, 1), round_index=1)
+    else:
+        tensors = _contribution(rank, 1)
+        assert transport.average(tensors, round_index=1).num_contributions == 2
+    if rank == 1:
+        report = transport.last_round
+        assert report is not None and report.rejected[2] == (
+            "payload layout differs: tensor 'w#data' is [2100] torch.int8, expected [1050] "
+            "torch.uint8"
+        )
     transport.close()
 
 
