@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_swarm.callbacks import HostMemoryCensus
@@ -89,6 +91,8 @@ def build(cfg: DictConfig) -> Run:
         options = {str(k): v for k, v in census.items() if k != "enabled"}
         callbacks.append(HostMemoryCensus(**options))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    if logger is False:
+        callbacks = _without_logger_callbacks(callbacks)
     trainer = pl.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
         strategy=strategy,
@@ -96,6 +100,18 @@ def build(cfg: DictConfig) -> Run:
         logger=logger,
     )
     return Run(trainer=trainer, model=instantiate(cfg.model), datamodule=instantiate(cfg.data))
+
+
+def _without_logger_callbacks(callbacks: list[Any]) -> list[Any]:
+    """Drop callbacks that only feed a logger, with a warning, when the run has none."""
+    kept = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    if len(kept) != len(callbacks):
+        warnings.warn(
+            "LearningRateMonitor has no effect without a logger and was left out; pick a logger "
+            "(e.g. logger=csv) to record learning rates.",
+            stacklevel=2,
+        )
+    return kept
 
 
 def summarize(run: Run) -> dict[str, float]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
 import pytest
 from hydra.errors import ConfigCompositionException
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_swarm import SwarmStrategy
@@ -43,7 +45,17 @@ def test_every_combination_instantiates(
     compose, strategy: str, callbacks: str, logger: str
 ) -> None:
     cfg = compose(f"strategy={strategy}", f"callbacks={callbacks}", f"logger={logger}")
-    run = build(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = build(cfg)
+    lr_monitors = [c for c in run.trainer.callbacks if isinstance(c, LearningRateMonitor)]  # type: ignore[attr-defined]
+    if logger == "none":
+        # a logger-only callback cannot run without a logger: left out, and the user is told
+        assert not lr_monitors
+        if callbacks != "none":
+            assert any("LearningRateMonitor has no effect" in str(w.message) for w in caught)
+    else:
+        assert len(lr_monitors) == (callbacks != "none")
     assert run.trainer.max_steps == cfg.trainer.max_steps
     assert (run.trainer.logger is None) == (logger == "none")
     if strategy != "ddp":
