@@ -220,6 +220,11 @@ def with_error_feedback(x: Tensor, residual: Tensor | None, codec: Codec) -> tup
     to_send = x.clone() if residual is None else x + residual
     if codec.name == "none":
         return to_send, torch.zeros_like(to_send)
+    if not bool(torch.isfinite(to_send).all()):
+        # A diverged island: encoding would raise on this rank alone while its peers wait in
+        # the exchange. Send it as is (the transport reports it to every island at once) and
+        # keep the old residual.
+        return to_send, torch.zeros_like(to_send) if residual is None else residual.clone()
     new_residual = to_send - codec.roundtrip(to_send.reshape(-1)).view_as(to_send)
     return to_send, new_residual
 

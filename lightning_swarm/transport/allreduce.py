@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.checks import agree_finite
 
 
 def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
@@ -63,6 +64,10 @@ class AllReduceTransport:
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
         stats = RoundStats(num_contributions=self.num_islands)
+        for t in tensors.values():
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("AllReduceTransport averages contiguous float32 tensors only")
+        agree_finite(tensors.values(), self.group, self.num_islands, self.device)
         if self.num_islands > 1:
             self._reduce_in_buckets(list(tensors.values()), stats)
         stats.wall_s = time.perf_counter() - start
@@ -72,9 +77,6 @@ class AllReduceTransport:
         return stats
 
     def _reduce_in_buckets(self, tensors: list[Tensor], stats: RoundStats) -> None:
-        for t in tensors:
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("AllReduceTransport averages contiguous float32 tensors only")
         total_numel = sum(t.numel() for t in tensors)
         # The bucket is allocated per round and released after it: between syncs the transport
         # holds no memory at all.

@@ -14,6 +14,9 @@ Contract of ``Transport.average``:
 - With ``applied`` false the round was skipped cleanly (e.g. too few valid contributions): the
   tensors' contents are unspecified and the caller must leave its anchors unchanged.
 - Collective: every rank of the peer group calls it with the same ``round_index``.
+- A pseudo-gradient with NaN or inf on some island: the all-reduce transports raise
+  ``NonFinitePseudoGradientError`` on every rank before anything moves (a mean would poison
+  every island); the swarm transport rejects that island's contribution and aggregates the rest.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.checks import agree_finite
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class QuantizedTransport:
                     f"{t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
                 )
             flats.append(t.view(-1))
+        agree_finite(flats, self.group, self.num_islands, self.device)
         numels = [f.numel() for f in flats]
         for bucket in plan_buckets(numels, self.bucket_numel, self.codec.block_size):
             self._average_bucket(flats, bucket, stats)
