@@ -29,8 +29,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Call ``fn(rank, world, *args)`` on ``world`` spawned processes; re-raises their errors.
+    """Call ``fn(rank, world, *args)`` on ``world`` forked processes; re-raises their errors.
 
-    ``fn`` must be a module-level function; results travel back through files in ``args``.
+    Fork is safe here because the test session pins one intra-op thread (conftest), so no
+    OpenMP pool is inherited. ``fn`` must be a module-level function; results travel back
+    through files in ``args``.
     """
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    mp.start_processes(
+        _entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="fork"
+    )

@@ -11,8 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm import robust
@@ -21,29 +19,11 @@ from lightning_swarm.transport.coded import CodedPayload, encode_marked
 from lightning_swarm.transport.layout import PayloadLayout
 from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.swarm import SwarmTransport
-from tests.dist_utils import free_port
+from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
 BLOCK = 16
 STATUS_BYTES = lambda world: (4 + world) * 8  # noqa: E731
-
-
-def _entry(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(fn: Any, world: int, *args: Any) -> None:
-    """``fn(rank, world, *args)`` on ``world`` forked ranks; a failing rank fails the test."""
-    mp.start_processes(
-        _entry, args=(world, free_port(), fn, args), nprocs=world, start_method="fork"
-    )
 
 
 def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:

@@ -13,8 +13,6 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm import robust
@@ -24,28 +22,10 @@ from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.layout import PayloadLayout
 from lightning_swarm.transport.spool import Spool, SpoolError
 from lightning_swarm.transport.swarm import SwarmRoundError, SwarmTransport
-from tests.dist_utils import free_port
+from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
 STATUS_BYTES = lambda world: (4 + world) * 8  # noqa: E731
-
-
-def _entry(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(fn: Any, world: int, *args: Any) -> None:
-    """``fn(rank, world, *args)`` on ``world`` forked ranks; a failing rank fails the test."""
-    mp.start_processes(
-        _entry, args=(world, free_port(), fn, args), nprocs=world, start_method="fork"
-    )
 
 
 def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
