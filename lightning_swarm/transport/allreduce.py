@@ -59,7 +59,6 @@ class AllReduceTransport:
         self.num_islands = num_islands
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
-        self.total = RoundStats()
 
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
@@ -71,9 +70,6 @@ class AllReduceTransport:
         if self.num_islands > 1:
             self._reduce_in_buckets(list(tensors.values()), stats)
         stats.wall_s = time.perf_counter() - start
-        self.total.bytes_sent += stats.bytes_sent
-        self.total.bytes_received += stats.bytes_received
-        self.total.wall_s += stats.wall_s
         return stats
 
     def _reduce_in_buckets(self, tensors: list[Tensor], stats: RoundStats) -> None:

@@ -122,7 +122,6 @@ class QuantizedTransport:
         self.codec = codec
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
-        self.total = RoundStats()
 
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
@@ -140,9 +139,6 @@ class QuantizedTransport:
         for bucket in plan_buckets(numels, self.bucket_numel, self.codec.block_size):
             self._average_bucket(flats, bucket, stats)
         stats.wall_s = time.perf_counter() - start
-        self.total.bytes_sent += stats.bytes_sent
-        self.total.bytes_received += stats.bytes_received
-        self.total.wall_s += stats.wall_s
         return stats
 
     @torch.no_grad()

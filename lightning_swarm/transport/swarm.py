@@ -163,7 +163,6 @@ class SwarmTransport:
         self._ranks = _global_ranks(group, num_islands)
         self._link = Link(group, self.device)
         self._sequence = 0  # average() calls so far: names spool rounds uniquely
-        self.total = RoundStats()
         self.last_round: RoundReport | None = None
 
     # -- public ----------------------------------------------------------------------------
@@ -200,9 +199,6 @@ class SwarmTransport:
         else:
             stats = self._contribute(layout, coded, targets, round_index)
         stats.wall_s = time.perf_counter() - start
-        self.total.bytes_sent += stats.bytes_sent
-        self.total.bytes_received += stats.bytes_received
-        self.total.wall_s += stats.wall_s
         return stats
 
     def close(self) -> None:
