@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 import torch
 
@@ -242,18 +243,7 @@ def _check_positive_int(option: str, value: object, hint: str) -> None:
 
 def as_anchor_config(value: object) -> AnchorConfig:
     """Accept an ``AnchorConfig`` or a mapping of its fields (YAML / keyword dict)."""
-    if isinstance(value, AnchorConfig):
-        return value
-    if isinstance(value, dict) or hasattr(value, "keys"):
-        items = dict(value)  # type: ignore[call-overload]
-        unknown = sorted(set(items) - {"mmap"})
-        if unknown:
-            raise ValueError(f"anchors has unknown keys {unknown}; the only key is 'mmap'.")
-        return AnchorConfig(**items)
-    raise TypeError(
-        f"anchors must be an AnchorConfig or a dict such as {{'mmap': False}}, got "
-        f"{type(value).__name__}."
-    )
+    return _nested_config(AnchorConfig, value, option="anchors", example="{'mmap': False}")
 
 
 def _is_number(value: object) -> bool:
@@ -262,17 +252,25 @@ def _is_number(value: object) -> bool:
 
 def as_swarm_transport_config(value: object) -> SwarmTransportConfig:
     """Accept a ``SwarmTransportConfig`` or a mapping of its fields (YAML / keyword dict)."""
-    if isinstance(value, SwarmTransportConfig):
+    return _nested_config(SwarmTransportConfig, value, option="swarm", example="{'offload': False}")
+
+
+_Nested = TypeVar("_Nested", AnchorConfig, SwarmTransportConfig)
+
+
+def _nested_config(cls: type[_Nested], value: object, *, option: str, example: str) -> _Nested:
+    """Build a nested option group from itself or a mapping, rejecting unknown keys by name."""
+    if isinstance(value, cls):
         return value
-    if isinstance(value, dict) or hasattr(value, "keys"):
-        items = dict(value)  # type: ignore[call-overload]
-        known = set(SwarmTransportConfig.__dataclass_fields__)
+    if isinstance(value, Mapping) or hasattr(value, "keys"):
+        items = {str(k): v for k, v in dict(value).items()}  # type: ignore[call-overload]
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(items) - known)
         if unknown:
-            raise ValueError(f"swarm has unknown keys {unknown}; known keys: {sorted(known)}.")
-        return SwarmTransportConfig(**items)
+            raise ValueError(f"{option} has unknown keys {unknown}; known keys: {sorted(known)}.")
+        return cls(**items)
     raise TypeError(
-        f"swarm must be a SwarmTransportConfig or a dict such as {{'offload': False}}, got "
+        f"{option} must be a dict such as {example} or an instance of {cls.__name__}, got "
         f"{type(value).__name__}."
     )
 
