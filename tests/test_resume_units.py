@@ -296,7 +296,9 @@ def test_anchor_config_forms() -> None:
         SwarmConfig(anchors={"map": False})
     with pytest.raises(ValueError, match="anchors.mmap must be true or false, got 'no'"):
         SwarmConfig(anchors={"mmap": "no"})
-    with pytest.raises(TypeError, match="anchors must be a dict such as .* or an instance of AnchorConfig"):
+    with pytest.raises(
+        TypeError, match="anchors must be a dict such as .* or an instance of AnchorConfig"
+    ):
         SwarmConfig(anchors=True)  # type: ignore[arg-type]
 
 

@@ -313,7 +313,9 @@ def test_swarm_config_validates_and_converts_dicts() -> None:
     for options, message in bad:
         with pytest.raises(ValueError, match=message):
             SwarmConfig(transport="swarm", swarm=options)
-    with pytest.raises(TypeError, match="swarm must be a dict such as .* or an instance of SwarmTransportConfig"):
+    with pytest.raises(
+        TypeError, match="swarm must be a dict such as .* or an instance of SwarmTransportConfig"
+    ):
         SwarmConfig(transport="swarm", swarm=3)  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="island_weights has no effect unless"):
         SwarmTransportConfig(island_weights=[1.0, 2.0])
