@@ -130,12 +130,13 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=50)
     parser.add_argument("--only", nargs="*", default=list(CONFIGS))
     parser.add_argument("--work", type=Path, default=Path("/tmp/streaming_runs"))
+    parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = json.loads(args.results.read_text()) if args.results.exists() else {}
     for name in args.only:
         result = run_one(name, args.steps, args.val_every, args.work)
         results[name] = result
-        RESULTS.write_text(json.dumps(results, indent=1))
+        args.results.write_text(json.dumps(results, indent=1))
         brief = {k: result.get(k) for k in ("wall_s", "val_loss", "bytes_sent", "bytes_per_step")}
         print(f"{name}: {brief}", flush=True)
 
