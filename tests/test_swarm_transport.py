@@ -278,6 +278,83 @@ def test_spool_failures_fail_the_round_cleanly_on_every_rank(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []
 
 
+# -- errors on the aggregator ----------------------------------------------------------------
+def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
+    transport = SwarmTransport(
+        None,
+        num_islands=world,
+        island_index=rank,
+        spool_dir=spool_dir,
+        aggregation="weighted_mean",
+        island_weights=[0.0, 1.0],
+    )
+    tensors = _contribution(rank, 0)
+    _poison(tensors, rank, {1: "nan"})  # only island 0, of weight 0, is accepted
+    before = {k: v.clone() for k, v in tensors.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = transport.average(tensors, round_index=0)
+    assert not stats.applied and stats.num_contributions == 1
+    text = [str(w.message) for w in caught]
+    assert any(
+        "swarm round 0 skipped: the accepted islands [0] have island_weights summing to 0" in t
+        and "anchors are unchanged" in t
+        for t in text
+    ), text
+    assert all(torch.allclose(tensors[k], before[k], 0, 0, equal_nan=True) for k in tensors)
+    assert transport.last_round is not None and transport.last_round.status == "skipped"
+    # the next round (island 1 aggregates, both accepted) applies the weighted mean
+    tensors = _contribution(rank, 1)
+    assert transport.average(tensors, round_index=1).applied
+    reference = _reference("weighted_mean", world, 1, weights=[0.0, 1.0])
+    assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
+    transport.close()
+
+
+def test_zero_weight_of_the_accepted_islands_skips_the_round(tmp_path: Path) -> None:
+    _run(_zero_weights_worker, 2, str(tmp_path), timeout_s=20)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _broken_rule(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("injected aggregation bug")
+
+
+def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
+    import lightning_swarm.transport.swarm as swarm_module
+
+    if rank == 0:  # a forked child: the patch dies with it
+        swarm_module.aggregate_into = _broken_rule
+    transport = SwarmTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
+    assert transport.spool is not None
+    tensors = _contribution(rank, 0)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="injected aggregation bug"):
+            transport.average(tensors, round_index=0)
+    else:
+        with pytest.raises(
+            SwarmRoundError,
+            match=r"round 0 failed on the aggregator \(island 0\): it raised an error while "
+            r"validating or aggregating; read island 0's log",
+        ):
+            transport.average(tensors, round_index=0)
+    assert transport.last_round is not None and transport.last_round.status == "failed"
+    assert transport.spool.files() == [], "a failed round left spool files"
+    # the failure was clean: the next round (island 1 aggregates) works and is exact
+    tensors = _contribution(rank, 1)
+    transport.average(tensors, round_index=1)
+    reference = _reference("mean", world, 1)
+    assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
+    transport.close()
+
+
+@pytest.mark.timeout(90)
+def test_unexpected_error_on_the_aggregator_raises_on_every_rank(tmp_path: Path) -> None:
+    # A 20 s process-group timeout: a peer left waiting for the status fails fast, not in 30 min.
+    _run(_aggregator_error_worker, 2, str(tmp_path), timeout_s=20)
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- options ---------------------------------------------------------------------------------
 def test_transport_options_are_checked(tmp_path: Path) -> None:
     common: dict[str, Any] = {"num_islands": 3, "island_index": 0, "offload": False}

@@ -20,11 +20,17 @@ message elects it. One round, over the peer group (one rank per island):
    Each rank unpacks it into its own tensors: ordinary in-memory tensors everywhere.
 6. The round's spool files are deleted (``Spool.release_round`` waits for leases).
 
-Failure modes: too few accepted contributions -> ``RoundStats(applied=False)`` and a warning
-on every rank. A spool that cannot be written or read (disk full, unwritable root, truncated or
-corrupt file) -> every rank raises ``SwarmRoundError`` after the peers' sends completed, with
-no spool file left; the caller's anchors are untouched. A rank whose own layout was rejected
-raises ``ValueError``.
+Failure modes: too few accepted contributions, or (``weighted_mean``) accepted islands whose
+weights sum to 0 -> ``RoundStats(applied=False)`` and a warning naming the cause on every rank.
+A spool that cannot be written or read (disk full, unwritable root, truncated or corrupt file)
+-> every rank raises ``SwarmRoundError`` after the peers' sends completed, with no spool file
+left; the caller's anchors are untouched. Any other exception on the aggregator once the peers'
+payloads are in (validation, decoding, the rule) -> the peers get an ``ERROR`` status and raise
+``SwarmRoundError`` naming the aggregator's island, the round's files are removed, and the
+aggregator re-raises its own exception. A rank whose own layout was rejected raises
+``ValueError``. An exception while payloads are still arriving, or while the result is being
+sent, still leaves the peers blocked in their sends or receives until the process group's
+timeout.
 
 Results are identical whichever island aggregates and whether offload is on: contributions
 always enter the rule in island order, and blocking does not change elementwise results.
@@ -78,13 +84,17 @@ from lightning_swarm.transport.streams import (
 
 log = logging.getLogger(__name__)
 
-APPLIED, SKIPPED, FAILED = 0, 1, 2
+# FAILED: the spool could not be written or read. ERROR: anything else raised on the aggregator
+# after the peers' payloads were in (a bug, a rule refusing its input); the aggregator re-raises
+# its own exception, the peers raise SwarmRoundError pointing at its log.
+APPLIED, SKIPPED, FAILED, ERROR = 0, 1, 2, 3
 ACCEPTED, NON_FINITE, ABOVE_NORM, BAD_LAYOUT = 0, 1, 2, 3
 _VERDICT_TEXT = {NON_FINITE: "non-finite values", ABOVE_NORM: "norm above max_norm"}
 
 
 class SwarmRoundError(RuntimeError):
-    """A swarm round failed on the aggregator (spool trouble); anchors must stay unchanged."""
+    """A swarm round failed on the aggregator (spool trouble or an error while validating or
+    aggregating); anchors must stay unchanged."""
 
 
 @dataclass
@@ -249,6 +259,13 @@ class SwarmTransport:
                 round_index,
                 _VERDICT_TEXT.get(verdict, verdict),
             )
+        if code == ERROR:
+            report.status = "failed"
+            raise SwarmRoundError(
+                f"swarm round {round_index} failed on the aggregator (island "
+                f"{report.aggregator}): it raised an error while validating or aggregating; "
+                f"read island {report.aggregator}'s log for the cause. Anchors are unchanged."
+            )
         if code == FAILED:
             report.status = "failed"
             raise SwarmRoundError(
@@ -260,7 +277,8 @@ class SwarmTransport:
         if code == SKIPPED:
             report.status = "skipped"
             stats.applied = False
-            self._warn_skipped(round_index, accepted)
+            verdicts = status[4:].tolist()
+            self._warn_skipped(round_index, [i for i, v in enumerate(verdicts) if v == ACCEPTED])
             return stats
         stats.bytes_received += self._link.recv_stream(
             dst, layout, targets, result_chunk, TAG_RESULT
@@ -301,16 +319,7 @@ class SwarmTransport:
                     self._log_rejection(round_index, p.island, p.layout_problem)
             code = FAILED
             if failure is None:
-                own = coded.encode(targets) if coded else targets  # the same round trip as peers'
-                contributions[self.island_index] = MemoryContribution(self.island_index, own)
-                block_numel = max(1, self.chunk_bytes // 4)
-                if coded is not None:
-                    block_numel = coded.block_numel(self.chunk_bytes)
-                    for island, c in contributions.items():
-                        contributions[island] = coded.decoded(c)
-                code = self._validate_and_aggregate(
-                    layout, targets, contributions, verdicts, block_numel
-                )
+                code = self._combine(layout, coded, targets, contributions, verdicts)
             status = self._status(code, verdicts, layout)
             stats.bytes_sent = self._send_status(status)
             if code == APPLIED:
@@ -340,8 +349,45 @@ class SwarmTransport:
         if code == SKIPPED:
             report.status = "skipped"
             stats.applied = False
-            self._warn_skipped(round_index, stats.num_contributions)
+            self._warn_skipped(round_index, report.accepted)
         return stats
+
+    def _combine(
+        self,
+        layout: PayloadLayout,
+        coded: CodedPayload | None,
+        targets: list[Tensor],
+        contributions: dict[int, Contribution],
+        verdicts: dict[int, int],
+    ) -> int:
+        """Add the aggregator's own contribution, then validate and aggregate; a status code.
+
+        Anything raised here is re-raised after every peer got an ``ERROR`` status (with the
+        verdicts known so far): the peers wait for the status, and would otherwise block until
+        the process group's timeout. The caller's ``finally`` removes the round's files.
+        """
+        report = self.last_round
+        assert report is not None
+        try:
+            own = coded.encode(targets) if coded else targets  # the same round trip as peers'
+            contributions[self.island_index] = MemoryContribution(self.island_index, own)
+            block_numel = max(1, self.chunk_bytes // 4)
+            if coded is not None:
+                block_numel = coded.block_numel(self.chunk_bytes)
+                for island, c in contributions.items():
+                    contributions[island] = coded.decoded(c)
+            return self._validate_and_aggregate(
+                layout, targets, contributions, verdicts, block_numel
+            )
+        except Exception:
+            report.status = "failed"
+            log.exception(
+                "swarm round %d failed on this aggregator (island %d); telling the peers",
+                report.round_index,
+                self.island_index,
+            )
+            self._send_status(self._status(ERROR, verdicts, layout))
+            raise
 
     def _validate_and_aggregate(
         self,
@@ -364,7 +410,7 @@ class SwarmTransport:
                 verdicts[island] = NON_FINITE if problem.startswith("non-finite") else ABOVE_NORM
                 self._log_rejection(report.round_index, island, problem)
         report.accepted = [c.island for c in accepted]
-        if len(accepted) < self.min_contributions:
+        if len(accepted) < self.min_contributions or self._zero_weight(report.accepted):
             return SKIPPED
         weights = None
         if self.island_weights is not None:
@@ -403,7 +449,8 @@ class SwarmTransport:
     def _status(self, code: int, verdicts: dict[int, int], layout: PayloadLayout) -> Tensor:
         status = torch.zeros(4 + self.num_islands, dtype=torch.int64)
         status[0] = code
-        status[1] = sum(1 for v in verdicts.values() if v == ACCEPTED) if code != FAILED else 0
+        accepted = sum(1 for v in verdicts.values() if v == ACCEPTED)
+        status[1] = accepted if code in (APPLIED, SKIPPED) else 0
         status[2], status[3] = layout.data_bytes, self.chunk_bytes
         for island, verdict in verdicts.items():
             status[4 + island] = verdict
@@ -426,11 +473,27 @@ class SwarmTransport:
             problem,
         )
 
-    def _warn_skipped(self, round_index: int, accepted: int) -> None:
+    def _zero_weight(self, accepted: list[int]) -> bool:
+        """``weighted_mean`` over accepted islands whose weights are all 0: nothing to average."""
+        if self.aggregation != "weighted_mean" or self.island_weights is None:
+            return False
+        return sum(self.island_weights[i] for i in accepted) <= 0
+
+    def _warn_skipped(self, round_index: int, accepted: list[int]) -> None:
+        """The skip warning; every rank derives the cause from the same verdicts."""
+        if len(accepted) < self.min_contributions:
+            cause = (
+                f"{len(accepted)} of {self.num_islands} contributions were accepted, fewer than "
+                f"min_contributions={self.min_contributions}"
+            )
+        else:
+            cause = (
+                f"the accepted islands {accepted} have island_weights summing to 0, so "
+                "weighted_mean has nothing to average"
+            )
         warnings.warn(
-            f"swarm round {round_index} skipped: {accepted} of {self.num_islands} contributions "
-            f"were accepted, fewer than min_contributions={self.min_contributions}; anchors "
-            "are unchanged (see the aggregator's log for the rejected islands)",
+            f"swarm round {round_index} skipped: {cause}; anchors are unchanged (see the "
+            "aggregator's log for the rejected islands)",
             RuntimeWarning,
             stacklevel=4,
         )
