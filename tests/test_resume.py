@@ -218,3 +218,47 @@ def test_strategy_adds_one_resume_callback(tmp_path: Path) -> None:
     first = strategy._resume_callback(trainer)
     assert strategy._resume_callback(trainer) is first
     assert sum(isinstance(c, SwarmResume) for c in trainer.callbacks) == 1
+
+
+def test_failed_resume_is_not_retried_by_the_next_fit(tmp_path: Path) -> None:
+    """``fit(ckpt_path=bad)`` fails; a later ``fit()`` on the same Trainer starts fresh."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from tests.resume_utils import DumpFinal, StepDataModel
+
+    fit(tmp_path / "full", devices=1, island_size=1, max_steps=2, ckpt_dir=tmp_path / "ckpts")
+    bad = tmp_path / "ckpts" / "step=2.ckpt"
+    record = torch.load(bad, weights_only=True)["swarm"]
+    island = swarm_root(bad) / record["save_id"] / "island-00000.pt"
+    island.write_bytes(island.read_bytes()[:100])
+    pl.seed_everything(0)
+    # One in-process rank (popen launches no child for devices=1): the Trainer and its
+    # SwarmResume keep their state from one fit to the next, as in a script or a notebook.
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SwarmStrategy(sync_every=3, start_method="popen"),
+        max_steps=4,  # the failed fit leaves Lightning's loops restored to step 2
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[DumpFinal(tmp_path / "out")],
+    )
+    model = StepDataModel()
+    try:
+        with pytest.raises(Exception, match=r"island-00000.pt is truncated"):
+            trainer.fit(model, ckpt_path=bad)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer.fit(model)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    (info,) = load_ranks(tmp_path / "out", 1)
+    assert info["summary"] is None, "the second fit restored a checkpoint it was not given"
+    assert info["outer_steps"] == [0] and info["inner_steps"] == [2] and info["global_step"] == 4
+    for name, value in before.items():
+        assert torch.equal(info["start_params"][name], value), name
+        assert torch.equal(info["start_anchors"][0][name], value), name

@@ -310,6 +310,15 @@ def test_plain_lightning_checkpoint_warns_and_keeps_fresh_anchors() -> None:
     assert not callback.pending
 
 
+def test_a_new_fit_forgets_a_checkpoint_captured_by_an_earlier_one() -> None:
+    """A fit that failed between capture and restore must not leave its checkpoint pending."""
+    callback = SwarmResume()
+    callback.capture("/tmp/x.ckpt", {"swarm": {"format": FORMAT_VERSION, "save_id": "abc"}})
+    assert callback.pending
+    callback.setup(None, None, "fit")  # type: ignore[arg-type]  # the hook reads neither
+    assert not callback.pending
+
+
 def test_unknown_swarm_record_format_is_rejected() -> None:
     with pytest.raises(SwarmCheckpointError, match="swarm state of an unknown format"):
         SwarmResume().capture("/tmp/x.ckpt", {"swarm": {"format": 99}})

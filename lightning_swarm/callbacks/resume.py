@@ -197,24 +197,37 @@ class SwarmResume(pl.Callback):
         self._pending = _Source(path, record)
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning calls this before it loads a checkpoint: forget whatever an earlier fit on
+        # this Trainer captured, so a fit without ckpt_path never restores someone else's save.
+        self._pending = None
+        self.summary = None
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Safety net: the strategy restores in load_optimizer_state_dict; never train unrestored.
         if self._pending is not None:
             self.restore(trainer.strategy)  # type: ignore[arg-type]
 
     def restore(self, strategy: SwarmStrategy) -> None:
-        """Validate and install the captured swarm state on this rank (collective)."""
+        """Validate and install the captured swarm state on this rank (collective).
+
+        The captured checkpoint is consumed whether or not this succeeds: after a failure the
+        next fit restores only what its own ``ckpt_path`` names.
+        """
         source = self._pending
         if source is None:
             return
-        use_mmap, how = resolve_mmap(strategy.config.anchors.mmap)
-        # Every collective below runs on every rank in the same order, failures included.
-        own = _attempt(lambda: self._own_source(strategy, source))
-        newest = _newest(own, source)
-        loaded = _attempt(lambda: self._load(strategy, source, own, newest, use_mmap))
-        warn_legacy(loaded.legacy)
-        stale = self._install(strategy, loaded)
-        self._pending = None
+        try:
+            use_mmap, how = resolve_mmap(strategy.config.anchors.mmap)
+            # Every collective below runs on every rank in the same order, failures included.
+            own = _attempt(lambda: self._own_source(strategy, source))
+            newest = _newest(own, source)
+            loaded = _attempt(lambda: self._load(strategy, source, own, newest, use_mmap))
+            warn_legacy(loaded.legacy)
+            stale = self._install(strategy, loaded)
+        finally:
+            self._pending = None
         kib = sum(o.anchor_bytes for o in strategy.outer_syncs) / 2**10
         size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
         dtype = source.record.get("anchor_dtype")
