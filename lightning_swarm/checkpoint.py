@@ -27,7 +27,9 @@ Invariants:
   it alive), and unlinking the file does not invalidate it. Writing to a mapped tensor turns the
   written pages into private anonymous memory; untouched pages stay file-backed.
 - Everything saved is tensors, numbers, strings and plain containers: loadable with
-  ``weights_only=True``.
+  ``weights_only=True``. Island files also hold the user's module state (``get_extra_state()``
+  included) and optimizer states; an object outside torch's allowlist there saves fine but is
+  refused on load, and the error names its type and the fix (not "corrupt").
 
 This module imports torch only (no lightning, no torch.distributed).
 """
@@ -35,6 +37,8 @@ This module imports torch only (no lightning, no torch.distributed).
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import shutil
 import warnings
 from collections.abc import Mapping, Sequence
@@ -50,6 +54,7 @@ ANCHORS_FILE = "anchors.pt"
 _ZIP_MAGIC = b"PK\x03\x04"
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
 class SwarmCheckpointError(ValueError):
@@ -235,16 +240,40 @@ def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not legacy)
     except Exception as err:
-        raise SwarmCheckpointError(
-            f"swarm state file {path} is truncated or corrupt ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); resume from another checkpoint."
-        ) from err
+        raise _load_error(path, err) from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         raise SwarmCheckpointError(
             f"{path} is not a lightning_swarm state file of format {FORMAT_VERSION}; resume "
             "from a checkpoint written by this version of SwarmStrategy."
         )
     return payload, legacy
+
+
+def _load_error(path: Path, err: Exception) -> SwarmCheckpointError:
+    """Tell a refusal to unpickle (the file is fine, one object in it is not allowed) from damage.
+
+    ``weights_only=True`` refuses any class outside torch's allowlist; such an object reaches an
+    island file through the module's ``get_extra_state()`` or an optimizer's custom state.
+    """
+    text = str(err)
+    if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in text:
+        match = _REFUSED_GLOBAL.search(text)
+        name = match.group(1) if match else None
+        what = f"an object of type {name}" if name else "an object"
+        allow = name or "TheClass"
+        return SwarmCheckpointError(
+            f"swarm state file {path} is readable, but torch.load(weights_only=True) refuses to "
+            f"unpickle {what} in it: the module's state (get_extra_state()) or an optimizer's "
+            "state holds something other than tensors, numbers, strings and plain containers. "
+            "Keep extra and optimizer state to those types and save again, or, if you trust "
+            f"the file, allow the type before resuming: torch.serialization.add_safe_globals"
+            f"([{allow}])."
+        )
+    first_line = text.splitlines()[0] if text else ""
+    return SwarmCheckpointError(
+        f"swarm state file {path} is truncated or corrupt ({type(err).__name__}: {first_line}); "
+        "resume from another checkpoint."
+    )
 
 
 def warn_legacy(paths: Sequence[Path]) -> None:

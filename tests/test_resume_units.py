@@ -221,6 +221,52 @@ def test_corrupt_file_is_reported(tmp_path: Path) -> None:
         load_swarm_file(path, mmap=True)
 
 
+class _Note:
+    """A plain Python object: not on torch's weights_only allowlist."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+
+
+class _NotedLinear(torch.nn.Linear):
+    def get_extra_state(self) -> _Note:
+        return _Note("extra")
+
+    def set_extra_state(self, state: object) -> None:
+        assert isinstance(state, _Note)
+
+
+def _island_payload(where: str) -> dict[str, object]:
+    """What an island file holds (module and optimizer state), with one object not allowed."""
+    module = _NotedLinear(3, 2) if where == "extra_state" else torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    if where == "optimizer":
+        optimizer.state[module.weight]["note"] = _Note("custom optimizer state")
+    return {
+        "format": FORMAT_VERSION,
+        "module": module.state_dict(),
+        "optimizers": [optimizer.state_dict()],
+    }
+
+
+@pytest.mark.parametrize("where", ["extra_state", "optimizer"])
+def test_disallowed_object_is_not_reported_as_corruption(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "island-00000.pt"
+    atomic_save(_island_payload(where), path)
+    with pytest.raises(SwarmCheckpointError) as caught:
+        load_swarm_file(path, mmap=True)
+    message = str(caught.value)
+    assert "truncated or corrupt" not in message
+    name = f"{__name__}._Note"
+    refusal = "is readable, but torch.load(weights_only=True) refuses to unpickle an object"
+    assert f"{refusal} of type {name}" in message
+    assert "get_extra_state()" in message and "optimizer's state" in message
+    assert f"torch.serialization.add_safe_globals([{name}])" in message
+    with torch.serialization.safe_globals([_Note]):  # the fix the message names works
+        payload, _ = load_swarm_file(path, mmap=True)
+    assert payload["format"] == FORMAT_VERSION
+
+
 def test_foreign_file_is_reported(tmp_path: Path) -> None:
     path = tmp_path / "anchors.pt"
     torch.save({"weights": torch.zeros(2)}, path)
