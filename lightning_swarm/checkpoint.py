@@ -55,6 +55,8 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+# What a save directory may hold: its files, and the temporary names they are written under.
+_SAVE_FILE = re.compile(r"\.?(anchors\.pt|island-\d{5}\.pt)(\.tmp-\d+)?")
 
 
 class SwarmCheckpointError(ValueError):
@@ -218,6 +220,37 @@ def prune_saves(root: Path, keep: str) -> None:
     for entry in root.iterdir():
         if entry.name != keep:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def remove_orphan_saves(folder: Path, *, keep: Path) -> list[Path]:
+    """Remove ``<name>.swarm`` directories in ``folder`` whose ``<name>`` file does not exist.
+
+    Such a directory is left by a save that crashed after writing the swarm files and before
+    the Lightning file: nothing names it, and it would otherwise stay forever. ``keep`` (the
+    directory of the save in progress, whose Lightning file is not written yet) is never
+    touched, nor is a directory holding anything a save does not write (not ours). Returns
+    the directories removed.
+    """
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        if entry.name.endswith(".swarm") and entry.name != keep.name and _is_orphan(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _is_orphan(root: Path) -> bool:
+    # lexists: a dangling last.ckpt symlink still names its directory.
+    if not root.is_dir() or root.is_symlink() or os.path.lexists(str(root)[: -len(".swarm")]):
+        return False
+    for save in root.iterdir():
+        if not save.is_dir() or save.is_symlink():
+            return False
+        if not all(_SAVE_FILE.fullmatch(f.name) and f.is_file() for f in save.iterdir()):
+            return False
+    return True
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -8,9 +8,12 @@ its checkpoints with ``trainer.fit(ckpt_path=...)`` must end bitwise equal to it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.callbacks.resume import SwarmResume
@@ -212,8 +215,6 @@ def test_exact_resume_two_islands_of_two(full_run_2: Path, tmp_path: Path, step:
 
 def test_strategy_adds_one_resume_callback(tmp_path: Path) -> None:
     strategy = SwarmStrategy()
-    import lightning.pytorch as pl
-
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
     first = strategy._resume_callback(trainer)
     assert strategy._resume_callback(trainer) is first
@@ -222,7 +223,6 @@ def test_strategy_adds_one_resume_callback(tmp_path: Path) -> None:
 
 def test_failed_resume_is_not_retried_by_the_next_fit(tmp_path: Path) -> None:
     """``fit(ckpt_path=bad)`` fails; a later ``fit()`` on the same Trainer starts fresh."""
-    import lightning.pytorch as pl
     import torch.distributed as dist
 
     from tests.resume_utils import DumpFinal, StepDataModel
@@ -262,3 +262,84 @@ def test_failed_resume_is_not_retried_by_the_next_fit(tmp_path: Path) -> None:
     for name, value in before.items():
         assert torch.equal(info["start_params"][name], value), name
         assert torch.equal(info["start_anchors"][0][name], value), name
+
+
+# -- interrupted saves --------------------------------------------------------------------------
+class _CrashingIO(TorchCheckpointIO):
+    """Plays a crash after the swarm files and before the Lightning file of one save."""
+
+    def __init__(self, name: str, call: int) -> None:
+        super().__init__()
+        self.name, self.call, self.calls = name, call, 0
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        if Path(path).name == self.name:
+            self.calls += 1
+            if self.calls == self.call:
+                raise OSError(f"simulated crash before {self.name} was written")
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+
+class _SaveLatest(pl.Callback):
+    """Overwrites one ``latest.ckpt`` after every step (before ModelCheckpoint's own save)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.save_checkpoint(self.directory / "latest.ckpt")
+
+
+def _save_ids(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("crash_file", "resumed_step"),
+    [("latest.ckpt", 5), ("step=6.ckpt", 6)],
+    ids=["overwrite", "new-name"],
+)
+def test_crash_before_the_lightning_file_keeps_the_previous_checkpoint(
+    full_run_1: Path, tmp_path: Path, crash_file: str, resumed_step: int
+) -> None:
+    """At step 6 one save dies between its swarm files and its Lightning file.
+
+    ``latest.ckpt`` must still resume exactly (from step 5 when its own overwrite died), and the
+    next save removes what the crash left: the extra save under ``latest.ckpt.swarm`` (pruned
+    with the next ``latest.ckpt``) or ``step=6.ckpt.swarm``, which no file will ever name.
+    """
+    ckpts = tmp_path / "ckpts"
+    with pytest.raises(Exception, match=f"simulated crash before {crash_file}"):
+        fit(
+            tmp_path / "crashed",
+            devices=2,
+            island_size=1,
+            max_steps=MAX_STEPS,
+            ckpt_dir=ckpts,
+            callbacks=[_SaveLatest(ckpts)],
+            checkpoint_io=_CrashingIO(crash_file, call=6 if crash_file == "latest.ckpt" else 1),
+        )
+    latest = ckpts / "latest.ckpt"
+    record = torch.load(latest, weights_only=True)["swarm"]
+    assert record["inner_steps"] == [resumed_step]
+    if crash_file == "latest.ckpt":
+        assert len(_save_ids(swarm_root(latest))) == 2  # the named save and the crashed one
+    else:
+        assert not (ckpts / crash_file).exists() and swarm_root(ckpts / crash_file).is_dir()
+    fit(
+        tmp_path / "resumed",
+        devices=2,
+        island_size=1,
+        max_steps=MAX_STEPS,
+        ckpt_path=latest,
+        callbacks=[_SaveLatest(ckpts)],
+    )
+    full, resumed = load_ranks(full_run_1 / "out", 2), load_ranks(tmp_path / "resumed", 2)
+    for rank in range(2):
+        assert_bitwise_equal(full[rank], resumed[rank], f"resume after the crash, rank {rank}")
+    assert f"at inner step(s) [{resumed_step}]" in resumed[0]["summary"]
+    for root in ckpts.glob("*.swarm"):
+        ckpt = root.with_name(root.name.removesuffix(".swarm"))
+        assert ckpt.exists(), f"{root} outlived the crash: no checkpoint names it"
+        save_id = torch.load(ckpt, weights_only=True)["swarm"]["save_id"]
+        assert _save_ids(root) == [save_id], f"{root} keeps saves its checkpoint does not name"

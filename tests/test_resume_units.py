@@ -26,6 +26,7 @@ from lightning_swarm.checkpoint import (
     layout_fingerprint,
     load_swarm_file,
     prune_saves,
+    remove_orphan_saves,
     require_local_path,
     resolve_mmap,
     warn_legacy,
@@ -309,6 +310,30 @@ def test_prune_keeps_only_the_named_save(tmp_path: Path) -> None:
         (tmp_path / name / "anchors.pt").write_bytes(b"x")
     prune_saves(tmp_path, keep="new")
     assert [p.name for p in tmp_path.iterdir()] == ["new"]
+
+
+def _swarm_dir(folder: Path, name: str, *files: str) -> Path:
+    save = folder / name / "0123456789ab"
+    save.mkdir(parents=True)
+    for f in files:
+        (save / f).write_bytes(b"x")
+    return folder / name
+
+
+def test_orphan_swarm_directories_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "named.ckpt").write_bytes(b"x")
+    named = _swarm_dir(tmp_path, "named.ckpt.swarm", "anchors.pt")
+    orphan = _swarm_dir(tmp_path, "step=6.ckpt.swarm", "anchors.pt", "island-00001.pt")
+    half = _swarm_dir(tmp_path, "step=7.ckpt.swarm", ".island-00000.pt.tmp-4242")
+    current = _swarm_dir(tmp_path, "now.ckpt.swarm", "anchors.pt")  # its .ckpt comes next
+    foreign = _swarm_dir(tmp_path, "notes.swarm", "anchors.pt", "README.txt")
+    (tmp_path / "last.ckpt").symlink_to(tmp_path / "gone.ckpt")  # dangling, still a name
+    linked = _swarm_dir(tmp_path, "last.ckpt.swarm", "anchors.pt")
+    removed = remove_orphan_saves(tmp_path, keep=current)
+    assert sorted(p.name for p in removed) == [orphan.name, half.name]
+    assert not orphan.exists() and not half.exists()
+    assert all(p.is_dir() for p in (named, current, foreign, linked))
+    assert remove_orphan_saves(tmp_path / "missing", keep=current) == []
 
 
 def test_remote_paths_are_rejected() -> None:

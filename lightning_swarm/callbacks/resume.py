@@ -46,6 +46,7 @@ from lightning_swarm.checkpoint import (
     island_file_name,
     layout_fingerprint,
     load_swarm_file,
+    remove_orphan_saves,
     require_local_path,
     resolve_mmap,
     swarm_root,
@@ -88,9 +89,14 @@ def save_swarm_state(strategy: SwarmStrategy, checkpoint: dict[str, Any], filepa
     """Write this rank's share of the swarm state and add the record to ``checkpoint``.
 
     Collective: every rank calls it. Returns the save id; the caller writes the Lightning file
-    and then prunes older save directories (``prune_saves``).
+    and then prunes older save directories (``prune_saves``). Global rank 0 first removes the
+    swarm directories of saves that crashed before their Lightning file was written (any
+    ``<name>.swarm`` next to this checkpoint whose ``<name>`` does not exist).
     """
     root = swarm_root(require_local_path(filepath, what="checkpoint path"))
+    if strategy.global_rank == 0:
+        for orphan in remove_orphan_saves(root.parent, keep=root):
+            log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
     save_id = strategy.broadcast(uuid.uuid4().hex[:12] if strategy.global_rank == 0 else "")
     directory = root / save_id
     topology, outers = strategy.topology, strategy.outer_syncs
