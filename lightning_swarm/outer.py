@@ -42,6 +42,7 @@ from torch import Tensor
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
+from lightning_swarm.algorithm.precision import keep_state_float32
 from lightning_swarm.transport.base import RoundStats, Transport
 from lightning_swarm.transport.worker import SyncWorker
 
@@ -278,7 +279,9 @@ class OuterSync:
         names = self.fragments[fragment]
         if result.stats.applied:
             anchors = [self.anchors[name] for name in names]
-            outer_step(self.outer_optimizer, anchors, [rnd.deltas[name] for name in names])
+            deltas = [rnd.deltas[name] for name in names]
+            # The outer-step count is the same on every island: bf16 rounding noise agrees.
+            outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
             self.outer_steps += 1
             self.fragment_rounds[fragment] += 1
             for name in names:
@@ -397,6 +400,7 @@ class OuterSync:
         }
         self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        keep_state_float32(self.outer_optimizer, state["outer_optimizer"])
         self.inner_steps = int(state["inner_steps"])
         self.outer_steps = int(state["outer_steps"])
         rounds = state.get("fragment_rounds")

@@ -172,6 +172,7 @@ class SwarmStrategy(DDPStrategy):
         self._transport: Transport | None = None
         self._outer_syncs: list[OuterSync] = []
         self._outer_by_optimizer: dict[int, OuterSync] = {}
+        self._params_at_setup: dict[int, int] = {}
         self.totals = SwarmTotals()
         self.last_sync: SyncReport | None = None
         self._defer_anchors = False
@@ -287,6 +288,7 @@ class SwarmStrategy(DDPStrategy):
         names = {id(p): name for name, p in module.named_parameters()}
         self._transport = self._build_transport()
         self._outer_syncs, self._outer_by_optimizer = [], {}
+        self._params_at_setup = {id(opt): _num_params(opt) for opt in self.optimizers}
         seen: set[int] = set()
         for index, optimizer in enumerate(self.optimizers):
             params = _trained_params(optimizer, names, index, seen)
@@ -384,6 +386,15 @@ class SwarmStrategy(DDPStrategy):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        expected = self._params_at_setup.get(id(optimizer))
+        if expected is not None and _num_params(optimizer) != expected:
+            raise ValueError(
+                f"an optimizer gained or lost parameters after setup ({expected} at setup, "
+                f"{_num_params(optimizer)} now), e.g. through add_param_group (as "
+                "BackboneFinetuning does); SwarmStrategy anchors every parameter at setup, so "
+                "give the optimizer all parameters from the start and freeze them with "
+                "requires_grad=False instead."
+            )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         outer = self._outer_by_optimizer.get(id(optimizer))
         if outer is not None:
@@ -482,20 +493,29 @@ class SwarmStrategy(DDPStrategy):
         self._close_worker()
         if self._transport is not None:
             self._transport.close()
+            self._transport = None
+        # Lightning's teardown still talks to the DDP wrapper (its logging data lives in the
+        # reducer, bound to the island group): unwrap first, destroy the groups last. The other
+        # way round, a rank can block forever inside the wrapper of a destroyed group.
+        super().teardown()
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None
-        super().teardown()
 
 
 def _trained_params(
     optimizer: Optimizer, names: dict[int, str], index: int, seen: set[int]
 ) -> dict[str, torch.nn.Parameter]:
-    """The parameters ``optimizer`` trains, by module name, in a rank-independent order."""
+    """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
+
+    Frozen parameters (``requires_grad=False``) are included: a parameter unfrozen later in the
+    run must already have an anchor, or it would train on every island and never be synced.
+    While frozen its pseudo-gradient is zero and its anchor does not move.
+    """
     params: dict[str, torch.nn.Parameter] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not p.requires_grad:
+            if not p.is_floating_point():
                 continue
             if id(p) in seen:
                 raise ValueError(
@@ -506,6 +526,10 @@ def _trained_params(
             seen.add(id(p))
             params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = p
     return params
+
+
+def _num_params(optimizer: Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
 def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:

@@ -47,6 +47,44 @@ class TinyRegressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ScheduledRegressor(TinyRegressor):
+    """TinyRegressor with a step-wise LR schedule (halves the LR every 4 steps)."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+class ThawingRegressor(TinyRegressor):
+    """The first layer's weight starts frozen and is unfrozen before the third step."""
+
+    def on_fit_start(self) -> None:
+        self.net[0].weight.requires_grad_(False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2:
+            self.net[0].weight.requires_grad_(True)
+
+
+class GrowingRegressor(TinyRegressor):
+    """Adds a parameter group to its optimizer mid-run (what BackboneFinetuning does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.zeros(3))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            self.trainer.optimizers[0].add_param_group({"params": [self.extra]})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net.parameters(), lr=self.lr)
+
+
 class TwoOptimizerModule(pl.LightningModule):
     """Manual optimization with two optimizers, each owning one layer."""
 
@@ -105,6 +143,7 @@ class Recorder(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         info: dict[str, Any] = {"steps": self.steps, "final": flat_params(pl_module)}
+        info["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         if hasattr(strategy, "outer_syncs"):
             info["inner_steps"] = [o.inner_steps for o in strategy.outer_syncs]
             info["outer_steps"] = [o.outer_steps for o in strategy.outer_syncs]

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm.precision import float32_outer_step
+
 
 def pseudo_gradient(anchor: Tensor, local: Tensor) -> Tensor:
     """Return ``anchor - local`` as a new float32 tensor on the anchor's device.
@@ -34,16 +36,25 @@ def pseudo_gradient(anchor: Tensor, local: Tensor) -> Tensor:
 
 
 def outer_step(
-    optimizer: torch.optim.Optimizer, anchors: Sequence[Tensor], averaged: Sequence[Tensor]
+    optimizer: torch.optim.Optimizer,
+    anchors: Sequence[Tensor],
+    averaged: Sequence[Tensor],
+    *,
+    seed: int = 0,
 ) -> None:
     """Step the outer optimizer on ``anchors`` with ``averaged`` pseudo-gradients as gradients.
 
-    ``anchors`` must be exactly the tensors the outer optimizer was built over. The gradients are
-    installed only for the duration of the step and released afterwards (``grad = None``), so
-    between syncs no pseudo-gradient memory stays resident.
+    ``anchors`` must be tensors the outer optimizer was built over. The gradients are installed
+    only for the duration of the step and released afterwards (``grad = None``), so between
+    syncs no pseudo-gradient memory stays resident. Low-precision anchors are stepped in
+    float32 and written back with stochastic rounding seeded by ``seed``, which must be the
+    same on every island (``lightning_swarm.algorithm.precision``).
     """
     if len(anchors) != len(averaged):
         raise ValueError(f"{len(anchors)} anchors but {len(averaged)} pseudo-gradients")
+    if any(a.dtype != torch.float32 for a in anchors):
+        float32_outer_step(optimizer, anchors, averaged, seed=seed)
+        return
     for anchor, delta in zip(anchors, averaged, strict=True):
         anchor.grad = delta.to(dtype=anchor.dtype, device=anchor.device)
     optimizer.step()
