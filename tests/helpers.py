@@ -62,8 +62,9 @@ class ScheduledRegressor(TinyRegressor):
 class ThawingRegressor(TinyRegressor):
     """The first layer's weight starts frozen and is unfrozen before the third step."""
 
-    def on_fit_start(self) -> None:
-        self.net[0].weight.requires_grad_(False)
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)  # frozen when the strategy sets up
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 2:
