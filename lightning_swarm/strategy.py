@@ -352,7 +352,7 @@ class SwarmStrategy(DDPStrategy):
         """Fragments (the layout is checked here, where the names are known) and options."""
         config = self.config
         if config.sync_delay > 0 and self._worker is None:
-            self._worker = SyncWorker()
+            self._worker = SyncWorker(device=self.root_device)
         return Streaming(
             fragments=build_fragments(list(params), config.num_fragments, config.fragment_layout),
             sync_delay=config.sync_delay,

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 _T = TypeVar("_T")
 
 
@@ -35,18 +37,37 @@ class SyncWorker:
 
     Args:
         name: prefix of the thread's name (visible in stack dumps and thread listings).
+        device: the rank's accelerator; a CUDA device makes jobs run on their own stream
+            (not exercised on a GPU yet: the CPU suite covers the thread, not the streams).
     """
 
-    def __init__(self, name: str = "swarm-sync") -> None:
+    def __init__(self, name: str = "swarm-sync", device: torch.device | None = None) -> None:
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=name
         )
+        # On CUDA the worker binds to the rank's device and issues its copies and collectives
+        # on a stream of its own, so they neither land on another GPU nor queue behind (or in
+        # front of) the training thread's kernels on the default stream.
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._stream: torch.cuda.Stream | None = None
 
     def submit(self, job: Callable[[], _T]) -> Future[_T]:
         """Queue ``job``; it runs after every job submitted before it."""
         if self._executor is None:
             raise RuntimeError("the sync worker is closed; no exchange can be started")
-        return self._executor.submit(job)
+        if self._device is None:
+            return self._executor.submit(job)
+        return self._executor.submit(self._on_own_stream, job)
+
+    def _on_own_stream(self, job: Callable[[], _T]) -> _T:
+        assert self._device is not None
+        torch.cuda.set_device(self._device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self._device)
+        with torch.cuda.stream(self._stream):
+            result = job()
+        self._stream.synchronize()
+        return result
 
     @staticmethod
     def wait(future: Future[_T], what: str) -> _T:
