@@ -176,7 +176,7 @@ def test_sampler_reads_proc_sources() -> None:
     assert not any(k.startswith(("psutil/", "rusage/")) for k in fast)
     slow = sampler.sample_slow()
     assert slow["smaps_rollup/Anonymous_bytes"] == 16512 * KIB
-    assert slow["smaps_rollup/read_s"] >= 0
+    assert "smaps_rollup/read_s" in slow  # the cost of the page walk is reported beside it
 
 
 def test_standin_when_proc_unreadable(tmp_path: Path) -> None:
