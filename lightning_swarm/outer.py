@@ -258,15 +258,23 @@ class OuterSync:
                 to_send, new_residual = with_error_feedback(delta, previous[name], codec)
                 delta.copy_(to_send)
                 self.residuals[name] = new_residual
-        stats = self.transport.average(deltas, round_index=round_index)
+        try:
+            stats = self.transport.average(deltas, round_index=round_index)
+        except BaseException:
+            # The round did not happen anywhere (anchors unchanged): neither did its feedback.
+            self._restore_residuals(previous)
+            raise
         if not stats.applied:
-            for name, old in previous.items():
-                if old is None:
-                    self.residuals.pop(name, None)
-                else:
-                    self.residuals[name] = old
+            self._restore_residuals(previous)
             return _Exchanged(stats, 0.0)
         return _Exchanged(stats, global_norm(list(deltas.values())))
+
+    def _restore_residuals(self, previous: Mapping[str, Tensor | None]) -> None:
+        for name, old in previous.items():
+            if old is None:
+                self.residuals.pop(name, None)
+            else:
+                self.residuals[name] = old
 
     @torch.no_grad()
     def _apply(self, fragment: int) -> SyncReport:

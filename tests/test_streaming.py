@@ -241,6 +241,26 @@ def test_skipped_round_restores_residuals() -> None:
     assert outer.residuals == {}
 
 
+def test_failed_round_restores_residuals() -> None:
+    codec = Codec("int8", block_size=4)
+    outer = OuterSync(
+        _params(),
+        outer_optimizer=PLAIN,
+        transport=FakePeer(fail_at=2),
+        sync_every=1,
+        streaming=Streaming(codec=codec, error_feedback=True),
+    )
+    _inner_step(outer.params, 1)
+    assert outer.on_inner_step() is not None  # round 1 applied: residuals exist
+    before = {n: r.clone() for n, r in outer.residuals.items()}
+    assert any(bool(r.abs().sum() > 0) for r in before.values())
+    _inner_step(outer.params, 2)
+    with pytest.raises(ConnectionError, match="peer vanished"):
+        outer.on_inner_step()
+    assert outer.residuals.keys() == before.keys()
+    assert all(torch.equal(outer.residuals[n], before[n]) for n in before)
+
+
 def _run_with_save(save_at: int | None, steps: int = 9) -> tuple[OuterSync, list[SyncWorker]]:
     """Fragments + delay + int4 feedback; optionally a save/restore into a twin at ``save_at``."""
     codec = Codec("int4", block_size=4)
