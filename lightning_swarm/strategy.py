@@ -174,8 +174,6 @@ class SwarmStrategy(DDPStrategy):
         self._outer_by_optimizer: dict[int, OuterSync] = {}
         self._params_at_setup: dict[int, int] = {}
         self.totals = SwarmTotals()
-        self.last_sync: SyncReport | None = None
-        self._defer_anchors = False
         self._worker: SyncWorker | None = None
 
     # -- registration ---------------------------------------------------------------------
@@ -279,10 +277,9 @@ class SwarmStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             # A pending swarm resume installs anchors later: build placeholders, not copies.
-            self._defer_anchors = self._resume_callback(trainer).pending
-            self._build_outer_syncs()
+            self._build_outer_syncs(defer_anchors=self._resume_callback(trainer).pending)
 
-    def _build_outer_syncs(self) -> None:
+    def _build_outer_syncs(self, *, defer_anchors: bool) -> None:
         module = self.lightning_module
         assert module is not None
         names = {id(p): name for name, p in module.named_parameters()}
@@ -301,7 +298,7 @@ class SwarmStrategy(DDPStrategy):
                 sync_every=self.config.sync_every,
                 anchor_device=self.config.anchor_device,
                 anchor_dtype=self.config.anchor_torch_dtype,
-                defer_anchors=self._defer_anchors,
+                defer_anchors=defer_anchors,
                 streaming=self._streaming(params),
             )
             self._outer_syncs.append(outer)
@@ -405,7 +402,6 @@ class SwarmStrategy(DDPStrategy):
         return output
 
     def _record(self, report: SyncReport, optimizer_index: int) -> None:
-        self.last_sync = report
         self.totals.outer_steps += int(report.applied)
         self.totals.bytes_sent += report.bytes_sent
         self.totals.bytes_received += report.bytes_received
