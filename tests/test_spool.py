@@ -7,6 +7,7 @@ import gc
 import multiprocessing
 import os
 import re
+import socket
 import stat
 import tempfile
 import threading
@@ -431,4 +432,55 @@ def test_cleanup_racing_with_writes_and_reads(tmp_path: Path) -> None:
     assert outcomes["read"] >= islands * iterations * 2 // 3
     assert spool.cleanup_waits > 0, "the race was never exercised"
     assert spool.files() == [] and spool.disk_bytes == 0
+    spool.close()
+
+
+# -- roots left by killed runs ----------------------------------------------------------------
+def _dead_pid() -> int:
+    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    child.join()
+    assert child.pid is not None
+    return child.pid
+
+
+def test_a_new_spool_sweeps_roots_of_dead_runs_of_this_user_only(tmp_path: Path) -> None:
+    host = socket.gethostname()
+    dead = _dead_pid()
+    roots = {
+        "dead, this host": f"lightning_swarm-{dead}@{host}-abcd1234",
+        "dead, no host (older name)": f"lightning_swarm-{dead}-efgh5678",
+        "dead, other host": f"lightning_swarm-{dead}@elsewhere-ijkl9012",
+        "live": f"lightning_swarm-{os.getppid()}@{host}-mnop3456",
+        "not a root": f"lightning_swarm-{dead}@{host}-toolongsuffix",
+        "another user's": f"lightning_swarm-{dead}@{host}-qrst7890",
+    }
+    for name in roots.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "round000000-island0001.safetensors").write_bytes(b"x")
+    other_user = os.geteuid() == 0
+    if other_user:
+        os.chown(tmp_path / roots["another user's"], NOBODY, NOBODY)
+    spool = Spool(tmp_path)
+    left = {p.name for p in tmp_path.iterdir()} - {spool.root.name}
+    assert sorted(p.name for p in spool.swept) == sorted(
+        [roots["dead, this host"], roots["dead, no host (older name)"]]
+        + ([] if other_user else [roots["another user's"]])
+    )
+    kept = {"dead, other host", "live", "not a root"} | (
+        {"another user's"} if other_user else set()
+    )
+    assert left == {roots[k] for k in kept}
+    assert re.fullmatch(
+        rf"lightning_swarm-{os.getpid()}@{re.escape(host)}-\w{{8}}", spool.root.name
+    )
+    spool.close()
+
+
+def test_spool_dir_expands_the_home_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    spool = Spool("~/spools")
+    assert spool.root.parent == tmp_path / "spools"
+    assert not (tmp_path / "~").exists()
     spool.close()

@@ -134,6 +134,7 @@ class DiscardSink:
 
 
 def open_sinks(
+    sinks: dict[int, Sink],
     islands: list[int],
     accepted_layout: list[int],
     layout: PayloadLayout,
@@ -141,11 +142,11 @@ def open_sinks(
     round_id: int,
     *,
     remap_bytes: int,
-) -> tuple[dict[int, Sink], SpoolError | None]:
-    """One sink per peer island: a spool file (``spool`` given) or memory for peers whose
-    layout was accepted, a discard sink otherwise. After a spool error (e.g. no room for the
-    preallocation) every later peer gets a discard sink and the error is returned."""
-    sinks: dict[int, Sink] = {}
+) -> SpoolError | None:
+    """Add one sink per peer island to ``sinks``: a spool file (``spool`` given) or memory for
+    peers whose layout was accepted, a discard sink otherwise. After a spool error (e.g. no room
+    for the preallocation) every later peer gets a discard sink and the error is returned.
+    Sinks are added as they open, so a caller interrupted here can still abort them all."""
     failure: SpoolError | None = None
     for island in islands:
         if island not in accepted_layout or failure is not None:
@@ -158,7 +159,7 @@ def open_sinks(
             except SpoolError as err:
                 failure = err
                 sinks[island] = DiscardSink()
-    return sinks, failure
+    return failure
 
 
 def finish_sinks(

@@ -17,6 +17,12 @@ Ownership and lifecycle:
   lease is released (with a warning). A reader therefore never meets a vanished file, and no
   file outlives the spool. ``close`` does the same for every round, then removes the root;
   a finalizer removes it if ``close`` is never called.
+- Writers and readers reach the spool only through the ``Lease`` it hands them.
+- A root is named ``lightning_swarm-<pid>@<host>-<random>``. A process killed with SIGKILL
+  cannot remove its root, so a new ``Spool`` sweeps its ``base_dir`` first: it removes the
+  roots that name this host, whose pid is no longer alive, and that this user owns (never
+  another user's, never a live process's; roots named by another host are left alone, since
+  ``base_dir`` may be shared).
 
 Errors (disk full, unwritable root, a truncated or corrupt file) raise ``SpoolError`` with what
 happened and what to do; a failed write leaves no file behind.
@@ -25,8 +31,11 @@ happened and what to do; a failed write leaves no file behind.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
+import stat
 import threading
 import time
 import warnings
@@ -35,6 +44,7 @@ from pathlib import Path
 
 from lightning_swarm.transport.layout import PayloadLayout
 from lightning_swarm.transport.spool_files import (
+    Lease,
     SpoolError,
     SpoolReader,
     SpoolWriter,
@@ -43,6 +53,63 @@ from lightning_swarm.transport.spool_files import (
 )
 
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+_ROOT_PREFIX = "lightning_swarm-"
+# <pid>, then (since the host was added) @<host>, then mkdtemp's 8 random characters.
+_ROOT_NAME = re.compile(r"lightning_swarm-(\d+)(?:@(.+))?-[a-z0-9_]{8}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def sweep_dead_roots(base: Path) -> list[Path]:
+    """Remove spool roots in ``base`` left by dead processes of this user on this host.
+
+    Returns the roots removed. See the module docstring for what is never touched.
+    """
+    host, uid, removed = socket.gethostname(), os.getuid(), []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _ROOT_NAME.fullmatch(entry.name)
+        if match is None or (match.group(2) is not None and match.group(2) != host):
+            continue
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        pid = int(match.group(1))
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or pid == os.getpid():
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+class _FileLease:
+    """A ``Lease`` on one file of ``spool`` (see ``spool_files.Lease``)."""
+
+    def __init__(self, spool: Spool, path: Path) -> None:
+        self.spool, self.path, self.root, self.write_at = spool, path, spool.root, spool.write_at
+
+    def allocated(self, nbytes: int) -> None:
+        self.spool._note_allocated(self.path, nbytes)
+
+    def remove(self) -> None:
+        with self.spool._cond:
+            self.spool._unlink(self.path)
+
+    def release(self) -> None:
+        self.spool._release(self.path)
 
 
 def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> str | None:
@@ -87,10 +154,13 @@ class Spool:
         cleanup_timeout_s: float = 60.0,
         write_at: WriteAt = os.pwrite,
     ) -> None:
-        base = Path(base_dir) if base_dir is not None else Path(tempfile.gettempdir())
+        base = Path(base_dir).expanduser() if base_dir is not None else None
+        base = base or Path(tempfile.gettempdir())
+        prefix = f"{_ROOT_PREFIX}{os.getpid()}@{socket.gethostname()}-"
         try:
             base.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.root = Path(tempfile.mkdtemp(prefix=f"lightning_swarm-{os.getpid()}-", dir=base))
+            self.swept = sweep_dead_roots(base)
+            self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
         except OSError as err:
             raise SpoolError(
                 f"cannot create the spool under spool_dir={str(base)!r} ({err.strerror or err}); "
@@ -124,7 +194,7 @@ class Spool:
     def path(self, round_id: int, island: int) -> Path:
         return self.root / f"round{round_id:06d}-island{island:04d}.safetensors"
 
-    def _acquire(self, round_id: int, path: Path) -> None:
+    def _acquire(self, round_id: int, path: Path) -> _FileLease:
         with self._cond:
             if self._closed or round_id in self._released:
                 raise SpoolError(
@@ -133,6 +203,7 @@ class Spool:
                 )
             self._leases[path] = self._leases.get(path, 0) + 1
             self._files.setdefault(round_id, set()).add(path)
+        return _FileLease(self, path)
 
     def _release(self, path: Path) -> None:
         with self._cond:
@@ -163,24 +234,22 @@ class Spool:
     # -- verbs ----------------------------------------------------------------------------
     def writer(self, round_id: int, island: int, layout: PayloadLayout) -> SpoolWriter:
         """Create, size and lease the file for ``island``'s contribution to ``round_id``."""
-        path = self.path(round_id, island)
-        self._acquire(round_id, path)
+        lease = self._acquire(round_id, self.path(round_id, island))
         try:
-            return SpoolWriter(self, path, layout, {"round": str(round_id), "island": str(island)})
+            return SpoolWriter(lease, layout, {"round": str(round_id), "island": str(island)})
         except BaseException:
-            self._release(path)
+            lease.release()
             raise
 
     def reader(
         self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
     ) -> SpoolReader:
         """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
-        path = self.path(round_id, island)
-        self._acquire(round_id, path)
+        lease = self._acquire(round_id, self.path(round_id, island))
         try:
-            return SpoolReader(self, path, layout, remap_bytes=remap_bytes)
+            return SpoolReader(lease, layout, remap_bytes=remap_bytes)
         except BaseException:
-            self._release(path)
+            lease.release()
             raise
 
     def release_round(self, round_id: int) -> None:
@@ -234,4 +303,12 @@ class Spool:
         return sorted(self.root.iterdir()) if self.root.exists() else []
 
 
-__all__ = ["Spool", "SpoolError", "SpoolReader", "SpoolWriter", "filesystem_type"]
+__all__ = [
+    "Lease",
+    "Spool",
+    "SpoolError",
+    "SpoolReader",
+    "SpoolWriter",
+    "filesystem_type",
+    "sweep_dead_roots",
+]

@@ -8,8 +8,9 @@ header) and copies element ranges out of a ``safe_open`` mapping into caller-own
 no file-backed tensor escapes; it drops the mapping every ``remap_bytes`` so pages already
 consumed stop counting in this process's RSS.
 
-Both hold a lease on their file from construction to ``commit``/``abort``/``close``; the
-``Spool`` (``spool.py``) owns the files and deletes them only when no lease remains.
+Both hold a ``Lease`` on their file from construction to ``commit``/``abort``/``close``: the
+``Spool`` (``spool.py``) hands it out, owns the files and deletes them only when no lease remains.
+A writer or reader touches the spool only through its lease (this module does not know ``Spool``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
@@ -29,8 +30,28 @@ from lightning_swarm.transport.layout import PayloadLayout
 
 WriteAt = Callable[[int, memoryview, int], int]  # os.pwrite's signature: (fd, data, offset)
 
-if TYPE_CHECKING:
-    from lightning_swarm.transport.spool import Spool
+
+class Lease(Protocol):
+    """One writer's or reader's hold on one spool file, handed out by the spool.
+
+    Attributes:
+        path: the file's final name (a writer fills ``partial_path(path)`` first).
+        root: the spool root, for error messages.
+        write_at: the positional write to use (``os.pwrite``; tests inject faults).
+    """
+
+    path: Path
+    root: Path
+    write_at: WriteAt
+
+    def allocated(self, nbytes: int) -> None:
+        """Count ``nbytes`` of disk as held by this file."""
+
+    def remove(self) -> None:
+        """Delete the file and its partial twin now, and forget its bytes."""
+
+    def release(self) -> None:
+        """Drop the hold; the spool may delete the file once no lease remains. Call once."""
 
 
 class SpoolError(RuntimeError):
@@ -61,10 +82,9 @@ class SpoolWriter:
     Use as a context manager: leaving the block by an exception aborts.
     """
 
-    def __init__(
-        self, spool: Spool, path: Path, layout: PayloadLayout, metadata: dict[str, str]
-    ) -> None:
-        self.spool, self.path, self.layout = spool, path, layout
+    def __init__(self, lease: Lease, layout: PayloadLayout, metadata: dict[str, str]) -> None:
+        self.lease, self.path, self.layout = lease, lease.path, layout
+        path = self.path
         self.header = layout.safetensors_header(metadata)
         self.total_bytes = len(self.header) + layout.data_bytes
         self.written = 0
@@ -76,19 +96,19 @@ class SpoolWriter:
             self._fd = os.open(
                 partial_path(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600
             )
-            spool._note_allocated(path, self.total_bytes)
+            lease.allocated(self.total_bytes)
             _preallocate(self._fd, self.total_bytes)
             self._write_all(memoryview(self.header), 0)
         except OSError as err:
             # Remove what exists but keep the lease: ``Spool.writer`` releases it.
             self._close_and_unlink()
             self._done = True
-            raise SpoolError(_describe_os_error(err, what, spool.root)) from err
+            raise SpoolError(_describe_os_error(err, what, lease.root)) from err
 
     def _write_all(self, data: memoryview, offset: int) -> None:
         assert self._fd is not None
         while len(data):
-            n = self.spool.write_at(self._fd, data, offset)
+            n = self.lease.write_at(self._fd, data, offset)
             if n <= 0:
                 raise OSError(errno.EIO, "positional write made no progress")
             data, offset = data[n:], offset + n
@@ -108,7 +128,7 @@ class SpoolWriter:
         except OSError as err:
             self._discard()
             what = f"writing {self.path.name} at byte {data_offset}"
-            raise SpoolError(_describe_os_error(err, what, self.spool.root)) from err
+            raise SpoolError(_describe_os_error(err, what, self.lease.root)) from err
         self.written += chunk.numel()
 
     def commit(self) -> Path:
@@ -128,9 +148,9 @@ class SpoolWriter:
             os.replace(partial_path(self.path), self.path)
         except OSError as err:
             self._discard()
-            raise SpoolError(_describe_os_error(err, "publishing", self.spool.root)) from err
+            raise SpoolError(_describe_os_error(err, "publishing", self.lease.root)) from err
         self._done = self._committed = True
-        self.spool._release(self.path)
+        self.lease.release()
         return self.path
 
     def abort(self) -> None:
@@ -142,14 +162,13 @@ class SpoolWriter:
         if not self._done:
             self._close_and_unlink()
             self._done = True
-            self.spool._release(self.path)
+            self.lease.release()
 
     def _close_and_unlink(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        with self.spool._cond:
-            self.spool._unlink(self.path)
+        self.lease.remove()
 
     def __enter__(self) -> SpoolWriter:
         return self
@@ -174,8 +193,8 @@ def _preallocate(fd: int, nbytes: int) -> None:
 class SpoolReader:
     """Copies element ranges of one committed spool file into caller-owned tensors."""
 
-    def __init__(self, spool: Spool, path: Path, layout: PayloadLayout, *, remap_bytes: int):
-        self.spool, self.path, self.layout = spool, path, layout
+    def __init__(self, lease: Lease, layout: PayloadLayout, *, remap_bytes: int):
+        self.lease, self.path, self.layout = lease, lease.path, layout
         self.remap_bytes = remap_bytes
         self._handle: Any = None
         self._touched = 0
@@ -228,7 +247,7 @@ class SpoolReader:
         if not self._closed:
             self._closed = True
             self._handle = None
-            self.spool._release(self.path)
+            self.lease.release()
 
     def __enter__(self) -> SpoolReader:
         return self

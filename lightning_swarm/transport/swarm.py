@@ -65,6 +65,7 @@ from lightning_swarm.transport.coded import CodedPayload
 from lightning_swarm.transport.contributions import (
     Contribution,
     MemoryContribution,
+    Sink,
     aggregate_into,
     check_values,
     finish_sinks,
@@ -299,10 +300,12 @@ class SwarmTransport:
         contributions: dict[int, Contribution] = {}
         stats = RoundStats()
         wire = coded.wire if coded else layout  # what peers send and the spool holds
+        sinks: dict[int, Sink] = {}
         try:
             plans, stats.bytes_received = self._recv_descriptions(wire)
             accepted_layout = [p.island for p in plans if p.layout_problem is None]
-            sinks, failure = open_sinks(
+            failure = open_sinks(
+                sinks,
                 [p.island for p in plans],
                 accepted_layout,
                 wire,
@@ -327,6 +330,12 @@ class SwarmTransport:
                 stats.bytes_sent += self._link.send_stream(
                     receivers, layout, targets, self.chunk_bytes, TAG_RESULT
                 )
+        except BaseException:
+            # A dead peer (gloo error), Ctrl-C, anything: the writers still hold their leases,
+            # and release_round below would wait cleanup_timeout_s for them. Abort them now.
+            for sink in sinks.values():
+                sink.abort()
+            raise
         finally:
             for c in contributions.values():
                 c.close()
