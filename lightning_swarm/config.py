@@ -11,7 +11,6 @@ Imports neither torch.distributed nor lightning.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -21,9 +20,15 @@ import torch
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.fragments import LAYOUTS, FragmentSchedule
-from lightning_swarm.algorithm.robust import AGGREGATIONS
+from lightning_swarm.transport.options import (
+    MIN_BUCKET_MB,
+    TRANSPORTS,
+    SwarmTransportConfig,
+    check_block_mb,
+    check_transport,
+)
 
-TRANSPORTS = ("allreduce", "swarm")
+__all__ = ["TRANSPORTS", "AnchorConfig", "SwarmConfig", "SwarmTransportConfig", "parse_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -68,102 +73,19 @@ class AnchorConfig:
 
 
 @dataclass(kw_only=True)
-class SwarmTransportConfig:
-    """Options of the swarm transport (``transport="swarm"``), under ``swarm:`` in YAML.
-
-    Attributes:
-        offload: spool peers' pseudo-gradients to disk on the aggregator (``True``) or hold
-            them in memory (``False``); results are identical.
-        spool_dir: where each rank creates its run's spool directory; ``None`` = TMPDIR. Point
-            it at a local disk (not tmpfs) with room for about peers x payload bytes.
-        aggregation: ``mean``, ``weighted_mean``, ``median`` or ``trimmed_mean``.
-        trim_ratio: fraction of contributions dropped at EACH end per coordinate by
-            ``trimmed_mean`` (in ``[0, 0.5)``).
-        min_contributions: accepted contributions (the aggregator's own included) a round
-            needs; with fewer the round is skipped and anchors stay unchanged.
-        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
-        island_weights: one non-negative weight per island for ``weighted_mean``, e.g. each
-            island's samples per inner step; rejected islands' weights drop out.
-        chunk_mb: MiB per point-to-point message, and the block size of validation and
-            aggregation (bounds the aggregator's extra memory to about peers x chunk).
-        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
-    """
-
-    offload: bool = True
-    spool_dir: str | None = None
-    aggregation: str = "mean"
-    trim_ratio: float = 0.1
-    min_contributions: int = 1
-    max_norm: float | None = None
-    island_weights: list[float] | None = None
-    chunk_mb: float = 4.0
-    cleanup_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"swarm.offload must be true or false, got {self.offload!r}.")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"swarm.aggregation={self.aggregation!r} is not known; choose one of "
-                f"{list(AGGREGATIONS)}."
-            )
-        if not _is_number(self.trim_ratio) or not 0.0 <= self.trim_ratio < 0.5:
-            raise ValueError(
-                f"swarm.trim_ratio must lie in [0, 0.5), got {self.trim_ratio!r}; e.g. 0.1."
-            )
-        _check_positive_int(
-            "swarm.min_contributions", self.min_contributions, "1 applies any round"
-        )
-        if self.max_norm is not None and (not _is_number(self.max_norm) or self.max_norm <= 0):
-            raise ValueError(
-                f"swarm.max_norm must be a positive number or null, got {self.max_norm!r}."
-            )
-        for option in ("chunk_mb", "cleanup_timeout_s"):
-            value = getattr(self, option)
-            if not _is_number(value) or value <= 0:
-                raise ValueError(f"swarm.{option} must be a positive number, got {value!r}.")
-        self._check_weights()
-
-    def _check_weights(self) -> None:
-        weights = self.island_weights
-        if self.aggregation == "weighted_mean" and weights is None:
-            raise ValueError(
-                "swarm.aggregation='weighted_mean' needs swarm.island_weights, one weight per "
-                "island (e.g. [2, 1] when island 0 sees twice the samples of island 1)."
-            )
-        if weights is not None:
-            weights = list(weights)
-            if not weights or not all(_is_number(w) and w >= 0 for w in weights):
-                raise ValueError(
-                    f"swarm.island_weights must be non-negative numbers, got {weights!r}."
-                )
-            if sum(weights) <= 0:
-                raise ValueError(f"swarm.island_weights must not all be 0, got {weights!r}.")
-            self.island_weights = [float(w) for w in weights]
-            if self.aggregation != "weighted_mean":
-                warnings.warn(
-                    "swarm.island_weights has no effect unless swarm.aggregation='weighted_mean'.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-
-    @property
-    def chunk_bytes(self) -> int:
-        return max(1, int(self.chunk_mb * 2**20))
-
-
-@dataclass(kw_only=True)
 class SwarmConfig:
     """Options of ``SwarmStrategy`` that are plain data.
 
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
         island_size: ranks per island; must divide the world size (checked at setup).
-        transport: how pseudo-gradients are averaged across islands: ``"allreduce"``.
+        transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` or
+            ``"swarm"`` (``TRANSPORTS``).
         anchor_device: where anchors and outer optimizer state live (``"cpu"`` by default,
             never silently on the accelerator).
         anchor_dtype: dtype of the stored anchors; ``None`` means float32.
-        bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory.
+        bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory
+            (at least ``MIN_BUCKET_MB``: smaller buckets only make syncs slower).
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
         swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted);
             setting them with ``transport="allreduce"`` has no effect and warns.
@@ -199,10 +121,7 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         _check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
         _check_positive_int("island_size", self.island_size, "1 makes every rank an island")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"transport={self.transport!r} is not known; choose one of {list(TRANSPORTS)}."
-            )
+        check_transport(self.transport)
         try:
             torch.device(self.anchor_device)
         except (RuntimeError, TypeError) as err:
@@ -220,10 +139,7 @@ class SwarmConfig:
                 UserWarning,
                 stacklevel=3,
             )
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)):
-            raise ValueError(f"bucket_mb must be a number of MiB, got {self.bucket_mb!r}.")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}; e.g. bucket_mb=32.")
+        check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
         check_streaming(self)
 
     @property
@@ -244,10 +160,6 @@ def _check_positive_int(option: str, value: object, hint: str) -> None:
 def as_anchor_config(value: object) -> AnchorConfig:
     """Accept an ``AnchorConfig`` or a mapping of its fields (YAML / keyword dict)."""
     return _nested_config(AnchorConfig, value, option="anchors", example="{'mmap': False}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def as_swarm_transport_config(value: object) -> SwarmTransportConfig:

@@ -178,3 +178,12 @@ def test_error_feedback_with_none_codec_is_exact() -> None:
     to_send, residual = with_error_feedback(x, None, Codec("none"))
     assert torch.equal(to_send, x) and torch.equal(residual, torch.zeros(10))
     assert to_send is not x
+
+
+def test_codec_for_turns_the_none_option_into_no_codec() -> None:
+    from lightning_swarm.algorithm.codecs import codec_for
+
+    assert codec_for("none", 64) is None
+    assert codec_for("int8", 64) == Codec("int8", 64)
+    with pytest.raises(ValueError, match="quantize='int3' is not a codec"):
+        codec_for("int3")

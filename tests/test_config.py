@@ -23,8 +23,13 @@ from lightning_swarm.transport import AllReduceTransport
         ({"anchor_device": "floppy"}, "anchor_device='floppy' is not a torch device"),
         ({"anchor_dtype": "int8"}, "anchor_dtype='int8' is not a supported dtype"),
         ({"anchor_dtype": torch.int8}, "anchor_dtype='int8' is not a supported dtype"),
-        ({"bucket_mb": 0}, "bucket_mb must be > 0"),
-        ({"bucket_mb": "big"}, "bucket_mb must be a number of MiB"),
+        ({"bucket_mb": 0}, r"bucket_mb=0 is below the floor of 1 MiB.*use bucket_mb=32"),
+        ({"bucket_mb": 1e-12}, r"bucket_mb=1e-12 is below the floor of 1 MiB"),
+        ({"bucket_mb": float("inf")}, "bucket_mb must be a finite number of MiB, got inf"),
+        ({"bucket_mb": "big"}, "bucket_mb must be a finite number of MiB"),
+        ({"transport": "swarm", "swarm": {"chunk_mb": 1e-9}}, "swarm.chunk_mb=1e-09 is below"),
+        ({"transport": "swarm", "swarm": {"spool_dir": 123}}, "swarm.spool_dir must be a"),
+        ({"transport": "swarm", "swarm": {"island_weights": 5}}, "swarm.island_weights must be"),
     ],
 )
 def test_bad_strategy_options(kwargs: dict, message: str) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from lightning_swarm.algorithm.robust import (
     aggregate,
+    check_weights,
     mean,
     median,
     trimmed_count,
@@ -99,12 +100,16 @@ def test_bad_inputs_name_the_problem() -> None:
         weighted_mean(xs, [1.0, 1.0])
     with pytest.raises(ValueError, match="non-negative"):
         weighted_mean(xs, [1.0, -1.0, 1.0])
-    with pytest.raises(ValueError, match="sum to > 0"):
+    with pytest.raises(ValueError, match="do not all equal 0"):
         weighted_mean(xs, [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="non-negative"):
+        weighted_mean(xs, [1.0, float("nan"), 1.0])
     with pytest.raises(ValueError, match="needs one weight per contribution"):
         aggregate("weighted_mean", xs)
-    with pytest.raises(ValueError, match="'mode' is not known"):
+    with pytest.raises(ValueError, match=r"aggregation='mode' is not known; choose one of"):
         aggregate("mode", xs)
+    with pytest.raises(ValueError, match=r"swarm.island_weights must be a list .* got 5"):
+        check_weights(5, option="swarm.island_weights")
 
 
 def test_inputs_are_not_modified() -> None:

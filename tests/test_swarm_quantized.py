@@ -23,7 +23,14 @@ from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
 BLOCK = 16
-STATUS_BYTES = lambda world: (4 + world) * 8  # noqa: E731
+# int64 fields: outcome, result bytes, result chunk bytes, then one verdict per island
+STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
+DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
+
+
+def _num_accepted(transport: SwarmTransport) -> int:
+    assert transport.last_round is not None
+    return len(transport.last_round.accepted)
 
 
 def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
@@ -66,16 +73,17 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
             assert all(torch.equal(tensors[k], expected[k]) for k in tensors), f"{name} median"
             expected = _quantized_mean(codec, world, r)
             # the encoded payload is what travels towards the aggregator, float32 comes back
-            upload = 24 + len(wire.to_json()) + wire.data_bytes
+            upload = DESCRIPTOR_BYTES + len(wire.to_json()) + wire.data_bytes
             download = STATUS_BYTES(world) + layout.data_bytes
             for transport in (offload, memory, gather):
                 tensors = _contribution(rank, r)
                 stats = transport.average(tensors, round_index=r)
                 for k in tensors:
                     assert torch.equal(tensors[k], expected[k]), f"{name} {transport} round {r} {k}"
-                assert stats.applied and stats.num_contributions == world
+                assert stats.applied
                 if transport is gather:
                     continue
+                assert isinstance(transport, SwarmTransport) and _num_accepted(transport) == world
                 if rank == r:
                     assert (stats.bytes_sent, stats.bytes_received) == (
                         (world - 1) * download,
@@ -135,14 +143,14 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     tensors = own if rank == 0 else _contribution(rank, 0)
     if rank == 1:
         tensors["w"][3, 4] = float("nan")  # cannot be encoded: marked, decodes to NaN
-    stats = transport.average(tensors, round_index=0)
+    assert transport.average(tensors, round_index=0).applied
     own_counts = decoded_norm <= max_norm
     kept = ([decoded] if own_counts else []) + [
         {k: codec.roundtrip(v.reshape(-1)).view_as(v) for k, v in _contribution(2, 0).items()}
     ]
     for k in tensors:
         assert torch.equal(tensors[k], robust.mean([c[k] for c in kept])), k
-    assert stats.num_contributions == len(kept)
+    assert _num_accepted(transport) == len(kept)
     if rank == 0:
         report = transport.last_round
         assert report is not None and report.accepted == ([0, 2] if own_counts else [2])
@@ -158,7 +166,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
             other.average(_contribution(rank, 1), round_index=1)
     else:
         tensors = _contribution(rank, 1)
-        assert transport.average(tensors, round_index=1).num_contributions == 2
+        assert transport.average(tensors, round_index=1).applied and _num_accepted(transport) == 2
     if rank == 1:
         report = transport.last_round
         assert report is not None and report.rejected[2] == (

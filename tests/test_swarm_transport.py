@@ -21,11 +21,18 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.layout import PayloadLayout
 from lightning_swarm.transport.spool import Spool, SpoolError
-from lightning_swarm.transport.swarm import SwarmRoundError, SwarmTransport
+from lightning_swarm.transport.swarm import Outcome, SwarmRoundError, SwarmTransport
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
-STATUS_BYTES = lambda world: (4 + world) * 8  # noqa: E731
+# int64 fields: outcome, result bytes, result chunk bytes, then one verdict per island
+STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
+DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
+
+
+def _num_accepted(transport: SwarmTransport) -> int:
+    assert transport.last_round is not None
+    return len(transport.last_round.accepted)
 
 
 def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
@@ -91,13 +98,15 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
             expected = _reference(rule, world, r, **kw)
             for key in tensors:
                 assert torch.equal(tensors[key], expected[key]), f"{name} round {r} {key}"
-            assert stats.applied and stats.num_contributions == world
+            assert stats.applied and _num_accepted(transport) == world
             assert transport.last_round is not None and transport.last_round.aggregator == r
             if rank == r:
-                assert stats.bytes_received == (world - 1) * (24 + description + payload.data_bytes)
+                assert stats.bytes_received == (world - 1) * (
+                    DESCRIPTOR_BYTES + description + payload.data_bytes
+                )
                 assert stats.bytes_sent == (world - 1) * (STATUS_BYTES(world) + payload.data_bytes)
             else:
-                assert stats.bytes_sent == 24 + description + payload.data_bytes
+                assert stats.bytes_sent == DESCRIPTOR_BYTES + description + payload.data_bytes
                 assert stats.bytes_received == STATUS_BYTES(world) + payload.data_bytes
             assert transport.spool_bytes() == 0, "a round's files outlived its aggregation"
         # the reference median / trimmed mean also agree with numpy's
@@ -154,7 +163,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     kept = [_contribution(0, 0), _contribution(3, 0)]
     for k in tensors:
         assert torch.equal(tensors[k], robust.mean([c[k] for c in kept])), k
-    assert stats.applied and stats.num_contributions == 2
+    assert stats.applied and _num_accepted(transport) == 2
     if rank == 0:
         report = transport.last_round
         assert report is not None and report.accepted == [0, 3]
@@ -169,7 +178,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stats = transport.average(tensors, round_index=1)
-    assert not stats.applied and stats.num_contributions == 1
+    assert not stats.applied and _num_accepted(transport) == 1
     text = [str(w.message) for w in caught]
     assert any(
         "skipped: 1 of 4 contributions were accepted, fewer than min_contributions=2" in t
@@ -294,7 +303,7 @@ def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stats = transport.average(tensors, round_index=0)
-    assert not stats.applied and stats.num_contributions == 1
+    assert not stats.applied and _num_accepted(transport) == 1
     text = [str(w.message) for w in caught]
     assert any(
         "swarm round 0 skipped: the accepted islands [0] have island_weights summing to 0" in t
@@ -302,7 +311,7 @@ def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
         for t in text
     ), text
     assert all(torch.allclose(tensors[k], before[k], 0, 0, equal_nan=True) for k in tensors)
-    assert transport.last_round is not None and transport.last_round.status == "skipped"
+    assert transport.last_round is not None and transport.last_round.outcome == Outcome.SKIPPED
     # the next round (island 1 aggregates, both accepted) applies the weighted mean
     tensors = _contribution(rank, 1)
     assert transport.average(tensors, round_index=1).applied
@@ -321,10 +330,10 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
 
 
 def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
-    import lightning_swarm.transport.swarm as swarm_module
+    import lightning_swarm.transport.aggregator as aggregator_module
 
     if rank == 0:  # a forked child: the patch dies with it
-        swarm_module.aggregate_into = _broken_rule
+        aggregator_module.aggregate_into = _broken_rule
     transport = SwarmTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
@@ -338,7 +347,7 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
             r"validating or aggregating; read island 0's log",
         ):
             transport.average(tensors, round_index=0)
-    assert transport.last_round is not None and transport.last_round.status == "failed"
+    assert transport.last_round is not None and transport.last_round.outcome == Outcome.ERROR
     assert transport.spool.files() == [], "a failed round left spool files"
     # the failure was clean: the next round (island 1 aggregates) works and is exact
     tensors = _contribution(rank, 1)
@@ -379,12 +388,16 @@ def test_swarm_config_validates_and_converts_dicts() -> None:
         ({"trim_ratio": 0.5}, r"swarm.trim_ratio must lie in \[0, 0.5\)"),
         ({"min_contributions": 0}, "swarm.min_contributions must be a positive integer"),
         ({"max_norm": -1.0}, "swarm.max_norm must be a positive number or null"),
-        ({"chunk_mb": 0}, "swarm.chunk_mb must be a positive number"),
+        ({"chunk_mb": 0}, r"swarm.chunk_mb=0 is below the floor of 0.25 MiB.*chunk_mb=4"),
+        ({"chunk_mb": 1e-9}, r"swarm.chunk_mb=1e-09 is below the floor of 0.25 MiB"),
+        ({"chunk_mb": float("inf")}, "swarm.chunk_mb must be a finite number of MiB"),
         ({"cleanup_timeout_s": float("nan")}, "swarm.cleanup_timeout_s must be a positive"),
         ({"offload": "yes"}, "swarm.offload must be true or false"),
         ({"aggregation": "weighted_mean"}, "needs swarm.island_weights"),
-        ({"island_weights": [1.0, -2.0]}, "must be non-negative numbers"),
-        ({"island_weights": [0, 0]}, "must not all be 0"),
+        ({"island_weights": [1.0, -2.0]}, "swarm.island_weights must be a list of finite"),
+        ({"island_weights": [0, 0]}, "do not all equal 0"),
+        ({"island_weights": 5}, r"swarm.island_weights must be a list .* got 5; e.g. \[2, 1\]"),
+        ({"spool_dir": 123}, r"swarm.spool_dir must be a directory path .* got 123"),
         ({"spool": "/tmp"}, r"swarm has unknown keys \['spool'\]"),
     ]
     for options, message in bad:
@@ -396,6 +409,8 @@ def test_swarm_config_validates_and_converts_dicts() -> None:
         SwarmConfig(transport="swarm", swarm=3)  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="island_weights has no effect unless"):
         SwarmTransportConfig(island_weights=[1.0, 2.0])
+    home = SwarmTransportConfig(spool_dir="~/spool").spool_dir
+    assert home == os.path.join(os.path.expanduser("~"), "spool") and "~" not in str(home)
 
 
 def test_swarm_options_with_allreduce_warn() -> None:

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("none", "bf16", "int8", "int4")
+NO_CODEC = "none"  # the option value; in code, "no codec" is ``None`` (``codec_for``)
+CODECS = (NO_CODEC, "bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
 _INT4_ZERO_CODE = 8
 _DATA_DTYPE = {
@@ -207,6 +208,19 @@ class Codec:
         absmax = blocks.abs().amax(dim=1, keepdim=True)
         step = absmax / (2 * _QMAX[self.name]) + absmax * 2.0**-21 + 2.0**-149
         return step.expand_as(blocks).reshape(-1)[: x.numel()].contiguous()
+
+
+def codec_for(name: str, block_size: int = 128) -> Codec | None:
+    """The codec a ``quantize`` option names, validated; ``None`` for ``"none"``.
+
+    The one place that turns the option value ``"none"`` into "no codec": everything below the
+    config layer passes ``None`` and never compares names.
+
+    Raises:
+        ValueError: unknown name or a block size that is not a positive integer.
+    """
+    codec = Codec(name, block_size)
+    return None if codec.name == NO_CODEC else codec
 
 
 def with_error_feedback(x: Tensor, residual: Tensor | None, codec: Codec) -> tuple[Tensor, Tensor]:

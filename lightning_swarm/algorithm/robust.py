@@ -31,6 +31,43 @@ from torch import Tensor
 AGGREGATIONS = ("mean", "weighted_mean", "median", "trimmed_mean")
 
 
+def check_aggregation(rule: object, *, option: str = "aggregation") -> None:
+    """The one check of an aggregation name; ``option`` is how the caller's user spells it.
+
+    Raises:
+        ValueError: ``rule`` is not one of ``AGGREGATIONS``.
+    """
+    if rule not in AGGREGATIONS:
+        raise ValueError(f"{option}={rule!r} is not known; choose one of {list(AGGREGATIONS)}.")
+
+
+def check_weights(weights: object, *, option: str = "weights") -> list[float]:
+    """The one check of ``weighted_mean`` weights; returns them as a list of floats.
+
+    Raises:
+        ValueError: not a list of finite non-negative numbers with a positive sum.
+    """
+    try:
+        values = list(weights)  # type: ignore[call-overload]
+    except TypeError:
+        values = None
+    if (
+        not values
+        or isinstance(weights, (str, bytes))
+        or not all(_is_weight(w) for w in values)
+        or sum(values) <= 0
+    ):
+        raise ValueError(
+            f"{option} must be a list of finite non-negative numbers that do not all equal 0, "
+            f"got {weights!r}; e.g. [2, 1] when island 0 sees twice the samples of island 1."
+        )
+    return [float(w) for w in values]
+
+
+def _is_weight(w: object) -> bool:
+    return isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -67,10 +104,7 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor
     _check(tensors)
     if len(weights) != len(tensors):
         raise ValueError(f"{len(weights)} weights for {len(tensors)} contributions")
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(
-            f"weights must be finite, non-negative and sum to > 0, got {list(weights)}"
-        )
+    check_weights(weights)
     acc_dtype = _accumulation_dtype(tensors[0].dtype)
     acc = tensors[0].to(acc_dtype).mul(weights[0])
     for t, w in zip(tensors[1:], weights[1:], strict=True):
@@ -133,6 +167,7 @@ def aggregate(
     Raises:
         ValueError: an unknown rule, or ``weighted_mean`` without weights.
     """
+    check_aggregation(rule)
     if rule == "mean":
         return mean(tensors)
     if rule == "weighted_mean":
@@ -141,6 +176,4 @@ def aggregate(
         return weighted_mean(tensors, weights)
     if rule == "median":
         return median(tensors)
-    if rule == "trimmed_mean":
-        return trimmed_mean(tensors, trim_ratio)
-    raise ValueError(f"aggregation {rule!r} is not known; choose one of {list(AGGREGATIONS)}")
+    return trimmed_mean(tensors, trim_ratio)

@@ -62,7 +62,7 @@ class AllReduceTransport:
 
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
-        stats = RoundStats(num_contributions=self.num_islands)
+        stats = RoundStats()
         for t in tensors.values():
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError("AllReduceTransport averages contiguous float32 tensors only")

@@ -1,8 +1,9 @@
 """The transport contract: "average these pseudo-gradients across islands".
 
 A transport is the only component that moves pseudo-gradients between islands. The strategy
-hands it one named set of float32 tensors per round (the pseudo-gradients of one optimizer's
-parameters, or later of one fragment) and reads them back averaged over islands. How it gets
+hands it one named set of float32 tensors per round (the pseudo-gradients of one fragment of one
+optimizer's parameters: all of them without Streaming DiLoCo) and reads them back averaged over
+islands. How it gets
 there is the transport's business: a bucketed all-reduce, or a rotating aggregator that spools
 peers' payloads to disk, validates them and broadcasts the result.
 
@@ -36,14 +37,12 @@ class RoundStats:
         bytes_sent: payload bytes this rank put on the wire for the round.
         bytes_received: payload bytes this rank took off the wire.
         wall_s: wall-clock seconds spent inside ``average``.
-        num_contributions: islands whose pseudo-gradient entered the mean.
         applied: False when the round was skipped and anchors must stay unchanged.
     """
 
     bytes_sent: int = 0
     bytes_received: int = 0
     wall_s: float = 0.0
-    num_contributions: int = 0
     applied: bool = True
 
 

@@ -125,7 +125,7 @@ class QuantizedTransport:
 
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
-        stats = RoundStats(num_contributions=self.num_islands)
+        stats = RoundStats()
         flats = []
         for name, t in tensors.items():
             if t.dtype != torch.float32 or not t.is_contiguous():

@@ -34,8 +34,8 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 import stat
+import tempfile
 import threading
 import time
 import warnings
@@ -73,7 +73,8 @@ def sweep_dead_roots(base: Path) -> list[Path]:
 
     Returns the roots removed. See the module docstring for what is never touched.
     """
-    host, uid, removed = socket.gethostname(), os.getuid(), []
+    host, uid = socket.gethostname(), os.getuid()
+    removed: list[Path] = []
     try:
         entries = list(base.iterdir())
     except OSError:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightning_swarm.transport.contributions import DiscardSink, Sink
 from lightning_swarm.transport.layout import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+from lightning_swarm.transport.round_status import Descriptor
 from lightning_swarm.transport.spool import SpoolError
 
 TAG_DESCRIPTOR, TAG_DESCRIPTION, TAG_CHUNK, TAG_STATUS, TAG_RESULT = 51, 52, 53, 54, 55
@@ -63,6 +64,41 @@ class Link:
         work = dist.irecv(tensor, src=src, group=self.group, tag=tag)
         assert work is not None, "this rank is not a member of the peer group"
         return work
+
+    def send_description(self, dst: int, wire: PayloadLayout, chunk_bytes: int) -> int:
+        """Announce a payload of layout ``wire`` to ``dst``; return the bytes sent."""
+        description = torch.frombuffer(bytearray(wire.to_json()), dtype=torch.uint8)
+        head = Descriptor(description.numel(), wire.data_bytes, chunk_bytes).to_tensor()
+        works = [
+            self.isend(head, dst, TAG_DESCRIPTOR),
+            self.isend(description, dst, TAG_DESCRIPTION),
+        ]
+        for w in works:
+            w.wait()
+        return Descriptor.NBYTES + description.numel()
+
+    def recv_descriptions(
+        self, ranks: dict[int, int], layout: PayloadLayout
+    ) -> tuple[list[IncomingPayload], int]:
+        """Every peer's announcement (``ranks``: island -> global rank), and the bytes taken.
+
+        A peer whose layout differs from ``layout`` is noted in its plan, not fatal.
+        """
+        heads = {i: Descriptor.empty() for i in ranks}
+        for w in [self.irecv(heads[i], ranks[i], TAG_DESCRIPTOR) for i in ranks]:
+            w.wait()
+        descriptors = {i: Descriptor.from_tensor(heads[i]) for i in ranks}
+        blobs = {
+            i: torch.empty(d.description_len, dtype=torch.uint8) for i, d in descriptors.items()
+        }
+        for w in [self.irecv(blobs[i], ranks[i], TAG_DESCRIPTION) for i in ranks]:
+            w.wait()
+        plans, received = [], 0
+        for i, d in descriptors.items():
+            received += Descriptor.NBYTES + d.description_len
+            problem = _layout_problem(layout, blobs[i])
+            plans.append(IncomingPayload(i, ranks[i], d.data_bytes, max(1, d.chunk_bytes), problem))
+        return plans, received
 
     def _buffers(self, chunk_bytes: int, data_bytes: int) -> list[Tensor]:
         size = min(chunk_bytes, max(data_bytes, 1))
@@ -154,3 +190,12 @@ class Link:
     ) -> tuple[int, dist.Work, Tensor]:
         chunk = buffers[k % 2][: p.chunk_size(k)]
         return k, self.irecv(chunk, p.rank, tag), chunk
+
+
+def _layout_problem(layout: PayloadLayout, blob: Tensor) -> str | None:
+    try:
+        theirs = PayloadLayout.from_json(blob.numpy().tobytes())
+    except ValueError as err:
+        return f"unreadable payload description ({err})"
+    difference = layout.difference(theirs)
+    return None if difference is None else f"payload layout differs: {difference}"

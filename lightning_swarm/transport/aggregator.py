@@ -1,0 +1,257 @@
+"""The aggregator's side of one swarm round: receive, validate, aggregate, answer, clean up.
+
+``Aggregator.run`` is steps 2-6 of the round described in ``swarm``:
+- it receives every peer's announcement, then every peer's chunks at once (two in flight per
+  peer), each into that peer's sink (a spool file, memory, or a discard sink for a peer whose
+  layout differs), so it never holds a whole peer payload in RAM with offload on;
+- it validates every contribution, its own included (finite values, ``max_norm``), one block
+  at a time, and with at least ``min_contributions`` accepted runs the rule block by block in
+  island order into its own tensors;
+- it sends every peer a ``RoundStatus`` and then the result (a point-to-point fan-out);
+- it removes the round's spool files. Any exception while collecting first aborts the writers,
+  so their leases go at once and cleanup never waits for ``cleanup_timeout_s``.
+
+``SwarmRound`` is one round's state, handed explicitly from step to step; the caller owns the
+tensors in it, and nothing of a round outlives ``run``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.profiler import record_function
+
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.coded import CodedPayload
+from lightning_swarm.transport.contributions import (
+    Contribution,
+    MemoryContribution,
+    Sink,
+    aggregate_into,
+    check_values,
+    finish_sinks,
+    open_sinks,
+)
+from lightning_swarm.transport.layout import PayloadLayout
+from lightning_swarm.transport.round_status import (
+    Outcome,
+    RoundReport,
+    RoundStatus,
+    SwarmRoundError,
+    Verdict,
+)
+from lightning_swarm.transport.spool import Spool, SpoolError
+from lightning_swarm.transport.streams import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+
+log = logging.getLogger("lightning_swarm.transport.swarm")  # one logger for the whole round
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """The validated rule options of the swarm transport (see ``SwarmTransport``)."""
+
+    aggregation: str
+    trim_ratio: float
+    min_contributions: int
+    max_norm: float | None
+    island_weights: list[float] | None
+
+    def zero_weight(self, accepted: list[int]) -> bool:
+        """``weighted_mean`` over accepted islands whose weights are all 0: nothing to average."""
+        if self.aggregation != "weighted_mean" or self.island_weights is None:
+            return False
+        return sum(self.island_weights[i] for i in accepted) <= 0
+
+
+@dataclass
+class SwarmRound:
+    """One ``average`` call's state, handed explicitly from method to method."""
+
+    report: RoundReport
+    layout: PayloadLayout  # the caller's float tensors; the result travels in it
+    coded: CodedPayload | None
+    targets: list[Tensor]
+    round_id: int  # names the round's spool files
+
+    @property
+    def wire(self) -> PayloadLayout:
+        """What peers send and the spool holds: the codec's encoding, or the floats."""
+        return self.coded.wire if self.coded is not None else self.layout
+
+
+class Aggregator:
+    """Runs the aggregator's side of rounds; holds no state between them.
+
+    Args:
+        link: point-to-point ops over the peer group.
+        ranks: the global rank of each island's member of the peer group.
+        island_index: this rank's island.
+        rule: the aggregation rule and its options.
+        spool: where peer payloads are spooled; ``None`` holds them in memory.
+        chunk_bytes: bytes per result message and the block size of validation.
+    """
+
+    def __init__(
+        self,
+        link: Link,
+        ranks: list[int],
+        island_index: int,
+        rule: AggregationRule,
+        spool: Spool | None,
+        chunk_bytes: int,
+    ) -> None:
+        self._link, self._ranks, self.island_index = link, ranks, island_index
+        self.num_islands = len(ranks)
+        self.rule, self._spool, self.chunk_bytes = rule, spool, chunk_bytes
+
+    def run(self, rnd: SwarmRound) -> RoundStats:
+        """Steps 2-6 of the round; raises ``SwarmRoundError`` on spool trouble."""
+        contributions: dict[int, Contribution] = {}
+        sinks: dict[int, Sink] = {}
+        verdicts: dict[int, Verdict] = {}
+        stats = RoundStats()
+        try:
+            with record_function("swarm/receive"):
+                peers = {i: r for i, r in enumerate(self._ranks) if i != self.island_index}
+                plans, stats.bytes_received = self._link.recv_descriptions(peers, rnd.wire)
+                for p in plans:
+                    if p.layout_problem:
+                        verdicts[p.island] = Verdict.BAD_LAYOUT
+                        self._log_rejection(rnd.report, p.island, p.layout_problem)
+                accepted_layout = [p.island for p in plans if p.layout_problem is None]
+                islands = [p.island for p in plans]
+                failure = open_sinks(
+                    sinks, islands, accepted_layout, rnd.wire, self._spool, rnd.round_id,
+                    remap_bytes=self.chunk_bytes,
+                )  # fmt: skip
+                received, receive_failure = self._link.recv_into_sinks(plans, sinks, TAG_CHUNK)
+                stats.bytes_received += received
+                failure = finish_sinks(sinks, contributions, failure or receive_failure)
+            outcome = Outcome.SPOOL_FAILED
+            if failure is None:
+                outcome = self._combine(rnd, contributions, verdicts)
+            stats.bytes_sent = self._send_status(self._status(outcome, verdicts, rnd))
+            if outcome == Outcome.APPLIED:
+                with record_function("swarm/send"):
+                    receivers = [self._ranks[i] for i in accepted_layout]
+                    stats.bytes_sent += self._link.send_stream(
+                        receivers, rnd.layout, rnd.targets, self.chunk_bytes, TAG_RESULT
+                    )
+        except BaseException:
+            # A dead peer (gloo error), Ctrl-C, anything: the writers still hold their leases,
+            # and release_round below would wait cleanup_timeout_s for them. Abort them now.
+            for sink in sinks.values():
+                sink.abort()
+            raise
+        finally:
+            for c in contributions.values():
+                c.close()
+            if self._spool is not None:
+                self._spool.release_round(rnd.round_id)
+        return self._conclude(rnd.report, stats, outcome, failure)
+
+    def _conclude(
+        self, report: RoundReport, stats: RoundStats, outcome: Outcome, failure: SpoolError | None
+    ) -> RoundStats:
+        report.outcome = outcome
+        if failure is not None:
+            raise SwarmRoundError(
+                f"swarm round {report.round_index} failed on this aggregator (island "
+                f"{self.island_index}): {failure}. Anchors are unchanged."
+            ) from failure
+        stats.applied = outcome == Outcome.APPLIED
+        return stats
+
+    def _combine(
+        self, rnd: SwarmRound, contributions: dict[int, Contribution], verdicts: dict[int, Verdict]
+    ) -> Outcome:
+        """Add the aggregator's own contribution, then validate and aggregate.
+
+        Anything raised here is re-raised after every peer got an ``ERROR`` status (with the
+        verdicts known so far): the peers wait for the status, and would otherwise block until
+        the process group's timeout. The caller's ``finally`` removes the round's files.
+        """
+        try:
+            with record_function("swarm/aggregate"):
+                own = rnd.coded.encode(rnd.targets) if rnd.coded else rnd.targets
+                contributions[self.island_index] = MemoryContribution(self.island_index, own)
+                block_numel = max(1, self.chunk_bytes // 4)
+                if rnd.coded is not None:  # read back decoded: the same round trip as peers'
+                    block_numel = rnd.coded.block_numel(self.chunk_bytes)
+                    for island, c in contributions.items():
+                        contributions[island] = rnd.coded.decoded(c)
+                return self._validate_and_aggregate(rnd, contributions, verdicts, block_numel)
+        except Exception:
+            rnd.report.outcome = Outcome.ERROR
+            log.exception(
+                "swarm round %d failed on this aggregator (island %d); telling the peers",
+                rnd.report.round_index,
+                self.island_index,
+            )
+            self._send_status(self._status(Outcome.ERROR, verdicts, rnd))
+            raise
+
+    def _validate_and_aggregate(
+        self,
+        rnd: SwarmRound,
+        contributions: dict[int, Contribution],
+        verdicts: dict[int, Verdict],
+        block_numel: int,
+    ) -> Outcome:
+        accepted: list[Contribution] = []
+        for island in sorted(contributions):
+            c = contributions[island]
+            problem = check_values(
+                c, rnd.layout, max_norm=self.rule.max_norm, block_numel=block_numel
+            )
+            if problem is None:
+                verdicts[island] = Verdict.ACCEPTED
+                accepted.append(c)
+            else:
+                non_finite = problem.startswith("non-finite")
+                verdicts[island] = Verdict.NON_FINITE if non_finite else Verdict.ABOVE_NORM
+                self._log_rejection(rnd.report, island, problem)
+        rnd.report.accepted = [c.island for c in accepted]
+        if len(accepted) < self.rule.min_contributions or self.rule.zero_weight(
+            rnd.report.accepted
+        ):
+            return Outcome.SKIPPED
+        weights = None
+        if self.rule.island_weights is not None:
+            weights = [self.rule.island_weights[c.island] for c in accepted]
+        aggregate_into(
+            rnd.targets,
+            accepted,
+            rnd.layout,
+            rule=self.rule.aggregation,
+            weights=weights,
+            trim_ratio=self.rule.trim_ratio,
+            block_numel=block_numel,
+        )
+        return Outcome.APPLIED
+
+    def _status(
+        self, outcome: Outcome, verdicts: dict[int, Verdict], rnd: SwarmRound
+    ) -> RoundStatus:
+        # An island without a verdict (the round failed before validating it) reads ACCEPTED;
+        # with a failed outcome no peer acts on it.
+        every = tuple(verdicts.get(i, Verdict.ACCEPTED) for i in range(self.num_islands))
+        return RoundStatus(outcome, rnd.layout.data_bytes, self.chunk_bytes, every)
+
+    def _send_status(self, status: RoundStatus) -> int:
+        raw = status.to_tensor()
+        peers = [self._ranks[i] for i in range(self.num_islands) if i != self.island_index]
+        for w in [self._link.isend(raw, r, TAG_STATUS) for r in peers]:
+            w.wait()
+        return RoundStatus.nbytes(self.num_islands) * len(peers)
+
+    def _log_rejection(self, report: RoundReport, island: int, problem: str) -> None:
+        report.rejected[island] = problem
+        log.warning(
+            "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
+            report.round_index,
+            island,
+            problem,
+        )

@@ -1,0 +1,152 @@
+"""The transport's options as plain data, validated where they are made.
+
+``SwarmTransportConfig`` (``swarm:`` in YAML) lives here, beside the transport it configures;
+``lightning_swarm.config`` re-exports it inside ``SwarmConfig``. ``TRANSPORTS`` names the
+transports ``factory.build_transport`` builds, and ``check_block_mb`` is the one check of a
+block size in MiB (``bucket_mb``, ``swarm.chunk_mb``).
+
+Floors on block sizes come from ``benchmarks/block_size_cost.py`` (docs/swarm_transport.md):
+every block pays a fixed cost (a message round trip, a loop turn, a positional write), so a
+sync slows about as payload / block once blocks shrink below ~1 MiB. An all-reduce bucket holds
+no more than one bucket of memory whatever its size, so nothing is gained below 1 MiB; a swarm
+chunk also bounds the aggregator's memory (two chunks per peer), so it may go down to 256 KiB.
+
+Imports neither torch.distributed nor lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_swarm.algorithm.robust import check_aggregation, check_weights
+
+TRANSPORTS = ("allreduce", "swarm")
+MIN_BUCKET_MB = 1.0
+MIN_CHUNK_MB = 0.25
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float (``bool`` excluded)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_block_mb(option: str, value: object, *, floor: float, default: float) -> None:
+    """The one check of a block size in MiB: a finite number at or above ``floor``.
+
+    Raises:
+        ValueError: naming ``option``, the floor and ``default`` as the fix.
+    """
+    if not is_number(value):
+        raise ValueError(
+            f"{option} must be a finite number of MiB, got {value!r}; e.g. {option}={default:g}."
+        )
+    assert isinstance(value, (int, float))
+    if value < floor:
+        raise ValueError(
+            f"{option}={value!r} is below the floor of {floor:g} MiB: every block costs a "
+            f"message and a loop turn, so tiny blocks make each sync many times slower "
+            f"(docs/swarm_transport.md); use {option}={default:g} (the default) or at least "
+            f"{floor:g}."
+        )
+
+
+def check_transport(name: object) -> None:
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport={name!r} is not known; choose one of {list(TRANSPORTS)}.")
+
+
+@dataclass(kw_only=True)
+class SwarmTransportConfig:
+    """Options of the swarm transport (``transport="swarm"``), under ``swarm:`` in YAML.
+
+    Attributes:
+        offload: spool peers' pseudo-gradients to disk on the aggregator (``True``) or hold
+            them in memory (``False``); results are identical.
+        spool_dir: where each rank creates its run's spool directory; ``None`` = TMPDIR; ``~``
+            is expanded. Point it at a local disk (not tmpfs) with room for about peers x
+            payload bytes.
+        aggregation: ``mean``, ``weighted_mean``, ``median`` or ``trimmed_mean``.
+        trim_ratio: fraction of contributions dropped at EACH end per coordinate by
+            ``trimmed_mean`` (in ``[0, 0.5)``).
+        min_contributions: accepted contributions (the aggregator's own included) a round
+            needs; with fewer the round is skipped and anchors stay unchanged.
+        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
+        island_weights: one non-negative weight per island for ``weighted_mean``, e.g. each
+            island's samples per inner step; rejected islands' weights drop out.
+        chunk_mb: MiB per point-to-point message, and the block size of validation and
+            aggregation (bounds the aggregator's extra memory to about peers x chunk); at
+            least ``MIN_CHUNK_MB``.
+        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+    """
+
+    offload: bool = True
+    spool_dir: str | None = None
+    aggregation: str = "mean"
+    trim_ratio: float = 0.1
+    min_contributions: int = 1
+    max_norm: float | None = None
+    island_weights: list[float] | None = None
+    chunk_mb: float = 4.0
+    cleanup_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"swarm.offload must be true or false, got {self.offload!r}.")
+        self._check_spool_dir()
+        check_aggregation(self.aggregation, option="swarm.aggregation")
+        if not is_number(self.trim_ratio) or not 0.0 <= self.trim_ratio < 0.5:
+            raise ValueError(
+                f"swarm.trim_ratio must lie in [0, 0.5), got {self.trim_ratio!r}; e.g. 0.1."
+            )
+        if (
+            isinstance(self.min_contributions, bool)
+            or not isinstance(self.min_contributions, int)
+            or self.min_contributions < 1
+        ):
+            raise ValueError(
+                f"swarm.min_contributions must be a positive integer, got "
+                f"{self.min_contributions!r}; 1 applies any round."
+            )
+        if self.max_norm is not None and (not is_number(self.max_norm) or self.max_norm <= 0):
+            raise ValueError(
+                f"swarm.max_norm must be a positive number or null, got {self.max_norm!r}."
+            )
+        check_block_mb("swarm.chunk_mb", self.chunk_mb, floor=MIN_CHUNK_MB, default=4.0)
+        if not is_number(self.cleanup_timeout_s) or self.cleanup_timeout_s <= 0:
+            raise ValueError(
+                f"swarm.cleanup_timeout_s must be a positive number, got "
+                f"{self.cleanup_timeout_s!r}; e.g. 60."
+            )
+        self._check_weights()
+
+    def _check_spool_dir(self) -> None:
+        if self.spool_dir is None:
+            return
+        if not isinstance(self.spool_dir, (str, Path)) or not str(self.spool_dir):
+            raise ValueError(
+                f"swarm.spool_dir must be a directory path (a string) or null for TMPDIR, got "
+                f"{self.spool_dir!r}; e.g. swarm.spool_dir=/local/scratch/spool."
+            )
+        self.spool_dir = str(Path(self.spool_dir).expanduser())
+
+    def _check_weights(self) -> None:
+        if self.aggregation == "weighted_mean" and self.island_weights is None:
+            raise ValueError(
+                "swarm.aggregation='weighted_mean' needs swarm.island_weights, one weight per "
+                "island (e.g. [2, 1] when island 0 sees twice the samples of island 1)."
+            )
+        if self.island_weights is not None:
+            self.island_weights = check_weights(self.island_weights, option="swarm.island_weights")
+            if self.aggregation != "weighted_mean":
+                warnings.warn(
+                    "swarm.island_weights has no effect unless swarm.aggregation='weighted_mean'.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mb * 2**20)
