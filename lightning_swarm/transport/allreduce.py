@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite
@@ -60,6 +61,7 @@ class AllReduceTransport:
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
 
+    @record_function("transport/allreduce")
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
         stats = RoundStats()

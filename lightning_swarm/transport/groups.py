@@ -3,6 +3,10 @@
 ``torch.distributed.new_group`` is collective over the whole world: every rank must create every
 group, in the same order, even the groups it is not a member of. This module is the one place
 that does so, so the order cannot drift between ranks.
+
+The peer group may use another backend than the island groups (``peer_backend``): in an NCCL
+world the swarm transport's CPU traffic runs on a gloo peer group created beside the NCCL
+groups (``factory.peer_backend`` says when).
 """
 
 from __future__ import annotations
@@ -37,14 +41,22 @@ class SwarmGroups:
 
 
 def build_groups(
-    topology: IslandTopology, backend: str | None = None, *, dedicated_peers: bool = False
+    topology: IslandTopology,
+    backend: str | None = None,
+    *,
+    dedicated_peers: bool = False,
+    peer_backend: str | None = None,
 ) -> SwarmGroups:
     """Create the island and peer groups for ``topology`` (collective on every rank).
 
     With ``dedicated_peers`` the peer group is always a group of its own, never the default
     group: a transport driven from a background thread must not share a group with the
-    training thread's collectives (their order would differ between ranks).
+    training thread's collectives (their order would differ between ranks). A
+    ``peer_backend`` (e.g. ``"gloo"`` in an NCCL world) also gives the peer group a group of
+    its own, with that backend.
     """
+    if peer_backend is not None:
+        dedicated_peers = True
     created: list[dist.ProcessGroup] = []
     island: dist.ProcessGroup | None = None
     peers: dist.ProcessGroup | None = None
@@ -59,7 +71,7 @@ def build_groups(
             peers = dist.group.WORLD
         else:
             for local in range(topology.island_size):
-                group = dist.new_group(topology.peer_ranks(local), backend=backend)
+                group = dist.new_group(topology.peer_ranks(local), backend=peer_backend or backend)
                 if local == topology.local_index:
                     peers = _member(group)
                     created.append(peers)

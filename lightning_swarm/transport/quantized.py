@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
@@ -123,6 +124,7 @@ class QuantizedTransport:
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
 
+    @record_function("transport/quantized")
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
         stats = RoundStats()

@@ -1,0 +1,95 @@
+"""Build the transport a run's options name: the one place that knows every transport class.
+
+``build_transport`` turns the plain options (``transport``, the codec, ``bucket_mb`` as
+elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``QuantizedTransport`` or a
+``SwarmTransport`` over a peer group the caller built. ``peer_backend`` says which backend
+that peer group needs, so the caller can build it before the transport: the swarm transport's
+payloads, status messages and spool live on the CPU, so in an NCCL world its point-to-point
+traffic runs on a gloo group created beside the NCCL groups (``groups.build_groups``).
+
+The caller owns the groups and must ``close`` the transport before destroying them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.allreduce import AllReduceTransport
+from lightning_swarm.transport.base import Transport
+from lightning_swarm.transport.options import SwarmTransportConfig, check_transport
+from lightning_swarm.transport.quantized import QuantizedTransport
+from lightning_swarm.transport.swarm import SwarmTransport
+
+CPU_BACKEND = "gloo"
+
+
+def peer_backend(transport: str, backend: str) -> str | None:
+    """The backend the peer group of ``transport`` needs in a world whose default is
+    ``backend``; ``None`` means the default backend serves.
+
+    NCCL moves device tensors only; the swarm transport's traffic is CPU tensors, so with NCCL
+    it needs a gloo peer group. The all-reduce transports stage buckets on the device instead.
+    """
+    check_transport(transport)
+    if transport == "swarm" and backend != CPU_BACKEND:
+        return CPU_BACKEND
+    return None
+
+
+def build_transport(
+    transport: str,
+    *,
+    group: dist.ProcessGroup | None,
+    num_islands: int,
+    island_index: int,
+    device: torch.device,
+    codec: Codec | None,
+    bucket_numel: int,
+    swarm: SwarmTransportConfig,
+) -> Transport:
+    """The transport named ``transport`` over the peer group ``group``.
+
+    Args:
+        transport: one of ``options.TRANSPORTS``.
+        group: the peer group (one rank per island, ordered by island); for ``"swarm"`` in an
+            NCCL world, a group with ``peer_backend``'s backend.
+        num_islands: size of the peer group.
+        island_index: this rank's island.
+        device: where the all-reduce transports stage buckets (the accelerator with NCCL, the
+            CPU with gloo); the swarm transport always works on the CPU.
+        codec: the pseudo-gradient codec; ``None`` (``codecs.codec_for("none")``) sends
+            float32 as is.
+        bucket_numel: float32 elements per all-reduce bucket.
+        swarm: the swarm transport's options (used only by ``"swarm"``).
+
+    Raises:
+        ValueError: an unknown transport, or options out of range for this topology.
+        SpoolError: the swarm transport's spool root cannot be created.
+    """
+    check_transport(transport)
+    if transport == "swarm":
+        return SwarmTransport(
+            group,
+            num_islands=num_islands,
+            island_index=island_index,
+            offload=swarm.offload,
+            spool_dir=swarm.spool_dir,
+            aggregation=swarm.aggregation,
+            trim_ratio=swarm.trim_ratio,
+            min_contributions=swarm.min_contributions,
+            max_norm=swarm.max_norm,
+            island_weights=swarm.island_weights,
+            chunk_bytes=swarm.chunk_bytes,
+            cleanup_timeout_s=swarm.cleanup_timeout_s,
+            device=torch.device("cpu"),
+            codec=codec,
+        )
+    if codec is not None:
+        return QuantizedTransport(
+            group, num_islands=num_islands, codec=codec, bucket_numel=bucket_numel, device=device
+        )
+    return AllReduceTransport(
+        group, num_islands=num_islands, bucket_numel=bucket_numel, device=device
+    )
