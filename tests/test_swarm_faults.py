@@ -14,6 +14,7 @@ import datetime
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.synchronize import Event
@@ -66,14 +67,23 @@ def _rank(rank: int, port: int, spool_dir: str, out: str, collecting: Event, fau
         None, num_islands=2, island_index=rank, spool=spool, chunk_bytes=4096
     )
     start = time.monotonic()
-    try:
-        transport.average(_tensors(), round_index=0)
-        outcome = "no error"
-    except BaseException as err:
-        outcome = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+    outcome = ["no error"]
+
+    def exchange() -> None:
+        try:
+            transport.average(_tensors(), round_index=0)
+        except BaseException as err:  # the test reports whatever was raised
+            outcome[0] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+
+    if fault == "kill_background":  # as with sync_delay > 0: the round runs in a thread
+        worker = threading.Thread(target=exchange, name="swarm-sync")
+        worker.start()
+        worker.join()
+    else:
+        exchange()
     elapsed = time.monotonic() - start
     files = [p.name for p in spool.files()]
-    Path(out, f"rank{rank}.txt").write_text(f"{elapsed}\n{files}\n{outcome}")
+    Path(out, f"rank{rank}.txt").write_text(f"{elapsed}\n{files}\n{outcome[0]}")
     spool.close()
     os._exit(0)  # the peer is gone: skip destroy_process_group, which could wait on it
 
@@ -109,10 +119,13 @@ def _report(out: Path) -> tuple[float, str, str]:
 
 
 @pytest.mark.timeout(150)
-def test_a_peer_killed_mid_collection_fails_the_aggregator_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["kill", "kill_background"])
+def test_a_peer_killed_mid_collection_fails_the_aggregator_at_once(
+    tmp_path: Path, fault: str
+) -> None:
     spool_dir, out = tmp_path / "spool", tmp_path / "out"
     out.mkdir()
-    procs, collecting = _start(spool_dir, out, fault="kill")
+    procs, collecting = _start(spool_dir, out, fault=fault)
     try:
         assert collecting.wait(WAIT_S), "the aggregator never started collecting"
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -147,3 +160,6 @@ def test_an_interrupt_mid_collection_removes_the_rounds_files_and_is_reraised(
     assert outcome.startswith("KeyboardInterrupt"), outcome
     assert elapsed < RAISE_BOUND_S, f"the aggregator raised only after {elapsed:.1f}s"
     assert files == "[]", f"the interrupted round left spool files: {files}"
+    # The peer is not left waiting either: the aggregator's exit closed its connection.
+    peer = (out / "rank1.txt").read_text().split("\n", 2)
+    assert float(peer[0]) < RAISE_BOUND_S and peer[2] != "no error", peer
