@@ -15,13 +15,10 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.catchup import catch_up_
-from lightning_swarm.callbacks.resume import SwarmResume
 from lightning_swarm.checkpoint import (
-    FORMAT_VERSION,
     MMAP_ENV,
     SwarmCheckpointError,
     atomic_save,
-    check_anchor_shapes,
     compare_fingerprints,
     layout_fingerprint,
     load_swarm_file,
@@ -34,6 +31,7 @@ from lightning_swarm.checkpoint import (
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
+from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -188,14 +186,6 @@ def test_fingerprint_counts_optimizers() -> None:
     current = {**saved, "params": saved["params"] * 2}
     with pytest.raises(SwarmCheckpointError, match="optimizers: checkpoint has 1, this run has 2"):
         compare_fingerprints(saved, current)
-
-
-def test_anchor_of_wrong_shape_or_missing(tmp_path: Path) -> None:
-    params = _params()
-    with pytest.raises(SwarmCheckpointError, match=r"anchor 'w' has shape \(3,\) but"):
-        check_anchor_shapes({"w": torch.zeros(3), "b": torch.zeros(3)}, params, source=tmp_path)
-    with pytest.raises(SwarmCheckpointError, match="holds no anchor for parameter 'b'"):
-        check_anchor_shapes({"w": torch.zeros(4, 3)}, params, source=tmp_path)
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -362,37 +352,52 @@ def test_anchor_config_forms() -> None:
     assert SwarmStrategy(anchors={"mmap": False}).config.anchors.mmap is False
     assert SwarmStrategy(anchors=AnchorConfig(mmap=False)).config.anchors.mmap is False
     with pytest.raises(
-        ValueError, match=r"anchors has unknown keys \['map'\]; known keys: \['mmap'\]"
+        ValueError, match=r"anchors has unknown keys \['map'\]; known keys: \['mmap', 'verify'\]"
     ):
         SwarmConfig(anchors={"map": False})
     with pytest.raises(ValueError, match="anchors.mmap must be true or false, got 'no'"):
         SwarmConfig(anchors={"mmap": "no"})
+    with pytest.raises(ValueError, match="anchors.verify must be true or false, got 1"):
+        SwarmConfig(anchors={"verify": 1})
+    assert SwarmConfig().anchors.verify is True
+    assert SwarmStrategy(anchors={"verify": False}).config.anchors.verify is False
     with pytest.raises(
         TypeError, match="anchors must be a dict such as .* or an instance of AnchorConfig"
     ):
         SwarmConfig(anchors=True)  # type: ignore[arg-type]
 
 
-# -- callback ---------------------------------------------------------------------------------
+# -- checkpointer -----------------------------------------------------------------------------
+_RECORD = {
+    "format": FORMAT_VERSION,
+    "save_id": "abc",
+    "fingerprint": {},
+    "outer_steps": [1],
+    "inner_steps": [3],
+}
+
+
 def test_plain_lightning_checkpoint_warns_and_keeps_fresh_anchors() -> None:
-    callback = SwarmResume()
+    checkpointer = SwarmCheckpointer()
     with pytest.warns(UserWarning, match="holds no swarm state .* anchors start fresh"):
-        callback.capture("/tmp/plain.ckpt", {"state_dict": {}})
-    assert not callback.pending
+        checkpointer.capture("/tmp/plain.ckpt", {"state_dict": {}}, rank=0)
+    assert not checkpointer.pending
 
 
 def test_a_new_fit_forgets_a_checkpoint_captured_by_an_earlier_one() -> None:
     """A fit that failed between capture and restore must not leave its checkpoint pending."""
-    callback = SwarmResume()
-    callback.capture("/tmp/x.ckpt", {"swarm": {"format": FORMAT_VERSION, "save_id": "abc"}})
-    assert callback.pending
-    callback.setup(None, None, "fit")  # type: ignore[arg-type]  # the hook reads neither
-    assert not callback.pending
+    checkpointer = SwarmCheckpointer()
+    checkpointer.capture("/tmp/x.ckpt", {"swarm": _RECORD}, rank=0)
+    assert checkpointer.defer_anchors(resuming=True)
+    assert not checkpointer.defer_anchors(resuming=False)  # the next fit has no ckpt_path
+    assert not checkpointer.pending
 
 
 def test_unknown_swarm_record_format_is_rejected() -> None:
-    with pytest.raises(SwarmCheckpointError, match="swarm state of an unknown format"):
-        SwarmResume().capture("/tmp/x.ckpt", {"swarm": {"format": 99}})
+    with pytest.raises(
+        SwarmCheckpointError, match=r"is not lightning_swarm state of format \[1, 2\] \(found 99\)"
+    ):
+        SwarmCheckpointer().capture("/tmp/x.ckpt", {"swarm": {"format": 99}}, rank=0)
 
 
 # -- mapped restore: anonymous memory -----------------------------------------------------------
