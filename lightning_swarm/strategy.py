@@ -34,6 +34,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -466,6 +467,7 @@ class SwarmStrategy(DDPStrategy):
         # each island's own state replaces it here, before any sanity check or training step.
         if self.checkpointer.pending:
             self.checkpointer.restore(self._resume_host())
+            rank_zero_info(f"SwarmResume: {self.checkpointer.summary}")
 
     @override
     def save_checkpoint(
