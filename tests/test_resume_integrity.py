@@ -163,3 +163,17 @@ def test_outer_optimizer_of_another_class_is_refused(quantized_run: Path, tmp_pa
             outer_optimizer=functools.partial(torch.optim.Adam, lr=0.1),
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_anchor_of_another_shape_is_refused_before_install(full_run: Path, tmp_path: Path) -> None:
+    ckpt = _copy(full_run, tmp_path)
+    path = swarm_dir(ckpt) / ANCHORS_FILE
+    payload = torch.load(path, weights_only=True)
+    payload["outer"][0]["anchors"]["net.2.bias"] = torch.zeros(3)
+    atomic_save(payload, path)
+    record_file_again(ckpt, ANCHORS_FILE)  # a consistent file of the wrong model
+    with pytest.raises(
+        Exception, match=rf"{path}: parameter 'net.2.bias' \(shape \(2,\)\) has shape \(3,\)"
+    ):
+        _resume(tmp_path, ckpt)
+    assert not (tmp_path / "out").exists()
