@@ -8,11 +8,17 @@ path, fsync, rename). Extra host memory = peak RSS during the write (VmHWM after
 through /proc/self/clear_refs) minus RSS before. For contrast, the same state serialised into an
 in-memory buffer first, as Lightning's own ``_atomic_save`` does with its checkpoint dict.
 
-Restore side: each mode runs in a fresh interpreter (so neither sees the other's pages), with
-the file warm in the page cache (it was just written). A restore is ``load_swarm_file`` plus
-``OuterSync.load_state_dict`` into deferred (memory-less) anchors, i.e. what ``SwarmResume``
-does. Reported: wall time, anonymous memory added (smaps_rollup ``Anonymous``), and anonymous
-memory after one read pass over every anchor (reading a mapped page keeps it file-backed).
+The save also hashes the written file (``file_digest``, XXH3-128, what the record holds), timed
+on its own.
+
+Restore side: each mode runs in a fresh interpreter (so none sees another's pages), with the
+file warm in the page cache (it was just written). A restore is ``load_swarm_file`` plus
+``OuterSync.load_state_dict`` into deferred (memory-less) anchors, i.e. what
+``SwarmCheckpointer.restore`` does; the ``+verify`` modes first check the file against its
+recorded size and checksum (``check_file``: one chunked read) and scan the anchors for NaN/inf
+(``check_finite``), as ``anchors.verify=true`` does. Reported: wall time, anonymous memory added
+(smaps_rollup ``Anonymous``), and anonymous memory after one read pass over every anchor
+(reading a mapped page keeps it file-backed).
 """
 
 from __future__ import annotations
@@ -28,17 +34,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from lightning_swarm.checkpoint import FORMAT_VERSION, atomic_save, load_swarm_file
+from lightning_swarm.checkpoint import atomic_save, load_swarm_file
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
+from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
+from lightning_swarm.resume.records import FORMAT_VERSION, FileDigest
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 TENSOR_MIB = 128
 MiB = 2**20
+MODES = ("mmap", "mmap+verify", "eager", "eager+verify")
 
 
 class _NoTransport:
@@ -88,7 +98,7 @@ def _peak_extra(write: object) -> tuple[int, float]:
     return _status("VmHWM") - before, wall
 
 
-def save_side(path: Path, gib: float) -> dict[str, float]:
+def save_side(path: Path, gib: float) -> dict[str, Any]:
     params = _meta_params(gib)
     outer = _outer(params, defer=True)
     anchors = {name: torch.full(p.shape, 0.25) for name, p in params.items()}  # the trained anchors
@@ -103,6 +113,9 @@ def save_side(path: Path, gib: float) -> dict[str, float]:
     del anchors
     payload = {"format": FORMAT_VERSION, "save_id": "bench", "outer": [outer.state_dict()]}
     extra, wall = _peak_extra(lambda: atomic_save(payload, path))
+    start = time.perf_counter()
+    digest = file_digest(path)
+    digest_wall = time.perf_counter() - start
 
     def to_buffer() -> None:
         buffer = io.BytesIO()
@@ -117,15 +130,21 @@ def save_side(path: Path, gib: float) -> dict[str, float]:
         "save_wall_s": wall,
         "buffer_extra_bytes": buffer_extra,
         "buffer_wall_s": buffer_wall,
+        "digest_wall_s": digest_wall,
+        "digest": digest.digest,
     }
 
 
-def restore_side(path: Path, gib: float, mmap: bool) -> dict[str, float]:
+def restore_side(path: Path, gib: float, mode: str, digest: str) -> dict[str, float]:
     outer = _outer(_meta_params(gib), defer=True)
     gc.collect()
     before = _anonymous()
     start = time.perf_counter()
-    payload, _ = load_swarm_file(path, mmap=mmap)
+    verify = mode.endswith("+verify")
+    check_file(path, FileDigest(path.stat().st_size, digest), verify=verify)
+    payload, _ = load_swarm_file(path, mmap=mode.startswith("mmap"))
+    if verify:
+        check_finite(payload["outer"][0]["anchors"], source=path, what="the anchors")
     outer.load_state_dict(payload["outer"][0])
     del payload
     wall = time.perf_counter() - start
@@ -142,8 +161,9 @@ def restore_side(path: Path, gib: float, mmap: bool) -> dict[str, float]:
     }
 
 
-def _child(path: Path, gib: float, mode: str) -> dict[str, float]:
+def _child(path: Path, gib: float, mode: str, digest: str) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", mode, "--path", str(path), "--gib", str(gib)]
+    cmd += ["--digest", digest]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -153,17 +173,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0, help="GiB of float32 anchors")
     parser.add_argument("--dir", default=None, help="directory for the anchors file")
-    parser.add_argument("--child", choices=["mmap", "eager"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--digest", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child:
-        print(json.dumps(restore_side(Path(args.path), args.gib, args.child == "mmap")))
+        print(json.dumps(restore_side(Path(args.path), args.gib, args.child, args.digest)))
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         path = Path(tmp) / "anchors.pt"
         save = save_side(path, args.gib)
-        results = {mode: _child(path, args.gib, mode) for mode in ("mmap", "eager")}
+        results = {mode: _child(path, args.gib, mode, str(save["digest"])) for mode in MODES}
     anchor = save["anchor_bytes"]
     print(f"anchors: {anchor / 2**30:.2f} GiB float32, file {save['file_bytes'] / 2**30:.2f} GiB")
     print(
@@ -172,17 +193,20 @@ def main() -> None:
         "of anchors)"
     )
     print(
+        f"checksum of the written file (xxh3-128, one chunked read): {save['digest_wall_s']:.2f} s"
+    )
+    print(
         f"for contrast, torch.save into an in-memory buffer: {save['buffer_wall_s']:.2f} s, "
         f"extra {save['buffer_extra_bytes'] / MiB:.1f} MiB "
         f"({100 * save['buffer_extra_bytes'] / anchor:.1f}%)"
     )
     print(
-        f"{'restore':<8}{'wall s':>9}{'anon added MiB':>16}{'% anchors':>11}"
+        f"{'restore':<13}{'wall s':>9}{'anon added MiB':>16}{'% anchors':>11}"
         f"{'after read MiB':>16}{'read s':>8}"
     )
     for mode, r in results.items():
         print(
-            f"{mode:<8}{r['restore_wall_s']:>9.3f}{r['restore_anon_bytes'] / MiB:>16.1f}"
+            f"{mode:<13}{r['restore_wall_s']:>9.3f}{r['restore_anon_bytes'] / MiB:>16.1f}"
             f"{100 * r['restore_anon_bytes'] / anchor:>10.2f}%"
             f"{r['after_read_anon_bytes'] / MiB:>16.1f}{r['read_wall_s']:>8.2f}"
         )

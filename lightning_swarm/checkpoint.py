@@ -6,7 +6,8 @@ state (global, identical on every island) and each island's own local parameters
 optimizer state (different on every island between syncs). That state lives in a directory next
 to the checkpoint file, one sub-directory per save::
 
-    model.ckpt                          Lightning's file; ckpt["swarm"] is the small record below
+    model.ckpt                          Lightning's file; ckpt["swarm"] is the small record
+                                        (names the save; size + checksum of every file below)
     model.ckpt.swarm/<save_id>/anchors.pt       anchors + outer optimizer state + counters
     model.ckpt.swarm/<save_id>/island-00001.pt  island 1: module state + inner optimizer state
 
@@ -31,7 +32,9 @@ Invariants:
   included) and optimizer states; an object outside torch's allowlist there saves fine but is
   refused on load, and the error names its type and the fix (not "corrupt").
 
-This module imports torch only (no lightning, no torch.distributed).
+What each file holds is typed in ``lightning_swarm.resume.records`` (with the format version);
+saving and restoring are ``lightning_swarm.resume``. This module imports torch only (no
+lightning, no torch.distributed).
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-FORMAT_VERSION = 1
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
 ANCHORS_FILE = "anchors.pt"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -115,8 +117,8 @@ def layout_fingerprint(
 ) -> dict[str, Any]:
     """What must match between the saving and the resuming run.
 
-    ``fragments`` is reserved for Streaming DiLoCo's fragment layout (``None`` until then); it
-    is compared as plain data.
+    ``fragments`` is Streaming DiLoCo's layout and schedule (``None`` for plain DiLoCo: one
+    fragment, no delay); it is compared as plain data.
     """
     return {
         "num_islands": int(num_islands),
@@ -170,25 +172,6 @@ def _param_differences(
         if list(old[name]) != list(new[name]):
             out.append(f"parameter {name!r} reshaped: checkpoint {old[name]}, this run {new[name]}")
     return out
-
-
-def check_anchor_shapes(
-    anchors: Mapping[str, Tensor], params: Mapping[str, Tensor], *, source: Path
-) -> None:
-    """Each parameter needs an anchor of its shape; anything else means a damaged file."""
-    for name, p in params.items():
-        anchor = anchors.get(name)
-        if anchor is None:
-            raise SwarmCheckpointError(
-                f"{source} holds no anchor for parameter {name!r}; the file does not belong to "
-                "this checkpoint or is damaged. Resume from another checkpoint."
-            )
-        if tuple(anchor.shape) != tuple(p.shape):
-            raise SwarmCheckpointError(
-                f"{source}: anchor {name!r} has shape {tuple(anchor.shape)} but the parameter "
-                f"has shape {tuple(p.shape)}; the file is damaged or from another model. Resume "
-                "from another checkpoint."
-            )
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -274,10 +257,10 @@ def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not legacy)
     except Exception as err:
         raise _load_error(path, err) from err
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+    if not isinstance(payload, dict) or not isinstance(payload.get("format"), int):
         raise SwarmCheckpointError(
-            f"{path} is not a lightning_swarm state file of format {FORMAT_VERSION}; resume "
-            "from a checkpoint written by this version of SwarmStrategy."
+            f"{path} is not a lightning_swarm state file (no format number); resume from a "
+            "checkpoint written by SwarmStrategy."
         )
     return payload, legacy
 

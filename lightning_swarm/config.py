@@ -63,13 +63,19 @@ class AnchorConfig:
         mmap: map the saved anchors (``torch.load(mmap=True)``) so bytes a restart does not
             touch stay file-backed; ``False`` reads them eagerly into RAM. The environment
             variable ``LIGHTNING_SWARM_ANCHOR_MMAP=0`` also turns mapping off.
+        verify: before a resume installs anything, check every swarm file against the checksum
+            its checkpoint recorded (one chunked read per file) and scan anchors and island
+            parameters for NaN/inf; ``False`` skips both (file sizes are still checked).
     """
 
     mmap: bool = True
+    verify: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mmap, bool):
-            raise ValueError(f"anchors.mmap must be true or false, got {self.mmap!r}.")
+        for name in ("mmap", "verify"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"anchors.{name} must be true or false, got {value!r}.")
 
 
 @dataclass(kw_only=True)

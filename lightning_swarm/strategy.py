@@ -26,7 +26,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,6 +34,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -41,7 +42,6 @@ from typing_extensions import override
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.fragments import FragmentLayout, build_fragments
-from lightning_swarm.checkpoint import prune_saves, swarm_root
 from lightning_swarm.config import (
     AnchorConfig,
     SwarmConfig,
@@ -50,16 +50,13 @@ from lightning_swarm.config import (
     as_swarm_transport_config,
 )
 from lightning_swarm.outer import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
+from lightning_swarm.resume import Collectives, ResumeHost, SwarmCheckpointer, options_of
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import AllReduceTransport, Transport, ring_allreduce_bytes
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
 from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.swarm import SwarmTransport
 from lightning_swarm.transport.worker import SyncWorker, SyncWorkerError
-
-if TYPE_CHECKING:
-    # lightning_swarm.callbacks imports this module; the resume glue is imported where used.
-    from lightning_swarm.callbacks.resume import SwarmResume
 
 default_outer_optimizer: OuterOptimizerFactory = functools.partial(
     torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True
@@ -277,7 +274,10 @@ class SwarmStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             # A pending swarm resume installs anchors later: build placeholders, not copies.
-            self._build_outer_syncs(defer_anchors=self._resume_callback(trainer).pending)
+            resuming = trainer.ckpt_path is not None
+            self._build_outer_syncs(
+                defer_anchors=self.checkpointer.defer_anchors(resuming=resuming)
+            )
 
     def _build_outer_syncs(self, *, defer_anchors: bool) -> None:
         module = self.lightning_module
@@ -428,16 +428,26 @@ class SwarmStrategy(DDPStrategy):
             logger.log_metrics(metrics, step=trainer.global_step + 1)
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _resume_callback(self, trainer: pl.Trainer) -> SwarmResume:
-        """The trainer's ``SwarmResume``; one is added when the user did not add one."""
-        from lightning_swarm.callbacks.resume import SwarmResume
+    @functools.cached_property
+    def checkpointer(self) -> SwarmCheckpointer:
+        """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
+        return SwarmCheckpointer()
 
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, SwarmResume):
-                return callback
-        callback = SwarmResume()
-        trainer.callbacks.append(callback)  # type: ignore[attr-defined]
-        return callback
+    def _resume_host(self) -> ResumeHost:
+        """The training state the checkpointer saves from and restores into, on this rank."""
+        module = self.lightning_module
+        assert module is not None
+        return ResumeHost(
+            topology=self.topology,
+            outer_syncs=self.outer_syncs,
+            module=module,
+            optimizers=self.optimizers,
+            device=self.root_device,
+            totals=self.totals,
+            options=options_of(self.config, self.outer_syncs),
+            anchors=self.config.anchors,
+            collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+        )
 
     @override
     def load_checkpoint(
@@ -447,7 +457,7 @@ class SwarmStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._resume_callback(trainer).capture(checkpoint_path, checkpoint)
+            self.checkpointer.capture(checkpoint_path, checkpoint, rank=self.global_rank)
         return checkpoint
 
     @override
@@ -455,9 +465,9 @@ class SwarmStrategy(DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
         # After setup (outer syncs exist) and after rank 0's optimizer state went everywhere:
         # each island's own state replaces it here, before any sanity check or training step.
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:
-            self._resume_callback(module._trainer).restore(self)
+        if self.checkpointer.pending:
+            self.checkpointer.restore(self._resume_host())
+            rank_zero_info(f"SwarmResume: {self.checkpointer.summary}")
 
     @override
     def save_checkpoint(
@@ -467,21 +477,17 @@ class SwarmStrategy(DDPStrategy):
             # Not fitting, or a weights-only file: nothing of the swarm to resume from.
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        from lightning_swarm.callbacks.resume import save_swarm_state
-
-        save_id = save_swarm_state(self, checkpoint, filepath)
+        save_id = self.checkpointer.save(self._resume_host(), checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if self.is_global_zero:
             # Only now does the Lightning file name the new save; older ones can go.
-            prune_saves(swarm_root(filepath), keep=save_id)
+            self.checkpointer.prune(filepath, keep=save_id)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
-            from lightning_swarm.callbacks.resume import remove_swarm_state
-
-            remove_swarm_state(filepath)
+            self.checkpointer.remove(filepath)
 
     # -- teardown -------------------------------------------------------------------------
     @override

@@ -7,6 +7,9 @@ dataloader does on a mid-epoch restart. Adam makes the inner optimizer state mat
 
 from __future__ import annotations
 
+import struct
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
+from lightning_swarm.checkpoint import swarm_root
+from lightning_swarm.resume.integrity import file_digest
 
 SYNC_EVERY = 3
 
@@ -62,7 +67,6 @@ class DumpFinal(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, SwarmStrategy)
-        resume = [c for c in trainer.callbacks if type(c).__name__ == "SwarmResume"]  # type: ignore[attr-defined]
         info = {
             "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
             "anchors": [{k: v.clone() for k, v in o.anchors.items()} for o in strategy.outer_syncs],
@@ -70,7 +74,7 @@ class DumpFinal(pl.Callback):
             "inner_steps": [o.inner_steps for o in strategy.outer_syncs],
             "outer_steps": [o.outer_steps for o in strategy.outer_syncs],
             "optimizer": trainer.optimizers[0].state_dict(),
-            "summary": resume[0].summary if resume else None,
+            "summary": strategy.checkpointer.summary,
             "global_step": trainer.global_step,
             "start_anchors": self.start_anchors,
             "start_params": self.start_params,
@@ -93,7 +97,8 @@ def fit(
     """One ``Trainer.fit``; checkpoints after every step into ``ckpt_dir`` when given."""
     pl.seed_everything(0)
     strategy_kw.setdefault("sync_every", SYNC_EVERY)
-    strategy = SwarmStrategy(island_size=island_size, start_method="fork", **strategy_kw)
+    strategy_kw.setdefault("start_method", "fork")
+    strategy = SwarmStrategy(island_size=island_size, **strategy_kw)
     cbs: list[pl.Callback] = [DumpFinal(out), *(callbacks or [])]
     if ckpt_dir is not None:
         cbs.append(
@@ -116,6 +121,18 @@ def fit(
     trainer.fit(StepDataModel(), ckpt_path=ckpt_path)
 
 
+def fit_here(out: Path, *, max_steps: int, **kw: Any) -> None:
+    """One ``fit`` of a single rank in this process (popen launches no child for devices=1),
+    so that pytest sees its warnings; the process group is destroyed afterwards."""
+    import torch.distributed as dist
+
+    try:
+        fit(out, devices=1, island_size=1, max_steps=max_steps, start_method="popen", **kw)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def load_ranks(out: Path, world: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
@@ -134,3 +151,52 @@ def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any], where: str) -> No
             assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (
                 f"{where}: inner optimizer {key} differs"
             )
+
+
+# -- editing saved checkpoints (damage, old formats) ---------------------------------------------
+def swarm_dir(ckpt: Path) -> Path:
+    """The save directory a Lightning checkpoint names."""
+    record = torch.load(ckpt, weights_only=True)["swarm"]
+    return swarm_root(ckpt) / record["save_id"]
+
+
+def edit_record(ckpt: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite the ``swarm`` record of a Lightning checkpoint in place."""
+    checkpoint = torch.load(ckpt, weights_only=True)
+    edit(checkpoint["swarm"])
+    torch.save(checkpoint, ckpt)
+
+
+def as_format_1(ckpt: Path) -> None:
+    """Make ``ckpt`` look as format 1 wrote it: no checksums, no options."""
+
+    def edit(record: dict[str, Any]) -> None:
+        record["format"] = 1
+        del record["files"], record["options"]
+
+    edit_record(ckpt, edit)
+
+
+def record_file_again(ckpt: Path, name: str) -> None:
+    """After rewriting swarm file ``name`` on purpose, record its new size and checksum."""
+    digest = file_digest(swarm_dir(ckpt) / name)
+
+    def edit(record: dict[str, Any]) -> None:
+        record["files"][name] = digest.to_dict()
+
+    edit_record(ckpt, edit)
+
+
+def flip_bit_in_tensor_data(path: Path) -> str:
+    """XOR 0x10 into one byte in the middle of the first tensor's data; returns the entry."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size)
+    with open(path, "r+b") as handle:
+        handle.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", handle.read(4))
+        offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0x10]))
+    return info.filename

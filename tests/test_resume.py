@@ -18,7 +18,16 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.callbacks.resume import SwarmResume
 from lightning_swarm.checkpoint import ANCHORS_FILE, MMAP_ENV, swarm_root
-from tests.resume_utils import assert_bitwise_equal, fit, load_ranks
+from tests.resume_utils import (
+    as_format_1,
+    assert_bitwise_equal,
+    fit,
+    fit_here,
+    flip_bit_in_tensor_data,
+    load_ranks,
+    record_file_again,
+    swarm_dir,
+)
 
 MAX_STEPS = 8
 
@@ -107,8 +116,36 @@ def test_legacy_anchor_file_resumes_exactly(full_run_1: Path, tmp_path: Path) ->
     torch.save(
         torch.load(anchors, weights_only=True), anchors, _use_new_zipfile_serialization=False
     )
+    record_file_again(_ckpt(root, 4), ANCHORS_FILE)
     resumed = _resume_and_compare(root, tmp_path, 4, devices=2, island_size=1)
     assert "legacy format read eagerly" in resumed[0]["summary"]
+    assert "checksums verified" in resumed[0]["summary"]
+
+
+def test_format_1_checkpoint_resumes_exactly_unverified(full_run_1: Path, tmp_path: Path) -> None:
+    """Checkpoints written before checksums existed still resume, bitwise."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(full_run_1 / "ckpts", root / "ckpts")
+    shutil.copytree(full_run_1 / "out", root / "out")
+    as_format_1(_ckpt(root, 4))
+    resumed = _resume_and_compare(root, tmp_path, 4, devices=2, island_size=1)
+    for rank in range(2):
+        assert "unverified" in resumed[rank]["summary"]
+
+
+def test_format_1_checkpoint_warns_that_it_cannot_be_verified(tmp_path: Path) -> None:
+    fit_here(tmp_path / "full", max_steps=2, ckpt_dir=tmp_path / "ckpts")
+    ckpt = tmp_path / "ckpts" / "step=2.ckpt"
+    as_format_1(ckpt)
+    flip_bit_in_tensor_data(swarm_dir(ckpt) / "island-00000.pt")  # nothing can catch it now
+    with pytest.warns(UserWarning) as caught:
+        fit_here(tmp_path / "resumed", max_steps=3, ckpt_path=ckpt)
+    mine = [str(w.message) for w in caught if "checksums" in str(w.message)]
+    assert len(mine) == 1, mine
+    assert f"{ckpt} predates swarm file checksums (format 1)" in mine[0]
+    assert "cannot be verified" in mine[0]
 
 
 def test_plain_checkpoint_starts_fresh_anchors_from_its_weights(
@@ -213,12 +250,14 @@ def test_exact_resume_two_islands_of_two(full_run_2: Path, tmp_path: Path, step:
     assert [f"island {r // 2}:" in info["summary"] for r, info in enumerate(resumed)] == [True] * 4
 
 
-def test_strategy_adds_one_resume_callback(tmp_path: Path) -> None:
+def test_resume_callback_needs_the_swarm_strategy(tmp_path: Path) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    with pytest.raises(TypeError, match="SwarmResume needs Trainer\\(strategy=SwarmStrategy"):
+        SwarmResume().setup(trainer, None, "fit")  # type: ignore[arg-type]
     strategy = SwarmStrategy()
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
-    first = strategy._resume_callback(trainer)
-    assert strategy._resume_callback(trainer) is first
-    assert sum(isinstance(c, SwarmResume) for c in trainer.callbacks) == 1
+    SwarmResume(island_ckpt_paths={1: "a.ckpt"}).setup(trainer, None, "fit")  # type: ignore[arg-type]
+    assert strategy.checkpointer.island_ckpt_paths == {1: Path("a.ckpt")}
 
 
 def test_failed_resume_is_not_retried_by_the_next_fit(tmp_path: Path) -> None:

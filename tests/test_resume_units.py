@@ -15,13 +15,10 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.catchup import catch_up_
-from lightning_swarm.callbacks.resume import SwarmResume
 from lightning_swarm.checkpoint import (
-    FORMAT_VERSION,
     MMAP_ENV,
     SwarmCheckpointError,
     atomic_save,
-    check_anchor_shapes,
     compare_fingerprints,
     layout_fingerprint,
     load_swarm_file,
@@ -34,6 +31,7 @@ from lightning_swarm.checkpoint import (
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
+from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -188,14 +186,6 @@ def test_fingerprint_counts_optimizers() -> None:
     current = {**saved, "params": saved["params"] * 2}
     with pytest.raises(SwarmCheckpointError, match="optimizers: checkpoint has 1, this run has 2"):
         compare_fingerprints(saved, current)
-
-
-def test_anchor_of_wrong_shape_or_missing(tmp_path: Path) -> None:
-    params = _params()
-    with pytest.raises(SwarmCheckpointError, match=r"anchor 'w' has shape \(3,\) but"):
-        check_anchor_shapes({"w": torch.zeros(3), "b": torch.zeros(3)}, params, source=tmp_path)
-    with pytest.raises(SwarmCheckpointError, match="holds no anchor for parameter 'b'"):
-        check_anchor_shapes({"w": torch.zeros(4, 3)}, params, source=tmp_path)
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -362,37 +352,52 @@ def test_anchor_config_forms() -> None:
     assert SwarmStrategy(anchors={"mmap": False}).config.anchors.mmap is False
     assert SwarmStrategy(anchors=AnchorConfig(mmap=False)).config.anchors.mmap is False
     with pytest.raises(
-        ValueError, match=r"anchors has unknown keys \['map'\]; known keys: \['mmap'\]"
+        ValueError, match=r"anchors has unknown keys \['map'\]; known keys: \['mmap', 'verify'\]"
     ):
         SwarmConfig(anchors={"map": False})
     with pytest.raises(ValueError, match="anchors.mmap must be true or false, got 'no'"):
         SwarmConfig(anchors={"mmap": "no"})
+    with pytest.raises(ValueError, match="anchors.verify must be true or false, got 1"):
+        SwarmConfig(anchors={"verify": 1})
+    assert SwarmConfig().anchors.verify is True
+    assert SwarmStrategy(anchors={"verify": False}).config.anchors.verify is False
     with pytest.raises(
         TypeError, match="anchors must be a dict such as .* or an instance of AnchorConfig"
     ):
         SwarmConfig(anchors=True)  # type: ignore[arg-type]
 
 
-# -- callback ---------------------------------------------------------------------------------
+# -- checkpointer -----------------------------------------------------------------------------
+_RECORD = {
+    "format": FORMAT_VERSION,
+    "save_id": "abc",
+    "fingerprint": {},
+    "outer_steps": [1],
+    "inner_steps": [3],
+}
+
+
 def test_plain_lightning_checkpoint_warns_and_keeps_fresh_anchors() -> None:
-    callback = SwarmResume()
+    checkpointer = SwarmCheckpointer()
     with pytest.warns(UserWarning, match="holds no swarm state .* anchors start fresh"):
-        callback.capture("/tmp/plain.ckpt", {"state_dict": {}})
-    assert not callback.pending
+        checkpointer.capture("/tmp/plain.ckpt", {"state_dict": {}}, rank=0)
+    assert not checkpointer.pending
 
 
 def test_a_new_fit_forgets_a_checkpoint_captured_by_an_earlier_one() -> None:
     """A fit that failed between capture and restore must not leave its checkpoint pending."""
-    callback = SwarmResume()
-    callback.capture("/tmp/x.ckpt", {"swarm": {"format": FORMAT_VERSION, "save_id": "abc"}})
-    assert callback.pending
-    callback.setup(None, None, "fit")  # type: ignore[arg-type]  # the hook reads neither
-    assert not callback.pending
+    checkpointer = SwarmCheckpointer()
+    checkpointer.capture("/tmp/x.ckpt", {"swarm": _RECORD}, rank=0)
+    assert checkpointer.defer_anchors(resuming=True)
+    assert not checkpointer.defer_anchors(resuming=False)  # the next fit has no ckpt_path
+    assert not checkpointer.pending
 
 
 def test_unknown_swarm_record_format_is_rejected() -> None:
-    with pytest.raises(SwarmCheckpointError, match="swarm state of an unknown format"):
-        SwarmResume().capture("/tmp/x.ckpt", {"swarm": {"format": 99}})
+    with pytest.raises(
+        SwarmCheckpointError, match=r"is not lightning_swarm state of format \[1, 2\] \(found 99\)"
+    ):
+        SwarmCheckpointer().capture("/tmp/x.ckpt", {"swarm": {"format": 99}}, rank=0)
 
 
 # -- mapped restore: anonymous memory -----------------------------------------------------------
@@ -436,3 +441,41 @@ def test_mapped_anchors_stay_out_of_anonymous_memory(tmp_path: Path) -> None:
 def _outer_state() -> dict[str, object]:
     meta = {"w": torch.nn.Parameter(torch.empty(1, device="meta"))}
     return _outer(meta, defer_anchors=True).outer_optimizer.state_dict()
+
+
+# -- integrity ----------------------------------------------------------------------------------
+def test_file_digest_reads_in_chunks_and_sees_one_flipped_bit(tmp_path: Path) -> None:
+    from lightning_swarm.resume.integrity import IntegrityError, check_file, file_digest
+
+    path = tmp_path / "anchors.pt"
+    path.write_bytes(os.urandom(3 * 1000 + 7))
+    whole = file_digest(path)
+    assert file_digest(path, chunk_bytes=1000) == whole  # chunk edges change nothing
+    assert whole.num_bytes == 3007
+    check_file(path, whole, verify=True)
+    data = bytearray(path.read_bytes())
+    data[1500] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=rf"{path}: checksum mismatch"):
+        check_file(path, whole, verify=True)
+    check_file(path, whole, verify=False)  # the switch skips the read
+    path.write_bytes(bytes(data[:100]))
+    with pytest.raises(
+        IntegrityError, match=r"is truncated or corrupt \(100 bytes, its checkpoint"
+    ):
+        check_file(path, whole, verify=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_found_and_named(
+    tmp_path: Path, dtype: torch.dtype, bad: float
+) -> None:
+    from lightning_swarm.resume.integrity import check_finite
+
+    big = torch.zeros(2**22 + 5, dtype=dtype)  # past one scan chunk
+    tensors = {"a": torch.ones(3, dtype=dtype), "b": big, "step": torch.tensor(3)}
+    check_finite(tensors, source=tmp_path, what="x")
+    big[-1] = bad  # in the last, partial chunk
+    with pytest.raises(SwarmCheckpointError, match=rf"non-finite values in {tmp_path}: b \(x"):
+        check_finite(tensors, source=tmp_path, what="x")

@@ -1,0 +1,180 @@
+"""``SwarmCheckpointer``: the strategy's save and restore of swarm state, without Lightning.
+
+The strategy owns one and calls it from its checkpoint hooks:
+
+- ``capture`` from ``load_checkpoint`` (before ``setup``): note the checkpoint being resumed, so
+  that ``setup`` builds memory-less placeholder anchors (``defer_anchors``);
+- ``restore`` from ``load_optimizer_state_dict`` (after ``setup`` and after Lightning loaded rank
+  0's optimizer state, before any sanity check or training step);
+- ``save`` / ``remove`` from ``save_checkpoint`` / ``remove_checkpoint``.
+
+A capture lives until the restore that consumes it, whether that restore succeeds or not, and a
+fit without ``ckpt_path`` forgets one an earlier fit left (``defer_anchors(resuming=False)``):
+a later fit never restores a checkpoint it was not given. ``island_ckpt_paths`` is set by the
+``SwarmResume`` callback, the user's way to restore some islands from older checkpoints.
+
+Mapped tensors are held by the ``OuterSync`` objects only, never here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_swarm.checkpoint import (
+    prune_saves,
+    require_local_path,
+    resolve_mmap,
+    swarm_root,
+    warn_legacy,
+)
+from lightning_swarm.resume.host import ResumeHost
+from lightning_swarm.resume.options import describe_changes
+from lightning_swarm.resume.records import SwarmRecord
+from lightning_swarm.resume.restore import (
+    Loaded,
+    Source,
+    attempt,
+    choose_source,
+    install,
+    load_sources,
+    newest_source,
+)
+from lightning_swarm.resume.save import remove_swarm_state, save_swarm_state
+
+log = logging.getLogger("lightning_swarm")
+
+
+class SwarmCheckpointer:
+    """Saves and restores a swarm run's state for one strategy.
+
+    Attributes:
+        island_ckpt_paths: ``{island_index: ckpt_path}`` of islands that restore their own
+            state from another (older) checkpoint and catch up to the newest anchors.
+        summary: after a restore, one line saying what this rank restored.
+    """
+
+    def __init__(self) -> None:
+        self.island_ckpt_paths: dict[int, Path] = {}
+        self.summary: str | None = None
+        self._pending: Source | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A swarm checkpoint was captured and its state is not installed yet."""
+        return self._pending is not None
+
+    def capture(self, ckpt_path: Any, checkpoint: Mapping[str, Any], *, rank: int) -> None:
+        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read)."""
+        self.summary = None
+        self._pending = None
+        payload = checkpoint.get("swarm")
+        if payload is None:
+            if rank == 0:
+                warnings.warn(
+                    f"{ckpt_path} holds no swarm state (a plain Lightning checkpoint): anchors "
+                    "start fresh from its weights and every island starts from rank 0's "
+                    "weights and inner optimizer state. Resume from a SwarmStrategy checkpoint "
+                    "for an exact restart.",
+                    stacklevel=2,
+                )
+            return
+        record = SwarmRecord.from_dict(payload, f"the swarm record of {ckpt_path}")
+        self._pending = Source(require_local_path(ckpt_path, what="ckpt_path"), record)
+
+    def defer_anchors(self, *, resuming: bool) -> bool:
+        """Whether ``setup`` should build placeholder anchors; forgets a stale capture."""
+        if not resuming:
+            self._pending = None
+            self.summary = None
+        return self._pending is not None
+
+    def restore(self, host: ResumeHost) -> None:
+        """Check and install the captured swarm state on this rank (collective).
+
+        Raises:
+            SwarmCheckpointError: on every rank, when any rank cannot restore; nothing has
+                been installed then.
+        """
+        main = self._pending
+        if main is None:
+            return
+        comm = host.collectives
+        try:
+            use_mmap, how = resolve_mmap(host.anchors.mmap)
+            own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
+            newest = newest_source(comm, own, main)
+            loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
+            if comm.rank == 0:
+                self._warn(host, main, own, loaded)
+            warn_legacy(loaded.legacy)
+            stale = install(host, loaded)
+        finally:
+            self._pending = None
+        self.summary = _summary(host, main, own, loaded, how, stale)
+        log.info("SwarmResume: %s", self.summary)
+
+    def _warn(self, host: ResumeHost, main: Source, own: Source, loaded: Loaded) -> None:
+        """Rank 0's one warning of what makes this resume inexact or unverified."""
+        lines: list[str] = []
+        saved = main.record.options
+        if saved is not None:
+            residuals = any(s.get("residuals") for s in loaded.island.outer_island)
+            lines += describe_changes(
+                saved,
+                host.options,
+                inner_steps=main.record.inner_steps,
+                residuals_saved=residuals,
+            )
+        if lines:
+            warnings.warn(
+                "resuming with options other than the checkpoint's; the run is no longer an "
+                "exact continuation: " + "; ".join(lines) + ".",
+                stacklevel=3,
+            )
+        old = sorted({str(s.ckpt_path) for s in (main, own) if s.record.files is None})
+        if old:
+            warnings.warn(
+                f"{', '.join(old)} predates swarm file checksums (format 1): its swarm files "
+                "cannot be verified and were loaded as they are. Save a new checkpoint to "
+                "get checksums.",
+                stacklevel=3,
+            )
+
+    def save(self, host: ResumeHost, checkpoint: dict[str, Any], filepath: Any) -> str:
+        """Write the swarm files and put the record in ``checkpoint`` (collective)."""
+        return save_swarm_state(host, checkpoint, filepath)
+
+    @staticmethod
+    def prune(filepath: Any, keep: str) -> None:
+        """After the Lightning file names ``keep``: remove older saves (global rank 0)."""
+        prune_saves(swarm_root(os.fspath(filepath)), keep=keep)
+
+    @staticmethod
+    def remove(filepath: Any) -> None:
+        """Delete a removed checkpoint's swarm directory (global rank 0)."""
+        remove_swarm_state(filepath)
+
+
+def _summary(
+    host: ResumeHost, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
+) -> str:
+    kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
+    size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
+    rounds, steps = own.record.outer_steps, own.record.inner_steps
+    legacy = ", legacy format read eagerly" if loaded.legacy else ""
+    verified = "checksums verified" if host.anchors.verify and main.record.files else "unverified"
+    caught = (
+        f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
+        if stale
+        else "no catch-up needed"
+    )
+    return (
+        f"island {host.topology.island_index}: restored round(s) {rounds} at inner step(s) "
+        f"{steps}; anchors {size} ({how}{legacy}, written as {main.record.anchor_dtype}, "
+        f"{verified}); {caught}"
+    )

@@ -1,0 +1,131 @@
+"""What save and restore need from the training side: a small protocol, no Lightning.
+
+``SwarmStrategy`` builds one ``ResumeHost`` per save or restore from its own state; nothing
+here imports the strategy or Lightning. ``outer_syncs`` are the strategy's ``OuterSync``
+objects, typed by the methods this package calls on them.
+
+The collectives are callables so that the same code serves the static torch.distributed world
+and a single process; each must be called on every rank in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_swarm.config import AnchorConfig, SwarmConfig
+from lightning_swarm.resume.records import OptionsRecord, Totals, plain_values
+from lightning_swarm.topology import IslandTopology
+
+_T = TypeVar("_T")
+
+
+class OuterState(Protocol):
+    """The parts of ``OuterSync`` a checkpoint reads and writes."""
+
+    @property
+    def params(self) -> Mapping[str, torch.nn.Parameter]: ...
+
+    @property
+    def anchors(self) -> Mapping[str, Tensor]: ...
+
+    @property
+    def anchor_dtype(self) -> torch.dtype: ...
+
+    @property
+    def anchor_bytes(self) -> int: ...
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def fragments(self) -> Sequence[Sequence[str]]: ...
+
+    @property
+    def inner_steps(self) -> int: ...
+
+    @property
+    def outer_steps(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def island_state_dict(self) -> dict[str, Any]: ...
+
+    def load_island_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class ModuleState(Protocol):
+    """The trained module (a ``LightningModule``): its ``state_dict`` round trip."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """This rank's view of the world: its rank and the collectives a checkpoint uses."""
+
+    rank: int
+    broadcast: Callable[[Any], Any]  # rank 0's object, on every rank
+    barrier: Callable[[str], None]
+    all_gather_object: Callable[[Any], list[Any]]  # every rank's object, in rank order
+
+    @classmethod
+    def of_world(
+        cls, rank: int, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]
+    ) -> Collectives:
+        """The default process group (or one process when none is initialised)."""
+        return cls(rank, broadcast, barrier, gather_objects)
+
+
+def gather_objects(obj: _T) -> list[_T]:
+    """``dist.all_gather_object`` over the default group; ``[obj]`` without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@dataclass(frozen=True)
+class ResumeHost:
+    """The training state a save reads and a restore writes, on one rank."""
+
+    topology: IslandTopology
+    outer_syncs: Sequence[OuterState]
+    module: ModuleState
+    optimizers: Sequence[torch.optim.Optimizer]
+    device: torch.device
+    totals: Totals
+    options: OptionsRecord
+    anchors: AnchorConfig
+    collectives: Collectives
+
+
+def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> OptionsRecord:
+    """The outer-loop options of a ``SwarmConfig`` and the built outer optimizers."""
+    return OptionsRecord(
+        sync_every=config.sync_every,
+        num_fragments=config.num_fragments,
+        fragment_layout=config.fragment_layout,
+        sync_delay=config.sync_delay,
+        merge_alpha=float(config.merge_alpha),
+        quantize=config.quantize,
+        quantize_block_size=config.quantize_block_size,
+        transport=config.transport,
+        error_feedback=bool(config.error_feedback),
+        anchor_dtype=str(config.anchor_torch_dtype).removeprefix("torch."),
+        island_size=config.island_size,
+        outer_optimizer=[type(o.outer_optimizer).__name__ for o in outer_syncs],
+        outer_hyperparameters=[
+            plain_values(o.outer_optimizer.param_groups[0]) for o in outer_syncs
+        ],
+    )

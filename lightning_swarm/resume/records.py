@@ -1,0 +1,259 @@
+"""Typed records of a swarm checkpoint: what each owner hands over, and the format version.
+
+A save writes three kinds of payload, each a plain dict on disk (tensors, numbers, strings and
+plain containers, so ``torch.load(weights_only=True)`` reads it) built by ``to_dict`` and read
+back by ``from_dict`` here, never by string keys elsewhere:
+
+- ``SwarmRecord``: the small record in the Lightning file (``ckpt["swarm"]``), written last. It
+  names the save directory, holds the layout fingerprint, the options that shaped the outer
+  loop, and the size and checksum of every swarm file of the save.
+- ``AnchorsRecord`` (``anchors.pt``): every ``OuterSync.state_dict()``; global state.
+- ``IslandRecord`` (``island-NNNNN.pt``): one island's module state, inner optimizer states,
+  running totals and ``OuterSync.island_state_dict()``s.
+
+The ``OuterSync`` state dicts stay the outer loop's own format; ``outer_anchors`` and
+``pending_fragment`` are the only places that look inside them.
+
+Format history: 1 had no checksums and no options (still readable, unverified); 2 adds both.
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from lightning_swarm.checkpoint import SwarmCheckpointError
+
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+DIGEST_ALGORITHM = "xxh3_128"
+
+
+class RecordError(SwarmCheckpointError):
+    """A payload is not a swarm record of a readable format (the caller names the file)."""
+
+
+def check_format(payload: object, what: str) -> dict[str, Any]:
+    """``payload`` as a dict if it is a swarm record of a readable format."""
+    if not isinstance(payload, dict) or payload.get("format") not in READABLE_FORMATS:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise RecordError(
+            f"{what} is not lightning_swarm state of format {list(READABLE_FORMATS)} (found "
+            f"{found!r}); resume with the lightning_swarm version that wrote it."
+        )
+    return payload
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size and checksum of one swarm file, as written."""
+
+    num_bytes: int
+    digest: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.num_bytes, DIGEST_ALGORITHM: self.digest}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FileDigest:
+        return cls(int(data["bytes"]), str(data[DIGEST_ALGORITHM]))
+
+
+@dataclass(frozen=True)
+class OptionsRecord:
+    """The options that shape the outer loop, as the saving run had them.
+
+    ``outer_optimizer`` is the outer optimizer's class name; ``outer_hyperparameters`` its first
+    param group's plain-valued entries (lr, momentum, ...), one dict per optimizer.
+    """
+
+    sync_every: int
+    num_fragments: int
+    fragment_layout: Any
+    sync_delay: int
+    merge_alpha: float
+    quantize: str
+    quantize_block_size: int
+    transport: str
+    error_feedback: bool
+    anchor_dtype: str
+    island_size: int
+    outer_optimizer: list[str] = field(default_factory=list)
+    outer_hyperparameters: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OptionsRecord:
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+
+
+@dataclass(frozen=True)
+class SwarmRecord:
+    """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it.
+
+    ``files`` and ``options`` are ``None`` for format 1 (no checksums were written).
+    """
+
+    save_id: str
+    fingerprint: dict[str, Any]
+    anchor_dtype: str | None
+    outer_steps: list[int]
+    inner_steps: list[int]
+    files: dict[str, FileDigest] | None = None
+    options: OptionsRecord | None = None
+    format: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "save_id": self.save_id,
+            "fingerprint": self.fingerprint,
+            "anchor_dtype": self.anchor_dtype,
+            "outer_steps": list(self.outer_steps),
+            "inner_steps": list(self.inner_steps),
+            "files": None
+            if self.files is None
+            else {name: d.to_dict() for name, d in self.files.items()},
+            "options": None if self.options is None else self.options.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, payload: object, what: str) -> SwarmRecord:
+        data = check_format(payload, what)
+        files, options = data.get("files"), data.get("options")
+        return cls(
+            format=int(data["format"]),
+            save_id=str(data["save_id"]),
+            fingerprint=dict(data["fingerprint"]),
+            anchor_dtype=data.get("anchor_dtype"),
+            outer_steps=[int(s) for s in data["outer_steps"]],
+            inner_steps=[int(s) for s in data["inner_steps"]],
+            files=None
+            if files is None
+            else {str(n): FileDigest.from_dict(d) for n, d in files.items()},
+            options=None if options is None else OptionsRecord.from_dict(options),
+        )
+
+
+@dataclass(frozen=True)
+class AnchorsRecord:
+    """``anchors.pt``: one ``OuterSync.state_dict()`` per optimizer (global state)."""
+
+    save_id: str
+    outer: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, "save_id": self.save_id, "outer": self.outer}
+
+    @classmethod
+    def from_dict(cls, payload: object, what: str) -> AnchorsRecord:
+        data = check_format(payload, what)
+        return cls(save_id=str(data.get("save_id")), outer=list(data["outer"]))
+
+
+class Totals(Protocol):
+    """The running totals a strategy keeps of its outer syncs (``SwarmTotals``)."""
+
+    outer_steps: int
+    bytes_sent: int
+    bytes_received: int
+    sync_wall_s: float
+    inner_steps: int
+
+
+@dataclass(frozen=True)
+class TotalsRecord:
+    """This rank's running totals, so a resumed run's summaries continue where they stopped."""
+
+    outer_steps: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sync_wall_s: float = 0.0
+    inner_steps: int = 0
+
+    @classmethod
+    def of(cls, totals: Totals) -> TotalsRecord:
+        return cls(
+            outer_steps=totals.outer_steps,
+            bytes_sent=totals.bytes_sent,
+            bytes_received=totals.bytes_received,
+            sync_wall_s=totals.sync_wall_s,
+            inner_steps=totals.inner_steps,
+        )
+
+    def install(self, totals: Totals) -> None:
+        totals.outer_steps = self.outer_steps
+        totals.bytes_sent = self.bytes_sent
+        totals.bytes_received = self.bytes_received
+        totals.sync_wall_s = self.sync_wall_s
+        totals.inner_steps = self.inner_steps
+
+
+@dataclass(frozen=True)
+class IslandRecord:
+    """``island-NNNNN.pt``: one island's own state (differs between islands between syncs)."""
+
+    save_id: str
+    island: int
+    module: dict[str, Any]
+    optimizers: list[dict[str, Any]]
+    totals: TotalsRecord
+    outer_island: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "save_id": self.save_id,
+            "island": self.island,
+            "module": self.module,
+            "optimizers": self.optimizers,
+            "totals": asdict(self.totals),
+            # Error-feedback residuals differ per island, like the inner optimizer state.
+            "outer_island": self.outer_island,
+        }
+
+    @classmethod
+    def from_dict(cls, payload: object, what: str) -> IslandRecord:
+        data = check_format(payload, what)
+        totals = data.get("totals") or {}
+        known = TotalsRecord.__dataclass_fields__
+        return cls(
+            save_id=str(data.get("save_id")),
+            island=int(data["island"]),
+            module=dict(data["module"]),
+            optimizers=list(data["optimizers"]),
+            totals=TotalsRecord(**{k: v for k, v in totals.items() if k in known}),
+            outer_island=list(data.get("outer_island", [])),
+        )
+
+
+# -- inside OuterSync.state_dict() (the outer loop's format) ------------------------------------
+def outer_anchors(state: Mapping[str, Any]) -> Mapping[str, Tensor]:
+    """The anchors held by one ``OuterSync.state_dict()``."""
+    anchors: Mapping[str, Tensor] = state["anchors"]
+    return anchors
+
+
+def pending_fragment(state: Mapping[str, Any]) -> int | None:
+    """The fragment in flight in one ``OuterSync.state_dict()`` (``None`` if none)."""
+    pending = state.get("pending")
+    return None if pending is None else int(pending["fragment"])
+
+
+def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer param group's hyperparameters that are plain data (no params, no tensors)."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, bool | int | float | str) or value is None:
+            out[key] = value
+        elif isinstance(value, Sequence) and all(isinstance(v, int | float) for v in value):
+            out[key] = list(value)
+    return out

@@ -1,0 +1,301 @@
+"""Restoring a swarm checkpoint: check everything, agree on every rank, then install.
+
+``restore_swarm_state`` runs on every rank in the same order of collectives, failures included:
+
+1. sources: ``island_ckpt_paths`` fit the island count; the fingerprint and the options that
+   cannot change (``options.refuse_unusable``) match; this island's source is chosen;
+2. every rank agrees on the newest outer round among the islands' sources (catch-up target);
+3. files: each file this rank reads is checked against the size and checksum its record holds
+   (one chunked read, ``integrity``), loaded (mapped by default), and validated: island index,
+   module entries and shapes, optimizer count, anchors of every parameter's shape (once per
+   anchors file), finite anchors and island parameters;
+4. the ranks exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError``
+   on every rank, and nothing has been installed;
+5. install: module state, catch-up where the island is behind, inner optimizer states, outer
+   state, residuals, totals.
+
+Mapped anchors are adopted by ``OuterSync.load_state_dict``; the old anchors of a catch-up are
+dropped right after it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.algorithm.fragments import FragmentSchedule
+from lightning_swarm.checkpoint import (
+    ANCHORS_FILE,
+    SwarmCheckpointError,
+    compare_fingerprints,
+    island_file_name,
+    load_swarm_file,
+    require_local_path,
+    swarm_root,
+)
+from lightning_swarm.resume.host import Collectives, ResumeHost
+from lightning_swarm.resume.integrity import check_file, check_finite
+from lightning_swarm.resume.options import refuse_unusable
+from lightning_swarm.resume.records import (
+    AnchorsRecord,
+    IslandRecord,
+    SwarmRecord,
+    outer_anchors,
+    pending_fragment,
+)
+from lightning_swarm.resume.save import current_fingerprint
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one island's state comes from: a Lightning file and its swarm record."""
+
+    ckpt_path: Path
+    record: SwarmRecord
+
+    @property
+    def directory(self) -> Path:
+        return swarm_root(os.path.realpath(self.ckpt_path)) / self.record.save_id
+
+
+@dataclass
+class Loaded:
+    """Everything a rank installs, checked; ``legacy`` files were read eagerly."""
+
+    island: IslandRecord
+    own_anchors: AnchorsRecord
+    newest: AnchorsRecord
+    newest_rounds: list[int]
+    legacy: list[Path] = field(default_factory=list)
+
+
+def check_island_paths(paths: Mapping[int, Path], num_islands: int) -> None:
+    """``SwarmResume(island_ckpt_paths=...)`` may name only islands that exist."""
+    bad = sorted(i for i in paths if not 0 <= i < num_islands)
+    if bad:
+        raise SwarmCheckpointError(
+            f"SwarmResume(island_ckpt_paths=...) names island(s) {bad}, but this run has "
+            f"{num_islands} island(s), numbered 0 .. {num_islands - 1}; fix the keys of "
+            "island_ckpt_paths."
+        )
+
+
+def choose_source(host: ResumeHost, main: Source, island_paths: Mapping[int, Path]) -> Source:
+    """This island's source after checking ``main`` against this run (collective-free)."""
+    check_island_paths(island_paths, host.topology.num_islands)
+    compare_fingerprints(main.record.fingerprint, current_fingerprint(host))
+    if main.record.options is not None:
+        refuse_unusable(main.record.options, host.options)
+    island = host.topology.island_index
+    if island not in island_paths:
+        return main
+    path = require_local_path(island_paths[island], what="island_ckpt_paths entry")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise SwarmCheckpointError(
+            f"island {island}'s checkpoint {path} cannot be read ({err}); fix "
+            "island_ckpt_paths or resume that island from the main checkpoint."
+        ) from err
+    payload = ckpt.get("swarm") if isinstance(ckpt, dict) else None
+    if payload is None:
+        raise SwarmCheckpointError(
+            f"island {island}'s checkpoint {path} holds no swarm state; give "
+            "island_ckpt_paths a checkpoint written by SwarmStrategy."
+        )
+    record = SwarmRecord.from_dict(payload, f"the swarm record of {path}")
+    compare_fingerprints(record.fingerprint, current_fingerprint(host))
+    return Source(path, record)
+
+
+def newest_source(comm: Collectives, own: Source, main: Source) -> tuple[list[int], str]:
+    """The most advanced rounds among all islands' sources, and that source's path.
+
+    Ties go to the main checkpoint, so every rank picks the same source.
+    """
+    mine = (list(own.record.outer_steps), str(own.ckpt_path))
+    everyone = comm.all_gather_object(mine)
+    rounds, path = max(everyone, key=lambda item: (tuple(item[0]), item[1] == str(main.ckpt_path)))
+    return list(rounds), str(path)
+
+
+def load_sources(
+    host: ResumeHost, main: Source, own: Source, newest: tuple[list[int], str], use_mmap: bool
+) -> Loaded:
+    """Read, check and validate every file this rank installs from."""
+    island = host.topology.island_index
+    legacy: list[Path] = []
+    verify = host.anchors.verify
+
+    def read(source: Source, name: str) -> dict[str, Any]:
+        path = source.directory / name
+        files = source.record.files
+        if files is not None:
+            if name not in files:
+                raise SwarmCheckpointError(
+                    f"{source.ckpt_path} records no file {name}; the save is incomplete or the "
+                    "directory was mixed up. Resume from another checkpoint."
+                )
+            if path.is_file():
+                check_file(path, files[name], verify=verify)
+        payload, was_legacy = load_swarm_file(path, mmap=use_mmap)
+        if was_legacy:
+            legacy.append(path)
+        if payload.get("save_id") != source.record.save_id:
+            raise SwarmCheckpointError(
+                f"{path} belongs to another save than {source.ckpt_path}; the directory was "
+                "mixed up. Resume from another checkpoint."
+            )
+        return payload
+
+    island_path = own.directory / island_file_name(island)
+    island_state = IslandRecord.from_dict(read(own, island_file_name(island)), str(island_path))
+    own_anchors = AnchorsRecord.from_dict(read(own, ANCHORS_FILE), str(own.directory))
+    newest_rounds, newest_path = newest
+    newest_anchors = own_anchors
+    if newest_path != str(own.ckpt_path):
+        # Every island must reach the newest source (shared filesystem, as for ckpt_path).
+        if newest_path != str(main.ckpt_path):
+            raise SwarmCheckpointError(
+                f"the newest island state is in {newest_path}, which island {island} does "
+                "not know; pass the newest checkpoint as ckpt_path."
+            )
+        newest_anchors = AnchorsRecord.from_dict(read(main, ANCHORS_FILE), str(main.directory))
+    loaded = Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
+    validate(host, loaded, own.directory, main.directory)
+    if verify:
+        check_finite(island_state.module, source=island_path, what="the island's module state")
+    return loaded
+
+
+def validate(host: ResumeHost, loaded: Loaded, own_dir: Path, newest_dir: Path) -> None:
+    """Everything ``install`` relies on, so that it cannot fail half-way."""
+    index = host.topology.island_index
+    island = loaded.island
+    if island.island != index:
+        raise SwarmCheckpointError(
+            f"{own_dir / island_file_name(index)} says it holds island {island.island}, not "
+            f"{index}; the directory was tampered with. Resume from another checkpoint."
+        )
+    expected = {k: tuple(v.shape) for k, v in host.module.state_dict().items()}
+    saved = {k: tuple(v.shape) for k, v in island.module.items()}
+    if expected != saved:
+        differ = sorted(
+            k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k)
+        )
+        raise SwarmCheckpointError(
+            f"island {index}'s saved module state does not fit this model (entries {differ[:5]} "
+            "differ); resume with the model the checkpoint was written by."
+        )
+    if len(island.optimizers) != len(host.optimizers):
+        raise SwarmCheckpointError(
+            f"island {index}'s file holds {len(island.optimizers)} optimizer states, this run "
+            f"has {len(host.optimizers)} optimizers; use the same configure_optimizers."
+        )
+    anchor_sets = [(loaded.own_anchors, own_dir / ANCHORS_FILE)]
+    if loaded.newest is not loaded.own_anchors:
+        anchor_sets.append((loaded.newest, newest_dir / ANCHORS_FILE))
+    for record, path in anchor_sets:
+        _check_anchor_sets(host, record, path)
+    _check_round_in_flight(host, loaded.newest, newest_dir / ANCHORS_FILE)
+
+
+def _check_anchor_sets(host: ResumeHost, record: AnchorsRecord, path: Path) -> None:
+    if len(record.outer) != len(host.outer_syncs):
+        raise SwarmCheckpointError(
+            f"{path} holds {len(record.outer)} anchor sets for {len(host.outer_syncs)} "
+            "optimizers; resume from another checkpoint."
+        )
+    for outer, state in zip(host.outer_syncs, record.outer, strict=True):
+        anchors = outer_anchors(state)
+        for name, p in outer.params.items():
+            anchor = anchors.get(name)
+            if anchor is None or tuple(anchor.shape) != tuple(p.shape):
+                found = "no anchor" if anchor is None else f"shape {tuple(anchor.shape)}"
+                raise SwarmCheckpointError(
+                    f"{path}: parameter {name!r} (shape {tuple(p.shape)}) has {found}; the "
+                    "file is damaged or from another model. Resume from another checkpoint."
+                )
+        if host.anchors.verify:
+            check_finite(dict(anchors), source=path, what="the anchors")
+
+
+def _check_round_in_flight(host: ResumeHost, record: AnchorsRecord, path: Path) -> None:
+    """A saved round in flight must be one this run's schedule applies (else refuse now)."""
+    options = host.options
+    for index, state in enumerate(record.outer):
+        step = int(state["inner_steps"])
+        schedule = FragmentSchedule(
+            sync_every=options.sync_every,
+            num_fragments=options.num_fragments,
+            sync_delay=options.sync_delay,
+        )
+        expected = schedule.in_flight(step) if step else None
+        found = pending_fragment(state)
+        if found != expected:
+            raise SwarmCheckpointError(
+                f"{path}: optimizer {index} has fragment {found} in flight at inner step {step} "
+                f"but this run's schedule expects {expected}; resume with the sync_every, "
+                "num_fragments and sync_delay the checkpoint was written with."
+            )
+
+
+def install(host: ResumeHost, loaded: Loaded) -> list[int]:
+    """Install checked state on this rank; returns the optimizers caught up."""
+    host.module.load_state_dict(loaded.island.module, strict=True)
+    stale: list[int] = []
+    own_rounds = [int(s["outer_steps"]) for s in loaded.own_anchors.outer]
+    for index, outer in enumerate(host.outer_syncs):
+        if own_rounds[index] < loaded.newest_rounds[index]:
+            stale.append(index)
+            old = outer_anchors(loaded.own_anchors.outer[index])
+            new = outer_anchors(loaded.newest.outer[index])
+            for name, p in outer.params.items():
+                catch_up_(p.data, old[name], new[name])
+    # The old anchors were needed for the catch-up only.
+    loaded.own_anchors = AnchorsRecord(loaded.own_anchors.save_id, [])
+    for optimizer, state in zip(host.optimizers, loaded.island.optimizers, strict=True):
+        optimizer.load_state_dict(state)
+        _optimizer_to_device(optimizer, host.device)
+    for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
+        outer.load_state_dict(outer_state)
+    for outer, island_state in zip(host.outer_syncs, loaded.island.outer_island, strict=False):
+        outer.load_island_state_dict(island_state)
+    loaded.island.totals.install(host.totals)
+    return stale
+
+
+def _optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move an inner optimizer's state tensors to the module's device (``step`` stays put)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                state[key] = value.to(device)
+
+
+def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
+    """Run ``step`` on every rank; if it failed on any rank, raise on all of them."""
+    result: _T | None = None
+    error: str | None = None
+    try:
+        result = step()
+    except SwarmCheckpointError as err:
+        error = str(err)
+    except Exception as err:  # any failure must reach the other ranks, or they would hang
+        error = f"{type(err).__name__}: {err}"
+    errors = comm.all_gather_object(error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        where = "" if len(errors) == 1 else f"rank {rank}: "
+        raise SwarmCheckpointError(f"cannot resume the swarm state: {where}{message}")
+    assert result is not None
+    return result

@@ -1,0 +1,112 @@
+"""Saving a swarm checkpoint: every island's file, the anchors, then the record that names them.
+
+Collective (every rank calls ``save_swarm_state``, in the same order):
+1. global rank 0 removes ``<name>.swarm`` directories whose ``<name>`` was never written
+   (saves that crashed before their Lightning file), draws the ``save_id`` and broadcasts it;
+2. each island's first rank writes ``island-NNNNN.pt`` (``IslandRecord``); global rank 0 writes
+   ``anchors.pt`` (``AnchorsRecord``); each writer hashes what it wrote;
+3. the sizes and checksums are gathered, so every rank holds the same ``SwarmRecord``;
+4. barrier; the caller writes the Lightning file holding the record (last), then prunes older
+   save directories. Layout and atomicity: ``lightning_swarm.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from typing import Any
+
+from lightning_swarm.checkpoint import (
+    ANCHORS_FILE,
+    atomic_save,
+    island_file_name,
+    layout_fingerprint,
+    remove_orphan_saves,
+    require_local_path,
+    swarm_root,
+)
+from lightning_swarm.resume.host import ResumeHost
+from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.records import (
+    AnchorsRecord,
+    FileDigest,
+    IslandRecord,
+    SwarmRecord,
+    TotalsRecord,
+)
+
+log = logging.getLogger("lightning_swarm")
+
+
+def current_fingerprint(host: ResumeHost) -> dict[str, Any]:
+    """The layout a resume must match (see ``lightning_swarm.checkpoint.layout_fingerprint``).
+
+    Streaming DiLoCo adds its fragments and schedule: a round in flight is applied at
+    ``send_step + sync_delay`` to the fragment it was sent for, so a resume needs the same
+    fragments, ``sync_every`` and ``sync_delay``. Plain DiLoCo records ``None``.
+    """
+    options = host.options
+    fragments = None
+    if options.num_fragments > 1 or options.sync_delay > 0:
+        fragments = {
+            "sync_every": options.sync_every,
+            "sync_delay": options.sync_delay,
+            "layout": [o.fragments for o in host.outer_syncs],
+        }
+    return layout_fingerprint(
+        host.topology.num_islands, [o.params for o in host.outer_syncs], fragments
+    )
+
+
+def save_swarm_state(host: ResumeHost, checkpoint: dict[str, Any], filepath: Any) -> str:
+    """Write this rank's share of the swarm state and put the record in ``checkpoint["swarm"]``.
+
+    Returns the save id; the caller writes the Lightning file and then prunes older saves.
+    """
+    comm = host.collectives
+    root = swarm_root(require_local_path(filepath, what="checkpoint path"))
+    if comm.rank == 0:
+        for orphan in remove_orphan_saves(root.parent, keep=root):
+            log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
+    save_id = str(comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else ""))
+    directory = root / save_id
+    topology, outers = host.topology, host.outer_syncs
+    written: dict[str, FileDigest] = {}
+    if topology.local_index == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        island = IslandRecord(
+            save_id=save_id,
+            island=topology.island_index,
+            module=host.module.state_dict(),
+            optimizers=[opt.state_dict() for opt in host.optimizers],
+            totals=TotalsRecord.of(host.totals),
+            outer_island=[o.island_state_dict() for o in outers],
+        )
+        name = island_file_name(topology.island_index)
+        atomic_save(island.to_dict(), directory / name)
+        written[name] = file_digest(directory / name)
+        if comm.rank == 0:
+            anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
+            atomic_save(anchors.to_dict(), directory / ANCHORS_FILE)
+            written[ANCHORS_FILE] = file_digest(directory / ANCHORS_FILE)
+    files: dict[str, FileDigest] = {}
+    for part in comm.all_gather_object(written):
+        files.update(part)
+    record = SwarmRecord(
+        save_id=save_id,
+        fingerprint=current_fingerprint(host),
+        anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
+        outer_steps=[o.outer_steps for o in outers],
+        inner_steps=[o.inner_steps for o in outers],
+        files=dict(sorted(files.items())),
+        options=host.options,
+    )
+    comm.barrier("swarm_save")
+    checkpoint["swarm"] = record.to_dict()
+    return save_id
+
+
+def remove_swarm_state(filepath: Any) -> None:
+    """Delete the swarm directory of a Lightning checkpoint (ModelCheckpoint's top-k pruning)."""
+    shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
