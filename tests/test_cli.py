@@ -13,7 +13,8 @@ import hydra
 import pytest
 from hydra.errors import ConfigCompositionException
 from lightning.pytorch.callbacks import LearningRateMonitor
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.cli import CONF_DIR, build, format_summary
@@ -24,10 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def compose(tmp_path: Path) -> Iterator:
     def _compose(*overrides: str) -> DictConfig:
-        paths = [f"trainer.default_root_dir={tmp_path}"]
-        cfg = hydra.compose("train", overrides=[*paths, *overrides])
-        if cfg.get("logger"):
-            cfg.logger.save_dir = str(tmp_path)
+        # As a run would: ${hydra:runtime.output_dir} (logger, checkpoint folder) is tmp_path.
+        paths = [f"hydra.runtime.output_dir={tmp_path}"]
+        cfg = hydra.compose("train", overrides=[*paths, *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
         return cfg
 
     with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
