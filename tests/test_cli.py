@@ -11,9 +11,9 @@ from pathlib import Path
 
 import hydra
 import pytest
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from lightning.pytorch.callbacks import LearningRateMonitor
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
