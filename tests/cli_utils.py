@@ -30,12 +30,17 @@ def tree_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
+def run_in(cwd: Path, cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` from ``cwd`` with this checkout first on the path, capturing its output."""
+    return subprocess.run(
+        cmd, cwd=cwd, env=tree_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def swarm_train(
     run_dir: Path, *overrides: str, timeout: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """``python -m lightning_swarm.cli <overrides> hydra.run.dir=<run_dir>`` from ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "lightning_swarm.cli", *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(
-        cmd, cwd=run_dir, env=tree_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_in(run_dir, cmd, timeout)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli_utils import ROOT, TINY, tree_env
+from tests.cli_utils import ROOT, TINY, run_in
 
 FENCE = re.compile(r"```(\w+)\n(.*?)```", re.DOTALL)
 TESTED = re.compile(r"<!-- tested -->\n```bash\n(.*?)```", re.DOTALL)
@@ -29,14 +28,7 @@ def test_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     assert "model" not in re.findall(r"fit\((\w+)", snippet)  # no undefined names to fill in
     script = tmp_path / "train.py"
     script.write_text(snippet)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=tree_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_in(tmp_path, [sys.executable, str(script)])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "outer steps: 2" in done.stdout  # max_steps=20, sync_every=10
 
@@ -69,14 +61,7 @@ def test_launch_guide_command_runs(tmp_path: Path, index: int) -> None:
     }[words[0]]
     if "hydra.run.dir" not in " ".join(words):
         words.append(f"hydra.run.dir={tmp_path / 'run'}")
-    done = subprocess.run(
-        [*program, *words[1:], *SHORT],
-        cwd=tmp_path,
-        env=tree_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_in(tmp_path, [*program, *words[1:], *SHORT], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
