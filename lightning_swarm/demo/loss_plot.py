@@ -94,7 +94,7 @@ def write_loss_png(curves: LossCurves, path: Path) -> str:
         smooth = _moving_average(list(losses), window=max(1, len(losses) // 60))
         ax.plot(steps, smooth, linewidth=1.2, color="C0", label="train loss (island 0)")
     if curves.val:
-        ax.plot(*zip(*curves.val, strict=True), "o-", label="validation loss")
+        ax.plot(*zip(*curves.val, strict=True), "o-", color="C1", label="validation loss")
     ax.set_xlabel("inner step")
     ax.set_ylabel("loss")
     ax.set_title("lightning_swarm main job")
