@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
+import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.cli import CONF_DIR, Run, build, format_summary
+from tests.helpers import QUIET, TinyRegressor, regression_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,3 +253,40 @@ def test_loss_plot_without_matplotlib_says_how_to_get_it(
         "pip install 'lightning-swarm[plots]' to get the loss plot."
     )
     assert not (tmp_path / "loss.png").exists()
+
+
+class _ValidatedRegressor(TinyRegressor):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_loss_history_records_every_step_the_validations_and_the_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_swarm.demo import loss_plot
+
+    monkeypatch.setattr(loss_plot, "_FLUSH_EVERY", 2)  # several batched reads in 7 steps
+    history = loss_plot.LossHistory()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SwarmStrategy(sync_every=3),  # popen at one process: this process trains
+        max_steps=7,
+        val_check_interval=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,  # sanity checks are not validation results
+        callbacks=[history],
+        **QUIET,
+    )
+    try:
+        trainer.fit(_ValidatedRegressor(), regression_data(), regression_data(num=16, seed=1))
+    finally:
+        if torch.distributed.is_initialized():  # Lightning leaves an in-process group up
+            torch.distributed.destroy_process_group()
+    curves = history.curves
+    assert [step for step, _ in curves.train] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(loss > 0 for _, loss in curves.train)
+    assert curves.rounds == [3, 6]
+    assert [step for step, _ in curves.val] == [4]
+    assert curves.val[0][1] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1)

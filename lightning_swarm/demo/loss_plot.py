@@ -4,8 +4,9 @@
 returned (island 0's first rank: islands differ between rounds, so this is one island's view),
 the ``val_loss`` Lightning holds after each validation, and the steps at which the strategy's
 outer-step counter moved (a round finished there). The lists live as long as the callback and
-grow by one float per step. ``write_loss_png`` draws them with matplotlib, an optional extra:
-without it, it returns a one-line message saying how to get the plot and writes nothing.
+grow by one float per step (read from the device in batches, not every step). ``write_loss_png``
+draws them with matplotlib, an optional extra: without it, it returns a one-line message saying
+how to get the plot and writes nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 from typing_extensions import override
+
+_FLUSH_EVERY = 256  # steps between host reads of the recorded losses
 
 PLOT_EXTRA_HINT = (
     "loss.png not written: matplotlib is not installed; "
@@ -44,6 +49,16 @@ class LossHistory(Callback):
     def __init__(self) -> None:
         self.curves = LossCurves()
         self._last_outer: int | None = None
+        # Losses still on their device: reading one per step (float()) would stall a GPU run
+        # on a host sync every step, so they are read in batches (one sync per flush).
+        self._pending: list[tuple[int, Tensor]] = []
+
+    def _flush(self) -> None:
+        if self._pending:
+            steps, losses = zip(*self._pending, strict=True)
+            values = torch.stack(losses).float().cpu().tolist()
+            self.curves.train.extend(zip(steps, values, strict=True))
+            self._pending.clear()
 
     @override
     def on_train_batch_end(
@@ -53,15 +68,22 @@ class LossHistory(Callback):
         if not trainer.is_global_zero:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.curves.train.append((trainer.global_step, float(loss)))
+        if isinstance(loss, Tensor):
+            self._pending.append((trainer.global_step, loss.detach().reshape(())))
+            if len(self._pending) >= _FLUSH_EVERY:
+                self._flush()
         outer = _outer_steps(trainer)
         if outer is not None and self._last_outer is not None and outer > self._last_outer:
             self.curves.rounds.append(trainer.global_step)
         self._last_outer = outer
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
         value = trainer.callback_metrics.get("val_loss")
         if trainer.is_global_zero and value is not None and not trainer.sanity_checking:
             self.curves.val.append((trainer.global_step, float(value)))
