@@ -102,8 +102,9 @@ def check_islands(accelerator: str, devices: Any, num_nodes: int, island_size: i
         IslandTopology(world_size=per_node * num_nodes, island_size=island_size, global_rank=0)
     except ValueError as err:
         raise ValueError(
-            f"{err} Here trainer.devices={devices!r} means {per_node} process(es) per node on "
-            f"the {check_accelerator(accelerator)} accelerator, and trainer.num_nodes={num_nodes}."
+            f"strategy.{err} Here trainer.devices={devices!r} means {per_node} process(es) per "
+            f"node on the {check_accelerator(accelerator)} accelerator, and "
+            f"trainer.num_nodes={num_nodes}."
         ) from err
 
 

@@ -205,7 +205,7 @@ def test_gpu_trainer_without_a_gpu_says_so(compose) -> None:
         # "auto" on the CPU is one process, as Lightning resolves it
         (
             "auto",
-            r"island_size=2 does not divide the world size 1 .*with one rank the only "
+            r"strategy.island_size=2 does not divide the world size 1 .*with one rank the only "
             r"island_size is 1.*trainer.devices=2.*trainer.devices='auto' means 1 process",
         ),
         ("-1", r"trainer.devices=-1 is not valid on the cpu accelerator: give a count"),
