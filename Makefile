@@ -1,6 +1,9 @@
 # Two entry points, each doing its own set-up in a local virtual environment:
-#   make train   -> installs the package and runs the main job (2 islands on CPU, ~2 min)
-#   make test    -> installs the package with dev tools, runs lint, type check and tests
+#   make train   -> installs the package (with the plots extra: loss.png) and runs the main job
+#                   (2 islands on CPU, ~2 min)
+#   make test    -> installs the package with the dev extra (every optional feature the tests
+#                   exercise, the tools, setuptools for the offline wheel test), runs lint,
+#                   type check and tests
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -11,7 +14,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 install: $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[plots]'
 
 dev: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'

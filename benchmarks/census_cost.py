@@ -9,8 +9,9 @@ ones, so every page is resident anonymous memory), then times:
   ``smaps_every_n_steps`` steps, shown beside it so its growth with resident memory is visible.
 
 For the "< 1% of a training step" target, the same run times the main job's inner step
-(``conf/model/gpt.yaml`` + ``conf/data/stdlib.yaml`` shapes: byte-level GPT, 4 layers, 128 wide,
-batch 16 x 128 tokens, AdamW, one thread as each of the two CPU ranks gets) on random bytes.
+(``lightning_swarm/conf/model/gpt.yaml`` + ``.../data/stdlib.yaml`` shapes: byte-level GPT,
+4 layers, 128 wide, batch 16 x 128 tokens, AdamW, one thread as each of the two CPU ranks
+gets) on random bytes.
 
 Sizes run one after another and the memory is freed before the next; a size is skipped (and
 said so) when MemAvailable leaves less than 2 GiB of headroom, since the machine is shared.

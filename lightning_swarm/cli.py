@@ -1,9 +1,15 @@
-"""The Hydra app: compose a run from ``conf/`` and train it.
+"""The Hydra app: compose a run from the package's ``conf/`` and train it.
 
 ``swarm-train trainer.devices=4 strategy.sync_every=50 strategy.island_size=2`` (or
-``python -m lightning_swarm.cli ...``) reads ``conf/train.yaml`` and its groups (trainer,
-strategy, model, data, callbacks, logger), validates the strategy options before any process
-starts, trains, and prints a summary on global rank 0.
+``python -m lightning_swarm.cli ...``) reads ``lightning_swarm/conf/train.yaml`` (shipped inside
+the package, so an installed wheel finds it) and its groups (trainer, strategy, model, data,
+callbacks, logger), validates the options before any process starts (``cli_checks``), trains,
+and on global rank 0 prints a summary and writes ``summary.json`` and ``loss.png`` into the run
+directory.
+
+Every ``instantiate`` converts OmegaConf containers to plain Python (``_convert_="all"``) and
+the module's and datamodule's hyper-parameters are made plain once more before fit, so no
+OmegaConf object reaches a checkpoint (Lightning's weights-only load refuses them).
 
 Structured configs: ``register_configs()`` stores the strategy schema (``SwarmStrategyConf``,
 whose fields are ``SwarmConfig``'s plus the outer optimizer and launch options) in Hydra's
@@ -25,15 +31,23 @@ import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor
-from omegaconf import DictConfig, OmegaConf
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from omegaconf import DictConfig
 
 from lightning_swarm.callbacks import HostMemoryCensus
+from lightning_swarm.cli_checks import (
+    check_accelerator,
+    check_islands,
+    make_hparams_plain,
+    plain,
+    resolve_ckpt_path,
+)
 from lightning_swarm.config import SwarmConfig
+from lightning_swarm.demo.loss_plot import LossHistory, write_loss_png
 from lightning_swarm.strategy import SwarmStrategy
-from lightning_swarm.topology import IslandTopology
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# The one copy of the YAML: inside the package, so that a wheel ships it (package data).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def _default_outer_optimizer() -> dict[str, Any]:
@@ -70,36 +84,53 @@ class Run:
     trainer: pl.Trainer
     model: pl.LightningModule
     datamodule: pl.LightningDataModule
+    ckpt_path: str | None = None
+    loss_history: LossHistory | None = None
 
 
 def build(cfg: DictConfig) -> Run:
     """Instantiate everything a run needs; raises ValueError on a bad option, before training."""
+    trainer_options = plain(cfg.trainer)
+    check_accelerator(trainer_options.get("accelerator", "auto"))
     strategy = instantiate(cfg.strategy, _convert_="all")
     if isinstance(strategy, SwarmStrategy):
-        devices, num_nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
-        if isinstance(devices, int):
-            # Fails here, in the launching process, instead of once per rank after the launch.
-            IslandTopology(
-                world_size=devices * num_nodes,
-                island_size=strategy.config.island_size,
-                global_rank=0,
-            )
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+        # Fails here, in the launching process, instead of once per rank after the launch.
+        check_islands(
+            trainer_options.get("accelerator", "auto"),
+            trainer_options.get("devices", "auto"),
+            trainer_options.get("num_nodes", 1),
+            strategy.config.island_size,
+        )
+    callbacks = [
+        instantiate(c, _convert_="all")
+        for c in (cfg.get("callbacks") or {}).values()
+        if c is not None
+    ]
     census = cfg.get("census")
     has_census = any(isinstance(c, HostMemoryCensus) for c in callbacks)
     if census is not None and census.enabled and not has_census:
-        options = {str(k): v for k, v in census.items() if k != "enabled"}
+        options = {str(k): plain(v) for k, v in census.items() if k != "enabled"}
         callbacks.append(HostMemoryCensus(**options))
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    logger = instantiate(cfg.logger, _convert_="all") if cfg.get("logger") else False
     if logger is False:
         callbacks = _without_logger_callbacks(callbacks)
+    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        # A ModelCheckpoint in the callbacks group is the request to checkpoint; Lightning
+        # would otherwise refuse it next to the trainer files' enable_checkpointing: false.
+        trainer_options["enable_checkpointing"] = True
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.get("run_dir"), callbacks)
+    loss_history = LossHistory()
     trainer = pl.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
+        **trainer_options,
         strategy=strategy,
-        callbacks=callbacks,
+        callbacks=[*callbacks, loss_history],
         logger=logger,
     )
-    return Run(trainer=trainer, model=instantiate(cfg.model), datamodule=instantiate(cfg.data))
+    model = instantiate(cfg.model, _convert_="all")
+    datamodule = instantiate(cfg.data, _convert_="all")
+    for part in (model, datamodule):
+        make_hparams_plain(part.hparams)
+    return Run(trainer, model, datamodule, ckpt_path=ckpt_path, loss_history=loss_history)
 
 
 def _without_logger_callbacks(callbacks: list[Any]) -> list[Any]:
@@ -152,16 +183,21 @@ def format_summary(summary: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: DictConfig, summary_path: Path | None = None) -> dict[str, float]:
-    """Train the composed run; global rank 0 prints the summary and writes it as JSON."""
+def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
+    """Train the composed run; global rank 0 prints the summary and, when ``run_dir`` is
+    given, writes ``summary.json`` and ``loss.png`` there."""
     pl.seed_everything(cfg.seed, workers=True)
     job = build(cfg)
-    job.trainer.fit(job.model, job.datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if job.ckpt_path is not None and job.trainer.is_global_zero:
+        print(f"resuming from {job.ckpt_path}", flush=True)
+    job.trainer.fit(job.model, job.datamodule, ckpt_path=job.ckpt_path)
     summary = summarize(job)
     if job.trainer.is_global_zero:
         print(format_summary(summary), flush=True)
-        if summary_path is not None:
-            summary_path.write_text(json.dumps(summary, indent=1))
+        if run_dir is not None:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            if job.loss_history is not None:
+                print(write_loss_png(job.loss_history.curves, run_dir / "loss.png"), flush=True)
     return summary
 
 
@@ -170,7 +206,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg, summary_path=Path(HydraConfig.get().runtime.output_dir) / "summary.json")
+    run(cfg, run_dir=Path(HydraConfig.get().runtime.output_dir))
 
 
 def main() -> None:

@@ -40,11 +40,24 @@ class IslandTopology:
         if self.world_size % self.island_size != 0:
             raise ValueError(
                 f"island_size={self.island_size} does not divide the world size "
-                f"{self.world_size} (devices x num_nodes); choose an island_size that divides it, "
-                f"for example {self.world_size} (one island) or 1 (one island per rank)."
+                f"{self.world_size} (devices x num_nodes); {self._divisor_hint()}"
             )
         if not 0 <= self.global_rank < self.world_size:
             raise ValueError(f"global_rank {self.global_rank} outside world of {self.world_size}")
+
+    def _divisor_hint(self) -> str:
+        if self.world_size == 1:
+            # The only divisor of 1 is 1: suggesting "1 or 1" helps nobody.
+            return (
+                "with one rank the only island_size is 1; for islands of "
+                f"{self.island_size} ranks launch a multiple of {self.island_size} ranks "
+                f"(e.g. trainer.devices={self.island_size})."
+            )
+        divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+        return (
+            f"choose one of {divisors} (1 = one island per rank, {self.world_size} = one "
+            "island), or launch a multiple of island_size ranks."
+        )
 
     @property
     def num_islands(self) -> int:

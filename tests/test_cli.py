@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -10,13 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
+import lightning.pytorch as pl
 import pytest
-from hydra.errors import ConfigCompositionException
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from lightning.pytorch.callbacks import LearningRateMonitor
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.cli import CONF_DIR, build, format_summary
+from lightning_swarm.cli import CONF_DIR, Run, build, format_summary
+from tests.helpers import QUIET, TinyRegressor, regression_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def compose(tmp_path: Path) -> Iterator:
     def _compose(*overrides: str) -> DictConfig:
-        paths = [f"trainer.default_root_dir={tmp_path}"]
-        cfg = hydra.compose("train", overrides=[*paths, *overrides])
-        if cfg.get("logger"):
-            cfg.logger.save_dir = str(tmp_path)
+        # As a run would: ${hydra:runtime.output_dir} (logger, checkpoint folder) is tmp_path.
+        paths = [f"hydra.runtime.output_dir={tmp_path}"]
+        cfg = hydra.compose("train", overrides=[*paths, *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
         return cfg
 
     with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -57,10 +64,25 @@ def test_every_combination_instantiates(
     else:
         assert len(lr_monitors) == (callbacks != "none")
     assert run.trainer.max_steps == cfg.trainer.max_steps
+    _assert_loads_weights_only(run)
     assert (run.trainer.logger is None) == (logger == "none")
     if strategy != "ddp":
         assert isinstance(run.trainer.strategy, SwarmStrategy)
         assert run.trainer.strategy.config.sync_every == cfg.strategy.sync_every
+
+
+def _assert_loads_weights_only(run: Run) -> None:
+    """What a checkpoint takes from the run (hyper-parameters, callback states) loads back
+    under torch's weights-only unpickler: no OmegaConf container slipped into it."""
+    saved = {
+        "model": dict(run.model.hparams),
+        "data": dict(run.datamodule.hparams),
+        "callbacks": [c.state_dict() for c in run.trainer.callbacks],  # type: ignore[attr-defined]
+    }
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == saved
 
 
 @pytest.mark.parametrize("trainer", _options("trainer"))
@@ -145,6 +167,10 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert "DDP / swarm traffic ratio                3.0x" in done.stdout
+    # the picture: train loss every step, validation at step 6, rounds at steps 3 and 6
+    assert f"loss plot written to {tmp_path / 'loss.png'}" in done.stdout
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 @pytest.mark.parametrize(
@@ -163,3 +189,104 @@ def test_census_switches_add_one_census(compose, overrides: list[str]) -> None:
 def test_census_bad_value_names_the_option(compose) -> None:
     with pytest.raises(ValueError, match="every_n_steps"):
         build(compose("census.enabled=true", "census.every_n_steps=0"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPU")
+def test_gpu_trainer_without_a_gpu_says_so(compose) -> None:
+    with pytest.raises(ValueError, match="no GPU was found on this machine") as info:
+        build(compose("trainer=gpu"))
+    assert "trainer=cpu" in str(info.value)
+    assert "No supported gpu backend" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        # "auto" on the CPU is one process, as Lightning resolves it
+        (
+            "auto",
+            r"strategy.island_size=2 does not divide the world size 1 .*with one rank the only "
+            r"island_size is 1.*trainer.devices=2.*trainer.devices='auto' means 1 process",
+        ),
+        ("-1", r"trainer.devices=-1 is not valid on the cpu accelerator: give a count"),
+        ("3", r"world size 3 .*choose one of \[1, 3\]"),
+    ],
+)
+def test_devices_are_resolved_before_the_island_check(compose, devices: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        build(compose(f"trainer.devices={devices}", "strategy.island_size=2"))
+    assert "1 (one island) or 1" not in str(info.value)
+
+
+def test_devices_auto_with_islands_of_one_builds(compose) -> None:
+    run = build(compose("trainer.devices=auto"))
+    assert run.trainer.world_size == 1
+
+
+def test_quoted_checkpoint_path_with_equals_composes(compose) -> None:
+    # Lightning names checkpoints epoch=0-step=8.ckpt; Hydra needs the value quoted.
+    cfg = compose("ckpt_path='outputs/run/checkpoints/epoch=0-step=8.ckpt'")
+    assert cfg.ckpt_path == "outputs/run/checkpoints/epoch=0-step=8.ckpt"
+    with pytest.raises(OverrideParseException, match="mismatched input '='"):
+        compose("ckpt_path=outputs/run/checkpoints/epoch=0-step=8.ckpt")
+
+
+def test_tensorboard_logger_writes_into_the_run_dir(compose, tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = build(compose("logger=tensorboard")).trainer.logger
+    assert isinstance(logger, TensorBoardLogger)
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.finalize("success")
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_loss_plot_without_matplotlib_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_swarm.demo.loss_plot import LossCurves, write_loss_png
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    line = write_loss_png(LossCurves(train=[(1, 2.0)]), tmp_path / "loss.png")
+    assert line == (
+        "loss.png not written: matplotlib is not installed; "
+        "pip install 'lightning-swarm[plots]' to get the loss plot."
+    )
+    assert not (tmp_path / "loss.png").exists()
+
+
+class _ValidatedRegressor(TinyRegressor):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_loss_history_records_every_step_the_validations_and_the_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_swarm.demo import loss_plot
+
+    monkeypatch.setattr(loss_plot, "_FLUSH_EVERY", 2)  # several batched reads in 7 steps
+    history = loss_plot.LossHistory()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SwarmStrategy(sync_every=3),  # popen at one process: this process trains
+        max_steps=7,
+        val_check_interval=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,  # sanity checks are not validation results
+        callbacks=[history],
+        **QUIET,
+    )
+    try:
+        trainer.fit(_ValidatedRegressor(), regression_data(), regression_data(num=16, seed=1))
+    finally:
+        if torch.distributed.is_initialized():  # Lightning leaves an in-process group up
+            torch.distributed.destroy_process_group()
+    curves = history.curves
+    assert [step for step, _ in curves.train] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(loss > 0 for _, loss in curves.train)
+    assert curves.rounds == [3, 6]
+    assert [step for step, _ in curves.val] == [4]
+    assert curves.val[0][1] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1)

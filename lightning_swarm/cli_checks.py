@@ -1,0 +1,153 @@
+"""What the Hydra app settles before any process starts: accelerator, devices, checkpoint path.
+
+Each function turns a composed option into the concrete value Lightning will use, or raises a
+``ValueError`` that names the option and the fix, in the launching process, instead of once per
+rank after the launch (or, for ``ckpt_path=last``, instead of Lightning's silent fresh start).
+
+Also the guard that keeps OmegaConf containers out of checkpoints: Lightning's weights-only load
+refuses a checkpoint that pickled a ``ListConfig`` or ``DictConfig``, so every value that can
+reach one (hyper-parameters saved by ``save_hyperparameters``) is turned into plain Python here.
+Lightning glue: imports lightning, holds no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import Container, OmegaConf
+
+from lightning_swarm.topology import IslandTopology
+
+LAST = "last"
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every OmegaConf container (at any depth) turned into dicts and lists."""
+    if isinstance(value, Container):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
+def make_hparams_plain(hparams: MutableMapping[str, Any]) -> None:
+    """Replace, in place, every hyper-parameter that holds an OmegaConf container."""
+    for key, value in list(hparams.items()):
+        hparams[key] = plain(value)
+
+
+def check_accelerator(accelerator: str) -> str:
+    """The accelerator Lightning will pick for ``accelerator`` ("gpu" -> "cuda" or "mps").
+
+    Raises:
+        ValueError: a GPU accelerator was asked for on a machine where torch sees none.
+    """
+    name = str(accelerator).lower()
+    if name == "auto":
+        if CUDAAccelerator.is_available():
+            return "cuda"
+        return "mps" if MPSAccelerator.is_available() else "cpu"
+    if name in ("gpu", "cuda", "mps"):
+        found = [
+            backend  # Lightning's order for "gpu": MPS first, then CUDA
+            for backend, cls in (("mps", MPSAccelerator), ("cuda", CUDAAccelerator))
+            if name in ("gpu", backend) and cls.is_available()
+        ]
+        if found:
+            return found[0]
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"trainer.accelerator={accelerator!r}, but no GPU was found on this machine (torch "
+            f"{torch.__version__}, {build}, sees no CUDA or MPS device). Train on the CPU with "
+            "trainer=cpu, or run where a GPU and a CUDA build of torch are installed."
+        )
+    return name
+
+
+def resolve_devices(accelerator: str, devices: Any) -> int:
+    """How many processes per node Lightning starts for ``trainer.devices`` on ``accelerator``.
+
+    ``"auto"`` becomes the accelerator's device count (1 on the CPU, every GPU on CUDA), ``-1``
+    every GPU; lists and "0,1" strings count their entries, as Lightning parses them.
+    """
+    name = check_accelerator(accelerator)
+    if name not in AcceleratorRegistry:
+        return devices if isinstance(devices, int) and devices > 0 else 1
+    accelerator_cls = type(AcceleratorRegistry.get(name))
+    if devices == "auto":
+        return int(accelerator_cls.auto_device_count())
+    try:
+        parsed = accelerator_cls.parse_devices(plain(devices))
+        return len(accelerator_cls.get_parallel_devices(parsed))
+    except Exception as err:  # Lightning raises TypeError or MisconfigurationException
+        hint = "a count of processes > 0, e.g. trainer.devices=2"
+        if name != "cpu":
+            hint += ", a list of GPU indices, -1 (every GPU) or auto"
+        raise ValueError(
+            f"trainer.devices={devices!r} is not valid on the {name} accelerator: give {hint}."
+        ) from err
+
+
+def check_islands(accelerator: str, devices: Any, num_nodes: int, island_size: int) -> None:
+    """Fail now, with the resolved world size, when ``island_size`` does not divide it."""
+    per_node = resolve_devices(accelerator, devices)
+    try:
+        IslandTopology(world_size=per_node * num_nodes, island_size=island_size, global_rank=0)
+    except ValueError as err:
+        raise ValueError(
+            f"strategy.{err} Here trainer.devices={devices!r} means {per_node} process(es) per "
+            f"node on the {check_accelerator(accelerator)} accelerator, and "
+            f"trainer.num_nodes={num_nodes}."
+        ) from err
+
+
+def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
+    """The folders the run's ModelCheckpoint callbacks write to (those with a dirpath set)."""
+    return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+
+
+def resolve_ckpt_path(
+    ckpt_path: str | None, run_dir: str | None, callbacks: list[Any]
+) -> str | None:
+    """The checkpoint ``trainer.fit`` resumes from.
+
+    ``ckpt_path=last`` means the newest ``*.ckpt`` (by modification time, then name) anywhere
+    under ``run_dir`` when it is given, else under the run's ModelCheckpoint folders. Any other
+    value is a path and is returned unchanged (Lightning reports a missing file).
+
+    Raises:
+        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked.
+    """
+    if ckpt_path != LAST:
+        return ckpt_path
+    if run_dir is not None:
+        places = [Path(run_dir)]
+        if not places[0].is_dir():
+            raise ValueError(
+                f"ckpt_path=last: run_dir={run_dir!r} is not a folder; give the run directory "
+                "of the run to resume (e.g. run_dir=outputs/2026-12-01/10-00-00)."
+            )
+    else:
+        places = checkpoint_dirs(callbacks)
+        if not places:
+            raise ValueError(
+                "ckpt_path=last needs a place to look: add run_dir=<the run directory of the "
+                "run to resume>, or train with a ModelCheckpoint that has a dirpath "
+                "(callbacks=checkpoint)."
+            )
+    found = [p for place in places if place.is_dir() for p in place.rglob("*.ckpt") if p.is_file()]
+    if not found:
+        where = ", ".join(str(p) for p in places)
+        raise ValueError(
+            f"ckpt_path=last found no *.ckpt file under {where}; check the folder, or train "
+            "with callbacks=checkpoint to write checkpoints there."
+        )
+    newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    return str(newest.resolve())

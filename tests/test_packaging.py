@@ -1,0 +1,137 @@
+"""The package as a user gets it: the wheel (with its configs), the public names, no cycles."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.cli_utils import ROOT, TINY
+
+PUBLIC = [
+    "HostMemoryCensus",
+    "NonFinitePseudoGradientError",
+    "SwarmCheckpointError",
+    "SwarmResume",
+    "SwarmRoundError",
+    "SwarmStrategy",
+    "SyncWorkerError",
+]
+
+
+def test_public_names_are_the_classes_where_they_live() -> None:
+    import lightning_swarm
+    from lightning_swarm.callbacks import HostMemoryCensus, SwarmResume
+    from lightning_swarm.checkpoint import SwarmCheckpointError
+    from lightning_swarm.strategy import SwarmStrategy
+    from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+    from lightning_swarm.transport.swarm import SwarmRoundError
+    from lightning_swarm.transport.worker import SyncWorkerError
+
+    where = {
+        "HostMemoryCensus": HostMemoryCensus,
+        "NonFinitePseudoGradientError": NonFinitePseudoGradientError,
+        "SwarmCheckpointError": SwarmCheckpointError,
+        "SwarmResume": SwarmResume,
+        "SwarmRoundError": SwarmRoundError,
+        "SwarmStrategy": SwarmStrategy,
+        "SyncWorkerError": SyncWorkerError,
+    }
+    assert set(PUBLIC) <= set(lightning_swarm.__all__)
+    for name, cls in where.items():
+        assert getattr(lightning_swarm, name) is cls
+    for name in PUBLIC:
+        assert issubclass(getattr(lightning_swarm, name), Exception) == name.endswith("Error")
+
+
+@pytest.mark.parametrize(
+    "first",
+    ["lightning_swarm.callbacks.census", "lightning_swarm.callbacks.resume"],
+)
+def test_public_import_after_any_first_import(first: str) -> None:
+    # A fresh interpreter: which module is imported first decides whether a cycle bites.
+    code = f"import {first}\nfrom lightning_swarm import {', '.join(PUBLIC)}\nprint('ok')"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    """Build the wheel offline from a copy of what it is built from (the checkout stays clean)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(
+        ROOT / "lightning_swarm",
+        src / "lightning_swarm",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "-q", "-w", str(dist), str(src)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = dist.glob("lightning_swarm-*.whl")
+    return wheel
+
+
+def _fresh_venv(tmp_path: Path) -> Path:
+    """A new virtual environment that sees this interpreter's packages through a .pth file
+    (plain path lines: the .pth files in there, such as an editable install of this checkout,
+    are not run), so installing needs no network."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    (Path(site) / "outer_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv
+
+
+def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_path: Path) -> None:
+    wheel = _build_wheel(tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lightning_swarm/py.typed" in names
+    assert "lightning_swarm/conf/train.yaml" in names
+    assert "lightning_swarm/conf/strategy/swarm.yaml" in names
+
+    venv = _fresh_venv(tmp_path)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+         "--no-index", "-q", str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    user = tmp_path / "elsewhere"  # a folder of a user's own, not the repository
+    user.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run(
+        [str(python), "-c", "import lightning_swarm; print(lightning_swarm.__file__)"],
+        cwd=user, env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert Path(where).is_relative_to(venv), where  # the wheel's copy, not the checkout's
+
+    done = subprocess.run(
+        [str(venv / "bin" / "swarm-train"), *TINY, "trainer.max_steps=2",
+         "trainer.val_check_interval=2", "strategy.sync_every=1", "hydra.run.dir=run"],
+        cwd=user, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "inner steps                              2" in done.stdout
+    assert "outer steps                              2" in done.stdout
+    assert (user / "run" / "summary.json").is_file()
