@@ -56,7 +56,7 @@ from lightning_swarm.outer import (
 from lightning_swarm.outer.build import build_transport, staging_device
 
 if TYPE_CHECKING:
-    # The resume glue is imported where used (helper "resume" removes this cycle).
+    # callbacks/resume.py imports this module under TYPE_CHECKING: imported where used here.
     from lightning_swarm.callbacks.resume import SwarmResume
 
 

@@ -417,3 +417,14 @@ def test_training_on_after_finish_does_not_apply_a_round_twice() -> None:
     for n in outer.params:
         assert torch.equal(outer.params[n], twin.params[n]), n
         assert torch.equal(outer.anchors[n], twin.anchors[n]), n
+
+
+def test_round_phases_are_labelled_for_the_profiler() -> None:
+    outer = OuterSync(_params(), outer_optimizer=PLAIN, transport=FakePeer(), sync_every=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for step in range(1, 3):
+            _inner_step(outer.params, step)
+            outer.on_inner_step()
+    names = {event.name for event in prof.events()}
+    phases = {"swarm/pseudo_gradient", "swarm/exchange", "swarm/outer_step", "swarm/merge"}
+    assert phases <= names, phases - names
