@@ -29,10 +29,10 @@ def test_public_names_are_the_classes_where_they_live() -> None:
     import lightning_swarm
     from lightning_swarm.callbacks import HostMemoryCensus, SwarmResume
     from lightning_swarm.checkpoint import SwarmCheckpointError
+    from lightning_swarm.outer import SyncWorkerError
     from lightning_swarm.strategy import SwarmStrategy
     from lightning_swarm.transport.checks import NonFinitePseudoGradientError
     from lightning_swarm.transport.swarm import SwarmRoundError
-    from lightning_swarm.transport.worker import SyncWorkerError
 
     where = {
         "HostMemoryCensus": HostMemoryCensus,

@@ -164,7 +164,6 @@ class Totals(Protocol):
     bytes_sent: int
     bytes_received: int
     sync_wall_s: float
-    inner_steps: int
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,6 @@ class TotalsRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     sync_wall_s: float = 0.0
-    inner_steps: int = 0
 
     @classmethod
     def of(cls, totals: Totals) -> TotalsRecord:
@@ -184,7 +182,6 @@ class TotalsRecord:
             bytes_sent=totals.bytes_sent,
             bytes_received=totals.bytes_received,
             sync_wall_s=totals.sync_wall_s,
-            inner_steps=totals.inner_steps,
         )
 
     def install(self, totals: Totals) -> None:
@@ -192,7 +189,6 @@ class TotalsRecord:
         totals.bytes_sent = self.bytes_sent
         totals.bytes_received = self.bytes_received
         totals.sync_wall_s = self.sync_wall_s
-        totals.inner_steps = self.inner_steps
 
 
 @dataclass(frozen=True)

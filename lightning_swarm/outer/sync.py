@@ -1,8 +1,8 @@
-"""The outer loop of one inner optimizer's parameters: anchors, outer optimizer, fragment rounds.
+"""The outer state of one inner optimizer's parameters: anchors, outer optimizer, fragment rounds.
 
 ``OuterSync`` ties the DiLoCo math (``lightning_swarm.algorithm``) to a ``Transport``. It knows
-nothing of Lightning: the strategy calls ``on_inner_step`` after every real inner optimizer step
-and gets a ``SyncReport`` back when a round was applied.
+nothing of Lightning: the ``OuterLoop`` calls ``on_inner_step`` after every real inner optimizer
+step and gets a ``SyncReport`` back when a round was applied.
 
 Rounds (Streaming DiLoCo, arXiv 2501.18512). The parameters are split into fragments, each
 syncing on a ``FragmentSchedule``. After inner step ``s`` where fragment ``f`` is due, ``_send``
@@ -12,6 +12,15 @@ outer optimizer on fragment ``f``'s anchors only (the other anchors have no grad
 Adam skip them) and merges the new anchors into the locals with ``merge_alpha``. With
 ``sync_delay == 0`` the exchange runs inline; otherwise in the ``SyncWorker`` thread while
 training continues. One fragment, no delay and no codec is plain DiLoCo, operation for operation.
+
+The end of fit (``finish``). Between rounds every island holds its own local weights. ``finish``
+applies a round in flight early, then runs one inline round of every fragment whose locals
+may differ from its anchors (steps since its last applied round, or a merge with
+``merge_alpha > 0``), merging with alpha 0: afterwards every island holds the anchors, bit for
+bit (unless the transport skipped that round). Which fragments run depends only on counters
+that are identical everywhere, so every rank runs the same collectives. ``ended_at`` records the
+step, so a round the schedule would still apply later (training went on, or a resume from a
+checkpoint written after ``finish``) is not applied twice.
 
 Ownership and lifetime:
 - ``anchors`` are owned here: one tensor per trained parameter, on ``anchor_device`` in
@@ -38,13 +47,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundStats, Transport
-from lightning_swarm.transport.worker import SyncWorker
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
 
@@ -60,7 +70,6 @@ class SyncReport:
     """
 
     outer_steps: int
-    inner_steps: int
     pseudo_grad_norm: float
     bytes_sent: int
     bytes_received: int
@@ -68,13 +77,14 @@ class SyncReport:
     applied: bool
     fragment: int = 0
     fragment_rounds: int = 0
-    send_step: int = 0
     transport_s: float = 0.0
 
 
 @dataclass
 class _Exchanged:
-    """What an exchange produced: the averaged tensors and its cost (identical on all ranks)."""
+    """What an exchange reported: the transport's round stats and the averaged
+    pseudo-gradient's norm (both identical on all ranks). The averaged tensors themselves are
+    written into the round's ``deltas`` in place."""
 
     stats: RoundStats
     norm: float
@@ -163,7 +173,8 @@ class OuterSync:
         # A resume replaces the anchors right after setup: copying the weights first would add
         # the full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors``
         # builds memory-less placeholders (meta device) that ``load_state_dict`` must replace;
-        # a sync on placeholders fails loudly instead of training on half-loaded state.
+        # a round on placeholders raises (``_send``) instead of training on half-loaded state.
+        self._placeholders = defer_anchors
         placement = "meta" if defer_anchors else anchor_device
         with torch.no_grad():
             self.anchors: dict[str, Tensor] = {
@@ -180,6 +191,10 @@ class OuterSync:
         self.inner_steps = 0
         self.outer_steps = 0
         self.fragment_rounds = [0] * len(self.fragments)
+        # Per fragment: the inner step after which its locals last equalled its anchors on
+        # every island (None: unknown, e.g. placeholders awaiting a resume).
+        self.synced_at: list[int | None] = [None if defer_anchors else 0] * len(self.fragments)
+        self.ended_at: int | None = None
         self.residuals: dict[str, Tensor] = {}
         self._in_flight: _Round | None = None
 
@@ -209,29 +224,44 @@ class OuterSync:
         if sending is not None:
             self._send(sending, inline=self.schedule.sync_delay == 0)
         applying = self.schedule.applies_at(step)
-        return self._apply(applying) if applying is not None else None
+        if applying is None or self._applied_by_finish(step - self.schedule.sync_delay):
+            return None
+        return self._apply(applying)
 
-    def sync(self) -> SyncReport:
-        """Run a full round of every fragment now, inline (a round in flight is applied first).
+    def _applied_by_finish(self, send_step: int) -> bool:
+        return self.ended_at is not None and send_step <= self.ended_at
 
-        Returns the last fragment's report. With one fragment this is plain DiLoCo's sync.
+    def finish(self) -> list[SyncReport]:
+        """The end-of-fit round: every island ends holding the anchors (see module docstring).
+
+        Returns the reports of the rounds it ran (none when every fragment is in sync).
         """
+        reports = []
         if self._in_flight is not None:
-            self._apply(self._in_flight.fragment)
-        report = None
+            reports.append(self._apply(self._in_flight.fragment))
         for fragment in range(len(self.fragments)):
-            self._send(fragment, inline=True)
-            report = self._apply(fragment)
-        assert report is not None
-        return report
+            if self.synced_at[fragment] != self.inner_steps:
+                self._send(fragment, inline=True)
+                reports.append(self._apply(fragment, merge_alpha=0.0))
+        self.ended_at = self.inner_steps
+        return reports
 
     @torch.no_grad()
     def _send(self, fragment: int, *, inline: bool) -> None:
         """Compute fragment ``fragment``'s pseudo-gradients and start their exchange."""
         assert self._in_flight is None, "the schedule allows one round in flight at a time"
+        if self._placeholders:
+            raise RuntimeError(
+                "an outer round started while the anchors are still placeholders awaiting a "
+                "resume (defer_anchors=True and load_state_dict was never called); install the "
+                "saved anchors with load_state_dict before the first inner step."
+            )
         start = time.perf_counter()
         names = self.fragments[fragment]
-        deltas = {name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names}
+        with record_function("swarm/pseudo_gradient"):
+            deltas = {
+                name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names
+            }
         rnd = _Round(fragment, self.inner_steps, deltas)
         round_index = self.outer_steps
         if inline:
@@ -259,7 +289,8 @@ class OuterSync:
                 delta.copy_(to_send)
                 self.residuals[name] = new_residual
         try:
-            stats = self.transport.average(deltas, round_index=round_index)
+            with record_function("swarm/exchange"):
+                stats = self.transport.average(deltas, round_index=round_index)
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
             self._restore_residuals(previous)
@@ -277,31 +308,36 @@ class OuterSync:
                 self.residuals[name] = old
 
     @torch.no_grad()
-    def _apply(self, fragment: int) -> SyncReport:
-        """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals."""
+    def _apply(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
+        """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals.
+
+        ``merge_alpha`` overrides the schedule's (``finish`` merges with 0).
+        """
         rnd = self._in_flight
         assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
         start = time.perf_counter()
         result = self._result(rnd)
         self._in_flight = None
         names = self.fragments[fragment]
+        alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
         if result.stats.applied:
             anchors = [self.anchors[name] for name in names]
             deltas = [rnd.deltas[name] for name in names]
-            # The outer-step count is the same on every island: bf16 rounding noise agrees.
-            outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
+            with record_function("swarm/outer_step"):
+                # The outer-step count is the same on every island: bf16 rounding noise agrees.
+                outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
             self.outer_steps += 1
             self.fragment_rounds[fragment] += 1
-            for name in names:
-                merge_into_local(
-                    self.params[name].data, self.anchors[name], self.schedule.merge_alpha
-                )
+            with record_function("swarm/merge"):
+                for name in names:
+                    merge_into_local(self.params[name].data, self.anchors[name], alpha)
+            if alpha == 0.0:
+                self.synced_at[fragment] = self.inner_steps
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
         # away, it simply enters the next round's pseudo-gradient.
         del rnd.deltas
         return SyncReport(
             outer_steps=self.outer_steps,
-            inner_steps=self.inner_steps,
             pseudo_grad_norm=result.norm,
             bytes_sent=result.stats.bytes_sent,
             bytes_received=result.stats.bytes_received,
@@ -309,18 +345,18 @@ class OuterSync:
             applied=result.stats.applied,
             fragment=fragment,
             fragment_rounds=self.fragment_rounds[fragment],
-            send_step=rnd.send_step,
             transport_s=result.stats.wall_s,
         )
 
     def _result(self, rnd: _Round) -> _Exchanged:
         if rnd.result is None:
             assert rnd.future is not None
-            rnd.result = SyncWorker.wait(
-                rnd.future,
-                f"the outer sync of fragment {rnd.fragment} (sent after inner step "
-                f"{rnd.send_step})",
-            )
+            with record_function("swarm/wait"):
+                rnd.result = SyncWorker.wait(
+                    rnd.future,
+                    f"the outer sync of fragment {rnd.fragment} (sent after inner step "
+                    f"{rnd.send_step})",
+                )
             rnd.future = None
         return rnd.result
 
@@ -356,6 +392,8 @@ class OuterSync:
             "outer_steps": self.outer_steps,
             "fragment_rounds": list(self.fragment_rounds),
             "pending": pending,
+            "synced_at": list(self.synced_at),
+            "ended_at": self.ended_at,
         }
 
     def island_state_dict(self) -> dict[str, Any]:
@@ -376,11 +414,6 @@ class OuterSync:
             name: r.to(device=self.anchor_device, dtype=torch.float32)
             for name, r in residuals.items()
         }
-
-    @property
-    def anchors_deferred(self) -> bool:
-        """True while the anchors are placeholders awaiting ``load_state_dict``."""
-        return any(a.device.type == "meta" for a in self.anchors.values())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install anchors, outer optimizer state, counters and a round in flight.
@@ -406,6 +439,7 @@ class OuterSync:
             name: anchors[name].to(device=self.anchor_device, dtype=self.anchor_dtype)
             for name in self.params
         }
+        self._placeholders = False
         self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         keep_state_float32(self.outer_optimizer, state["outer_optimizer"])
@@ -413,10 +447,17 @@ class OuterSync:
         self.outer_steps = int(state["outer_steps"])
         rounds = state.get("fragment_rounds")
         self.fragment_rounds = list(rounds) if rounds is not None else [0] * len(self.fragments)
+        # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
+        synced = state.get("synced_at")
+        self.synced_at = list(synced) if synced is not None else [None] * len(self.fragments)
+        ended = state.get("ended_at")
+        self.ended_at = None if ended is None else int(ended)
         self._in_flight = self._restore_round(state.get("pending"))
 
     def _restore_round(self, pending: Mapping[str, Any] | None) -> _Round | None:
-        expected = self.schedule.in_flight(self.inner_steps) if self.inner_steps else None
+        expected = None
+        if self.inner_steps:
+            expected = self.schedule.in_flight(self.inner_steps, sent_after=self.ended_at or 0)
         found = None if pending is None else int(pending["fragment"])
         if found != expected:
             raise ValueError(

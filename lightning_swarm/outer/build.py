@@ -1,0 +1,53 @@
+"""The transport a ``SwarmConfig`` asks for, over this rank's peer group (never lightning).
+
+The strategy calls ``transport_for`` once per fit, at setup, and hands the result to the
+``OuterLoop``, which owns it from then on and closes it. The transport classes themselves are
+known only to ``lightning_swarm.transport.factory``; this module maps the strategy's options
+onto it, and ``codec_for`` is the one place that turns ``quantize`` into a codec (``None`` for
+``"none"``), for the transport and for error feedback alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_swarm.algorithm.codecs import Codec, codec_for
+from lightning_swarm.config import SwarmConfig
+from lightning_swarm.transport import Transport, build_transport
+
+
+def codec_of(config: SwarmConfig) -> Codec | None:
+    """The codec the ``quantize`` and ``quantize_block_size`` options name (``None``: none)."""
+    return codec_for(config.quantize, config.quantize_block_size)
+
+
+def staging_device(root_device: torch.device) -> torch.device:
+    """Where transport buckets live: NCCL reduces device tensors only, so under NCCL a bucket
+    visits the rank's accelerator (anchors stay put); any other backend stages on the CPU."""
+    return root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def transport_for(
+    config: SwarmConfig,
+    peers: dist.ProcessGroup | None,
+    *,
+    num_islands: int,
+    island_index: int,
+    device: torch.device,
+) -> Transport:
+    """The transport ``config`` names, averaging over ``peers`` (this rank's peer group).
+
+    ``device`` is where all-reduce buckets are staged (``staging_device``); anchors stay on
+    their own device either way.
+    """
+    return build_transport(
+        config.transport,
+        group=peers,
+        num_islands=num_islands,
+        island_index=island_index,
+        device=device,
+        codec=codec_of(config),
+        bucket_numel=config.bucket_numel,
+        swarm=config.swarm,
+    )
