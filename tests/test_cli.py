@@ -289,6 +289,7 @@ def test_loss_history_records_every_step_the_validations_and_the_rounds(
     curves = history.curves
     assert [step for step, _ in curves.train] == [1, 2, 3, 4, 5, 6, 7]
     assert all(loss > 0 for _, loss in curves.train)
-    assert curves.rounds == [3, 6]
+    # Rounds every 3 steps, plus the end-of-fit round (sync_at_end) after step 7.
+    assert curves.rounds == [3, 6, 7]
     assert [step for step, _ in curves.val] == [4]
     assert curves.val[0][1] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1)
