@@ -36,6 +36,7 @@ FastKind = Literal["sgd", "adam"]
 def fast_outer_kind(optimizer: torch.optim.Optimizer) -> FastKind | None:
     """``"sgd"`` or ``"adam"`` when every group can take the functional step, else ``None``."""
     kind: FastKind
+    numbers: tuple[str, ...]
     if type(optimizer) is torch.optim.SGD:
         kind = "sgd"
         numbers = ("lr", "momentum", "dampening", "weight_decay")

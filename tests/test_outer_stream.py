@@ -1,0 +1,180 @@
+"""The bucketed stream-through round (device=cpu) against OuterSync's round, bitwise, over gloo."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.outer_fast import fast_outer_kind
+from lightning_swarm.outer import OuterSync, Streaming
+from lightning_swarm.outer_stream import Segment, StreamRound, plan_buckets
+from lightning_swarm.transport import AllReduceTransport
+from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+from tests.dist_utils import run_ranks
+
+SHAPES = [(4, 3), (11,), (2, 2, 5), (1,)]
+FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "nesterov": functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _params(seed: int) -> dict[str, torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"p{i}": torch.nn.Parameter(torch.randn(s, generator=gen)) for i, s in enumerate(SHAPES)
+    }
+
+
+def _train(params: dict[str, torch.nn.Parameter], rank: int, step: int) -> None:
+    """Stand-in inner steps: a rank- and step-dependent move of every parameter."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=gen), alpha=0.1)
+
+
+def _compare_worker(
+    rank: int, world: int, out: str, opt: str, dtype: torch.dtype, alpha: float
+) -> None:
+    factory, bucket = FACTORIES[opt], 7  # 7 elements: tensors split over buckets, partial last
+    slow_params, fast_params = _params(0), _params(0)
+    transport = AllReduceTransport(None, num_islands=world, bucket_numel=bucket)
+    slow = OuterSync(
+        slow_params,
+        outer_optimizer=factory,
+        transport=transport,
+        sync_every=1,
+        anchor_dtype=dtype,
+        streaming=Streaming(merge_alpha=alpha),
+    )
+    anchors = [p.detach().to(dtype=dtype, copy=True) for p in fast_params.values()]
+    optimizer = factory(anchors)
+    kind = fast_outer_kind(optimizer)
+    assert kind is not None
+    stream = StreamRound(bucket)
+    norms = []
+    for step in range(4):
+        _train(slow_params, rank, step)
+        _train(fast_params, rank, step)
+        report = slow.on_inner_step()
+        assert report is not None
+        result = stream.run(
+            params=list(fast_params.values()),
+            anchors=anchors,
+            optimizer=optimizer,
+            kind=kind,
+            reducer=transport,
+            merge_alpha=alpha,
+            seed=step,
+        )
+        assert result.bytes_sent == report.bytes_sent
+        norms.append((report.pseudo_grad_norm, result.norm))
+    torch.save(
+        {
+            "slow": [slow_params, slow.anchors, slow.outer_optimizer.state_dict()],
+            "fast": [fast_params, anchors, optimizer.state_dict()],
+            "norms": norms,
+        },
+        Path(out) / f"{rank}.pt",
+    )
+
+
+@pytest.mark.parametrize(
+    ("opt", "dtype", "alpha"),
+    [
+        ("nesterov", torch.float32, 0.0),
+        ("adamw", torch.float32, 0.0),
+        ("nesterov", torch.bfloat16, 0.0),
+        ("nesterov", torch.float32, 0.25),
+    ],
+)
+def test_stream_round_is_bitwise_the_outer_sync_round(
+    tmp_path: Path, opt: str, dtype: torch.dtype, alpha: float
+) -> None:
+    world = 3  # three summands: the all-reduce order matters, so the buckets must line up
+    run_ranks(_compare_worker, world, str(tmp_path), opt, dtype, alpha)
+    for rank in range(world):
+        saved = torch.load(tmp_path / f"{rank}.pt")
+        slow_params, slow_anchors, slow_state = saved["slow"]
+        fast_params, fast_anchors, fast_state = saved["fast"]
+        for i, name in enumerate(slow_params):
+            assert torch.equal(slow_params[name], fast_params[name]), (rank, name)
+            assert torch.equal(slow_anchors[name], fast_anchors[i]), (rank, name)
+            assert not torch.equal(slow_anchors[name], _params(0)[name].to(dtype))
+        for index, values in slow_state["state"].items():
+            for key, value in values.items():
+                assert torch.equal(value, fast_state["state"][index][key]), (index, key)
+        for old, new in saved["norms"]:  # float64 then, float32 now: same value to 1e-5
+            assert new == pytest.approx(old, rel=1e-5)
+
+
+def _nonfinite_worker(rank: int, world: int, out: str) -> None:
+    params = _params(0)
+    if rank == 1:
+        with torch.no_grad():
+            params["p2"][0, 1, 3] = float("nan")
+    anchors = [p.detach().clone() for p in _params(0).values()]
+    before = [a.clone() for a in anchors]
+    optimizer = FACTORIES["nesterov"](anchors)
+    transport = AllReduceTransport(None, num_islands=world, bucket_numel=7)
+    with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[1\]"):
+        StreamRound(7).run(
+            params=list(params.values()),
+            anchors=anchors,
+            optimizer=optimizer,
+            kind="sgd",
+            reducer=transport,
+            merge_alpha=0.0,
+            seed=0,
+        )
+    assert all(torch.equal(a, b) for a, b in zip(anchors, before, strict=True))
+    assert not optimizer.state  # no state was created for a round that did not happen
+    (Path(out) / f"{rank}.ok").touch()
+
+
+def test_non_finite_island_is_refused_on_every_rank_before_anything_moves(tmp_path: Path) -> None:
+    run_ranks(_nonfinite_worker, 2, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.ok", "1.ok"]
+
+
+def test_plan_buckets_splits_and_packs_like_the_transport() -> None:
+    plan = plan_buckets([3, 12, 1], 5)
+    assert plan == [
+        [Segment(0, 0, 3, 0), Segment(1, 0, 2, 3)],
+        [Segment(1, 2, 7, 0)],
+        [Segment(1, 7, 12, 0)],
+        [Segment(2, 0, 1, 0)],
+    ]
+    with pytest.raises(ValueError, match="bucket_numel must be >= 1"):
+        plan_buckets([3], 0)
+
+
+def test_buffers_are_allocated_once_and_reused() -> None:
+    params = _params(0)
+    anchors = [p.detach().clone() for p in params.values()]
+    optimizer = FACTORIES["nesterov"](anchors)
+    transport = AllReduceTransport(None, num_islands=1, bucket_numel=7)
+    stream = StreamRound(7)
+    held: list[Tensor] = []
+    for step in range(3):
+        _train(params, 0, step)
+        stream.run(
+            params=list(params.values()),
+            anchors=anchors,
+            optimizer=optimizer,
+            kind="sgd",
+            reducer=transport,
+            merge_alpha=0.0,
+            seed=step,
+        )
+        assert stream._delta is not None
+        held.append(stream._delta)
+    assert held[0] is held[1] is held[2]
+    assert stream.buffer_bytes() == 7 * 4  # one bucket, whatever the model size
