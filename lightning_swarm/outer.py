@@ -42,7 +42,9 @@ from torch import Tensor
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
+from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
 from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.outer_stream import BucketMean, StreamRound, pin_round_memory
 from lightning_swarm.transport.base import RoundStats, Transport
 from lightning_swarm.transport.worker import SyncWorker
 
@@ -126,6 +128,9 @@ class OuterSync:
         anchor_dtype: dtype of the stored anchors.
         defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
         streaming: fragments, delay, merge and error feedback (``Streaming``).
+        stream: run eligible rounds as one bucketed pass (``lightning_swarm.outer_stream``):
+            a transport with a bucket mean (all-reduce), no sync delay, outer SGD or Adam(W).
+            ``False`` keeps the two-phase round below for every round (same bits, slower).
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -143,6 +148,7 @@ class OuterSync:
         anchor_dtype: torch.dtype = torch.float32,
         defer_anchors: bool = False,
         streaming: Streaming | None = None,
+        stream: bool = True,
     ) -> None:
         self.params = dict(params)
         self.transport = transport
@@ -182,6 +188,12 @@ class OuterSync:
         self.fragment_rounds = [0] * len(self.fragments)
         self.residuals: dict[str, Tensor] = {}
         self._in_flight: _Round | None = None
+        # The bucketed one-pass round; its buffers live as long as this object.
+        self._stream = (
+            StreamRound(self.transport.bucket_numel)
+            if stream and isinstance(self.transport, BucketMean) and self.schedule.sync_delay == 0
+            else None
+        )
 
     @property
     def anchor_bytes(self) -> int:
@@ -206,10 +218,61 @@ class OuterSync:
         self.inner_steps += 1
         step = self.inner_steps
         sending = self.schedule.sends_at(step)
+        kind = self._stream_kind()
+        if sending is not None and kind is not None:
+            return self._stream_round(sending, kind)
         if sending is not None:
             self._send(sending, inline=self.schedule.sync_delay == 0)
         applying = self.schedule.applies_at(step)
         return self._apply(applying) if applying is not None else None
+
+    def _stream_kind(self) -> FastKind | None:
+        """The functional outer step a streamed round would use now, or None for the old path.
+
+        Checked per round: a resume rebuilds the optimizer and may install other anchors.
+        """
+        if self._stream is None:
+            return None
+        if any(a.device.type == "meta" or not a.is_contiguous() for a in self.anchors.values()):
+            return None
+        if any(not p.is_contiguous() for p in self.params.values()):
+            return None
+        return fast_outer_kind(self.outer_optimizer)
+
+    @torch.no_grad()
+    def _stream_round(self, fragment: int, kind: FastKind) -> SyncReport:
+        """Fragment ``fragment``'s whole round (delay 0) in one bucketed pass over its tensors."""
+        assert self._stream is not None and self._in_flight is None
+        assert self.schedule.applies_at(self.inner_steps) == fragment, "delay 0 applies at once"
+        start = time.perf_counter()
+        names = self.fragments[fragment]
+        if self.anchor_device.type == "cpu" and self.params[names[0]].device.type == "cuda":
+            pin_round_memory(self.outer_optimizer, self.anchors)
+        assert isinstance(self.transport, BucketMean)
+        result = self._stream.run(
+            params=[self.params[name] for name in names],
+            anchors=[self.anchors[name] for name in names],
+            optimizer=self.outer_optimizer,
+            kind=kind,
+            reducer=self.transport,
+            merge_alpha=self.schedule.merge_alpha,
+            seed=self.outer_steps,  # the same on every island: bf16 rounding noise agrees
+        )
+        self.outer_steps += 1
+        self.fragment_rounds[fragment] += 1
+        return SyncReport(
+            outer_steps=self.outer_steps,
+            inner_steps=self.inner_steps,
+            pseudo_grad_norm=result.norm,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_sent,
+            wall_s=time.perf_counter() - start,
+            applied=True,
+            fragment=fragment,
+            fragment_rounds=self.fragment_rounds[fragment],
+            send_step=self.inner_steps,
+            transport_s=result.reduce_s,
+        )
 
     def sync(self) -> SyncReport:
         """Run a full round of every fragment now, inline (a round in flight is applied first).

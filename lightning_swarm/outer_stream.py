@@ -37,9 +37,10 @@ optimizer, which ``run`` mutates in place.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -55,8 +56,14 @@ from lightning_swarm.algorithm.outer_fast import (
 from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
 
 
+@runtime_checkable
 class BucketMean(Protocol):
-    """What the stream needs from a transport: a finiteness vote and an in-place bucket mean."""
+    """What the stream needs from a transport: a finiteness vote and an in-place bucket mean.
+
+    ``bucket_numel`` is the transport's bucket size: the stream packs its buckets the same way.
+    """
+
+    bucket_numel: int
 
     def agree_finite(self, local_finite: bool) -> None:
         """Raise ``NonFinitePseudoGradientError`` on every rank if any island is not finite."""
@@ -98,8 +105,12 @@ def plan_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[Segment]
 
 @dataclass(frozen=True)
 class StreamResult:
+    """A streamed round: the averaged pseudo-gradient's norm, bytes sent (= received) and the
+    host time spent in ``mean_`` calls (enqueue time only where the backend is asynchronous)."""
+
     norm: float
     bytes_sent: int
+    reduce_s: float = 0.0
 
 
 STATE_KEYS: dict[FastKind, tuple[str, ...]] = {
@@ -234,14 +245,14 @@ class StreamRound:
                 pseudo_gradient_into(
                     job.anchor_slice(seg), job.param_slice(seg), job.cut(delta, seg)
                 )
-            sent += reducer.mean_(delta)
+            sent += job.reduce(reducer, delta)
             sumsq += sum_of_squares(delta)
             for seg in bucket:
                 anchor = job.anchor_slice(seg)
                 state = [s.view(-1)[seg.start : seg.stop] for s in job.state(seg)]
                 job.step(anchor, job.cut(delta, seg), state, seg)
                 job.merge(job.param_slice(seg), anchor)
-        return StreamResult(float(sumsq.sqrt().item()), sent)
+        return StreamResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
 
     def _slots_for(self, job: _Job) -> list[_Slot]:
         numel = min(self.bucket_numel, job.total_numel)
@@ -276,7 +287,7 @@ class StreamRound:
                 pseudo_gradient_into(
                     job.cut(slot.anchor, seg), job.param_slice(seg), job.cut(delta, seg)
                 )
-            sent += reducer.mean_(delta)
+            sent += job.reduce(reducer, delta)
             sumsq += sum_of_squares(delta)
             for seg in bucket:
                 anchor = job.cut(slot.anchor, seg)
@@ -293,7 +304,7 @@ class StreamRound:
                         )
                 slot.free.record(copy_out)
         copy_out.synchronize()  # the host anchors and state are complete when run returns
-        return StreamResult(float(sumsq.sqrt().item()), sent)
+        return StreamResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
 
     @staticmethod
     def _copy_in(job: _Job, bucket: list[Segment], slot: _Slot, stream: Any) -> None:
@@ -333,6 +344,13 @@ class _Job:
         # drawing per whole tensor, so the result is bitwise the slow path's.
         self._seed = seed
         self._generator: torch.Generator | None = None
+        self.reduce_s = 0.0
+
+    def reduce(self, reducer: BucketMean, flat: Tensor) -> int:
+        start = time.perf_counter()
+        sent = reducer.mean_(flat)
+        self.reduce_s += time.perf_counter() - start
+        return sent
 
     def param_slice(self, seg: Segment) -> Tensor:
         return self.params[seg.index].data.view(-1)[seg.start : seg.stop]

@@ -53,6 +53,7 @@ def _compare_worker(
         sync_every=1,
         anchor_dtype=dtype,
         streaming=Streaming(merge_alpha=alpha),
+        stream=False,  # the two-phase round is the reference
     )
     anchors = [p.detach().to(dtype=dtype, copy=True) for p in fast_params.values()]
     optimizer = factory(anchors)
@@ -178,3 +179,44 @@ def test_buffers_are_allocated_once_and_reused() -> None:
         held.append(stream._delta)
     assert held[0] is held[1] is held[2]
     assert stream.buffer_bytes() == 7 * 4  # one bucket, whatever the model size
+
+
+def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:
+    """OuterSync with and without the streamed round: two fragments, several rounds."""
+    factories = {**FACTORIES, "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-2)}
+    results = {}
+    for stream in (False, True):
+        params = _params(0)
+        outer = OuterSync(
+            params,
+            outer_optimizer=factories[opt],
+            transport=AllReduceTransport(None, num_islands=world, bucket_numel=7),
+            sync_every=2,
+            streaming=Streaming(fragments=[["p0", "p2"], ["p1", "p3"]]),
+            stream=stream,
+        )
+        # The streamed round is taken exactly where it applies (not for other optimizers).
+        assert (outer._stream_kind() is not None) == (stream and opt != "rmsprop")
+        for step in range(6):
+            _train(params, rank, step)
+            outer.on_inner_step()
+        results[stream] = [params, outer.anchors, outer.state_dict()["outer_optimizer"]]
+    torch.save(results, Path(out) / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("opt", ["nesterov", "adamw", "rmsprop"])
+def test_outer_sync_streamed_rounds_equal_two_phase_rounds(tmp_path: Path, opt: str) -> None:
+    run_ranks(_outer_sync_worker, 2, str(tmp_path), opt)
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"{rank}.pt")
+        (old_params, old_anchors, old_state), (new_params, new_anchors, new_state) = (
+            saved[False],
+            saved[True],
+        )
+        for name in old_params:
+            assert torch.equal(old_params[name], new_params[name]), name
+            assert torch.equal(old_anchors[name], new_anchors[name]), name
+            assert not torch.equal(old_anchors[name], _params(0)[name])
+        for index, values in old_state["state"].items():
+            for key, value in values.items():
+                assert torch.equal(value, new_state["state"][index][key]), (index, key)
