@@ -47,7 +47,7 @@ def _fast_step(opt: torch.optim.Optimizer, anchors: list[Tensor], grads: list[Te
             state["step"] += 1
         cut = anchor.numel() // 3
         for lo, hi in ((0, cut), (cut, anchor.numel())):
-            a, g = anchor.view(-1)[lo:hi], grad.reshape(-1)[lo:hi]
+            a, g = anchor.view(-1)[lo:hi], grad.reshape(-1)[lo:hi].clone()  # grad is scratch
             if kind == "sgd":
                 buf = state.get("momentum_buffer")
                 sgd_step_(a, g, None if buf is None else buf.view(-1)[lo:hi], group, fresh=fresh)

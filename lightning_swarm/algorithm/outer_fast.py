@@ -19,7 +19,9 @@ Anything else (another optimizer class or a subclass, ``fused``, ``capturable``,
 ``fast_outer_kind`` returns ``None`` and the caller keeps ``optimizer.step()``.
 
 Ownership: the slices passed in are views the caller owns; the functions write the anchor and
-state slices in place and allocate only slice-sized temporaries.
+state slices in place. The gradient slice is scratch: it is overwritten with intermediate
+values (torch's temporaries, computed in place with the same operations and the same bits), so
+a step allocates nothing but a negated copy under ``maximize``.
 """
 
 from __future__ import annotations
@@ -102,20 +104,21 @@ def sgd_step_(
 ) -> None:
     """torch.optim.SGD's single-tensor update on one flat slice (``buf`` None without momentum).
 
-    ``fresh``: the momentum buffer was just created and takes the gradient as it is.
+    ``fresh``: the momentum buffer was just created and takes the gradient as it is. ``grad`` is
+    overwritten (scratch).
     """
     if group["maximize"]:
         grad = -grad
     weight_decay, momentum = group["weight_decay"], group["momentum"]
     if weight_decay != 0:
-        grad = grad.add(anchor, alpha=weight_decay)
+        grad = grad.add_(anchor, alpha=weight_decay)
     if momentum != 0:
         assert buf is not None, "SGD with momentum needs its buffer"
         if fresh:
             buf.copy_(grad)
         else:
             buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
-        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+        grad = grad.add_(buf, alpha=momentum) if group["nesterov"] else buf
     anchor.add_(grad, alpha=-group["lr"])
 
 
@@ -131,7 +134,7 @@ def adam_step_(
     """torch.optim.Adam/AdamW's single-tensor update on one flat slice at (1-based) ``step``.
 
     The caller increments the parameter's ``state["step"]`` once per round and passes its value
-    for every slice of that parameter.
+    for every slice of that parameter. ``grad`` is overwritten (scratch).
     """
     if group["maximize"]:
         grad = -grad
@@ -141,12 +144,13 @@ def adam_step_(
         if group["decoupled_weight_decay"]:
             anchor.mul_(1 - lr * weight_decay)
         else:
-            grad = grad.add(anchor, alpha=weight_decay)
+            grad = grad.add_(anchor, alpha=weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+    # The gradient is spent: its slice holds the denominator (torch allocates two temporaries).
+    denom = torch.sqrt(exp_avg_sq, out=grad).div_(bias_correction2_sqrt).add_(group["eps"])
     anchor.addcdiv_(exp_avg, denom, value=-step_size)
