@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.outer_fast import fast_outer_kind
 from lightning_swarm.outer import OuterSync, Streaming
-from lightning_swarm.outer_stream import Segment, StreamRound, plan_buckets
+from lightning_swarm.outer.stream import Segment, StreamRound, plan_buckets
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.checks import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks

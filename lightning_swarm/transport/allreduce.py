@@ -75,7 +75,7 @@ class AllReduceTransport:
     def agree_finite(self, local_finite: bool) -> None:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite.
 
-        The first half of a streamed round (``lightning_swarm.outer_stream``), before any
+        The first half of a streamed round (``lightning_swarm.outer.stream``), before any
         bucket moves; collective over the peer group.
         """
         agree_finite_flag(local_finite, self.group, self.num_islands, self.device)
