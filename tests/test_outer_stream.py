@@ -220,3 +220,40 @@ def test_outer_sync_streamed_rounds_equal_two_phase_rounds(tmp_path: Path, opt: 
         for index, values in old_state["state"].items():
             for key, value in values.items():
                 assert torch.equal(value, new_state["state"][index][key]), (index, key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("opt", ["nesterov", "adamw"])
+def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) -> None:
+    """Parameters on the GPU, anchors on the CPU: pinned anchors and state, side-stream copies.
+
+    The reference is the two-phase round on CPU copies of the same parameters. GPU and CPU
+    kernels may round a fused multiply-add differently, so this compares to 1e-6, not bits.
+    """
+    results = {}
+    for device in ("cpu", "cuda"):
+        params = {n: torch.nn.Parameter(p.detach().to(device)) for n, p in _params(0).items()}
+        outer = OuterSync(
+            params,
+            outer_optimizer=FACTORIES[opt],
+            transport=AllReduceTransport(None, num_islands=1, bucket_numel=7),
+            sync_every=1,
+            stream=device == "cuda",
+        )
+        for step in range(4):
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(0.01 * (step + 1))
+            outer.on_inner_step()
+        if device == "cuda":
+            assert all(a.is_pinned() for a in outer.anchors.values())
+            assert outer._stream is not None and outer._stream.buffer_bytes() > 0
+        results[device] = (
+            {n: p.detach().cpu() for n, p in params.items()},
+            {n: a.clone() for n, a in outer.anchors.items()},
+        )
+    for name in results["cpu"][0]:
+        for i in range(2):
+            torch.testing.assert_close(
+                results["cuda"][i][name], results["cpu"][i][name], rtol=1e-6, atol=1e-7
+            )
