@@ -116,6 +116,26 @@ def test_stream_round_is_bitwise_the_outer_sync_round(
             assert new == pytest.approx(old, rel=1e-5)
 
 
+def _sgd_round(
+    stream: StreamRound,
+    params: dict[str, torch.nn.Parameter],
+    anchors: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    transport: AllReduceTransport,
+    *,
+    seed: int,
+) -> None:
+    stream.run(
+        params=list(params.values()),
+        anchors=anchors,
+        optimizer=optimizer,
+        kind="sgd",
+        reducer=transport,
+        merge_alpha=0.0,
+        seed=seed,
+    )
+
+
 def _nonfinite_worker(rank: int, world: int, out: str) -> None:
     params = _params(0)
     if rank == 1:
@@ -126,15 +146,7 @@ def _nonfinite_worker(rank: int, world: int, out: str) -> None:
     optimizer = FACTORIES["nesterov"](anchors)
     transport = AllReduceTransport(None, num_islands=world, bucket_numel=7)
     with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[1\]"):
-        StreamRound(7).run(
-            params=list(params.values()),
-            anchors=anchors,
-            optimizer=optimizer,
-            kind="sgd",
-            reducer=transport,
-            merge_alpha=0.0,
-            seed=0,
-        )
+        _sgd_round(StreamRound(7), params, anchors, optimizer, transport, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(anchors, before, strict=True))
     assert not optimizer.state  # no state was created for a round that did not happen
     (Path(out) / f"{rank}.ok").touch()
@@ -166,15 +178,7 @@ def test_buffers_are_allocated_once_and_reused() -> None:
     held: list[Tensor] = []
     for step in range(3):
         _train(params, 0, step)
-        stream.run(
-            params=list(params.values()),
-            anchors=anchors,
-            optimizer=optimizer,
-            kind="sgd",
-            reducer=transport,
-            merge_alpha=0.0,
-            seed=step,
-        )
+        _sgd_round(stream, params, anchors, optimizer, transport, seed=step)
         assert stream._delta is not None
         held.append(stream._delta)
     assert held[0] is held[1] is held[2]
