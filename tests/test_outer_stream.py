@@ -182,7 +182,7 @@ def test_buffers_are_allocated_once_and_reused() -> None:
         assert stream._delta is not None
         held.append(stream._delta)
     assert held[0] is held[1] is held[2]
-    assert stream.buffer_bytes() == 7 * 4  # one bucket, whatever the model size
+    assert stream.buffer_bytes() == 2 * 7 * 4  # two buckets, whatever the model size
 
 
 def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:

@@ -3,7 +3,7 @@
 ``StreamRound.run`` does a whole plain outer round (no codec, no delay) for one fragment in a
 single pass over the parameters: per bucket of the transport's size it forms the pseudo-
 gradient ``anchor - local`` (float32) straight into a reused flat buffer, has the transport
-average that buffer in place (``BucketMean.mean_``), steps the outer optimizer on that bucket
+average that buffer in place (``BucketMean.start_mean``), steps the outer optimizer on that bucket
 with the functional SGD/Adam steps (``lightning_swarm.algorithm.outer_fast``), writes the new
 anchors and optimizer state back and merges them into the parameters in place. No full-size
 temporary exists; the sum of squares of the averaged pseudo-gradient is accumulated per bucket
@@ -21,7 +21,8 @@ construction, so the pseudo-gradients are too, barring an overflow of ``anchor -
 3.4e38, which the averaged bucket's norm still reports (``pseudo_grad_norm`` becomes inf).
 
 Devices. With parameters and anchors on the same device (``cpu``) the anchors and the state are
-stepped in place through views: one reused bucket of float32 is the only extra memory. With
+stepped in place through views, and bucket k's all-reduce runs while bucket k - 1 is stepped
+and bucket k + 1 formed: two reused float32 buckets are the only extra memory. With
 parameters on CUDA and anchors on the CPU, the anchors and the outer state are moved once into
 pinned host memory (``pin_round_memory``, the first time such a round runs; mapped anchors
 therefore stay file-backed until then) and each bucket's anchors and state are copied in on one
@@ -38,7 +39,7 @@ optimizer, which ``run`` mutates in place.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,8 +70,9 @@ class BucketMean(Protocol):
         """Raise ``NonFinitePseudoGradientError`` on every rank if any island is not finite."""
         ...
 
-    def mean_(self, flat: Tensor) -> int:
-        """Overwrite the flat float32 ``flat`` with its mean across islands; bytes sent."""
+    def start_mean(self, flat: Tensor) -> Callable[[], int]:
+        """Start averaging the flat float32 ``flat`` across islands in place; the returned
+        call waits for it, completes the mean and returns the bytes sent."""
         ...
 
 
@@ -106,7 +108,8 @@ def plan_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[Segment]
 @dataclass(frozen=True)
 class StreamResult:
     """A streamed round: the averaged pseudo-gradient's norm, bytes sent (= received) and the
-    host time spent in ``mean_`` calls (enqueue time only where the backend is asynchronous)."""
+    host time spent starting and waiting for the bucket means (on the CPU path they overlap
+    the neighbouring buckets' work, so this is the time the round was blocked on them)."""
 
     norm: float
     bytes_sent: int
@@ -234,25 +237,49 @@ class StreamRound:
         return self._delta
 
     def _run_local(self, job: _Job, plan: list[list[Segment]], reducer: BucketMean) -> StreamResult:
-        """Anchors on the parameters' device: step anchor and state views in place."""
-        delta_all = self._delta_buffer(min(self.bucket_numel, job.total_numel), job.device)
+        """Anchors on the parameters' device: step anchor and state views in place.
+
+        Two pseudo-gradient buckets: while bucket k is being averaged (asynchronously), bucket
+        k - 1 is stepped and merged, and bucket k + 1 is formed. Buckets touch disjoint
+        elements, so the order of these writes does not matter.
+        """
+        numel = min(self.bucket_numel, job.total_numel)
+        deltas = self._delta_buffer(numel * min(2, len(plan)), job.device)
         sumsq = torch.zeros((), dtype=torch.float32, device=job.device)
         sent = 0
-        for bucket in plan:
-            fill = bucket[-1].offset + bucket[-1].stop - bucket[-1].start
-            delta = delta_all[:fill]
+        pending: tuple[list[Segment], Tensor, Callable[[], int]] | None = None
+        for k, bucket in enumerate(plan):
+            start = (k % 2) * numel
+            delta = deltas[start : start + bucket[-1].offset + bucket[-1].stop - bucket[-1].start]
             for seg in bucket:
                 pseudo_gradient_into(
                     job.anchor_slice(seg), job.param_slice(seg), job.cut(delta, seg)
                 )
-            sent += job.reduce(reducer, delta)
-            sumsq += sum_of_squares(delta)
-            for seg in bucket:
-                anchor = job.anchor_slice(seg)
-                state = [s.view(-1)[seg.start : seg.stop] for s in job.state(seg)]
-                job.step(anchor, job.cut(delta, seg), state, seg)
-                job.merge(job.param_slice(seg), anchor)
+            finish = job.start_reduce(reducer, delta)
+            if pending is not None:
+                sent += self._step_local(job, *pending, sumsq)
+            pending = (bucket, delta, finish)
+        if pending is not None:
+            sent += self._step_local(job, *pending, sumsq)
         return StreamResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
+
+    @staticmethod
+    def _step_local(
+        job: _Job,
+        bucket: list[Segment],
+        delta: Tensor,
+        finish: Callable[[], int],
+        sumsq: Tensor,
+    ) -> int:
+        """Wait for ``delta``'s mean, then step and merge its segments in place."""
+        sent = job.finish_reduce(finish)
+        sumsq += sum_of_squares(delta)
+        for seg in bucket:
+            anchor = job.anchor_slice(seg)
+            state = [s.view(-1)[seg.start : seg.stop] for s in job.state(seg)]
+            job.step(anchor, job.cut(delta, seg), state, seg)
+            job.merge(job.param_slice(seg), anchor)
+        return sent
 
     def _slots_for(self, job: _Job) -> list[_Slot]:
         numel = min(self.bucket_numel, job.total_numel)
@@ -347,8 +374,17 @@ class _Job:
         self.reduce_s = 0.0
 
     def reduce(self, reducer: BucketMean, flat: Tensor) -> int:
+        return self.finish_reduce(self.start_reduce(reducer, flat))
+
+    def start_reduce(self, reducer: BucketMean, flat: Tensor) -> Callable[[], int]:
         start = time.perf_counter()
-        sent = reducer.mean_(flat)
+        finish = reducer.start_mean(flat)
+        self.reduce_s += time.perf_counter() - start
+        return finish
+
+    def finish_reduce(self, finish: Callable[[], int]) -> int:
+        start = time.perf_counter()
+        sent = finish()
         self.reduce_s += time.perf_counter() - start
         return sent
 

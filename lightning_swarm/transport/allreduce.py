@@ -17,7 +17,7 @@ the algorithm moves, not a measurement of the NIC.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -86,11 +86,23 @@ class AllReduceTransport:
         Collective. ``flat`` may live on any device the backend reduces (CUDA for NCCL).
         Returns the bytes this rank sent (and received) for it.
         """
+        return self.start_mean(flat)()
+
+    def start_mean(self, flat: Tensor) -> Callable[[], int]:
+        """``mean_`` in two halves: start the all-reduce now, and return the call that waits
+        for it, divides and returns the bytes sent. Until that call returns, ``flat`` belongs to
+        the collective. Buckets must be started in the same order on every rank."""
         if self.num_islands <= 1:
-            return 0
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        flat.div_(self.num_islands)
-        return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.num_islands)
+            return lambda: 0
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def finish() -> int:
+            assert work is not None
+            work.wait()
+            flat.div_(self.num_islands)
+            return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.num_islands)
+
+        return finish
 
     def _reduce_in_buckets(self, tensors: list[Tensor], stats: RoundStats) -> None:
         total_numel = sum(t.numel() for t in tensors)
