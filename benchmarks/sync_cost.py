@@ -254,12 +254,39 @@ def summarize(times: dict[str, list[float]], floor: str) -> list[dict[str, Any]]
     return rows
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the samples of several runs; keep each run's own ratio to its floor.
+
+    ``rows``: median, min and max over all samples; ``vs_floor`` is the median over runs of
+    (method's median / floor's median in the same run), with its range in ``vs_floor_range``.
+    """
+    result = dict(runs[0])
+    floor = result.get("floor", FLOOR)
+    names = list(runs[0]["times_s"])
+    result["times_s"] = {n: [t for r in runs for t in r["times_s"][n]] for n in names}
+    result["runs"] = [
+        {"times_s": r["times_s"], "load_average_after": r.get("load_average_after")} for r in runs
+    ]
+    rows = summarize(result["times_s"], floor)
+    for row in rows:
+        ratios = [
+            statistics.median(r["times_s"][row["method"]]) / statistics.median(r["times_s"][floor])
+            for r in runs
+        ]
+        row["vs_floor"] = statistics.median(ratios)
+        row["vs_floor_range"] = [min(ratios), max(ratios)]
+    result["rows"] = rows
+    return result
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'method':<44} {'median s':>9} {'min s':>8} {'max s':>8} {'x floor':>8}")
+    head = f"{'method':<50} {'median s':>9} {'min s':>8} {'max s':>8} {'x floor':>8} {'range':>12}"
+    print(head)
     for r in rows:
+        lo, hi = r.get("vs_floor_range", [r["vs_floor"], r["vs_floor"]])
         print(
-            f"{r['method']:<44} {r['median_s']:9.4f} {r['min_s']:8.4f} {r['max_s']:8.4f} "
-            f"{r['vs_floor']:8.2f}"
+            f"{r['method']:<50} {r['median_s']:9.4f} {r['min_s']:8.4f} {r['max_s']:8.4f} "
+            f"{r['vs_floor']:8.2f} {lo:5.2f}-{hi:5.2f}"
         )
 
 
@@ -292,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mb", type=float, default=128.0, help="MiB of parameters (CPU mode)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=1, help="fresh runs (processes) in a row")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
     parser.add_argument("--no-torchft", action="store_true")
@@ -320,8 +348,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torchft=not args.no_torchft,
             start_method=args.start_method,
         )
-    result = runner()
-    result["rows"] = summarize(result["times_s"], result.get("floor", FLOOR))
+    runs = [runner() for _ in range(args.runs)]
+    result = combine(runs)
     result["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     result["command"] = " ".join(["benchmarks/sync_cost.py", *(argv or sys.argv[1:])])
     print_table(result["rows"])
