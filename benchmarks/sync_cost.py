@@ -290,6 +290,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def title(result: dict[str, Any]) -> str:
+    """A one-line chart title: the mode, the workload and the date."""
+    if result["mode"] == "cpu":
+        what = f"{result['ranks']} gloo ranks, {result['mb']:g} MiB MLP"
+    else:
+        what = f"{result['device']}, {result['num_params'] / 1e9:.2f}B parameters"
+    runs = len(result.get("runs", [])) or 1
+    return f"one outer round, {what}: {runs} run(s), {result['date'][:10]}"
+
+
 def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     """A horizontal bar chart of the medians with min-max whiskers (needs matplotlib)."""
     import matplotlib
@@ -356,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.png:
-        plot(result["rows"], result["command"], args.png)
+        plot(result["rows"], title(result), args.png)
     return result
 
 
