@@ -42,10 +42,16 @@ def sum_of_squares(flat: Tensor) -> Tensor:
 def max_abs(tensors: list[Tensor]) -> Tensor:
     """The largest magnitude over ``tensors`` as a 0-d float32 tensor: not finite iff one value is.
 
-    A max-reduction needs no float64 copy and, unlike a sum of squares, cannot overflow for
-    finite inputs, so it answers "is every value finite" exactly.
+    A min/max reduction needs no float64 copy and, unlike a sum of squares, cannot overflow for
+    finite inputs, so it answers "is every value finite" exactly; NaN propagates through it.
+    ``aminmax`` is used because it is vectorized on the CPU (the infinity norm is measured ~20x
+    slower there).
     """
-    if not tensors:
+    extremes = []
+    for t in tensors:
+        if t.numel():
+            low, high = torch.aminmax(t.detach())
+            extremes += [high.to(torch.float32), -low.to(torch.float32)]
+    if not extremes:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
-    return torch.stack([n.to(torch.float32) for n in norms]).max()
+    return torch.stack(extremes).max()
