@@ -41,7 +41,7 @@ def _train(params: dict[str, torch.nn.Parameter], rank: int, step: int) -> None:
 
 
 def _compare_worker(
-    rank: int, world: int, out: str, opt: str, dtype: torch.dtype, alpha: float
+    rank: int, world: int, out: str, opt: str, dtype: torch.dtype, alpha: float, in_flight: int
 ) -> None:
     factory, bucket = FACTORIES[opt], 7  # 7 elements: tensors split over buckets, partial last
     slow_params, fast_params = _params(0), _params(0)
@@ -59,7 +59,7 @@ def _compare_worker(
     optimizer = factory(anchors)
     kind = fast_outer_kind(optimizer)
     assert kind is not None
-    stream = StreamRound(bucket)
+    stream = StreamRound(bucket, in_flight=in_flight)
     norms = []
     for step in range(4):
         _train(slow_params, rank, step)
@@ -88,19 +88,20 @@ def _compare_worker(
 
 
 @pytest.mark.parametrize(
-    ("opt", "dtype", "alpha"),
+    ("opt", "dtype", "alpha", "in_flight"),
     [
-        ("nesterov", torch.float32, 0.0),
-        ("adamw", torch.float32, 0.0),
-        ("nesterov", torch.bfloat16, 0.0),
-        ("nesterov", torch.float32, 0.25),
+        ("nesterov", torch.float32, 0.0, 1),
+        ("adamw", torch.float32, 0.0, 1),
+        ("nesterov", torch.bfloat16, 0.0, 1),
+        ("nesterov", torch.float32, 0.25, 1),
+        ("adamw", torch.bfloat16, 0.5, 3),
     ],
 )
 def test_stream_round_is_bitwise_the_outer_sync_round(
-    tmp_path: Path, opt: str, dtype: torch.dtype, alpha: float
+    tmp_path: Path, opt: str, dtype: torch.dtype, alpha: float, in_flight: int
 ) -> None:
     world = 3  # three summands: the all-reduce order matters, so the buckets must line up
-    run_ranks(_compare_worker, world, str(tmp_path), opt, dtype, alpha)
+    run_ranks(_compare_worker, world, str(tmp_path), opt, dtype, alpha, in_flight)
     for rank in range(world):
         saved = torch.load(tmp_path / f"{rank}.pt")
         slow_params, slow_anchors, slow_state = saved["slow"]
