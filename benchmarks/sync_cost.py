@@ -5,8 +5,10 @@ CPU mode (default): ``--ranks`` gloo processes (2) on this machine, each holding
 Each repetition moves every rank's parameters by a rank-dependent step (not timed), then times
 one sync of every method in turn (interleaved, so machine noise spreads over all of them):
 
-- ``ours: two-phase`` -- ``OuterSync(stream=False)``: today's round before this change's fast
-  path (a full pseudo-gradient, the transport's bucketed all-reduce, ``optimizer.step()``, copy);
+- ``ours: two-phase`` -- ``OuterSync(stream=False)``: the round other optimizers and transports
+  still take (a full pseudo-gradient, a finiteness pass, the transport's bucketed all-reduce,
+  ``optimizer.step()``, copy); before the streamed round every round was this one, then also
+  with a float64 norm;
 - ``ours: streamed`` -- ``OuterSync`` as the strategy builds it now: one bucketed pass;
 - ``torchft DiLoCo`` -- torchft 0.2.0's ``DiLoCo`` on its own Manager and Lighthouse (per-param
   all-reduce, its default), inner optimizer a no-op so only its sync is timed (the quorum it
