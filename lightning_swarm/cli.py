@@ -125,7 +125,8 @@ def summarize(run: Run) -> dict[str, float]:
     if isinstance(strategy, SwarmStrategy):
         summary["outer_steps"] = float(strategy.totals.outer_steps)
         summary["bytes_sent_per_rank"] = float(strategy.totals.bytes_sent)
-        summary["ddp_bytes_per_rank"] = float(strategy.ddp_equivalent_bytes())
+        loop = strategy.outer_loop
+        summary["ddp_bytes_per_rank"] = float(loop.ddp_equivalent_bytes() if loop else 0)
         summary["sync_wall_s"] = strategy.totals.sync_wall_s
     return summary
 

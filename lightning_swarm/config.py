@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.fragments import LAYOUTS, FragmentSchedule
+from lightning_swarm.algorithm.fragments import FragmentSchedule, as_layout, check_positive_int
 from lightning_swarm.algorithm.robust import AGGREGATIONS
 
 TRANSPORTS = ("allreduce", "swarm")
@@ -33,6 +33,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+def dtype_name(value: str | torch.dtype | None) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``; a name or None passes through (checked later)."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 
 def parse_dtype(value: str | torch.dtype | None, *, option: str) -> torch.dtype | None:
@@ -111,9 +116,7 @@ class SwarmTransportConfig:
             raise ValueError(
                 f"swarm.trim_ratio must lie in [0, 0.5), got {self.trim_ratio!r}; e.g. 0.1."
             )
-        _check_positive_int(
-            "swarm.min_contributions", self.min_contributions, "1 applies any round"
-        )
+        check_positive_int("swarm.min_contributions", self.min_contributions, "1 applies any round")
         if self.max_norm is not None and (not _is_number(self.max_norm) or self.max_norm <= 0):
             raise ValueError(
                 f"swarm.max_norm must be a positive number or null, got {self.max_norm!r}."
@@ -159,9 +162,11 @@ class SwarmConfig:
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
         island_size: ranks per island; must divide the world size (checked at setup).
-        transport: how pseudo-gradients are averaged across islands: ``"allreduce"``.
+        transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` (a
+            bucketed all-reduce over the peer group) or ``"swarm"`` (a rotating aggregator that
+            spools, validates and aggregates; options under ``swarm``).
         anchor_device: where anchors and outer optimizer state live (``"cpu"`` by default,
-            never silently on the accelerator).
+            never silently on the accelerator); an accelerator this build cannot use is refused.
         anchor_dtype: dtype of the stored anchors; ``None`` means float32.
         bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory.
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
@@ -177,6 +182,9 @@ class SwarmConfig:
         quantize: codec of the exchanged pseudo-gradients: none, bf16, int8 or int4.
         quantize_block_size: elements sharing one absmax scale (int8 / int4).
         error_feedback: carry each island's quantization error into its next round.
+        sync_at_end: when fit ends with inner steps since the last round, run one last round
+            so every island ends holding the same global model (the anchors); ``False`` keeps
+            each island's local weights.
     """
 
     sync_every: int = 100
@@ -195,21 +203,21 @@ class SwarmConfig:
     quantize: str = "none"
     quantize_block_size: int = 128
     error_feedback: bool = False
+    sync_at_end: bool = True
 
     def __post_init__(self) -> None:
-        _check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
-        _check_positive_int("island_size", self.island_size, "1 makes every rank an island")
+        check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
+        check_positive_int("island_size", self.island_size, "1 makes every rank an island")
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"transport={self.transport!r} is not known; choose one of {list(TRANSPORTS)}."
             )
-        try:
-            torch.device(self.anchor_device)
-        except (RuntimeError, TypeError) as err:
+        _check_anchor_device(self.anchor_device)
+        if not isinstance(self.sync_at_end, bool):
             raise ValueError(
-                f"anchor_device={self.anchor_device!r} is not a torch device; use 'cpu' "
-                "(recommended) or an accelerator such as 'cuda'."
-            ) from err
+                f"sync_at_end must be true or false, got {self.sync_at_end!r}; true (default) "
+                "ends fit with every island holding the global model."
+            )
         parse_dtype(self.anchor_dtype, option="anchor_dtype")
         self.anchors = as_anchor_config(self.anchors)
         self.swarm = as_swarm_transport_config(self.swarm)
@@ -236,9 +244,23 @@ class SwarmConfig:
         return max(1, int(self.bucket_mb * 2**20) // 4)
 
 
-def _check_positive_int(option: str, value: object, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option} must be a positive integer, got {value!r}; {hint}.")
+def _check_anchor_device(anchor_device: str) -> None:
+    """A torch device this build can use (an accelerator must be available here)."""
+    try:
+        device = torch.device(anchor_device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"anchor_device={anchor_device!r} is not a torch device; use 'cpu' "
+            "(recommended) or an accelerator such as 'cuda'."
+        ) from err
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        raise ValueError(
+            f"anchor_device={anchor_device!r}, but this torch build finds no {device.type} "
+            f"device (torch.{device.type}.is_available() is False); use anchor_device='cpu' "
+            f"(the default), or run where torch can use a {device.type} device."
+        )
 
 
 def as_anchor_config(value: object) -> AnchorConfig:
@@ -282,8 +304,7 @@ def check_streaming(config: SwarmConfig) -> None:
     ``FragmentSchedule``; whether an explicit layout covers every trained parameter is checked
     at setup, when the names are known.
     """
-    _check_positive_int("num_fragments", config.num_fragments, "1 syncs the whole model at once")
-    _check_positive_int(
+    check_positive_int(
         "quantize_block_size", config.quantize_block_size, "e.g. 128 elements per scale"
     )
     FragmentSchedule(
@@ -292,7 +313,7 @@ def check_streaming(config: SwarmConfig) -> None:
         sync_delay=config.sync_delay,
         merge_alpha=config.merge_alpha,
     )
-    config.fragment_layout = _as_layout(config.fragment_layout, config.num_fragments)
+    config.fragment_layout = as_layout(config.fragment_layout, config.num_fragments)
     Codec(config.quantize, config.quantize_block_size)
     if not isinstance(config.error_feedback, bool):
         raise ValueError(f"error_feedback must be true or false, got {config.error_feedback!r}.")
@@ -303,29 +324,3 @@ def check_streaming(config: SwarmConfig) -> None:
             UserWarning,
             stacklevel=4,
         )
-
-
-def _as_layout(layout: object, num_fragments: int) -> str | list[list[str]]:
-    """A layout name, or explicit lists of module names as plain lists."""
-    if isinstance(layout, str):
-        if layout not in LAYOUTS:
-            raise ValueError(
-                f"fragment_layout={layout!r} is not known; use one of {list(LAYOUTS)} or a "
-                "list of num_fragments lists of module names."
-            )
-        return layout
-    try:
-        groups = [[e] if isinstance(e, str) else list(e) for e in layout]  # type: ignore[attr-defined]
-    except TypeError:
-        groups = []
-    if groups and all(isinstance(n, str) for g in groups for n in g):
-        if len(groups) != num_fragments:
-            raise ValueError(
-                f"fragment_layout lists {len(groups)} fragment(s) but num_fragments="
-                f"{num_fragments}; give exactly one list of module names per fragment."
-            )
-        return groups
-    raise ValueError(
-        f"fragment_layout must be 'strided', 'sequential' or a list of lists of module names "
-        f"(one list per fragment), got {layout!r}; e.g. [['blocks.0', 'blocks.2'], ['blocks.1']]."
-    )

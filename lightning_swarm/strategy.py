@@ -7,16 +7,17 @@ worker, the totals and the byte figures; the DiLoCo math itself lives in
 ``lightning_swarm.algorithm``.
 
 Lifecycle inside ``Trainer.fit``:
-1. ``setup_distributed``: the default process group, then the island and peer groups.
-2. ``configure_ddp``: rank 0's weights are broadcast to the whole world (anchors start identical
-   everywhere), then the module is wrapped in DDP over its island's group only. An island of one
-   rank is not wrapped at all.
-3. ``setup``: after Lightning built the optimizers, the transport is built and an ``OuterLoop``
+1. ``setup_distributed`` and ``configure_ddp`` (``IslandDDPStrategy``): groups, rank 0's weights
+   everywhere, DDP over each island's own group.
+2. ``setup``: after Lightning built the optimizers, the transport is built and an ``OuterLoop``
    takes a copy of every optimizer's trained parameters as its anchors.
-4. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch),
+3. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch),
    the outer loop counts it and syncs every ``sync_every`` steps; the round's metrics go
    straight to the loggers under ``swarm/`` so ``log_every_n_steps`` cannot drop them.
-5. ``teardown``: the outer loop closed (worker drained and joined, transport closed), then the
+   After the fit's last inner step (``fit_end``), with ``sync_at_end``, one last round puts the
+   global model on every island before Lightning's final checkpoints; ``on_train_end`` catches
+   ends that could not be foreseen at that step.
+4. ``teardown``: the outer loop closed (worker drained and joined, transport closed), then the
    groups destroyed.
 """
 
@@ -41,7 +42,9 @@ from lightning_swarm.config import (
     SwarmTransportConfig,
     as_anchor_config,
     as_swarm_transport_config,
+    dtype_name,
 )
+from lightning_swarm.fit_end import fit_ends_after_step
 from lightning_swarm.islands import IslandDDPStrategy
 from lightning_swarm.outer import (
     OuterLoop,
@@ -53,7 +56,7 @@ from lightning_swarm.outer import (
 from lightning_swarm.outer.build import build_transport, staging_device
 
 if TYPE_CHECKING:
-    # The resume glue is imported where used (helper "resume" removes this cycle).
+    # callbacks/resume.py imports this module under TYPE_CHECKING: imported where used here.
     from lightning_swarm.callbacks.resume import SwarmResume
 
 
@@ -63,14 +66,11 @@ class SwarmStrategy(IslandDDPStrategy):
     Args:
         outer_optimizer: callable taking an iterable of tensors (the anchors) and returning a
             ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True).
-        anchors, swarm: nested option groups (``AnchorConfig`` / ``SwarmTransportConfig``) or
-            dicts of their fields, e.g. ``swarm={"offload": True, "aggregation": "median"}``.
         **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
 
-    Every other argument is the ``SwarmConfig`` field of the same name, documented there
-    (``sync_every``, ``island_size``, ``transport``, ``anchor_device``, ``anchor_dtype`` also as
-    a ``torch.dtype``, ``bucket_mb``, the Streaming DiLoCo options and the ``quantize`` ones).
+    Every other argument is the ``SwarmConfig`` field of the same name, documented there;
+    ``anchor_dtype`` may be a ``torch.dtype``, ``anchors`` and ``swarm`` dicts of their fields.
 
     Raises:
         ValueError: an option is out of range (the message names it and the fix).
@@ -96,16 +96,15 @@ class SwarmStrategy(IslandDDPStrategy):
         quantize: str = "none",
         quantize_block_size: int = 128,
         error_feedback: bool = False,
+        sync_at_end: bool = True,
         **kwargs: Any,
     ) -> None:
-        if isinstance(anchor_dtype, torch.dtype):
-            anchor_dtype = str(anchor_dtype).removeprefix("torch.")
         self.config = SwarmConfig(
             sync_every=sync_every,
             island_size=island_size,
             transport=transport,
             anchor_device=str(anchor_device),
-            anchor_dtype=anchor_dtype,
+            anchor_dtype=dtype_name(anchor_dtype),
             bucket_mb=bucket_mb,
             anchors=as_anchor_config(anchors if anchors is not None else AnchorConfig()),
             swarm=as_swarm_transport_config(swarm if swarm is not None else SwarmTransportConfig()),
@@ -116,6 +115,7 @@ class SwarmStrategy(IslandDDPStrategy):
             quantize=quantize,
             quantize_block_size=quantize_block_size,
             error_feedback=error_feedback,
+            sync_at_end=sync_at_end,
         )
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
@@ -127,7 +127,6 @@ class SwarmStrategy(IslandDDPStrategy):
         self._loop: OuterLoop | None = None
         self.totals = SwarmTotals()
 
-    # -- registration ---------------------------------------------------------------------
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -143,7 +142,6 @@ class SwarmStrategy(IslandDDPStrategy):
             start_method="spawn",
         )
 
-    # -- read-only views ------------------------------------------------------------------
     @property
     def outer_loop(self) -> OuterLoop | None:
         """This fit's outer loop (built at setup, kept after teardown for its figures)."""
@@ -158,10 +156,6 @@ class SwarmStrategy(IslandDDPStrategy):
     def memory_report(self) -> OuterLoop | None:
         """What ``HostMemoryCensus`` reads (a ``SwarmMemoryReport``); None before setup."""
         return self._loop
-
-    def ddp_equivalent_bytes(self) -> int:
-        """Bytes one rank would have sent across islands had the islands run DDP instead."""
-        return self._loop.ddp_equivalent_bytes() if self._loop is not None else 0
 
     # -- setup ----------------------------------------------------------------------------
     @override
@@ -206,17 +200,40 @@ class SwarmStrategy(IslandDDPStrategy):
             self._loop.check_optimizer(optimizer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._loop is not None:
-            self._log_round(self._loop.on_inner_step(optimizer))
+            # global_step counts this step only once optimizer_step has returned.
+            self._log_round(self._loop.on_inner_step(optimizer), steps_pending=1)
+            self._end_of_fit_round(manual=False)
         return output
 
-    def _log_round(self, metrics: dict[str, float] | None) -> None:
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        # Manual optimization steps its optimizers inside training_step: all of them are done.
+        self._end_of_fit_round(manual=True)
+        return output
+
+    def _end_of_fit_round(self, *, manual: bool) -> None:
+        module, pending = self.lightning_module, 0 if manual else 1
+        if self._loop is None or module is None or module.automatic_optimization == manual:
+            return
+        if self.config.sync_at_end and fit_ends_after_step(module.trainer, steps_pending=pending):
+            self._log_round(self._loop.finish(), steps_pending=pending)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        # A fit that ended where fit_end could not foresee it (EarlyStopping, max_time).
+        if self._loop is not None and self.config.sync_at_end:
+            self._log_round(self._loop.finish(), steps_pending=0)
+
+    def _log_round(self, metrics: dict[str, float] | None, *, steps_pending: int) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module else None
         if metrics is None or trainer is None:
             return
         # Logged directly at the sync step: self.log would wait for log_every_n_steps and a
         # sync every H steps could fall between two flushes. Built-in loggers are rank-0-only.
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step + 1)
+            logger.log_metrics(metrics, step=trainer.global_step + steps_pending)
 
     # -- checkpoints ----------------------------------------------------------------------
     def _resume_callback(self, trainer: pl.Trainer) -> SwarmResume:
@@ -274,7 +291,6 @@ class SwarmStrategy(IslandDDPStrategy):
 
             remove_swarm_state(filepath)
 
-    # -- teardown -------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
         # Before the groups go (the base class destroys them last): the worker and the

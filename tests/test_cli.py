@@ -140,7 +140,9 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
         "model.n_layer=1",
         f"hydra.run.dir={tmp_path}",
     ]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    # Below pytest-timeout's 120 s (about 25 s here): a stuck run fails with TimeoutExpired
+    # naming the command instead of being killed by the plugin without it.
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout

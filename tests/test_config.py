@@ -25,6 +25,7 @@ from lightning_swarm.transport import AllReduceTransport
         ({"anchor_dtype": torch.int8}, "anchor_dtype='int8' is not a supported dtype"),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
         ({"bucket_mb": "big"}, "bucket_mb must be a number of MiB"),
+        ({"sync_at_end": "yes"}, "sync_at_end must be true or false, got 'yes'; true"),
     ],
 )
 def test_bad_strategy_options(kwargs: dict, message: str) -> None:
@@ -88,3 +89,20 @@ def test_topology_numbers() -> None:
     assert (t.num_islands, t.island_index, t.local_index) == (3, 1, 1)
     assert t.island_ranks(2) == [4, 5]
     assert t.peer_ranks(1) == [1, 3, 5]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch finds no GPU")
+def test_anchor_device_without_that_device_is_refused_by_name() -> None:
+    # Before the check this surfaced after launch as torch's AssertionError, naming no option.
+    for device in ("cuda", "cuda:1", torch.device("cuda")):
+        with pytest.raises(
+            ValueError,
+            match=r"anchor_device='cuda(:1)?', but this torch build finds no cuda device.*"
+            r"use anchor_device='cpu'",
+        ):
+            SwarmStrategy(anchor_device=device)
+
+
+def test_sync_at_end_reaches_the_config() -> None:
+    assert SwarmConfig().sync_at_end is True
+    assert SwarmStrategy(sync_at_end=False).config.sync_at_end is False

@@ -205,6 +205,7 @@ def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:
         for step in range(6):
             _train(params, rank, step)
             outer.on_inner_step()
+        assert len(outer.finish()) == 1  # the end-of-fit round of the fragment synced at step 5
         results[stream] = [params, outer.anchors, outer.state_dict()["outer_optimizer"]]
     torch.save(results, Path(out) / f"{rank}.pt")
 

@@ -37,14 +37,26 @@ def test_small_updates_are_not_lost_on_bfloat16_anchors() -> None:
     assert opt.param_groups[0]["params"][0] is stored
 
 
-def test_round_to_nearest_would_have_stalled() -> None:
-    # The failure the float32 path exists for, shown directly with a plain bf16 step.
-    anchor = torch.ones(8, dtype=torch.bfloat16)
-    opt = NESTEROV([anchor])
-    for _ in range(20):
-        anchor.grad = torch.full((8,), -5e-4, dtype=torch.bfloat16)
-        opt.step()
-    assert torch.equal(anchor, torch.ones(8, dtype=torch.bfloat16))
+def test_float16_anchors_step_in_float32_and_round_to_nearest() -> None:
+    # The float16 branch: each round steps a float32 copy with float32 momentum, then writes
+    # the result back rounded to nearest. The reference does exactly that with a float32
+    # parameter reset to the stored float16 value every round.
+    stored, opt = _run(torch.float16, rounds=6, delta=-3e-3)
+    reference = torch.nn.Parameter(torch.ones(4096))
+    ref_opt = NESTEROV([reference])
+    expected = torch.ones(4096, dtype=torch.float16)
+    for _ in range(6):
+        with torch.no_grad():
+            reference.copy_(expected.float())
+        reference.grad = torch.full((4096,), -3e-3)
+        ref_opt.step()
+        expected = reference.detach().to(torch.float16)
+    assert stored.dtype == torch.float16
+    assert torch.equal(stored, expected)
+    assert not torch.equal(stored, torch.ones_like(stored))  # it moved
+    momentum = opt.state[stored]["momentum_buffer"]
+    assert momentum.dtype == torch.float32
+    assert torch.equal(momentum, ref_opt.state[reference]["momentum_buffer"])
 
 
 def test_stochastic_rounding_is_deterministic_per_seed_and_unbiased() -> None:

@@ -118,7 +118,8 @@ def test_plain_checkpoint_starts_fresh_anchors_from_its_weights(
     del ckpt["swarm"]
     plain = tmp_path / "plain.ckpt"
     torch.save(ckpt, plain)
-    fit(tmp_path / "out", devices=2, island_size=1, max_steps=5, ckpt_path=plain)
+    # sync_at_end=False: the counters below are the schedule's rounds only
+    fit(tmp_path / "out", devices=2, island_size=1, max_steps=5, ckpt_path=plain, sync_at_end=False)
     for info in load_ranks(tmp_path / "out", 2):
         assert info["summary"] is None
         assert info["inner_steps"] == [1] and info["outer_steps"] == [0]
@@ -163,6 +164,7 @@ def test_rejoining_island_catches_up(full_run_1: Path, tmp_path: Path) -> None:
         max_steps=8,
         ckpt_path=new,
         callbacks=[SwarmResume(island_ckpt_paths={1: old})],
+        sync_at_end=False,  # the counters below are the schedule's rounds only
     )
     info = load_ranks(tmp_path / "out", 2)
     assert "caught up optimizer(s) [0] to round(s) [2]" in info[1]["summary"]
@@ -238,7 +240,7 @@ def test_failed_resume_is_not_retried_by_the_next_fit(tmp_path: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=SwarmStrategy(sync_every=3, start_method="popen"),
+        strategy=SwarmStrategy(sync_every=3, sync_at_end=False, start_method="popen"),
         max_steps=4,  # the failed fit leaves Lightning's loops restored to step 2
         logger=False,
         enable_progress_bar=False,

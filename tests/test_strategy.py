@@ -227,3 +227,103 @@ def test_registry_name_and_idempotent_import() -> None:
     importlib.reload(lightning_swarm)  # a second registration must not fail
     trainer = pl.Trainer(strategy="swarm", accelerator="cpu", devices=1, **QUIET)
     assert isinstance(trainer.strategy, SwarmStrategy)
+
+
+# -- the end of fit ---------------------------------------------------------------------------
+class FinalWeights(pl.Callback):
+    """Saves each rank's parameters at teardown: what ``trainer.fit`` leaves in the module."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        path = Path(self.out_dir) / f"final{trainer.global_rank}.pt"
+        torch.save(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]), path)
+
+
+class StopAt(pl.Callback):
+    """Sets ``trainer.should_stop`` after a given step (as EarlyStopping or a timer would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: object) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def _fit_to_end(
+    out: Path, module: pl.LightningModule, strategy: SwarmStrategy, **trainer_kw: object
+) -> tuple[list[dict], list[torch.Tensor]]:
+    pl.seed_everything(7)
+    callbacks = [Recorder(str(out)), FinalWeights(str(out)), *trainer_kw.pop("callbacks", [])]  # type: ignore[misc]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, callbacks=callbacks, **QUIET, **trainer_kw
+    )
+    trainer.fit(module, regression_data())
+    finals = [torch.load(out / f"final{r}.pt", weights_only=True) for r in range(2)]
+    return load_ranks(out, 2), finals
+
+
+@pytest.mark.parametrize("sync_at_end", [True, False])
+def test_fit_ends_with_every_island_holding_the_global_model(
+    tmp_path: Path, sync_at_end: bool
+) -> None:
+    strategy = SwarmStrategy(sync_every=5, sync_at_end=sync_at_end, start_method="fork")
+    ranks, finals = _fit_to_end(tmp_path, TinyRegressor(), strategy, max_steps=12)
+    last = [r["steps"][-1] for r in ranks]  # on_train_batch_end of step 12: checkpoint time
+    assert all(r["inner_steps"] == [12] for r in ranks)
+    if sync_at_end:
+        # rounds at 5 and 10, and the end-of-fit round after step 12, before the last batch end
+        assert all(r["outer_steps"] == [3] for r in ranks)
+        assert torch.equal(last[0]["params"], last[1]["params"])
+        assert torch.equal(last[0]["params"], last[0]["anchors"][0])
+        assert torch.equal(finals[0], finals[1]) and torch.equal(finals[0], last[0]["params"])
+    else:
+        assert all(r["outer_steps"] == [2] for r in ranks)
+        assert not torch.equal(finals[0], finals[1])
+        assert torch.equal(finals[0], last[0]["params"])
+
+
+def test_end_of_fit_round_with_fragments_and_a_round_in_flight(tmp_path: Path) -> None:
+    # H=4, F=2 (one layer each), tau=1: fragment 0 is sent after step 10 and due at 11.
+    strategy = SwarmStrategy(
+        sync_every=4, num_fragments=2, sync_delay=1, merge_alpha=0.5, start_method="fork"
+    )
+    ranks, finals = _fit_to_end(tmp_path, TinyRegressor(), strategy, max_steps=10)
+    assert torch.equal(finals[0], finals[1])
+    assert torch.equal(ranks[0]["steps"][-1]["params"], ranks[0]["steps"][-1]["anchors"][0])
+
+
+def test_end_of_fit_round_at_the_last_batch_of_the_last_epoch(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(sync_every=5, start_method="fork")
+    ranks, finals = _fit_to_end(
+        tmp_path, TinyRegressor(), strategy, max_epochs=1, limit_train_batches=7
+    )
+    assert ranks[0]["outer_steps"] == [2]  # the round at 5 and the end-of-fit round
+    last = [r["steps"][-1]["params"] for r in ranks]
+    assert torch.equal(last[0], last[1]) and torch.equal(finals[0], finals[1])
+
+
+def test_end_of_fit_round_under_manual_optimization(tmp_path: Path) -> None:
+    # Optimizer a steps 7 times (rounds at 2, 4, 6), b at batches 1, 3, 5 (a round at 2): both
+    # end between rounds, and the round runs once all of the last batch's steps are done.
+    strategy = SwarmStrategy(sync_every=2, start_method="fork")
+    ranks, finals = _fit_to_end(
+        tmp_path, TwoOptimizerModule(), strategy, max_epochs=1, limit_train_batches=7
+    )
+    assert ranks[0]["inner_steps"] == [7, 3] and ranks[0]["outer_steps"] == [4, 2]
+    last = [r["steps"][-1]["params"] for r in ranks]  # before the last batch's callbacks
+    assert torch.equal(last[0], last[1]) and torch.equal(finals[0], finals[1])
+
+
+def test_an_unforeseen_stop_is_synced_at_train_end(tmp_path: Path) -> None:
+    strategy = SwarmStrategy(sync_every=5, start_method="fork")
+    ranks, finals = _fit_to_end(
+        tmp_path, TinyRegressor(), strategy, max_steps=20, callbacks=[StopAt(7)]
+    )
+    assert ranks[0]["inner_steps"] == [7]
+    # should_stop came after the step: the last batch end saw local weights, fit's end did not
+    last = [r["steps"][-1]["params"] for r in ranks]
+    assert not torch.equal(last[0], last[1])
+    assert torch.equal(finals[0], finals[1])

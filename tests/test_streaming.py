@@ -7,6 +7,7 @@ hand; it records which thread ran each exchange.
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from collections.abc import Mapping
@@ -343,3 +344,87 @@ def test_error_feedback_without_codec_warns() -> None:
 
     with pytest.warns(UserWarning, match="error_feedback has no effect with quantize='none'"):
         SwarmStrategy(error_feedback=True)
+
+
+# -- the end-of-fit round ---------------------------------------------------------------------
+def _finished_run(alpha: float) -> tuple[OuterSync, SyncWorker, FakePeer]:
+    """H=4, F=2, tau=1 for 8 steps: fragment 0 is in flight (sent at 8, due at 9)."""
+    worker, transport = SyncWorker(), FakePeer()
+    outer = _streaming_outer(_params(), transport, worker, sync_delay=1, merge_alpha=alpha)
+    for step in range(1, 9):
+        _inner_step(outer.params, step)
+        outer.on_inner_step()
+    assert outer.in_flight == 0
+    return outer, worker, transport
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_finish_applies_the_round_in_flight_and_syncs_every_fragment(alpha: float) -> None:
+    outer, worker, transport = _finished_run(alpha)
+    try:
+        anchors_before = {n: a.clone() for n, a in outer.anchors.items()}
+        reports = outer.finish()
+    finally:
+        worker.close()
+    # alpha 0: fragment 0's early apply already puts the anchors in place, so only fragment 1
+    # (stepped since its apply at 7) needs a round; with alpha 0.5 fragment 0 runs again.
+    expected = [0, 1] if alpha == 0.0 else [0, 0, 1]
+    assert [r.fragment for r in reports] == expected
+    assert all(r.applied for r in reports) and outer.in_flight is None
+    for n in outer.params:  # every island would now hold the anchors, bit for bit
+        assert torch.equal(outer.params[n].detach(), outer.anchors[n]), n
+        assert not torch.equal(outer.anchors[n], anchors_before[n]), n
+    # the extra rounds ran inline, after the worker's one
+    assert [names for names, _ in transport.calls[-len(expected) + 1 :]] == [
+        FRAGMENTS[f] for f in expected[1:]
+    ]
+    assert outer.finish() == []  # nothing has changed since: no second round
+
+
+def test_finish_with_nothing_to_sync_runs_no_round() -> None:
+    transport = FakePeer()
+    outer = OuterSync(_params(), outer_optimizer=PLAIN, transport=transport, sync_every=2)
+    assert outer.finish() == []  # no inner step yet: the locals are the anchors
+    for step in range(1, 5):
+        _inner_step(outer.params, step)
+        outer.on_inner_step()
+    calls = len(transport.calls)
+    assert outer.finish() == [] and len(transport.calls) == calls  # just synced at step 4
+    _inner_step(outer.params, 5)
+    outer.on_inner_step()
+    assert [r.outer_steps for r in outer.finish()] == [3]
+
+
+def test_training_on_after_finish_does_not_apply_a_round_twice() -> None:
+    outer, worker, _ = _finished_run(0.0)
+    try:
+        outer.finish()
+        state = copy.deepcopy(outer.state_dict())  # a file's copy, not the live anchors
+        twin = _streaming_outer(
+            {n: torch.nn.Parameter(p.detach().clone()) for n, p in outer.params.items()},
+            FakePeer(),
+            worker,
+            sync_delay=1,
+        )
+        twin.load_state_dict(state)  # no round in flight after step 8: the schedule agrees
+        for step in range(9, 13):  # step 9 would apply fragment 0's round: finish did
+            for o in (outer, twin):
+                _inner_step(o.params, step)
+                report = o.on_inner_step()
+                assert (report is not None) == (step == 11), step
+    finally:
+        worker.close()
+    for n in outer.params:
+        assert torch.equal(outer.params[n], twin.params[n]), n
+        assert torch.equal(outer.anchors[n], twin.anchors[n]), n
+
+
+def test_round_phases_are_labelled_for_the_profiler() -> None:
+    outer = OuterSync(_params(), outer_optimizer=PLAIN, transport=FakePeer(), sync_every=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for step in range(1, 3):
+            _inner_step(outer.params, step)
+            outer.on_inner_step()
+    names = {event.name for event in prof.events()}
+    phases = {"swarm/pseudo_gradient", "swarm/exchange", "swarm/outer_step", "swarm/merge"}
+    assert phases <= names, phases - names

@@ -203,6 +203,7 @@ STREAMING: dict[str, Any] = {
     "num_fragments": 2,
     "sync_delay": 1,
     "quantize_block_size": BLOCK,
+    "sync_at_end": False,  # the islands must still differ when fit ends
 }
 
 

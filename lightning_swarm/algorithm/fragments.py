@@ -69,19 +69,49 @@ def build_fragments(
     Raises:
         ValueError: the layout cannot cover the names as asked (the message says how to fix it).
     """
-    _check_positive_int("num_fragments", num_fragments)
+    check_positive_int("num_fragments", num_fragments, "1 syncs the whole model at once")
     if len(set(names)) != len(names):
         raise ValueError("parameter names must be unique; got duplicates in the trained set")
     if not names:
         raise ValueError("no trained parameters to split into fragments")
+    checked = as_layout(layout, num_fragments)
+    if isinstance(checked, str):
+        return _by_layers(names, num_fragments, checked)
+    return _explicit(names, checked)
+
+
+def as_layout(layout: object, num_fragments: int) -> str | list[list[str]]:
+    """Check a layout's form (the names it must cover are known only later, at setup).
+
+    Returns:
+        The layout name, or the explicit layout as ``num_fragments`` plain lists of module
+        names (a bare string in a fragment's place stands for a list of one name).
+
+    Raises:
+        ValueError: an unknown name, a list of the wrong length, or something else entirely.
+    """
     if isinstance(layout, str):
         if layout not in LAYOUTS:
             raise ValueError(
                 f"fragment_layout={layout!r} is not known; use one of {list(LAYOUTS)} or a "
                 "list of num_fragments lists of module names."
             )
-        return _by_layers(names, num_fragments, layout)
-    return _explicit(names, num_fragments, layout)
+        return layout
+    try:
+        groups = [[e] if isinstance(e, str) else list(e) for e in layout]  # type: ignore[attr-defined]
+    except TypeError:
+        groups = []
+    if groups and all(isinstance(n, str) for g in groups for n in g):
+        if len(groups) != num_fragments:
+            raise ValueError(
+                f"fragment_layout lists {len(groups)} fragment(s) but num_fragments="
+                f"{num_fragments}; give exactly one list of module names per fragment."
+            )
+        return groups
+    raise ValueError(
+        f"fragment_layout must be 'strided', 'sequential' or a list of lists of module names "
+        f"(one list per fragment), got {layout!r}; e.g. [['blocks.0', 'blocks.2'], ['blocks.1']]."
+    )
 
 
 def _by_layers(names: Sequence[str], num_fragments: int, layout: str) -> list[list[str]]:
@@ -109,18 +139,7 @@ def _by_layers(names: Sequence[str], num_fragments: int, layout: str) -> list[li
     return fragments
 
 
-def _explicit(
-    names: Sequence[str], num_fragments: int, layout: Sequence[Sequence[str]]
-) -> list[list[str]]:
-    groups = [
-        [layout_entry] if isinstance(layout_entry, str) else list(layout_entry)
-        for layout_entry in layout
-    ]
-    if len(groups) != num_fragments:
-        raise ValueError(
-            f"fragment_layout lists {len(groups)} fragment(s) but num_fragments={num_fragments}; "
-            "give exactly one list of module names per fragment."
-        )
+def _explicit(names: Sequence[str], groups: list[list[str]]) -> list[list[str]]:
     owner: dict[str, int] = {}
     for f, modules in enumerate(groups):
         if not modules:
@@ -147,7 +166,7 @@ def _explicit(
             f"fragment_layout leaves {len(missing)} trained parameter(s) out, e.g. "
             f"{missing[:3]}; add their modules to one of the fragments."
         )
-    return [[n for n in names if owner[n] == f] for f in range(num_fragments)]
+    return [[n for n in names if owner[n] == f] for f in range(len(groups))]
 
 
 def check_fragments(fragments: Sequence[Sequence[str]] | None, names: list[str]) -> list[list[str]]:
@@ -200,8 +219,8 @@ class FragmentSchedule:
     merge_alpha: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive_int("sync_every", self.sync_every)
-        _check_positive_int("num_fragments", self.num_fragments)
+        check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
+        check_positive_int("num_fragments", self.num_fragments, "1 syncs the whole model at once")
         if self.sync_every % self.num_fragments:
             raise ValueError(
                 f"sync_every={self.sync_every} is not divisible by num_fragments="
@@ -250,22 +269,27 @@ class FragmentSchedule:
         send = step - self.sync_delay
         return self.sends_at(send) if send >= 1 else None
 
-    def in_flight(self, step: int) -> int | None:
+    def in_flight(self, step: int, *, sent_after: int = 0) -> int | None:
         """The fragment sent at or before ``step`` and applied after it (None if none).
 
-        This is the state a checkpoint taken after ``step`` must carry.
+        This is the state a checkpoint taken after ``step`` must carry. Rounds sent at or
+        before ``sent_after`` do not count (the end-of-fit round applied them early).
         """
         _check_step(step)
-        for sent in range(max(1, step - self.sync_delay + 1), step + 1):
+        for sent in range(max(1, sent_after + 1, step - self.sync_delay + 1), step + 1):
             fragment = self.sends_at(sent)
             if fragment is not None and sent + self.sync_delay > step:
                 return fragment
         return None
 
 
-def _check_positive_int(option: str, value: object) -> None:
+def check_positive_int(option: str, value: object, hint: str) -> None:
+    """Raise ``ValueError`` naming ``option`` and ``hint`` unless ``value`` is an int >= 1.
+
+    The one positive-integer rule of the package (``SwarmConfig`` calls it for its counts).
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option} must be a positive integer, got {value!r}.")
+        raise ValueError(f"{option} must be a positive integer, got {value!r}; {hint}.")
 
 
 def _check_step(step: int) -> None:

@@ -180,6 +180,18 @@ class OuterLoop:
             )
         return metrics
 
+    def finish(self) -> dict[str, float] | None:
+        """The end-of-fit round of every optimizer (``OuterSync.finish``), in optimizer order.
+
+        Collective: every rank calls it at the same point. Returns the metrics of the rounds
+        it ran (later rounds' keys win), or None when every island already held the anchors.
+        """
+        metrics: dict[str, float] = {}
+        for outer in self._outer_syncs:
+            for report in outer.finish():
+                metrics.update(self._record(report, outer))
+        return metrics or None
+
     def drain(self) -> None:
         """Wait for every round in flight without applying it."""
         for outer in self._outer_syncs:

@@ -13,6 +13,15 @@ Adam skip them) and merges the new anchors into the locals with ``merge_alpha``.
 ``sync_delay == 0`` the exchange runs inline; otherwise in the ``SyncWorker`` thread while
 training continues. One fragment, no delay and no codec is plain DiLoCo, operation for operation.
 
+The end of fit (``finish``). Between rounds every island holds its own local weights. ``finish``
+applies a round in flight early, then runs one inline round of every fragment whose locals
+may differ from its anchors (steps since its last applied round, or a merge with
+``merge_alpha > 0``), merging with alpha 0: afterwards every island holds the anchors, bit for
+bit (unless the transport skipped that round). Which fragments run depends only on counters
+that are identical everywhere, so every rank runs the same collectives. ``ended_at`` records the
+step, so a round the schedule would still apply later (training went on, or a resume from a
+checkpoint written after ``finish``) is not applied twice.
+
 Ownership and lifetime:
 - ``anchors`` are owned here: one tensor per trained parameter, on ``anchor_device`` in
   ``anchor_dtype``, created as a copy of the parameters at construction time. They are never
@@ -188,6 +197,10 @@ class OuterSync:
         self.inner_steps = 0
         self.outer_steps = 0
         self.fragment_rounds = [0] * len(self.fragments)
+        # Per fragment: the inner step after which its locals last equalled its anchors on
+        # every island (None: unknown, e.g. placeholders awaiting a resume).
+        self.synced_at: list[int | None] = [None if defer_anchors else 0] * len(self.fragments)
+        self.ended_at: int | None = None
         self.residuals: dict[str, Tensor] = {}
         self._in_flight: _Round | None = None
         # The bucketed one-pass round; its buffers live as long as this object.
@@ -226,7 +239,32 @@ class OuterSync:
         if sending is not None:
             self._send(sending, inline=self.schedule.sync_delay == 0)
         applying = self.schedule.applies_at(step)
-        return self._apply(applying) if applying is not None else None
+        if applying is None or self._applied_by_finish(step - self.schedule.sync_delay):
+            return None
+        return self._apply(applying)
+
+    def _applied_by_finish(self, send_step: int) -> bool:
+        return self.ended_at is not None and send_step <= self.ended_at
+
+    def finish(self) -> list[SyncReport]:
+        """The end-of-fit round: every island ends holding the anchors (see module docstring).
+
+        Returns the reports of the rounds it ran (none when every fragment is in sync).
+        """
+        reports = []
+        if self._in_flight is not None:
+            reports.append(self._apply(self._in_flight.fragment))
+        for fragment in range(len(self.fragments)):
+            if self.synced_at[fragment] == self.inner_steps:
+                continue
+            kind = self._stream_kind()
+            if kind is not None:
+                reports.append(self._stream_round(fragment, kind, merge_alpha=0.0))
+            else:
+                self._send(fragment, inline=True)
+                reports.append(self._apply(fragment, merge_alpha=0.0))
+        self.ended_at = self.inner_steps
+        return reports
 
     def _stream_kind(self) -> FastKind | None:
         """The functional outer step a streamed round would use now, or None for the old path.
@@ -244,10 +282,15 @@ class OuterSync:
         return fast_outer_kind(self.outer_optimizer)
 
     @torch.no_grad()
-    def _stream_round(self, fragment: int, kind: FastKind) -> SyncReport:
-        """Fragment ``fragment``'s whole round (delay 0) in one bucketed pass over its tensors."""
+    def _stream_round(
+        self, fragment: int, kind: FastKind, *, merge_alpha: float | None = None
+    ) -> SyncReport:
+        """Fragment ``fragment``'s whole round (delay 0) in one bucketed pass over its tensors.
+
+        ``merge_alpha`` overrides the schedule's, as in ``_apply``.
+        """
         assert self._stream is not None and self._in_flight is None
-        assert self.schedule.applies_at(self.inner_steps) == fragment, "delay 0 applies at once"
+        alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
         start = time.perf_counter()
         names = self.fragments[fragment]
         if self.anchor_device.type == "cpu" and self.params[names[0]].device.type == "cuda":
@@ -260,11 +303,13 @@ class OuterSync:
                 optimizer=self.outer_optimizer,
                 kind=kind,
                 reducer=self.transport,
-                merge_alpha=self.schedule.merge_alpha,
+                merge_alpha=alpha,
                 seed=self.outer_steps,  # the same on every island: bf16 rounding noise agrees
             )
         self.outer_steps += 1
         self.fragment_rounds[fragment] += 1
+        if alpha == 0.0:
+            self.synced_at[fragment] = self.inner_steps
         return SyncReport(
             outer_steps=self.outer_steps,
             pseudo_grad_norm=result.norm,
@@ -339,14 +384,18 @@ class OuterSync:
                 self.residuals[name] = old
 
     @torch.no_grad()
-    def _apply(self, fragment: int) -> SyncReport:
-        """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals."""
+    def _apply(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
+        """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals.
+
+        ``merge_alpha`` overrides the schedule's (``finish`` merges with 0).
+        """
         rnd = self._in_flight
         assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
         start = time.perf_counter()
         result = self._result(rnd)
         self._in_flight = None
         names = self.fragments[fragment]
+        alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
         if result.stats.applied:
             anchors = [self.anchors[name] for name in names]
             deltas = [rnd.deltas[name] for name in names]
@@ -357,9 +406,9 @@ class OuterSync:
             self.fragment_rounds[fragment] += 1
             with record_function("swarm/merge"):
                 for name in names:
-                    merge_into_local(
-                        self.params[name].data, self.anchors[name], self.schedule.merge_alpha
-                    )
+                    merge_into_local(self.params[name].data, self.anchors[name], alpha)
+            if alpha == 0.0:
+                self.synced_at[fragment] = self.inner_steps
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
         # away, it simply enters the next round's pseudo-gradient.
         del rnd.deltas
@@ -419,6 +468,8 @@ class OuterSync:
             "outer_steps": self.outer_steps,
             "fragment_rounds": list(self.fragment_rounds),
             "pending": pending,
+            "synced_at": list(self.synced_at),
+            "ended_at": self.ended_at,
         }
 
     def island_state_dict(self) -> dict[str, Any]:
@@ -472,10 +523,17 @@ class OuterSync:
         self.outer_steps = int(state["outer_steps"])
         rounds = state.get("fragment_rounds")
         self.fragment_rounds = list(rounds) if rounds is not None else [0] * len(self.fragments)
+        # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
+        synced = state.get("synced_at")
+        self.synced_at = list(synced) if synced is not None else [None] * len(self.fragments)
+        ended = state.get("ended_at")
+        self.ended_at = None if ended is None else int(ended)
         self._in_flight = self._restore_round(state.get("pending"))
 
     def _restore_round(self, pending: Mapping[str, Any] | None) -> _Round | None:
-        expected = self.schedule.in_flight(self.inner_steps) if self.inner_steps else None
+        expected = None
+        if self.inner_steps:
+            expected = self.schedule.in_flight(self.inner_steps, sent_after=self.ended_at or 0)
         found = None if pending is None else int(pending["fragment"])
         if found != expected:
             raise ValueError(
