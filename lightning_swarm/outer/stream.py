@@ -289,7 +289,7 @@ class StreamRound:
 
     def _slots_for(self, job: _Job) -> list[_Slot]:
         numel = min(self.bucket_numel, job.total_numel)
-        num_state = len(STATE_KEYS[job.kind])
+        num_state = max(len(states) for states in job.states_per_tensor)
         anchor_dtype = job.anchors[0].dtype
         if not self._slots or self._slots[0].anchor.numel() < numel:
             self._slots = [_Slot(numel, anchor_dtype, num_state, job.device) for _ in range(2)]
@@ -371,7 +371,7 @@ class _Job:
         self.merge_alpha = merge_alpha
         self.device = params[0].device
         self.total_numel = sum(p.numel() for p in params)
-        self._states = [state_tensors(optimizer, a, kind) for a in anchors]
+        self.states_per_tensor = [state_tensors(optimizer, a, kind) for a in anchors]
         # Stochastic rounding of bf16 anchors draws its noise per segment, in order, from one
         # generator seeded like OuterSync's: on the CPU that is the same stream of numbers as
         # drawing per whole tensor, so the result is bitwise the slow path's.
@@ -405,7 +405,7 @@ class _Job:
         return flat[seg.offset : seg.offset + seg.stop - seg.start]
 
     def state(self, seg: Segment) -> list[Tensor]:
-        return self._states[seg.index]
+        return self.states_per_tensor[seg.index]
 
     def step(self, anchor: Tensor, grad: Tensor, state: list[Tensor], seg: Segment) -> None:
         """The functional outer step on one segment (float32 work copy for low precision)."""
