@@ -263,3 +263,25 @@ def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) ->
             torch.testing.assert_close(
                 results["cuda"][i][name], results["cpu"][i][name], rtol=1e-6, atol=1e-7
             )
+
+
+def test_the_default_configuration_takes_the_streamed_round() -> None:
+    """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
+    transport that stops offering the bucket mean would silently fall back to the slow path."""
+    from lightning_swarm.config import SwarmConfig
+    from lightning_swarm.outer.build import build_transport
+    from lightning_swarm.outer.loop import default_outer_optimizer
+    from lightning_swarm.outer.stream import BucketMean
+
+    config = SwarmConfig()
+    transport = build_transport(
+        config, None, num_islands=1, island_index=0, device=torch.device("cpu")
+    )
+    assert isinstance(transport, BucketMean)
+    outer = OuterSync(
+        _params(0),
+        outer_optimizer=default_outer_optimizer,
+        transport=transport,
+        sync_every=config.sync_every,
+    )
+    assert outer._stream_kind() == "sgd"
