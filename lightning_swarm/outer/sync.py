@@ -52,7 +52,9 @@ from torch.profiler import record_function
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
+from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
 from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.outer.stream import BucketMean, StreamRound, pin_round_memory
 from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundStats, Transport
 
@@ -136,6 +138,9 @@ class OuterSync:
         anchor_dtype: dtype of the stored anchors.
         defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
         streaming: fragments, delay, merge and error feedback (``Streaming``).
+        stream: run eligible rounds as one bucketed pass (``lightning_swarm.outer.stream``):
+            a transport with a bucket mean (all-reduce), no sync delay, outer SGD or Adam(W).
+            ``False`` keeps the two-phase round below for every round (same bits, slower).
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -153,6 +158,7 @@ class OuterSync:
         anchor_dtype: torch.dtype = torch.float32,
         defer_anchors: bool = False,
         streaming: Streaming | None = None,
+        stream: bool = True,
     ) -> None:
         self.params = dict(params)
         self.transport = transport
@@ -197,6 +203,12 @@ class OuterSync:
         self.ended_at: int | None = None
         self.residuals: dict[str, Tensor] = {}
         self._in_flight: _Round | None = None
+        # The bucketed one-pass round; its buffers live as long as this object.
+        self._stream = (
+            StreamRound(self.transport.bucket_numel)
+            if stream and isinstance(self.transport, BucketMean) and self.schedule.sync_delay == 0
+            else None
+        )
 
     @property
     def anchor_bytes(self) -> int:
@@ -221,6 +233,9 @@ class OuterSync:
         self.inner_steps += 1
         step = self.inner_steps
         sending = self.schedule.sends_at(step)
+        kind = self._stream_kind()
+        if sending is not None and kind is not None:
+            return self._stream_round(sending, kind)
         if sending is not None:
             self._send(sending, inline=self.schedule.sync_delay == 0)
         applying = self.schedule.applies_at(step)
@@ -240,11 +255,72 @@ class OuterSync:
         if self._in_flight is not None:
             reports.append(self._apply(self._in_flight.fragment))
         for fragment in range(len(self.fragments)):
-            if self.synced_at[fragment] != self.inner_steps:
+            if self.synced_at[fragment] == self.inner_steps:
+                continue
+            kind = self._stream_kind()
+            if kind is not None:
+                reports.append(self._stream_round(fragment, kind, merge_alpha=0.0))
+            else:
                 self._send(fragment, inline=True)
                 reports.append(self._apply(fragment, merge_alpha=0.0))
         self.ended_at = self.inner_steps
         return reports
+
+    def _stream_kind(self) -> FastKind | None:
+        """The functional outer step a streamed round would use now, or None for the old path.
+
+        Checked per round: a resume rebuilds the optimizer and may install other anchors.
+        """
+        if self._stream is None:
+            return None
+        if self._placeholders:  # the two-phase round raises the clear error
+            return None
+        if any(not a.is_contiguous() for a in self.anchors.values()):
+            return None
+        if any(not p.is_contiguous() for p in self.params.values()):
+            return None
+        return fast_outer_kind(self.outer_optimizer)
+
+    @torch.no_grad()
+    def _stream_round(
+        self, fragment: int, kind: FastKind, *, merge_alpha: float | None = None
+    ) -> SyncReport:
+        """Fragment ``fragment``'s whole round (delay 0) in one bucketed pass over its tensors.
+
+        ``merge_alpha`` overrides the schedule's, as in ``_apply``.
+        """
+        assert self._stream is not None and self._in_flight is None
+        alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
+        start = time.perf_counter()
+        names = self.fragments[fragment]
+        if self.anchor_device.type == "cpu" and self.params[names[0]].device.type == "cuda":
+            pin_round_memory(self.outer_optimizer, self.anchors)
+        assert isinstance(self.transport, BucketMean)
+        with record_function("swarm/streamed_round"):
+            result = self._stream.run(
+                params=[self.params[name] for name in names],
+                anchors=[self.anchors[name] for name in names],
+                optimizer=self.outer_optimizer,
+                kind=kind,
+                reducer=self.transport,
+                merge_alpha=alpha,
+                seed=self.outer_steps,  # the same on every island: bf16 rounding noise agrees
+            )
+        self.outer_steps += 1
+        self.fragment_rounds[fragment] += 1
+        if alpha == 0.0:
+            self.synced_at[fragment] = self.inner_steps
+        return SyncReport(
+            outer_steps=self.outer_steps,
+            pseudo_grad_norm=result.norm,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_sent,
+            wall_s=time.perf_counter() - start,
+            applied=True,
+            fragment=fragment,
+            fragment_rounds=self.fragment_rounds[fragment],
+            transport_s=result.reduce_s,
+        )
 
     @torch.no_grad()
     def _send(self, fragment: int, *, inline: bool) -> None:
@@ -280,7 +356,7 @@ class OuterSync:
         its whole pseudo-gradient re-enters the next round anyway (anchors and locals stay).
         """
         codec = self.streaming.codec
-        feedback = self.streaming.error_feedback and codec is not None and codec.name != "none"
+        feedback = self.streaming.error_feedback and codec is not None
         previous = {name: self.residuals.get(name) for name in deltas} if feedback else {}
         if feedback:
             assert codec is not None

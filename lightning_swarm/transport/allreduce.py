@@ -17,7 +17,7 @@ the algorithm moves, not a measurement of the NIC.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.checks import agree_finite
+from lightning_swarm.transport.checks import agree_finite, agree_finite_flag
 
 
 def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
@@ -74,6 +74,38 @@ class AllReduceTransport:
         stats.wall_s = time.perf_counter() - start
         return stats
 
+    def agree_finite(self, local_finite: bool) -> None:
+        """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite.
+
+        The first half of a streamed round (``lightning_swarm.outer.stream``), before any
+        bucket moves; collective over the peer group.
+        """
+        agree_finite_flag(local_finite, self.group, self.num_islands, self.device)
+
+    def mean_(self, flat: Tensor) -> int:
+        """Overwrite the flat float32 bucket ``flat`` with its mean across islands, in place.
+
+        Collective. ``flat`` may live on any device the backend reduces (CUDA for NCCL).
+        Returns the bytes this rank sent (and received) for it.
+        """
+        return self.start_mean(flat)()
+
+    def start_mean(self, flat: Tensor) -> Callable[[], int]:
+        """``mean_`` in two halves: start the all-reduce now, and return the call that waits
+        for it, divides and returns the bytes sent. Until that call returns, ``flat`` belongs to
+        the collective. Buckets must be started in the same order on every rank."""
+        if self.num_islands <= 1:
+            return lambda: 0
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def finish() -> int:
+            assert work is not None
+            work.wait()
+            flat.div_(self.num_islands)
+            return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.num_islands)
+
+        return finish
+
     def _reduce_in_buckets(self, tensors: list[Tensor], stats: RoundStats) -> None:
         total_numel = sum(t.numel() for t in tensors)
         # The bucket is allocated per round and released after it: between syncs the transport
@@ -100,12 +132,9 @@ class AllReduceTransport:
     def _flush(
         self, bucket: Tensor, fill: int, pending: list[tuple[Tensor, int]], stats: RoundStats
     ) -> None:
-        view = bucket[:fill]
-        dist.all_reduce(view, op=dist.ReduceOp.SUM, group=self.group)
-        view.div_(self.num_islands)
+        moved = self.mean_(bucket[:fill])
         for piece, offset in pending:
             piece.copy_(bucket[offset : offset + piece.numel()])
-        moved = ring_allreduce_bytes(fill * bucket.element_size(), self.num_islands)
         stats.bytes_sent += moved
         stats.bytes_received += moved
 

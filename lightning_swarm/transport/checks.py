@@ -34,7 +34,13 @@ def agree_finite(
     Collective over the peer group (ordered by island). With one island only the local check
     runs. Costs one all-gather of ``num_islands`` floats.
     """
-    local = all_finite(tensors)
+    agree_finite_flag(all_finite(tensors), group, num_islands, device)
+
+
+def agree_finite_flag(
+    local: bool, group: dist.ProcessGroup | None, num_islands: int, device: torch.device
+) -> None:
+    """``agree_finite`` for a verdict the caller already has (e.g. from a norm it computed)."""
     if num_islands > 1:
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         flags = [torch.empty_like(flag) for _ in range(num_islands)]

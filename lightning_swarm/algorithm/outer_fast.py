@@ -1,0 +1,156 @@
+"""Functional outer steps over flat slices, for the outer optimizers people use.
+
+A bucketed outer round (``lightning_swarm.outer.stream``) steps the anchors one bucket at a time,
+so it cannot call ``optimizer.step()`` (which steps every parameter that has a gradient). For
+``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize) and ``torch.optim.Adam``
+/ ``AdamW`` this module repeats torch's own single-tensor update on any flat slice of an anchor,
+reading the hyper-parameters from the optimizer's ``param_groups`` and keeping the state in
+torch's own format (``state[p]["momentum_buffer"]``; ``state[p]["step"]``, ``"exp_avg"``,
+``"exp_avg_sq"``), so that a checkpoint written by one path loads into the other and the slow
+path (``optimizer.step()``) can take over at any round.
+
+Exactness: the operations are torch's single-tensor ones, in the same order, with the same
+Python-scalar coefficients. They are element-wise, so applying them to a slice of a tensor gives
+the same bits as applying them to the whole tensor (checked in tests/test_outer_fast.py against
+``torch.optim`` for SGD with Nesterov and for AdamW over several steps).
+
+Anything else (another optimizer class or a subclass, ``fused``, ``capturable``,
+``differentiable``, ``amsgrad``, tensor-valued hyper-parameters) is not handled here:
+``fast_outer_kind`` returns ``None`` and the caller keeps ``optimizer.step()``.
+
+Ownership: the slices passed in are views the caller owns; the functions write the anchor and
+state slices in place. The gradient slice is scratch: it is overwritten with intermediate
+values (torch's temporaries, computed in place with the same operations and the same bits), so
+a step allocates nothing but a negated copy under ``maximize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+FastKind = Literal["sgd", "adam"]
+
+
+def fast_outer_kind(optimizer: torch.optim.Optimizer) -> FastKind | None:
+    """``"sgd"`` or ``"adam"`` when every group can take the functional step, else ``None``."""
+    kind: FastKind
+    numbers: tuple[str, ...]
+    if type(optimizer) is torch.optim.SGD:
+        kind = "sgd"
+        numbers = ("lr", "momentum", "dampening", "weight_decay")
+    elif type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        kind = "adam"
+        numbers = ("lr", "eps", "weight_decay")
+    else:
+        return None
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("differentiable") or group.get("capturable"):
+            return None
+        if group.get("amsgrad"):
+            return None
+        values = [group[key] for key in numbers] + list(group.get("betas", ()))
+        if any(isinstance(v, Tensor) for v in values):
+            return None
+    return kind
+
+
+def groups_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Map ``id(parameter)`` to its param group (a live reference, valid until groups change)."""
+    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps Adam's "step" as float32, or float64 when that is the default dtype.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def ensure_state(
+    optimizer: torch.optim.Optimizer,
+    anchor: Tensor,
+    kind: FastKind,
+    group: dict[str, Any],
+    allocate: Callable[[Tensor], Tensor],
+) -> bool:
+    """Create ``anchor``'s state in torch's format if it has none; True if it was created.
+
+    ``allocate(anchor)`` returns a new float32 tensor shaped like the anchor (the caller picks
+    the memory, e.g. pinned). A fresh SGD momentum buffer must be *set* to the first gradient
+    (torch clones it), so the caller needs to know; Adam's moments start at zero.
+    """
+    # optimizer.state is a defaultdict: only touch it where torch would store something, so
+    # that state_dict() lists the same parameters on both paths.
+    if kind == "sgd":
+        if group["momentum"] == 0:
+            return False
+        if optimizer.state.get(anchor, {}).get("momentum_buffer") is not None:
+            return False
+        optimizer.state[anchor]["momentum_buffer"] = allocate(anchor)
+        return True
+    state = optimizer.state[anchor]
+    if "step" in state:
+        return False
+    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+    state["exp_avg"] = allocate(anchor).zero_()
+    state["exp_avg_sq"] = allocate(anchor).zero_()
+    return True
+
+
+def sgd_step_(
+    anchor: Tensor, grad: Tensor, buf: Tensor | None, group: dict[str, Any], *, fresh: bool
+) -> None:
+    """torch.optim.SGD's single-tensor update on one flat slice (``buf`` None without momentum).
+
+    ``fresh``: the momentum buffer was just created and takes the gradient as it is. ``grad`` is
+    overwritten (scratch).
+    """
+    if group["maximize"]:
+        grad = -grad
+    weight_decay, momentum = group["weight_decay"], group["momentum"]
+    if weight_decay != 0:
+        grad = grad.add_(anchor, alpha=weight_decay)
+    if momentum != 0:
+        assert buf is not None, "SGD with momentum needs its buffer"
+        if fresh:
+            buf.copy_(grad)
+        else:
+            buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
+        grad = grad.add_(buf, alpha=momentum) if group["nesterov"] else buf
+    anchor.add_(grad, alpha=-group["lr"])
+
+
+def adam_step_(
+    anchor: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    group: dict[str, Any],
+    *,
+    step: float,
+) -> None:
+    """torch.optim.Adam/AdamW's single-tensor update on one flat slice at (1-based) ``step``.
+
+    The caller increments the parameter's ``state["step"]`` once per round and passes its value
+    for every slice of that parameter. ``grad`` is overwritten (scratch).
+    """
+    if group["maximize"]:
+        grad = -grad
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    beta1, beta2 = group["betas"]
+    if weight_decay != 0:
+        if group["decoupled_weight_decay"]:
+            anchor.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add_(anchor, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    # The gradient is spent: its slice holds the denominator (torch allocates two temporaries).
+    denom = torch.sqrt(exp_avg_sq, out=grad).div_(bias_correction2_sqrt).add_(group["eps"])
+    anchor.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,287 @@
+"""The bucketed stream-through round (device=cpu) against OuterSync's round, bitwise, over gloo."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.outer_fast import fast_outer_kind
+from lightning_swarm.outer import OuterSync, Streaming
+from lightning_swarm.outer.stream import Segment, StreamRound, plan_buckets
+from lightning_swarm.transport import AllReduceTransport
+from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+from tests.dist_utils import run_ranks
+
+SHAPES = [(4, 3), (11,), (2, 2, 5), (1,)]
+FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "nesterov": functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _params(seed: int) -> dict[str, torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"p{i}": torch.nn.Parameter(torch.randn(s, generator=gen)) for i, s in enumerate(SHAPES)
+    }
+
+
+def _train(params: dict[str, torch.nn.Parameter], rank: int, step: int) -> None:
+    """Stand-in inner steps: a rank- and step-dependent move of every parameter."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=gen), alpha=0.1)
+
+
+def _compare_worker(
+    rank: int, world: int, out: str, opt: str, dtype: torch.dtype, alpha: float, in_flight: int
+) -> None:
+    factory, bucket = FACTORIES[opt], 7  # 7 elements: tensors split over buckets, partial last
+    slow_params, fast_params = _params(0), _params(0)
+    transport = AllReduceTransport(None, num_islands=world, bucket_numel=bucket)
+    slow = OuterSync(
+        slow_params,
+        outer_optimizer=factory,
+        transport=transport,
+        sync_every=1,
+        anchor_dtype=dtype,
+        streaming=Streaming(merge_alpha=alpha),
+        stream=False,  # the two-phase round is the reference
+    )
+    anchors = [p.detach().to(dtype=dtype, copy=True) for p in fast_params.values()]
+    optimizer = factory(anchors)
+    kind = fast_outer_kind(optimizer)
+    assert kind is not None
+    stream = StreamRound(bucket, in_flight=in_flight)
+    norms = []
+    for step in range(4):
+        _train(slow_params, rank, step)
+        _train(fast_params, rank, step)
+        report = slow.on_inner_step()
+        assert report is not None
+        result = stream.run(
+            params=list(fast_params.values()),
+            anchors=anchors,
+            optimizer=optimizer,
+            kind=kind,
+            reducer=transport,
+            merge_alpha=alpha,
+            seed=step,
+        )
+        assert result.bytes_sent == report.bytes_sent
+        norms.append((report.pseudo_grad_norm, result.norm))
+    torch.save(
+        {
+            "slow": [slow_params, slow.anchors, slow.outer_optimizer.state_dict()],
+            "fast": [fast_params, anchors, optimizer.state_dict()],
+            "norms": norms,
+        },
+        Path(out) / f"{rank}.pt",
+    )
+
+
+@pytest.mark.parametrize(
+    ("opt", "dtype", "alpha", "in_flight"),
+    [
+        ("nesterov", torch.float32, 0.0, 1),
+        ("adamw", torch.float32, 0.0, 1),
+        ("nesterov", torch.bfloat16, 0.0, 1),
+        ("nesterov", torch.float32, 0.25, 1),
+        ("adamw", torch.bfloat16, 0.5, 3),
+    ],
+)
+def test_stream_round_is_bitwise_the_outer_sync_round(
+    tmp_path: Path, opt: str, dtype: torch.dtype, alpha: float, in_flight: int
+) -> None:
+    world = 3  # three summands: the all-reduce order matters, so the buckets must line up
+    run_ranks(_compare_worker, world, str(tmp_path), opt, dtype, alpha, in_flight)
+    for rank in range(world):
+        saved = torch.load(tmp_path / f"{rank}.pt")
+        slow_params, slow_anchors, slow_state = saved["slow"]
+        fast_params, fast_anchors, fast_state = saved["fast"]
+        for i, name in enumerate(slow_params):
+            assert torch.equal(slow_params[name], fast_params[name]), (rank, name)
+            assert torch.equal(slow_anchors[name], fast_anchors[i]), (rank, name)
+            assert not torch.equal(slow_anchors[name], _params(0)[name].to(dtype))
+        for index, values in slow_state["state"].items():
+            for key, value in values.items():
+                assert torch.equal(value, fast_state["state"][index][key]), (index, key)
+        for old, new in saved["norms"]:  # float64 then, float32 now: same value to 1e-5
+            assert new == pytest.approx(old, rel=1e-5)
+
+
+def _sgd_round(
+    stream: StreamRound,
+    params: dict[str, torch.nn.Parameter],
+    anchors: list[Tensor],
+    optimizer: torch.optim.Optimizer,
+    transport: AllReduceTransport,
+    *,
+    seed: int,
+) -> None:
+    stream.run(
+        params=list(params.values()),
+        anchors=anchors,
+        optimizer=optimizer,
+        kind="sgd",
+        reducer=transport,
+        merge_alpha=0.0,
+        seed=seed,
+    )
+
+
+def _nonfinite_worker(rank: int, world: int, out: str) -> None:
+    params = _params(0)
+    if rank == 1:
+        with torch.no_grad():
+            params["p2"][0, 1, 3] = float("nan")
+    anchors = [p.detach().clone() for p in _params(0).values()]
+    before = [a.clone() for a in anchors]
+    optimizer = FACTORIES["nesterov"](anchors)
+    transport = AllReduceTransport(None, num_islands=world, bucket_numel=7)
+    with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[1\]"):
+        _sgd_round(StreamRound(7), params, anchors, optimizer, transport, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(anchors, before, strict=True))
+    assert not optimizer.state  # no state was created for a round that did not happen
+    (Path(out) / f"{rank}.ok").touch()
+
+
+def test_non_finite_island_is_refused_on_every_rank_before_anything_moves(tmp_path: Path) -> None:
+    run_ranks(_nonfinite_worker, 2, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.ok", "1.ok"]
+
+
+def test_plan_buckets_splits_and_packs_like_the_transport() -> None:
+    plan = plan_buckets([3, 12, 1], 5)
+    assert plan == [
+        [Segment(0, 0, 3, 0), Segment(1, 0, 2, 3)],
+        [Segment(1, 2, 7, 0)],
+        [Segment(1, 7, 12, 0)],
+        [Segment(2, 0, 1, 0)],
+    ]
+    with pytest.raises(ValueError, match="bucket_numel must be >= 1"):
+        plan_buckets([3], 0)
+
+
+def test_buffers_are_allocated_once_and_reused() -> None:
+    params = _params(0)
+    anchors = [p.detach().clone() for p in params.values()]
+    optimizer = FACTORIES["nesterov"](anchors)
+    transport = AllReduceTransport(None, num_islands=1, bucket_numel=7)
+    stream = StreamRound(7)
+    held: list[Tensor] = []
+    for step in range(3):
+        _train(params, 0, step)
+        _sgd_round(stream, params, anchors, optimizer, transport, seed=step)
+        assert stream._delta is not None
+        held.append(stream._delta)
+    assert held[0] is held[1] is held[2]
+    assert stream.buffer_bytes() == 2 * 7 * 4  # two buckets, whatever the model size
+
+
+def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:
+    """OuterSync with and without the streamed round: two fragments, several rounds."""
+    factories = {**FACTORIES, "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-2)}
+    results = {}
+    for stream in (False, True):
+        params = _params(0)
+        outer = OuterSync(
+            params,
+            outer_optimizer=factories[opt],
+            transport=AllReduceTransport(None, num_islands=world, bucket_numel=7),
+            sync_every=2,
+            streaming=Streaming(fragments=[["p0", "p2"], ["p1", "p3"]]),
+            stream=stream,
+        )
+        # The streamed round is taken exactly where it applies (not for other optimizers).
+        assert (outer._stream_kind() is not None) == (stream and opt != "rmsprop")
+        for step in range(6):
+            _train(params, rank, step)
+            outer.on_inner_step()
+        assert len(outer.finish()) == 1  # the end-of-fit round of the fragment synced at step 5
+        results[stream] = [params, outer.anchors, outer.state_dict()["outer_optimizer"]]
+    torch.save(results, Path(out) / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("opt", ["nesterov", "adamw", "rmsprop"])
+def test_outer_sync_streamed_rounds_equal_two_phase_rounds(tmp_path: Path, opt: str) -> None:
+    run_ranks(_outer_sync_worker, 2, str(tmp_path), opt)
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"{rank}.pt")
+        (old_params, old_anchors, old_state), (new_params, new_anchors, new_state) = (
+            saved[False],
+            saved[True],
+        )
+        for name in old_params:
+            assert torch.equal(old_params[name], new_params[name]), name
+            assert torch.equal(old_anchors[name], new_anchors[name]), name
+            assert not torch.equal(old_anchors[name], _params(0)[name])
+        for index, values in old_state["state"].items():
+            for key, value in values.items():
+                assert torch.equal(value, new_state["state"][index][key]), (index, key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("opt", ["nesterov", "adamw"])
+def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) -> None:
+    """Parameters on the GPU, anchors on the CPU: pinned anchors and state, side-stream copies.
+
+    The reference is the two-phase round on CPU copies of the same parameters. GPU and CPU
+    kernels may round a fused multiply-add differently, so this compares to 1e-6, not bits.
+    """
+    results = {}
+    for device in ("cpu", "cuda"):
+        params = {n: torch.nn.Parameter(p.detach().to(device)) for n, p in _params(0).items()}
+        outer = OuterSync(
+            params,
+            outer_optimizer=FACTORIES[opt],
+            transport=AllReduceTransport(None, num_islands=1, bucket_numel=7),
+            sync_every=1,
+            stream=device == "cuda",
+        )
+        for step in range(4):
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(0.01 * (step + 1))
+            outer.on_inner_step()
+        if device == "cuda":
+            assert all(a.is_pinned() for a in outer.anchors.values())
+            assert outer._stream is not None and outer._stream.buffer_bytes() > 0
+        results[device] = (
+            {n: p.detach().cpu() for n, p in params.items()},
+            {n: a.clone() for n, a in outer.anchors.items()},
+        )
+    for name in results["cpu"][0]:
+        for i in range(2):
+            torch.testing.assert_close(
+                results["cuda"][i][name], results["cpu"][i][name], rtol=1e-6, atol=1e-7
+            )
+
+
+def test_the_default_configuration_takes_the_streamed_round() -> None:
+    """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
+    transport that stops offering the bucket mean would silently fall back to the slow path."""
+    from lightning_swarm.config import SwarmConfig
+    from lightning_swarm.outer.build import transport_for
+    from lightning_swarm.outer.loop import default_outer_optimizer
+    from lightning_swarm.outer.stream import BucketMean
+
+    config = SwarmConfig()
+    transport = transport_for(
+        config, None, num_islands=1, island_index=0, device=torch.device("cpu")
+    )
+    assert isinstance(transport, BucketMean)
+    outer = OuterSync(
+        _params(0),
+        outer_optimizer=default_outer_optimizer,
+        transport=transport,
+        sync_every=config.sync_every,
+    )
+    assert outer._stream_kind() == "sgd"
