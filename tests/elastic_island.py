@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--min-islands", type=int, default=2)
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
     parser.add_argument("--round-timeout", type=float, default=10.0)
+    parser.add_argument(
+        "--stop-file", default=None, help="when it exists, it holds the round to stop after"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -95,7 +98,10 @@ def main() -> None:
         for report in elastic.join_round():
             record(report, joined=True)
         island_seed = int(hashlib.sha256(args.island.encode()).hexdigest()[:8], 16)
-        while outer.inner_steps < args.rounds * args.every:
+        last_round = args.rounds
+        # The swarm's clock is its committed rounds: inner-step counts drift apart between
+        # islands whenever one abandons a round that another did not take part in.
+        while outer.outer_steps < last_round:
             gen = torch.Generator().manual_seed(island_seed * 100_003 + outer.inner_steps)
             with torch.no_grad():
                 for p in params.values():
@@ -104,9 +110,13 @@ def main() -> None:
             report = outer.on_inner_step()
             if report is not None:
                 record(report, joined=False)
+                if args.stop_file and Path(args.stop_file).exists():
+                    last_round = min(args.rounds, int(Path(args.stop_file).read_text()))
         save_file(
-            {**{f"anchor.{k}": v for k, v in outer.anchors.items()},
-             **{f"param.{k}": v.detach().contiguous() for k, v in params.items()}},
+            {
+                **{f"anchor.{k}": v for k, v in outer.anchors.items()},
+                **{f"param.{k}": v.detach().contiguous() for k, v in params.items()},
+            },
             str(out / f"{args.island}.safetensors"),
         )
     except Exception as err:

@@ -32,8 +32,11 @@ def fingerprint(layout: Layout) -> int:
 
 def describe_difference(own: Layout, swarm: Layout, limit: int = 3) -> str:
     """The first differences between this island's layout and the swarm's, in words."""
-    notes = [f"{name} is {own[name]} here but {swarm[name]} in the swarm" for name in own
-             if name in swarm and own[name] != swarm[name]]
+    notes = [
+        f"{name} is {own[name]} here but {swarm[name]} in the swarm"
+        for name in own
+        if name in swarm and own[name] != swarm[name]
+    ]
     notes += [f"{name} exists only here" for name in own if name not in swarm]
     notes += [f"{name} exists only in the swarm" for name in swarm if name not in own]
     if not notes:

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions
 from torch import Tensor
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.membership.errors import (
     DuplicateIslandError,
@@ -365,5 +365,5 @@ class TorchftMembership:
     def close(self) -> None:
         """Leave the swarm: stop heartbeats and the manager. Idempotent."""
         if self._manager is not None:
-            self._manager.shutdown(wait=False)
+            self._manager.shutdown(wait=True)
             self._manager = None
