@@ -34,7 +34,7 @@ def test_outer_state_round_trips_bitwise_without_pickle() -> None:
 
 
 def test_bad_heal_payloads_are_refused() -> None:
-    header, tensors = encode_tree({"x": torch.ones(2)})
+    header, _ = encode_tree({"x": torch.ones(2)})
     with pytest.raises(ValueError, match="names 1 tensors, 0 arrived"):
         decode_tree(header, [])
     with pytest.raises(ValueError, match="arrived with 4 B"):

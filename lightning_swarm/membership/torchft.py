@@ -164,6 +164,7 @@ class TorchftMembership:
             secrets.randbits(62),
         ]
         self._manager: Any = None
+        self._healed: dict[str, Any] | None = None
         error = None
         if self._fanout.is_leader:
             try:
@@ -255,7 +256,7 @@ class TorchftMembership:
 
     def _lead_round(self, tensors: list[Tensor]) -> Outcome:
         manager = self._manager
-        self._healed: dict[str, Any] | None = None
+        self._healed = None
         self._quorum()
         healing = not manager.is_participating()
         genesis = manager.current_step() == 0
