@@ -154,9 +154,11 @@ def test_census_off_leaves_records_unchanged_and_on_adds_census_keys() -> None:
     assert isinstance(strategy, SwarmStrategy)
     values = {k: v for _, m in on.census() for k, v in m.items()}  # last value of each key
     num_params = sum(p.numel() for p in trainer.lightning_module.parameters())
-    assert values["census/swarm/anchor_bytes"] == 4 * num_params == strategy.anchor_bytes()
+    report = strategy.memory_report
+    assert report is not None
+    assert values["census/swarm/anchor_bytes"] == 4 * num_params == report.anchor_bytes()
     # Nesterov momentum: one float32 buffer per anchor once an outer step has run.
-    assert values["census/swarm/outer_state_bytes"] == strategy.outer_state_bytes() > 0
+    assert values["census/swarm/outer_state_bytes"] == report.outer_state_bytes() > 0
     assert values["census/swarm/anchor_file_backed_bytes"] == 0
     assert values["census/smaps_rollup/read_s"] > 0
     assert census.summary == {k: values[k] for k in SUMMARY}
@@ -261,7 +263,8 @@ def test_spool_bytes_only_when_transport_has_them() -> None:
     strategy = trainer.strategy
     assert isinstance(strategy, SwarmStrategy)
     transport = SpoolingTransport(12345)
-    strategy._transport = transport  # type: ignore[assignment]
+    assert strategy.outer_loop is not None
+    strategy.outer_loop.transport = transport  # type: ignore[assignment]
     assert census.collect(trainer, slow=False)["swarm/spool_bytes"] == 12345
     transport.disk_bytes = 0  # drained after the round: read afresh, not cached
     assert census.collect(trainer, slow=False)["swarm/spool_bytes"] == 0

@@ -17,10 +17,9 @@ from torch import Tensor
 
 from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.outer import OuterSync, Streaming
+from lightning_swarm.outer import OuterSync, Streaming, SyncWorker, SyncWorkerError
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.quantized import QuantizedTransport
-from lightning_swarm.transport.worker import SyncWorker, SyncWorkerError
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 PLAIN = functools.partial(torch.optim.SGD, lr=1.0)
@@ -127,7 +126,6 @@ def test_fragments_with_delay_follow_the_schedule(alpha: float) -> None:
                 assert all(torch.equal(outer.anchors[n], anchors_before[n]) for n in params)
                 continue
             events[step] = report.fragment
-            assert report.send_step == step - 1 and report.inner_steps == step
             mine, other = FRAGMENTS[report.fragment], FRAGMENTS[1 - report.fragment]
             for n in mine:  # outer SGD lr=1: anchor - 0.75 * (anchor - local at send)
                 expected = sent_from[n] - 0.75 * (sent_from[n] - sent_locals[n])

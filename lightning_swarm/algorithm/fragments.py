@@ -262,11 +262,6 @@ class FragmentSchedule:
                 return fragment
         return None
 
-    def send_steps(self, fragment: int, up_to: int) -> list[int]:
-        """Every step ``<= up_to`` at which ``fragment`` sends."""
-        first = self.offset(fragment) or self.sync_every
-        return list(range(first, up_to + 1, self.sync_every))
-
 
 def _check_positive_int(option: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,5 +1,9 @@
-"""Lightning callbacks of lightning_swarm (glue: the only layer besides strategy.py that imports
-lightning)."""
+"""Lightning callbacks of lightning_swarm: thin adapters in the Lightning glue layer.
+
+The glue layer is ``strategy.py``, ``islands.py``, ``cli.py`` and this package; nothing below it
+imports lightning. ``HostMemoryCensus`` reads the swarm's figures through the
+``SwarmMemoryReport`` protocol (``lightning_swarm.memory.report``), never through the strategy.
+"""
 
 from lightning_swarm.callbacks.census import HostMemoryCensus
 from lightning_swarm.callbacks.resume import SwarmResume

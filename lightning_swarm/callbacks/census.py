@@ -9,12 +9,13 @@ The census exists to tell a leak from a sawtooth on long runs. Each key names it
   ``smaps_rollup/...`` readings with the seconds they took (``smaps_rollup/read_s``), and how many
   anchor bytes live in file-backed mappings (``swarm/anchor_file_backed_bytes``, from
   ``/proc/self/maps``);
-- under a ``SwarmStrategy``, its resident state: ``swarm/anchor_bytes``,
-  ``swarm/outer_state_bytes`` and, where the transport has ``spool_bytes()`` (a running count,
-  read every census step), ``swarm/spool_bytes``. Anchor and outer-state sizes change only at
-  outer syncs, so they are recomputed when the outer-step count changes or on the slow cadence
-  and logged from that cache, which keeps the per-step cost independent of the number of
-  parameters;
+- under a strategy whose ``memory_report`` is a ``SwarmMemoryReport``
+  (``lightning_swarm.memory.report``; ``SwarmStrategy``'s outer loop is one), its resident
+  state: ``swarm/anchor_bytes``, ``swarm/outer_state_bytes`` and, where the transport spools (a
+  running count, read every census step), ``swarm/spool_bytes``. Anchor and outer-state sizes
+  change only at outer syncs, so they are recomputed when the report's ``memory_key`` changes
+  or on the slow cadence and logged from that cache, which keeps the per-step cost independent
+  of the number of parameters;
 - where CUDA is initialised, the device and pinned-host allocators' byte counters
   (``cuda_device/...``, ``cuda_host/...``), each with ``current``, ``freed``, ``peak`` and
   ``gauge`` (see ``lightning_swarm.memory.allocator``).
@@ -31,8 +32,8 @@ The callback holds no tensors: it reads anchor addresses and sizes, never keeps 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,11 +43,8 @@ from typing_extensions import override
 
 from lightning_swarm.memory.allocator import CounterClassifier, byte_counters, counter_metrics
 from lightning_swarm.memory.procfs import ProcReader, file_backed_overlap
+from lightning_swarm.memory.report import SwarmMemoryReport
 from lightning_swarm.memory.sampler import HostSampler, RunSummary
-
-if TYPE_CHECKING:
-    # strategy.py may import lightning_swarm.callbacks (resume glue); import it where used.
-    from lightning_swarm.strategy import SwarmStrategy
 
 AllocatorStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 
@@ -124,7 +122,7 @@ class HostMemoryCensus(Callback):
         self._classifiers: dict[str, CounterClassifier] = {}
         self._last_step: int | None = None
         self._swarm_cache: dict[str, float] = {}
-        self._swarm_key: tuple[int, int] | None = None
+        self._swarm_key: Hashable | None = None
 
     # -- hooks ----------------------------------------------------------------------------
     @override
@@ -212,46 +210,38 @@ class HostMemoryCensus(Callback):
 
     # -- strategy state -------------------------------------------------------------------
     def _swarm_metrics(self, trainer: pl.Trainer, *, slow: bool) -> dict[str, float]:
-        from lightning_swarm.strategy import SwarmStrategy  # a dict lookup once imported
-
-        strategy = trainer.strategy
-        if not isinstance(strategy, SwarmStrategy):
+        report = getattr(trainer.strategy, "memory_report", None)
+        if not isinstance(report, SwarmMemoryReport):
             return {}
-        key = (len(strategy.outer_syncs), strategy.totals.outer_steps)
+        key = report.memory_key()
         if slow or key != self._swarm_key:
             self._swarm_key = key
             self._swarm_cache = {
-                "swarm/anchor_bytes": float(strategy.anchor_bytes()),
-                "swarm/outer_state_bytes": float(strategy.outer_state_bytes()),
+                "swarm/anchor_bytes": float(report.anchor_bytes()),
+                "swarm/outer_state_bytes": float(report.outer_state_bytes()),
             }
         out = dict(self._swarm_cache)
         # The spool fills and drains inside a sync; the transport keeps a running byte count,
         # so it is read afresh at every census step.
-        spool_bytes = getattr(strategy.transport, "spool_bytes", None)
-        if callable(spool_bytes):
-            out["swarm/spool_bytes"] = float(spool_bytes())
+        spool_bytes = report.spool_bytes()
+        if spool_bytes is not None:
+            out["swarm/spool_bytes"] = float(spool_bytes)
         if slow:
-            backed = self._anchor_file_backed_bytes(strategy)
+            backed = self._anchor_file_backed_bytes(report)
             if backed is not None:
                 out["swarm/anchor_file_backed_bytes"] = float(backed)
         return out
 
-    def _anchor_file_backed_bytes(self, strategy: SwarmStrategy) -> int | None:
+    def _anchor_file_backed_bytes(self, report: SwarmMemoryReport) -> int | None:
         """Anchor bytes inside file-backed mappings; None when unmeasurable (no maps, no CPU
         anchors)."""
-        spans: dict[int, int] = {}
-        for outer in strategy.outer_syncs:
-            for anchor in outer.anchors.values():
-                if anchor.device.type != "cpu":
-                    continue
-                storage = anchor.untyped_storage()
-                spans[storage.data_ptr()] = storage.nbytes()
+        spans = report.anchor_spans()
         if not spans:
             return None
         regions = self.reader.maps()
         if regions is None:
             return None
-        return file_backed_overlap(spans.items(), regions)
+        return file_backed_overlap(spans, regions)
 
 
 def _summary_line(rank: int | None, metrics: Mapping[str, float]) -> str:

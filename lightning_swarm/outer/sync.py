@@ -1,8 +1,8 @@
-"""The outer loop of one inner optimizer's parameters: anchors, outer optimizer, fragment rounds.
+"""The outer state of one inner optimizer's parameters: anchors, outer optimizer, fragment rounds.
 
 ``OuterSync`` ties the DiLoCo math (``lightning_swarm.algorithm``) to a ``Transport``. It knows
-nothing of Lightning: the strategy calls ``on_inner_step`` after every real inner optimizer step
-and gets a ``SyncReport`` back when a round was applied.
+nothing of Lightning: the ``OuterLoop`` calls ``on_inner_step`` after every real inner optimizer
+step and gets a ``SyncReport`` back when a round was applied.
 
 Rounds (Streaming DiLoCo, arXiv 2501.18512). The parameters are split into fragments, each
 syncing on a ``FragmentSchedule``. After inner step ``s`` where fragment ``f`` is due, ``_send``
@@ -38,13 +38,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundStats, Transport
-from lightning_swarm.transport.worker import SyncWorker
 
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
 
@@ -60,7 +61,6 @@ class SyncReport:
     """
 
     outer_steps: int
-    inner_steps: int
     pseudo_grad_norm: float
     bytes_sent: int
     bytes_received: int
@@ -68,13 +68,14 @@ class SyncReport:
     applied: bool
     fragment: int = 0
     fragment_rounds: int = 0
-    send_step: int = 0
     transport_s: float = 0.0
 
 
 @dataclass
 class _Exchanged:
-    """What an exchange produced: the averaged tensors and its cost (identical on all ranks)."""
+    """What an exchange reported: the transport's round stats and the averaged
+    pseudo-gradient's norm (both identical on all ranks). The averaged tensors themselves are
+    written into the round's ``deltas`` in place."""
 
     stats: RoundStats
     norm: float
@@ -163,7 +164,8 @@ class OuterSync:
         # A resume replaces the anchors right after setup: copying the weights first would add
         # the full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors``
         # builds memory-less placeholders (meta device) that ``load_state_dict`` must replace;
-        # a sync on placeholders fails loudly instead of training on half-loaded state.
+        # a round on placeholders raises (``_send``) instead of training on half-loaded state.
+        self._placeholders = defer_anchors
         placement = "meta" if defer_anchors else anchor_device
         with torch.no_grad():
             self.anchors: dict[str, Tensor] = {
@@ -211,27 +213,22 @@ class OuterSync:
         applying = self.schedule.applies_at(step)
         return self._apply(applying) if applying is not None else None
 
-    def sync(self) -> SyncReport:
-        """Run a full round of every fragment now, inline (a round in flight is applied first).
-
-        Returns the last fragment's report. With one fragment this is plain DiLoCo's sync.
-        """
-        if self._in_flight is not None:
-            self._apply(self._in_flight.fragment)
-        report = None
-        for fragment in range(len(self.fragments)):
-            self._send(fragment, inline=True)
-            report = self._apply(fragment)
-        assert report is not None
-        return report
-
     @torch.no_grad()
     def _send(self, fragment: int, *, inline: bool) -> None:
         """Compute fragment ``fragment``'s pseudo-gradients and start their exchange."""
         assert self._in_flight is None, "the schedule allows one round in flight at a time"
+        if self._placeholders:
+            raise RuntimeError(
+                "an outer round started while the anchors are still placeholders awaiting a "
+                "resume (defer_anchors=True and load_state_dict was never called); install the "
+                "saved anchors with load_state_dict before the first inner step."
+            )
         start = time.perf_counter()
         names = self.fragments[fragment]
-        deltas = {name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names}
+        with record_function("swarm/pseudo_gradient"):
+            deltas = {
+                name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names
+            }
         rnd = _Round(fragment, self.inner_steps, deltas)
         round_index = self.outer_steps
         if inline:
@@ -259,7 +256,8 @@ class OuterSync:
                 delta.copy_(to_send)
                 self.residuals[name] = new_residual
         try:
-            stats = self.transport.average(deltas, round_index=round_index)
+            with record_function("swarm/exchange"):
+                stats = self.transport.average(deltas, round_index=round_index)
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
             self._restore_residuals(previous)
@@ -288,20 +286,21 @@ class OuterSync:
         if result.stats.applied:
             anchors = [self.anchors[name] for name in names]
             deltas = [rnd.deltas[name] for name in names]
-            # The outer-step count is the same on every island: bf16 rounding noise agrees.
-            outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
+            with record_function("swarm/outer_step"):
+                # The outer-step count is the same on every island: bf16 rounding noise agrees.
+                outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
             self.outer_steps += 1
             self.fragment_rounds[fragment] += 1
-            for name in names:
-                merge_into_local(
-                    self.params[name].data, self.anchors[name], self.schedule.merge_alpha
-                )
+            with record_function("swarm/merge"):
+                for name in names:
+                    merge_into_local(
+                        self.params[name].data, self.anchors[name], self.schedule.merge_alpha
+                    )
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
         # away, it simply enters the next round's pseudo-gradient.
         del rnd.deltas
         return SyncReport(
             outer_steps=self.outer_steps,
-            inner_steps=self.inner_steps,
             pseudo_grad_norm=result.norm,
             bytes_sent=result.stats.bytes_sent,
             bytes_received=result.stats.bytes_received,
@@ -309,18 +308,18 @@ class OuterSync:
             applied=result.stats.applied,
             fragment=fragment,
             fragment_rounds=self.fragment_rounds[fragment],
-            send_step=rnd.send_step,
             transport_s=result.stats.wall_s,
         )
 
     def _result(self, rnd: _Round) -> _Exchanged:
         if rnd.result is None:
             assert rnd.future is not None
-            rnd.result = SyncWorker.wait(
-                rnd.future,
-                f"the outer sync of fragment {rnd.fragment} (sent after inner step "
-                f"{rnd.send_step})",
-            )
+            with record_function("swarm/wait"):
+                rnd.result = SyncWorker.wait(
+                    rnd.future,
+                    f"the outer sync of fragment {rnd.fragment} (sent after inner step "
+                    f"{rnd.send_step})",
+                )
             rnd.future = None
         return rnd.result
 
@@ -377,11 +376,6 @@ class OuterSync:
             for name, r in residuals.items()
         }
 
-    @property
-    def anchors_deferred(self) -> bool:
-        """True while the anchors are placeholders awaiting ``load_state_dict``."""
-        return any(a.device.type == "meta" for a in self.anchors.values())
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install anchors, outer optimizer state, counters and a round in flight.
 
@@ -406,6 +400,7 @@ class OuterSync:
             name: anchors[name].to(device=self.anchor_device, dtype=self.anchor_dtype)
             for name in self.params
         }
+        self._placeholders = False
         self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         keep_state_float32(self.outer_optimizer, state["outer_optimizer"])

@@ -1,0 +1,132 @@
+"""``IslandDDPStrategy``: Lightning's DDP confined to each island (Lightning glue).
+
+The base of ``SwarmStrategy``: it splits the world into islands (``IslandTopology``), creates
+the island and peer process groups, starts every rank from global rank 0's weights and wraps
+the module in DDP over its island's group only. Nothing here crosses islands after that first
+broadcast; the outer loop does, in ``lightning_swarm.strategy``.
+
+Lifetime of the groups: created in ``setup_distributed``, destroyed at the very end of
+``teardown``, after Lightning unwrapped the module (its DDP reducer is bound to the island
+group) and after a subclass closed whatever used the peer group.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_swarm.topology import IslandTopology
+from lightning_swarm.transport.groups import SwarmGroups, build_groups
+
+
+class IslandDDPStrategy(DDPStrategy):
+    """DDP inside islands of ``island_size`` ranks, no averaging across them.
+
+    Args:
+        island_size: ranks per island; must divide the world size (checked at setup).
+        dedicated_peers: give the peer group a group of its own even when it is the whole
+            world (a background thread that drives it must not share the default group).
+        **kwargs: ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
+
+    Raises:
+        ValueError: ``process_group`` was passed, or a keyword neither DDPStrategy nor
+            DistributedDataParallel accepts.
+    """
+
+    def __init__(self, *, island_size: int, dedicated_peers: bool = False, **kwargs: Any) -> None:
+        if "process_group" in kwargs:
+            raise ValueError(
+                "process_group cannot be passed to SwarmStrategy: DDP runs over each island's "
+                "own group, which the strategy creates; set island_size instead."
+            )
+        super().__init__(**kwargs)
+        _check_ddp_kwargs(self._ddp_kwargs)
+        self._island_size = island_size
+        self._dedicated_peers = dedicated_peers
+        self._topology: IslandTopology | None = None
+        self._groups: SwarmGroups | None = None
+
+    @property
+    def topology(self) -> IslandTopology:
+        if self._topology is None:
+            raise RuntimeError("the island topology exists only after the strategy's setup")
+        return self._topology
+
+    @property
+    def groups(self) -> SwarmGroups:
+        if self._groups is None:
+            raise RuntimeError("the process groups exist only after the strategy's setup")
+        return self._groups
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._topology = IslandTopology(
+            world_size=self.world_size,
+            island_size=self._island_size,
+            global_rank=self.global_rank,
+        )
+        self._groups = build_groups(
+            self._topology,
+            backend=self._process_group_backend,
+            dedicated_peers=self._dedicated_peers,
+        )
+
+    @override
+    def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
+        """Wrap in DDP over the island's group; an island of one rank needs no wrapper."""
+        if self.topology.island_size == 1:
+            return model
+        device_ids = self.determine_ddp_device_ids()
+        return DistributedDataParallel(
+            module=model,
+            device_ids=device_ids,
+            process_group=self.groups.island,
+            **self._ddp_kwargs,
+        )
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        # Anchors must start identical on every rank: take global rank 0's weights everywhere,
+        # before DDP (which would only sync inside the island) wraps the module.
+        _sync_module_states(self.model)
+        super().configure_ddp()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            super()._register_ddp_hooks()
+
+    @override
+    def teardown(self) -> None:
+        # Lightning's teardown still talks to the DDP wrapper (its logging data lives in the
+        # reducer, bound to the island group): unwrap first, destroy the groups last. The other
+        # way round, a rank can block forever inside the wrapper of a destroyed group.
+        super().teardown()
+        if self._groups is not None:
+            self._groups.destroy()
+            self._groups = None
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """Reject keywords that neither DDPStrategy nor DistributedDataParallel accepts.
+
+    DDPStrategy forwards unknown keywords to the DDP wrapper, which is built only after the
+    processes have launched (and never for islands of one rank): a typo would surface late or
+    not at all, so it is caught here.
+    """
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    accepted -= {"self", "module", "device_ids", "process_group"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"SwarmStrategy got unknown option(s) {unknown}; use SwarmStrategy's own options, "
+            "DDPStrategy's, or DistributedDataParallel keywords such as find_unused_parameters."
+        )

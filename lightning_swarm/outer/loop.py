@@ -1,0 +1,275 @@
+"""``OuterLoop``: every optimizer's outer state, the round worker, the totals and the figures.
+
+The Lightning glue builds one ``OuterLoop`` per fit, at setup, from the optimizers Lightning
+built, and calls ``on_inner_step`` after each real inner optimizer step; everything between that
+call and the transport happens here and in ``OuterSync``. It never imports lightning.
+
+Ownership and lifetime:
+- ``outer_syncs``: one ``OuterSync`` per optimizer that trains floating parameters, in optimizer
+  order; they own the anchors and outer optimizer state. Built at construction, kept after
+  ``close`` so that figures and counters can still be read once fit is over.
+- ``transport``: handed in at construction and owned from then on; ``close`` closes it.
+- the ``SyncWorker`` (only when ``sync_delay > 0``): created here, drained and joined by
+  ``close``, which must run before the caller destroys the process groups the worker uses.
+- ``totals``: running sums of this rank's rounds over all optimizers. The caller may hand in
+  the instance to update (a resume restores its fields).
+- The live parameters stay the LightningModule's; rounds overwrite or mix into them in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_swarm.algorithm.fragments import build_fragments
+from lightning_swarm.config import SwarmConfig
+from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.sync import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
+from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
+from lightning_swarm.transport import Transport, ring_allreduce_bytes
+
+default_outer_optimizer: OuterOptimizerFactory = functools.partial(
+    torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True
+)
+
+
+def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
+    """``factory`` checked to be callable, or the default (DiLoCo's Nesterov SGD) for None."""
+    if factory is None:
+        return default_outer_optimizer
+    if not callable(factory):
+        raise ValueError(
+            f"outer_optimizer must be a callable returning an optimizer, got "
+            f"{type(factory).__name__}; pass e.g. "
+            "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+        )
+    return factory
+
+
+@dataclass
+class SwarmTotals:
+    """Running totals of this rank's outer rounds (all optimizers)."""
+
+    outer_steps: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sync_wall_s: float = 0.0
+
+
+class OuterLoop:
+    """The outer rounds of every optimizer of one fit.
+
+    Args:
+        optimizers: the inner optimizers, in ``trainer.optimizers`` order.
+        names: ``id(parameter) -> name`` for the module's parameters (rank-independent names).
+        config: the strategy's options.
+        transport: averages pseudo-gradients across islands; owned by the loop from now on.
+        num_islands: islands in the run (for the DDP-equivalent byte figure).
+        outer_optimizer: factory of each optimizer's outer optimizer over its anchors.
+        device: the rank's device; the worker binds to it when it is an accelerator.
+        defer_anchors: build placeholder anchors that a resume installs (see ``OuterSync``).
+        totals: the running totals to update; a fresh ``SwarmTotals`` when omitted.
+
+    Raises:
+        ValueError: a parameter is trained by two optimizers, or the fragment layout does not
+            fit the trained parameters.
+    """
+
+    def __init__(
+        self,
+        optimizers: Sequence[Optimizer],
+        names: Mapping[int, str],
+        *,
+        config: SwarmConfig,
+        transport: Transport,
+        num_islands: int,
+        outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
+        device: torch.device | None = None,
+        defer_anchors: bool = False,
+        totals: SwarmTotals | None = None,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.num_islands = num_islands
+        self.totals = totals if totals is not None else SwarmTotals()
+        self._closed = False
+        self._worker = SyncWorker(device=device) if config.sync_delay > 0 else None
+        self._params_at_setup = {id(opt): _num_params(opt) for opt in optimizers}
+        self._outer_syncs: list[OuterSync] = []
+        self._by_optimizer: dict[int, OuterSync] = {}
+        seen: set[int] = set()
+        for index, optimizer in enumerate(optimizers):
+            params = trained_params(optimizer, names, index, seen)
+            if not params:
+                continue
+            outer = OuterSync(
+                params,
+                outer_optimizer=outer_optimizer,
+                transport=transport,
+                sync_every=config.sync_every,
+                anchor_device=config.anchor_device,
+                anchor_dtype=config.anchor_torch_dtype,
+                defer_anchors=defer_anchors,
+                streaming=self._streaming(params),
+            )
+            self._outer_syncs.append(outer)
+            self._by_optimizer[id(optimizer)] = outer
+
+    def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> Streaming:
+        """Fragments (the layout is checked here, where the names are known) and options."""
+        config = self.config
+        return Streaming(
+            fragments=build_fragments(list(params), config.num_fragments, config.fragment_layout),
+            sync_delay=config.sync_delay,
+            merge_alpha=config.merge_alpha,
+            codec=codec_of(config),
+            error_feedback=config.error_feedback,
+            worker=self._worker,
+        )
+
+    @property
+    def outer_syncs(self) -> list[OuterSync]:
+        """One ``OuterSync`` per optimizer that trains floating parameters, in order."""
+        return self._outer_syncs
+
+    # -- rounds ---------------------------------------------------------------------------
+    def check_optimizer(self, optimizer: Optimizer) -> None:
+        """Refuse an optimizer whose parameters changed since setup (they have no anchors)."""
+        expected = self._params_at_setup.get(id(optimizer))
+        if expected is not None and _num_params(optimizer) != expected:
+            raise ValueError(
+                f"an optimizer gained or lost parameters after setup ({expected} at setup, "
+                f"{_num_params(optimizer)} now), e.g. through add_param_group (as "
+                "BackboneFinetuning does); SwarmStrategy anchors every parameter at setup, so "
+                "give the optimizer all parameters from the start and freeze them with "
+                "requires_grad=False instead."
+            )
+
+    def on_inner_step(self, optimizer: Optimizer) -> dict[str, float] | None:
+        """Count one inner step of ``optimizer``; the ``swarm/*`` metrics if a round applied."""
+        outer = self._by_optimizer.get(id(optimizer))
+        if outer is None:
+            return None
+        report = outer.on_inner_step()
+        return None if report is None else self._record(report, outer)
+
+    def _record(self, report: SyncReport, outer: OuterSync) -> dict[str, float]:
+        """Add a round to the totals and name its metrics (``_opt<i>`` with several optimizers)."""
+        self.totals.outer_steps += int(report.applied)
+        self.totals.bytes_sent += report.bytes_sent
+        self.totals.bytes_received += report.bytes_received
+        self.totals.sync_wall_s += report.wall_s
+        index = self._outer_syncs.index(outer)
+        suffix = "" if len(self._outer_syncs) == 1 else f"_opt{index}"
+        metrics = {
+            f"swarm/outer_steps{suffix}": float(report.outer_steps),
+            f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
+            "swarm/bytes_sent": float(self.totals.bytes_sent),
+            "swarm/bytes_received": float(self.totals.bytes_received),
+            f"swarm/sync_time_s{suffix}": report.wall_s,
+            f"swarm/transport_time_s{suffix}": report.transport_s,
+        }
+        if self.config.num_fragments > 1:
+            metrics[f"swarm/fragment{report.fragment}_rounds{suffix}"] = float(
+                report.fragment_rounds
+            )
+        return metrics
+
+    def drain(self) -> None:
+        """Wait for every round in flight without applying it."""
+        for outer in self._outer_syncs:
+            outer.drain()
+
+    def close(self) -> None:
+        """Drain and join the worker, then close the transport. Idempotent.
+
+        A round still in flight is dropped (a checkpoint taken before holds it). Close also
+        runs after a failed fit, so a failed round only warns here instead of masking the
+        error that ended the fit.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            try:
+                self.drain()
+            except SyncWorkerError as err:
+                warnings.warn(
+                    f"{err}; the round was dropped at teardown", RuntimeWarning, stacklevel=2
+                )
+            finally:
+                self._worker.close()
+                self._worker = None
+        self.transport.close()
+
+    # -- figures (the census's ``SwarmMemoryReport``) -------------------------------------
+    def memory_key(self) -> tuple[int, int]:
+        """Changes whenever anchor or outer-state sizes may have changed (a round applied)."""
+        return (len(self._outer_syncs), self.totals.outer_steps)
+
+    def anchor_bytes(self) -> int:
+        return sum(o.anchor_bytes for o in self._outer_syncs)
+
+    def outer_state_bytes(self) -> int:
+        return sum(o.outer_state_bytes() for o in self._outer_syncs)
+
+    def spool_bytes(self) -> int | None:
+        """Bytes the transport holds on disk now, where it spools (``None`` otherwise)."""
+        spool_bytes = getattr(self.transport, "spool_bytes", None)
+        return int(spool_bytes()) if callable(spool_bytes) else None
+
+    def anchor_spans(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each CPU anchor's storage, once per storage."""
+        spans: dict[int, int] = {}
+        for outer in self._outer_syncs:
+            for anchor in outer.anchors.values():
+                if anchor.device.type == "cpu":
+                    storage = anchor.untyped_storage()
+                    spans[storage.data_ptr()] = storage.nbytes()
+        return list(spans.items())
+
+    def ddp_equivalent_bytes(self) -> int:
+        """Bytes one rank would have sent across islands had the islands run DDP instead.
+
+        DDP all-reduces every trained gradient at every inner step; across islands that is the
+        same ring all-reduce the transport does, once per step instead of once per sync.
+        """
+        total = 0
+        for outer in self._outer_syncs:
+            grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
+            total += ring_allreduce_bytes(grad_bytes, self.num_islands) * outer.inner_steps
+        return total
+
+
+def trained_params(
+    optimizer: Optimizer, names: Mapping[int, str], index: int, seen: set[int]
+) -> dict[str, torch.nn.Parameter]:
+    """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
+
+    Frozen parameters (``requires_grad=False``) are included: a parameter unfrozen later in the
+    run must already have an anchor, or it would train on every island and never be synced.
+    While frozen its pseudo-gradient is zero and its anchor does not move.
+    """
+    params: dict[str, torch.nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.is_floating_point():
+                continue
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of optimizer {index} is also trained by another optimizer; "
+                    "SwarmStrategy keeps one anchor per parameter, so give each parameter to "
+                    "exactly one optimizer."
+                )
+            seen.add(id(p))
+            params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = p
+    return params
+
+
+def _num_params(optimizer: Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
