@@ -177,6 +177,15 @@ class SwarmConfig:
         quantize: codec of the exchanged pseudo-gradients: none, bf16, int8 or int4.
         quantize_block_size: elements sharing one absmax scale (int8 / int4).
         error_feedback: carry each island's quantization error into its next round.
+        membership: ``"static"`` (one torch.distributed world, every island in every round) or
+            ``"torchft"`` (each launch is one island; islands meet through a lighthouse and
+            may fail, restart and join; docs/elastic.md). Checked with the options below by
+            ``lightning_swarm.membership.elastic_options``.
+        lighthouse: torchft only: the lighthouse's address, e.g. ``http://host:29510``.
+        island_id: torchft only: this island's name, unique among live islands.
+        min_islands: torchft only: a round commits only with at least this many islands.
+        quorum_timeout_s: torchft only: how long a round waits for enough islands.
+        round_timeout_s: torchft only: bound on a round's collectives and commit gate.
     """
 
     sync_every: int = 100
@@ -195,6 +204,12 @@ class SwarmConfig:
     quantize: str = "none"
     quantize_block_size: int = 128
     error_feedback: bool = False
+    membership: str = "static"
+    lighthouse: str | None = None
+    island_id: str | None = None
+    min_islands: int = 2
+    quorum_timeout_s: float = 60.0
+    round_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")

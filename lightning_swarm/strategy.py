@@ -42,7 +42,9 @@ from lightning_swarm.config import (
     as_anchor_config,
     as_swarm_transport_config,
 )
+from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.islands import IslandDDPStrategy
+from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,
     OuterOptimizerFactory,
@@ -51,6 +53,7 @@ from lightning_swarm.outer import (
     as_outer_optimizer,
 )
 from lightning_swarm.outer.build import build_transport, staging_device
+from lightning_swarm.transport import Transport
 
 if TYPE_CHECKING:
     # The resume glue is imported where used (helper "resume" removes this cycle).
@@ -96,6 +99,12 @@ class SwarmStrategy(IslandDDPStrategy):
         quantize: str = "none",
         quantize_block_size: int = 128,
         error_feedback: bool = False,
+        membership: str = "static",
+        lighthouse: str | None = None,
+        island_id: str | None = None,
+        min_islands: int = 2,
+        quorum_timeout_s: float = 60.0,
+        round_timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         if isinstance(anchor_dtype, torch.dtype):
@@ -116,7 +125,16 @@ class SwarmStrategy(IslandDDPStrategy):
             quantize=quantize,
             quantize_block_size=quantize_block_size,
             error_feedback=error_feedback,
+            membership=membership,
+            lighthouse=lighthouse,
+            island_id=island_id,
+            min_islands=min_islands,
+            quorum_timeout_s=quorum_timeout_s,
+            round_timeout_s=round_timeout_s,
         )
+        elastic = elastic_options(self.config)
+        # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
+        self._elastic = ElasticIsland(elastic, sync_every) if elastic is not None else None
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
         super().__init__(
@@ -165,6 +183,12 @@ class SwarmStrategy(IslandDDPStrategy):
 
     # -- setup ----------------------------------------------------------------------------
     @override
+    def setup_distributed(self) -> None:
+        if self._elastic is not None:
+            self._island_size = self._elastic.island_size(self._island_size, self.world_size)
+        super().setup_distributed()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -174,13 +198,18 @@ class SwarmStrategy(IslandDDPStrategy):
     def _build_outer_loop(self, *, defer_anchors: bool) -> None:
         module = self.lightning_module
         assert module is not None
-        transport = build_transport(
-            self.config,
-            self.groups.peers,
-            num_islands=self.topology.num_islands,
-            island_index=self.topology.island_index,
-            device=staging_device(self.root_device),
-        )
+        if self._elastic is not None:
+            transport: Transport = self._elastic.build_membership(
+                module, self.groups.island, self.config.bucket_numel
+            )
+        else:
+            transport = build_transport(
+                self.config,
+                self.groups.peers,
+                num_islands=self.topology.num_islands,
+                island_index=self.topology.island_index,
+                device=staging_device(self.root_device),
+            )
         self._loop = OuterLoop(
             self.optimizers,
             {id(p): name for name, p in module.named_parameters()},
@@ -192,8 +221,18 @@ class SwarmStrategy(IslandDDPStrategy):
             defer_anchors=defer_anchors,
             totals=self.totals,
         )
+        if self._elastic is not None:
+            self._elastic.attach(self._loop.outer_syncs)
 
     # -- training -------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if self._elastic is not None and trainer is not None:
+            # After any resume restored this island's state: heal it from the swarm now.
+            self._log_round(self._elastic.join(trainer))
+
     @override
     def optimizer_step(
         self,
@@ -206,7 +245,11 @@ class SwarmStrategy(IslandDDPStrategy):
             self._loop.check_optimizer(optimizer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._loop is not None:
-            self._log_round(self._loop.on_inner_step(optimizer))
+            metrics = self._loop.on_inner_step(optimizer)
+            trainer = self.lightning_module.trainer if self.lightning_module else None
+            if metrics is not None and self._elastic is not None and trainer is not None:
+                metrics = self._elastic.after_round(trainer, metrics)
+            self._log_round(metrics)
         return output
 
     def _log_round(self, metrics: dict[str, float] | None) -> None:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lightning_swarm.elastic_hooks import ElasticOuter
 from lightning_swarm.membership.layout import model_layout
 from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
 from lightning_swarm.outer import OuterSync
+from lightning_swarm.outer.elastic import ElasticOuter
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -18,6 +18,7 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
     QuorumTimeoutError,
 )
+from lightning_swarm.membership.options import elastic_options
 from lightning_swarm.membership.static import MEMBERSHIPS, check_membership
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "ModelMismatchError",
     "QuorumTimeoutError",
     "check_membership",
+    "elastic_options",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.outer import OuterSync, SyncReport
+from lightning_swarm.outer.sync import OuterSync, SyncReport
 
 
 class ElasticOuter:
@@ -62,7 +62,7 @@ class ElasticOuter:
             for outer in self.outer_syncs
         ]
         self.healed = False
-        reports = [outer.sync() for outer in self.outer_syncs]
+        reports = [outer.round_now() for outer in self.outer_syncs]
         if self.healed:
             for outer, own in zip(self.outer_syncs, progress, strict=True):
                 for name, param in outer.params.items():
