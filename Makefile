@@ -14,7 +14,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet -e .
 
 dev: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,elastic]'
 
 train: install
 	$(BIN)/swarm-train $(ARGS)

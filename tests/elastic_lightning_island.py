@@ -2,8 +2,8 @@
 
 A tiny regression model trains with ``SwarmStrategy(membership="torchft")`` on one CPU rank
 (or ``--devices 2``: an island of two ranks). The first rank writes the final parameters and the
-logged ``swarm/*`` metrics to ``<out>/<island>.safetensors`` and ``<out>/<island>.metrics.json``;
-errors go to ``<out>/<island>.error``.
+logged ``swarm/*`` metrics, as they happen, to ``<out>/<island>.rank<r>.safetensors`` and
+``<out>/<island>.jsonl``; errors go to ``<out>/<island>.error.<rank>``.
 """
 
 from __future__ import annotations
@@ -25,27 +25,30 @@ from lightning_swarm import SwarmStrategy
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, width: int, step_s: float) -> None:
+    def __init__(self, width: int, step_s: float, fast_file: str | None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 1))
         self.step_s = step_s
+        self.fast_file = Path(fast_file) if fast_file else None
 
     def training_step(self, batch: Any, _: int) -> torch.Tensor:
-        time.sleep(self.step_s)
+        # Paced so that a restarted island can come up while the others still run.
+        fast = self.fast_file is not None and self.fast_file.exists()
+        time.sleep(0.002 if fast else self.step_s)
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class Recorder(Logger):
-    """Keeps every logged metric with its step (the strategy logs rounds straight here)."""
+    """Appends every logged metric with its step to a JSON-lines file (rounds log straight here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path) -> None:
         super().__init__()
-        self.rows: list[dict[str, float]] = []
+        self.path = path
 
     @property
     def name(self) -> str:
@@ -59,7 +62,8 @@ class Recorder(Logger):
         pass
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append({**metrics, "step": float(step or 0), "t": time.time()})
+        with self.path.open("a") as f:
+            f.write(json.dumps({**metrics, "step": float(step or 0), "t": time.time()}) + "\n")
 
 
 def main() -> None:
@@ -72,14 +76,15 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.02)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--fast-file", default=None, help="steps are fast once it exists")
     args = parser.parse_args()
     out = Path(args.out)
     seed = sum(args.island.encode())
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(256, 8, generator=gen)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 + seed % 3))
-    recorder = Recorder()
-    model = Regression(args.width, args.step_s)
+    recorder = Recorder(out / f"{args.island}.jsonl")
+    model = Regression(args.width, args.step_s, args.fast_file)
     strategy = SwarmStrategy(
         sync_every=args.every,
         membership="torchft",
@@ -88,7 +93,6 @@ def main() -> None:
         min_islands=2,
         quorum_timeout_s=20.0,
         round_timeout_s=5.0,
-        start_method="fork" if args.devices > 1 else "popen",
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -111,8 +115,6 @@ def main() -> None:
     rank = trainer.global_rank
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / f"{args.island}.rank{rank}.safetensors"))
-    if rank == 0:
-        (out / f"{args.island}.metrics.json").write_text(json.dumps(recorder.rows))
     os._exit(0)  # the demo's DataLoader workers and torchft threads need no orderly exit
 
 

@@ -12,6 +12,7 @@ torchft is imported only when ``membership="torchft"`` is used (the ``elastic`` 
 from __future__ import annotations
 
 from lightning_swarm.membership.errors import (
+    DivergedIslandError,
     DuplicateIslandError,
     LighthouseUnreachableError,
     MembershipError,
@@ -23,6 +24,7 @@ from lightning_swarm.membership.static import MEMBERSHIPS, check_membership
 
 __all__ = [
     "MEMBERSHIPS",
+    "DivergedIslandError",
     "DuplicateIslandError",
     "LighthouseUnreachableError",
     "MembershipError",

@@ -23,12 +23,17 @@ class ModelMismatchError(MembershipError):
     """This island's model (parameter names, shapes, dtypes) differs from the swarm's."""
 
 
+class DivergedIslandError(MembershipError):
+    """This island's pseudo-gradient holds NaN or inf; it leaves the swarm, the others go on."""
+
+
 KINDS: dict[int, type[MembershipError]] = {
     1: MembershipError,
     2: LighthouseUnreachableError,
     3: QuorumTimeoutError,
     4: DuplicateIslandError,
     5: ModelMismatchError,
+    6: DivergedIslandError,
 }
 """Wire codes, so that an island's rank 0 can hand its error to the island's other ranks."""
 

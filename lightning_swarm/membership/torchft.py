@@ -7,8 +7,9 @@ islands is decided anew every round by torchft's Lighthouse. One round, on the i
    commit) is healed here from a live island: anchors, outer optimizer state and counters,
    over the quorum's process group (``TensorHealTransport``, no pickle);
 2. round header: a tiny all-gather of (island id hash, model fingerprint, healing, join time,
-   nonce) over the quorum's group. A duplicate ``island_id`` or a model that differs makes every
-   member abandon the round before any pseudo-gradient moves; the offending island raises;
+   nonce, finite) over the quorum's group. A duplicate ``island_id``, a model that differs or a
+   pseudo-gradient with NaN or inf makes every member abandon the round before any
+   pseudo-gradient moves; the offending island raises and leaves;
 3. the mean over the participating islands (``Manager.allreduce``, bucketed); an island being
    healed contributes zeros and is not counted;
 4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
@@ -46,6 +47,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.membership.errors import (
+    DivergedIslandError,
     DuplicateIslandError,
     LighthouseUnreachableError,
     MembershipError,
@@ -55,6 +57,7 @@ from lightning_swarm.membership.errors import (
 from lightning_swarm.membership.fanout import IslandFanout, Outcome
 from lightning_swarm.membership.layout import Layout, describe_difference, fingerprint
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.checks import all_finite
 
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
@@ -162,6 +165,7 @@ class TorchftMembership:
             0,
             time.time_ns(),
             secrets.randbits(62),
+            1,
         ]
         self._manager: Any = None
         self._healed: dict[str, Any] | None = None
@@ -260,7 +264,7 @@ class TorchftMembership:
         self._quorum()
         healing = not manager.is_participating()
         genesis = manager.current_step() == 0
-        conflict = self._check_round_header(healing)
+        conflict = self._check_round_header(healing, all_finite(tensors))
         participants = manager.num_participants()
         if not conflict:
             self._allreduce(tensors)
@@ -285,9 +289,9 @@ class TorchftMembership:
                 "more islands, lower --min-islands, or raise quorum_timeout_s."
             ) from err
 
-    def _check_round_header(self, healing: bool) -> bool:
+    def _check_round_header(self, healing: bool, finite: bool) -> bool:
         """All-gather the round header; True when the round must be abandoned."""
-        self._row[2] = int(healing)
+        self._row[2], self._row[5] = int(healing), int(finite or healing)
         mine = torch.tensor(self._row, dtype=torch.int64)
         rows_t = [torch.empty_like(mine) for _ in range(self._pg.size())]
         try:
@@ -299,7 +303,13 @@ class TorchftMembership:
         reference = next((r[1] for r in rows if not r[2]), rows[0][1])
         twins = [r for r in rows if r[0] == self._row[0] and r[4] != self._row[4]]
         mismatched = any(r[1] != reference for r in rows)
-        if twins and min(twins, key=lambda r: (r[3], r[4]))[3:] < self._row[3:]:
+        if not self._row[5]:
+            raise DivergedIslandError(
+                f"island {self.config.island_id!r} leaves the swarm: its pseudo-gradient holds "
+                "NaN or inf, so its training diverged (the other islands abandon this round and "
+                "go on); lower the inner learning rate or clip gradients, then restart it."
+            )
+        if twins and min(twins, key=lambda r: (r[3], r[4]))[3:5] < self._row[3:5]:
             self._manager.shutdown(wait=False)
             raise DuplicateIslandError(
                 f"island_id {self.config.island_id!r} is already taken by a live island of the "
@@ -313,7 +323,7 @@ class TorchftMembership:
                 f"{self._row[1]:x}) differs from the swarm's ({reference:x}). Start it with the "
                 "model the swarm trains."
             )
-        if twins or mismatched:
+        if twins or mismatched or not all(r[5] for r in rows):
             self._manager.report_error(MembershipError("a refused island was in the round"))
             return True
         return False

@@ -1,0 +1,90 @@
+"""SwarmStrategy(membership="torchft") end to end: Lightning islands as processes, one lighthouse.
+
+Each island runs tests/elastic_lightning_island.py (a tiny regression model, its own data).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.elastic_utils import finish, lighthouse, start_island, wait_for
+
+pytest.importorskip("torchft")
+
+SCRIPT = "tests/elastic_lightning_island.py"
+
+
+def _rows(out: Path, island: str) -> list[dict[str, float]]:
+    path = out / f"{island}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rounds(out: Path, island: str) -> list[dict[str, float]]:
+    return [r for r in _rows(out, island) if "swarm/islands_in_round" in r]
+
+
+def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> None:
+    """Three islands; c is SIGKILLed mid-run: a and b go on and end equal; c restarts as an
+    island of two ranks, is healed and ends with the same global model as a and b."""
+    fast = tmp_path / "fast"
+    opts = ["--max-steps", "200", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "abc"}
+        wait_for(lambda: len(_rounds(tmp_path, "c")) >= 3, 90, "c's third round")
+        procs["c"].send_signal(signal.SIGKILL)
+        procs["c"].wait()
+        killed_at = time.time()
+        os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
+        restarted = start_island(tmp_path, address, "c", *opts, "--devices", "2", script=SCRIPT)
+        wait_for(lambda: len(_rounds(tmp_path, "c")) >= 2, 120, "the restarted c's first rounds")
+        fast.write_text("")
+        for name, proc in [("a", procs["a"]), ("b", procs["b"]), ("c", restarted)]:
+            assert finish(proc, 150, tmp_path, name) == 0, name
+
+    after = [r for r in _rounds(tmp_path, "a") if r["t"] > killed_at]
+    committed = [r for r in after if r["swarm/islands_in_round"] == 2]
+    assert committed and committed[0]["t"] - killed_at < 20 + 5  # quorum + round timeouts
+    assert any(r["swarm/islands_in_round"] == 3 for r in after)  # c came back
+    c_rounds = _rounds(tmp_path, "c")
+    assert c_rounds[0]["swarm/heal_bytes"] > 0 and c_rounds[0]["swarm/heal_time_s"] > 0
+    assert c_rounds[-1]["swarm/outer_steps"] == _rounds(tmp_path, "a")[-1]["swarm/outer_steps"]
+    final = {
+        name: load_file(str(tmp_path / name))
+        for name in (
+            "a.rank0.safetensors",
+            "b.rank0.safetensors",
+            "c.rank0.safetensors",
+            "c.rank1.safetensors",
+        )
+    }
+    reference = final.pop("a.rank0.safetensors")
+    for name, state in final.items():
+        for key, value in reference.items():
+            assert value.equal(state[key]), f"{name}: {key} differs from a's"
+
+
+def test_lightning_joiner_with_another_model_is_refused(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    opts = ["--max-steps", "80", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    with lighthouse() as address:
+        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+        wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
+        wide = start_island(tmp_path, address, "w", *opts, "--width", "6", script=SCRIPT)
+        assert finish(wide, 90, tmp_path, "w") != 0
+        fast.write_text("")
+        for name, proc in procs.items():
+            assert finish(proc, 120, tmp_path, name) == 0, name
+    error = (tmp_path / "w.error.0").read_text()
+    assert "ModelMismatchError" in error
+    assert "net.0.weight is (6, 8) float32 here but (4, 8) float32 in the swarm" in error
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a)
