@@ -34,7 +34,8 @@ def _rounds(out: Path, island: str) -> list[dict[str, float]]:
 
 def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> None:
     """Three islands; c is SIGKILLed mid-run: a and b go on and end equal; c restarts as an
-    island of two ranks, is healed and ends with the same global model as a and b."""
+    island of two ranks and a new island d joins: both are healed and end with the same global
+    model as a and b."""
     fast = tmp_path / "fast"
     opts = ["--max-steps", "200", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
     with lighthouse(heartbeat_timeout_ms=1500) as address:
@@ -45,18 +46,24 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
         killed_at = time.time()
         os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
         restarted = start_island(tmp_path, address, "c", *opts, "--devices", "2", script=SCRIPT)
-        wait_for(lambda: len(_rounds(tmp_path, "c")) >= 2, 120, "the restarted c's first rounds")
+        joiner = start_island(tmp_path, address, "d", *opts, script=SCRIPT)
+        for name in "cd":
+            wait_for(lambda n=name: len(_rounds(tmp_path, n)) >= 2, 120, f"{name}'s first rounds")
         fast.write_text("")
-        for name, proc in [("a", procs["a"]), ("b", procs["b"]), ("c", restarted)]:
+        procs.update(c=restarted, d=joiner)
+        for name, proc in procs.items():
             assert finish(proc, 150, tmp_path, name) == 0, name
 
     after = [r for r in _rounds(tmp_path, "a") if r["t"] > killed_at]
     committed = [r for r in after if r["swarm/islands_in_round"] == 2]
     assert committed and committed[0]["t"] - killed_at < 20 + 5  # quorum + round timeouts
-    assert any(r["swarm/islands_in_round"] == 3 for r in after)  # c came back
-    c_rounds = _rounds(tmp_path, "c")
-    assert c_rounds[0]["swarm/heal_bytes"] > 0 and c_rounds[0]["swarm/heal_time_s"] > 0
-    assert c_rounds[-1]["swarm/outer_steps"] == _rounds(tmp_path, "a")[-1]["swarm/outer_steps"]
+    assert any(r["swarm/islands_in_round"] == 4 for r in after)  # c came back, d joined
+    for name in "cd":
+        joined = _rounds(tmp_path, name)
+        assert joined[0]["swarm/heal_bytes"] > 0 and joined[0]["swarm/heal_time_s"] > 0
+        assert joined[0]["swarm/outer_steps"] > 3  # healed into the running swarm
+        last = _rounds(tmp_path, "a")[-1]["swarm/outer_steps"]
+        assert joined[-1]["swarm/outer_steps"] == last
     final = {
         name: load_file(str(tmp_path / name))
         for name in (

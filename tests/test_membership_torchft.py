@@ -48,6 +48,7 @@ def _committed_after(out: Path, island: str, t: float) -> list[dict[str, object]
     return [r for r in rounds(out, island) if r["applied"] and float(r["t"]) > t]  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # ~60 s on 2 busy cores; test_elastic_strategy.py covers the same in the suite
 def test_kill_restart_and_join(tmp_path: Path) -> None:
     """SIGKILL c mid-run: a and b commit again within quorum timeout + a round and end equal;
     c restarted and a new island d heal and hold the others' anchors after their first round."""
