@@ -79,19 +79,26 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             assert value.equal(state[key]), f"{name}: {key} differs from a's"
 
 
-def test_lightning_joiner_with_another_model_is_refused(tmp_path: Path) -> None:
+def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path: Path) -> None:
+    """Refused on every rank of the joining island, while a and b go on and end equal."""
     fast = tmp_path / "fast"
     opts = ["--max-steps", "80", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
     with lighthouse() as address:
         procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
         wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
         wide = start_island(tmp_path, address, "w", *opts, "--width", "6", script=SCRIPT)
+        (tmp_path / "twin").mkdir()
+        twin = start_island(tmp_path / "twin", address, "a", *opts, "--devices", "2", script=SCRIPT)
         assert finish(wide, 90, tmp_path, "w") != 0
+        assert finish(twin, 90, tmp_path / "twin", "a") != 0
         fast.write_text("")
         for name, proc in procs.items():
             assert finish(proc, 120, tmp_path, name) == 0, name
     error = (tmp_path / "w.error.0").read_text()
     assert "ModelMismatchError" in error
     assert "net.0.weight is (6, 8) float32 here but (4, 8) float32 in the swarm" in error
+    for rank in (0, 1):
+        twin_error = (tmp_path / "twin" / f"a.error.{rank}").read_text()
+        assert twin_error.startswith("DuplicateIslandError: island_id 'a' is already taken")
     a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
     assert all(a[k].equal(b[k]) for k in a)

@@ -91,6 +91,7 @@ def test_kill_restart_and_join(tmp_path: Path) -> None:
     assert all(float(r["t"]) > killed_at for r in abandoned)
 
 
+@pytest.mark.slow  # test_elastic_strategy.py checks both refusals through Lightning in the suite
 def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
     """A second island 'a' and an island with another model are refused; a and b go on."""
     with lighthouse() as address:
