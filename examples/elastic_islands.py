@@ -149,7 +149,7 @@ def drive(args: argparse.Namespace) -> None:
     for old in out.glob("*.jsonl"):
         old.unlink()
     server = LighthouseServer(
-        bind="[::]:0", min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=3000
+        bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=3000
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 

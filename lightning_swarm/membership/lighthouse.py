@@ -3,8 +3,10 @@
 A thin command over ``torchft._torchft.LighthouseServer``: it binds the port, prints the address
 islands pass as ``strategy.lighthouse``, and serves until interrupted. ``--min-islands`` is the
 number of islands a round's quorum needs; ``--join-timeout-ms`` how long a quorum waits for a
-live island that has not asked to join yet; ``--heartbeat-timeout-ms`` how soon a silent island
-counts as gone (the time a survivor waits after a peer dies).
+live island that has not asked to join yet (keep it above the time of one round: a shorter one
+lets a quorum form without a live island, and an island healed in a quorum of too few
+participants never commits); ``--heartbeat-timeout-ms`` how soon a silent island counts as gone
+(the time a survivor waits after a peer dies).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-islands", type=int, default=2)
     parser.add_argument("--port", type=int, default=29510)
     parser.add_argument("--bind", default="[::]", help="address to bind (default all)")
-    parser.add_argument("--join-timeout-ms", type=int, default=10_000)
+    parser.add_argument("--join-timeout-ms", type=int, default=60_000)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5_000)
     parser.add_argument("--quorum-tick-ms", type=int, default=100)
     args = parser.parse_args(argv)
