@@ -126,7 +126,12 @@ def plot(table: dict[int, dict[str, Any]], events: list[tuple[int, str]], path: 
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for island in "abcd":
-        points = [(r, e["losses"][island]) for r, e in table.items() if island in e["losses"]]
+        points: list[tuple[float, float]] = []
+        for r, e in table.items():
+            if island in e["losses"]:
+                if points and r - points[-1][0] > 1:  # gone between these rounds: a gap
+                    points.append((r - 0.5, float("nan")))
+                points.append((r, e["losses"][island]))
         if points:
             ax.plot(*zip(*points, strict=True), marker=".", label=f"island {island}")
     for round_index, label in events:
@@ -200,6 +205,7 @@ def drive(args: argparse.Namespace) -> None:
         if "c.before_kill" in entry["losses"]:
             table.setdefault(r, {"losses": {}, "islands": entry.get("islands", 0)})
             table[r]["losses"].setdefault("c", entry["losses"]["c.before_kill"])
+    table = dict(sorted(table.items()))
     print("round  islands  " + "  ".join(f"loss {i:>4}" for i in "abcd"))
     for r, entry in table.items():
         losses = "  ".join(
