@@ -19,6 +19,9 @@ from tests.elastic_utils import finish, lighthouse, start_island, wait_for
 pytest.importorskip("torchft")
 
 SCRIPT = "tests/elastic_lightning_island.py"
+# Islands step slowly (0.1 s) until the test writes the "fast" file: long enough for a restarted
+# or refused island to start up on a busy machine while the others still run; then they finish
+# their remaining rounds quickly.
 
 
 def _rows(out: Path, island: str) -> list[dict[str, float]]:
@@ -37,7 +40,7 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
     island of two ranks and a new island d joins: both are healed and end with the same global
     model as a and b."""
     fast = tmp_path / "fast"
-    opts = ["--max-steps", "200", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
     with lighthouse(heartbeat_timeout_ms=1500) as address:
         procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "abc"}
         wait_for(lambda: len(_rounds(tmp_path, "c")) >= 3, 90, "c's third round")
@@ -82,7 +85,7 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
 def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path: Path) -> None:
     """Refused on every rank of the joining island, while a and b go on and end equal."""
     fast = tmp_path / "fast"
-    opts = ["--max-steps", "80", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
     with lighthouse() as address:
         procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
         wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
