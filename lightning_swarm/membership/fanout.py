@@ -53,13 +53,6 @@ class IslandFanout:
         self._broadcast(buf)
         return buf.numpy().tobytes()
 
-    def share_int(self, value: int) -> int:
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        self._broadcast(t)
-        return int(t.item())
-
     def share_error(self, error: MembershipError | None) -> None:
         """Raise rank 0's error (or none) on every rank of the island."""
         if self.size > 1:

@@ -368,11 +368,6 @@ class TorchftMembership:
                 f"{self.config.min_islands}; start more islands or lower min_islands."
             )
 
-    @property
-    def swarm_step(self) -> int:
-        """Committed rounds of the swarm (torchft's step), as of this island's last round."""
-        return self._fanout.share_int(self._manager.current_step() if self._manager else 0)
-
     def close(self) -> None:
         """Leave the swarm: stop heartbeats and the manager. Idempotent."""
         if self._manager is not None:
