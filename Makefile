@@ -17,7 +17,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[plots]'
 
 dev: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,elastic]'
 
 train: install
 	$(BIN)/swarm-train $(ARGS)

@@ -114,6 +114,15 @@ class SwarmConfig:
         sync_at_end: when fit ends with inner steps since the last round, run one last round
             so every island ends holding the same global model (the anchors); ``False`` keeps
             each island's local weights.
+        membership: ``"static"`` (one torch.distributed world, every island in every round) or
+            ``"torchft"`` (each launch is one island; islands meet through a lighthouse and
+            may fail, restart and join; docs/elastic.md). Checked with the options below by
+            ``lightning_swarm.membership.elastic_options``.
+        lighthouse: torchft only: the lighthouse's address, e.g. ``http://host:29510``.
+        island_id: torchft only: this island's name, unique among live islands.
+        min_islands: torchft only: a round commits only with at least this many islands.
+        quorum_timeout_s: torchft only: how long a round waits for enough islands.
+        round_timeout_s: torchft only: bound on a round's collectives and commit gate.
     """
 
     sync_every: int = 100
@@ -133,6 +142,12 @@ class SwarmConfig:
     quantize_block_size: int = 128
     error_feedback: bool = False
     sync_at_end: bool = True
+    membership: str = "static"
+    lighthouse: str | None = None
+    island_id: str | None = None
+    min_islands: int = 2
+    quorum_timeout_s: float = 60.0
+    round_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")

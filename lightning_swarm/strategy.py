@@ -1,29 +1,25 @@
 """``SwarmStrategy``: DiLoCo across islands as a Lightning strategy.
 
-This module is glue: Lightning hooks only. It wires them to the island topology
-(``lightning_swarm.topology``), the process groups (``lightning_swarm.transport.groups``) and
-the outer loop (``lightning_swarm.outer.OuterLoop``), which owns the anchors, the rounds, the
-worker, the totals and the byte figures; the DiLoCo math itself lives in
-``lightning_swarm.algorithm``.
+Glue only: Lightning's hooks wired to the outer loop (``lightning_swarm.outer.OuterLoop``: the
+anchors, rounds, worker, totals and byte figures). The bases add the island groups and DDP
+(``islands.IslandDDPStrategy``) and the checkpoint hooks (``checkpointing``); the DiLoCo math
+lives in ``lightning_swarm.algorithm``, elastic membership in ``elastic`` / ``membership``.
 
 Lifecycle inside ``Trainer.fit``:
-1. ``setup_distributed`` and ``configure_ddp`` (``IslandDDPStrategy``): groups, rank 0's weights
-   everywhere, DDP over each island's own group.
-2. ``setup``: after Lightning built the optimizers, the transport is built and an ``OuterLoop``
-   takes a copy of every optimizer's trained parameters as its anchors.
-3. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch),
+1. ``setup_distributed`` and ``configure_ddp``: groups, rank 0's weights everywhere, DDP over
+   each island's own group (with ``membership="torchft"`` the launch is one island).
+2. ``setup``: the transport is built and an ``OuterLoop`` takes a copy of every optimizer's
+   trained parameters as its anchors (placeholders when a resume will install them).
+3. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch)
    the outer loop counts it and syncs every ``sync_every`` steps; the round's metrics go
-   straight to the loggers under ``swarm/`` so ``log_every_n_steps`` cannot drop them.
-   After the fit's last inner step (``fit_end``), with ``sync_at_end``, one last round puts the
-   global model on every island before Lightning's final checkpoints; ``on_train_end`` catches
-   ends that could not be foreseen at that step.
-4. ``teardown``: the outer loop closed (worker drained and joined, transport closed), then the
-   groups destroyed.
+   straight to the loggers under ``swarm/``. After the fit's last inner step, with
+   ``sync_at_end``, one last round puts the global model on every island before Lightning's
+   final checkpoints; ``on_train_end`` catches ends nobody could foresee at that step.
+4. ``teardown``: the outer loop closed (worker joined, transport closed), then the groups.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +27,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.algorithm.fragments import FragmentLayout
+from lightning_swarm.checkpointing import CheckpointingStrategy
 from lightning_swarm.config import (
     AnchorConfig,
     SwarmConfig,
@@ -45,8 +41,9 @@ from lightning_swarm.config import (
     as_swarm_transport_config,
     dtype_name,
 )
+from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.fit_end import fit_ends_after_step
-from lightning_swarm.islands import IslandDDPStrategy
+from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,
     OuterOptimizerFactory,
@@ -55,10 +52,11 @@ from lightning_swarm.outer import (
     as_outer_optimizer,
 )
 from lightning_swarm.outer.build import staging_device, transport_for
-from lightning_swarm.resume import Collectives, ResumeHost, SwarmCheckpointer, options_of
+from lightning_swarm.resume import Collectives, ResumeHost, options_of
+from lightning_swarm.transport import Transport
 
 
-class SwarmStrategy(IslandDDPStrategy):
+class SwarmStrategy(CheckpointingStrategy):
     """Train any LightningModule DiLoCo-style across islands of ranks.
 
     Args:
@@ -95,6 +93,12 @@ class SwarmStrategy(IslandDDPStrategy):
         quantize_block_size: int = 128,
         error_feedback: bool = False,
         sync_at_end: bool = True,
+        membership: str = "static",
+        lighthouse: str | None = None,
+        island_id: str | None = None,
+        min_islands: int = 2,
+        quorum_timeout_s: float = 60.0,
+        round_timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         self.config = SwarmConfig(
@@ -114,7 +118,16 @@ class SwarmStrategy(IslandDDPStrategy):
             quantize_block_size=quantize_block_size,
             error_feedback=error_feedback,
             sync_at_end=sync_at_end,
+            membership=membership,
+            lighthouse=lighthouse,
+            island_id=island_id,
+            min_islands=min_islands,
+            quorum_timeout_s=quorum_timeout_s,
+            round_timeout_s=round_timeout_s,
         )
+        elastic = elastic_options(self.config)
+        # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
+        self._elastic = ElasticIsland(elastic, sync_every) if elastic is not None else None
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
         super().__init__(
@@ -131,15 +144,10 @@ class SwarmStrategy(IslandDDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if "swarm" in strategy_registry:
             return
-        strategy_registry.register(
-            "swarm", cls, description="DiLoCo across islands (lightning_swarm)"
-        )
-        strategy_registry.register(
-            "swarm_spawn",
-            cls,
-            description="DiLoCo across islands, processes started with spawn",
-            start_method="spawn",
-        )
+        description = "DiLoCo across islands (lightning_swarm)"
+        strategy_registry.register("swarm", cls, description=description)
+        spawn = f"{description}, processes started with spawn"
+        strategy_registry.register("swarm_spawn", cls, description=spawn, start_method="spawn")
 
     @property
     def outer_loop(self) -> OuterLoop | None:
@@ -147,6 +155,7 @@ class SwarmStrategy(IslandDDPStrategy):
         return self._loop
 
     @property
+    @override
     def outer_syncs(self) -> list[OuterSync]:
         """One ``OuterSync`` per optimizer, in ``trainer.optimizers`` order."""
         return self._loop.outer_syncs if self._loop is not None else []
@@ -158,6 +167,12 @@ class SwarmStrategy(IslandDDPStrategy):
 
     # -- setup ----------------------------------------------------------------------------
     @override
+    def setup_distributed(self) -> None:
+        if self._elastic is not None:
+            self._island_size = self._elastic.island_size(self._island_size, self.world_size)
+        super().setup_distributed()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -168,12 +183,16 @@ class SwarmStrategy(IslandDDPStrategy):
     def _build_outer_loop(self, *, defer_anchors: bool) -> None:
         module = self.lightning_module
         assert module is not None
-        transport = transport_for(
-            self.config,
-            self.groups.peers,
-            num_islands=self.topology.num_islands,
-            island_index=self.topology.island_index,
-            device=staging_device(self.root_device),
+        transport: Transport = (
+            self._elastic.build_membership(module, self.groups.island, self.config.bucket_numel)
+            if self._elastic is not None
+            else transport_for(
+                self.config,
+                self.groups.peers,
+                num_islands=self.topology.num_islands,
+                island_index=self.topology.island_index,
+                device=staging_device(self.root_device),
+            )
         )
         self._loop = OuterLoop(
             self.optimizers,
@@ -186,8 +205,18 @@ class SwarmStrategy(IslandDDPStrategy):
             defer_anchors=defer_anchors,
             totals=self.totals,
         )
+        if self._elastic is not None:
+            self._elastic.attach(self._loop.outer_syncs)
 
     # -- training -------------------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        if self._elastic is not None and trainer is not None:
+            # After any resume restored this island's state: heal it from the swarm now.
+            self._log_round(self._elastic.join(trainer), steps_pending=0)
+
     @override
     def optimizer_step(
         self,
@@ -200,8 +229,12 @@ class SwarmStrategy(IslandDDPStrategy):
             self._loop.check_optimizer(optimizer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._loop is not None:
+            metrics = self._loop.on_inner_step(optimizer)
+            trainer = self.lightning_module.trainer if self.lightning_module else None
+            if metrics is not None and self._elastic is not None and trainer is not None:
+                metrics = self._elastic.after_round(trainer, metrics)
             # global_step counts this step only once optimizer_step has returned.
-            self._log_round(self._loop.on_inner_step(optimizer), steps_pending=1)
+            self._log_round(metrics, steps_pending=1)
             self._end_of_fit_round(manual=False)
         return output
 
@@ -212,18 +245,23 @@ class SwarmStrategy(IslandDDPStrategy):
         self._end_of_fit_round(manual=True)
         return output
 
+    @property
+    def _sync_at_end(self) -> bool:
+        # An elastic fit already ends on a committed round, the same one on every island.
+        return self.config.sync_at_end and self._elastic is None
+
     def _end_of_fit_round(self, *, manual: bool) -> None:
         module, pending = self.lightning_module, 0 if manual else 1
         if self._loop is None or module is None or module.automatic_optimization == manual:
             return
-        if self.config.sync_at_end and fit_ends_after_step(module.trainer, steps_pending=pending):
+        if self._sync_at_end and fit_ends_after_step(module.trainer, steps_pending=pending):
             self._log_round(self._loop.finish(), steps_pending=pending)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
         # A fit that ended where fit_end could not foresee it (EarlyStopping, max_time).
-        if self._loop is not None and self.config.sync_at_end:
+        if self._loop is not None and self._sync_at_end:
             self._log_round(self._loop.finish(), steps_pending=0)
 
     def _log_round(self, metrics: dict[str, float] | None, *, steps_pending: int) -> None:
@@ -235,12 +273,8 @@ class SwarmStrategy(IslandDDPStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step + steps_pending)
 
-    # -- checkpoints ----------------------------------------------------------------------
-    @functools.cached_property
-    def checkpointer(self) -> SwarmCheckpointer:
-        """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
-        return SwarmCheckpointer()
-
+    # -- checkpoints (the hooks live in CheckpointingStrategy) -------------------------------
+    @override
     def _resume_host(self) -> ResumeHost:
         """The training state the checkpointer saves from and restores into, on this rank."""
         module = self.lightning_module
@@ -256,46 +290,6 @@ class SwarmStrategy(IslandDDPStrategy):
             anchors=self.config.anchors,
             collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
         )
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: Any, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self.checkpointer.capture(checkpoint_path, checkpoint, rank=self.global_rank)
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        # After setup (outer syncs exist) and after rank 0's optimizer state went everywhere:
-        # each island's own state replaces it here, before any sanity check or training step.
-        if self.checkpointer.pending:
-            self.checkpointer.restore(self._resume_host())
-            rank_zero_info(f"SwarmResume: {self.checkpointer.summary}")
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        if not self.outer_syncs or "optimizer_states" not in checkpoint:
-            # Not fitting, or a weights-only file: nothing of the swarm to resume from.
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        save_id = self.checkpointer.save(self._resume_host(), checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self.is_global_zero:
-            # Only now does the Lightning file name the new save; older ones can go.
-            self.checkpointer.prune(filepath, keep=save_id)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            self.checkpointer.remove(filepath)
 
     @override
     def teardown(self) -> None:

@@ -6,13 +6,12 @@ cycle). The graph is built with ``ast`` from the source files, so nothing is exe
 
 Layers, top to bottom (a module may import its own layer or any layer below it):
 
-- glue: the package root, ``strategy``, ``islands``, ``fit_end``, ``cli``, ``cli_checks``,
-  ``callbacks/``,
-  ``demo/``;
+- glue: the package root, ``strategy``, ``islands``, ``checkpointing``, ``elastic``,
+  ``fit_end``, ``cli``, ``cli_checks``, ``callbacks/``, ``demo/``;
 - outer loop: ``outer/``;
 - resume / records: ``checkpoint``, ``resume/``;
 - options and membership: ``config`` (the strategy's options, built on the transport's own
-  option types), a future ``membership/``;
+  option types), ``membership/`` (who takes part in a round: torchft's quorum);
 - transport: ``transport/``;
 - topology: ``topology`` (plain arithmetic the transports' groups are built from);
 - algorithm: ``algorithm/``;
@@ -37,6 +36,8 @@ LAYERS: list[tuple[str, int]] = [
     (f"{PACKAGE}.strategy", 7),
     (f"{PACKAGE}.fit_end", 7),
     (f"{PACKAGE}.islands", 7),
+    (f"{PACKAGE}.checkpointing", 7),
+    (f"{PACKAGE}.elastic", 7),
     (f"{PACKAGE}.cli", 7),
     (f"{PACKAGE}.cli_checks", 7),
     (f"{PACKAGE}.callbacks", 7),

@@ -436,6 +436,17 @@ class OuterSync:
             rnd.future = None
         return rnd.result
 
+    def round_now(self) -> SyncReport:
+        """One round now, outside the inner-step schedule: an elastic island's first round.
+
+        Raises:
+            ValueError: with several fragments or a round in flight (elastic runs have neither).
+        """
+        if len(self.fragments) != 1 or self._in_flight is not None:
+            raise ValueError("a round outside the schedule needs one fragment and none in flight")
+        self._send(0, inline=True)
+        return self._apply(0)
+
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""
         if self._in_flight is not None:

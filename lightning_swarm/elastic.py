@@ -1,0 +1,100 @@
+"""Lightning glue of elastic islands (``SwarmStrategy(membership="torchft")``).
+
+Each launch is one island: its ranks (``devices x num_nodes``) are its world and DDP runs over
+all of them. ``ElasticIsland`` builds the island's ``TorchftMembership`` (the transport of its
+outer loop), runs the island's first round when training starts (a joiner is healed there), adds
+the ``swarm/*`` membership metrics to each round's and decides when the fit ends.
+
+Which step counts. Lightning's ``global_step`` stays the island's own count of inner steps: a
+restarted island starts it at 0 again, and logs, ``every_n_train_steps`` checkpoints and the
+island's own LR schedulers follow it. The swarm's clock is its committed rounds, which a joiner
+receives when healed. ``max_steps`` is read on that clock: the fit ends after the round that
+brings the swarm to ``ceil(max_steps / sync_every)`` committed rounds, on every island at the
+same round, so the islands still in the swarm end holding the same global model. Lightning's
+own ``max_steps`` limit is lifted for that: an island whose rounds were abandoned has run more
+inner steps than the swarm's clock shows and must not stop before the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from torch.nn import Module
+
+from lightning_swarm.membership.layout import model_layout
+from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
+from lightning_swarm.outer.elastic import ElasticOuter
+from lightning_swarm.outer.sync import OuterSync
+
+
+class ElasticIsland:
+    """One island's membership, its first round and its stopping rule."""
+
+    def __init__(self, options: ElasticConfig, sync_every: int) -> None:
+        self.options = options
+        self.sync_every = sync_every
+        self.membership: TorchftMembership | None = None
+        self._outer: ElasticOuter | None = None
+        self._target_rounds: int | None = None
+
+    @staticmethod
+    def island_size(requested: int, world_size: int) -> int:
+        """The island is the launch's whole world (``island_size`` 1, the default, means it)."""
+        if requested not in (1, world_size):
+            raise ValueError(
+                f"island_size={requested} with membership='torchft': each launch is one island "
+                f"of all its {world_size} ranks; leave island_size at 1 (or set {world_size})."
+            )
+        return world_size
+
+    def build_membership(
+        self, module: Module, island_group: dist.ProcessGroup | None, bucket_numel: int
+    ) -> TorchftMembership:
+        params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
+        self.membership = TorchftMembership(
+            self.options,
+            layout=model_layout(params),
+            state_fn=lambda: self._elastic_outer.state(),
+            load_fn=lambda state: self._elastic_outer.install(state),
+            island_group=island_group,
+            bucket_numel=bucket_numel,
+        )
+        return self.membership
+
+    @property
+    def _elastic_outer(self) -> ElasticOuter:
+        assert self._outer is not None, "the outer loop is attached right after it is built"
+        return self._outer
+
+    def attach(self, outer_syncs: Sequence[OuterSync]) -> None:
+        if len(outer_syncs) != 1:
+            raise ValueError(
+                f"membership='torchft' supports one optimizer, this module has "
+                f"{len(outer_syncs)}; use membership='static' for several."
+            )
+        self._outer = ElasticOuter(outer_syncs)
+
+    def join(self, trainer: pl.Trainer) -> dict[str, float]:
+        """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""
+        if trainer.max_steps > 0:
+            self._target_rounds = math.ceil(trainer.max_steps / self.sync_every)
+            trainer.fit_loop.epoch_loop.max_steps = -1
+        report = self._elastic_outer.join_round()[0]
+        return self.after_round(trainer, {"swarm/outer_steps": float(report.outer_steps)})
+
+    def after_round(self, trainer: pl.Trainer, metrics: Mapping[str, float]) -> dict[str, float]:
+        """Adds the membership metrics; stops the fit once the swarm reached its last round."""
+        assert self.membership is not None
+        totals = self.membership.totals
+        out = dict(metrics)
+        out["swarm/islands_in_round"] = float(totals.islands_in_round)
+        out["swarm/rounds_abandoned"] = float(totals.rounds_abandoned)
+        out["swarm/heal_bytes"] = float(totals.heal_bytes)
+        out["swarm/heal_time_s"] = totals.heal_time_s
+        rounds = self._elastic_outer.outer_syncs[0].outer_steps
+        if self._target_rounds is not None and rounds >= self._target_rounds:
+            trainer.should_stop = True
+        return out

@@ -1,0 +1,42 @@
+"""Errors of elastic membership; each is raised on every rank of the island it concerns."""
+
+from __future__ import annotations
+
+
+class MembershipError(RuntimeError):
+    """An island cannot take part in the swarm; the message names the cause and the fix."""
+
+
+class LighthouseUnreachableError(MembershipError):
+    """The lighthouse did not answer within the connect timeout."""
+
+
+class QuorumTimeoutError(MembershipError):
+    """Fewer than ``min_islands`` islands met for longer than the quorum timeout."""
+
+
+class DuplicateIslandError(MembershipError):
+    """Another live island already claims this island's ``island_id``."""
+
+
+class ModelMismatchError(MembershipError):
+    """This island's model (parameter names, shapes, dtypes) differs from the swarm's."""
+
+
+class DivergedIslandError(MembershipError):
+    """This island's pseudo-gradient holds NaN or inf; it leaves the swarm, the others go on."""
+
+
+KINDS: dict[int, type[MembershipError]] = {
+    1: MembershipError,
+    2: LighthouseUnreachableError,
+    3: QuorumTimeoutError,
+    4: DuplicateIslandError,
+    5: ModelMismatchError,
+    6: DivergedIslandError,
+}
+"""Wire codes, so that an island's rank 0 can hand its error to the island's other ranks."""
+
+
+def kind_code(err: MembershipError) -> int:
+    return next(code for code, cls in KINDS.items() if type(err) is cls)

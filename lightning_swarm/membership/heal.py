@@ -1,0 +1,82 @@
+"""Healing over the process group: torchft's checkpoint transport, without pickle.
+
+torchft heals a joining island by calling ``send_checkpoint`` on a live island and
+``recv_checkpoint`` on the joiner, over the quorum's process group. torchft's own ``PGTransport``
+pickles its metadata, and its HTTP transport ships ``torch.save`` bytes; neither may reach a
+process that must never unpickle a peer's bytes. ``TensorHealTransport`` sends a JSON header
+(``state_wire``) and then the raw tensor bytes, tag by tag.
+
+Lifetime: the sender's tensors are read while the sender's training thread waits for the
+quorum, so the state is not mutated during the send. Received tensors are fresh CPU tensors
+owned by the caller. ``last_heal_bytes`` and ``last_heal_s`` describe the latest receive.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torchft.checkpointing.transport import CheckpointTransport
+from torchft.process_group import ProcessGroup
+
+from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
+
+_TAG_LENGTH, _TAG_HEADER, _TAG_FIRST_TENSOR = 1, 2, 3
+
+
+class TensorHealTransport(CheckpointTransport[Any]):
+    """Moves a state tree between islands as a JSON header plus tensors over ``pg``."""
+
+    def __init__(self, pg: ProcessGroup, timeout: timedelta) -> None:
+        self._pg = pg
+        self._timeout = timeout
+        self.last_heal_bytes = 0
+        self.last_heal_s = 0.0
+
+    def metadata(self) -> str:
+        return "lightning_swarm-tensor-heal"
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
+    ) -> None:
+        header, tensors = encode_tree({"step": step, "state": state_dict})
+        length = torch.tensor([len(header)], dtype=torch.int64)
+        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        for dst in dst_ranks:
+            works = [
+                self._pg.send([length], dst, tag=_TAG_LENGTH),
+                self._pg.send([header_t], dst, tag=_TAG_HEADER),
+            ]
+            works += [
+                self._pg.send([t], dst, tag=_TAG_FIRST_TENSOR + i)
+                for i, t in enumerate(tensors)
+                if t.numel()
+            ]
+            for work in works:
+                work.wait(timeout)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        start = time.perf_counter()
+        length = torch.zeros(1, dtype=torch.int64)
+        self._pg.recv([length], src_rank, tag=_TAG_LENGTH).wait(timeout)
+        if not 0 < int(length.item()) < 1 << 31:
+            raise ValueError(f"a healing peer announced a header of {int(length.item())} B")
+        header_t = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._pg.recv([header_t], src_rank, tag=_TAG_HEADER).wait(timeout)
+        header = header_t.numpy().tobytes()
+        payload = [torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)]
+        works = [
+            self._pg.recv([t], src_rank, tag=_TAG_FIRST_TENSOR + i)
+            for i, t in enumerate(payload)
+            if t.numel()
+        ]
+        for work in works:
+            work.wait(timeout)
+        tree = decode_tree(header, payload)
+        if not isinstance(tree, dict) or tree.get("step") != step:
+            raise ValueError(f"a healing peer sent the state of another step (expected {step})")
+        self.last_heal_bytes = sum(t.numel() for t in payload)
+        self.last_heal_s = time.perf_counter() - start
+        return tree["state"]

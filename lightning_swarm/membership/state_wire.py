@@ -1,0 +1,144 @@
+"""A state tree on the wire without pickle: a JSON header plus raw tensor bytes.
+
+Healing moves a live island's anchors, outer optimizer state and counters to a joiner, and an
+island's rank 0 hands the same state to its other ranks. Neither path may unpickle bytes that
+came from a peer, so a state tree (nested dicts with str or int keys, lists, tuples, tensors and
+plain scalars) is split into:
+
+- a JSON header describing the tree, each tensor by dtype and shape, and
+- the tensors' raw bytes, in header order, as contiguous ``uint8`` views.
+
+``decode_tree`` rebuilds the tree from a header and received byte tensors; anything the header
+names that is not in this closed vocabulary raises ``ValueError``. The encoded byte tensors
+alias the caller's tensors (when already contiguous): they are valid only while the caller's
+state is left untouched, i.e. for the duration of one send.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+def encode_tree(tree: Any) -> tuple[bytes, list[Tensor]]:
+    """The JSON header of ``tree`` and its tensors as contiguous CPU ``uint8`` tensors."""
+    tensors: list[Tensor] = []
+    node = _encode(tree, tensors)
+    return json.dumps(node, separators=(",", ":")).encode(), tensors
+
+
+def _encode(value: Any, tensors: list[Tensor]) -> Any:
+    if isinstance(value, Tensor):
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise TypeError(f"cannot send a tensor of dtype {value.dtype} during healing")
+        flat = value.detach().to("cpu").contiguous().reshape(-1)
+        tensors.append(flat.view(torch.uint8))
+        return {"T": [name, list(value.shape)]}
+    if isinstance(value, dict):
+        items = []
+        for key, item in value.items():
+            if not isinstance(key, str | int) or isinstance(key, bool):
+                raise TypeError(f"healing state keys must be str or int, got {key!r}")
+            items.append([key, _encode(item, tensors)])
+        return {"D": items}
+    if isinstance(value, list | tuple):
+        return {"L" if isinstance(value, list) else "U": [_encode(v, tensors) for v in value]}
+    if value is None or isinstance(value, bool | int | float | str):
+        return {"V": value}
+    raise TypeError(
+        f"healing state holds a {type(value).__name__}; only tensors, numbers, strings, None "
+        "and dicts/lists/tuples of them travel between islands"
+    )
+
+
+def tensor_specs(header: bytes) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of every tensor the header names, in wire order."""
+    specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    _walk_specs(_load(header), specs)
+    return specs
+
+
+def _load(header: bytes) -> Any:
+    try:
+        return json.loads(header.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"a healing header is not valid JSON ({err})") from err
+
+
+def _walk_specs(node: Any, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    kind, body = _node(node)
+    if kind == "T":
+        dtype_name, shape = body
+        if dtype_name not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(f"a healing header names an unknown tensor {body!r}")
+        specs.append((_DTYPES[dtype_name], tuple(shape)))
+    elif kind == "D":
+        for _key, item in body:
+            _walk_specs(item, specs)
+    elif kind in ("L", "U"):
+        for item in body:
+            _walk_specs(item, specs)
+
+
+def _node(node: Any) -> tuple[str, Any]:
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(f"a healing header holds a malformed node {node!r:.80}")
+    ((kind, body),) = node.items()
+    if kind not in ("T", "D", "L", "U", "V"):
+        raise ValueError(f"a healing header holds an unknown node kind {kind!r}")
+    return kind, body
+
+
+def byte_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
+    """Rebuild the tree from its header and the received ``uint8`` tensors (adopted, not copied)."""
+    specs = tensor_specs(header)
+    if len(specs) != len(payload):
+        raise ValueError(f"a healing header names {len(specs)} tensors, {len(payload)} arrived")
+    tensors = []
+    for (dtype, shape), raw in zip(specs, payload, strict=True):
+        if raw.numel() != byte_size(dtype, shape):
+            raise ValueError(f"a healing tensor of {shape} {dtype} arrived with {raw.numel()} B")
+        tensors.append(raw.view(dtype).reshape(shape))
+    return _decode(_load(header), iter(tensors))
+
+
+def _decode(node: Any, tensors: Any) -> Any:
+    kind, body = _node(node)
+    if kind == "T":
+        return next(tensors)
+    if kind == "D":
+        return {key: _decode(item, tensors) for key, item in body}
+    if kind == "L":
+        return [_decode(item, tensors) for item in body]
+    if kind == "U":
+        return tuple(_decode(item, tensors) for item in body)
+    if body is not None and not isinstance(body, bool | int | float | str):
+        raise ValueError(f"a healing header holds a non-scalar value {body!r:.80}")
+    return body

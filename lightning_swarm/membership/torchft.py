@@ -1,0 +1,374 @@
+"""Elastic membership on torchft: a quorum per outer round, a commit gate, healing.
+
+``TorchftMembership`` is a ``Transport`` (``average(tensors, round_index=...)``) whose set of
+islands is decided anew every round by torchft's Lighthouse. One round, on the island's rank 0:
+
+1. quorum: ``Manager.start_quorum``; a joiner (new, restarted, or an island that missed a
+   commit) is healed here from a live island: anchors, outer optimizer state and counters,
+   over the quorum's process group (``TensorHealTransport``, no pickle);
+2. round header: a tiny all-gather of (island id hash, model fingerprint, healing, join time,
+   nonce, finite) over the quorum's group. A duplicate ``island_id``, a model that differs or a
+   pseudo-gradient with NaN or inf makes every member abandon the round before any
+   pseudo-gradient moves; the offending island raises and leaves;
+3. the mean over the participating islands (``Manager.allreduce``, bucketed); an island being
+   healed contributes zeros and is not counted;
+4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
+   fail, so they vote no and the round is abandoned (anchors unchanged, local progress kept for
+   the next round). A survivor that voted differently is behind by one commit at the next quorum
+   and torchft heals it from the others, so the swarm converges on one history.
+
+The very first quorum of a swarm (torchft step 0) is the genesis round: every island except the
+first is healed to the first island's anchors and no outer step is taken (``applied`` false).
+
+Islands of several ranks: only the island's rank 0 talks to torchft (one Manager per island,
+replica group size 1). The island's other ranks follow over the island's own process group: rank
+0 broadcasts the round's outcome, a healed state and the averaged tensors. Every rank of the
+island therefore sees the same outcome and the same errors. The cross-island bytes are those of
+one rank per island; the island's fast fabric carries the fan-out.
+
+Ownership: the Manager, its TCPStore and its process group belong to this object until
+``close``. Healed state is handed to ``load_fn`` (the outer loop), which adopts its tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from lightning_swarm.membership.errors import (
+    DivergedIslandError,
+    DuplicateIslandError,
+    LighthouseUnreachableError,
+    MembershipError,
+    ModelMismatchError,
+    QuorumTimeoutError,
+)
+from lightning_swarm.membership.fanout import IslandFanout, Outcome
+from lightning_swarm.membership.layout import Layout, describe_difference, fingerprint
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.checks import all_finite
+
+StateFn = Callable[[], dict[str, Any]]
+LoadFn = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Where the lighthouse is, who this island is, and how long to wait.
+
+    Attributes:
+        lighthouse: the lighthouse's address, e.g. ``http://host:29510``.
+        island_id: this island's name, unique among live islands.
+        min_islands: a round commits only with at least this many islands in it.
+        quorum_timeout_s: how long a round waits for ``min_islands`` islands; also how long
+            rounds may keep falling short of ``min_islands`` before the island gives up.
+        round_timeout_s: bound on every collective and on the commit gate of a round; a dead
+            peer is noticed within it.
+        connect_timeout_s: how long to try to reach the lighthouse at start.
+    """
+
+    lighthouse: str
+    island_id: str
+    min_islands: int = 2
+    quorum_timeout_s: float = 60.0
+    round_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lighthouse, str) or not self.lighthouse:
+            raise ValueError(
+                "membership='torchft' needs lighthouse='http://host:port' (the address "
+                "`swarm-lighthouse` prints)."
+            )
+        if not isinstance(self.island_id, str) or not self.island_id or ":" in self.island_id:
+            raise ValueError(
+                f"island_id must be a non-empty name without ':', got {self.island_id!r}; give "
+                "each launch its own, e.g. island_id=a."
+            )
+        if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int):
+            raise ValueError(f"min_islands must be an integer >= 1, got {self.min_islands!r}")
+        if self.min_islands < 1:
+            raise ValueError(f"min_islands must be >= 1, got {self.min_islands}")
+        for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass
+class MembershipTotals:
+    """What this island saw of the swarm (identical on every rank of the island)."""
+
+    islands_in_round: int = 0
+    rounds_committed: int = 0
+    rounds_abandoned: int = 0
+    heal_bytes: int = 0
+    heal_time_s: float = 0.0
+    heals: int = 0
+
+
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+class TorchftMembership:
+    """Averages pseudo-gradients over this round's quorum of islands; see the module docstring.
+
+    Args:
+        config: lighthouse, island id, minimum islands and timeouts.
+        layout: this island's model layout (``membership.layout.model_layout``).
+        state_fn: returns the global state a joiner needs (anchors, outer state, counters).
+        load_fn: installs such a state (called on every rank of a healed island).
+        island_group: the island's process group (``None``: the default group when one
+            exists, else an island of one rank).
+        bucket_numel: float32 elements per all-reduce bucket.
+
+    Raises:
+        LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        layout: Layout,
+        state_fn: StateFn,
+        load_fn: LoadFn,
+        island_group: dist.ProcessGroup | None = None,
+        bucket_numel: int = 8 << 20,
+    ) -> None:
+        self.config = config
+        self.layout = dict(layout)
+        self.bucket_numel = bucket_numel
+        self.totals = MembershipTotals()
+        self._state_fn, self._load_fn = state_fn, load_fn
+        self._fanout = IslandFanout(island_group)
+        self._short_since: float | None = None
+        self._row = [
+            _hash63(config.island_id),
+            fingerprint(self.layout),
+            0,
+            time.time_ns(),
+            secrets.randbits(62),
+            1,
+        ]
+        self._manager: Any = None
+        self._healed: dict[str, Any] | None = None
+        error = None
+        if self._fanout.is_leader:
+            try:
+                self._start_manager()
+            except MembershipError as err:
+                error = err
+        self._fanout.share_error(error)
+
+    def _start_manager(self) -> None:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        from lightning_swarm.membership.heal import TensorHealTransport
+
+        config = self.config
+        host = socket.gethostname()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._pg = ProcessGroupGloo(timeout=_seconds(config.round_timeout_s))
+        self.heal_transport = TensorHealTransport(self._pg, _seconds(config.round_timeout_s))
+        try:
+            self._manager = Manager(
+                pg=self._pg,
+                load_state_dict=self._load_healed,
+                state_dict=self._state_for_peer,
+                min_replica_size=config.min_islands,
+                use_async_quorum=True,
+                timeout=_seconds(config.round_timeout_s),
+                quorum_timeout=_seconds(config.quorum_timeout_s),
+                connect_timeout=_seconds(config.connect_timeout_s),
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=self._store.port,
+                lighthouse_addr=config.lighthouse,
+                replica_id=config.island_id,
+                checkpoint_transport=self.heal_transport,
+                init_sync=True,
+            )
+        except RuntimeError as err:
+            raise LighthouseUnreachableError(
+                f"island {config.island_id!r} could not reach the lighthouse at "
+                f"{config.lighthouse} within connect_timeout_s={config.connect_timeout_s}: "
+                f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
+                "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
+            ) from err
+
+    # -- healing hooks (called by torchft on the island's rank 0) --------------------------------
+    def _state_for_peer(self) -> dict[str, Any]:
+        return {"layout": self.layout, "user": self._state_fn()}
+
+    def _load_healed(self, state: dict[str, Any]) -> None:
+        swarm_layout = state.get("layout")
+        if swarm_layout != self.layout:
+            raise ModelMismatchError(
+                f"island {self.config.island_id!r} was refused: its model differs from the "
+                f"swarm's: {describe_difference(self.layout, dict(swarm_layout or {}))}. "
+                "Start it with the model the swarm trains."
+            )
+        self._healed = state["user"]
+
+    # -- the round --------------------------------------------------------------------------------
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Overwrite ``tensors`` with their mean over this round's islands (if committed)."""
+        start = time.perf_counter()
+        for t in tensors.values():
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("TorchftMembership averages contiguous float32 tensors only")
+        outcome, error = Outcome(), None
+        if self._fanout.is_leader:
+            try:
+                outcome = self._lead_round(list(tensors.values()))
+            except MembershipError as err:
+                error = err
+        self._fanout.share_error(error)
+        outcome = self._fanout.share_outcome(outcome, list(tensors.values()))
+        if outcome.healed is not None:
+            self._load_fn(outcome.healed)
+            self.totals.heals += 1
+            self.totals.heal_bytes += outcome.heal_bytes
+            self.totals.heal_time_s += outcome.heal_s
+        self.totals.islands_in_round = outcome.participants
+        self.totals.rounds_committed += int(outcome.committed)
+        self.totals.rounds_abandoned += int(not outcome.committed)
+        return RoundStats(
+            wall_s=time.perf_counter() - start,
+            applied=outcome.committed and not outcome.genesis,
+        )
+
+    def _lead_round(self, tensors: list[Tensor]) -> Outcome:
+        manager = self._manager
+        self._healed = None
+        self._quorum()
+        healing = not manager.is_participating()
+        genesis = manager.current_step() == 0
+        conflict = self._check_round_header(healing, all_finite(tensors))
+        participants = manager.num_participants()
+        if not conflict:
+            self._allreduce(tensors)
+        committed = bool(manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
+        self._watch_min_islands(participants, committed)
+        outcome = Outcome(committed=committed, genesis=genesis, participants=participants)
+        if self._healed is not None:
+            outcome.healed = self._healed
+            outcome.heal_bytes = self.heal_transport.last_heal_bytes
+            outcome.heal_s = self.heal_transport.last_heal_s
+        return outcome
+
+    def _quorum(self) -> None:
+        config = self.config
+        try:
+            self._manager.start_quorum(timeout=_seconds(config.quorum_timeout_s))
+            self._manager.wait_quorum()
+        except TimeoutError as err:
+            raise QuorumTimeoutError(
+                f"island {config.island_id!r}: fewer islands than the lighthouse's "
+                f"--min-islands met within quorum_timeout_s={config.quorum_timeout_s}; start "
+                "more islands, lower --min-islands, or raise quorum_timeout_s."
+            ) from err
+
+    def _check_round_header(self, healing: bool, finite: bool) -> bool:
+        """All-gather the round header; True when the round must be abandoned."""
+        self._row[2], self._row[5] = int(healing), int(finite or healing)
+        mine = torch.tensor(self._row, dtype=torch.int64)
+        rows_t = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        try:
+            self._pg.allgather([rows_t], [mine], AllgatherOptions()).wait()
+        except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
+            self._manager.report_error(err)
+            return True
+        rows = [r.tolist() for r in rows_t]
+        reference = next((r[1] for r in rows if not r[2]), rows[0][1])
+        twins = [r for r in rows if r[0] == self._row[0] and r[4] != self._row[4]]
+        mismatched = any(r[1] != reference for r in rows)
+        if not self._row[5]:
+            raise DivergedIslandError(
+                f"island {self.config.island_id!r} leaves the swarm: its pseudo-gradient holds "
+                "NaN or inf, so its training diverged (the other islands abandon this round and "
+                "go on); lower the inner learning rate or clip gradients, then restart it."
+            )
+        if twins and min(twins, key=lambda r: (r[3], r[4]))[3:5] < self._row[3:5]:
+            self._manager.shutdown(wait=False)
+            raise DuplicateIslandError(
+                f"island_id {self.config.island_id!r} is already taken by a live island of the "
+                "swarm; give this launch another island_id (each island needs its own)."
+            )
+        if self._row[1] != reference:
+            if healing:  # the healed layout names the difference (raised in _load_healed)
+                self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
+            raise ModelMismatchError(
+                f"island {self.config.island_id!r} was refused: its model (fingerprint "
+                f"{self._row[1]:x}) differs from the swarm's ({reference:x}). Start it with the "
+                "model the swarm trains."
+            )
+        if twins or mismatched or not all(r[5] for r in rows):
+            self._manager.report_error(MembershipError("a refused island was in the round"))
+            return True
+        return False
+
+    def _allreduce(self, tensors: list[Tensor]) -> None:
+        """The mean over participating islands, one bucket at a time, written back in place."""
+        total = sum(t.numel() for t in tensors)
+        flat = torch.empty(min(self.bucket_numel, max(total, 1)))
+        pieces: list[tuple[Tensor, int]] = []
+        fill = 0
+        for t in tensors:
+            view, pos = t.view(-1), 0
+            while pos < view.numel():
+                n = min(view.numel() - pos, flat.numel() - fill)
+                flat[fill : fill + n].copy_(view[pos : pos + n])
+                pieces.append((view[pos : pos + n], fill))
+                fill, pos = fill + n, pos + n
+                if fill == flat.numel():
+                    self._reduce_bucket(flat[:fill], pieces)
+                    pieces, fill = [], 0
+        if fill:
+            self._reduce_bucket(flat[:fill], pieces)
+
+    def _reduce_bucket(self, bucket: Tensor, pieces: list[tuple[Tensor, int]]) -> None:
+        # Manager.allreduce averages over participants, zeroes a healing island's share and
+        # records an error (for the commit gate) instead of raising.
+        self._manager.allreduce(bucket).wait()
+        for piece, offset in pieces:
+            piece.copy_(bucket[offset : offset + piece.numel()])
+
+    def _watch_min_islands(self, participants: int, committed: bool) -> None:
+        short = participants < self.config.min_islands and not committed
+        if not short:
+            self._short_since = None
+            return
+        now = time.monotonic()
+        self._short_since = self._short_since or now
+        if now - self._short_since > self.config.quorum_timeout_s:
+            raise QuorumTimeoutError(
+                f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
+                f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
+                f"{self.config.min_islands}; start more islands or lower min_islands."
+            )
+
+    def close(self) -> None:
+        """Leave the swarm: stop heartbeats and the manager. Idempotent."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=True)
+            self._manager = None

@@ -1,0 +1,70 @@
+"""The outer loop's side of elastic membership: what a joiner receives and how it installs it.
+
+A live island hands a joiner its global state: per optimizer, the anchors, the outer optimizer
+state and the counters (inner and outer steps), exactly what ``OuterSync.state_dict`` holds,
+without a round in flight (elastic runs have none between rounds).
+
+A joiner's first round runs at once, outside the inner-step schedule (``join_round``): the live
+islands are at their own round; the joiner is healed inside it, contributes nothing, and applies
+the same averaged pseudo-gradient, so its anchors equal theirs after that round. Its parameters
+then get the catch-up ``local <- global_new + (local - anchor_old)``: a new island, whose
+parameters equal its own anchors, lands exactly on the global model; an island resumed from its
+own older checkpoint keeps the progress it made since its anchors.
+
+Ownership: ``ElasticOuter`` borrows the outer loop's ``OuterSync`` objects; installed tensors are
+adopted by them. The progress kept for the catch-up lives only during ``join_round``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_swarm.outer.sync import OuterSync, SyncReport
+
+
+class ElasticOuter:
+    """Heal hooks and the first round of an elastic island's outer syncs."""
+
+    def __init__(self, outer_syncs: Sequence[OuterSync]) -> None:
+        self.outer_syncs = list(outer_syncs)
+        self.healed = False
+
+    def state(self) -> dict[str, Any]:
+        """The global state a joiner needs, one entry per optimizer (tensors are not copied)."""
+        states = []
+        for outer in self.outer_syncs:
+            state = outer.state_dict()
+            if state.pop("pending") is not None:
+                raise ValueError("an elastic island cannot hand over a round in flight")
+            states.append(state)
+        return {"outer": states}
+
+    def install(self, state: dict[str, Any]) -> None:
+        """Adopt a live island's global state (anchors, outer state, counters)."""
+        states = state["outer"]
+        if len(states) != len(self.outer_syncs):
+            raise ValueError(
+                f"the swarm trains {len(states)} optimizer(s), this island "
+                f"{len(self.outer_syncs)}; start it with the swarm's model and optimizers"
+            )
+        for outer, saved in zip(self.outer_syncs, states, strict=True):
+            outer.load_state_dict({**saved, "pending": None})
+        self.healed = True
+
+    @torch.no_grad()
+    def join_round(self) -> list[SyncReport]:
+        """Each optimizer's first elastic round, now (see the module docstring)."""
+        progress = [
+            {name: p.float() - outer.anchors[name].float() for name, p in outer.params.items()}
+            for outer in self.outer_syncs
+        ]
+        self.healed = False
+        reports = [outer.round_now() for outer in self.outer_syncs]
+        if self.healed:
+            for outer, own in zip(self.outer_syncs, progress, strict=True):
+                for name, param in outer.params.items():
+                    param.copy_(outer.anchors[name].float() + own[name])
+        return reports

@@ -1,0 +1,153 @@
+"""Elastic islands on torchft, without Lightning: islands are processes, a lighthouse meets them.
+
+Each island runs tests/elastic_island.py: a tiny model, a deterministic per-island update, an
+outer round every 3 inner steps through ``TorchftMembership``, one JSON line per round.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.elastic_utils import (
+    anchors_by_round,
+    finish,
+    lighthouse,
+    rounds,
+    start_island,
+    wait_for,
+)
+
+pytest.importorskip("torchft")
+
+QUORUM_TIMEOUT_S = 20.0
+ROUND_TIMEOUT_S = 5.0
+HEARTBEAT_S = 1.5
+
+
+def _opts(rounds_: int, step_s: float = 0.03, stop_file: Path | None = None) -> list[str]:
+    stop = ["--stop-file", str(stop_file)] if stop_file is not None else []
+    return [
+        *stop,
+        "--rounds",
+        str(rounds_),
+        "--step-s",
+        str(step_s),
+        "--quorum-timeout",
+        str(QUORUM_TIMEOUT_S),
+        "--round-timeout",
+        str(ROUND_TIMEOUT_S),
+    ]
+
+
+def _committed_after(out: Path, island: str, t: float) -> list[dict[str, object]]:
+    return [r for r in rounds(out, island) if r["applied"] and float(r["t"]) > t]  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores; test_elastic_strategy.py covers the same in the suite
+def test_kill_restart_and_join(tmp_path: Path) -> None:
+    """SIGKILL c mid-run: a and b commit again within quorum timeout + a round and end equal;
+    c restarted and a new island d heal and hold the others' anchors after their first round."""
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address:
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        procs = {name: start_island(tmp_path, address, name, *opts) for name in "abc"}
+        wait_for(lambda: len(_committed_after(tmp_path, "c", 0)) >= 3, 60, "c's third round")
+        procs["c"].send_signal(signal.SIGKILL)
+        procs["c"].wait()
+        killed_at = time.time()
+        wait_for(lambda: _committed_after(tmp_path, "a", killed_at), 30, "a round after kill")
+        first = _committed_after(tmp_path, "a", killed_at)[0]
+        # Survivors: the lighthouse notices the dead island within its heartbeat timeout, the
+        # round in flight fails within the round timeout; then the next round commits.
+        assert float(first["t"]) - killed_at < QUORUM_TIMEOUT_S + ROUND_TIMEOUT_S
+        restarted = start_island(tmp_path, address, "c", *opts)
+        joiner = start_island(tmp_path, address, "d", *opts)
+        for name in "cd":  # both healed into the running swarm, then a last few rounds
+            wait_for(lambda n=name: len(rounds(tmp_path, n)) >= 6, 90, f"{name} to rejoin")
+        stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 5))
+        for name, proc in [("a", procs["a"]), ("b", procs["b"]), ("c", restarted), ("d", joiner)]:
+            assert finish(proc, 120, tmp_path, name) == 0, (
+                tmp_path / f"{name}.stderr"
+            ).read_text()[-2000:]
+
+    final = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name in "abcd"}
+    for name in "bcd":
+        for key, value in final["a"].items():
+            assert value.equal(final[name][key]), f"{name}: {key} differs from a's"
+    a_rounds = anchors_by_round(tmp_path, "a")
+    for name in ("c", "d"):
+        log = rounds(tmp_path, name)
+        joined = [r for r in log if r["joined"]]
+        heal = joined[-1]  # the restarted c logged its first life's join round too
+        assert heal["heals"] >= 1 and heal["applied"], f"{name} did not heal: {heal}"
+        assert heal["anchors"] == a_rounds[heal["outer_steps"]]
+        assert heal["params"] == heal["anchors"]  # a new island lands on the global model
+    abandoned = [r for r in rounds(tmp_path, "a") if not r["applied"] and not r["joined"]]
+    assert all(float(r["t"]) > killed_at for r in abandoned)
+
+
+@pytest.mark.slow  # test_elastic_strategy.py checks both refusals through Lightning in the suite
+def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
+    """A second island 'a' and an island with another model are refused; a and b go on."""
+    with lighthouse() as address:
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        procs = {name: start_island(tmp_path, address, name, *opts) for name in "ab"}
+        wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
+        (tmp_path / "twin").mkdir()
+        twin = start_island(tmp_path / "twin", address, "a", *opts)
+        wide = start_island(tmp_path, address, "w", *opts, "--width", "5")
+        assert finish(twin, 90, tmp_path / "twin", "a") != 0
+        assert finish(wide, 90, tmp_path, "w") != 0
+        stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 3))
+        for name, proc in procs.items():
+            assert finish(proc, 60, tmp_path, name) == 0
+    twin_error = (tmp_path / "twin" / "a.error").read_text()
+    assert "DuplicateIslandError" in twin_error and "island_id 'a' is already taken" in twin_error
+    wide_error = (tmp_path / "w.error").read_text()
+    assert "ModelMismatchError" in wide_error
+    assert "0.weight is (5, 8) float32 here but (4, 8) float32 in the swarm" in wide_error
+    a, b = (load_file(str(tmp_path / f"{n}.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def _membership(address: str, **options: float) -> object:
+    import torch
+
+    from lightning_swarm.membership.layout import model_layout
+    from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
+
+    params = {"w": torch.zeros(3)}
+    config = ElasticConfig(lighthouse=address, island_id="solo", **options)  # type: ignore[arg-type]
+    return TorchftMembership(
+        config, layout=model_layout(params), state_fn=dict, load_fn=lambda _: None
+    )
+
+
+def test_lighthouse_down_is_named_within_the_connect_timeout() -> None:
+    from lightning_swarm.membership import LighthouseUnreachableError
+    from tests.dist_utils import free_port
+
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnreachableError, match="could not reach the lighthouse at"):
+        _membership(f"http://127.0.0.1:{free_port()}", connect_timeout_s=1.0)
+    assert time.monotonic() - start < 10
+
+
+def test_too_few_islands_for_the_quorum_timeout() -> None:
+    import torch
+
+    from lightning_swarm.membership import QuorumTimeoutError
+
+    with lighthouse(min_islands=2) as address:
+        membership = _membership(address, quorum_timeout_s=1.0)
+        try:
+            with pytest.raises(QuorumTimeoutError, match="quorum_timeout_s=1.0"):
+                membership.average({"w": torch.zeros(3)}, round_index=0)  # type: ignore[attr-defined]
+        finally:
+            membership.close()  # type: ignore[attr-defined]
