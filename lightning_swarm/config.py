@@ -114,6 +114,10 @@ class SwarmConfig:
         sync_at_end: when fit ends with inner steps since the last round, run one last round
             so every island ends holding the same global model (the anchors); ``False`` keeps
             each island's local weights.
+        shard_outer: with ``island_size = k > 1``, each rank of an island owns about 1/k of
+            the anchors and outer state (balanced by bytes) and exchanges only that share
+            across islands; the island then gathers the new parameters over its own group
+            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
     """
 
     sync_every: int = 100
@@ -133,6 +137,7 @@ class SwarmConfig:
     quantize_block_size: int = 128
     error_feedback: bool = False
     sync_at_end: bool = True
+    shard_outer: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -156,6 +161,12 @@ class SwarmConfig:
             )
         check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
         check_streaming(self)
+        _check_shard_outer(self)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the outer loop is split among an island's ranks."""
+        return self.shard_outer and self.island_size > 1
 
     @property
     def anchor_torch_dtype(self) -> torch.dtype:
@@ -165,6 +176,24 @@ class SwarmConfig:
     def bucket_numel(self) -> int:
         """Float32 elements in one transport bucket (at least one)."""
         return max(1, int(self.bucket_mb * 2**20) // 4)
+
+
+def _check_shard_outer(config: SwarmConfig) -> None:
+    """``shard_outer`` is a bool, and refused with the options a share cannot serve."""
+    if not isinstance(config.shard_outer, bool):
+        raise ValueError(
+            f"shard_outer must be true or false, got {config.shard_outer!r}; true (default) "
+            "splits the outer state among an island's ranks."
+        )
+    if not config.sharded:
+        return
+    if config.transport == "swarm" and config.swarm.max_norm is not None:
+        raise ValueError(
+            "shard_outer=True with island_size > 1 cannot apply swarm.max_norm: each rank "
+            "exchanges only its share, so the norm of an island's whole pseudo-gradient is "
+            "never seen in one place; set shard_outer=False to bound contributions by norm, "
+            "or drop swarm.max_norm."
+        )
 
 
 def _check_anchor_device(anchor_device: str) -> None:

@@ -95,6 +95,7 @@ class SwarmStrategy(IslandDDPStrategy):
         quantize_block_size: int = 128,
         error_feedback: bool = False,
         sync_at_end: bool = True,
+        shard_outer: bool = True,
         **kwargs: Any,
     ) -> None:
         self.config = SwarmConfig(
@@ -114,6 +115,7 @@ class SwarmStrategy(IslandDDPStrategy):
             quantize_block_size=quantize_block_size,
             error_feedback=error_feedback,
             sync_at_end=sync_at_end,
+            shard_outer=shard_outer,
         )
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
@@ -185,6 +187,8 @@ class SwarmStrategy(IslandDDPStrategy):
             device=self.root_device,
             defer_anchors=defer_anchors,
             totals=self.totals,
+            island_group=self.groups.island,
+            island_position=self.topology.local_index,
         )
 
     # -- training -------------------------------------------------------------------------
