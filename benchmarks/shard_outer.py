@@ -112,8 +112,10 @@ def main() -> None:
             torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(world)
         ]
     print(f"2 islands x {args.k} ranks, {args.mb:g} MiB float32 model in {args.layers} layers")
-    print(f"{'shard_outer':<12}{'rank':>5}{'sent/round MiB':>16}{'anchors MiB':>13}"
-          f"{'outer state MiB':>17}{'round s':>9}")
+    print(
+        f"{'shard_outer':<12}{'rank':>5}{'sent/round MiB':>16}{'anchors MiB':>13}"
+        f"{'outer state MiB':>17}{'round s':>9}"
+    )
     for shard in (False, True):
         for r, info in enumerate(ranks):
             row = info[shard]
