@@ -233,3 +233,50 @@ def _too_few_tensors(rank: int, world: int) -> None:
 
 def test_an_optimizer_with_fewer_tensors_than_ranks_is_refused() -> None:
     run_ranks(_too_few_tensors, 2, timeout_s=30)
+
+
+def _one_share_not_finite(rank: int, world: int, out: Path) -> None:
+    config = SwarmConfig(island_size=2, sync_every=1)
+    topology = IslandTopology(world_size=4, island_size=2, global_rank=rank)
+    groups = build_groups(topology)
+    params = _model()
+    optimizer = torch.optim.SGD(list(params.values()), lr=0.1)
+    loop = OuterLoop(
+        [optimizer],
+        {id(p): n for n, p in params.items()},
+        config=config,
+        transport=transport_for(
+            config,
+            groups.peers,
+            num_islands=2,
+            island_index=topology.island_index,
+            device=torch.device("cpu"),
+        ),
+        num_islands=2,
+        island_group=groups.island,
+        island_position=topology.local_index,
+    )
+    outer = loop.outer_syncs[0]
+    # Island 1 diverged in one tensor that position 1 owns: only that peer group sees it.
+    bad = next(n for n in SHAPES if outer.shard is not None and outer.shard.owner[n] == 1)
+    if topology.island_index == 1:
+        with torch.no_grad():
+            params[bad].view(-1)[0] = float("nan")
+    try:
+        loop.on_inner_step(optimizer)
+        raised = "nothing"
+    except Exception as err:
+        raised = f"{type(err).__name__}: {err}"
+    finally:
+        loop.close()
+        groups.destroy()
+    (out / f"rank{rank}.txt").write_text(raised)
+
+
+def test_a_failed_share_raises_on_every_rank_of_the_island(tmp_path: Path) -> None:
+    run_ranks(_one_share_not_finite, 4, tmp_path, timeout_s=30)
+    raised = [(tmp_path / f"rank{r}.txt").read_text() for r in range(4)]
+    for rank in (0, 2):  # position 0: its share was finite; its island partner failed
+        assert raised[rank].startswith("ShareFailedError: another rank of this island failed")
+    for rank in (1, 3):
+        assert raised[rank].startswith("NonFinitePseudoGradientError"), raised[rank]

@@ -117,7 +117,7 @@ class OuterLoop:
             if not params:
                 continue
             streaming = self._streaming(params)
-            shard = self._shard(index, params, streaming, island_group, island_position)
+            shard = self._shard(index, params, streaming, island_group, island_position, device)
             outer = OuterSync(
                 params,
                 outer_optimizer=outer_optimizer,
@@ -151,6 +151,7 @@ class OuterLoop:
         streaming: Streaming,
         group: dist.ProcessGroup | None,
         position: int,
+        device: torch.device | None,
     ) -> IslandShard | None:
         """This rank's share of optimizer ``index``'s outer state, or None unsharded."""
         if not self.config.shard_outer or group is None:
@@ -167,7 +168,14 @@ class OuterLoop:
         fragments = check_fragments(streaming.fragments, list(params))
         sizes = {name: p.numel() * p.element_size() for name, p in params.items()}
         owner = partition_by_bytes(fragments, sizes, size)
-        return IslandShard(group, position, size, owner, self.config.bucket_numel)
+        return IslandShard(
+            group,
+            position,
+            size,
+            owner,
+            self.config.bucket_numel,
+            device=IslandShard.device_for(group, device),
+        )
 
     @property
     def outer_syncs(self) -> list[OuterSync]:

@@ -29,7 +29,7 @@ tensors. The gather's buckets are temporaries (at most two packed buckets at a t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,8 @@ class IslandShard:
         size: ranks per island (k).
         owner: name -> position of the rank that owns its anchor, for every trained name.
         bucket_numel: most elements one gather bucket holds (a larger tensor goes alone).
+        device: where the agreement's small tensor lives (the accelerator under NCCL, which
+            reduces device tensors only).
     """
 
     group: dist.ProcessGroup
@@ -83,6 +85,7 @@ class IslandShard:
     size: int
     owner: Mapping[str, int]
     bucket_numel: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def owns(self, name: str) -> bool:
         return self.owner[name] == self.position
@@ -114,6 +117,7 @@ class IslandShard:
         flags = torch.tensor(
             [0.0 if applied else 1.0, norm * norm, 0.0 if error is None else 1.0],
             dtype=torch.float64,
+            device=self.device,
         )
         dist.all_reduce(flags, group=self.group)
         if error is not None:
@@ -124,6 +128,13 @@ class IslandShard:
                 "error names the cause); the round was not applied on this island."
             )
         return bool(flags[0].item() == 0.0), float(flags[1].sqrt().item())
+
+    @staticmethod
+    def device_for(group: dist.ProcessGroup, device: torch.device | None) -> torch.device:
+        """The device a collective on ``group`` needs for its small tensors."""
+        if dist.get_backend(group) == "nccl" and device is not None:
+            return device
+        return torch.device("cpu")
 
     def collect(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Every share's ``tensors`` on position 0, this rank's own elsewhere (collective)."""
