@@ -38,6 +38,18 @@ def _saved_anchors(ckpt: Path) -> dict[str, torch.Tensor]:
     return anchors
 
 
+def test_lightning_run_sharded_equals_unsharded(sharded_run: Path, tmp_path: Path) -> None:
+    fit(tmp_path, devices=4, island_size=2, max_steps=MAX_STEPS, shard_outer=False)
+    sharded, full = load_ranks(sharded_run / "out", 4), load_ranks(tmp_path, 4)
+    for rank in range(4):
+        assert sharded[rank]["outer_steps"] == full[rank]["outer_steps"] == [3]
+        for name, p in full[rank]["params"].items():
+            assert torch.equal(p, sharded[rank]["params"][name]), (rank, name)
+        assert 0 < len(sharded[rank]["anchors"][0]) < len(full[rank]["anchors"][0])
+        for name, anchor in sharded[rank]["anchors"][0].items():
+            assert torch.equal(anchor, full[rank]["anchors"][0][name]), (rank, name)
+
+
 def test_each_rank_of_island_0_writes_its_share_with_a_checksum(sharded_run: Path) -> None:
     ckpt = _ckpt(sharded_run, 4)
     directory = swarm_dir(ckpt)
