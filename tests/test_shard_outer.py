@@ -34,28 +34,39 @@ def _model() -> dict[str, torch.nn.Parameter]:
     return {n: torch.nn.Parameter(torch.randn(s, generator=g)) for n, s in SHAPES.items()}
 
 
-def _run(rank: int, options: dict[str, Any], shard_outer: bool, steps: int) -> dict[str, Any]:
-    config = SwarmConfig(island_size=2, shard_outer=shard_outer, **options)
-    topology = IslandTopology(world_size=4, island_size=2, global_rank=rank)
-    groups = build_groups(topology, dedicated_peers=config.sync_delay > 0)
-    params = _model()
-    optimizer = torch.optim.SGD(list(params.values()), lr=0.1)
-    loop = OuterLoop(
-        [optimizer],
-        {id(p): n for n, p in params.items()},
-        config=config,
-        transport=transport_for(
-            config,
-            groups.peers,
+class _Rank:
+    """One rank of 2 islands x 2 ranks: its groups, the model and an ``OuterLoop`` over them."""
+
+    def __init__(self, rank: int, config: SwarmConfig) -> None:
+        self.topology = IslandTopology(world_size=4, island_size=2, global_rank=rank)
+        self.groups = build_groups(self.topology, dedicated_peers=config.sync_delay > 0)
+        self.params = _model()
+        self.optimizer = torch.optim.SGD(list(self.params.values()), lr=0.1)
+        self.loop = OuterLoop(
+            [self.optimizer],
+            {id(p): n for n, p in self.params.items()},
+            config=config,
+            transport=transport_for(
+                config,
+                self.groups.peers,
+                num_islands=2,
+                island_index=self.topology.island_index,
+                device=torch.device("cpu"),
+            ),
             num_islands=2,
-            island_index=topology.island_index,
-            device=torch.device("cpu"),
-        ),
-        num_islands=2,
-        outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-        island_group=groups.island,
-        island_position=topology.local_index,
-    )
+            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+            island_group=self.groups.island,
+            island_position=self.topology.local_index,
+        )
+
+    def close(self) -> None:
+        self.loop.close()
+        self.groups.destroy()
+
+
+def _run(rank: int, options: dict[str, Any], shard_outer: bool, steps: int) -> dict[str, Any]:
+    me = _Rank(rank, SwarmConfig(island_size=2, shard_outer=shard_outer, **options))
+    topology, params, optimizer, loop = me.topology, me.params, me.optimizer, me.loop
     try:
         for step in range(steps):
             g = torch.Generator().manual_seed(100 * step + topology.island_index)
@@ -65,8 +76,7 @@ def _run(rank: int, options: dict[str, Any], shard_outer: bool, steps: int) -> d
             loop.on_inner_step(optimizer)
         loop.finish()
     finally:
-        loop.close()
-        groups.destroy()
+        me.close()
     outer = loop.outer_syncs[0]
     return {
         "params": {n: p.detach().clone() for n, p in params.items()},
@@ -236,26 +246,8 @@ def test_an_optimizer_with_fewer_tensors_than_ranks_is_refused() -> None:
 
 
 def _one_share_not_finite(rank: int, world: int, out: Path) -> None:
-    config = SwarmConfig(island_size=2, sync_every=1)
-    topology = IslandTopology(world_size=4, island_size=2, global_rank=rank)
-    groups = build_groups(topology)
-    params = _model()
-    optimizer = torch.optim.SGD(list(params.values()), lr=0.1)
-    loop = OuterLoop(
-        [optimizer],
-        {id(p): n for n, p in params.items()},
-        config=config,
-        transport=transport_for(
-            config,
-            groups.peers,
-            num_islands=2,
-            island_index=topology.island_index,
-            device=torch.device("cpu"),
-        ),
-        num_islands=2,
-        island_group=groups.island,
-        island_position=topology.local_index,
-    )
+    me = _Rank(rank, SwarmConfig(island_size=2, sync_every=1))
+    topology, params, optimizer, loop = me.topology, me.params, me.optimizer, me.loop
     outer = loop.outer_syncs[0]
     # Island 1 diverged in one tensor that position 1 owns: only that peer group sees it.
     bad = next(n for n in SHAPES if outer.shard is not None and outer.shard.owner[n] == 1)
@@ -268,8 +260,7 @@ def _one_share_not_finite(rank: int, world: int, out: Path) -> None:
     except Exception as err:
         raised = f"{type(err).__name__}: {err}"
     finally:
-        loop.close()
-        groups.destroy()
+        me.close()
     (out / f"rank{rank}.txt").write_text(raised)
 
 
