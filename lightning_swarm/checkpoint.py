@@ -75,6 +75,18 @@ def island_file_name(island: int) -> str:
     return f"island-{island:05d}.pt"
 
 
+def anchor_shard_file_name(position: int) -> str:
+    """The anchors and outer state owned by position ``position`` of a sharded island."""
+    return f"anchors-rank-{position:05d}.pt"
+
+
+def anchor_shard_names(files: Mapping[str, Any] | None) -> list[str]:
+    """The anchor shard files a save's record lists, in position order (none unsharded)."""
+    if files is None:
+        return []
+    return sorted(n for n in files if n.startswith("anchors-rank-") and n.endswith(".pt"))
+
+
 def require_local_path(path: str | os.PathLike[str], *, what: str) -> Path:
     """Return ``path`` as a local ``Path``; reject fsspec URLs such as ``s3://``."""
     text = os.fspath(path)

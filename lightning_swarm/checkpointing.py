@@ -3,8 +3,8 @@
 ``CheckpointingStrategy`` sits between ``IslandDDPStrategy`` and ``SwarmStrategy``. Lightning's
 load, save and remove hooks hand the swarm part of every checkpoint (anchors, outer state, each
 island's own state) to a ``SwarmCheckpointer`` (``lightning_swarm.resume``, no Lightning). The
-subclass says what to save from and restore into through ``_resume_host``; this class holds no
-training state of its own.
+subclass provides the state (``config``, ``totals``, ``outer_syncs``) that ``_resume_host``
+hands over; this class holds no training state of its own.
 
 Order inside ``Trainer.fit(ckpt_path=...)``: ``load_checkpoint`` (the record is captured before
 setup, so the outer loop can build placeholder anchors), ``setup``, then
@@ -22,13 +22,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.islands import IslandDDPStrategy
-from lightning_swarm.outer import OuterSync
-from lightning_swarm.resume import ResumeHost, SwarmCheckpointer
+from lightning_swarm.outer import OuterSync, SwarmTotals
+from lightning_swarm.resume import Collectives, ResumeHost, SwarmCheckpointer, options_of
 
 
 class CheckpointingStrategy(IslandDDPStrategy):
-    """Island DDP whose checkpoints carry the swarm state; see the module docstring."""
+    """Island DDP whose checkpoints carry the swarm state; see the module docstring.
+
+    The subclass sets ``config`` and ``totals`` in its constructor and overrides
+    ``outer_syncs``; this class only reads them.
+    """
+
+    config: SwarmConfig
+    totals: SwarmTotals
 
     @property
     def outer_syncs(self) -> list[OuterSync]:
@@ -37,7 +45,19 @@ class CheckpointingStrategy(IslandDDPStrategy):
 
     def _resume_host(self) -> ResumeHost:
         """The training state the checkpointer saves from and restores into, on this rank."""
-        raise NotImplementedError
+        module = self.lightning_module
+        assert module is not None
+        return ResumeHost(
+            topology=self.topology,
+            outer_syncs=self.outer_syncs,
+            module=module,
+            optimizers=self.optimizers,
+            device=self.root_device,
+            totals=self.totals,
+            options=options_of(self.config, self.outer_syncs),
+            anchors=self.config.anchors,
+            collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+        )
 
     @functools.cached_property
     def checkpointer(self) -> SwarmCheckpointer:

@@ -123,6 +123,10 @@ class SwarmConfig:
         min_islands: torchft only: a round commits only with at least this many islands.
         quorum_timeout_s: torchft only: how long a round waits for enough islands.
         round_timeout_s: torchft only: bound on a round's collectives and commit gate.
+        shard_outer: with ``island_size = k > 1``, each rank of an island owns about 1/k of
+            the anchors and outer state (balanced by bytes) and exchanges only that share
+            across islands; the island then gathers the new parameters over its own group
+            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
     """
 
     sync_every: int = 100
@@ -148,6 +152,7 @@ class SwarmConfig:
     min_islands: int = 2
     quorum_timeout_s: float = 60.0
     round_timeout_s: float = 60.0
+    shard_outer: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -171,6 +176,12 @@ class SwarmConfig:
             )
         check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
         check_streaming(self)
+        _check_shard_outer(self)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the outer loop is split among an island's ranks."""
+        return self.shard_outer and self.island_size > 1
 
     @property
     def anchor_torch_dtype(self) -> torch.dtype:
@@ -180,6 +191,24 @@ class SwarmConfig:
     def bucket_numel(self) -> int:
         """Float32 elements in one transport bucket (at least one)."""
         return max(1, int(self.bucket_mb * 2**20) // 4)
+
+
+def _check_shard_outer(config: SwarmConfig) -> None:
+    """``shard_outer`` is a bool, and refused with the options a share cannot serve."""
+    if not isinstance(config.shard_outer, bool):
+        raise ValueError(
+            f"shard_outer must be true or false, got {config.shard_outer!r}; true (default) "
+            "splits the outer state among an island's ranks."
+        )
+    if not config.sharded:
+        return
+    if config.transport == "swarm" and config.swarm.max_norm is not None:
+        raise ValueError(
+            "shard_outer=True with island_size > 1 cannot apply swarm.max_norm: each rank "
+            "exchanges only its share, so the norm of an island's whole pseudo-gradient is "
+            "never seen in one place; set shard_outer=False to bound contributions by norm, "
+            "or drop swarm.max_norm."
+        )
 
 
 def _check_anchor_device(anchor_device: str) -> None:

@@ -52,7 +52,6 @@ from lightning_swarm.outer import (
     as_outer_optimizer,
 )
 from lightning_swarm.outer.build import staging_device, transport_for
-from lightning_swarm.resume import Collectives, ResumeHost, options_of
 from lightning_swarm.transport import Transport
 
 
@@ -99,6 +98,7 @@ class SwarmStrategy(CheckpointingStrategy):
         min_islands: int = 2,
         quorum_timeout_s: float = 60.0,
         round_timeout_s: float = 60.0,
+        shard_outer: bool = True,
         **kwargs: Any,
     ) -> None:
         self.config = SwarmConfig(
@@ -124,6 +124,7 @@ class SwarmStrategy(CheckpointingStrategy):
             min_islands=min_islands,
             quorum_timeout_s=quorum_timeout_s,
             round_timeout_s=round_timeout_s,
+            shard_outer=shard_outer,
         )
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
@@ -204,6 +205,9 @@ class SwarmStrategy(CheckpointingStrategy):
             device=self.root_device,
             defer_anchors=defer_anchors,
             totals=self.totals,
+            # Elastic islands exchange through their rank 0 only (membership fans out): no shares.
+            island_group=self.groups.island if self._elastic is None else None,
+            island_position=self.topology.local_index,
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
@@ -272,24 +276,6 @@ class SwarmStrategy(CheckpointingStrategy):
         # sync every H steps could fall between two flushes. Built-in loggers are rank-0-only.
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step + steps_pending)
-
-    # -- checkpoints (the hooks live in CheckpointingStrategy) -------------------------------
-    @override
-    def _resume_host(self) -> ResumeHost:
-        """The training state the checkpointer saves from and restores into, on this rank."""
-        module = self.lightning_module
-        assert module is not None
-        return ResumeHost(
-            topology=self.topology,
-            outer_syncs=self.outer_syncs,
-            module=module,
-            optimizers=self.optimizers,
-            device=self.root_device,
-            totals=self.totals,
-            options=options_of(self.config, self.outer_syncs),
-            anchors=self.config.anchors,
-            collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
-        )
 
     @override
     def teardown(self) -> None:

@@ -138,6 +138,13 @@ class Recorder(pl.Callback):
                 "global_step": trainer.global_step,
                 "params": flat_params(pl_module),
                 "anchors": anchors,
+                # By name: a sharded outer loop holds only this rank's share of the anchors.
+                "named_params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                "named_anchors": {
+                    n: a.clone()
+                    for o in getattr(strategy, "outer_syncs", [])
+                    for n, a in o.anchors.items()
+                },
             }
         )
 

@@ -42,14 +42,22 @@ def _fit(strategy: object, devices: int, out: Path, steps: int, **trainer_kw: ob
     trainer.fit(TinyRegressor(), regression_data())
 
 
-@pytest.mark.parametrize(("world", "island_size"), [(2, 1), (4, 2)])
+@pytest.mark.parametrize(
+    ("world", "island_size", "shard_outer"), [(2, 1, True), (4, 2, False), (4, 2, True)]
+)
 def test_islands_agree_after_sync_and_differ_between(
-    tmp_path: Path, world: int, island_size: int
+    tmp_path: Path, world: int, island_size: int, shard_outer: bool
 ) -> None:
     sync_every = 4
-    strategy = SwarmStrategy(sync_every=sync_every, island_size=island_size, start_method="fork")
+    strategy = SwarmStrategy(
+        sync_every=sync_every,
+        island_size=island_size,
+        shard_outer=shard_outer,
+        start_method="fork",
+    )
     _fit(strategy, world, tmp_path, steps=12)
     ranks = load_ranks(tmp_path, world)
+    sharded = shard_outer and island_size > 1
     for r in ranks:
         assert r["inner_steps"] == [12] and r["outer_steps"] == [3]
     for i in range(12):
@@ -60,11 +68,21 @@ def test_islands_agree_after_sync_and_differ_between(
         for r in range(world):
             leader = (r // island_size) * island_size
             assert torch.equal(params[r], params[leader])
-        # every rank holds the same anchors at every step (they only move at a sync)
-        assert all(torch.equal(a, anchors[0]) for a in anchors)
+        # ranks at the same position of every island hold the same anchors (all of them, or
+        # the same share when sharded); they only move at a sync
+        for r in range(world):
+            assert torch.equal(anchors[r], anchors[r % island_size])
+        if sharded:  # a share each: together the island's ranks hold every anchor once
+            shares = [set(ranks[r]["steps"][i]["named_anchors"]) for r in range(island_size)]
+            assert set.union(*shares) == set(ranks[0]["steps"][i]["named_params"])
+            assert sum(len(s) for s in shares) == len(ranks[0]["steps"][i]["named_params"])
+            assert all(shares)
         if step % sync_every == 0:
             assert all(torch.equal(p, params[0]) for p in params), f"ranks differ after sync {step}"
-            assert torch.equal(params[0], anchors[0])
+            for r in range(world):
+                record = ranks[r]["steps"][i]
+                for name, anchor in record["named_anchors"].items():
+                    assert torch.equal(record["named_params"][name], anchor), (step, r, name)
         else:
             assert not torch.equal(params[0], params[island_size]), f"islands equal at {step}"
     # anchors did move: three outer steps happened

@@ -36,13 +36,20 @@ STREAMING: dict[str, Any] = {
 FRAGMENT_SIZES = [8 * 16 + 16, 16 + 1]
 
 
-@pytest.mark.parametrize(("world", "island_size"), [(2, 1), (4, 2)])
-def test_anchors_agree_across_islands(tmp_path: Path, world: int, island_size: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "island_size", "shard_outer"), [(2, 1, True), (4, 2, False), (4, 2, True)]
+)
+def test_anchors_agree_across_islands(
+    tmp_path: Path, world: int, island_size: int, shard_outer: bool
+) -> None:
     pl.seed_everything(7)
+    strategy = SwarmStrategy(
+        island_size=island_size, shard_outer=shard_outer, start_method="fork", **STREAMING
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=SwarmStrategy(island_size=island_size, start_method="fork", **STREAMING),
+        strategy=strategy,
         max_steps=12,
         callbacks=[Recorder(str(tmp_path))],
         logger=CSVLogger(str(tmp_path), name="m", version=0),
@@ -61,14 +68,26 @@ def test_anchors_agree_across_islands(tmp_path: Path, world: int, island_size: i
         step = i + 1
         anchors = [r["steps"][i]["anchors"][0] for r in ranks]
         params = [r["steps"][i]["params"] for r in ranks]
-        assert all(torch.equal(a, anchors[0]) for a in anchors), f"anchors differ at {step}"
+        # ranks at the same position of every island hold the same anchors (or share)
         for r in range(world):
+            assert torch.equal(anchors[r], anchors[r % island_size]), f"anchors differ at {step}"
             assert torch.equal(params[r], params[(r // island_size) * island_size])
         applied = schedule.applies_at(step)
-        if applied is not None:
+        if applied is not None and not (shard_outer and island_size > 1):
             lo, hi = offsets[applied], offsets[applied + 1]
             for p in params:  # merge_alpha=0: the fragment's locals are the new global
                 assert torch.equal(p[lo:hi], anchors[0][lo:hi]), f"step {step}"
+        if applied is not None:  # by name, whatever share each rank holds
+            fragment = (
+                ["net.0.weight", "net.0.bias"] if applied == 0 else ["net.2.weight", "net.2.bias"]
+            )
+            for r in range(world):
+                record = ranks[r]["steps"][i]
+                for name in fragment:
+                    if name in record["named_anchors"]:
+                        assert torch.equal(
+                            record["named_params"][name], record["named_anchors"][name]
+                        ), (step, r, name)
         if step > 1:
             assert not torch.equal(params[0], params[island_size]), f"islands equal at {step}"
     assert not torch.equal(ranks[0]["steps"][0]["anchors"][0], ranks[0]["steps"][-1]["anchors"][0])

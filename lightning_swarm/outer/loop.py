@@ -24,11 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_swarm.algorithm.fragments import build_fragments
+from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
 from lightning_swarm.transport import Transport, ring_allreduce_bytes
@@ -74,10 +76,15 @@ class OuterLoop:
         device: the rank's device; the worker binds to it when it is an accelerator.
         defer_anchors: build placeholder anchors that a resume installs (see ``OuterSync``).
         totals: the running totals to update; a fresh ``SwarmTotals`` when omitted.
+        island_group: the island's own process group (``None`` for islands of one rank);
+            with ``config.shard_outer`` each rank owns a share of the outer state
+            (``lightning_swarm.outer.shard``).
+        island_position: this rank's index inside its island.
 
     Raises:
-        ValueError: a parameter is trained by two optimizers, or the fragment layout does not
-            fit the trained parameters.
+        ValueError: a parameter is trained by two optimizers, the fragment layout does not
+            fit the trained parameters, or an optimizer has fewer tensors than a sharded
+            island has ranks.
     """
 
     def __init__(
@@ -92,6 +99,8 @@ class OuterLoop:
         device: torch.device | None = None,
         defer_anchors: bool = False,
         totals: SwarmTotals | None = None,
+        island_group: dist.ProcessGroup | None = None,
+        island_position: int = 0,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -107,6 +116,8 @@ class OuterLoop:
             params = trained_params(optimizer, names, index, seen)
             if not params:
                 continue
+            streaming = self._streaming(params)
+            shard = self._shard(index, params, streaming, island_group, island_position, device)
             outer = OuterSync(
                 params,
                 outer_optimizer=outer_optimizer,
@@ -115,7 +126,8 @@ class OuterLoop:
                 anchor_device=config.anchor_device,
                 anchor_dtype=config.anchor_torch_dtype,
                 defer_anchors=defer_anchors,
-                streaming=self._streaming(params),
+                streaming=streaming,
+                shard=shard,
             )
             self._outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
@@ -130,6 +142,39 @@ class OuterLoop:
             codec=codec_of(config),
             error_feedback=config.error_feedback,
             worker=self._worker,
+        )
+
+    def _shard(
+        self,
+        index: int,
+        params: Mapping[str, torch.nn.Parameter],
+        streaming: Streaming,
+        group: dist.ProcessGroup | None,
+        position: int,
+        device: torch.device | None,
+    ) -> IslandShard | None:
+        """This rank's share of optimizer ``index``'s outer state, or None unsharded."""
+        if not self.config.shard_outer or group is None:
+            return None
+        size = dist.get_world_size(group)
+        if size == 1:
+            return None
+        if len(params) < size:
+            raise ValueError(
+                f"shard_outer=True splits each optimizer's tensors among the {size} ranks of an "
+                f"island, but optimizer {index} trains only {len(params)} tensor(s); set "
+                "shard_outer=False (or use a smaller island_size)."
+            )
+        fragments = check_fragments(streaming.fragments, list(params))
+        sizes = {name: p.numel() * p.element_size() for name, p in params.items()}
+        owner = partition_by_bytes(fragments, sizes, size)
+        return IslandShard(
+            group,
+            position,
+            size,
+            owner,
+            self.config.bucket_numel,
+            device=IslandShard.device_for(group, device),
         )
 
     @property

@@ -23,6 +23,10 @@ step, so a round the schedule would still apply later (training went on, or a re
 checkpoint written after ``finish``) is not applied twice.
 
 Ownership and lifetime:
+- Sharded (``shard``, ``lightning_swarm.outer.shard``): only the ``owned`` names have anchors,
+  outer state, pseudo-gradients and residuals here; ``params`` and ``fragments`` still name
+  every trained parameter, and after each applied round the owners gather the new
+  parameters to the whole island. Counters are island-wide (the shares agree every round).
 - ``anchors`` are owned here: one tensor per trained parameter, on ``anchor_device`` in
   ``anchor_dtype``, created as a copy of the parameters at construction time. They are never
   aliased to the model's parameters, and always hold the pure global model (no alpha mixing).
@@ -52,9 +56,11 @@ from torch.profiler import record_function
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
+from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
 from lightning_swarm.algorithm.precision import keep_state_float32
-from lightning_swarm.outer.stream import BucketMean, StreamRound, pin_round_memory
+from lightning_swarm.outer.shard import IslandShard
+from lightning_swarm.outer.stream import BucketMean, StreamResult, StreamRound, pin_round_memory
 from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundStats, Transport
 
@@ -90,6 +96,8 @@ class _Exchanged:
 
     stats: RoundStats
     norm: float
+    # True when ``norm`` is already the whole island's (a round restored from a checkpoint).
+    combined: bool = False
 
 
 @dataclass
@@ -102,6 +110,7 @@ class _Round:
     send_blocked_s: float = 0.0
     future: Future[_Exchanged] | None = None
     result: _Exchanged | None = None
+    error: Exception | None = None  # a sharded inline exchange that failed (raised at apply)
 
 
 @dataclass
@@ -141,6 +150,8 @@ class OuterSync:
         stream: run eligible rounds as one bucketed pass (``lightning_swarm.outer.stream``):
             a transport with a bucket mean (all-reduce), no sync delay, outer SGD or Adam(W).
             ``False`` keeps the two-phase round below for every round (same bits, slower).
+        shard: this rank's share of a sharded island (``lightning_swarm.outer.shard``): only
+            the names it owns get anchors, outer state and rounds here; ``None`` owns all.
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -159,8 +170,11 @@ class OuterSync:
         defer_anchors: bool = False,
         streaming: Streaming | None = None,
         stream: bool = True,
+        shard: IslandShard | None = None,
     ) -> None:
         self.params = dict(params)
+        self.shard = shard
+        self.owned = [n for n in self.params if shard is None or shard.owns(n)]
         self.transport = transport
         self.sync_every = sync_every
         self.anchor_device = torch.device(anchor_device)
@@ -176,6 +190,9 @@ class OuterSync:
         )
         if self.schedule.sync_delay > 0 and self.streaming.worker is None:
             raise ValueError("sync_delay > 0 needs a SyncWorker to run the delayed exchanges")
+        owned = set(self.owned)
+        # Each fragment's names this rank computes, exchanges and steps (all of them unsharded).
+        self._owned_fragments = [[n for n in names if n in owned] for names in self.fragments]
         # A resume replaces the anchors right after setup: copying the weights first would add
         # the full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors``
         # builds memory-less placeholders (meta device) that ``load_state_dict`` must replace;
@@ -184,8 +201,8 @@ class OuterSync:
         placement = "meta" if defer_anchors else anchor_device
         with torch.no_grad():
             self.anchors: dict[str, Tensor] = {
-                name: p.detach().to(device=placement, dtype=anchor_dtype, copy=True)
-                for name, p in self.params.items()
+                name: self.params[name].detach().to(device=placement, dtype=anchor_dtype, copy=True)
+                for name in self.owned
             }
         self.outer_optimizer = outer_optimizer(list(self.anchors.values()))
         if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
@@ -292,27 +309,40 @@ class OuterSync:
         assert self._stream is not None and self._in_flight is None
         alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
         start = time.perf_counter()
-        names = self.fragments[fragment]
-        if self.anchor_device.type == "cpu" and self.params[names[0]].device.type == "cuda":
-            pin_round_memory(self.outer_optimizer, self.anchors)
-        assert isinstance(self.transport, BucketMean)
-        with record_function("swarm/streamed_round"):
-            result = self._stream.run(
-                params=[self.params[name] for name in names],
-                anchors=[self.anchors[name] for name in names],
-                optimizer=self.outer_optimizer,
-                kind=kind,
-                reducer=self.transport,
-                merge_alpha=alpha,
-                seed=self.outer_steps,  # the same on every island: bf16 rounding noise agrees
-            )
+        names = self._owned_fragments[fragment]
+        result = StreamResult(0.0, 0)  # a share with no tensors in this fragment
+        error: BaseException | None = None
+        try:
+            on_cuda = bool(names) and self.params[names[0]].device.type == "cuda"
+            if on_cuda and self.anchor_device.type == "cpu":
+                pin_round_memory(self.outer_optimizer, self.anchors)
+            assert isinstance(self.transport, BucketMean)
+            if names:
+                with record_function("swarm/streamed_round"):
+                    result = self._stream.run(
+                        params=[self.params[name] for name in names],
+                        anchors=[self.anchors[name] for name in names],
+                        optimizer=self.outer_optimizer,
+                        kind=kind,
+                        reducer=self.transport,
+                        merge_alpha=alpha,
+                        seed=self.outer_steps,  # the same on every island: bf16 noise agrees
+                    )
+        except Exception as err:
+            if self.shard is None:
+                raise
+            error = err
+        norm = result.norm
+        if self.shard is not None:
+            _, norm = self.shard.agree(True, result.norm, error)
+            self.shard.gather(self.fragments[fragment], self.params)
         self.outer_steps += 1
         self.fragment_rounds[fragment] += 1
         if alpha == 0.0:
             self.synced_at[fragment] = self.inner_steps
         return SyncReport(
             outer_steps=self.outer_steps,
-            pseudo_grad_norm=result.norm,
+            pseudo_grad_norm=norm,
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_sent,
             wall_s=time.perf_counter() - start,
@@ -333,7 +363,7 @@ class OuterSync:
                 "saved anchors with load_state_dict before the first inner step."
             )
         start = time.perf_counter()
-        names = self.fragments[fragment]
+        names = self._owned_fragments[fragment]
         with record_function("swarm/pseudo_gradient"):
             deltas = {
                 name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names
@@ -341,7 +371,12 @@ class OuterSync:
         rnd = _Round(fragment, self.inner_steps, deltas)
         round_index = self.outer_steps
         if inline:
-            rnd.result = self._exchange(deltas, round_index)
+            try:
+                rnd.result = self._exchange(deltas, round_index)
+            except Exception as err:
+                if self.shard is None:
+                    raise
+                rnd.error = err  # the island agrees on it at the apply, then raises
         else:
             assert self.streaming.worker is not None
             rnd.future = self.streaming.worker.submit(lambda: self._exchange(deltas, round_index))
@@ -355,6 +390,8 @@ class OuterSync:
         Overwrites ``deltas`` with the average. The residuals of a skipped round are restored:
         its whole pseudo-gradient re-enters the next round anyway (anchors and locals stay).
         """
+        if not deltas:  # this rank's share of the fragment is empty: nothing to exchange
+            return _Exchanged(RoundStats(applied=True), 0.0)
         codec = self.streaming.codec
         feedback = self.streaming.error_feedback and codec is not None
         previous = {name: self.residuals.get(name) for name in deltas} if feedback else {}
@@ -392,21 +429,24 @@ class OuterSync:
         rnd = self._in_flight
         assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
         start = time.perf_counter()
-        result = self._result(rnd)
+        result, applied, norm = self._island_result(rnd)
         self._in_flight = None
-        names = self.fragments[fragment]
+        names = self._owned_fragments[fragment]
         alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
-        if result.stats.applied:
+        if applied:
             anchors = [self.anchors[name] for name in names]
             deltas = [rnd.deltas[name] for name in names]
-            with record_function("swarm/outer_step"):
-                # The outer-step count is the same on every island: bf16 rounding noise agrees.
-                outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
+            if names:
+                with record_function("swarm/outer_step"):
+                    # The outer-step count is the same on every island: bf16 noise agrees.
+                    outer_step(self.outer_optimizer, anchors, deltas, seed=self.outer_steps)
             self.outer_steps += 1
             self.fragment_rounds[fragment] += 1
             with record_function("swarm/merge"):
                 for name in names:
                     merge_into_local(self.params[name].data, self.anchors[name], alpha)
+            if self.shard is not None:
+                self.shard.gather(self.fragments[fragment], self.params)
             if alpha == 0.0:
                 self.synced_at[fragment] = self.inner_steps
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
@@ -414,15 +454,35 @@ class OuterSync:
         del rnd.deltas
         return SyncReport(
             outer_steps=self.outer_steps,
-            pseudo_grad_norm=result.norm,
+            pseudo_grad_norm=norm,
             bytes_sent=result.stats.bytes_sent,
             bytes_received=result.stats.bytes_received,
             wall_s=rnd.send_blocked_s + time.perf_counter() - start,
-            applied=result.stats.applied,
+            applied=applied,
             fragment=fragment,
             fragment_rounds=self.fragment_rounds[fragment],
             transport_s=result.stats.wall_s,
         )
+
+    def _island_result(self, rnd: _Round) -> tuple[_Exchanged, bool, float]:
+        """The exchange's result, whether the round applies, and its norm, island-wide.
+
+        Unsharded that is the transport's own verdict. Sharded, every share must agree
+        (``IslandShard.agree``) before any rank steps: a failed share raises on every rank.
+        """
+        if self.shard is None:
+            result = self._result(rnd)
+            return result, result.stats.applied, result.norm
+        error: Exception | None = rnd.error
+        result = _Exchanged(RoundStats(applied=False), 0.0)
+        if error is None:
+            try:
+                result = self._result(rnd)
+            except Exception as err:
+                error = err
+        own_norm = 0.0 if result.combined else result.norm
+        applied, norm = self.shard.agree(result.stats.applied, own_norm, error)
+        return result, applied, result.norm if result.combined else norm
 
     def _result(self, rnd: _Round) -> _Exchanged:
         if rnd.result is None:
@@ -472,7 +532,9 @@ class OuterSync:
                 "bytes_received": result.stats.bytes_received,
                 "transport_s": result.stats.wall_s,
             }
-        return {
+            if self.shard is not None:
+                pending["share_norm"] = not result.combined  # merged shards combine it
+        state: dict[str, Any] = {
             "anchors": dict(self.anchors),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "inner_steps": self.inner_steps,
@@ -482,11 +544,23 @@ class OuterSync:
             "synced_at": list(self.synced_at),
             "ended_at": self.ended_at,
         }
+        if self.shard is not None:
+            # The outer optimizer's state is positional: a re-shard needs the names.
+            state["param_names"] = list(self.owned)
+        return state
 
     def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state: the error-feedback residuals (after any round in flight)."""
+        """This island's own state: the error-feedback residuals (after any round in flight).
+
+        Sharded with error feedback, each rank holds the residuals of its share: this is then
+        collective over the island, and the island's first rank (which writes the island's
+        file) gets every share's residuals.
+        """
         self.drain()
-        return {"residuals": dict(self.residuals)}
+        residuals = dict(self.residuals)
+        if self.shard is not None and self.streaming.error_feedback:
+            residuals = self.shard.collect(residuals)
+        return {"residuals": residuals}
 
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install residuals saved by ``island_state_dict`` (converted to the anchor device)."""
@@ -497,9 +571,11 @@ class OuterSync:
                     f"saved error-feedback residual {name!r} does not fit this model; resume "
                     "with the model and fragments the checkpoint was written by."
                 )
+        owned = set(self.owned)
         self.residuals = {
             name: r.to(device=self.anchor_device, dtype=torch.float32)
             for name, r in residuals.items()
+            if name in owned
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -524,12 +600,14 @@ class OuterSync:
                 )
         self.anchors = {
             name: anchors[name].to(device=self.anchor_device, dtype=self.anchor_dtype)
-            for name in self.params
+            for name in self.owned
         }
         self._placeholders = False
         self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        keep_state_float32(self.outer_optimizer, state["outer_optimizer"])
+        saved_names = state.get("param_names") or list(anchors)
+        optimizer_state = select_by_name(state["outer_optimizer"], saved_names, self.owned)
+        self.outer_optimizer.load_state_dict(optimizer_state)
+        keep_state_float32(self.outer_optimizer, optimizer_state)
         self.inner_steps = int(state["inner_steps"])
         self.outer_steps = int(state["outer_steps"])
         rounds = state.get("fragment_rounds")
@@ -560,10 +638,14 @@ class OuterSync:
             wall_s=float(pending["transport_s"]),
             applied=bool(pending["applied"]),
         )
-        deltas = {name: t.to(torch.float32) for name, t in pending["deltas"].items()}
+        owned = set(self.owned)
+        deltas = {
+            name: t.to(torch.float32) for name, t in pending["deltas"].items() if name in owned
+        }
+        combined = not pending.get("share_norm", False)
         return _Round(
             int(pending["fragment"]),
             int(pending["send_step"]),
             deltas,
-            result=_Exchanged(stats, float(pending["norm"])),
+            result=_Exchanged(stats, float(pending["norm"]), combined=combined),
         )

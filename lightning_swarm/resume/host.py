@@ -35,6 +35,9 @@ class OuterState(Protocol):
     def anchors(self) -> Mapping[str, Tensor]: ...
 
     @property
+    def owned(self) -> Sequence[str]: ...
+
+    @property
     def anchor_dtype(self) -> torch.dtype: ...
 
     @property

@@ -7,7 +7,10 @@ back by ``from_dict`` here, never by string keys elsewhere:
 - ``SwarmRecord``: the small record in the Lightning file (``ckpt["swarm"]``), written last. It
   names the save directory, holds the layout fingerprint, the options that shaped the outer
   loop, and the size and checksum of every swarm file of the save.
-- ``AnchorsRecord`` (``anchors.pt``): every ``OuterSync.state_dict()``; global state.
+- ``AnchorsRecord`` (``anchors.pt``): every ``OuterSync.state_dict()``; global state. A
+  sharded outer loop (``shard_outer``) writes one per rank of island 0 instead
+  (``anchors-rank-NNNNN.pt``, that rank's share); ``merge_shards`` joins them by name, so a
+  resume takes whatever share it owns now (a re-shard onto any island size).
 - ``IslandRecord`` (``island-NNNNN.pt``): one island's module state, inner optimizer states,
   running totals and ``OuterSync.island_state_dict()``s.
 
@@ -20,12 +23,14 @@ Imports torch only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from torch import Tensor
 
+from lightning_swarm.algorithm.optimizer_state import merge_by_name
 from lightning_swarm.checkpoint import SwarmCheckpointError
 
 FORMAT_VERSION = 2
@@ -227,6 +232,52 @@ class IslandRecord:
             totals=TotalsRecord(**{k: v for k, v in totals.items() if k in known}),
             outer_island=list(data.get("outer_island", [])),
         )
+
+
+def merge_shards(shards: Sequence[AnchorsRecord], what: str) -> AnchorsRecord:
+    """One record holding every shard's anchors and outer state, joined by parameter name.
+
+    Tensors are not copied (mapped shards stay file-backed). Raises ``RecordError`` when the
+    shards disagree on the optimizer count or the counters (they come from different saves).
+    """
+    counts = {len(r.outer) for r in shards}
+    if len(counts) != 1:
+        raise RecordError(f"{what}: the anchor shards hold different optimizer counts {counts}")
+    merged = [_merge_outer([r.outer[i] for r in shards], what) for i in range(counts.pop())]
+    return AnchorsRecord(save_id=shards[0].save_id, outer=merged)
+
+
+_COUNTERS = ("inner_steps", "outer_steps", "fragment_rounds", "synced_at", "ended_at")
+
+
+def _merge_outer(states: Sequence[Mapping[str, Any]], what: str) -> dict[str, Any]:
+    first = states[0]
+    for state in states[1:]:
+        differ = [k for k in _COUNTERS if state.get(k) != first.get(k)]
+        if differ:
+            raise RecordError(
+                f"{what}: the anchor shards disagree on {differ}; the save directory mixes "
+                "saves. Resume from another checkpoint."
+            )
+    anchors: dict[str, Tensor] = {}
+    for state in states:
+        anchors.update(outer_anchors(state))
+    names, optimizer = merge_by_name(
+        [
+            (state.get("param_names") or list(outer_anchors(state)), state["outer_optimizer"])
+            for state in states
+        ]
+    )
+    merged = dict(first)
+    merged.update(anchors=anchors, outer_optimizer=optimizer, param_names=names)
+    if first.get("pending") is not None:
+        pending = dict(first["pending"])
+        pending["deltas"] = {n: t for s in states for n, t in s["pending"]["deltas"].items()}
+        # Each share saved the norm of its own part: the whole round's is their root-sum-square.
+        pending["norm"] = math.sqrt(sum(float(s["pending"]["norm"]) ** 2 for s in states))
+        pending["share_norm"] = False
+        merged["pending"] = pending
+    return merged
 
 
 # -- inside OuterSync.state_dict() (the outer loop's format) ------------------------------------

@@ -33,6 +33,7 @@ from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.checkpoint import (
     ANCHORS_FILE,
     SwarmCheckpointError,
+    anchor_shard_names,
     compare_fingerprints,
     island_file_name,
     load_swarm_file,
@@ -46,6 +47,7 @@ from lightning_swarm.resume.records import (
     AnchorsRecord,
     IslandRecord,
     SwarmRecord,
+    merge_shards,
     outer_anchors,
     pending_fragment,
 )
@@ -156,9 +158,19 @@ def load_sources(
             )
         return payload
 
+    def read_anchors(source: Source) -> AnchorsRecord:
+        shards = anchor_shard_names(source.record.files)
+        if not shards:
+            return AnchorsRecord.from_dict(read(source, ANCHORS_FILE), str(source.directory))
+        records = [
+            AnchorsRecord.from_dict(read(source, name), str(source.directory / name))
+            for name in shards
+        ]
+        return merge_shards(records, str(source.directory))
+
     island_path = own.directory / island_file_name(island)
     island_state = IslandRecord.from_dict(read(own, island_file_name(island)), str(island_path))
-    own_anchors = AnchorsRecord.from_dict(read(own, ANCHORS_FILE), str(own.directory))
+    own_anchors = read_anchors(own)
     newest_rounds, newest_path = newest
     newest_anchors = own_anchors
     if newest_path != str(own.ckpt_path):
@@ -168,7 +180,7 @@ def load_sources(
                 f"the newest island state is in {newest_path}, which island {island} does "
                 "not know; pass the newest checkpoint as ckpt_path."
             )
-        newest_anchors = AnchorsRecord.from_dict(read(main, ANCHORS_FILE), str(main.directory))
+        newest_anchors = read_anchors(main)
     loaded = Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
     validate(host, loaded, own.directory, main.directory)
     if verify:

@@ -4,7 +4,9 @@ Collective (every rank calls ``save_swarm_state``, in the same order):
 1. global rank 0 removes ``<name>.swarm`` directories whose ``<name>`` was never written
    (saves that crashed before their Lightning file), draws the ``save_id`` and broadcasts it;
 2. each island's first rank writes ``island-NNNNN.pt`` (``IslandRecord``); global rank 0 writes
-   ``anchors.pt`` (``AnchorsRecord``); each writer hashes what it wrote;
+   ``anchors.pt`` (``AnchorsRecord``), or, with a sharded outer loop, every rank of island 0
+   writes its share as ``anchors-rank-NNNNN.pt`` (NNNNN = its position in the island; the
+   other islands hold the same shares); each writer hashes what it wrote;
 3. the sizes and checksums are gathered, so every rank holds the same ``SwarmRecord``;
 4. barrier; the caller writes the Lightning file holding the record (last), then prunes older
    save directories. Layout and atomicity: ``lightning_swarm.checkpoint``.
@@ -19,6 +21,7 @@ from typing import Any
 
 from lightning_swarm.checkpoint import (
     ANCHORS_FILE,
+    anchor_shard_file_name,
     atomic_save,
     island_file_name,
     layout_fingerprint,
@@ -73,6 +76,11 @@ def save_swarm_state(host: ResumeHost, checkpoint: dict[str, Any], filepath: Any
     directory = root / save_id
     topology, outers = host.topology, host.outer_syncs
     written: dict[str, FileDigest] = {}
+    sharded = any(len(o.owned) != len(o.params) for o in outers)
+    # Sharded, collecting the island's state is collective over the island (every rank).
+    outer_island = (
+        [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
+    )
     if topology.local_index == 0:
         directory.mkdir(parents=True, exist_ok=True)
         island = IslandRecord(
@@ -81,15 +89,17 @@ def save_swarm_state(host: ResumeHost, checkpoint: dict[str, Any], filepath: Any
             module=host.module.state_dict(),
             optimizers=[opt.state_dict() for opt in host.optimizers],
             totals=TotalsRecord.of(host.totals),
-            outer_island=[o.island_state_dict() for o in outers],
+            outer_island=outer_island,
         )
         name = island_file_name(topology.island_index)
         atomic_save(island.to_dict(), directory / name)
         written[name] = file_digest(directory / name)
-        if comm.rank == 0:
-            anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
-            atomic_save(anchors.to_dict(), directory / ANCHORS_FILE)
-            written[ANCHORS_FILE] = file_digest(directory / ANCHORS_FILE)
+    if (topology.island_index == 0 and sharded) or comm.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
+        anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
+        atomic_save(anchors.to_dict(), directory / name)
+        written[name] = file_digest(directory / name)
     files: dict[str, FileDigest] = {}
     for part in comm.all_gather_object(written):
         files.update(part)

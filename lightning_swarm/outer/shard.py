@@ -1,0 +1,182 @@
+"""The sharded outer loop: each rank of an island owns a share of the anchors and outer state.
+
+With ``island_size = k > 1`` and ``shard_outer``, the trained parameters of every fragment are
+split among the island's k ranks by bytes (``partition_by_bytes``: greedy, largest tensor first,
+ties broken by name order; computed identically on every rank from names and shapes only). The
+rank at position ``j`` of every island owns the same names, so its peer group (position ``j`` of
+every island) exchanges exactly that share: per rank, the bytes sent across islands, the anchor
+and outer-state memory and the outer-step work all drop about k-fold.
+
+After a round the owners hand the new parameters to the rest of their island over the island's
+own group (``IslandShard.gather``: each owner broadcasts its tensors, packed by dtype into
+buckets of at most ``bucket_numel`` elements, two buckets in flight). In DDP every rank of an
+island holds the same parameters before the round, so afterwards they are again bitwise
+identical.
+
+Two island-wide agreements keep the shares in step (``IslandShard.agree``): whether the round
+applied (a transport that may skip a round, e.g. the swarm transport, could skip it for one
+share only; then every share skips, as the unsharded round would) and the pseudo-gradient norm
+(the square root of the sum of the shares' squared norms, for the report).
+
+Error feedback works sharded: each rank keeps the residuals of its share, and a save collects
+them on the island's first rank (``IslandShard.collect``), which writes the island's file; a
+resume takes the residuals of the names it owns.
+
+Ownership: ``IslandShard`` holds the owner map (name -> position) for the whole fit; it owns no
+tensors. The gather's buckets are temporaries (at most two packed buckets at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+
+def partition_by_bytes(
+    fragments: Sequence[Sequence[str]], sizes: Mapping[str, int], num_shards: int
+) -> dict[str, int]:
+    """The owner (0 .. num_shards - 1) of every name, balanced by bytes within each fragment.
+
+    Greedy: within a fragment, tensors in decreasing size (name order breaks ties) go to the
+    shard least loaded in that fragment (then least loaded overall, then lowest index).
+    Deterministic from names and sizes alone.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    owner: dict[str, int] = {}
+    total = [0] * num_shards
+    for names in fragments:
+        load = [0] * num_shards
+        order = sorted(range(len(names)), key=lambda i: (-sizes[names[i]], i))
+        for i in order:
+            shard = min(range(num_shards), key=lambda s: (load[s], total[s], s))
+            owner[names[i]] = shard
+            load[shard] += sizes[names[i]]
+            total[shard] += sizes[names[i]]
+    return owner
+
+
+class ShareFailedError(RuntimeError):
+    """Raised on the ranks of an island whose other share of a round failed."""
+
+
+@dataclass(frozen=True)
+class IslandShard:
+    """This rank's place in its island's sharded outer loop.
+
+    Attributes:
+        group: the island's process group (DDP's group).
+        position: this rank's index inside its island (0 .. size - 1).
+        size: ranks per island (k).
+        owner: name -> position of the rank that owns its anchor, for every trained name.
+        bucket_numel: most elements one gather bucket holds (a larger tensor goes alone).
+        device: where the agreement's small tensor lives (the accelerator under NCCL, which
+            reduces device tensors only).
+    """
+
+    group: dist.ProcessGroup
+    position: int
+    size: int
+    owner: Mapping[str, int]
+    bucket_numel: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def owns(self, name: str) -> bool:
+        return self.owner[name] == self.position
+
+    @torch.no_grad()
+    def gather(self, names: Sequence[str], params: Mapping[str, Tensor]) -> None:
+        """Every owner broadcasts its ``names``' parameters to the island (collective)."""
+        with record_function("swarm/island_gather"):
+            in_flight: list[tuple[list[Tensor], Tensor, Any]] = []
+            for position in range(self.size):
+                mine = [params[n].data for n in names if self.owner[n] == position]
+                for bucket in _buckets(mine, self.bucket_numel):
+                    # Two buckets in flight: the next one is packed while one travels.
+                    if len(in_flight) == 2:
+                        _finish_broadcast(*in_flight.pop(0))
+                    in_flight.append(_start_broadcast(bucket, self.group, position))
+            for item in in_flight:
+                _finish_broadcast(*item)
+
+    def agree(
+        self, applied: bool, norm: float, error: BaseException | None = None
+    ) -> tuple[bool, float]:
+        """The island-wide verdict (every share applied) and norm (collective).
+
+        Raises:
+            BaseException: ``error`` on the rank whose share failed, and ``ShareFailedError``
+                on the others, so that no rank goes on to a gather its island never joins.
+        """
+        flags = torch.tensor(
+            [0.0 if applied else 1.0, norm * norm, 0.0 if error is None else 1.0],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(flags, group=self.group)
+        if error is not None:
+            raise error
+        if flags[2].item() > 0:
+            raise ShareFailedError(
+                "another rank of this island failed its share of the outer round (its own "
+                "error names the cause); the round was not applied on this island."
+            )
+        return bool(flags[0].item() == 0.0), float(flags[1].sqrt().item())
+
+    @staticmethod
+    def device_for(group: dist.ProcessGroup, device: torch.device | None) -> torch.device:
+        """The device a collective on ``group`` needs for its small tensors."""
+        if dist.get_backend(group) == "nccl" and device is not None:
+            return device
+        return torch.device("cpu")
+
+    def collect(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Every share's ``tensors`` on position 0, this rank's own elsewhere (collective)."""
+        mine = {name: t.cpu() for name, t in tensors.items()}
+        gathered: list[Any] | None = [None] * self.size if self.position == 0 else None
+        dist.gather_object(mine, gathered, group=self.group, group_dst=0)
+        if gathered is None:
+            return dict(tensors)
+        return {name: t for share in gathered for name, t in share.items()}
+
+
+def _buckets(tensors: list[Tensor], bucket_numel: int) -> list[list[Tensor]]:
+    """Consecutive tensors of one dtype and device, at most ``bucket_numel`` elements each."""
+    buckets: list[list[Tensor]] = []
+    fill = 0
+    for t in tensors:
+        head = buckets[-1][0] if buckets else None
+        same = head is not None and head.dtype == t.dtype and head.device == t.device
+        if not same or fill + t.numel() > bucket_numel:
+            buckets.append([])
+            fill = 0
+        buckets[-1].append(t)
+        fill += t.numel()
+    return buckets
+
+
+def _start_broadcast(
+    bucket: list[Tensor], group: dist.ProcessGroup, position: int
+) -> tuple[list[Tensor], Tensor, Any]:
+    """Start broadcasting ``bucket`` from ``position`` (a lone contiguous tensor travels as is)."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        flat = bucket[0]
+    else:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+    return bucket, flat, dist.broadcast(flat, group=group, group_src=position, async_op=True)
+
+
+def _finish_broadcast(bucket: list[Tensor], flat: Tensor, work: Any) -> None:
+    work.wait()
+    if len(bucket) == 1 and flat is bucket[0]:
+        return
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
