@@ -82,7 +82,7 @@ class CheckpointingStrategy(IslandDDPStrategy):
         # each island's own state replaces it here, before any sanity check or training step.
         if self.checkpointer.pending:
             self.checkpointer.restore(self._resume_host())
-            rank_zero_info(f"SwarmResume: {self.checkpointer.summary}")
+            rank_zero_info(f"swarm resume: {self.checkpointer.summary}")
 
     @override
     def save_checkpoint(

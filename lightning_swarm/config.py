@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.codecs import NO_CODEC, Codec
 from lightning_swarm.algorithm.fragments import FragmentSchedule, as_layout, check_positive_int
 from lightning_swarm.transport.options import (
     MIN_BUCKET_MB,
@@ -142,7 +142,7 @@ class SwarmConfig:
     fragment_layout: Any = "strided"
     sync_delay: int = 0
     merge_alpha: float = 0.0
-    quantize: str = "none"
+    quantize: str = NO_CODEC
     quantize_block_size: int = 128
     error_feedback: bool = False
     sync_at_end: bool = True
@@ -280,7 +280,7 @@ def check_streaming(config: SwarmConfig) -> None:
     Codec(config.quantize, config.quantize_block_size)
     if not isinstance(config.error_feedback, bool):
         raise ValueError(f"error_feedback must be true or false, got {config.error_feedback!r}.")
-    if config.error_feedback and config.quantize == "none":
+    if config.error_feedback and config.quantize == NO_CODEC:
         warnings.warn(
             "error_feedback has no effect with quantize='none' (nothing is lost to carry over); "
             "set quantize to bf16, int8 or int4, or drop error_feedback.",

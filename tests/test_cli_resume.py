@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_swarm.cli_checks import resolve_ckpt_path
-from tests.cli_utils import TINY, swarm_train
+from tests.cli_utils import RUN_TIMEOUT_S, TINY, swarm_train
 
 # 2 ranks (2 islands), 4 steps per epoch, a round every 3 steps: the epoch-0 checkpoint (step 4)
 # falls between rounds, so the resume must restore locals that differ from the anchors.
@@ -52,6 +52,7 @@ def _final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)  # two CLI runs, one after the other
 def test_resume_through_the_cli_ends_bitwise_equal(tmp_path: Path) -> None:
     full = swarm_train(tmp_path / "full", *RESUMABLE)
     assert full.returncode == 0, full.stderr[-3000:]

@@ -61,7 +61,7 @@ def test_launch_guide_command_runs(tmp_path: Path, index: int) -> None:
     }[words[0]]
     if "hydra.run.dir" not in " ".join(words):
         words.append(f"hydra.run.dir={tmp_path / 'run'}")
-    done = run_in(tmp_path, [*program, *words[1:], *SHORT], timeout=300)
+    done = run_in(tmp_path, [*program, *words[1:], *SHORT])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout

@@ -6,8 +6,11 @@ outer round every 3 inner steps through ``TorchftMembership``, one JSON line per
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,18 +47,42 @@ def _opts(rounds_: int, step_s: float = 0.03, stop_file: Path | None = None) -> 
     ]
 
 
+@contextlib.contextmanager
+def _reaped(procs: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """Kill every island the test started and has not seen exit, however the test ends (a
+    failed assertion, a timeout), so that no island outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _finish_all(procs: dict[str, subprocess.Popen[bytes]], out: Path, timeout_s: float) -> None:
+    """Every island exits 0 within one shared ``timeout_s`` (they stop together)."""
+    deadline = time.monotonic() + timeout_s
+    for name, proc in procs.items():
+        left = max(1.0, deadline - time.monotonic())
+        assert finish(proc, left, out, name) == 0, (out / f"{name}.stderr").read_text()[-2000:]
+
+
 def _committed_after(out: Path, island: str, t: float) -> list[dict[str, object]]:
     return [r for r in rounds(out, island) if r["applied"] and float(r["t"]) > t]  # type: ignore[arg-type]
 
 
 @pytest.mark.slow  # ~60 s on 2 busy cores; test_elastic_strategy.py covers the same in the suite
+@pytest.mark.timeout(60 + 30 + 2 * 90 + 120 + 30)  # its waits below, one after the other
 def test_kill_restart_and_join(tmp_path: Path) -> None:
     """SIGKILL c mid-run: a and b commit again within quorum timeout + a round and end equal;
     c restarted and a new island d heal and hold the others' anchors after their first round."""
-    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address:
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {name: start_island(tmp_path, address, name, *opts) for name in "abc"}
+        started.extend(procs.values())
         wait_for(lambda: len(_committed_after(tmp_path, "c", 0)) >= 3, 60, "c's third round")
         procs["c"].send_signal(signal.SIGKILL)
         procs["c"].wait()
@@ -67,13 +94,11 @@ def test_kill_restart_and_join(tmp_path: Path) -> None:
         assert float(first["t"]) - killed_at < QUORUM_TIMEOUT_S + ROUND_TIMEOUT_S
         restarted = start_island(tmp_path, address, "c", *opts)
         joiner = start_island(tmp_path, address, "d", *opts)
+        started.extend([restarted, joiner])
         for name in "cd":  # both healed into the running swarm, then a last few rounds
             wait_for(lambda n=name: len(rounds(tmp_path, n)) >= 6, 90, f"{name} to rejoin")
         stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 5))
-        for name, proc in [("a", procs["a"]), ("b", procs["b"]), ("c", restarted), ("d", joiner)]:
-            assert finish(proc, 120, tmp_path, name) == 0, (
-                tmp_path / f"{name}.stderr"
-            ).read_text()[-2000:]
+        _finish_all({"a": procs["a"], "b": procs["b"], "c": restarted, "d": joiner}, tmp_path, 120)
 
     final = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name in "abcd"}
     for name in "bcd":
@@ -92,21 +117,24 @@ def test_kill_restart_and_join(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # test_elastic_strategy.py checks both refusals through Lightning in the suite
+@pytest.mark.timeout(60 + 2 * 90 + 60 + 30)  # its waits below, one after the other
 def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
     """A second island 'a' and an island with another model are refused; a and b go on."""
-    with lighthouse() as address:
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address, _reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {name: start_island(tmp_path, address, name, *opts) for name in "ab"}
+        started.extend(procs.values())
         wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
         (tmp_path / "twin").mkdir()
         twin = start_island(tmp_path / "twin", address, "a", *opts)
         wide = start_island(tmp_path, address, "w", *opts, "--width", "5")
+        started.extend([twin, wide])
         assert finish(twin, 90, tmp_path / "twin", "a") != 0
         assert finish(wide, 90, tmp_path, "w") != 0
         stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 3))
-        for name, proc in procs.items():
-            assert finish(proc, 60, tmp_path, name) == 0
+        _finish_all(procs, tmp_path, 60)
     twin_error = (tmp_path / "twin" / "a.error").read_text()
     assert "DuplicateIslandError" in twin_error and "island_id 'a' is already taken" in twin_error
     wide_error = (tmp_path / "w.error").read_text()

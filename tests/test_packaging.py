@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import zipfile
@@ -12,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_utils import ROOT, TINY
+from tests.cli_utils import ROOT, RUN_TIMEOUT_S, TINY, run_group, tree_env
+
+# One packaging step (building the wheel, a venv, installing): seconds on an idle machine.
+STEP_TIMEOUT_S = 60.0
 
 PUBLIC = [
     "HostMemoryCensus",
@@ -57,13 +59,7 @@ def test_public_names_are_the_classes_where_they_live() -> None:
 def test_public_import_after_any_first_import(first: str) -> None:
     # A fresh interpreter: which module is imported first decides whether a cycle bites.
     code = f"import {first}\nfrom lightning_swarm import {', '.join(PUBLIC)}\nprint('ok')"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_group([sys.executable, "-c", code], env=tree_env(), timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
@@ -79,10 +75,10 @@ def _build_wheel(tmp_path: Path) -> Path:
         ignore=shutil.ignore_patterns("__pycache__"),
     )
     dist = tmp_path / "dist"
-    subprocess.run(
+    run_group(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "-q", "-w", str(dist), str(src)],
-        check=True, capture_output=True, timeout=300,
+        check=True, timeout=STEP_TIMEOUT_S,
     )  # fmt: skip
     (wheel,) = dist.glob("lightning_swarm-*.whl")
     return wheel
@@ -93,16 +89,21 @@ def _fresh_venv(tmp_path: Path) -> Path:
     (plain path lines: the .pth files in there, such as an editable install of this checkout,
     are not run), so installing needs no network."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    run_group(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        check=True, timeout=STEP_TIMEOUT_S,
+    )  # fmt: skip
     python = venv / "bin" / "python"
-    site = subprocess.run(
+    site = run_group(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
+        check=True, timeout=STEP_TIMEOUT_S,
     ).stdout.strip()  # fmt: skip
     (Path(site) / "outer_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv
 
 
+# Its five short steps (build, venv, its site folder, install, import) and the swarm-train run.
+@pytest.mark.timeout(5 * STEP_TIMEOUT_S + RUN_TIMEOUT_S + 30)
 def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_path: Path) -> None:
     wheel = _build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
@@ -112,24 +113,24 @@ def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_pa
 
     venv = _fresh_venv(tmp_path)
     python = venv / "bin" / "python"
-    subprocess.run(
+    run_group(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
          "--no-index", "-q", str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        check=True, timeout=STEP_TIMEOUT_S,
     )  # fmt: skip
     user = tmp_path / "elsewhere"  # a folder of a user's own, not the repository
     user.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run(
+    where = run_group(
         [str(python), "-c", "import lightning_swarm; print(lightning_swarm.__file__)"],
-        cwd=user, env=env, capture_output=True, text=True, check=True,
+        cwd=user, env=env, check=True, timeout=STEP_TIMEOUT_S,
     ).stdout.strip()  # fmt: skip
     assert Path(where).is_relative_to(venv), where  # the wheel's copy, not the checkout's
 
-    done = subprocess.run(
+    done = run_group(
         [str(venv / "bin" / "swarm-train"), *TINY, "trainer.max_steps=2",
          "trainer.val_check_interval=2", "strategy.sync_every=1", "hydra.run.dir=run"],
-        cwd=user, env=env, capture_output=True, text=True, timeout=300,
+        cwd=user, env=env, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "inner steps                              2" in done.stdout

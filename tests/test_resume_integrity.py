@@ -122,6 +122,7 @@ def test_changed_options_are_named_in_one_warning(quantized_run: Path, tmp_path:
             error_feedback=False,
             anchor_dtype=torch.bfloat16,
             outer_optimizer=outer,
+            transport="swarm",
         )
     mine = [str(w.message) for w in caught if "resuming with options" in str(w.message)]
     assert len(mine) == 1, mine
@@ -132,9 +133,11 @@ def test_changed_options_are_named_in_one_warning(quantized_run: Path, tmp_path:
         "error_feedback true -> false: the saved error-feedback residuals are dropped",
         "anchor_dtype float32 -> bfloat16: the saved float32 anchors are converted",
         "lr 0.7 -> 0.5: the checkpoint's 0.7 stays in force",
+        "transport allreduce -> swarm: pseudo-gradients are averaged by the swarm transport from "
+        "now on",
     ):
         assert line in message, (line, message)
-    assert "transport" not in message and "merge_alpha" not in message  # unchanged: not named
+    assert "merge_alpha" not in message and "quantize_block_size" not in message  # unchanged
 
 
 def test_same_options_resume_without_a_warning(quantized_run: Path, tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ CODECS = (NO_CODEC, "bf16", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
 _INT4_ZERO_CODE = 8
 _DATA_DTYPE = {
-    "none": torch.float32,
+    NO_CODEC: torch.float32,
     "bf16": torch.bfloat16,
     "int8": torch.int8,
     "int4": torch.uint8,
@@ -94,7 +94,7 @@ class Codec:
         ValueError: unknown name or a block size that is not a positive integer.
     """
 
-    name: str = "none"
+    name: str = NO_CODEC
     block_size: int = 128
 
     def __post_init__(self) -> None:
@@ -115,7 +115,7 @@ class Codec:
             ValueError: ``x`` holds NaN or inf.
         """
         _check_input(x, self.name)
-        if self.name == "none":
+        if self.name == NO_CODEC:
             data = x.contiguous().clone()
         elif self.name == "bf16":
             data = x.to(torch.bfloat16)
@@ -154,7 +154,7 @@ class Codec:
                 f"codec is {self.name}/block {self.block_size}; every island must use the same "
                 "quantize and block_size."
             )
-        if self.name in ("none", "bf16"):
+        if self.name in (NO_CODEC, "bf16"):
             return encoded.data.to(torch.float32)
         if self.name == "int8":
             codes = encoded.data.to(torch.float32)
@@ -175,7 +175,7 @@ class Codec:
                 f"expected {self.encoded_nbytes(numel)} uint8 bytes for {numel} elements with "
                 f"{self.name}, got {raw.numel()} {raw.dtype}; islands disagree on the layout."
             )
-        num_scales = 0 if self.name in ("none", "bf16") else -(-numel // self.block_size)
+        num_scales = 0 if self.name in (NO_CODEC, "bf16") else -(-numel // self.block_size)
         # Copies: a slice at an odd byte offset cannot be reinterpreted as float32 in place.
         scales = raw[: 4 * num_scales].clone().view(torch.float32)
         data = raw[4 * num_scales :].clone().view(_DATA_DTYPE[self.name])
@@ -189,7 +189,7 @@ class Codec:
         """Payload bytes for ``numel`` elements, without encoding anything."""
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
-        if self.name == "none":
+        if self.name == NO_CODEC:
             return 4 * numel
         if self.name == "bf16":
             return 2 * numel
@@ -200,7 +200,7 @@ class Codec:
     def error_bound(self, x: Tensor) -> Tensor:
         """Per-element bound on ``|x - roundtrip(x)|`` stated in the module docstring."""
         _check_input(x, self.name)
-        if self.name == "none":
+        if self.name == NO_CODEC:
             return torch.zeros_like(x)
         if self.name == "bf16":
             return torch.clamp(x.abs() * 2.0**-8, min=2.0**-134)
@@ -232,7 +232,7 @@ def with_error_feedback(x: Tensor, residual: Tensor | None, codec: Codec) -> tup
     next round. ``x`` and ``residual`` are not modified. A ``None`` residual means zeros.
     """
     to_send = x.clone() if residual is None else x + residual
-    if codec.name == "none":
+    if codec.name == NO_CODEC:
         return to_send, torch.zeros_like(to_send)
     if not bool(torch.isfinite(to_send).all()):
         # A diverged island: encoding would raise on this rank alone while its peers wait in

@@ -9,6 +9,7 @@ one commit; each refusal names the option and the fix.
 
 from __future__ import annotations
 
+from lightning_swarm.algorithm.codecs import NO_CODEC
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.static import check_membership
 from lightning_swarm.membership.torchft import ElasticConfig
@@ -20,7 +21,7 @@ def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
         return None
     refused = {
         "transport": (config.transport != "allreduce", "transport=allreduce"),
-        "quantize": (config.quantize != "none", "quantize=none"),
+        "quantize": (config.quantize != NO_CODEC, f"quantize={NO_CODEC}"),
         "num_fragments": (config.num_fragments != 1, "num_fragments=1"),
         "sync_delay": (config.sync_delay != 0, "sync_delay=0"),
     }

@@ -3,8 +3,9 @@
 The strategy calls ``transport_for`` once per fit, at setup, and hands the result to the
 ``OuterLoop``, which owns it from then on and closes it. The transport classes themselves are
 known only to ``lightning_swarm.transport.factory``; this module maps the strategy's options
-onto it, and ``codec_for`` is the one place that turns ``quantize`` into a codec (``None`` for
-``"none"``), for the transport and for error feedback alike.
+onto it. ``algorithm.codecs.codec_for`` is the one place that turns ``quantize`` into a codec
+(``None`` for ``"none"``); ``codec_of`` maps the options onto it, for the transport and for
+error feedback alike.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class SwarmCheckpointer:
         finally:
             self._pending = None
         self.summary = _summary(host, main, own, loaded, how, stale)
-        log.info("SwarmResume: %s", self.summary)
+        log.info("swarm resume: %s", self.summary)
 
     def _warn(self, host: ResumeHost, main: Source, own: Source, loaded: Loaded) -> None:
         """Rank 0's one warning of what makes this resume inexact or unverified."""

@@ -1,9 +1,9 @@
 """Integrity of swarm files: sizes and checksums as written, and finite values as loaded.
 
-Checksum: XXH3-128 (the ``xxhash`` package). Measured on this project's machine over 1 GiB in
-8 MiB chunks, file in the page cache: xxh3 15 GiB/s (a plain read: 13-19 GiB/s), crc32c
-11 GiB/s, ``zlib.crc32`` 3.3 GiB/s, sha1 1.6 GiB/s, blake2b 0.84 GiB/s. XXH3 costs about as
-much as reading the file, and its 128 bits make an accidental match out of the question.
+Checksum: XXH3-128 (the ``xxhash`` package). It costs about as much as reading the file, less
+than half the time of ``zlib.crc32`` and a fraction of sha1's or blake2b's
+(``benchmarks/hash_speed.py``; figures and command in docs/resume.md), and its 128 bits make
+an accidental match out of the question.
 
 Every file is hashed in fixed-size chunks through one reusable buffer: memory stays at one
 chunk whatever the file size, and nothing read here is kept (a mapped ``torch.load`` of the same

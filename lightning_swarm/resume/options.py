@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields
 
+from lightning_swarm.algorithm.codecs import NO_CODEC
 from lightning_swarm.checkpoint import SwarmCheckpointError
 from lightning_swarm.resume.records import OptionsRecord
 
@@ -83,7 +84,7 @@ def _effect(
         return f"applied rounds now merge local <- (1 - {alpha:g}) * global + {alpha:g} * local"
     if name == "quantize":
         text = f"the next rounds send {current.quantize} pseudo-gradients"
-        if current.quantize == "none" and residuals_saved:
+        if current.quantize == NO_CODEC and residuals_saved:
             text += f"; error feedback stops and {dropped}"
         return text
     if name == "quantize_block_size":

@@ -15,9 +15,10 @@ message elects it. One round, over the peer group (one rank per island):
    contribution (the caller's tensors) stays in memory and is validated the same way.
 4. With at least ``min_contributions`` accepted, the aggregation rule runs block by block over
    the accepted contributions in island order, writing into the aggregator's own tensors.
-5. The aggregator sends every peer a status (applied / skipped / failed, and each island's
-   verdict), then the result in chunks (a point-to-point fan-out, so byte counts are exact).
-   Each rank unpacks it into its own tensors: ordinary in-memory tensors everywhere.
+5. The aggregator sends every peer a status (the round's ``Outcome``: applied, skipped, spool
+   failed or error; and each island's ``Verdict``), then the result in chunks (a point-to-point
+   fan-out, so byte counts are exact). Each rank unpacks it into its own tensors: ordinary
+   in-memory tensors everywhere.
 6. The round's spool files are deleted (``Spool.release_round`` waits for leases).
 
 The messages of steps 1 and 5 and the words for a round's outcome and each island's verdict
