@@ -163,8 +163,7 @@ def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path
     assert all(a[k].equal(b[k]) for k in a)
 
 
-@pytest.mark.slow  # ~2 min on 2 busy cores: four Lightning start-ups one after the other
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(480)  # ~40 s on 2 busy cores
 def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
     tmp_path: Path,
 ) -> None:
