@@ -45,7 +45,7 @@ def _anchors_by_outer_step(out: Path, island: str) -> dict[float, set[str]]:
     return seen
 
 
-def _first_row_after(rows: list[dict[str, float]], t: float) -> tuple[dict, dict]:
+def _first_row_after(rows: list[dict[str, float]], t: float) -> tuple[dict[str, float], dict[str, float]]:
     """The last row logged before ``t`` and the first one after it."""
     before = [r for r in rows if r["t"] < t]
     after = [r for r in rows if r["t"] > t]
@@ -82,6 +82,8 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             wait_for(lambda: len(_rounds(tmp_path, "c")) >= 3, 90, "c's third round")
             stall.write_text("")  # c's next round stalls after its quorum: kill it there
             wait_for((tmp_path / "c.stalled").exists, 30, "c to stall inside a round")
+            # a's row of that round comes after the stall, its previous row before it.
+            stalled_at = (tmp_path / "c.stalled").stat().st_mtime
             procs["c"].send_signal(signal.SIGKILL)
             procs["c"].wait()
             killed_at = time.time()
@@ -99,7 +101,7 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             _kill_all(started)
 
     for name in "ab":  # the round c died in: three islands in it, abandoned by both survivors
-        last, first = _first_row_after(_rounds(tmp_path, name), killed_at)
+        last, first = _first_row_after(_rounds(tmp_path, name), stalled_at)
         assert first["swarm/islands_in_round"] == 3, (name, first)
         assert first["swarm/rounds_abandoned"] == last["swarm/rounds_abandoned"] + 1, name
         assert first["swarm/outer_steps"] == last["swarm/outer_steps"]  # anchors unchanged
@@ -189,7 +191,7 @@ def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
             d = start_island(tmp_path, address, "d", *opts, "--stall-in-heal", script=SCRIPT)
             started.append(d)
             wait_for((tmp_path / "d.stalled").exists, 120, "d to stall while being healed")
-            stalled_at = time.time()
+            stalled_at = (tmp_path / "d.stalled").stat().st_mtime
             d.send_signal(signal.SIGKILL)
             d.wait()
             wait_for(  # the healing peer did not hang: a and b commit rounds without d
