@@ -20,6 +20,7 @@ from tests.elastic_utils import finish, lighthouse, start_island, wait_for
 
 pytest.importorskip("torchft")
 
+Row = dict[str, float]  # one logged row ("anchors" holds a str digest)
 SCRIPT = "tests/elastic_lightning_island.py"
 # Islands step slowly (0.1 s) until the test writes the "fast" file: long enough for a restarted
 # or refused island to start up on a busy machine while the others still run; then they finish
@@ -45,7 +46,7 @@ def _anchors_by_outer_step(out: Path, island: str) -> dict[float, set[str]]:
     return seen
 
 
-def _first_row_after(rows: list[dict[str, float]], t: float) -> tuple[dict[str, float], dict[str, float]]:
+def _first_row_after(rows: list[Row], t: float) -> tuple[Row, Row]:
     """The last row logged before ``t`` and the first one after it."""
     before = [r for r in rows if r["t"] < t]
     after = [r for r in rows if r["t"] > t]
@@ -140,21 +141,30 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             assert value.equal(state[key]), f"{name}: {key} differs from a's"
 
 
+@pytest.mark.timeout(400)
 def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path: Path) -> None:
     """Refused on every rank of the joining island, while a and b go on and end equal."""
     fast = tmp_path / "fast"
     opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
     with lighthouse() as address:
-        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
-        wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
-        wide = start_island(tmp_path, address, "w", *opts, "--width", "6", script=SCRIPT)
-        (tmp_path / "twin").mkdir()
-        twin = start_island(tmp_path / "twin", address, "a", *opts, "--devices", "2", script=SCRIPT)
-        assert finish(wide, 90, tmp_path, "w") != 0
-        assert finish(twin, 90, tmp_path / "twin", "a") != 0
-        fast.write_text("")
-        for name, proc in procs.items():
-            assert finish(proc, 120, tmp_path, name) == 0, name
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
+            wide = start_island(tmp_path, address, "w", *opts, "--width", "6", script=SCRIPT)
+            (tmp_path / "twin").mkdir()
+            twin = start_island(
+                tmp_path / "twin", address, "a", *opts, "--devices", "2", script=SCRIPT
+            )
+            started += [wide, twin]
+            assert finish(wide, 90, tmp_path, "w") != 0
+            assert finish(twin, 90, tmp_path / "twin", "a") != 0
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 120, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
     error = (tmp_path / "w.error.0").read_text()
     assert "ModelMismatchError" in error
     assert "net.0.weight is (6, 8) float32 here but (4, 8) float32 in the swarm" in error
