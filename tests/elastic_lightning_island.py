@@ -3,12 +3,22 @@
 A tiny regression model trains with ``SwarmStrategy(membership="torchft")`` on one CPU rank
 (or ``--devices 2``: an island of two ranks). The first rank writes the final parameters and the
 logged ``swarm/*`` metrics, as they happen, to ``<out>/<island>.rank<r>.safetensors`` and
-``<out>/<island>.jsonl``; errors go to ``<out>/<island>.error.<rank>``.
+``<out>/<island>.jsonl`` (each round's row also holds the rank and a digest of its anchors);
+errors go to ``<out>/<island>.error.<rank>``. Every rank writes its parameters and anchors just
+before its first round (``<island>.prejoin.rank<r>.safetensors``, after any resume) and right
+after it (``<island>.join.rank<r>.safetensors``), so a test can check healing and the catch-up.
+
+Fault injection for the tests (test-only monkeypatches, nothing in the library):
+``--stall-file F``: once F exists, the island's next round stalls after its quorum formed (the
+others wait on it in the round's all-reduce) and writes ``<island>.stalled``; the test kills it
+there. ``--stall-in-heal``: the island stalls while being healed, after the healing peer's
+header arrived and before its tensors do, and writes ``<island>.stalled``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -22,6 +32,74 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
+from lightning_swarm.membership import heal
+from lightning_swarm.membership.torchft import TorchftMembership
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(tensors[name].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def snapshot(strategy: SwarmStrategy, path: Path) -> None:
+    """This rank's parameters and anchors (first optimizer) as a safetensors file."""
+    outer = strategy.outer_syncs[0]
+    tensors = {f"param.{k}": v.detach().clone() for k, v in outer.params.items()}
+    tensors.update({f"anchor.{k}": v.detach().clone() for k, v in outer.anchors.items()})
+    save_file(tensors, str(path))
+
+
+def stall(marker: Path) -> None:
+    marker.write_text("")
+    time.sleep(3600)
+
+
+def inject_faults(args: argparse.Namespace, out: Path) -> None:
+    marker = out / f"{args.island}.stalled"
+    if args.stall_file:
+        allreduce = TorchftMembership._allreduce
+
+        def stalling_allreduce(self: TorchftMembership, tensors: list[torch.Tensor]) -> None:
+            if Path(args.stall_file).exists():
+                stall(marker)
+            allreduce(self, tensors)
+
+        TorchftMembership._allreduce = stalling_allreduce  # type: ignore[method-assign]
+    if args.stall_in_heal:
+        specs = heal.tensor_specs
+
+        def stalling_specs(header: bytes) -> Any:
+            stall(marker)
+            return specs(header)
+
+        heal.tensor_specs = stalling_specs  # type: ignore[assignment]
+
+
+class Snapshots(pl.Callback):
+    """Writes the resumed state just before the island's first round (strategy hook after)."""
+
+    def __init__(self, out: Path, island: str) -> None:
+        self.out, self.island = out, island
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        snapshot(
+            strategy, self.out / f"{self.island}.prejoin.rank{trainer.global_rank}.safetensors"
+        )
+
+
+class CheckpointAt(pl.Callback):
+    """Saves one checkpoint of the island at a given inner step (with its swarm state)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and not self.path.exists():
+            trainer.save_checkpoint(str(self.path))
 
 
 class Regression(pl.LightningModule):
@@ -46,9 +124,10 @@ class Regression(pl.LightningModule):
 class Recorder(Logger):
     """Appends every logged metric with its step to a JSON-lines file (rounds log straight here)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, strategy: SwarmStrategy, join_file: str) -> None:
         super().__init__()
-        self.path = path
+        self.path, self.strategy, self.join_file = path, strategy, join_file
+        self.rounds = 0
 
     @property
     def name(self) -> str:
@@ -62,8 +141,15 @@ class Recorder(Logger):
         pass
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        row: dict[str, Any] = {**metrics, "step": float(step or 0), "t": time.time()}
+        if "swarm/islands_in_round" in metrics:
+            rank = self.strategy.global_rank
+            row.update(rank=rank, anchors=digest(self.strategy.outer_syncs[0].anchors))
+            if self.rounds == 0:  # the island's first round: its join (healed if behind)
+                snapshot(self.strategy, Path(self.join_file.format(rank=rank)))
+            self.rounds += 1
         with self.path.open("a") as f:
-            f.write(json.dumps({**metrics, "step": float(step or 0), "t": time.time()}) + "\n")
+            f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
@@ -77,13 +163,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--fast-file", default=None, help="steps are fast once it exists")
+    parser.add_argument("--stall-file", default=None, help="see the module docstring")
+    parser.add_argument("--stall-in-heal", action="store_true", help="see the module docstring")
+    parser.add_argument("--checkpoint-at", type=int, default=0, help="save <island>.ckpt there")
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from (ckpt_path)")
     args = parser.parse_args()
     out = Path(args.out)
     seed = sum(args.island.encode())
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(256, 8, generator=gen)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 + seed % 3))
-    recorder = Recorder(out / f"{args.island}.jsonl")
+    inject_faults(args, out)
     model = Regression(args.width, args.step_s, args.fast_file)
     strategy = SwarmStrategy(
         sync_every=args.every,
@@ -94,19 +184,26 @@ def main() -> None:
         quorum_timeout_s=20.0,
         round_timeout_s=5.0,
     )
+    join_file = str(out / f"{args.island}.join.rank{{rank}}.safetensors")
+    recorder = Recorder(out / f"{args.island}.jsonl", strategy, join_file)
+    callbacks: list[pl.Callback] = [Snapshots(out, args.island)]
+    if args.checkpoint_at:
+        callbacks.append(CheckpointAt(args.checkpoint_at, out / f"{args.island}.ckpt"))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,
         logger=recorder,
+        callbacks=callbacks,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     try:
-        trainer.fit(model, DataLoader(data, batch_size=16, shuffle=True, generator=gen))
+        loader = DataLoader(data, batch_size=16, shuffle=True, generator=gen)
+        trainer.fit(model, loader, ckpt_path=args.resume)
     except Exception as err:
         (out / f"{args.island}.error.{trainer.global_rank}").write_text(
             f"{type(err).__name__}: {err}"

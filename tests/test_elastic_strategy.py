@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.elastic_utils import finish, lighthouse, start_island, wait_for
 
 pytest.importorskip("torchft")
 
+Row = dict[str, float]  # one logged row ("anchors" holds a str digest)
 SCRIPT = "tests/elastic_lightning_island.py"
 # Islands step slowly (0.1 s) until the test writes the "fast" file: long enough for a restarted
 # or refused island to start up on a busy machine while the others still run; then they finish
@@ -35,38 +38,93 @@ def _rounds(out: Path, island: str) -> list[dict[str, float]]:
     return [r for r in _rows(out, island) if "swarm/islands_in_round" in r]
 
 
-def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> None:
-    """Three islands; c is SIGKILLed mid-run: a and b go on and end equal; c restarts as an
-    island of two ranks and a new island d joins: both are healed and end with the same global
-    model as a and b."""
-    fast = tmp_path / "fast"
-    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
-    with lighthouse(heartbeat_timeout_ms=1500) as address:
-        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "abc"}
-        wait_for(lambda: len(_rounds(tmp_path, "c")) >= 3, 90, "c's third round")
-        procs["c"].send_signal(signal.SIGKILL)
-        procs["c"].wait()
-        killed_at = time.time()
-        os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
-        restarted = start_island(tmp_path, address, "c", *opts, "--devices", "2", script=SCRIPT)
-        joiner = start_island(tmp_path, address, "d", *opts, script=SCRIPT)
-        for name in "cd":
-            wait_for(lambda n=name: len(_rounds(tmp_path, n)) >= 2, 120, f"{name}'s first rounds")
-        fast.write_text("")
-        procs.update(c=restarted, d=joiner)
-        for name, proc in procs.items():
-            assert finish(proc, 150, tmp_path, name) == 0, name
+def _anchors_by_outer_step(out: Path, island: str) -> dict[float, set[str]]:
+    """Outer step -> the anchor digests ``island`` logged at it (one, unless anchors diverged)."""
+    seen: dict[float, set[str]] = {}
+    for row in _rounds(out, island):
+        seen.setdefault(row["swarm/outer_steps"], set()).add(str(row["anchors"]))
+    return seen
 
+
+def _first_row_after(rows: list[Row], t: float) -> tuple[Row, Row]:
+    """The last row logged before ``t`` and the first one after it."""
+    before = [r for r in rows if r["t"] < t]
+    after = [r for r in rows if r["t"] > t]
+    assert before and after, f"no rows around {t}"
+    return before[-1], after[0]
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(400)
+def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> None:
+    """Three islands; c is SIGKILLed inside a round: a and b abandon that round, go on and end
+    equal; c restarts as an island of two ranks and a new island d joins: both are healed, hold
+    the others' anchors after their first round, and end with the same global model."""
+    fast, stall = tmp_path / "fast", tmp_path / "stall"
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        try:
+            procs = {
+                n: start_island(
+                    tmp_path, address, n, *opts, "--stall-file", str(stall), script=SCRIPT
+                )
+                if n == "c"
+                else start_island(tmp_path, address, n, *opts, script=SCRIPT)
+                for n in "abc"
+            }
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "c")) >= 3, 90, "c's third round")
+            stall.write_text("")  # c's next round stalls after its quorum: kill it there
+            wait_for((tmp_path / "c.stalled").exists, 30, "c to stall inside a round")
+            # a's row of that round comes after the stall, its previous row before it.
+            stalled_at = (tmp_path / "c.stalled").stat().st_mtime
+            procs["c"].send_signal(signal.SIGKILL)
+            procs["c"].wait()
+            killed_at = time.time()
+            os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
+            restarted = start_island(tmp_path, address, "c", *opts, "--devices", "2", script=SCRIPT)
+            joiner = start_island(tmp_path, address, "d", *opts, script=SCRIPT)
+            started += [restarted, joiner]
+            for name in "cd":
+                wait_for(lambda n=name: len(_rounds(tmp_path, n)) >= 2, 120, f"{name}'s rounds")
+            fast.write_text("")
+            procs.update(c=restarted, d=joiner)
+            for name, proc in procs.items():
+                assert finish(proc, 150, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+
+    for name in "ab":  # the round c died in: three islands in it, abandoned by both survivors
+        last, first = _first_row_after(_rounds(tmp_path, name), stalled_at)
+        assert first["swarm/islands_in_round"] == 3, (name, first)
+        assert first["swarm/rounds_abandoned"] == last["swarm/rounds_abandoned"] + 1, name
+        assert first["swarm/outer_steps"] == last["swarm/outer_steps"]  # anchors unchanged
     after = [r for r in _rounds(tmp_path, "a") if r["t"] > killed_at]
     committed = [r for r in after if r["swarm/islands_in_round"] == 2]
     assert committed and committed[0]["t"] - killed_at < 20 + 5  # quorum + round timeouts
     assert any(r["swarm/islands_in_round"] == 4 for r in after)  # c came back, d joined
-    for name in "cd":
-        joined = _rounds(tmp_path, name)
-        assert joined[0]["swarm/heal_bytes"] > 0 and joined[0]["swarm/heal_time_s"] > 0
-        assert joined[0]["swarm/outer_steps"] > 3  # healed into the running swarm
-        last = _rounds(tmp_path, "a")[-1]["swarm/outer_steps"]
-        assert joined[-1]["swarm/outer_steps"] == last
+    a_anchors = _anchors_by_outer_step(tmp_path, "a")
+    assert all(len(digests) == 1 for digests in a_anchors.values())
+    last = _rounds(tmp_path, "a")[-1]["swarm/outer_steps"]
+    for name, ranks in (("c", (0, 1)), ("d", (0,))):
+        for rank in ranks:
+            joined = [r for r in _rounds(tmp_path, name) if r["rank"] == rank]
+            assert joined[0]["swarm/heal_bytes"] > 0 and joined[0]["swarm/heal_time_s"] > 0
+            assert joined[0]["swarm/outer_steps"] > 3  # healed into the running swarm
+            # After its first round (the heal) the joiner holds a's anchors of that round ...
+            assert a_anchors[joined[0]["swarm/outer_steps"]] == {joined[0]["anchors"]}
+            # ... and, being new, sits exactly on them (the catch-up adds no progress).
+            snap = load_file(str(tmp_path / f"{name}.join.rank{rank}.safetensors"))
+            for key in (k for k in snap if k.startswith("param.")):
+                assert snap[key].equal(snap["anchor." + key[6:]]), (name, rank, key)
+            assert joined[-1]["swarm/outer_steps"] == last
     final = {
         name: load_file(str(tmp_path / name))
         for name in (
@@ -74,6 +132,7 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             "b.rank0.safetensors",
             "c.rank0.safetensors",
             "c.rank1.safetensors",
+            "d.rank0.safetensors",
         )
     }
     reference = final.pop("a.rank0.safetensors")
@@ -82,21 +141,30 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             assert value.equal(state[key]), f"{name}: {key} differs from a's"
 
 
+@pytest.mark.timeout(400)
 def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path: Path) -> None:
     """Refused on every rank of the joining island, while a and b go on and end equal."""
     fast = tmp_path / "fast"
     opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
     with lighthouse() as address:
-        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
-        wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
-        wide = start_island(tmp_path, address, "w", *opts, "--width", "6", script=SCRIPT)
-        (tmp_path / "twin").mkdir()
-        twin = start_island(tmp_path / "twin", address, "a", *opts, "--devices", "2", script=SCRIPT)
-        assert finish(wide, 90, tmp_path, "w") != 0
-        assert finish(twin, 90, tmp_path / "twin", "a") != 0
-        fast.write_text("")
-        for name, proc in procs.items():
-            assert finish(proc, 120, tmp_path, name) == 0, name
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
+            wide = start_island(tmp_path, address, "w", *opts, "--width", "6", script=SCRIPT)
+            (tmp_path / "twin").mkdir()
+            twin = start_island(
+                tmp_path / "twin", address, "a", *opts, "--devices", "2", script=SCRIPT
+            )
+            started += [wide, twin]
+            assert finish(wide, 90, tmp_path, "w") != 0
+            assert finish(twin, 90, tmp_path / "twin", "a") != 0
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 120, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
     error = (tmp_path / "w.error.0").read_text()
     assert "ModelMismatchError" in error
     assert "net.0.weight is (6, 8) float32 here but (4, 8) float32 in the swarm" in error
@@ -105,3 +173,80 @@ def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path
         assert twin_error.startswith("DuplicateIslandError: island_id 'a' is already taken")
     a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
     assert all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.timeout(480)  # ~40 s on 2 busy cores
+def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
+    tmp_path: Path,
+) -> None:
+    """c checkpoints while the swarm is {a, c}; b joins; c is killed. A joiner d is SIGKILLed
+    while being healed: a and b abandon that round and go on. c resumes from its checkpoint
+    into the swarm {a, b}: healed to the swarm's anchors, its own progress since its
+    checkpointed anchors kept (the catch-up), and all three end equal."""
+    fast, ckpt = tmp_path / "fast", tmp_path / "c.ckpt"
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        try:
+            a = start_island(tmp_path, address, "a", *opts, script=SCRIPT)
+            c = start_island(tmp_path, address, "c", *opts, "--checkpoint-at", "6", script=SCRIPT)
+            started += [a, c]
+            wait_for(ckpt.exists, 120, "c's checkpoint at step 6")
+            b = start_island(tmp_path, address, "b", *opts, script=SCRIPT)
+            started.append(b)
+            wait_for(lambda: len(_rounds(tmp_path, "b")) >= 2, 120, "b's rounds")
+            c.send_signal(signal.SIGKILL)
+            c.wait()
+            os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
+            d = start_island(tmp_path, address, "d", *opts, "--stall-in-heal", script=SCRIPT)
+            started.append(d)
+            wait_for((tmp_path / "d.stalled").exists, 120, "d to stall while being healed")
+            stalled_at = (tmp_path / "d.stalled").stat().st_mtime
+            d.send_signal(signal.SIGKILL)
+            d.wait()
+            wait_for(  # the healing peer did not hang: a and b commit rounds without d
+                lambda: any(r["t"] > stalled_at for r in _rounds(tmp_path, "b")[1:]),
+                60,
+                "b's rounds after d died",
+            )
+            c = start_island(tmp_path, address, "c", *opts, "--resume", str(ckpt), script=SCRIPT)
+            started.append(c)
+            wait_for(lambda: len(_rounds(tmp_path, "c")) >= 2, 120, "resumed c's rounds")
+            fast.write_text("")
+            for name, proc in (("a", a), ("b", b), ("c", c)):
+                assert finish(proc, 150, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+
+    # The round d was being healed in: abandoned by a and b (d never got past the heal).
+    assert not _rounds(tmp_path, "d")
+    for name in "ab":
+        last, first = _first_row_after(_rounds(tmp_path, name), stalled_at)
+        assert first["swarm/rounds_abandoned"] == last["swarm/rounds_abandoned"] + 1, name
+        assert first["swarm/outer_steps"] == last["swarm/outer_steps"]
+    # The checkpoint was written in a swarm of two; c resumed into a swarm of three.
+    first_life = [r for r in _rows(tmp_path, "c.first") if "swarm/islands_in_round" in r]
+    assert {r["swarm/islands_in_round"] for r in first_life if r["step"] <= 6} == {2}
+    resumed = _rounds(tmp_path, "c")
+    assert any(r["swarm/islands_in_round"] == 3 for r in resumed)
+    # Before its first round c holds its checkpoint: parameters ahead of its old anchors.
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    before = load_file(str(tmp_path / "c.prejoin.rank0.safetensors"))
+    params = [k[6:] for k in before if k.startswith("param.")]
+    assert all(before["param." + k].equal(saved[k]) for k in params)
+    assert not all(before["param." + k].equal(before["anchor." + k]) for k in params)
+    # After it: the swarm's anchors (healed) plus its own progress (the catch-up).
+    joined = load_file(str(tmp_path / "c.join.rank0.safetensors"))
+    assert resumed[0]["swarm/heal_bytes"] > 0
+    assert _anchors_by_outer_step(tmp_path, "a")[resumed[0]["swarm/outer_steps"]] == {
+        resumed[0]["anchors"]
+    }
+    for k in params:
+        assert not joined["anchor." + k].equal(before["anchor." + k])  # the swarm moved on
+        progress = before["param." + k] - before["anchor." + k]
+        torch.testing.assert_close(
+            joined["param." + k] - joined["anchor." + k], progress, rtol=0, atol=1e-6
+        )
+    final = [load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "abc"]
+    for state in final[1:]:
+        assert all(final[0][k].equal(state[k]) for k in final[0])
