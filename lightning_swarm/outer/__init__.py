@@ -11,7 +11,8 @@ from lightning_swarm.outer.loop import (
     as_outer_optimizer,
     default_outer_optimizer,
 )
-from lightning_swarm.outer.sync import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
+from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
+from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
 
 __all__ = [
