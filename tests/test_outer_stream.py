@@ -13,7 +13,8 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.outer_fast import fast_outer_kind
 from lightning_swarm.outer import OuterSync, Streaming
-from lightning_swarm.outer.stream import Segment, StreamRound, plan_buckets
+from lightning_swarm.outer.buckets import Segment, plan_buckets
+from lightning_swarm.outer.stream import StreamRound
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.checks import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
@@ -269,9 +270,9 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
     transport that stops offering the bucket mean would silently fall back to the slow path."""
     from lightning_swarm.config import SwarmConfig
+    from lightning_swarm.outer.buckets import BucketMean
     from lightning_swarm.outer.build import transport_for
     from lightning_swarm.outer.loop import default_outer_optimizer
-    from lightning_swarm.outer.stream import BucketMean
 
     config = SwarmConfig()
     transport = transport_for(

@@ -53,10 +53,12 @@ from torch.profiler import record_function
 
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
+from lightning_swarm.outer.buckets import BucketMean, StreamResult
 from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
 from lightning_swarm.outer.shard import IslandShard
+from lightning_swarm.outer.staging import pin_round_memory
 from lightning_swarm.outer.state import SyncState
-from lightning_swarm.outer.stream import BucketMean, StreamResult, StreamRound, pin_round_memory
+from lightning_swarm.outer.stream import StreamRound
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "Streaming", "SyncReport"]
