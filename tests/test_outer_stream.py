@@ -13,8 +13,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.outer_fast import fast_outer_kind
 from lightning_swarm.outer import OuterSync, Streaming
-from lightning_swarm.outer.buckets import Segment, plan_buckets
-from lightning_swarm.outer.stream import StreamRound
+from lightning_swarm.outer.stream import Segment, StreamRound, plan_buckets
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.checks import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
@@ -270,9 +269,9 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
     transport that stops offering the bucket mean would silently fall back to the slow path."""
     from lightning_swarm.config import SwarmConfig
-    from lightning_swarm.outer.buckets import BucketMean
     from lightning_swarm.outer.build import transport_for
     from lightning_swarm.outer.loop import default_outer_optimizer
+    from lightning_swarm.outer.stream import BucketMean
 
     config = SwarmConfig()
     transport = transport_for(
@@ -286,3 +285,20 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
         sync_every=config.sync_every,
     )
     assert outer._stream_kind() == "sgd"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_round_without_a_staging_path_is_refused_before_anything_moves() -> None:
+    params = {n: torch.nn.Parameter(p.detach().cuda()) for n, p in _params(0).items()}
+    anchors = [p.detach().cpu() for p in params.values()]
+    optimizer = FACTORIES["nesterov"](anchors)
+    with pytest.raises(ValueError, match="staging=CudaStaging"):
+        _sgd_round(
+            StreamRound(7),
+            params,
+            anchors,
+            optimizer,
+            AllReduceTransport(None, num_islands=1, bucket_numel=7),
+            seed=0,
+        )
+    assert not optimizer.state  # no outer state was allocated

@@ -12,12 +12,13 @@ memory. A streamed round then stages them through the GPU one bucket at a time:
   copied out (``free``), computed only after it was filled (``loaded``), copied out only after
   it was computed (``computed``).
 
-Ownership: ``CudaStaging`` owns its slots and side streams from the first round until
-``StreamRound.close`` drops it; each ``Slot``'s device buffers hold one bucket between its copy
-in and its copy out. The pinned host anchors and state belong to the ``OuterSync`` and its
-optimizer, which ``pin_round_memory`` switches over in place. Extra GPU memory: two slots of
-(anchor, state) buckets, the pseudo-gradient bucket and the step's bucket-sized temporaries,
-whatever the model size. When ``run`` returns, the host anchors and state are complete.
+Ownership: ``CudaStaging`` (handed to a ``StreamRound`` by ``OuterSync``) owns its slots and
+side streams from the first round until ``close``; each ``Slot``'s device buffers hold one
+bucket between its copy in and its copy out. The pinned host anchors and state belong to the
+``OuterSync`` and its optimizer, which ``pin_round_memory`` switches over in place (fresh state
+is allocated pinned, ``allocate_state``). Extra GPU memory: two slots of (anchor, state)
+buckets, the pseudo-gradient bucket and the step's bucket-sized temporaries, whatever the model
+size. When ``run`` returns, the host anchors and state are complete.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.fused import sum_of_squares
-from lightning_swarm.outer.buckets import BucketJob, BucketMean, Segment, StreamResult, bucket_fill
+from lightning_swarm.outer.stream import BucketJob, BucketMean, Segment, StreamResult, bucket_fill
 
 
 def pin_round_memory(optimizer: torch.optim.Optimizer, anchors: dict[str, Tensor]) -> None:
@@ -58,18 +59,6 @@ def pin_round_memory(optimizer: torch.optim.Optimizer, anchors: dict[str, Tensor
                 state[key] = value.pin_memory()
 
 
-def state_allocator(pinned: bool) -> Callable[[Tensor], Tensor]:
-    """How a fresh outer state tensor is allocated: pinned host memory when staged, else beside
-    its anchor."""
-
-    def allocate(anchor: Tensor) -> Tensor:
-        if pinned:
-            return torch.empty(anchor.shape, dtype=torch.float32, pin_memory=True)
-        return torch.empty(anchor.shape, dtype=torch.float32, device=anchor.device)
-
-    return allocate
-
-
 class Slot:
     """One set of device buffers for a bucket in flight, with its stream events."""
 
@@ -96,6 +85,15 @@ class CudaStaging:
 
     def buffer_bytes(self) -> int:
         return sum(slot.nbytes() for slot in self.slots)
+
+    def close(self) -> None:
+        """Release the slots and streams (the next round allocates them again)."""
+        self.slots, self.streams = [], None
+
+    @staticmethod
+    def allocate_state(anchor: Tensor) -> Tensor:
+        """Fresh outer state in pinned host memory, so that its copies run asynchronously."""
+        return torch.empty(anchor.shape, dtype=torch.float32, pin_memory=True)
 
     def _slots_for(self, job: BucketJob, bucket_numel: int) -> list[Slot]:
         numel = min(bucket_numel, job.total_numel)

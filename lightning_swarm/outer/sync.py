@@ -53,12 +53,11 @@ from torch.profiler import record_function
 
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
-from lightning_swarm.outer.buckets import BucketMean, StreamResult
 from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
 from lightning_swarm.outer.shard import IslandShard
-from lightning_swarm.outer.staging import pin_round_memory
+from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
 from lightning_swarm.outer.state import SyncState
-from lightning_swarm.outer.stream import StreamRound
+from lightning_swarm.outer.stream import BucketMean, StreamResult, StreamRound
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "Streaming", "SyncReport"]
@@ -169,7 +168,7 @@ class OuterSync(SyncState):
     def _build_stream(self, stream: bool) -> StreamRound | None:
         """The bucketed one-pass round where this transport and schedule allow it."""
         if stream and isinstance(self.transport, BucketMean) and self.schedule.sync_delay == 0:
-            return StreamRound(self.transport.bucket_numel)
+            return StreamRound(self.transport.bucket_numel, staging=CudaStaging())
         return None
 
     @property
