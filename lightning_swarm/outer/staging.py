@@ -23,7 +23,6 @@ size. When ``run`` returns, the host anchors and state are complete.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,8 +94,7 @@ class CudaStaging:
         """Fresh outer state in pinned host memory, so that its copies run asynchronously."""
         return torch.empty(anchor.shape, dtype=torch.float32, pin_memory=True)
 
-    def _slots_for(self, job: BucketJob, bucket_numel: int) -> list[Slot]:
-        numel = min(bucket_numel, job.total_numel)
+    def _slots_for(self, job: BucketJob, numel: int) -> list[Slot]:
         num_state = max(len(states) for states in job.states_per_tensor)
         anchor_dtype = job.anchors[0].dtype
         if not self.slots or self.slots[0].anchor.numel() < numel:
@@ -106,22 +104,15 @@ class CudaStaging:
         return self.slots
 
     def run(
-        self,
-        job: BucketJob,
-        plan: list[list[Segment]],
-        reducer: BucketMean,
-        *,
-        bucket_numel: int,
-        delta_buffer: Callable[[int, torch.device], Tensor],
+        self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
     ) -> StreamResult:
         """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
-        slots = self._slots_for(job, bucket_numel)
+        slots = self._slots_for(job, bucket_fill(plan[0]))  # a full bucket, or all elements
         assert self.streams is not None
         copy_in, copy_out = self.streams
         compute = torch.cuda.current_stream(job.device)
-        delta_all = delta_buffer(slots[0].anchor.numel(), job.device)
         sumsq = torch.zeros((), dtype=torch.float32, device=job.device)
         sent = 0
         self._copy_in(job, plan[0], slots[0], copy_in)
@@ -130,8 +121,8 @@ class CudaStaging:
             if k + 1 < len(plan):  # prefetch the next bucket while this one computes
                 self._copy_in(job, plan[k + 1], slots[(k + 1) % 2], copy_in)
             compute.wait_event(slot.loaded)
-            delta = delta_all[: bucket_fill(bucket)]
-            sent += self._compute(job, bucket, slot, delta, reducer, sumsq)
+            bucket_delta = delta[: bucket_fill(bucket)]
+            sent += self._compute(job, bucket, slot, bucket_delta, reducer, sumsq)
             slot.computed.record(compute)
             self._copy_out(job, bucket, slot, copy_out)
         copy_out.synchronize()  # the host anchors and state are complete when run returns

@@ -258,15 +258,11 @@ class Staging(Protocol):
         ...
 
     def run(
-        self,
-        job: BucketJob,
-        plan: list[list[Segment]],
-        reducer: BucketMean,
-        *,
-        bucket_numel: int,
-        delta_buffer: Callable[[int, torch.device], Tensor],
+        self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
     ) -> StreamResult:
-        """The whole round, bucket by bucket; the host anchors and state are complete after."""
+        """The whole round, bucket by bucket, forming each bucket's pseudo-gradient in the
+        flat float32 ``delta`` (at least one bucket); the host anchors and state are complete
+        when it returns."""
         ...
 
     def buffer_bytes(self) -> int: ...
@@ -340,9 +336,8 @@ class StreamRound:
         plan = plan_buckets([p.numel() for p in params], self.bucket_numel)
         if on_cuda:
             assert self._staging is not None
-            return self._staging.run(
-                job, plan, reducer, bucket_numel=self.bucket_numel, delta_buffer=self._delta_buffer
-            )
+            delta = self._delta_buffer(bucket_fill(plan[0]), job.device)
+            return self._staging.run(job, plan, reducer, delta)
         return self._run_local(job, plan, reducer)
 
     def _delta_buffer(self, numel: int, device: torch.device) -> Tensor:
