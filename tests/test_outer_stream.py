@@ -285,3 +285,90 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
         sync_every=config.sync_every,
     )
     assert outer._stream_kind() == "sgd"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_round_without_a_staging_path_is_refused_before_anything_moves() -> None:
+    params = {n: torch.nn.Parameter(p.detach().cuda()) for n, p in _params(0).items()}
+    anchors = [p.detach().cpu() for p in params.values()]
+    optimizer = FACTORIES["nesterov"](anchors)
+    with pytest.raises(ValueError, match="staging=CudaStaging"):
+        _sgd_round(
+            StreamRound(7),
+            params,
+            anchors,
+            optimizer,
+            AllReduceTransport(None, num_islands=1, bucket_numel=7),
+            seed=0,
+        )
+    assert not optimizer.state  # no outer state was allocated
+
+
+def _float32(anchor: Tensor) -> Tensor:
+    return torch.zeros(anchor.shape, dtype=torch.float32)
+
+
+class _NoStream:
+    """A stand-in CUDA stream/event: on the CPU every copy is already complete."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opt", ["nesterov", "adamw"])
+def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
+    monkeypatch: pytest.MonkeyPatch, opt: str, dtype: torch.dtype
+) -> None:
+    """CudaStaging's bucket schedule (slots, copy in, compute, copy out) with no-op streams, so
+    that its bookkeeping is checked without a GPU: bitwise the CPU path's anchors, state, norm."""
+    import contextlib
+
+    from lightning_swarm.algorithm.outer_fast import ensure_state, groups_by_param
+    from lightning_swarm.outer.staging import CudaStaging
+    from lightning_swarm.outer.stream import BucketJob, bucket_fill
+
+    monkeypatch.setattr(torch.cuda, "Event", _NoStream)
+    monkeypatch.setattr(torch.cuda, "Stream", _NoStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    kind = "sgd" if opt == "nesterov" else "adam"
+    transport = AllReduceTransport(None, num_islands=1, bucket_numel=7)
+    results = []
+    for staged in (False, True):
+        params = _params(0)
+        anchors = [p.detach().to(dtype=dtype, copy=True) for p in params.values()]
+        optimizer = FACTORIES[opt](anchors)
+        stream, staging = StreamRound(7), CudaStaging()
+        for step in range(3):
+            _train(params, 0, step)
+            groups = groups_by_param(optimizer)
+            fresh = [ensure_state(optimizer, a, kind, groups[id(a)], _float32) for a in anchors]
+            if kind == "adam":
+                for anchor in anchors:
+                    optimizer.state[anchor]["step"] += 1
+            job = BucketJob(
+                list(params.values()), anchors, optimizer, kind, groups, fresh, 0.25, step
+            )
+            plan = plan_buckets([p.numel() for p in params.values()], 7)
+            if staged:
+                delta = stream._delta_buffer(bucket_fill(plan[0]), job.device)
+                result = staging.run(job, plan, transport, delta)
+            else:
+                result = stream._run_local(job, plan, transport)
+        state = [t for a in anchors for t in optimizer.state[a].values() if t.dim() > 0]
+        results.append(([*params.values(), *anchors, *state], result.norm))
+    (local, local_norm), (staged_out, staged_norm) = results
+    assert local_norm == staged_norm
+    assert len(local) == len(staged_out)
+    for a, b in zip(local, staged_out, strict=True):
+        assert torch.equal(a, b)

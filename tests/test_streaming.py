@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.outer import OuterSync, Streaming, SyncWorker, SyncWorkerError
+from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.quantized import QuantizedTransport
 
@@ -419,12 +420,25 @@ def test_training_on_after_finish_does_not_apply_a_round_twice() -> None:
         assert torch.equal(outer.anchors[n], twin.anchors[n]), n
 
 
-def test_round_phases_are_labelled_for_the_profiler() -> None:
-    outer = OuterSync(_params(), outer_optimizer=PLAIN, transport=FakePeer(), sync_every=2)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_round_phases_are_labelled_for_the_profiler(streamed: bool) -> None:
+    """Both round forms label the same phases. The streamed round (a one-island all-reduce with
+    7-element buckets, so several buckets per round) labels them inside "swarm/streamed_round"."""
+    transport = AllReduceTransport(None, num_islands=1, bucket_numel=7) if streamed else FakePeer()
+    outer = OuterSync(_params(), outer_optimizer=PLAIN, transport=transport, sync_every=2)
+    assert (outer._stream_kind() is not None) == streamed
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for step in range(1, 3):
             _inner_step(outer.params, step)
             outer.on_inner_step()
-    names = {event.name for event in prof.events()}
+    events = list(prof.events())
+    names = {event.name for event in events}
     phases = {"swarm/pseudo_gradient", "swarm/exchange", "swarm/outer_step", "swarm/merge"}
     assert phases <= names, phases - names
+    assert ("swarm/streamed_round" in names) == streamed
+    if streamed:
+        rounds = [e.time_range for e in events if e.name == "swarm/streamed_round"]
+        for event in events:
+            if event.name in phases:
+                span = event.time_range
+                assert any(r.start <= span.start and span.end <= r.end for r in rounds), event

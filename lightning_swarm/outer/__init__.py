@@ -3,6 +3,12 @@
 Layer: below the Lightning glue, above the transports and the algorithm; never imports
 lightning. ``OuterLoop`` (one per fit) owns one ``OuterSync`` per optimizer, the ``SyncWorker``
 and the totals; ``OuterSync`` runs one optimizer's rounds against a ``Transport``.
+
+Modules: ``loop`` (the per-fit owner), ``sync`` (``OuterSync``: the outer state and the
+coordinator that picks a round's form), ``stream`` (the streamed round, the default) and
+``staging`` (its CUDA path), ``two_phase`` (the send/apply round), ``state`` (checkpoint state),
+``records`` (``SyncReport``, ``Streaming``), ``shard`` (a sharded island), ``worker`` (the
+background thread), ``build`` (transport factory), ``elastic`` (an elastic island's rounds).
 """
 
 from lightning_swarm.outer.loop import (
@@ -11,7 +17,8 @@ from lightning_swarm.outer.loop import (
     as_outer_optimizer,
     default_outer_optimizer,
 )
-from lightning_swarm.outer.sync import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
+from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
+from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
 
 __all__ = [

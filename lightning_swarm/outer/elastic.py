@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.outer.sync import OuterSync, SyncReport
+from lightning_swarm.outer.records import SyncReport
+from lightning_swarm.outer.sync import OuterSync
 
 
 class ElasticOuter:

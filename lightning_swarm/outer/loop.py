@@ -30,8 +30,9 @@ from torch.optim import Optimizer
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
-from lightning_swarm.outer.sync import OuterOptimizerFactory, OuterSync, Streaming, SyncReport
+from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
 from lightning_swarm.transport import Transport, ring_allreduce_bytes
 

@@ -1,0 +1,172 @@
+"""The streamed round's CUDA path: parameters on the GPU, anchors and outer state in host memory.
+
+The default placement keeps the anchors and the outer optimizer's state off the GPU to save its
+memory. A streamed round then stages them through the GPU one bucket at a time:
+- ``pin_round_memory`` moves the anchors and their float state into pinned host memory once,
+  the first time such a round runs (mapped anchors therefore stay file-backed until then), so
+  that the copies can run asynchronously;
+- ``CudaStaging.run`` copies bucket k + 1's anchors and state in on one side stream while
+  bucket k is formed, reduced (NCCL, on the current stream), stepped and merged, and copies
+  bucket k's new anchors and state out on another side stream. Two slots of device buffers
+  alternate, ordered by CUDA events: a slot is refilled only after its previous bucket was
+  copied out (``free``), computed only after it was filled (``loaded``), copied out only after
+  it was computed (``computed``).
+
+Ownership: ``CudaStaging`` (handed to a ``StreamRound`` by ``OuterSync``) owns its slots and
+side streams from the first round until ``close``; each ``Slot``'s device buffers hold one
+bucket between its copy in and its copy out. The pinned host anchors and state belong to the
+``OuterSync`` and its optimizer, which ``pin_round_memory`` switches over in place (fresh state
+is allocated pinned, ``allocate_state``). Extra GPU memory: two slots of (anchor, state)
+buckets, the pseudo-gradient bucket and the step's bucket-sized temporaries, whatever the model
+size. When ``run`` returns, the host anchors and state are complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.fused import sum_of_squares
+from lightning_swarm.outer.stream import BucketJob, BucketMean, Segment, StreamResult, bucket_fill
+
+
+def pin_round_memory(optimizer: torch.optim.Optimizer, anchors: dict[str, Tensor]) -> None:
+    """Move ``anchors`` (in place in the dict) and their float state into pinned host memory.
+
+    The optimizer keeps working on the same values: its parameter references and state keys are
+    switched to the pinned anchors. Idempotent; a no-op where CUDA is unavailable.
+    """
+    if not torch.cuda.is_available():
+        return
+    swapped: dict[int, Tensor] = {}
+    for name, anchor in anchors.items():
+        if anchor.device.type == "cpu" and not anchor.is_pinned():
+            pinned = anchor.pin_memory()
+            swapped[id(anchor)] = pinned
+            if anchor in optimizer.state:
+                optimizer.state[pinned] = optimizer.state.pop(anchor)
+            anchors[name] = pinned
+    for group in optimizer.param_groups:
+        group["params"] = [swapped.get(id(p), p) for p in group["params"]]
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key == "step" or not isinstance(value, Tensor):
+                continue
+            if value.device.type == "cpu" and not value.is_pinned():
+                state[key] = value.pin_memory()
+
+
+class Slot:
+    """One set of device buffers for a bucket in flight, with its stream events."""
+
+    def __init__(self, numel: int, anchor_dtype: torch.dtype, num_state: int, device: Any) -> None:
+        self.anchor = torch.empty(numel, dtype=anchor_dtype, device=device)
+        self.state = [torch.empty(numel, device=device) for _ in range(num_state)]
+        self.loaded = torch.cuda.Event()
+        self.computed = torch.cuda.Event()
+        self.free = torch.cuda.Event()
+        self.free.record()
+
+    def nbytes(self) -> int:
+        return self.anchor.numel() * self.anchor.element_size() + sum(
+            s.numel() * 4 for s in self.state
+        )
+
+
+class CudaStaging:
+    """Two device slots and two side streams, reused by every round (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.slots: list[Slot] = []
+        self.streams: tuple[Any, Any] | None = None
+
+    def buffer_bytes(self) -> int:
+        return sum(slot.nbytes() for slot in self.slots)
+
+    def close(self) -> None:
+        """Release the slots and streams (the next round allocates them again)."""
+        self.slots, self.streams = [], None
+
+    @staticmethod
+    def allocate_state(anchor: Tensor) -> Tensor:
+        """Fresh outer state in pinned host memory, so that its copies run asynchronously."""
+        return torch.empty(anchor.shape, dtype=torch.float32, pin_memory=True)
+
+    def _slots_for(self, job: BucketJob, numel: int) -> list[Slot]:
+        num_state = max(len(states) for states in job.states_per_tensor)
+        anchor_dtype = job.anchors[0].dtype
+        if not self.slots or self.slots[0].anchor.numel() < numel:
+            self.slots = [Slot(numel, anchor_dtype, num_state, job.device) for _ in range(2)]
+        if self.streams is None:
+            self.streams = (torch.cuda.Stream(job.device), torch.cuda.Stream(job.device))
+        return self.slots
+
+    def run(
+        self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
+    ) -> StreamResult:
+        """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
+        if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
+            raise ValueError("a streamed round needs all anchors of one dtype")
+        slots = self._slots_for(job, bucket_fill(plan[0]))  # a full bucket, or all elements
+        assert self.streams is not None
+        copy_in, copy_out = self.streams
+        compute = torch.cuda.current_stream(job.device)
+        sumsq = torch.zeros((), dtype=torch.float32, device=job.device)
+        sent = 0
+        self._copy_in(job, plan[0], slots[0], copy_in)
+        for k, bucket in enumerate(plan):
+            slot = slots[k % 2]
+            if k + 1 < len(plan):  # prefetch the next bucket while this one computes
+                self._copy_in(job, plan[k + 1], slots[(k + 1) % 2], copy_in)
+            compute.wait_event(slot.loaded)
+            bucket_delta = delta[: bucket_fill(bucket)]
+            sent += self._compute(job, bucket, slot, bucket_delta, reducer, sumsq)
+            slot.computed.record(compute)
+            self._copy_out(job, bucket, slot, copy_out)
+        copy_out.synchronize()  # the host anchors and state are complete when run returns
+        return StreamResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
+
+    @staticmethod
+    def _compute(
+        job: BucketJob,
+        bucket: list[Segment],
+        slot: Slot,
+        delta: Tensor,
+        reducer: BucketMean,
+        sumsq: Tensor,
+    ) -> int:
+        """Form, reduce, step and merge one bucket on the compute stream, from its slot."""
+
+        def anchor_of(seg: Segment) -> Tensor:
+            return job.cut(slot.anchor, seg)
+
+        def state_of(seg: Segment) -> list[Tensor]:
+            return [job.cut(t, seg) for t in slot.state]
+
+        job.form(bucket, delta, anchor_of)
+        sent = job.reduce(reducer, delta)
+        sumsq += sum_of_squares(delta)
+        job.step_and_merge(bucket, delta, anchor_of, state_of)
+        return sent
+
+    @staticmethod
+    def _copy_in(job: BucketJob, bucket: list[Segment], slot: Slot, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            stream.wait_event(slot.free)  # the slot's previous bucket has been copied out
+            for seg in bucket:
+                job.cut(slot.anchor, seg).copy_(job.anchor_slice(seg), non_blocking=True)
+                for dev, host in zip(slot.state, job.state(seg), strict=False):
+                    job.cut(dev, seg).copy_(host.view(-1)[seg.start : seg.stop], non_blocking=True)
+            slot.loaded.record(stream)
+
+    @staticmethod
+    def _copy_out(job: BucketJob, bucket: list[Segment], slot: Slot, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            stream.wait_event(slot.computed)
+            for seg in bucket:
+                job.anchor_slice(seg).copy_(job.cut(slot.anchor, seg), non_blocking=True)
+                for host, dev in zip(job.state(seg), slot.state, strict=False):
+                    host.view(-1)[seg.start : seg.stop].copy_(job.cut(dev, seg), non_blocking=True)
+            slot.free.record(stream)

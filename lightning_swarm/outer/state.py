@@ -1,0 +1,187 @@
+"""An ``OuterSync``'s checkpoint state: what a save holds and how a resume installs it.
+
+Two kinds of state, saved to different files:
+- global (``state_dict``): the anchors, the outer optimizer's state, the counters and a round in
+  flight (its averaged result, identical on every island, so a resumed run applies it at the
+  same step as an uninterrupted one). Tensors stay on the anchor device; the dict aliases the
+  live anchors, so the caller must write it out before the next round moves them.
+- per island (``island_state_dict``): the error-feedback residuals, like the inner
+  optimizer's state. Sharded with error feedback this is collective over the island.
+
+``load_state_dict`` adopts the given anchor tensors when they already have this object's anchor
+device and dtype (memory-mapped anchors stay file-backed until a round writes them) and
+rebuilds the outer optimizer over them; sharded, it keeps only the owned names, selecting the
+optimizer's positional state by the saved ``param_names``. A saved round in flight must be the
+one this run's schedule expects, or the resume is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.optimizer_state import select_by_name
+from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.outer.records import OuterOptimizerFactory
+from lightning_swarm.outer.two_phase import Exchanged, RoundInFlight, TwoPhaseRound
+from lightning_swarm.transport.base import RoundStats
+
+
+class SyncState(TwoPhaseRound):
+    """Save and restore methods of ``OuterSync`` (which owns and documents the fields)."""
+
+    owned: list[str]
+    anchor_device: torch.device
+    anchor_dtype: torch.dtype
+    ended_at: int | None
+    _outer_optimizer_factory: OuterOptimizerFactory
+
+    def state_dict(self) -> dict[str, Any]:
+        """Anchors, outer optimizer state, counters and a round in flight (global state).
+
+        A round in flight is waited for; its averaged result (identical on every island) is
+        saved so a resumed run applies it at the same step as an uninterrupted one. Tensors
+        stay on the anchor device.
+        """
+        pending = self._pending_state()  # waits for the exchange first
+        state: dict[str, Any] = {
+            "anchors": dict(self.anchors),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "fragment_rounds": list(self.fragment_rounds),
+            "pending": pending,
+            "synced_at": list(self.synced_at),
+            "ended_at": self.ended_at,
+        }
+        if self.shard is not None:
+            # The outer optimizer's state is positional: a re-shard needs the names.
+            state["param_names"] = list(self.owned)
+        return state
+
+    def _pending_state(self) -> dict[str, Any] | None:
+        """The round in flight, after waiting for its exchange (None when none is)."""
+        if self._in_flight is None:
+            return None
+        result = self._result(self._in_flight)
+        pending = {
+            "fragment": self._in_flight.fragment,
+            "send_step": self._in_flight.send_step,
+            "deltas": dict(self._in_flight.deltas),
+            "applied": result.stats.applied,
+            "norm": result.norm,
+            "bytes_sent": result.stats.bytes_sent,
+            "bytes_received": result.stats.bytes_received,
+            "transport_s": result.stats.wall_s,
+        }
+        if self.shard is not None:
+            pending["share_norm"] = not result.combined  # merged shards combine it
+        return pending
+
+    def island_state_dict(self) -> dict[str, Any]:
+        """This island's own state: the error-feedback residuals (after any round in flight).
+
+        Sharded with error feedback, each rank holds the residuals of its share: this is then
+        collective over the island, and the island's first rank (which writes the island's
+        file) gets every share's residuals.
+        """
+        self.drain()
+        residuals = dict(self.residuals)
+        if self.shard is not None and self.streaming.error_feedback:
+            residuals = self.shard.collect(residuals)
+        return {"residuals": residuals}
+
+    def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install residuals saved by ``island_state_dict`` (converted to the anchor device)."""
+        residuals: Mapping[str, Tensor] = state.get("residuals", {})
+        for name, residual in residuals.items():
+            if name not in self.params or residual.shape != self.params[name].shape:
+                raise ValueError(
+                    f"saved error-feedback residual {name!r} does not fit this model; resume "
+                    "with the model and fragments the checkpoint was written by."
+                )
+        owned = set(self.owned)
+        self.residuals = {
+            name: r.to(device=self.anchor_device, dtype=torch.float32)
+            for name, r in residuals.items()
+            if name in owned
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install anchors, outer optimizer state, counters and a round in flight.
+
+        The given anchor tensors are adopted, not copied, when they already have this object's
+        anchor device and dtype: memory-mapped anchors stay file-backed until a sync writes
+        them. Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors).
+        The outer optimizer is rebuilt over the new anchors, then given the saved state.
+
+        Raises:
+            ValueError: a parameter has no anchor, or an anchor of the wrong shape; or the
+                saved round in flight does not fit this run's schedule.
+        """
+        anchors: Mapping[str, Tensor] = state["anchors"]
+        self._install_anchors(anchors)
+        self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
+        saved_names = state.get("param_names") or list(anchors)
+        optimizer_state = select_by_name(state["outer_optimizer"], saved_names, self.owned)
+        self.outer_optimizer.load_state_dict(optimizer_state)
+        keep_state_float32(self.outer_optimizer, optimizer_state)
+        self.inner_steps = int(state["inner_steps"])
+        self.outer_steps = int(state["outer_steps"])
+        rounds = state.get("fragment_rounds")
+        self.fragment_rounds = list(rounds) if rounds is not None else [0] * len(self.fragments)
+        # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
+        synced = state.get("synced_at")
+        self.synced_at = list(synced) if synced is not None else [None] * len(self.fragments)
+        ended = state.get("ended_at")
+        self.ended_at = None if ended is None else int(ended)
+        self._in_flight = self._restore_round(state.get("pending"))
+
+    def _install_anchors(self, anchors: Mapping[str, Tensor]) -> None:
+        """Check every parameter's saved anchor, then adopt (or convert) the owned ones."""
+        for name, p in self.params.items():
+            if name not in anchors or tuple(anchors[name].shape) != tuple(p.shape):
+                found = tuple(anchors[name].shape) if name in anchors else "no anchor"
+                raise ValueError(
+                    f"saved anchors do not fit parameter {name!r} (shape {tuple(p.shape)}, "
+                    f"saved {found}); resume with the model the checkpoint was written by."
+                )
+        self.anchors = {
+            name: anchors[name].to(device=self.anchor_device, dtype=self.anchor_dtype)
+            for name in self.owned
+        }
+        self._placeholders = False
+
+    def _restore_round(self, pending: Mapping[str, Any] | None) -> RoundInFlight | None:
+        expected = None
+        if self.inner_steps:
+            expected = self.schedule.in_flight(self.inner_steps, sent_after=self.ended_at or 0)
+        found = None if pending is None else int(pending["fragment"])
+        if found != expected:
+            raise ValueError(
+                f"the checkpoint has fragment {found} in flight at inner step {self.inner_steps} "
+                f"but this run's schedule expects {expected}; resume with the sync_every, "
+                "num_fragments and sync_delay the checkpoint was written with."
+            )
+        if pending is None:
+            return None
+        stats = RoundStats(
+            bytes_sent=int(pending["bytes_sent"]),
+            bytes_received=int(pending["bytes_received"]),
+            wall_s=float(pending["transport_s"]),
+            applied=bool(pending["applied"]),
+        )
+        owned = set(self.owned)
+        deltas = {
+            name: t.to(torch.float32) for name, t in pending["deltas"].items() if name in owned
+        }
+        combined = not pending.get("share_norm", False)
+        return RoundInFlight(
+            int(pending["fragment"]),
+            int(pending["send_step"]),
+            deltas,
+            result=Exchanged(stats, float(pending["norm"]), combined=combined),
+        )
