@@ -28,6 +28,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -213,7 +214,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     # Each rank of the CPU default launcher re-runs this command; keep torch to one intra-op
     # thread per rank unless the user said otherwise, so N ranks do not fight over N cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The variable reaches the ranks this process launches; this process (rank 0) imported
+    # torch already, so its own pool is sized here too (seen: rank 0 with its default pool
+    # used 10x the CPU time of rank 1 per step on a loaded 2-core machine; every rank waits).
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     _hydra_main()
 
 
