@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import sys
 import time
@@ -142,7 +143,17 @@ def run_one(
     overrides = command(name, islands, steps, extra)
     run_dir = work / run_key(name, islands, steps)
     shutil.rmtree(run_dir, ignore_errors=True)  # a killed earlier attempt's logs
-    summary = run_main_job(overrides, run_dir)
+    # A one-rank DDP run does the islands' work in one process: give it their threads.
+    threads = min(islands, os.cpu_count() or 1) if SETTINGS[name].one_rank else 1
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        summary = run_main_job(overrides, run_dir)
+    finally:
+        if previous is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
     return {
         "name": name,
         "islands": islands,
@@ -155,6 +166,7 @@ def run_one(
         "outer_steps": summary.get("outer_steps"),
         "val_curve": val_curve(run_dir),
         "wall_s": summary["wall_s"],
+        "threads_per_rank": threads,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -201,6 +213,36 @@ def sweep(
         done[run_key(name, islands, steps)] = record
         results.write_text(json.dumps(done, indent=1) + "\n")
         print(f"    val_loss {record['val_loss']:.4f}, {record['wall_s']:.0f} s", flush=True)
+
+
+def with_curve_ends(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Add missing DDP / no-sync ends read off a longer run's validation curve.
+
+    The inner schedule of a setting without schedules does not depend on ``max_steps``
+    (warm-up, then constant), so a baseline's state after ``n`` steps of a longer run is the
+    state a run of ``n`` steps ends in; its validation at step ``n`` stands in for that run.
+    Such records carry ``derived_from`` (the longer run's key) and no wall time.
+    """
+    out = dict(results)
+    ends = {"ddp", "no_sync", *(n for pair in BASELINES.values() for n in pair)}
+    for islands, steps in {(r["islands"], r["steps"]) for r in results.values()}:
+        for name in sorted(ends - {r["name"] for r in results.values() if r["steps"] == steps}):
+            if SETTINGS[name].inner_schedule:
+                continue  # a round schedule depends on max_steps
+            for key, longer in results.items():
+                curve = dict(map(tuple, longer.get("val_curve") or []))
+                same = (longer["name"], longer["islands"]) == (name, islands)
+                if same and longer["steps"] > steps and steps - 1 in curve:
+                    out[run_key(name, islands, steps)] = {
+                        **longer,
+                        "steps": steps,
+                        "val_loss": curve[steps - 1],
+                        "val_curve": [p for p in longer["val_curve"] if p[0] < steps],
+                        "derived_from": key,
+                        "wall_s": None,
+                    }
+                    break
+    return out
 
 
 def gap_closed(record: dict[str, Any], results: dict[str, dict[str, Any]]) -> float | None:
@@ -250,10 +292,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     )
     for r in records:
         gap, sent = gap_closed(r, results), bytes_sent(r, results)
+        origin = f" (step {r['steps']} of {r['derived_from']})" if "derived_from" in r else ""
+        wall = "—" if r["wall_s"] is None else f"{r['wall_s']:.0f}"
         rows.append(
-            f"| {r['name']} | {r['islands']} | {r['steps']} | {describe(r['name'])} | "
+            f"| {r['name']} | {r['islands']} | {r['steps']} | {describe(r['name'])}{origin} | "
             f"{r['val_loss']:.4f} | {'—' if gap is None else f'{100 * gap:.0f}%'} | "
-            f"{'—' if sent is None else f'{sent / 1e6:,.1f} MB'} | {r['wall_s']:.0f} |"
+            f"{'—' if sent is None else f'{sent / 1e6:,.1f} MB'} | {wall} |"
         )
     return "\n".join(rows)
 
@@ -269,7 +313,7 @@ def curve_table(results: dict[str, dict[str, Any]], islands: int, steps: int) ->
     lows, highs = dict(map(tuple, ddp["val_curve"])), dict(map(tuple, floor["val_curve"]))
     ends = {step: (lows[step], highs[step]) for step in lows if step in highs}
     marks = [step for step in sorted(ends) if ends[step][1] != ends[step][0]]
-    head = "| run | " + " | ".join(f"step {m}" for m in marks) + " |"
+    head = "| run | " + " | ".join(f"step {m + 1}" for m in marks) + " |"
     rows = [head, "|---|" + "---|" * len(marks)]
     for name, r in runs.items():
         if name in ("ddp", "no_sync") or name in BASELINES.get("icos", ()):
@@ -325,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.report:
         sweep(args.only, args.islands, args.steps, args.results, args.work, tuple(args.extra))
-    results = load(args.results)
+    results = with_curve_ends(load(args.results))
     print(table(results))
     for islands, steps in sorted({(r["islands"], r["steps"]) for r in results.values()}):
         curves = curve_table(results, islands, steps)
