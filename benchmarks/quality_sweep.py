@@ -302,30 +302,41 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def merged_curve(results: dict[str, dict[str, Any]], name: str, islands: int) -> dict[int, float]:
+    """Every validation point of ``name`` at ``islands``, over all its runs' curves.
+
+    Runs of one setting differ only in length; without a round schedule they follow one
+    trajectory, so their curves agree where they overlap and together extend each other.
+    """
+    points: dict[int, float] = {}
+    for r in results.values():
+        if (r["name"], r["islands"]) == (name, islands) and "derived_from" not in r:
+            points.update((int(step), float(loss)) for step, loss in r.get("val_curve") or [])
+    return points
+
+
 def curve_table(results: dict[str, dict[str, Any]], islands: int, steps: int) -> str:
     """Gap closed at each validation of the runs at (islands, steps), from their curves."""
-    runs = {
-        r["name"]: r for r in results.values() if (r["islands"], r["steps"]) == (islands, steps)
-    }
-    ddp, floor = runs.get("ddp"), runs.get("no_sync")
-    if not ddp or not floor or not ddp.get("val_curve") or not floor.get("val_curve"):
+    lows, highs = merged_curve(results, "ddp", islands), merged_curve(results, "no_sync", islands)
+    marks = [m for m in sorted(lows) if m in highs and m < steps and highs[m] != lows[m]]
+    runs = [
+        r
+        for r in results.values()
+        if (r["islands"], r["steps"]) == (islands, steps)
+        and SETTINGS[r["name"]].group == "swarm"
+        and not SETTINGS[r["name"]].inner_schedule
+    ]
+    if not marks or not runs:
         return ""
-    lows, highs = dict(map(tuple, ddp["val_curve"])), dict(map(tuple, floor["val_curve"]))
-    ends = {step: (lows[step], highs[step]) for step in lows if step in highs}
-    marks = [step for step in sorted(ends) if ends[step][1] != ends[step][0]]
     head = "| run | " + " | ".join(f"step {m + 1}" for m in marks) + " |"
     rows = [head, "|---|" + "---|" * len(marks)]
-    for name, r in runs.items():
-        if name in ("ddp", "no_sync") or name in BASELINES.get("icos", ()):
-            continue
+    for r in runs:
         curve = dict(map(tuple, r.get("val_curve", [])))
         cells = [
-            f"{100 * (ends[m][1] - curve[m]) / (ends[m][1] - ends[m][0]):.0f}%"
-            if m in curve
-            else "—"
+            f"{100 * (highs[m] - curve[m]) / (highs[m] - lows[m]):.0f}%" if m in curve else "—"
             for m in marks
         ]
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+        rows.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -336,7 +347,14 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["islands"], r["steps"]) for r in results.values()})
+    # panels only where some setting synced: a lone baseline has nothing to compare with
+    groups = sorted(
+        {
+            (r["islands"], r["steps"])
+            for r in results.values()
+            if SETTINGS[r["name"]].group == "swarm"
+        }
+    )
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
     for ax, (islands, steps) in zip(axes[0], groups, strict=True):
         runs = [r for r in results.values() if (r["islands"], r["steps"]) == (islands, steps)]
@@ -376,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         if curves:
             print(f"\nshare of the gap closed along the run, {islands} islands, {steps} steps")
             print(curves)
-    if results:
+    if any(SETTINGS[r["name"]].group == "swarm" for r in results.values()):
         plot(results, args.plot)
 
 
