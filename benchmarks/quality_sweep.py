@@ -358,14 +358,25 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
     for ax, (islands, steps) in zip(axes[0], groups, strict=True):
         runs = [r for r in results.values() if (r["islands"], r["steps"]) == (islands, steps)]
-        for r in runs:
+        runs.sort(key=lambda r: r["val_loss"])
+        for i, r in enumerate(runs):
             sent = bytes_sent(r, results)
-            if r["name"].startswith("no_sync") or not sent:
-                ax.axhline(r["val_loss"], ls="--", color="grey", lw=1)
+            scheduled = bool(SETTINGS[r["name"]].inner_schedule)  # against its own ends
+            if not sent or r["name"].startswith("no_sync"):
+                style = {"ls": ":" if scheduled else "--", "color": "grey", "lw": 1}
+                ax.axhline(r["val_loss"], **style)  # type: ignore[arg-type]
                 ax.annotate(r["name"], (0.01, r["val_loss"]), xycoords=("axes fraction", "data"))
                 continue
-            ax.scatter([sent], [r["val_loss"]], color="C3" if "ddp" in r["name"] else "C0")
-            ax.annotate(r["name"], (sent, r["val_loss"]), fontsize=7)
+            color = "C3" if SETTINGS[r["name"]].group == "ddp" else "C0"
+            ax.scatter([sent], [r["val_loss"]], color=color, marker="x" if scheduled else "o")
+            # labels of points at equal bytes would overlap: stagger them sideways
+            ax.annotate(
+                r["name"],
+                (sent, r["val_loss"]),
+                xytext=(6 + 95 * (i % 2), -3),
+                textcoords="offset points",
+                fontsize=7,
+            )
         ax.set_xscale("log")
         ax.set_xlabel("bytes sent across islands per rank")
         ax.set_ylabel("final validation loss")
