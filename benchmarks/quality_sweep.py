@@ -226,7 +226,10 @@ def with_curve_ends(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     out = dict(results)
     ends = {"ddp", "no_sync", *(n for pair in BASELINES.values() for n in pair)}
     for islands, steps in {(r["islands"], r["steps"]) for r in results.values()}:
-        for name in sorted(ends - {r["name"] for r in results.values() if r["steps"] == steps}):
+        have = {
+            r["name"] for r in results.values() if (r["islands"], r["steps"]) == (islands, steps)
+        }
+        for name in sorted(ends - have):
             if SETTINGS[name].inner_schedule:
                 continue  # a round schedule depends on max_steps
             for key, longer in results.items():
