@@ -75,11 +75,12 @@ def test_round_factors() -> None:
         OuterLrSchedule(sync_every=10, kind="step")
 
 
-def test_outer_lr_schedule_sets_the_next_rounds_rate() -> None:
+def test_outer_lr_schedule_sets_the_next_rounds_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     anchor = torch.zeros(3, requires_grad=True)
     outer = SimpleNamespace(outer_optimizer=torch.optim.SGD([anchor], lr=0.8), outer_steps=0)
+    # The schedule reads the strategy's public outer_syncs (built at setup in a real fit).
+    monkeypatch.setattr(SwarmStrategy, "outer_syncs", property(lambda self: [outer]))
     strategy = SwarmStrategy()
-    strategy._outer_syncs = [outer]  # type: ignore[list-item]
     trainer = SimpleNamespace(strategy=strategy, max_steps=50)
     schedule = OuterLrSchedule(sync_every=10, kind="linear", final=0.5)  # 5 rounds
     group = outer.outer_optimizer.param_groups[0]
