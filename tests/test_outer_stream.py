@@ -359,12 +359,17 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
             job = BucketJob(
                 list(params.values()), anchors, optimizer, kind, groups, fresh, 0.25, step
             )
-            plan = plan_buckets([p.numel() for p in params.values()], 7)
+            # Both paths on the staged (budgeted) buckets, so that the norm's sums line up too.
+            staged_numel = staging.bucket_numel_for(job, 7)
+            assert 1 <= staged_numel < 7  # a slot costs more than the transport bucket
+            plan = plan_buckets([p.numel() for p in params.values()], staged_numel)
             if staged:
                 delta = stream._delta_buffer(bucket_fill(plan[0]), job.device)
                 result = staging.run(job, plan, transport, delta)
             else:
                 result = stream._run_local(job, plan, transport)
+        if staged:  # slots + pseudo-gradient buffer within three float32 transport buckets
+            assert 0 < staging.buffer_bytes() + stream.buffer_bytes() <= 3 * 7 * 4
         state = [t for a in anchors for t in optimizer.state[a].values() if t.dim() > 0]
         results.append(([*params.values(), *anchors, *state], result.norm))
     (local, local_norm), (staged_out, staged_norm) = results
@@ -372,3 +377,28 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
     assert len(local) == len(staged_out)
     for a, b in zip(local, staged_out, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("anchor", "param", "num_state", "maximize", "per_element"),
+    [
+        (torch.float32, torch.float32, 0, False, 12),  # SGD without momentum: a whole bucket
+        (torch.float32, torch.float32, 1, False, 20),  # SGD with momentum
+        (torch.float32, torch.float32, 2, False, 28),  # Adam / AdamW
+        (torch.float32, torch.bfloat16, 1, False, 22),  # merge casts the anchor to bf16
+        (torch.bfloat16, torch.float32, 1, False, 26),  # work copy + noise + rounded result
+        (torch.float32, torch.float32, 1, True, 24),  # maximize: a negated gradient
+    ],
+)
+def test_the_staged_working_set_stays_within_three_transport_buckets(
+    anchor: torch.dtype, param: torch.dtype, num_state: int, maximize: bool, per_element: int
+) -> None:
+    from lightning_swarm.outer.staging import device_bytes_per_element, staged_bucket_numel
+
+    assert device_bytes_per_element(anchor, param, num_state, maximize) == per_element
+    bucket = 32 * 2**20 // 4  # the default 32 MiB of float32
+    staged = staged_bucket_numel(bucket, per_element)
+    assert staged <= bucket and staged * per_element <= 3 * bucket * 4
+    assert (staged + 1) * per_element > 3 * bucket * 4 or staged == bucket  # the largest that fits
+    with pytest.raises(ValueError, match="bucket_numel and bytes_per_element must be >= 1"):
+        staged_bucket_numel(0, per_element)

@@ -41,7 +41,9 @@ def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator) -> Tensor:
     noise = torch.randint(
         0, 1 << 16, bits.shape, generator=generator, device=bits.device, dtype=torch.int32
     )
-    rounded = (bits + noise) & -65536  # clear the 16 low bits (0xFFFF0000)
+    # In place on the noise: one int32 temporary per element besides the result, which bounds
+    # the streamed round's GPU working set (lightning_swarm.outer.staging).
+    rounded = noise.add_(bits).bitwise_and_(-65536)  # clear the 16 low bits (0xFFFF0000)
     return rounded.view(torch.float32).to(torch.bfloat16)
 
 

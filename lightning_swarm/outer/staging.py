@@ -16,9 +16,18 @@ Ownership: ``CudaStaging`` (handed to a ``StreamRound`` by ``OuterSync``) owns i
 side streams from the first round until ``close``; each ``Slot``'s device buffers hold one
 bucket between its copy in and its copy out. The pinned host anchors and state belong to the
 ``OuterSync`` and its optimizer, which ``pin_round_memory`` switches over in place (fresh state
-is allocated pinned, ``allocate_state``). Extra GPU memory: two slots of (anchor, state)
-buckets, the pseudo-gradient bucket and the step's bucket-sized temporaries, whatever the model
-size. When ``run`` returns, the host anchors and state are complete.
+is allocated pinned, ``allocate_state``). When ``run`` returns, the host anchors and state are
+complete.
+
+Memory budget. The round's extra GPU memory is two slots of (anchor, state), the pseudo-gradient
+buffer and the step's temporaries, all sized by the staged bucket, whatever the model size. To
+keep that working set within ``BUDGET_BUCKETS`` transport buckets (``bucket_mb`` of float32), the
+staged bucket is smaller than the transport's: ``staged_bucket_numel`` divides the budget by the
+device bytes one element costs (``device_bytes_per_element``). With float32 anchors that is the
+whole bucket for SGD without momentum (12 bytes an element), 3/5 of it for SGD with momentum
+(20) and 3/7 for Adam (28). The exchange then runs on the smaller buckets; its sums are element-
+wise, so the mean is the same (bitwise with two islands; NCCL may sum three or more in another
+order for another message size).
 """
 
 from __future__ import annotations
@@ -30,6 +39,41 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.fused import sum_of_squares
 from lightning_swarm.outer.stream import BucketJob, BucketMean, Segment, StreamResult, bucket_fill
+
+BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets of float32
+
+
+def device_bytes_per_element(
+    anchor_dtype: torch.dtype, param_dtype: torch.dtype, num_state: int, maximize: bool
+) -> int:
+    """Device bytes the staged round holds per element of its bucket, at its peak.
+
+    Two slots of anchors and float32 state, the float32 pseudo-gradient, plus the larger of the
+    step's temporaries (a float32 work copy of low-precision anchors; for bfloat16 also the
+    stochastic rounding's int32 noise and its bfloat16 result; a negated gradient under
+    ``maximize``) and the merge's (the anchor cast to the parameters' dtype). The two phases
+    run one after the other on one stream, so the caching allocator reuses the same blocks.
+    """
+    anchor = torch.empty((), dtype=anchor_dtype).element_size()
+    step = 0
+    if anchor_dtype != torch.float32:
+        step += 4
+        if anchor_dtype == torch.bfloat16:
+            step += 4 + 2
+    if maximize:
+        step += 4
+    merge = torch.empty((), dtype=param_dtype).element_size() if param_dtype != anchor_dtype else 0
+    return 2 * (anchor + 4 * num_state) + 4 + max(step, merge)
+
+
+def staged_bucket_numel(bucket_numel: int, bytes_per_element: int) -> int:
+    """The largest staged bucket whose working set fits ``BUDGET_BUCKETS`` float32 buckets."""
+    if bucket_numel < 1 or bytes_per_element < 1:
+        raise ValueError(
+            f"bucket_numel and bytes_per_element must be >= 1, got {bucket_numel}, "
+            f"{bytes_per_element}"
+        )
+    return max(1, min(bucket_numel, BUDGET_BUCKETS * 4 * bucket_numel // bytes_per_element))
 
 
 def pin_round_memory(optimizer: torch.optim.Optimizer, anchors: dict[str, Tensor]) -> None:
@@ -93,6 +137,17 @@ class CudaStaging:
     def allocate_state(anchor: Tensor) -> Tensor:
         """Fresh outer state in pinned host memory, so that its copies run asynchronously."""
         return torch.empty(anchor.shape, dtype=torch.float32, pin_memory=True)
+
+    @staticmethod
+    def bucket_numel_for(job: BucketJob, bucket_numel: int) -> int:
+        """The staged bucket for ``job`` within the memory budget (see the module doc)."""
+        num_state = max(len(states) for states in job.states_per_tensor)
+        widest = max(job.params, key=lambda p: p.element_size())
+        maximize = any(group.get("maximize", False) for group in job.groups.values())
+        per_element = device_bytes_per_element(
+            job.anchors[0].dtype, widest.dtype, num_state, maximize
+        )
+        return staged_bucket_numel(bucket_numel, per_element)
 
     def _slots_for(self, job: BucketJob, numel: int) -> list[Slot]:
         num_state = max(len(states) for states in job.states_per_tensor)

@@ -30,7 +30,9 @@ the state are stepped in place through views, and bucket k's all-reduce runs whi
 is stepped and bucket k + 1 formed: two reused float32 buckets are the only extra memory. With
 parameters on CUDA and anchors on the CPU, the buckets are staged through the GPU by the
 ``Staging`` the caller hands in (``lightning_swarm.outer.staging.CudaStaging``: pinned host
-memory, side-stream copies, two device slots), which imports this module, not the reverse.
+memory, side-stream copies, two device slots), which imports this module, not the reverse. That
+path stages buckets smaller than the transport's so that its GPU working set stays within three
+transport buckets (``Staging.bucket_numel_for``).
 
 Ownership: ``StreamRound`` owns its buffers for its whole life (the pseudo-gradient buckets and
 its staging's slots, allocated on the first round, reused by every later round, released by
@@ -265,6 +267,11 @@ class Staging(Protocol):
         when it returns."""
         ...
 
+    def bucket_numel_for(self, job: BucketJob, bucket_numel: int) -> int:
+        """The bucket this path stages for ``job`` (at most ``bucket_numel``), sized so that
+        its device working set stays within its memory budget."""
+        ...
+
     def buffer_bytes(self) -> int: ...
 
     def close(self) -> None: ...
@@ -333,12 +340,14 @@ class StreamRound:
             for anchor in anchors:
                 optimizer.state[anchor]["step"] += 1
         job = BucketJob(params, anchors, optimizer, kind, groups, fresh, merge_alpha, seed)
-        plan = plan_buckets([p.numel() for p in params], self.bucket_numel)
+        numels = [p.numel() for p in params]
         if on_cuda:
             assert self._staging is not None
+            staged = self._staging.bucket_numel_for(job, self.bucket_numel)
+            plan = plan_buckets(numels, staged)
             delta = self._delta_buffer(bucket_fill(plan[0]), job.device)
             return self._staging.run(job, plan, reducer, delta)
-        return self._run_local(job, plan, reducer)
+        return self._run_local(job, plan_buckets(numels, self.bucket_numel), reducer)
 
     def _delta_buffer(self, numel: int, device: torch.device) -> Tensor:
         if self._delta is None or self._delta.device != device or self._delta.numel() < numel:
