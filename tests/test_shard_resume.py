@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from lightning_swarm.callbacks.resume import SwarmResume
-from lightning_swarm.checkpoint import ANCHORS_FILE
-from tests.resume_utils import fit, flip_bit_in_tensor_data, load_ranks, swarm_dir
+from lightning_swarm.checkpoint import ANCHORS_FILE, atomic_save
+from tests.resume_utils import (
+    fit,
+    flip_bit_in_tensor_data,
+    load_ranks,
+    record_file_again,
+    swarm_dir,
+)
 
 MAX_STEPS = 7
 
@@ -373,3 +379,49 @@ def test_catch_up_onto_a_saved_round_in_flight_sharded_equals_unsharded(tmp_path
             share = sharded[key][0]
             assert all(torch.equal(a, full[key][0][n]) for n, a in share.items()), (rank, key)
         assert sharded["outer_steps"] == full["outer_steps"] and sharded["inner_steps"] == [9]
+
+
+def test_nan_in_an_old_anchor_shard_names_that_shard(sharded_run: Path, tmp_path: Path) -> None:
+    """A behind island reads every shard of its old checkpoint: the error names the one file."""
+    root = tmp_path / "copy"
+    shutil.copytree(sharded_run / "ckpts", root / "ckpts")
+    old = _ckpt(root, OLD_STEP)
+    path = swarm_dir(old) / "anchors-rank-00001.pt"
+    payload = torch.load(path, weights_only=True)
+    anchors = payload["outer"][0]["anchors"]
+    name = sorted(anchors)[0]
+    anchors[name] = torch.full_like(anchors[name], float("nan"))
+    atomic_save(payload, path)
+    record_file_again(old, path.name)
+    with pytest.raises(Exception, match=rf"rank 2: non-finite values in {path}: {name} "):
+        fit(
+            tmp_path / "out",
+            devices=4,
+            island_size=2,
+            max_steps=MAX_STEPS,
+            ckpt_path=_ckpt(root, NEW_STEP),
+            callbacks=[SwarmResume(island_ckpt_paths={1: old})],
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_island_state_newer_than_ckpt_path_is_refused_with_the_fix(
+    sharded_run: Path, tmp_path: Path
+) -> None:
+    """Lightning restores its loops from ckpt_path: it must be the newest checkpoint."""
+    old, new = _ckpt(sharded_run, OLD_STEP), _ckpt(sharded_run, NEW_STEP)
+    with pytest.raises(
+        Exception,
+        match=rf"island_ckpt_paths holds a newer island state than ckpt_path: {new} is at outer "
+        rf"round\(s\) \[1\], ckpt_path {old} at \[0\]\. .* pass the newest checkpoint as "
+        "ckpt_path and the older ones of the islands that are behind in island_ckpt_paths",
+    ):
+        fit(
+            tmp_path / "out",
+            devices=4,
+            island_size=2,
+            max_steps=MAX_STEPS,
+            ckpt_path=old,
+            callbacks=[SwarmResume(island_ckpt_paths={1: new})],
+        )
+    assert not (tmp_path / "out").exists()
