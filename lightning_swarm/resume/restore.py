@@ -8,7 +8,9 @@
 3. files: each file this rank reads is checked against the size and checksum its record holds
    (one chunked read, ``integrity``), loaded (mapped by default), and validated: island index,
    module entries and shapes, optimizer count, anchors of every parameter's shape (once per
-   anchors file), finite anchors and island parameters;
+   save), finite anchors (per file, so an error names the shard) and island parameters. A
+   sharded save's shards are merged by name on every rank: a catch-up needs every anchor;
+   ``OuterSync.load_state_dict`` then keeps this rank's share;
 4. the ranks exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError``
    on every rank, and nothing has been installed;
 5. install: module state, catch-up where the island is behind, inner optimizer states, outer
@@ -158,43 +160,58 @@ def load_sources(
             )
         return payload
 
-    def read_anchors(source: Source) -> AnchorsRecord:
+    def read_anchors(source: Source) -> tuple[AnchorsRecord, str]:
+        """The save's anchors (its shards merged) and how messages name them."""
         shards = anchor_shard_names(source.record.files)
+        records = []
+        for name in shards or [ANCHORS_FILE]:
+            path = source.directory / name
+            record = AnchorsRecord.from_dict(read(source, name), str(path))
+            if verify:
+                # Per file, before a merge loses which shard holds a value.
+                for state in record.outer:
+                    check_finite(dict(outer_anchors(state)), source=path, what="an anchor")
+            records.append(record)
         if not shards:
-            return AnchorsRecord.from_dict(read(source, ANCHORS_FILE), str(source.directory))
-        records = [
-            AnchorsRecord.from_dict(read(source, name), str(source.directory / name))
-            for name in shards
-        ]
-        return merge_shards(records, str(source.directory))
+            return records[0], str(source.directory / ANCHORS_FILE)
+        merged = merge_shards(records, str(source.directory))
+        return merged, str(source.directory / "anchors-rank-*.pt")
 
     island_path = own.directory / island_file_name(island)
     island_state = IslandRecord.from_dict(read(own, island_file_name(island)), str(island_path))
-    own_anchors = read_anchors(own)
+    own_anchors, own_label = read_anchors(own)
     newest_rounds, newest_path = newest
-    newest_anchors = own_anchors
+    newest_anchors, newest_label = own_anchors, own_label
     if newest_path != str(own.ckpt_path):
         # Every island must reach the newest source (shared filesystem, as for ckpt_path).
         if newest_path != str(main.ckpt_path):
             raise SwarmCheckpointError(
-                f"the newest island state is in {newest_path}, which island {island} does "
-                "not know; pass the newest checkpoint as ckpt_path."
+                f"island_ckpt_paths holds a newer island state than ckpt_path: {newest_path} "
+                f"is at outer round(s) {newest_rounds}, ckpt_path {main.ckpt_path} at "
+                f"{main.record.outer_steps}. Lightning restores its loops and the other "
+                "islands from ckpt_path: pass the newest checkpoint as ckpt_path and the "
+                "older ones of the islands that are behind in island_ckpt_paths."
             )
-        newest_anchors = read_anchors(main)
+        newest_anchors, newest_label = read_anchors(main)
     loaded = Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
-    validate(host, loaded, own.directory, main.directory)
+    validate(host, loaded, island_path, own_label, newest_label)
     if verify:
         check_finite(island_state.module, source=island_path, what="the island's module state")
     return loaded
 
 
-def validate(host: ResumeHost, loaded: Loaded, own_dir: Path, newest_dir: Path) -> None:
-    """Everything ``install`` relies on, so that it cannot fail half-way."""
+def validate(
+    host: ResumeHost, loaded: Loaded, island_path: Path, own_anchors: str, newest_anchors: str
+) -> None:
+    """Everything ``install`` relies on, so that it cannot fail half-way.
+
+    ``own_anchors`` and ``newest_anchors`` name the anchors files in messages.
+    """
     index = host.topology.island_index
     island = loaded.island
     if island.island != index:
         raise SwarmCheckpointError(
-            f"{own_dir / island_file_name(index)} says it holds island {island.island}, not "
+            f"{island_path} says it holds island {island.island}, not "
             f"{index}; the directory was tampered with. Resume from another checkpoint."
         )
     expected = {k: tuple(v.shape) for k, v in host.module.state_dict().items()}
@@ -212,15 +229,15 @@ def validate(host: ResumeHost, loaded: Loaded, own_dir: Path, newest_dir: Path) 
             f"island {index}'s file holds {len(island.optimizers)} optimizer states, this run "
             f"has {len(host.optimizers)} optimizers; use the same configure_optimizers."
         )
-    anchor_sets = [(loaded.own_anchors, own_dir / ANCHORS_FILE)]
+    anchor_sets = [(loaded.own_anchors, own_anchors)]
     if loaded.newest is not loaded.own_anchors:
-        anchor_sets.append((loaded.newest, newest_dir / ANCHORS_FILE))
-    for record, path in anchor_sets:
-        _check_anchor_sets(host, record, path)
-    _check_round_in_flight(host, loaded.newest, newest_dir / ANCHORS_FILE)
+        anchor_sets.append((loaded.newest, newest_anchors))
+    for record, where in anchor_sets:
+        _check_anchor_sets(host, record, where)
+    _check_round_in_flight(host, loaded.newest, newest_anchors)
 
 
-def _check_anchor_sets(host: ResumeHost, record: AnchorsRecord, path: Path) -> None:
+def _check_anchor_sets(host: ResumeHost, record: AnchorsRecord, path: str) -> None:
     if len(record.outer) != len(host.outer_syncs):
         raise SwarmCheckpointError(
             f"{path} holds {len(record.outer)} anchor sets for {len(host.outer_syncs)} "
@@ -236,11 +253,9 @@ def _check_anchor_sets(host: ResumeHost, record: AnchorsRecord, path: Path) -> N
                     f"{path}: parameter {name!r} (shape {tuple(p.shape)}) has {found}; the "
                     "file is damaged or from another model. Resume from another checkpoint."
                 )
-        if host.anchors.verify:
-            check_finite(dict(anchors), source=path, what="the anchors")
 
 
-def _check_round_in_flight(host: ResumeHost, record: AnchorsRecord, path: Path) -> None:
+def _check_round_in_flight(host: ResumeHost, record: AnchorsRecord, path: str) -> None:
     """A saved round in flight must be one this run's schedule applies (else refuse now)."""
     options = host.options
     for index, state in enumerate(record.outer):
