@@ -38,6 +38,7 @@ RESULTS = ROOT / "docs" / "quality_results.json"
 PLOT = ROOT / "docs" / "quality_loss_vs_bytes.png"
 MODEL = ["model.n_layer=2", "model.n_embd=128", "model.lr=3e-3"]
 SCHEDULES = "benchmarks.quality_schedules"
+SEED = 1234  # conf/train.yaml's seed: runs at another seed carry it in their key
 BATCH = 16  # sequences per rank per step: conf/data/stdlib.yaml
 
 
@@ -83,6 +84,8 @@ SETTINGS: dict[str, Setting] = {
     "paper": Setting("swarm", note="DiLoCo paper: outer SGD 0.7, Nesterov 0.9"),
     "sgd1.0_m0.5": Setting("swarm", (1.0, 0.5, False), note="issue's best so far"),
     "avg": Setting("swarm", (1.0, 0.0, False), note="plain model averaging (outer lr 1)"),
+    "avg_h25": Setting("swarm", (1.0, 0.0, False), sync_every=25),
+    "avg_h100": Setting("swarm", (1.0, 0.0, False), sync_every=100),
     "sgd1.0_n0.5": Setting("swarm", (1.0, 0.5, True)),
     "sgd1.2_m0.5": Setting("swarm", (1.2, 0.5, False)),
     "sgd0.7_n0.5": Setting("swarm", (0.7, 0.5, True)),
@@ -100,6 +103,7 @@ SETTINGS: dict[str, Setting] = {
     "sgd1.0_m0.5_oramp": Setting(
         "swarm", (1.0, 0.5, False), outer_schedule={"kind": "linear", "final": 1.5}
     ),
+    "paper_odecay": Setting("swarm", outer_schedule={"kind": "cosine", "final": 0.1}),
     "ddp_icos": Setting("ddp", inner_schedule=_COS_INNER, one_rank=True, note="inner cosine"),
     "no_sync_icos": Setting("no_sync", inner_schedule=_COS_INNER, note="inner lr cosine to 10%"),
     "sgd1.0_m0.5_icos": Setting("swarm", (1.0, 0.5, False), inner_schedule=_COS_INNER),
@@ -108,11 +112,22 @@ SETTINGS: dict[str, Setting] = {
 BASELINES = {"icos": ("ddp_icos", "no_sync_icos")}
 
 
-def run_key(name: str, islands: int, steps: int) -> str:
-    return f"{name}@{islands}x{steps}"
+def run_key(name: str, islands: int, steps: int, seed: int = SEED) -> str:
+    return f"{name}@{islands}x{steps}" + ("" if seed == SEED else f"~s{seed}")
 
 
-def command(name: str, islands: int, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
+def seed_of(record: dict[str, Any]) -> int:
+    return int(record.get("seed", SEED))
+
+
+def group_of(record: dict[str, Any]) -> tuple[int, int, int]:
+    """Runs comparable with each other: same islands, steps and seed."""
+    return record["islands"], record["steps"], seed_of(record)
+
+
+def command(
+    name: str, islands: int, steps: int, extra: tuple[str, ...] = (), seed: int = SEED
+) -> list[str]:
     """The main job's overrides of one run (what a user would type after ``swarm-train``).
 
     ``one_rank`` DDP runs as one rank whose batch is the islands' global batch: the same
@@ -133,15 +148,16 @@ def command(name: str, islands: int, steps: int, extra: tuple[str, ...] = ()) ->
         f"trainer.val_check_interval={max(1, steps // 10)}",  # a validation curve, ~2% cost
         "trainer.enable_progress_bar=false",
         "logger=csv",
+        *([] if seed == SEED else [f"seed={seed}"]),  # initialisation and data order
         *extra,
     ]
 
 
 def run_one(
-    name: str, islands: int, steps: int, work: Path, extra: tuple[str, ...] = ()
+    name: str, islands: int, steps: int, work: Path, extra: tuple[str, ...] = (), seed: int = SEED
 ) -> dict[str, Any]:
-    overrides = command(name, islands, steps, extra)
-    run_dir = work / run_key(name, islands, steps)
+    overrides = command(name, islands, steps, extra, seed)
+    run_dir = work / run_key(name, islands, steps, seed)
     shutil.rmtree(run_dir, ignore_errors=True)  # a killed earlier attempt's logs
     # A one-rank DDP run does the islands' work in one process: give it their threads.
     threads = min(islands, os.cpu_count() or 1) if SETTINGS[name].one_rank else 1
@@ -158,6 +174,7 @@ def run_one(
         "name": name,
         "islands": islands,
         "steps": steps,
+        "seed": seed,
         "sync_every": SETTINGS[name].sync_every if SETTINGS[name].group == "swarm" else None,
         "overrides": overrides,
         "val_loss": summary["val_loss"],
@@ -192,25 +209,26 @@ def sweep(
     results: Path,
     work: Path,
     extra: tuple[str, ...] = (),
+    seed: int = SEED,
 ) -> None:
-    """Run each missing (name, islands, steps), saving the file after every run."""
+    """Run each missing (name, islands, steps, seed), saving the file after every run."""
     for name in names:
         if name not in SETTINGS:
             raise ValueError(f"unknown setting {name!r}; known: {sorted(SETTINGS)}")
-    todo = [n for n in names if run_key(n, islands, steps) not in load(results)]
+    todo = [n for n in names if run_key(n, islands, steps, seed) not in load(results)]
     print(f"{len(names) - len(todo)} of {len(names)} already in {results}", flush=True)
     start = time.perf_counter()
     for i, name in enumerate(todo, 1):
         elapsed = time.perf_counter() - start
         eta = f"{elapsed / (i - 1) * (len(todo) - i + 1) / 60:.1f} min" if i > 1 else "?"
         print(
-            f"[{i}/{len(todo)}] {run_key(name, islands, steps)}: elapsed {elapsed / 60:.1f} min, "
-            f"ETA {eta}",
+            f"[{i}/{len(todo)}] {run_key(name, islands, steps, seed)}: "
+            f"elapsed {elapsed / 60:.1f} min, ETA {eta}",
             flush=True,
         )
-        record = run_one(name, islands, steps, work, extra)
+        record = run_one(name, islands, steps, work, extra, seed)
         done = load(results)  # re-read: another sweep may have written meanwhile
-        done[run_key(name, islands, steps)] = record
+        done[run_key(name, islands, steps, seed)] = record
         results.write_text(json.dumps(done, indent=1) + "\n")
         print(f"    val_loss {record['val_loss']:.4f}, {record['wall_s']:.0f} s", flush=True)
 
@@ -225,18 +243,16 @@ def with_curve_ends(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     """
     out = dict(results)
     ends = {"ddp", "no_sync", *(n for pair in BASELINES.values() for n in pair)}
-    for islands, steps in {(r["islands"], r["steps"]) for r in results.values()}:
-        have = {
-            r["name"] for r in results.values() if (r["islands"], r["steps"]) == (islands, steps)
-        }
+    for islands, steps, seed in {group_of(r) for r in results.values()}:
+        have = {r["name"] for r in results.values() if group_of(r) == (islands, steps, seed)}
         for name in sorted(ends - have):
             if SETTINGS[name].inner_schedule:
                 continue  # a round schedule depends on max_steps
             for key, longer in results.items():
                 curve = dict(map(tuple, longer.get("val_curve") or []))
-                same = (longer["name"], longer["islands"]) == (name, islands)
+                same = (longer["name"], longer["islands"], seed_of(longer)) == (name, islands, seed)
                 if same and longer["steps"] > steps and steps - 1 in curve:
-                    out[run_key(name, islands, steps)] = {
+                    out[run_key(name, islands, steps, seed)] = {
                         **longer,
                         "steps": steps,
                         "val_loss": curve[steps - 1],
@@ -252,8 +268,8 @@ def gap_closed(record: dict[str, Any], results: dict[str, dict[str, Any]]) -> fl
     """Share of the no-sync-to-DDP gap the run closes (None until both ends are measured)."""
     suffix = next((s for s in BASELINES if record["name"].endswith(s)), None)
     ddp_name, floor_name = BASELINES[suffix] if suffix else ("ddp", "no_sync")
-    ddp = results.get(run_key(ddp_name, record["islands"], record["steps"]))
-    floor = results.get(run_key(floor_name, record["islands"], record["steps"]))
+    where = (record["islands"], record["steps"], seed_of(record))
+    ddp, floor = results.get(run_key(ddp_name, *where)), results.get(run_key(floor_name, *where))
     if ddp is None or floor is None or floor["val_loss"] == ddp["val_loss"]:
         return None
     return (floor["val_loss"] - record["val_loss"]) / (floor["val_loss"] - ddp["val_loss"])
@@ -290,12 +306,11 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     order = list(SETTINGS)
-    records = sorted(
-        results.values(), key=lambda r: (r["islands"], r["steps"], order.index(r["name"]))
-    )
+    records = sorted(results.values(), key=lambda r: (*group_of(r), order.index(r["name"])))
     for r in records:
         gap, sent = gap_closed(r, results), bytes_sent(r, results)
         origin = f" (step {r['steps']} of {r['derived_from']})" if "derived_from" in r else ""
+        origin += "" if seed_of(r) == SEED else f", seed {seed_of(r)}"
         wall = "—" if r["wall_s"] is None else f"{r['wall_s']:.0f}"
         rows.append(
             f"| {r['name']} | {r['islands']} | {r['steps']} | {describe(r['name'])}{origin} | "
@@ -306,14 +321,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def merged_curve(results: dict[str, dict[str, Any]], name: str, islands: int) -> dict[int, float]:
-    """Every validation point of ``name`` at ``islands``, over all its runs' curves.
+    """Every validation point of ``name`` at ``islands`` (default seed), over all its runs' curves.
 
     Runs of one setting differ only in length; without a round schedule they follow one
     trajectory, so their curves agree where they overlap and together extend each other.
     """
     points: dict[int, float] = {}
     for r in results.values():
-        if (r["name"], r["islands"]) == (name, islands) and "derived_from" not in r:
+        same = (r["name"], r["islands"], seed_of(r)) == (name, islands, SEED)
+        if same and "derived_from" not in r:
             points.update((int(step), float(loss)) for step, loss in r.get("val_curve") or [])
     return points
 
@@ -325,7 +341,7 @@ def curve_table(results: dict[str, dict[str, Any]], islands: int, steps: int) ->
     runs = [
         r
         for r in results.values()
-        if (r["islands"], r["steps"]) == (islands, steps)
+        if group_of(r) == (islands, steps, SEED)
         and SETTINGS[r["name"]].group == "swarm"
         and not SETTINGS[r["name"]].inner_schedule
     ]
@@ -355,12 +371,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
         {
             (r["islands"], r["steps"])
             for r in results.values()
-            if SETTINGS[r["name"]].group == "swarm"
+            if SETTINGS[r["name"]].group == "swarm" and seed_of(r) == SEED
         }
     )
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
     for ax, (islands, steps) in zip(axes[0], groups, strict=True):
-        runs = [r for r in results.values() if (r["islands"], r["steps"]) == (islands, steps)]
+        runs = [r for r in results.values() if group_of(r) == (islands, steps, SEED)]
         runs.sort(key=lambda r: r["val_loss"])
         for i, r in enumerate(runs):
             sent = bytes_sent(r, results)
@@ -388,6 +404,23 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def seed_table(results: dict[str, dict[str, Any]]) -> str:
+    """Gap closed by each setting measured at more than one seed, per seed and on average."""
+    gaps: dict[tuple[str, int, int], dict[int, float]] = {}
+    for r in results.values():
+        gap = gap_closed(r, results)
+        if gap is not None and SETTINGS[r["name"]].group == "swarm":
+            gaps.setdefault((r["name"], r["islands"], r["steps"]), {})[seed_of(r)] = gap
+    rows = ["| run | islands | steps | gap closed by seed | mean |", "|---|---|---|---|---|"]
+    for (name, islands, steps), by_seed in sorted(gaps.items()):
+        if len(by_seed) < 2:
+            continue
+        cells = ", ".join(f"{100 * g:.0f}% (seed {s})" for s, g in sorted(by_seed.items()))
+        mean = 100 * sum(by_seed.values()) / len(by_seed)
+        rows.append(f"| {name} | {islands} | {steps} | {cells} | {mean:.0f}% |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", default=["ddp", "no_sync", "paper"])
@@ -397,12 +430,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=PLOT)
     parser.add_argument("--work", type=Path, default=Path("/tmp/quality_runs"))
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
+    parser.add_argument("--seed", type=int, default=SEED, help="seed of the runs (and their ends)")
     parser.add_argument("--report", action="store_true", help="only print the table and plot")
     args = parser.parse_args(argv)
     if not args.report:
-        sweep(args.only, args.islands, args.steps, args.results, args.work, tuple(args.extra))
+        sweep(
+            args.only,
+            args.islands,
+            args.steps,
+            args.results,
+            args.work,
+            tuple(args.extra),
+            args.seed,
+        )
     results = with_curve_ends(load(args.results))
     print(table(results))
+    seeds = seed_table(results)
+    if seeds:
+        print(f"\nsettings measured at several seeds\n{seeds}")
     for islands, steps in sorted({(r["islands"], r["steps"]) for r in results.values()}):
         curves = curve_table(results, islands, steps)
         if curves:

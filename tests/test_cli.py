@@ -291,3 +291,23 @@ def test_loss_history_records_every_step_the_validations_and_the_rounds(
     # The validation's own mean loss (the only validation ran at step 4), not a train loss nor
     # the sanity check's value.
     assert curves.val[0][1] == pytest.approx(float(trainer.callback_metrics["val_loss"]), rel=1e-6)
+
+
+def test_swarm_small_is_the_paper_preset_with_plain_averaging(compose) -> None:
+    """``strategy=swarm_small`` (docs/quality.md) differs from ``strategy=swarm`` only in the
+    outer optimizer: SGD at lr 1.0 without momentum, so the new anchors are the islands' mean."""
+    paper, small = compose("strategy=swarm").strategy, compose("strategy=swarm_small").strategy
+    assert dict(small.outer_optimizer) == {
+        **paper.outer_optimizer,
+        "lr": 1.0,
+        "momentum": 0.0,
+        "nesterov": False,
+    }
+    rest = {k: v for k, v in small.items() if k != "outer_optimizer"}
+    assert rest == {k: v for k, v in paper.items() if k != "outer_optimizer"}
+    outer = build(compose("strategy=swarm_small")).trainer.strategy
+    assert isinstance(outer, SwarmStrategy)
+    optimizer = outer.outer_optimizer_factory([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(optimizer, torch.optim.SGD)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (1.0, 0.0, False)
