@@ -84,6 +84,7 @@ SETTINGS: dict[str, Setting] = {
     "paper": Setting("swarm", note="DiLoCo paper: outer SGD 0.7, Nesterov 0.9"),
     "sgd1.0_m0.5": Setting("swarm", (1.0, 0.5, False), note="issue's best so far"),
     "avg": Setting("swarm", (1.0, 0.0, False), note="plain model averaging (outer lr 1)"),
+    "avg_lr1.2": Setting("swarm", (1.2, 0.0, False), note="outer lr above 1, no momentum"),
     "avg_h25": Setting("swarm", (1.0, 0.0, False), sync_every=25),
     "avg_h100": Setting("swarm", (1.0, 0.0, False), sync_every=100),
     "sgd1.0_n0.5": Setting("swarm", (1.0, 0.5, True)),
@@ -113,7 +114,7 @@ BASELINES = {"icos": ("ddp_icos", "no_sync_icos")}
 
 
 def run_key(name: str, islands: int, steps: int, seed: int = SEED) -> str:
-    return f"{name}@{islands}x{steps}" + ("" if seed == SEED else f"~s{seed}")
+    return f"{name}@{islands}x{steps}" + ("" if seed == SEED else f"-s{seed}")
 
 
 def seed_of(record: dict[str, Any]) -> int:
@@ -345,6 +346,8 @@ def curve_table(results: dict[str, dict[str, Any]], islands: int, steps: int) ->
         and SETTINGS[r["name"]].group == "swarm"
         and not SETTINGS[r["name"]].inner_schedule
     ]
+    # only the validations these runs made (the ends' curves may come from other lengths)
+    marks = [m for m in marks if any(m in dict(map(tuple, r.get("val_curve", []))) for r in runs)]
     if not marks or not runs:
         return ""
     head = "| run | " + " | ".join(f"step {m + 1}" for m in marks) + " |"
