@@ -377,8 +377,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             if SETTINGS[r["name"]].group == "swarm" and seed_of(r) == SEED
         }
     )
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
-    for ax, (islands, steps) in zip(axes[0], groups, strict=True):
+    cols = min(2, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.8 * rows), squeeze=False)
+    for ax in axes.flat[len(groups) :]:
+        ax.set_visible(False)
+    for ax, (islands, steps) in zip(axes.flat, groups, strict=False):
         runs = [r for r in results.values() if group_of(r) == (islands, steps, SEED)]
         runs.sort(key=lambda r: r["val_loss"])
         for i, r in enumerate(runs):
@@ -391,12 +395,14 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
                 continue
             color = "C3" if SETTINGS[r["name"]].group == "ddp" else "C0"
             ax.scatter([sent], [r["val_loss"]], color=color, marker="x" if scheduled else "o")
-            # labels of points at equal bytes would overlap: stagger them sideways
+            # points at equal bytes sit on one vertical line: label them left and right in turn
+            left = i % 2 == 1
             ax.annotate(
                 r["name"],
                 (sent, r["val_loss"]),
-                xytext=(6 + 95 * (i % 2), -3),
+                xytext=(-6 if left else 6, -3),
                 textcoords="offset points",
+                ha="right" if left else "left",
                 fontsize=7,
             )
         ax.set_xscale("log")

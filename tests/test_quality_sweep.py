@@ -59,6 +59,27 @@ def test_smoke_sweep_records_gap_plot_and_resumes(
     assert results.read_text() == before
 
 
+def test_a_second_seed_has_its_own_keys_ends_and_row() -> None:
+    """A run at another seed is keyed apart, passes ``seed=`` to the job, is scored against the
+    ends of its own seed (not the default seed's) and shows in the by-seed table."""
+
+    def record(name: str, loss: float, seed: int) -> dict[str, object]:
+        return {"name": name, "islands": 2, "steps": 2000, "seed": seed, "val_loss": loss}
+
+    results = {}
+    for seed, (ddp, floor, avg) in {1234: (1.0, 2.0, 1.5), 7: (1.0, 3.0, 1.5)}.items():
+        for name, loss in (("ddp", ddp), ("no_sync", floor), ("avg", avg)):
+            results[quality_sweep.run_key(name, 2, 2000, seed)] = record(name, loss, seed)
+    assert "avg@2x2000" in results and "avg@2x2000-s7" in results
+    assert "seed=7" in quality_sweep.command("avg", 2, 2000, seed=7)
+    assert not any(o.startswith("seed=") for o in quality_sweep.command("avg", 2, 2000))
+    assert quality_sweep.gap_closed(results["avg@2x2000"], results) == 0.5
+    assert quality_sweep.gap_closed(results["avg@2x2000-s7"], results) == 0.75
+    assert "| avg | 2 | 2000 | 75% (seed 7), 50% (seed 1234) | 62% |" in (
+        quality_sweep.seed_table(results)
+    )
+
+
 def test_unknown_setting_names_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown setting 'nope'; known: "):
         quality_sweep.sweep(["nope"], 2, 20, tmp_path / "r.json", tmp_path)
