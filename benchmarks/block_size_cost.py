@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_swarm.transport import AllReduceTransport, SwarmTransport
+from lightning_swarm.transport import AggregatorTransport, AllReduceTransport
 from tests.dist_utils import free_port
 
 MIB = 2**20
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], out: str) -> Non
                         None, num_islands=world, bucket_numel=int(size * MIB) // 4
                     )
                 else:
-                    t = SwarmTransport(
+                    t = AggregatorTransport(
                         None,
                         num_islands=world,
                         island_index=rank,

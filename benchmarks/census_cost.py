@@ -9,7 +9,7 @@ ones, so every page is resident anonymous memory), then times:
   ``smaps_every_n_steps`` steps, shown beside it so its growth with resident memory is visible.
 
 For the "< 1% of a training step" target, the same run times the main job's inner step
-(``lightning_swarm/conf/model/gpt.yaml`` + ``.../data/stdlib.yaml`` shapes: byte-level GPT,
+(``conf/model/gpt.yaml`` + ``.../data/stdlib.yaml`` shapes: byte-level GPT,
 4 layers, 128 wide, batch 16 x 128 tokens, AdamW, one thread as each of the two CPU ranks
 gets) on random bytes.
 

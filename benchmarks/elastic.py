@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.membership.layout import model_layout
-from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
-from lightning_swarm.outer.elastic import ElasticOuter
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.model_fingerprint import model_layout
+from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 

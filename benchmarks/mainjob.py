@@ -24,7 +24,7 @@ def run_main_job(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     ``run_dir``. Raises RuntimeError with the end of stderr if the run fails.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_swarm.cli", *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "lightning_swarm.cli.app", *overrides, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, check=False)

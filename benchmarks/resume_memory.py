@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.checkpoint import atomic_save, load_swarm_file
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
+from lightning_swarm.resume.files import atomic_save, load_swarm_file
 from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
 from lightning_swarm.resume.records import FORMAT_VERSION, FileDigest
 from lightning_swarm.transport.base import RoundStats

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.swarm import SwarmTransport
+from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 
 MIB = 2**20
 
@@ -88,7 +88,7 @@ class PeakSampler:
 def build(kind: str, rank: int, world: int, chunk_mb: float, spool_dir: str) -> Any:
     if kind == "allreduce":
         return AllReduceTransport(None, num_islands=world, bucket_numel=32 * MIB // 4)
-    return SwarmTransport(
+    return AggregatorTransport(
         None,
         num_islands=world,
         island_index=rank,
@@ -120,7 +120,9 @@ def rank_main(rank: int, world: int, port: int, kind: str, chunk_mb: float, out:
     wall = torch.tensor([stats.wall_s])
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     if rank == 0:
-        peak_spool = transport.peak_spool_bytes() if isinstance(transport, SwarmTransport) else 0
+        peak_spool = (
+            transport.peak_spool_bytes() if isinstance(transport, AggregatorTransport) else 0
+        )
         result.update(
             wall_s=float(wall),
             peak_spool_bytes=peak_spool,

@@ -11,12 +11,12 @@ No module below this one imports the package root or the strategy from a lower l
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_swarm.callbacks import HostMemoryCensus, SwarmResume
-from lightning_swarm.checkpoint import SwarmCheckpointError
 from lightning_swarm.config import SwarmConfig
+from lightning_swarm.errors import SwarmCheckpointError, SwarmError
 from lightning_swarm.outer import SyncWorkerError
 from lightning_swarm.strategy import SwarmStrategy
+from lightning_swarm.transport.aggregator.rotating import SwarmRoundError
 from lightning_swarm.transport.checks import NonFinitePseudoGradientError
-from lightning_swarm.transport.swarm import SwarmRoundError
 
 SwarmStrategy.register_strategies(StrategyRegistry)
 
@@ -25,6 +25,7 @@ __all__ = [
     "NonFinitePseudoGradientError",
     "SwarmCheckpointError",
     "SwarmConfig",
+    "SwarmError",
     "SwarmResume",
     "SwarmRoundError",
     "SwarmStrategy",

@@ -2,8 +2,8 @@
 
 ``SwarmConfig`` is the single source of truth for every strategy option other than the outer
 optimizer factory (a callable, not data). ``SwarmStrategy`` builds one from its keyword
-arguments, and the Hydra schema in ``lightning_swarm.cli`` mirrors its fields, so YAML keys equal
-the field names here. Validation runs in ``__post_init__``: a bad value raises ``ValueError``
+arguments, and the Hydra schema (``lightning_swarm.cli.schema``) subclasses it, so YAML keys
+equal the field names here. Validation runs in ``__post_init__``: a bad value raises ``ValueError``
 naming the option and the fix before any process group or tensor exists.
 
 Imports neither torch.distributed nor lightning.
@@ -20,7 +20,7 @@ import torch
 
 from lightning_swarm.algorithm.codecs import NO_CODEC, Codec
 from lightning_swarm.algorithm.fragments import FragmentSchedule, as_layout, check_positive_int
-from lightning_swarm.transport.options import (
+from lightning_swarm.transport.config import (
     MIN_BUCKET_MB,
     TRANSPORTS,
     SwarmTransportConfig,

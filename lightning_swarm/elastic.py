@@ -24,9 +24,10 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from torch.nn import Module
 
-from lightning_swarm.membership.layout import model_layout
-from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
-from lightning_swarm.outer.elastic import ElasticOuter
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.model_fingerprint import model_layout
+from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
 
 

@@ -1,8 +1,9 @@
 """``SwarmStrategy``: DiLoCo across islands as a Lightning strategy.
 
 Glue only: Lightning's hooks wired to the outer loop (``lightning_swarm.outer.OuterLoop``: the
-anchors, rounds, worker, totals and byte figures). The bases add the island groups and DDP
-(``islands.IslandDDPStrategy``) and the checkpoint hooks (``checkpointing``); the DiLoCo math
+anchors, rounds, worker, totals and byte figures). The base adds the island groups and DDP
+(``island_ddp.IslandDDPStrategy``); Lightning's checkpoint hooks are here and hand the swarm
+state to a ``SwarmCheckpointer`` (``lightning_swarm.resume``, no Lightning). The DiLoCo math
 lives in ``lightning_swarm.algorithm``, elastic membership in ``elastic`` / ``membership``.
 
 Lifecycle inside ``Trainer.fit``:
@@ -16,10 +17,17 @@ Lifecycle inside ``Trainer.fit``:
    ``sync_at_end``, one last round puts the global model on every island before Lightning's
    final checkpoints; ``on_train_end`` catches ends nobody could foresee at that step.
 4. ``teardown``: the outer loop closed (worker joined, transport closed), then the groups.
+
+Checkpoints, inside ``Trainer.fit(ckpt_path=...)``: ``load_checkpoint`` captures the swarm record
+before setup (so the outer loop builds placeholder anchors), ``setup`` runs, then
+``load_optimizer_state_dict`` (after Lightning loaded rank 0's optimizer state) restores every
+island's own state, before any sanity check or training step. On save the swarm files are written
+first and the Lightning file last, so a crash in between leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +35,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.algorithm.fragments import FragmentLayout
-from lightning_swarm.checkpointing import CheckpointingStrategy
 from lightning_swarm.config import (
     AnchorConfig,
     SwarmConfig,
@@ -43,6 +51,7 @@ from lightning_swarm.config import (
 )
 from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.fit_end import fit_ends_after_step
+from lightning_swarm.island_ddp import IslandDDPStrategy
 from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,
@@ -52,10 +61,11 @@ from lightning_swarm.outer import (
     as_outer_optimizer,
 )
 from lightning_swarm.outer.build import staging_device, transport_for
+from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.transport import Transport
 
 
-class SwarmStrategy(CheckpointingStrategy):
+class SwarmStrategy(IslandDDPStrategy):
     """Train any LightningModule DiLoCo-style across islands of ranks.
 
     Args:
@@ -156,7 +166,6 @@ class SwarmStrategy(CheckpointingStrategy):
         return self._loop
 
     @property
-    @override
     def outer_syncs(self) -> list[OuterSync]:
         """One ``OuterSync`` per optimizer, in ``trainer.optimizers`` order."""
         return self._loop.outer_syncs if self._loop is not None else []
@@ -211,6 +220,68 @@ class SwarmStrategy(CheckpointingStrategy):
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _resume_host(self) -> TrainingView:
+        """The training state the checkpointer saves from and restores into, on this rank."""
+        module = self.lightning_module
+        assert module is not None
+        return TrainingView(
+            topology=self.topology,
+            outer_syncs=self.outer_syncs,
+            module=module,
+            optimizers=self.optimizers,
+            device=self.root_device,
+            totals=self.totals,
+            options=options_of(self.config, self.outer_syncs),
+            anchors=self.config.anchors,
+            collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+        )
+
+    @functools.cached_property
+    def checkpointer(self) -> SwarmCheckpointer:
+        """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
+        return SwarmCheckpointer()
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.checkpointer.capture(checkpoint_path, checkpoint, rank=self.global_rank)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        # After setup (outer syncs exist) and after rank 0's optimizer state went everywhere:
+        # each island's own state replaces it here, before any sanity check or training step.
+        if self.checkpointer.pending:
+            self.checkpointer.restore(self._resume_host())
+            rank_zero_info(f"swarm resume: {self.checkpointer.summary}")
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self.outer_syncs or "optimizer_states" not in checkpoint:
+            # Not fitting, or a weights-only file: nothing of the swarm to resume from.
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        save_id = self.checkpointer.save(self._resume_host(), checkpoint, filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:
+            # Only now does the Lightning file name the new save; older ones can go.
+            self.checkpointer.prune(filepath, keep=save_id)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            self.checkpointer.remove(filepath)
 
     # -- training -------------------------------------------------------------------------
     @override

@@ -97,5 +97,5 @@ def swarm_train(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m lightning_swarm.cli <overrides> hydra.run.dir=<run_dir>`` from ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_swarm.cli", *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "lightning_swarm.cli.app", *overrides, f"hydra.run.dir={run_dir}"]
     return run_in(run_dir, cmd, timeout)

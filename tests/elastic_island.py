@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lightning_swarm.membership.layout import model_layout
-from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.model_fingerprint import model_layout
+from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.outer.elastic import ElasticOuter
+from lightning_swarm.outer.join import ElasticOuter
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

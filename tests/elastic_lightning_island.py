@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.membership import heal
-from lightning_swarm.membership.torchft import TorchftMembership
+from lightning_swarm.membership.torchft_quorum import TorchftMembership
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.checkpoint import swarm_root
+from lightning_swarm.resume.files import swarm_root
 from lightning_swarm.resume.integrity import file_digest
 
 SYNC_EVERY = 3

@@ -15,10 +15,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning_swarm.cli.summary import format_summary
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.cli import CONF_DIR, Run, build, format_summary
+from lightning_swarm.cli.app import CONF_DIR, Run, build
 from tests.cli_utils import run_in
 from tests.helpers import QUIET, TinyRegressor, regression_data
 
@@ -148,7 +149,7 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "lightning_swarm.cli",
+        "lightning_swarm.cli.app",
         "trainer.max_steps=6",
         "trainer.val_check_interval=6",
         "trainer.limit_val_batches=2",

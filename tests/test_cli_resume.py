@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_swarm.cli_checks import resolve_ckpt_path
+from lightning_swarm.cli.preflight import resolve_ckpt_path
 from tests.cli_utils import RUN_TIMEOUT_S, TINY, swarm_train
 
 # 2 ranks (2 islands), 4 steps per epoch, a round every 3 steps: the epoch-0 checkpoint (step 4)

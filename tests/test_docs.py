@@ -56,7 +56,7 @@ def test_launch_guide_command_runs(tmp_path: Path, index: int) -> None:
     words = shlex.split(_tested_commands()[index])
     # The doc's programs, from this interpreter (the checkout first on the path).
     program = {
-        "swarm-train": [sys.executable, "-m", "lightning_swarm.cli"],
+        "swarm-train": [sys.executable, "-m", "lightning_swarm.cli.app"],
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     }[words[0]]
     if "hydra.run.dir" not in " ".join(words):

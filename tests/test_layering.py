@@ -6,16 +6,16 @@ cycle). The graph is built with ``ast`` from the source files, so nothing is exe
 
 Layers, top to bottom (a module may import its own layer or any layer below it):
 
-- glue: the package root, ``strategy``, ``islands``, ``checkpointing``, ``elastic``,
-  ``fit_end``, ``cli``, ``cli_checks``, ``callbacks/``, ``demo/``;
+- glue: the package root, ``strategy``, ``island_ddp``, ``elastic``, ``fit_end``, ``cli/``,
+  ``callbacks/``, ``demo/``;
 - outer loop: ``outer/``;
-- resume / records: ``checkpoint``, ``resume/``;
+- resume / records: ``resume/``;
 - options and membership: ``config`` (the strategy's options, built on the transport's own
   option types), ``membership/`` (who takes part in a round: torchft's quorum);
 - transport: ``transport/``;
 - topology: ``topology`` (plain arithmetic the transports' groups are built from);
 - algorithm: ``algorithm/``;
-- memory: ``memory/``.
+- memory and constants: ``memory/``, ``errors`` (the error root), ``profiling`` (trace labels).
 """
 
 from __future__ import annotations
@@ -35,23 +35,21 @@ LAYERS: list[tuple[str, int]] = [
     (PACKAGE, 7),
     (f"{PACKAGE}.strategy", 7),
     (f"{PACKAGE}.fit_end", 7),
-    (f"{PACKAGE}.islands", 7),
-    (f"{PACKAGE}.checkpointing", 7),
+    (f"{PACKAGE}.island_ddp", 7),
     (f"{PACKAGE}.elastic", 7),
     (f"{PACKAGE}.cli", 7),
-    (f"{PACKAGE}.cli_checks", 7),
     (f"{PACKAGE}.callbacks", 7),
     (f"{PACKAGE}.demo", 7),
     (f"{PACKAGE}.outer", 6),
-    (f"{PACKAGE}.checkpoint", 5),
     (f"{PACKAGE}.resume", 5),
-    (f"{PACKAGE}.records", 5),
     (f"{PACKAGE}.membership", 4),
     (f"{PACKAGE}.config", 4),
     (f"{PACKAGE}.transport", 3),
     (f"{PACKAGE}.topology", 2),
     (f"{PACKAGE}.algorithm", 1),
     (f"{PACKAGE}.memory", 0),
+    (f"{PACKAGE}.errors", 0),
+    (f"{PACKAGE}.profiling", 0),
 ]
 GLUE = 7
 
@@ -183,6 +181,24 @@ def test_the_walk_sees_deferred_imports() -> None:
 def test_every_module_has_a_layer() -> None:
     for module in MODULES:
         _layer(module)  # fails naming the module
+
+
+def test_every_layer_names_a_module_that_exists() -> None:
+    # A stale entry would give a renamed module's new name no layer check at all.
+    stale = [p for p, _ in LAYERS if p not in MODULES]
+    assert not stale, f"LAYERS names modules that no longer exist: {stale}"
+
+
+# File names that may repeat, each with one meaning wherever it stands.
+SHARED_FILE_NAMES = {"__init__.py", "config.py", "errors.py"}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    by_name: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        by_name.setdefault(path.name, []).append(module)
+    repeated = {n: m for n, m in by_name.items() if len(m) > 1 and n not in SHARED_FILE_NAMES}
+    assert not repeated, f"one file name, several modules (rename one): {repeated}"
 
 
 def test_no_import_cycles() -> None:

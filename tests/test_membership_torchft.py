@@ -147,8 +147,9 @@ def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
 def _membership(address: str, **options: float) -> object:
     import torch
 
-    from lightning_swarm.membership.layout import model_layout
-    from lightning_swarm.membership.torchft import ElasticConfig, TorchftMembership
+    from lightning_swarm.membership.config import ElasticConfig
+    from lightning_swarm.membership.model_fingerprint import model_layout
+    from lightning_swarm.membership.torchft_quorum import TorchftMembership
 
     params = {"w": torch.zeros(3)}
     config = ElasticConfig(lighthouse=address, island_id="solo", **options)  # type: ignore[arg-type]

@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from lightning_swarm.membership import check_membership
-from lightning_swarm.membership.layout import describe_difference, fingerprint, model_layout
+from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.lighthouse import parse_args
+from lightning_swarm.membership.model_fingerprint import (
+    describe_difference,
+    fingerprint,
+    model_layout,
+)
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
-from lightning_swarm.membership.torchft import ElasticConfig
 
 
 def test_outer_state_round_trips_bitwise_without_pickle() -> None:

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.outer_fast import fast_outer_kind
-from lightning_swarm.outer import OuterSync, Streaming
-from lightning_swarm.outer.stream import Segment, StreamRound, plan_buckets
+from lightning_swarm.outer import OuterSync, StreamingOptions
+from lightning_swarm.outer.bucketed import BucketedRound, Segment, plan_buckets
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.checks import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
@@ -52,14 +52,14 @@ def _compare_worker(
         transport=transport,
         sync_every=1,
         anchor_dtype=dtype,
-        streaming=Streaming(merge_alpha=alpha),
+        streaming=StreamingOptions(merge_alpha=alpha),
         stream=False,  # the two-phase round is the reference
     )
     anchors = [p.detach().to(dtype=dtype, copy=True) for p in fast_params.values()]
     optimizer = factory(anchors)
     kind = fast_outer_kind(optimizer)
     assert kind is not None
-    stream = StreamRound(bucket, in_flight=in_flight)
+    stream = BucketedRound(bucket, in_flight=in_flight)
     norms = []
     for step in range(4):
         _train(slow_params, rank, step)
@@ -118,7 +118,7 @@ def test_stream_round_is_bitwise_the_outer_sync_round(
 
 
 def _sgd_round(
-    stream: StreamRound,
+    stream: BucketedRound,
     params: dict[str, torch.nn.Parameter],
     anchors: list[Tensor],
     optimizer: torch.optim.Optimizer,
@@ -147,7 +147,7 @@ def _nonfinite_worker(rank: int, world: int, out: str) -> None:
     optimizer = FACTORIES["nesterov"](anchors)
     transport = AllReduceTransport(None, num_islands=world, bucket_numel=7)
     with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[1\]"):
-        _sgd_round(StreamRound(7), params, anchors, optimizer, transport, seed=0)
+        _sgd_round(BucketedRound(7), params, anchors, optimizer, transport, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(anchors, before, strict=True))
     assert not optimizer.state  # no state was created for a round that did not happen
     (Path(out) / f"{rank}.ok").touch()
@@ -175,7 +175,7 @@ def test_buffers_are_allocated_once_and_reused() -> None:
     anchors = [p.detach().clone() for p in params.values()]
     optimizer = FACTORIES["nesterov"](anchors)
     transport = AllReduceTransport(None, num_islands=1, bucket_numel=7)
-    stream = StreamRound(7)
+    stream = BucketedRound(7)
     held: list[Tensor] = []
     for step in range(3):
         _train(params, 0, step)
@@ -197,7 +197,7 @@ def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:
             outer_optimizer=factories[opt],
             transport=AllReduceTransport(None, num_islands=world, bucket_numel=7),
             sync_every=2,
-            streaming=Streaming(fragments=[["p0", "p2"], ["p1", "p3"]]),
+            streaming=StreamingOptions(fragments=[["p0", "p2"], ["p1", "p3"]]),
             stream=stream,
         )
         # The streamed round is taken exactly where it applies (not for other optimizers).
@@ -269,9 +269,9 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
     transport that stops offering the bucket mean would silently fall back to the slow path."""
     from lightning_swarm.config import SwarmConfig
+    from lightning_swarm.outer.bucketed import BucketMean
     from lightning_swarm.outer.build import transport_for
     from lightning_swarm.outer.loop import default_outer_optimizer
-    from lightning_swarm.outer.stream import BucketMean
 
     config = SwarmConfig()
     transport = transport_for(
@@ -294,7 +294,7 @@ def test_cuda_round_without_a_staging_path_is_refused_before_anything_moves() ->
     optimizer = FACTORIES["nesterov"](anchors)
     with pytest.raises(ValueError, match="staging=CudaStaging"):
         _sgd_round(
-            StreamRound(7),
+            BucketedRound(7),
             params,
             anchors,
             optimizer,
@@ -334,8 +334,8 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
     import contextlib
 
     from lightning_swarm.algorithm.outer_fast import ensure_state, groups_by_param
+    from lightning_swarm.outer.bucketed import BucketJob, bucket_fill
     from lightning_swarm.outer.staging import CudaStaging
-    from lightning_swarm.outer.stream import BucketJob, bucket_fill
 
     monkeypatch.setattr(torch.cuda, "Event", _NoStream)
     monkeypatch.setattr(torch.cuda, "Stream", _NoStream)
@@ -348,7 +348,7 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
         params = _params(0)
         anchors = [p.detach().to(dtype=dtype, copy=True) for p in params.values()]
         optimizer = FACTORIES[opt](anchors)
-        stream, staging = StreamRound(7), CudaStaging()
+        stream, staging = BucketedRound(7), CudaStaging()
         for step in range(3):
             _train(params, 0, step)
             groups = groups_by_param(optimizer)

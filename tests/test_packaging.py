@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.cli_utils import ROOT, RUN_TIMEOUT_S, TINY, run_group, tree_env
 
@@ -30,11 +31,11 @@ PUBLIC = [
 def test_public_names_are_the_classes_where_they_live() -> None:
     import lightning_swarm
     from lightning_swarm.callbacks import HostMemoryCensus, SwarmResume
-    from lightning_swarm.checkpoint import SwarmCheckpointError
+    from lightning_swarm.errors import SwarmCheckpointError
     from lightning_swarm.outer import SyncWorkerError
     from lightning_swarm.strategy import SwarmStrategy
+    from lightning_swarm.transport.aggregator.rotating import SwarmRoundError
     from lightning_swarm.transport.checks import NonFinitePseudoGradientError
-    from lightning_swarm.transport.swarm import SwarmRoundError
 
     where = {
         "HostMemoryCensus": HostMemoryCensus,
@@ -52,6 +53,31 @@ def test_public_names_are_the_classes_where_they_live() -> None:
         assert issubclass(getattr(lightning_swarm, name), Exception) == name.endswith("Error")
 
 
+def test_every_error_the_package_defines_has_the_one_root() -> None:
+    import importlib
+    import inspect
+    import pkgutil
+
+    import lightning_swarm
+    from lightning_swarm.errors import SwarmError
+
+    defined = []
+    for info in pkgutil.walk_packages(lightning_swarm.__path__, "lightning_swarm."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == info.name and issubclass(cls, BaseException):
+                defined.append(cls)
+    assert len(defined) >= 14  # the walk found the package's errors
+    orphans = [f"{c.__module__}.{c.__qualname__}" for c in defined if not issubclass(c, SwarmError)]
+    assert not orphans, f"errors outside the SwarmError root: {orphans}"
+    assert lightning_swarm.SwarmError is SwarmError
+    # Callers that catch the builtin bases keep working.
+    assert issubclass(lightning_swarm.SwarmCheckpointError, ValueError)
+    assert issubclass(lightning_swarm.SwarmRoundError, RuntimeError)
+
+
 @pytest.mark.parametrize(
     "first",
     ["lightning_swarm.callbacks.census", "lightning_swarm.callbacks.resume"],
@@ -63,17 +89,28 @@ def test_public_import_after_any_first_import(first: str) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_the_checkout_reads_the_top_level_conf_and_lists_every_package() -> None:
+    from lightning_swarm.cli.app import CONF_DIR
+
+    assert CONF_DIR == ROOT / "conf"
+    assert not (ROOT / "lightning_swarm" / "conf").exists()  # one copy only
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "lightning_swarm").rglob("__init__.py")
+    }
+    assert found | {"lightning_swarm.conf"} == listed
+
+
 def _build_wheel(tmp_path: Path) -> Path:
     """Build the wheel offline from a copy of what it is built from (the checkout stays clean)."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(
-        ROOT / "lightning_swarm",
-        src / "lightning_swarm",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
+    for folder in ("lightning_swarm", "conf"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path / "dist"
     run_group(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -108,8 +145,13 @@ def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_pa
     wheel = _build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_swarm/py.typed" in names
-    assert "lightning_swarm/conf/train.yaml" in names
-    assert "lightning_swarm/conf/strategy/swarm.yaml" in names
+    # conf/ (the one copy, at the top of the checkout) ships whole, byte for byte.
+    shipped = zipfile.ZipFile(wheel)
+    yaml = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "conf").rglob("*.yaml"))
+    assert "conf/strategy/swarm.yaml" in yaml
+    for name in yaml:
+        assert shipped.read(f"lightning_swarm/{name}") == (ROOT / name).read_bytes(), name
+    assert not any(n.startswith("conf/") for n in names)  # only inside the package
 
     venv = _fresh_venv(tmp_path)
     python = venv / "bin" / "python"

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from lightning_swarm.algorithm.codecs import CODECS, Codec
 from lightning_swarm.transport.base import Transport
-from lightning_swarm.transport.quantized import Piece, QuantizedTransport, plan_buckets
+from lightning_swarm.transport.quantized import Piece, QuantizedTransport, plan_coded_buckets
 
 # Shapes chosen so buckets are under-filled, tensors span several buckets and blocks end mid-bucket.
 SHAPES = {"emb": (37, 11), "w": (300,), "b": (5,), "empty": (0,), "big": (1000,)}
@@ -30,7 +30,7 @@ def _inputs(island: int) -> dict[str, torch.Tensor]:
 
 def test_plan_buckets_covers_every_element_once() -> None:
     numels = [407, 300, 5, 0, 1000]
-    buckets = plan_buckets(numels, BUCKET_NUMEL, BLOCK_SIZE)
+    buckets = plan_coded_buckets(numels, BUCKET_NUMEL, BLOCK_SIZE)
     seen = [torch.zeros(n, dtype=torch.int64) for n in numels]
     for bucket in buckets:
         assert 0 < sum(p.length for p in bucket) <= BUCKET_NUMEL
@@ -45,7 +45,7 @@ def test_plan_buckets_covers_every_element_once() -> None:
 
 def test_plan_buckets_rejects_bucket_below_block() -> None:
     with pytest.raises(ValueError, match="smaller than one codec block.*raise bucket_mb"):
-        plan_buckets([10], 16, 32)
+        plan_coded_buckets([10], 16, 32)
     with pytest.raises(ValueError, match="smaller than one codec block"):
         QuantizedTransport(None, num_islands=2, codec=Codec("int8", 64), bucket_numel=32)
 

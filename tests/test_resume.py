@@ -17,7 +17,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.callbacks.resume import SwarmResume
-from lightning_swarm.checkpoint import ANCHORS_FILE, MMAP_ENV, swarm_root
+from lightning_swarm.resume.files import ANCHORS_FILE, MMAP_ENV, swarm_root
 from tests.resume_utils import (
     as_format_1,
     assert_bitwise_equal,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_swarm.callbacks.resume import SwarmResume
-from lightning_swarm.checkpoint import ANCHORS_FILE, atomic_save
+from lightning_swarm.resume.files import ANCHORS_FILE, atomic_save
 from tests.resume_utils import (
     fit,
     fit_here,

@@ -15,12 +15,14 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.catchup import catch_up_
-from lightning_swarm.checkpoint import (
+from lightning_swarm.config import AnchorConfig, SwarmConfig
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.memory import ProcReader
+from lightning_swarm.outer import OuterSync
+from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
+from lightning_swarm.resume.files import (
     MMAP_ENV,
-    SwarmCheckpointError,
     atomic_save,
-    compare_fingerprints,
-    layout_fingerprint,
     load_swarm_file,
     prune_saves,
     remove_orphan_saves,
@@ -28,10 +30,7 @@ from lightning_swarm.checkpoint import (
     resolve_mmap,
     warn_legacy,
 )
-from lightning_swarm.config import AnchorConfig, SwarmConfig
-from lightning_swarm.memory import ProcReader
-from lightning_swarm.outer import OuterSync
-from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
+from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)

@@ -98,7 +98,7 @@ def _compare(rank: int, world: int, options: dict[str, Any], out: Path) -> None:
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         sharded = _run(rank, options, shard_outer=True, steps=9)
-    labels = sorted({e.name for e in prof.events() if e.name.startswith("swarm/")})
+    labels = sorted({e.name for e in prof.events() if e.name.startswith("lightning_swarm::")})
     torch.save({"full": full, "sharded": sharded, "labels": labels}, out / f"rank{rank}.pt")
 
 
@@ -153,7 +153,7 @@ def test_sharded_equals_unsharded_with_a_share_of_bytes_and_anchors(
             continue
         assert sharded["bytes_sent"] * 2 == full["bytes_sent"] > 0, case
         assert sharded["bytes_received"] * 2 == full["bytes_received"], case
-        assert "swarm/island_gather" in info["labels"], info["labels"]
+        assert "lightning_swarm::outer::island_gather" in info["labels"], info["labels"]
     # The two ranks of an island own complementary shares; peers own the same share.
     assert set(ranks[0]["sharded"]["anchors"]).isdisjoint(ranks[1]["sharded"]["anchors"])
     assert set(ranks[0]["sharded"]["anchors"]) == set(ranks[2]["sharded"]["anchors"])

@@ -16,9 +16,10 @@ import pytest
 import torch
 from torch import Tensor
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.outer import OuterSync, Streaming, SyncWorker, SyncWorkerError
+from lightning_swarm.outer import OuterSync, StreamingOptions, SyncWorker, SyncWorkerError
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.quantized import QuantizedTransport
@@ -76,7 +77,7 @@ def _streaming_outer(
         outer_optimizer=PLAIN,
         transport=transport,  # type: ignore[arg-type]
         sync_every=4,
-        streaming=Streaming(fragments=FRAGMENTS, worker=worker, **kw),  # type: ignore[arg-type]
+        streaming=StreamingOptions(fragments=FRAGMENTS, worker=worker, **kw),  # type: ignore[arg-type]
     )
 
 
@@ -194,7 +195,7 @@ def test_fragments_must_cover_parameters_once(fragments: list[list[str]], messag
             outer_optimizer=PLAIN,
             transport=FakePeer(),
             sync_every=4,
-            streaming=Streaming(fragments=fragments),
+            streaming=StreamingOptions(fragments=fragments),
         )
 
 
@@ -207,7 +208,7 @@ def test_error_feedback_carries_the_quantization_error() -> None:
         outer_optimizer=PLAIN,
         transport=transport,
         sync_every=2,
-        streaming=Streaming(codec=codec, error_feedback=True),
+        streaming=StreamingOptions(codec=codec, error_feedback=True),
     )
     residual: dict[str, Tensor] = {n: torch.zeros_like(p) for n, p in params.items()}
     for step in range(1, 7):
@@ -233,7 +234,7 @@ def test_skipped_round_restores_residuals() -> None:
         outer_optimizer=PLAIN,
         transport=FakePeer(applied=False),
         sync_every=1,
-        streaming=Streaming(codec=codec, error_feedback=True),
+        streaming=StreamingOptions(codec=codec, error_feedback=True),
     )
     _inner_step(outer.params, 1)
     report = outer.on_inner_step()
@@ -248,7 +249,7 @@ def test_failed_round_restores_residuals() -> None:
         outer_optimizer=PLAIN,
         transport=FakePeer(fail_at=2),
         sync_every=1,
-        streaming=Streaming(codec=codec, error_feedback=True),
+        streaming=StreamingOptions(codec=codec, error_feedback=True),
     )
     _inner_step(outer.params, 1)
     assert outer.on_inner_step() is not None  # round 1 applied: residuals exist
@@ -272,7 +273,7 @@ def _run_with_save(save_at: int | None, steps: int = 9) -> tuple[OuterSync, list
             outer_optimizer=NESTEROV,
             transport=QuantizedTransport(None, num_islands=1, codec=codec, bucket_numel=64),
             sync_every=4,
-            streaming=Streaming(
+            streaming=StreamingOptions(
                 fragments=FRAGMENTS, sync_delay=1, codec=codec, error_feedback=True, worker=worker
             ),
         )
@@ -423,7 +424,7 @@ def test_training_on_after_finish_does_not_apply_a_round_twice() -> None:
 @pytest.mark.parametrize("streamed", [False, True])
 def test_round_phases_are_labelled_for_the_profiler(streamed: bool) -> None:
     """Both round forms label the same phases. The streamed round (a one-island all-reduce with
-    7-element buckets, so several buckets per round) labels them inside "swarm/streamed_round"."""
+    7-element buckets, so several buckets per round) labels them inside its own label."""
     transport = AllReduceTransport(None, num_islands=1, bucket_numel=7) if streamed else FakePeer()
     outer = OuterSync(_params(), outer_optimizer=PLAIN, transport=transport, sync_every=2)
     assert (outer._stream_kind() is not None) == streamed
@@ -433,11 +434,16 @@ def test_round_phases_are_labelled_for_the_profiler(streamed: bool) -> None:
             outer.on_inner_step()
     events = list(prof.events())
     names = {event.name for event in events}
-    phases = {"swarm/pseudo_gradient", "swarm/exchange", "swarm/outer_step", "swarm/merge"}
+    phases = {
+        "lightning_swarm::outer::pseudo_gradient",
+        "lightning_swarm::outer::exchange",
+        "lightning_swarm::outer::outer_step",
+        "lightning_swarm::outer::merge",
+    }
     assert phases <= names, phases - names
-    assert ("swarm/streamed_round" in names) == streamed
+    assert (labels.BUCKETED_ROUND in names) == streamed
     if streamed:
-        rounds = [e.time_range for e in events if e.name == "swarm/streamed_round"]
+        rounds = [e.time_range for e in events if e.name == labels.BUCKETED_ROUND]
         for event in events:
             if event.name in phases:
                 span = event.time_range

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.fragments import FragmentSchedule
-from lightning_swarm.checkpoint import ANCHORS_FILE, swarm_root
+from lightning_swarm.resume.files import ANCHORS_FILE, swarm_root
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 from tests.resume_utils import assert_bitwise_equal, fit
 from tests.resume_utils import load_ranks as load_resume_ranks

@@ -14,15 +14,18 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import (
+    AggregatorTransport,
     AllReduceTransport,
     QuantizedTransport,
-    SwarmTransport,
     SwarmTransportConfig,
     build_transport,
     peer_backend,
 )
 from lightning_swarm.transport.groups import build_groups
 from tests.dist_utils import run_ranks
+
+AGG = "lightning_swarm::aggregator::"
+TRANSPORT = "lightning_swarm::transport::"
 
 
 def test_peer_backend_asks_for_gloo_only_for_the_swarm_transport_beside_nccl() -> None:
@@ -51,12 +54,12 @@ def _groups_worker(rank: int, world: int, out: str) -> None:
     # The accelerator's device is what the strategy passes with NCCL: the swarm transport
     # still works on the CPU (this machine has no CUDA, so any CUDA buffer would fail).
     swarm = build_transport("swarm", group=groups.peers, device=torch.device("cuda"), **common)
-    assert isinstance(swarm, SwarmTransport) and swarm.device == torch.device("cpu")
+    assert isinstance(swarm, AggregatorTransport) and swarm.device == torch.device("cpu")
     tensors = {"w": torch.full((5,), float(rank))}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         assert swarm.average(tensors, round_index=0).applied
     assert torch.equal(tensors["w"], torch.full((5,), (world - 1) / 2))
-    labels = sorted({e.name for e in prof.events() if e.name.startswith("swarm/")})
+    labels = sorted({e.name for e in prof.events() if e.name.startswith(AGG)})
     swarm.close()
     cpu = torch.device("cpu")
     plain = build_transport("allreduce", group=None, device=cpu, **common)
@@ -67,7 +70,7 @@ def _groups_worker(rank: int, world: int, out: str) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         plain.average({"w": torch.ones(4)}, round_index=0)
         coded.average({"w": torch.ones(4)}, round_index=0)
-    labels += sorted({e.name for e in prof.events() if e.name.startswith("transport/")})
+    labels += sorted({e.name for e in prof.events() if e.name.startswith(TRANSPORT)})
     Path(out, f"{rank}.json").write_text(json.dumps(labels))
     groups.destroy()
 
@@ -78,7 +81,7 @@ def test_factory_builds_each_transport_and_the_swarm_one_runs_on_a_gloo_side_gro
     run_ranks(_groups_worker, 2, str(tmp_path))
     aggregator = json.loads((tmp_path / "0.json").read_text())
     peer = json.loads((tmp_path / "1.json").read_text())
-    labels = ["swarm/aggregate", "swarm/exchange", "swarm/receive", "swarm/send"]
-    reduce = ["transport/allreduce", "transport/quantized"]
+    labels = [AGG + "aggregate", AGG + "receive", AGG + "round", AGG + "send"]
+    reduce = [TRANSPORT + "allreduce", TRANSPORT + "quantized"]
     assert aggregator == labels + reduce
-    assert peer == ["swarm/exchange", "swarm/receive", "swarm/send", *reduce]
+    assert peer == [AGG + "receive", AGG + "round", AGG + "send", *reduce]

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.transport.spool import Spool
-from lightning_swarm.transport.swarm import SwarmTransport
+from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.spool import Spool
 from tests.dist_utils import free_port
 
 CLEANUP_TIMEOUT_S = 60.0
@@ -63,7 +63,7 @@ def _rank(rank: int, port: int, spool_dir: str, out: str, collecting: Event, fau
         return os.pwrite(fd, data, offset)
 
     spool = Spool(spool_dir, cleanup_timeout_s=CLEANUP_TIMEOUT_S, write_at=slow_write)
-    transport = SwarmTransport(
+    transport = AggregatorTransport(
         None, num_islands=2, island_index=rank, spool=spool, chunk_bytes=4096
     )
     start = time.monotonic()

@@ -15,10 +15,10 @@ import torch
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm import robust
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.coded import CodedPayload, encode_marked
-from lightning_swarm.transport.layout import PayloadLayout
+from lightning_swarm.transport.aggregator.coded import CodedPayload, encode_marked
+from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.payload import PayloadLayout
 from lightning_swarm.transport.quantized import QuantizedTransport
-from lightning_swarm.transport.swarm import SwarmTransport
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
@@ -28,7 +28,7 @@ STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
 DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
 
 
-def _num_accepted(transport: SwarmTransport) -> int:
+def _num_accepted(transport: AggregatorTransport) -> int:
     assert transport.last_round is not None
     return len(transport.last_round.accepted)
 
@@ -62,10 +62,10 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         codec = Codec(name, BLOCK)
         wire = CodedPayload(layout, codec).wire
         common: dict[str, Any] = {"num_islands": world, "island_index": rank, "codec": codec}
-        offload = SwarmTransport(None, spool_dir=spool_dir, chunk_bytes=1000, **common)
-        memory = SwarmTransport(None, offload=False, chunk_bytes=333, **common)
+        offload = AggregatorTransport(None, spool_dir=spool_dir, chunk_bytes=1000, **common)
+        memory = AggregatorTransport(None, offload=False, chunk_bytes=333, **common)
         gather = QuantizedTransport(None, num_islands=world, codec=codec, bucket_numel=512)
-        median = SwarmTransport(None, aggregation="median", spool_dir=spool_dir, **common)
+        median = AggregatorTransport(None, aggregation="median", spool_dir=spool_dir, **common)
         for r in range(world):  # every island aggregates once
             tensors = _contribution(rank, r)
             median.average(tensors, round_index=r)
@@ -83,7 +83,9 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
                 assert stats.applied
                 if transport is gather:
                     continue
-                assert isinstance(transport, SwarmTransport) and _num_accepted(transport) == world
+                assert (
+                    isinstance(transport, AggregatorTransport) and _num_accepted(transport) == world
+                )
                 if rank == r:
                     assert (stats.bytes_sent, stats.bytes_received) == (
                         (world - 1) * download,
@@ -109,7 +111,7 @@ def test_quantized_swarm_equals_the_quantized_reference_exactly(tmp_path: Path, 
 
 def test_one_island_gets_its_own_round_trip() -> None:
     codec = Codec("int4", BLOCK)
-    transport = SwarmTransport(None, num_islands=1, island_index=0, codec=codec)
+    transport = AggregatorTransport(None, num_islands=1, island_index=0, codec=codec)
     tensors = _contribution(0, 0)
     transport.average(tensors, round_index=0)
     assert all(torch.equal(v, _quantized_mean(codec, 1, 0)[k]) for k, v in tensors.items())
@@ -131,7 +133,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     assert abs(raw_norm - decoded_norm) > 1e-3 * raw_norm  # int4 changes the norm measurably
     # Between the two norms: whether island 0 counts tells which values were checked.
     max_norm = (raw_norm + decoded_norm) / 2
-    transport = SwarmTransport(
+    transport = AggregatorTransport(
         None,
         num_islands=world,
         island_index=rank,
@@ -159,7 +161,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
             assert f"exceeds max_norm={max_norm:g}" in report.rejected[0]
     # round 1 (aggregator 1): island 2 was configured with another codec; it alone fails
     if rank == 2:
-        other = SwarmTransport(
+        other = AggregatorTransport(
             None, num_islands=world, island_index=rank, offload=False, codec=Codec("int8", BLOCK)
         )
         with pytest.raises(ValueError, match="the same quantize and quantize_block_size"):

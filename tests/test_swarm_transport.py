@@ -19,9 +19,13 @@ from lightning_swarm.algorithm import robust
 from lightning_swarm.config import SwarmConfig, SwarmTransportConfig
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.layout import PayloadLayout
-from lightning_swarm.transport.spool import Spool, SpoolError
-from lightning_swarm.transport.swarm import Outcome, SwarmRoundError, SwarmTransport
+from lightning_swarm.transport.aggregator.rotating import (
+    AggregatorOutcome,
+    AggregatorTransport,
+    SwarmRoundError,
+)
+from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
+from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
@@ -30,7 +34,7 @@ STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
 DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
 
 
-def _num_accepted(transport: SwarmTransport) -> int:
+def _num_accepted(transport: AggregatorTransport) -> int:
     assert transport.last_round is not None
     return len(transport.last_round.accepted)
 
@@ -60,7 +64,7 @@ class _Messages(logging.Handler):
 
 def _capture_log() -> _Messages:
     handler = _Messages()
-    logging.getLogger("lightning_swarm.transport.swarm").addHandler(handler)
+    logging.getLogger("lightning_swarm.transport.aggregator.rotating").addHandler(handler)
     return handler
 
 
@@ -69,20 +73,24 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
     common = {"num_islands": world, "island_index": rank, "spool_dir": spool_dir}
     weights = [float(i + 1) for i in range(world)]
     cases = {
-        "offload": (SwarmTransport(None, chunk_bytes=1000, **common), "mean", {}),
-        "memory": (SwarmTransport(None, offload=False, chunk_bytes=1000, **common), "mean", {}),
+        "offload": (AggregatorTransport(None, chunk_bytes=1000, **common), "mean", {}),
+        "memory": (
+            AggregatorTransport(None, offload=False, chunk_bytes=1000, **common),
+            "mean",
+            {},
+        ),
         "median": (
-            SwarmTransport(None, aggregation="median", chunk_bytes=600, **common),
+            AggregatorTransport(None, aggregation="median", chunk_bytes=600, **common),
             "median",
             {},
         ),
         "trimmed": (
-            SwarmTransport(None, aggregation="trimmed_mean", trim_ratio=0.25, **common),
+            AggregatorTransport(None, aggregation="trimmed_mean", trim_ratio=0.25, **common),
             "trimmed_mean",
             {"trim_ratio": 0.25},
         ),
         "weighted": (
-            SwarmTransport(
+            AggregatorTransport(
                 None, aggregation="weighted_mean", island_weights=weights, chunk_bytes=999, **common
             ),
             "weighted_mean",
@@ -147,7 +155,7 @@ def _poison(tensors: dict[str, torch.Tensor], rank: int, bad: dict[int, str]) ->
 
 def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     messages = _capture_log()
-    transport = SwarmTransport(
+    transport = AggregatorTransport(
         None,
         num_islands=world,
         island_index=rank,
@@ -205,7 +213,7 @@ def test_invalid_contributions_are_left_out_or_skip_the_round(tmp_path: Path) ->
 
 
 def _anchors_worker(rank: int, world: int, spool_dir: str) -> None:
-    transport = SwarmTransport(
+    transport = AggregatorTransport(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=2
     )
     param = torch.nn.Parameter(torch.arange(6.0))
@@ -253,7 +261,7 @@ def _failures_worker(rank: int, world: int, spool_dir: str) -> None:
         spool = Spool(spool_dir, write_at=disk_fills_up)
     elif rank == 2:
         spool = _TruncatingSpool(spool_dir)
-    transport = SwarmTransport(
+    transport = AggregatorTransport(
         None,
         num_islands=world,
         island_index=rank,
@@ -289,7 +297,7 @@ def test_spool_failures_fail_the_round_cleanly_on_every_rank(tmp_path: Path) -> 
 
 # -- errors on the aggregator ----------------------------------------------------------------
 def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
-    transport = SwarmTransport(
+    transport = AggregatorTransport(
         None,
         num_islands=world,
         island_index=rank,
@@ -311,7 +319,10 @@ def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
         for t in text
     ), text
     assert all(torch.allclose(tensors[k], before[k], 0, 0, equal_nan=True) for k in tensors)
-    assert transport.last_round is not None and transport.last_round.outcome == Outcome.SKIPPED
+    assert (
+        transport.last_round is not None
+        and transport.last_round.outcome == AggregatorOutcome.SKIPPED
+    )
     # the next round (island 1 aggregates, both accepted) applies the weighted mean
     tensors = _contribution(rank, 1)
     assert transport.average(tensors, round_index=1).applied
@@ -330,11 +341,11 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
 
 
 def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
-    import lightning_swarm.transport.aggregator as aggregator_module
+    import lightning_swarm.transport.aggregator.rounds as aggregator_module
 
     if rank == 0:  # a forked child: the patch dies with it
         aggregator_module.aggregate_into = _broken_rule
-    transport = SwarmTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
+    transport = AggregatorTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
     if rank == 0:
@@ -347,7 +358,9 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
             r"validating or aggregating; read island 0's log",
         ):
             transport.average(tensors, round_index=0)
-    assert transport.last_round is not None and transport.last_round.outcome == Outcome.ERROR
+    assert (
+        transport.last_round is not None and transport.last_round.outcome == AggregatorOutcome.ERROR
+    )
     assert transport.spool.files() == [], "a failed round left spool files"
     # the failure was clean: the next round (island 1 aggregates) works and is exact
     tensors = _contribution(rank, 1)
@@ -368,15 +381,15 @@ def test_unexpected_error_on_the_aggregator_raises_on_every_rank(tmp_path: Path)
 def test_transport_options_are_checked(tmp_path: Path) -> None:
     common: dict[str, Any] = {"num_islands": 3, "island_index": 0, "offload": False}
     with pytest.raises(ValueError, match=r"min_contributions=4 must lie in 1..3"):
-        SwarmTransport(None, min_contributions=4, **common)
+        AggregatorTransport(None, min_contributions=4, **common)
     with pytest.raises(ValueError, match="needs island_weights with one weight per island"):
-        SwarmTransport(None, aggregation="weighted_mean", island_weights=[1.0], **common)
+        AggregatorTransport(None, aggregation="weighted_mean", island_weights=[1.0], **common)
     with pytest.raises(ValueError, match="aggregation='vote' is not known"):
-        SwarmTransport(None, aggregation="vote", **common)
+        AggregatorTransport(None, aggregation="vote", **common)
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(SpoolError, match="cannot create the spool under spool_dir"):
-        SwarmTransport(None, num_islands=2, island_index=0, spool_dir=str(blocker))
+        AggregatorTransport(None, num_islands=2, island_index=0, spool_dir=str(blocker))
 
 
 def test_swarm_config_validates_and_converts_dicts() -> None:

@@ -1,6 +1,6 @@
 """Functional outer steps over flat slices, for the outer optimizers people use.
 
-A bucketed outer round (``lightning_swarm.outer.stream``) steps the anchors one bucket at a time,
+A bucketed outer round (``lightning_swarm.outer.bucketed``) steps the anchors one bucket at a time,
 so it cannot call ``optimizer.step()`` (which steps every parameter that has a gradient). For
 ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize) and ``torch.optim.Adam``
 / ``AdamW`` this module repeats torch's own single-tensor update on any flat slice of an anchor,

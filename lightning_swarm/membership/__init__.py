@@ -11,6 +11,7 @@ torchft is imported only when ``membership="torchft"`` is used (the ``elastic`` 
 
 from __future__ import annotations
 
+from lightning_swarm.membership.config import elastic_options
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
     DuplicateIslandError,
@@ -19,7 +20,6 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
     QuorumTimeoutError,
 )
-from lightning_swarm.membership.options import elastic_options
 from lightning_swarm.membership.static import MEMBERSHIPS, check_membership
 
 __all__ = [

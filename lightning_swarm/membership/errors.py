@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from lightning_swarm.errors import SwarmError
 
-class MembershipError(RuntimeError):
+
+class MembershipError(SwarmError, RuntimeError):
     """An island cannot take part in the swarm; the message names the cause and the fix."""
 
 

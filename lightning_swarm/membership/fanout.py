@@ -22,7 +22,7 @@ from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode
 
 
 @dataclass
-class Outcome:
+class RoundOutcome:
     """One round as the island's rank 0 saw it."""
 
     committed: bool = False
@@ -69,7 +69,7 @@ class IslandFanout:
         if error is not None:
             raise error
 
-    def share_outcome(self, outcome: Outcome, tensors: list[Tensor]) -> Outcome:
+    def share_outcome(self, outcome: RoundOutcome, tensors: list[Tensor]) -> RoundOutcome:
         """Rank 0's outcome on every rank, with its averaged ``tensors`` and healed state."""
         if self.size == 1:
             return outcome
@@ -89,7 +89,7 @@ class IslandFanout:
         )
         self._broadcast(status)
         committed, genesis, participants, header_len, heal_bytes, heal_us = status.tolist()
-        shared = Outcome(bool(committed), bool(genesis), participants, None, heal_bytes)
+        shared = RoundOutcome(bool(committed), bool(genesis), participants, None, heal_bytes)
         shared.heal_s = heal_us / 1e6
         if header_len:
             header = self._share_bytes(header, header_len)

@@ -17,7 +17,7 @@ from lightning_swarm.outer.loop import (
     as_outer_optimizer,
     default_outer_optimizer,
 )
-from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
+from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
 
@@ -25,7 +25,7 @@ __all__ = [
     "OuterLoop",
     "OuterOptimizerFactory",
     "OuterSync",
-    "Streaming",
+    "StreamingOptions",
     "SwarmTotals",
     "SyncReport",
     "SyncWorker",

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
-from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
+from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
@@ -133,10 +133,10 @@ class OuterLoop:
             self._outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
 
-    def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> Streaming:
+    def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
         """Fragments (the layout is checked here, where the names are known) and options."""
         config = self.config
-        return Streaming(
+        return StreamingOptions(
             fragments=build_fragments(list(params), config.num_fragments, config.fragment_layout),
             sync_delay=config.sync_delay,
             merge_alpha=config.merge_alpha,
@@ -149,7 +149,7 @@ class OuterLoop:
         self,
         index: int,
         params: Mapping[str, torch.nn.Parameter],
-        streaming: Streaming,
+        streaming: StreamingOptions,
         group: dist.ProcessGroup | None,
         position: int,
         device: torch.device | None,

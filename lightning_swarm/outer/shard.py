@@ -37,6 +37,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
+from lightning_swarm.errors import SwarmError
+
 
 def partition_by_bytes(
     fragments: Sequence[Sequence[str]], sizes: Mapping[str, int], num_shards: int
@@ -62,7 +65,7 @@ def partition_by_bytes(
     return owner
 
 
-class ShareFailedError(RuntimeError):
+class ShareFailedError(SwarmError, RuntimeError):
     """Raised on the ranks of an island whose other share of a round failed."""
 
 
@@ -93,7 +96,7 @@ class IslandShard:
     @torch.no_grad()
     def gather(self, names: Sequence[str], params: Mapping[str, Tensor]) -> None:
         """Every owner broadcasts its ``names``' parameters to the island (collective)."""
-        with record_function("swarm/island_gather"):
+        with record_function(labels.ISLAND_GATHER):
             in_flight: list[tuple[list[Tensor], Tensor, Any]] = []
             for position in range(self.size):
                 mine = [params[n].data for n in names if self.owner[n] == position]

@@ -12,7 +12,7 @@ memory. A streamed round then stages them through the GPU one bucket at a time:
   copied out (``free``), computed only after it was filled (``loaded``), copied out only after
   it was computed (``computed``).
 
-Ownership: ``CudaStaging`` (handed to a ``StreamRound`` by ``OuterSync``) owns its slots and
+Ownership: ``CudaStaging`` (handed to a ``BucketedRound`` by ``OuterSync``) owns its slots and
 side streams from the first round until ``close``; each ``Slot``'s device buffers hold one
 bucket between its copy in and its copy out. The pinned host anchors and state belong to the
 ``OuterSync`` and its optimizer, which ``pin_round_memory`` switches over in place (fresh state
@@ -38,7 +38,13 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.fused import sum_of_squares
-from lightning_swarm.outer.stream import BucketJob, BucketMean, Segment, StreamResult, bucket_fill
+from lightning_swarm.outer.bucketed import (
+    BucketedResult,
+    BucketJob,
+    BucketMean,
+    Segment,
+    bucket_fill,
+)
 
 BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets of float32
 
@@ -160,7 +166,7 @@ class CudaStaging:
 
     def run(
         self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
-    ) -> StreamResult:
+    ) -> BucketedResult:
         """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
@@ -181,7 +187,7 @@ class CudaStaging:
             slot.computed.record(compute)
             self._copy_out(job, bucket, slot, copy_out)
         copy_out.synchronize()  # the host anchors and state are complete when run returns
-        return StreamResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
+        return BucketedResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
 
     @staticmethod
     def _compute(

@@ -7,7 +7,7 @@ step and gets a ``SyncReport`` back when a round was applied.
 Rounds (Streaming DiLoCo, arXiv 2501.18512). The parameters are split into fragments, each
 syncing on a ``FragmentSchedule``; one fragment, no delay and no codec is plain DiLoCo,
 operation for operation. Each due round takes one of two forms, bitwise equal where both apply:
-- the streamed round (the default, ``lightning_swarm.outer.stream``): one bucketed pass that
+- the streamed round (the default, ``lightning_swarm.outer.bucketed``): one bucketed pass that
   forms, averages, steps and merges the fragment's tensors bucket by bucket, with no full-size
   temporary. It runs when the transport offers a bucket mean (all-reduce), ``sync_delay == 0``,
   the outer optimizer has a functional step (SGD, Adam, AdamW), the anchors are installed and
@@ -39,7 +39,7 @@ Ownership and lifetime:
   outer state, counters and an in-flight round's averaged result are global (``state.py``).
 - ``params`` are the model's live parameters, owned by the LightningModule; an apply overwrites
   (or mixes into) them in place.
-- The streamed round's reused buffers (``StreamRound``) live as long as this object.
+- The streamed round's reused buffers (``BucketedRound``) live as long as this object.
 """
 
 from __future__ import annotations
@@ -51,16 +51,17 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
-from lightning_swarm.outer.records import OuterOptimizerFactory, Streaming, SyncReport
+from lightning_swarm.outer.bucketed import BucketedResult, BucketedRound, BucketMean
+from lightning_swarm.outer.checkpoint_state import SyncState
+from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
-from lightning_swarm.outer.state import SyncState
-from lightning_swarm.outer.stream import BucketMean, StreamResult, StreamRound
 from lightning_swarm.transport.base import Transport
 
-__all__ = ["OuterOptimizerFactory", "OuterSync", "Streaming", "SyncReport"]
+__all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
 
 
 class OuterSync(SyncState):
@@ -75,7 +76,7 @@ class OuterSync(SyncState):
         anchor_dtype: dtype of the stored anchors.
         defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
         streaming: fragments, delay, merge and error feedback (``Streaming``).
-        stream: run eligible rounds as one bucketed pass (``lightning_swarm.outer.stream``):
+        stream: run eligible rounds as one bucketed pass (``lightning_swarm.outer.bucketed``):
             a transport with a bucket mean (all-reduce), no sync delay, outer SGD or Adam(W).
             ``False`` keeps the two-phase round for every round (same bits, slower).
         shard: this rank's share of a sharded island (``lightning_swarm.outer.shard``): only
@@ -96,7 +97,7 @@ class OuterSync(SyncState):
         anchor_device: torch.device | str = "cpu",
         anchor_dtype: torch.dtype = torch.float32,
         defer_anchors: bool = False,
-        streaming: Streaming | None = None,
+        streaming: StreamingOptions | None = None,
         stream: bool = True,
         shard: IslandShard | None = None,
     ) -> None:
@@ -108,7 +109,7 @@ class OuterSync(SyncState):
         self.anchor_device = torch.device(anchor_device)
         self.anchor_dtype = anchor_dtype
         self._outer_optimizer_factory = outer_optimizer
-        self.streaming = streaming or Streaming()
+        self.streaming = streaming or StreamingOptions()
         self.fragments = check_fragments(self.streaming.fragments, list(self.params))
         self.schedule = self._build_schedule()
         owned = set(self.owned)
@@ -165,10 +166,10 @@ class OuterSync(SyncState):
             )
         return optimizer
 
-    def _build_stream(self, stream: bool) -> StreamRound | None:
+    def _build_stream(self, stream: bool) -> BucketedRound | None:
         """The bucketed one-pass round where this transport and schedule allow it."""
         if stream and isinstance(self.transport, BucketMean) and self.schedule.sync_delay == 0:
-            return StreamRound(self.transport.bucket_numel, staging=CudaStaging())
+            return BucketedRound(self.transport.bucket_numel, staging=CudaStaging())
         return None
 
     @property
@@ -264,7 +265,7 @@ class OuterSync(SyncState):
         assert self._stream is not None and self._in_flight is None
         alpha = self.schedule.merge_alpha if merge_alpha is None else merge_alpha
         start = time.perf_counter()
-        result = StreamResult(0.0, 0)  # a share with no tensors in this fragment
+        result = BucketedResult(0.0, 0)  # a share with no tensors in this fragment
         error: BaseException | None = None
         try:
             result = self._run_stream(self._owned_fragments[fragment], kind, alpha)
@@ -292,16 +293,16 @@ class OuterSync(SyncState):
             transport_s=result.reduce_s,
         )
 
-    def _run_stream(self, names: list[str], kind: FastKind, alpha: float) -> StreamResult:
+    def _run_stream(self, names: list[str], kind: FastKind, alpha: float) -> BucketedResult:
         """The streamed pass over ``names`` (this rank's share of the fragment)."""
         assert self._stream is not None
-        result = StreamResult(0.0, 0)
+        result = BucketedResult(0.0, 0)
         on_cuda = bool(names) and self.params[names[0]].device.type == "cuda"
         if on_cuda and self.anchor_device.type == "cpu":
             pin_round_memory(self.outer_optimizer, self.anchors)
         assert isinstance(self.transport, BucketMean)
         if names:
-            with record_function("swarm/streamed_round"):
+            with record_function(labels.BUCKETED_ROUND):
                 result = self._stream.run(
                     params=[self.params[name] for name in names],
                     anchors=[self.anchors[name] for name in names],

@@ -6,7 +6,7 @@ starts ``transport.average``: inline when ``sync_delay == 0``, else as a job on 
 ``SyncWorker`` while training continues. ``_apply`` (``sync_delay`` steps later) waits for the
 average, steps the outer optimizer on that fragment's anchors, merges them into the locals and,
 sharded, gathers the new parameters to the whole island. ``OuterSync`` runs this round whenever
-the streamed round (``lightning_swarm.outer.stream``) cannot: a sync delay, a codec, a
+the streamed round (``lightning_swarm.outer.bucketed``) cannot: a sync delay, a codec, a
 transport without a bucket mean, an outer optimizer without a functional step, or ``stream=False``.
 
 Ownership and lifetime:
@@ -33,10 +33,11 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import with_error_feedback
 from lightning_swarm.algorithm.fragments import FragmentSchedule
-from lightning_swarm.outer.records import Streaming, SyncReport
+from lightning_swarm.outer.reports import StreamingOptions, SyncReport
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundStats, Transport
@@ -75,7 +76,7 @@ class TwoPhaseRound:
     transport: Transport
     anchors: dict[str, Tensor]
     outer_optimizer: torch.optim.Optimizer
-    streaming: Streaming
+    streaming: StreamingOptions
     fragments: list[list[str]]
     schedule: FragmentSchedule
     inner_steps: int
@@ -99,7 +100,7 @@ class TwoPhaseRound:
             )
         start = time.perf_counter()
         names = self._owned_fragments[fragment]
-        with record_function("swarm/pseudo_gradient"):
+        with record_function(labels.PSEUDO_GRADIENT):
             deltas = {
                 name: pseudo_gradient(self.anchors[name], self.params[name]) for name in names
             }
@@ -129,7 +130,7 @@ class TwoPhaseRound:
             return Exchanged(RoundStats(applied=True), 0.0)
         previous = self._feed_back_errors(deltas)
         try:
-            with record_function("swarm/exchange"):
+            with record_function(labels.EXCHANGE):
                 stats = self.transport.average(deltas, round_index=round_index)
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
@@ -196,7 +197,7 @@ class TwoPhaseRound:
         """An applied round: the outer step on the fragment's anchors, the merge, the gather."""
         names: Sequence[str] = self._owned_fragments[fragment]
         if names:
-            with record_function("swarm/outer_step"):
+            with record_function(labels.OUTER_STEP):
                 # The outer-step count is the same on every island: bf16 noise agrees.
                 outer_step(
                     self.outer_optimizer,
@@ -206,7 +207,7 @@ class TwoPhaseRound:
                 )
         self.outer_steps += 1
         self.fragment_rounds[fragment] += 1
-        with record_function("swarm/merge"):
+        with record_function(labels.MERGE):
             for name in names:
                 merge_into_local(self.params[name].data, self.anchors[name], alpha)
         if self.shard is not None:
@@ -237,7 +238,7 @@ class TwoPhaseRound:
     def _result(self, rnd: RoundInFlight) -> Exchanged:
         if rnd.result is None:
             assert rnd.future is not None
-            with record_function("swarm/wait"):
+            with record_function(labels.WAIT):
                 rnd.result = SyncWorker.wait(
                     rnd.future,
                     f"the outer sync of fragment {rnd.fragment} (sent after inner step "

@@ -25,10 +25,12 @@ from typing import TypeVar
 
 import torch
 
+from lightning_swarm.errors import SwarmError
+
 _T = TypeVar("_T")
 
 
-class SyncWorkerError(RuntimeError):
+class SyncWorkerError(SwarmError, RuntimeError):
     """An exchange failed in the background worker; raised in the training thread."""
 
 

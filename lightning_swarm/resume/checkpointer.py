@@ -25,15 +25,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_swarm.checkpoint import (
+from lightning_swarm.resume.files import (
     prune_saves,
     require_local_path,
     resolve_mmap,
     swarm_root,
     warn_legacy,
 )
-from lightning_swarm.resume.host import ResumeHost
-from lightning_swarm.resume.options import describe_changes
+from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.records import SwarmRecord
 from lightning_swarm.resume.restore import (
     Loaded,
@@ -45,6 +44,7 @@ from lightning_swarm.resume.restore import (
     newest_source,
 )
 from lightning_swarm.resume.save import remove_swarm_state, save_swarm_state
+from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
 
@@ -93,7 +93,7 @@ class SwarmCheckpointer:
             self.summary = None
         return self._pending is not None
 
-    def restore(self, host: ResumeHost) -> None:
+    def restore(self, host: TrainingView) -> None:
         """Check and install the captured swarm state on this rank (collective).
 
         Raises:
@@ -118,7 +118,7 @@ class SwarmCheckpointer:
         self.summary = _summary(host, main, own, loaded, how, stale)
         log.info("swarm resume: %s", self.summary)
 
-    def _warn(self, host: ResumeHost, main: Source, own: Source, loaded: Loaded) -> None:
+    def _warn(self, host: TrainingView, main: Source, own: Source, loaded: Loaded) -> None:
         """Rank 0's one warning of what makes this resume inexact or unverified."""
         lines: list[str] = []
         saved = main.record.options
@@ -145,7 +145,7 @@ class SwarmCheckpointer:
                 stacklevel=3,
             )
 
-    def save(self, host: ResumeHost, checkpoint: dict[str, Any], filepath: Any) -> str:
+    def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
         """Write the swarm files and put the record in ``checkpoint`` (collective)."""
         return save_swarm_state(host, checkpoint, filepath)
 
@@ -161,7 +161,7 @@ class SwarmCheckpointer:
 
 
 def _summary(
-    host: ResumeHost, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
+    host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
 ) -> str:
     kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
     size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"

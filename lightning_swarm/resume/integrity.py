@@ -23,7 +23,7 @@ import torch
 import xxhash
 from torch import Tensor
 
-from lightning_swarm.checkpoint import SwarmCheckpointError
+from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.records import FileDigest
 
 CHUNK_BYTES = 8 * 2**20

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import merge_by_name
-from lightning_swarm.checkpoint import SwarmCheckpointError
+from lightning_swarm.errors import SwarmCheckpointError
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)

@@ -32,19 +32,18 @@ import torch
 
 from lightning_swarm.algorithm.catchup import catch_up_
 from lightning_swarm.algorithm.fragments import FragmentSchedule
-from lightning_swarm.checkpoint import (
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.files import (
     ANCHORS_FILE,
-    SwarmCheckpointError,
     anchor_shard_names,
-    compare_fingerprints,
     island_file_name,
     load_swarm_file,
     require_local_path,
     swarm_root,
 )
-from lightning_swarm.resume.host import Collectives, ResumeHost
+from lightning_swarm.resume.fingerprint import compare_fingerprints
 from lightning_swarm.resume.integrity import check_file, check_finite
-from lightning_swarm.resume.options import refuse_unusable
+from lightning_swarm.resume.option_changes import refuse_unusable
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     IslandRecord,
@@ -54,6 +53,7 @@ from lightning_swarm.resume.records import (
     pending_fragment,
 )
 from lightning_swarm.resume.save import current_fingerprint
+from lightning_swarm.resume.training_view import Collectives, TrainingView
 
 _T = TypeVar("_T")
 
@@ -92,7 +92,7 @@ def check_island_paths(paths: Mapping[int, Path], num_islands: int) -> None:
         )
 
 
-def choose_source(host: ResumeHost, main: Source, island_paths: Mapping[int, Path]) -> Source:
+def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> Source:
     """This island's source after checking ``main`` against this run (collective-free)."""
     check_island_paths(island_paths, host.topology.num_islands)
     compare_fingerprints(main.record.fingerprint, current_fingerprint(host))
@@ -132,7 +132,7 @@ def newest_source(comm: Collectives, own: Source, main: Source) -> tuple[list[in
 
 
 def load_sources(
-    host: ResumeHost, main: Source, own: Source, newest: tuple[list[int], str], use_mmap: bool
+    host: TrainingView, main: Source, own: Source, newest: tuple[list[int], str], use_mmap: bool
 ) -> Loaded:
     """Read, check and validate every file this rank installs from."""
     island = host.topology.island_index
@@ -201,7 +201,7 @@ def load_sources(
 
 
 def validate(
-    host: ResumeHost, loaded: Loaded, island_path: Path, own_anchors: str, newest_anchors: str
+    host: TrainingView, loaded: Loaded, island_path: Path, own_anchors: str, newest_anchors: str
 ) -> None:
     """Everything ``install`` relies on, so that it cannot fail half-way.
 
@@ -237,7 +237,7 @@ def validate(
     _check_round_in_flight(host, loaded.newest, newest_anchors)
 
 
-def _check_anchor_sets(host: ResumeHost, record: AnchorsRecord, path: str) -> None:
+def _check_anchor_sets(host: TrainingView, record: AnchorsRecord, path: str) -> None:
     if len(record.outer) != len(host.outer_syncs):
         raise SwarmCheckpointError(
             f"{path} holds {len(record.outer)} anchor sets for {len(host.outer_syncs)} "
@@ -255,7 +255,7 @@ def _check_anchor_sets(host: ResumeHost, record: AnchorsRecord, path: str) -> No
                 )
 
 
-def _check_round_in_flight(host: ResumeHost, record: AnchorsRecord, path: str) -> None:
+def _check_round_in_flight(host: TrainingView, record: AnchorsRecord, path: str) -> None:
     """A saved round in flight must be one this run's schedule applies (else refuse now)."""
     options = host.options
     for index, state in enumerate(record.outer):
@@ -275,7 +275,7 @@ def _check_round_in_flight(host: ResumeHost, record: AnchorsRecord, path: str) -
             )
 
 
-def install(host: ResumeHost, loaded: Loaded) -> list[int]:
+def install(host: TrainingView, loaded: Loaded) -> list[int]:
     """Install checked state on this rank; returns the optimizers caught up."""
     host.module.load_state_dict(loaded.island.module, strict=True)
     stale: list[int] = []

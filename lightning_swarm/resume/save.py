@@ -9,7 +9,7 @@ Collective (every rank calls ``save_swarm_state``, in the same order):
    other islands hold the same shares); each writer hashes what it wrote;
 3. the sizes and checksums are gathered, so every rank holds the same ``SwarmRecord``;
 4. barrier; the caller writes the Lightning file holding the record (last), then prunes older
-   save directories. Layout and atomicity: ``lightning_swarm.checkpoint``.
+   save directories. Layout and atomicity: ``lightning_swarm.resume.files``.
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ import shutil
 import uuid
 from typing import Any
 
-from lightning_swarm.checkpoint import (
+from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
     atomic_save,
     island_file_name,
-    layout_fingerprint,
     remove_orphan_saves,
     require_local_path,
     swarm_root,
 )
-from lightning_swarm.resume.host import ResumeHost
+from lightning_swarm.resume.fingerprint import layout_fingerprint
 from lightning_swarm.resume.integrity import file_digest
 from lightning_swarm.resume.records import (
     AnchorsRecord,
@@ -38,12 +37,13 @@ from lightning_swarm.resume.records import (
     SwarmRecord,
     TotalsRecord,
 )
+from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
 
 
-def current_fingerprint(host: ResumeHost) -> dict[str, Any]:
-    """The layout a resume must match (see ``lightning_swarm.checkpoint.layout_fingerprint``).
+def current_fingerprint(host: TrainingView) -> dict[str, Any]:
+    """The layout a resume must match (see ``resume.fingerprint.layout_fingerprint``).
 
     Streaming DiLoCo adds its fragments and schedule: a round in flight is applied at
     ``send_step + sync_delay`` to the fragment it was sent for, so a resume needs the same
@@ -62,7 +62,7 @@ def current_fingerprint(host: ResumeHost) -> dict[str, Any]:
     )
 
 
-def save_swarm_state(host: ResumeHost, checkpoint: dict[str, Any], filepath: Any) -> str:
+def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
     """Write this rank's share of the swarm state and put the record in ``checkpoint["swarm"]``.
 
     Returns the save id; the caller writes the Lightning file and then prunes older saves.

@@ -1,19 +1,19 @@
 """Transports: how pseudo-gradients are averaged across islands (torch and torch.distributed,
 never lightning)."""
 
+from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.allreduce import AllReduceTransport, ring_allreduce_bytes
 from lightning_swarm.transport.base import RoundStats, Transport
+from lightning_swarm.transport.config import TRANSPORTS, SwarmTransportConfig
 from lightning_swarm.transport.factory import build_transport, peer_backend
-from lightning_swarm.transport.options import TRANSPORTS, SwarmTransportConfig
 from lightning_swarm.transport.quantized import QuantizedTransport
-from lightning_swarm.transport.swarm import SwarmTransport
 
 __all__ = [
     "TRANSPORTS",
+    "AggregatorTransport",
     "AllReduceTransport",
     "QuantizedTransport",
     "RoundStats",
-    "SwarmTransport",
     "SwarmTransportConfig",
     "Transport",
     "build_transport",

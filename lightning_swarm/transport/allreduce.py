@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite, agree_finite_flag
 
@@ -61,7 +62,7 @@ class AllReduceTransport:
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
 
-    @record_function("transport/allreduce")
+    @record_function(labels.ALLREDUCE)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
         stats = RoundStats()
@@ -77,7 +78,7 @@ class AllReduceTransport:
     def agree_finite(self, local_finite: bool) -> None:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite.
 
-        The first half of a streamed round (``lightning_swarm.outer.stream``), before any
+        The first half of a streamed round (``lightning_swarm.outer.bucketed``), before any
         bucket moves; collective over the peer group.
         """
         agree_finite_flag(local_finite, self.group, self.num_islands, self.device)

@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_swarm.errors import SwarmError
 
-class NonFinitePseudoGradientError(ValueError):
+
+class NonFinitePseudoGradientError(SwarmError, ValueError):
     """Some island's pseudo-gradient holds NaN or inf; the round was not run anywhere."""
 
 

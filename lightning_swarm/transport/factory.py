@@ -2,7 +2,7 @@
 
 ``build_transport`` turns the plain options (``transport``, the codec, ``bucket_mb`` as
 elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``QuantizedTransport`` or a
-``SwarmTransport`` over a peer group the caller built. ``peer_backend`` says which backend
+``AggregatorTransport`` over a peer group the caller built. ``peer_backend`` says which backend
 that peer group needs, so the caller can build it before the transport: the swarm transport's
 payloads, status messages and spool live on the CPU, so in an NCCL world its point-to-point
 traffic runs on a gloo group created beside the NCCL groups (``groups.build_groups``).
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.allreduce import AllReduceTransport
 from lightning_swarm.transport.base import Transport
-from lightning_swarm.transport.options import SwarmTransportConfig, check_transport
+from lightning_swarm.transport.config import SwarmTransportConfig, check_transport
 from lightning_swarm.transport.quantized import QuantizedTransport
-from lightning_swarm.transport.swarm import SwarmTransport
 
 CPU_BACKEND = "gloo"
 
@@ -70,7 +70,7 @@ def build_transport(
     """
     check_transport(transport)
     if transport == "swarm":
-        return SwarmTransport(
+        return AggregatorTransport(
             group,
             num_islands=num_islands,
             island_index=island_index,

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite
@@ -51,7 +52,7 @@ class Piece:
     length: int
 
 
-def plan_buckets(numels: list[int], bucket_numel: int, block_size: int) -> list[list[Piece]]:
+def plan_coded_buckets(numels: list[int], bucket_numel: int, block_size: int) -> list[list[Piece]]:
     """Cut tensors of ``numels`` elements into buckets of at most ``bucket_numel`` elements.
 
     Pieces start at multiples of ``block_size`` inside their tensor. ``bucket_numel`` must be
@@ -124,7 +125,7 @@ class QuantizedTransport:
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
 
-    @record_function("transport/quantized")
+    @record_function(labels.QUANTIZED)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
         stats = RoundStats()
@@ -138,7 +139,7 @@ class QuantizedTransport:
             flats.append(t.view(-1))
         agree_finite(flats, self.group, self.num_islands, self.device)
         numels = [f.numel() for f in flats]
-        for bucket in plan_buckets(numels, self.bucket_numel, self.codec.block_size):
+        for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):
             self._average_bucket(flats, bucket, stats)
         stats.wall_s = time.perf_counter() - start
         return stats

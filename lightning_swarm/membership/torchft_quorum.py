@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
     DuplicateIslandError,
@@ -54,56 +55,13 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
     QuorumTimeoutError,
 )
-from lightning_swarm.membership.fanout import IslandFanout, Outcome
-from lightning_swarm.membership.layout import Layout, describe_difference, fingerprint
+from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
+from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    """Where the lighthouse is, who this island is, and how long to wait.
-
-    Attributes:
-        lighthouse: the lighthouse's address, e.g. ``http://host:29510``.
-        island_id: this island's name, unique among live islands.
-        min_islands: a round commits only with at least this many islands in it.
-        quorum_timeout_s: how long a round waits for ``min_islands`` islands; also how long
-            rounds may keep falling short of ``min_islands`` before the island gives up.
-        round_timeout_s: bound on every collective and on the commit gate of a round; a dead
-            peer is noticed within it.
-        connect_timeout_s: how long to try to reach the lighthouse at start.
-    """
-
-    lighthouse: str
-    island_id: str
-    min_islands: int = 2
-    quorum_timeout_s: float = 60.0
-    round_timeout_s: float = 60.0
-    connect_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lighthouse, str) or not self.lighthouse:
-            raise ValueError(
-                "membership='torchft' needs lighthouse='http://host:port' (the address "
-                "`swarm-lighthouse` prints)."
-            )
-        if not isinstance(self.island_id, str) or not self.island_id or ":" in self.island_id:
-            raise ValueError(
-                f"island_id must be a non-empty name without ':', got {self.island_id!r}; give "
-                "each launch its own, e.g. island_id=a."
-            )
-        if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int):
-            raise ValueError(f"min_islands must be an integer >= 1, got {self.min_islands!r}")
-        if self.min_islands < 1:
-            raise ValueError(f"min_islands must be >= 1, got {self.min_islands}")
-        for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 @dataclass
@@ -236,7 +194,7 @@ class TorchftMembership:
         for t in tensors.values():
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError("TorchftMembership averages contiguous float32 tensors only")
-        outcome, error = Outcome(), None
+        outcome, error = RoundOutcome(), None
         if self._fanout.is_leader:
             try:
                 outcome = self._lead_round(list(tensors.values()))
@@ -257,7 +215,7 @@ class TorchftMembership:
             applied=outcome.committed and not outcome.genesis,
         )
 
-    def _lead_round(self, tensors: list[Tensor]) -> Outcome:
+    def _lead_round(self, tensors: list[Tensor]) -> RoundOutcome:
         manager = self._manager
         self._healed = None
         self._quorum()
@@ -269,7 +227,7 @@ class TorchftMembership:
             self._allreduce(tensors)
         committed = bool(manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
         self._watch_min_islands(participants, committed)
-        outcome = Outcome(committed=committed, genesis=genesis, participants=participants)
+        outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
         if self._healed is not None:
             outcome.healed = self._healed
             outcome.heal_bytes = self.heal_transport.last_heal_bytes

@@ -1,9 +1,9 @@
 """The Hydra app: compose a run from the package's ``conf/`` and train it.
 
 ``swarm-train trainer.devices=4 strategy.sync_every=50 strategy.island_size=2`` (or
-``python -m lightning_swarm.cli ...``) reads ``lightning_swarm/conf/train.yaml`` (shipped inside
-the package, so an installed wheel finds it) and its groups (trainer, strategy, model, data,
-callbacks, logger), validates the options before any process starts (``cli_checks``), trains,
+``python -m lightning_swarm.cli ...``) reads ``conf/train.yaml`` (``conf_dir``: the checkout's
+copy, shipped inside an installed wheel) and its groups (trainer, strategy, model, data,
+callbacks, logger), validates the options before any process starts (``cli.preflight``), trains,
 and on global rank 0 prints a summary and writes ``summary.json`` and ``loss.png`` into the run
 directory.
 
@@ -11,10 +11,8 @@ Every ``instantiate`` converts OmegaConf containers to plain Python (``_convert_
 the module's and datamodule's hyper-parameters are made plain once more before fit, so no
 OmegaConf object reaches a checkpoint (Lightning's weights-only load refuses them).
 
-Structured configs: ``register_configs()`` stores the strategy schema (``SwarmStrategyConf``,
-whose fields are ``SwarmConfig``'s plus the outer optimizer and launch options) in Hydra's
-ConfigStore under group ``strategy`` as ``swarm_schema``, so a YAML file that lists it in its
-defaults gets type checks and unknown-key errors, and a user's own Hydra app can reuse it.
+The strategy's structured config is ``cli.schema``; pre-launch checks are ``cli.preflight``;
+the printed summary is ``cli.summary``.
 """
 
 from __future__ import annotations
@@ -22,62 +20,47 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
 from lightning_swarm.callbacks import HostMemoryCensus
-from lightning_swarm.cli_checks import (
+from lightning_swarm.cli.preflight import (
     check_accelerator,
     check_islands,
     make_hparams_plain,
     plain,
     resolve_ckpt_path,
 )
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.cli.schema import register_configs
+from lightning_swarm.cli.summary import format_summary, summarize
 from lightning_swarm.demo.loss_plot import LossHistory, write_loss_png
 from lightning_swarm.strategy import SwarmStrategy
 
-# The one copy of the YAML: inside the package, so that a wheel ships it (package data).
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+def conf_dir() -> Path:
+    """The one copy of the YAML: ``conf/`` at the top of a checkout (also what an editable
+    install reads), or ``lightning_swarm/conf`` inside an installed wheel, mapped there from
+    the same folder at build time (``[tool.setuptools]`` in pyproject.toml)."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"lightning_swarm's configs are missing: neither {package / 'conf'} nor "
+        f"{package.parent / 'conf'} holds train.yaml; reinstall the package."
+    )
 
 
-def _default_outer_optimizer() -> dict[str, Any]:
-    return {
-        "_target_": "torch.optim.SGD",
-        "_partial_": True,
-        "lr": 0.7,
-        "momentum": 0.9,
-        "nesterov": True,
-    }
-
-
-@dataclass(kw_only=True)
-class SwarmStrategyConf(SwarmConfig):
-    """Hydra schema of ``SwarmStrategy``: ``SwarmConfig``'s fields plus non-data options."""
-
-    _target_: str = "lightning_swarm.SwarmStrategy"
-    outer_optimizer: Any = field(default_factory=_default_outer_optimizer)
-    start_method: str = "popen"
-    process_group_backend: str | None = None
-
-    def __post_init__(self) -> None:
-        # Validation happens when SwarmStrategy is built from this node, not at schema time.
-        pass
-
-
-def register_configs() -> None:
-    """Store the structured configs in Hydra's ConfigStore (idempotent)."""
-    ConfigStore.instance().store(group="strategy", name="swarm_schema", node=SwarmStrategyConf)
+CONF_DIR = conf_dir()
 
 
 @dataclass
@@ -146,45 +129,6 @@ def _without_logger_callbacks(callbacks: list[Any]) -> list[Any]:
     return kept
 
 
-def summarize(run: Run) -> dict[str, float]:
-    """Final figures of a finished run (this rank's view of the cross-island traffic)."""
-    metrics = run.trainer.callback_metrics
-    summary: dict[str, float] = {"steps": float(run.trainer.global_step)}
-    for key in ("val_loss", "val_ppl"):
-        if key in metrics:
-            summary[key] = float(metrics[key])
-    strategy = run.trainer.strategy
-    if isinstance(strategy, SwarmStrategy):
-        summary["outer_steps"] = float(strategy.totals.outer_steps)
-        summary["bytes_sent_per_rank"] = float(strategy.totals.bytes_sent)
-        loop = strategy.outer_loop
-        summary["ddp_bytes_per_rank"] = float(loop.ddp_equivalent_bytes() if loop else 0)
-        summary["sync_wall_s"] = strategy.totals.sync_wall_s
-    return summary
-
-
-_SUMMARY_LABELS = {
-    "steps": ("inner steps", "{:.0f}"),
-    "val_loss": ("final validation loss", "{:.4f}"),
-    "val_ppl": ("final validation perplexity", "{:.3f}"),
-    "outer_steps": ("outer steps", "{:.0f}"),
-    "bytes_sent_per_rank": ("bytes sent across islands (per rank)", "{:,.0f}"),
-    "ddp_bytes_per_rank": ("bytes DDP would have sent (per rank)", "{:,.0f}"),
-    "sync_wall_s": ("time in outer syncs (s)", "{:.3f}"),
-}
-
-
-def format_summary(summary: dict[str, float]) -> str:
-    lines = ["", "lightning_swarm run summary"]
-    for key, (label, fmt) in _SUMMARY_LABELS.items():
-        if key in summary:
-            lines.append(f"  {label:<40} {fmt.format(summary[key])}")
-    sent, ddp = summary.get("bytes_sent_per_rank"), summary.get("ddp_bytes_per_rank")
-    if sent and ddp:
-        lines.append(f"  {'DDP / swarm traffic ratio':<40} {ddp / sent:.1f}x")
-    return "\n".join(lines)
-
-
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
     """Train the composed run; global rank 0 prints the summary and, when ``run_dir`` is
     given, writes ``summary.json`` and ``loss.png`` there."""
@@ -193,7 +137,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
     if job.ckpt_path is not None and job.trainer.is_global_zero:
         print(f"resuming from {job.ckpt_path}", flush=True)
     job.trainer.fit(job.model, job.datamodule, ckpt_path=job.ckpt_path)
-    summary = summarize(job)
+    summary = summarize(job.trainer)
     if job.trainer.is_global_zero:
         print(format_summary(summary), flush=True)
         if run_dir is not None:

@@ -1,6 +1,6 @@
 """What save and restore need from the training side: a small protocol, no Lightning.
 
-``SwarmStrategy`` builds one ``ResumeHost`` per save or restore from its own state; nothing
+``SwarmStrategy`` builds one ``TrainingView`` per save or restore from its own state; nothing
 here imports the strategy or Lightning. ``outer_syncs`` are the strategy's ``OuterSync``
 objects, typed by the methods this package calls on them.
 
@@ -99,7 +99,7 @@ def gather_objects(obj: _T) -> list[_T]:
 
 
 @dataclass(frozen=True)
-class ResumeHost:
+class TrainingView:
     """The training state a save reads and a restore writes, on one rank."""
 
     topology: IslandTopology

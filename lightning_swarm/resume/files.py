@@ -1,4 +1,4 @@
-"""The swarm part of a checkpoint: layout, fingerprint, atomic writes, mapped reads.
+"""The swarm part of a checkpoint on disk: file layout, atomic writes, mapped reads.
 
 A Lightning checkpoint file holds one rank's view (global rank 0's model and inner optimizer),
 and Lightning writes it on rank 0 only. A DiLoCo run needs more: the anchors and outer optimizer
@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+
+from lightning_swarm.errors import SwarmCheckpointError
 
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
 ANCHORS_FILE = "anchors.pt"
@@ -59,10 +60,6 @@ _TRUE = {"1", "true", "yes", "on"}
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 # What a save directory may hold: its files, and the temporary names they are written under.
 _SAVE_FILE = re.compile(r"\.?(anchors\.pt|island-\d{5}\.pt)(\.tmp-\d+)?")
-
-
-class SwarmCheckpointError(ValueError):
-    """A swarm checkpoint cannot be resumed from; the message says why and what to do."""
 
 
 # -- paths ------------------------------------------------------------------------------------
@@ -119,71 +116,6 @@ def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     if not config_mmap:
         return False, "eager read (anchors.mmap=false)"
     return True, "memory-mapped"
-
-
-# -- fingerprint ------------------------------------------------------------------------------
-def layout_fingerprint(
-    num_islands: int,
-    params_per_optimizer: Sequence[Mapping[str, Tensor]],
-    fragments: Any = None,
-) -> dict[str, Any]:
-    """What must match between the saving and the resuming run.
-
-    ``fragments`` is Streaming DiLoCo's layout and schedule (``None`` for plain DiLoCo: one
-    fragment, no delay); it is compared as plain data.
-    """
-    return {
-        "num_islands": int(num_islands),
-        "params": [
-            [[name, list(p.shape)] for name, p in params.items()] for params in params_per_optimizer
-        ],
-        "fragments": fragments,
-    }
-
-
-def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Raise ``SwarmCheckpointError`` naming every difference between two fingerprints."""
-    problems: list[str] = []
-    if saved.get("num_islands") != current["num_islands"]:
-        problems.append(
-            f"island count: checkpoint has {saved.get('num_islands')}, this run has "
-            f"{current['num_islands']} (devices x num_nodes / island_size)"
-        )
-    saved_params, current_params = saved.get("params", []), current["params"]
-    if len(saved_params) != len(current_params):
-        problems.append(
-            f"optimizers: checkpoint has {len(saved_params)}, this run has {len(current_params)}"
-        )
-    for index, (old, new) in enumerate(zip(saved_params, current_params, strict=False)):
-        problems.extend(_param_differences(index, dict(old), dict(new)))
-    if saved.get("fragments") != current.get("fragments"):
-        problems.append(
-            f"fragment layout: checkpoint has {saved.get('fragments')!r}, this run has "
-            f"{current.get('fragments')!r}"
-        )
-    if problems:
-        raise SwarmCheckpointError(
-            "the checkpoint's swarm layout does not match this run: "
-            + "; ".join(problems)
-            + ". Resume with the same model, optimizers, island count and fragments, or start "
-            "from the plain weights (load them into the module without ckpt_path)."
-        )
-
-
-def _param_differences(
-    index: int, old: dict[str, list[int]], new: dict[str, list[int]]
-) -> list[str]:
-    out: list[str] = []
-    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
-    if missing or extra:
-        out.append(
-            f"optimizer {index} parameters renamed or changed: only in checkpoint {missing}, "
-            f"only in this run {extra}"
-        )
-    for name in sorted(old.keys() & new.keys()):
-        if list(old[name]) != list(new[name]):
-            out.append(f"parameter {name!r} reshaped: checkpoint {old[name]}, this run {new[name]}")
-    return out
 
 
 # -- writing ----------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class SyncReport:
 
 
 @dataclass
-class Streaming:
+class StreamingOptions:
     """Streaming DiLoCo options of one ``OuterSync`` (defaults: plain DiLoCo).
 
     Attributes:

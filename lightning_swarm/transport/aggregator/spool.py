@@ -42,8 +42,7 @@ import warnings
 import weakref
 from pathlib import Path
 
-from lightning_swarm.transport.layout import PayloadLayout
-from lightning_swarm.transport.spool_files import (
+from lightning_swarm.transport.aggregator.spool_files import (
     Lease,
     SpoolError,
     SpoolReader,
@@ -51,6 +50,7 @@ from lightning_swarm.transport.spool_files import (
     WriteAt,
     partial_path,
 )
+from lightning_swarm.transport.payload import PayloadLayout
 
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _ROOT_PREFIX = "lightning_swarm-"

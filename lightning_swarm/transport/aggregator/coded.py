@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec, Encoded
-from lightning_swarm.transport.contributions import Contribution
-from lightning_swarm.transport.layout import PayloadLayout, TensorSpec
+from lightning_swarm.transport.aggregator.contributions import Contribution
+from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
 DATA_SUFFIX, SCALES_SUFFIX = "#data", "#scales"
 _BLOCK_CODECS = ("int8", "int4")

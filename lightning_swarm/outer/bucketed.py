@@ -1,6 +1,6 @@
 """A bucketed outer round that streams through the parameters' device, one bucket at a time.
 
-``StreamRound.run`` does a whole plain outer round (no codec, no delay) for one fragment in a
+``BucketedRound.run`` does a whole plain outer round (no codec, no delay) for one fragment in a
 single pass over the parameters: per bucket of the transport's size it forms the pseudo-
 gradient ``anchor - local`` (float32) straight into a reused flat buffer, has the transport
 average that buffer in place (``BucketMean.start_mean``), steps the outer optimizer on that bucket
@@ -34,7 +34,7 @@ memory, side-stream copies, two device slots), which imports this module, not th
 path stages buckets smaller than the transport's so that its GPU working set stays within three
 transport buckets (``Staging.bucket_numel_for``).
 
-Ownership: ``StreamRound`` owns its buffers for its whole life (the pseudo-gradient buckets and
+Ownership: ``BucketedRound`` owns its buffers for its whole life (the pseudo-gradient buckets and
 its staging's slots, allocated on the first round, reused by every later round, released by
 ``close``); the caller owns the parameters, anchors and optimizer, which ``run`` mutates in place.
 A ``BucketJob`` lives for one ``run``: it writes the caller's tensors in place and owns only its
@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.fused import (
     max_abs,
     pseudo_gradient_into,
@@ -121,7 +122,7 @@ def bucket_fill(bucket: list[Segment]) -> int:
 
 
 @dataclass(frozen=True)
-class StreamResult:
+class BucketedResult:
     """A streamed round: the averaged pseudo-gradient's norm, bytes sent (= received) and the
     host time spent starting and waiting for the bucket means (on the CPU path they overlap
     the neighbouring buckets' work, so this is the time the round was blocked on them)."""
@@ -178,7 +179,7 @@ class BucketJob:
 
     def form(self, bucket: list[Segment], delta: Tensor, anchor_of: SegmentView) -> None:
         """Write the bucket's pseudo-gradients ``anchor - local`` (float32) into ``delta``."""
-        with record_function("swarm/pseudo_gradient"):
+        with record_function(labels.PSEUDO_GRADIENT):
             for seg in bucket:
                 pseudo_gradient_into(anchor_of(seg), self.param_slice(seg), self.cut(delta, seg))
 
@@ -187,14 +188,14 @@ class BucketJob:
 
     def start_reduce(self, reducer: BucketMean, flat: Tensor) -> Callable[[], int]:
         start = time.perf_counter()
-        with record_function("swarm/exchange"):
+        with record_function(labels.EXCHANGE):
             finish = reducer.start_mean(flat)
         self.reduce_s += time.perf_counter() - start
         return finish
 
     def finish_reduce(self, finish: Callable[[], int]) -> int:
         start = time.perf_counter()
-        with record_function("swarm/exchange"):
+        with record_function(labels.EXCHANGE):
             sent = finish()
         self.reduce_s += time.perf_counter() - start
         return sent
@@ -204,10 +205,10 @@ class BucketJob:
     ) -> None:
         """Step the bucket's anchor segments with its averaged ``delta`` (which the step uses
         as scratch), then merge the new anchors into the parameters."""
-        with record_function("swarm/outer_step"):
+        with record_function(labels.OUTER_STEP):
             for seg in bucket:
                 self.step(anchor_of(seg), self.cut(delta, seg), state_of(seg), seg)
-        with record_function("swarm/merge"):
+        with record_function(labels.MERGE):
             for seg in bucket:
                 self.merge(self.param_slice(seg), anchor_of(seg))
 
@@ -261,7 +262,7 @@ class Staging(Protocol):
 
     def run(
         self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
-    ) -> StreamResult:
+    ) -> BucketedResult:
         """The whole round, bucket by bucket, forming each bucket's pseudo-gradient in the
         flat float32 ``delta`` (at least one bucket); the host anchors and state are complete
         when it returns."""
@@ -281,7 +282,7 @@ def _state_beside(anchor: Tensor) -> Tensor:
     return torch.empty(anchor.shape, dtype=torch.float32, device=anchor.device)
 
 
-class StreamRound:
+class BucketedRound:
     """Runs bucketed outer rounds; owns the reused buffers (see the module docstring)."""
 
     def __init__(
@@ -321,7 +322,7 @@ class StreamRound:
         reducer: BucketMean,
         merge_alpha: float,
         seed: int,
-    ) -> StreamResult:
+    ) -> BucketedResult:
         """One outer round over ``params`` (in place) and their ``anchors`` (see module doc)."""
         if len(params) != len(anchors):
             raise ValueError(f"{len(params)} parameters but {len(anchors)} anchors")
@@ -332,7 +333,7 @@ class StreamRound:
         if on_cuda and self._staging is None:
             raise ValueError(
                 "parameters on CUDA with anchors in host memory need a staging path: build "
-                "StreamRound(..., staging=CudaStaging()) (lightning_swarm.outer.staging)."
+                "BucketedRound(..., staging=CudaStaging()) (lightning_swarm.outer.staging)."
             )
         allocate = self._staging.allocate_state if on_cuda and self._staging else _state_beside
         fresh = [ensure_state(optimizer, a, kind, groups[id(a)], allocate) for a in anchors]
@@ -356,7 +357,7 @@ class StreamRound:
 
     def _run_local(
         self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean
-    ) -> StreamResult:
+    ) -> BucketedResult:
         """Anchors on the parameters' device: step anchor and state views in place.
 
         ``in_flight + 1`` pseudo-gradient buckets (2 by default): while bucket k is being
@@ -379,7 +380,7 @@ class StreamRound:
                 sent += self._step_local(job, *pending.pop(0), sumsq)
         for item in pending:
             sent += self._step_local(job, *item, sumsq)
-        return StreamResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
+        return BucketedResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
 
     @staticmethod
     def _step_local(

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.transport.contributions import DiscardSink, Sink
-from lightning_swarm.transport.layout import PayloadLayout, byte_view, pack_chunk, unpack_chunk
-from lightning_swarm.transport.round_status import Descriptor
-from lightning_swarm.transport.spool import SpoolError
+from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink
+from lightning_swarm.transport.aggregator.round_status import Descriptor
+from lightning_swarm.transport.aggregator.spool import SpoolError
+from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
 
 TAG_DESCRIPTOR, TAG_DESCRIPTION, TAG_CHUNK, TAG_STATUS, TAG_RESULT = 51, 52, 53, 54, 55
 

@@ -11,7 +11,7 @@
 - it removes the round's spool files. Any exception while collecting first aborts the writers,
   so their leases go at once and cleanup never waits for ``cleanup_timeout_s``.
 
-``SwarmRound`` is one round's state, handed explicitly from step to step; the caller owns the
+``AggregatorRound`` is one round's state, handed explicitly from step to step; the caller owns the
 tensors in it, and nothing of a round outlives ``run``.
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.profiler import record_function
 
-from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.coded import CodedPayload
-from lightning_swarm.transport.contributions import (
+import lightning_swarm.profiling as labels
+from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
     MemoryContribution,
     Sink,
@@ -34,23 +34,26 @@ from lightning_swarm.transport.contributions import (
     finish_sinks,
     open_sinks,
 )
-from lightning_swarm.transport.layout import PayloadLayout
-from lightning_swarm.transport.round_status import (
-    Outcome,
+from lightning_swarm.transport.aggregator.links import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+from lightning_swarm.transport.aggregator.round_status import (
+    AggregatorOutcome,
     RoundReport,
     RoundStatus,
     SwarmRoundError,
     Verdict,
 )
-from lightning_swarm.transport.spool import Spool, SpoolError
-from lightning_swarm.transport.streams import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.payload import PayloadLayout
 
-log = logging.getLogger("lightning_swarm.transport.swarm")  # one logger for the whole round
+log = logging.getLogger(
+    "lightning_swarm.transport.aggregator.rotating"
+)  # one logger for the whole round
 
 
 @dataclass(frozen=True)
 class AggregationRule:
-    """The validated rule options of the swarm transport (see ``SwarmTransport``)."""
+    """The validated rule options of the swarm transport (see ``AggregatorTransport``)."""
 
     aggregation: str
     trim_ratio: float
@@ -66,7 +69,7 @@ class AggregationRule:
 
 
 @dataclass
-class SwarmRound:
+class AggregatorRound:
     """One ``average`` call's state, handed explicitly from method to method."""
 
     report: RoundReport
@@ -106,14 +109,14 @@ class Aggregator:
         self.num_islands = len(ranks)
         self.rule, self._spool, self.chunk_bytes = rule, spool, chunk_bytes
 
-    def run(self, rnd: SwarmRound) -> RoundStats:
+    def run(self, rnd: AggregatorRound) -> RoundStats:
         """Steps 2-6 of the round; raises ``SwarmRoundError`` on spool trouble."""
         contributions: dict[int, Contribution] = {}
         sinks: dict[int, Sink] = {}
         verdicts: dict[int, Verdict] = {}
         stats = RoundStats()
         try:
-            with record_function("swarm/receive"):
+            with record_function(labels.RECEIVE):
                 peers = {i: r for i, r in enumerate(self._ranks) if i != self.island_index}
                 plans, stats.bytes_received = self._link.recv_descriptions(peers, rnd.wire)
                 for p in plans:
@@ -129,12 +132,12 @@ class Aggregator:
                 received, receive_failure = self._link.recv_into_sinks(plans, sinks, TAG_CHUNK)
                 stats.bytes_received += received
                 failure = finish_sinks(sinks, contributions, failure or receive_failure)
-            outcome = Outcome.SPOOL_FAILED
+            outcome = AggregatorOutcome.SPOOL_FAILED
             if failure is None:
                 outcome = self._combine(rnd, contributions, verdicts)
             stats.bytes_sent = self._send_status(self._status(outcome, verdicts, rnd))
-            if outcome == Outcome.APPLIED:
-                with record_function("swarm/send"):
+            if outcome == AggregatorOutcome.APPLIED:
+                with record_function(labels.SEND):
                     receivers = [self._ranks[i] for i in accepted_layout]
                     stats.bytes_sent += self._link.send_stream(
                         receivers, rnd.layout, rnd.targets, self.chunk_bytes, TAG_RESULT
@@ -153,7 +156,11 @@ class Aggregator:
         return self._conclude(rnd.report, stats, outcome, failure)
 
     def _conclude(
-        self, report: RoundReport, stats: RoundStats, outcome: Outcome, failure: SpoolError | None
+        self,
+        report: RoundReport,
+        stats: RoundStats,
+        outcome: AggregatorOutcome,
+        failure: SpoolError | None,
     ) -> RoundStats:
         report.outcome = outcome
         if failure is not None:
@@ -161,12 +168,15 @@ class Aggregator:
                 f"swarm round {report.round_index} failed on this aggregator (island "
                 f"{self.island_index}): {failure}. Anchors are unchanged."
             ) from failure
-        stats.applied = outcome == Outcome.APPLIED
+        stats.applied = outcome == AggregatorOutcome.APPLIED
         return stats
 
     def _combine(
-        self, rnd: SwarmRound, contributions: dict[int, Contribution], verdicts: dict[int, Verdict]
-    ) -> Outcome:
+        self,
+        rnd: AggregatorRound,
+        contributions: dict[int, Contribution],
+        verdicts: dict[int, Verdict],
+    ) -> AggregatorOutcome:
         """Add the aggregator's own contribution, then validate and aggregate.
 
         Anything raised here is re-raised after every peer got an ``ERROR`` status (with the
@@ -174,7 +184,7 @@ class Aggregator:
         the process group's timeout. The caller's ``finally`` removes the round's files.
         """
         try:
-            with record_function("swarm/aggregate"):
+            with record_function(labels.AGGREGATE):
                 own = rnd.coded.encode(rnd.targets) if rnd.coded else rnd.targets
                 contributions[self.island_index] = MemoryContribution(self.island_index, own)
                 block_numel = max(1, self.chunk_bytes // 4)
@@ -184,22 +194,22 @@ class Aggregator:
                         contributions[island] = rnd.coded.decoded(c)
                 return self._validate_and_aggregate(rnd, contributions, verdicts, block_numel)
         except Exception:
-            rnd.report.outcome = Outcome.ERROR
+            rnd.report.outcome = AggregatorOutcome.ERROR
             log.exception(
                 "swarm round %d failed on this aggregator (island %d); telling the peers",
                 rnd.report.round_index,
                 self.island_index,
             )
-            self._send_status(self._status(Outcome.ERROR, verdicts, rnd))
+            self._send_status(self._status(AggregatorOutcome.ERROR, verdicts, rnd))
             raise
 
     def _validate_and_aggregate(
         self,
-        rnd: SwarmRound,
+        rnd: AggregatorRound,
         contributions: dict[int, Contribution],
         verdicts: dict[int, Verdict],
         block_numel: int,
-    ) -> Outcome:
+    ) -> AggregatorOutcome:
         accepted: list[Contribution] = []
         for island in sorted(contributions):
             c = contributions[island]
@@ -217,7 +227,7 @@ class Aggregator:
         if len(accepted) < self.rule.min_contributions or self.rule.zero_weight(
             rnd.report.accepted
         ):
-            return Outcome.SKIPPED
+            return AggregatorOutcome.SKIPPED
         weights = None
         if self.rule.island_weights is not None:
             weights = [self.rule.island_weights[c.island] for c in accepted]
@@ -230,10 +240,10 @@ class Aggregator:
             trim_ratio=self.rule.trim_ratio,
             block_numel=block_numel,
         )
-        return Outcome.APPLIED
+        return AggregatorOutcome.APPLIED
 
     def _status(
-        self, outcome: Outcome, verdicts: dict[int, Verdict], rnd: SwarmRound
+        self, outcome: AggregatorOutcome, verdicts: dict[int, Verdict], rnd: AggregatorRound
     ) -> RoundStatus:
         # An island without a verdict (the round failed before validating it) reads ACCEPTED;
         # with a failed outcome no peer acts on it.

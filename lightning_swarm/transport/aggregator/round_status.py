@@ -1,6 +1,6 @@
 """The swarm round's vocabulary and its two control messages, laid out in one place.
 
-One vocabulary for how a round ended (``Outcome``) and what the aggregator thought of each
+One vocabulary for how a round ended (``AggregatorOutcome``) and what the aggregator thought of each
 island's contribution (``Verdict``); ``RoundReport`` is what a rank knows of its last round.
 
 Two messages travel besides the payloads, both flat int64 tensors whose layout is defined only
@@ -21,11 +21,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_swarm.errors import SwarmError
+
 _WIRE_DTYPE = torch.int64
 _FIELD_BYTES = torch.empty((), dtype=_WIRE_DTYPE).element_size()
 
 
-class Outcome(enum.IntEnum):
+class AggregatorOutcome(enum.IntEnum):
     """How a round ended, the same word on every rank."""
 
     APPLIED = 0  # the aggregate is in every accepted island's tensors
@@ -55,7 +57,7 @@ _VERDICT_TEXT = {
 }
 
 
-class SwarmRoundError(RuntimeError):
+class SwarmRoundError(SwarmError, RuntimeError):
     """A swarm round failed on the aggregator (spool trouble or an error while validating or
     aggregating); anchors must stay unchanged."""
 
@@ -67,7 +69,7 @@ class RoundReport:
 
     round_index: int
     aggregator: int
-    outcome: Outcome = Outcome.APPLIED
+    outcome: AggregatorOutcome = AggregatorOutcome.APPLIED
     accepted: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
 
@@ -85,7 +87,7 @@ def bad_layout_message(report: RoundReport) -> str:
 def peer_failure_message(report: RoundReport) -> str:
     """What a peer raises when the aggregator reports ``ERROR`` or ``SPOOL_FAILED``."""
     head = f"swarm round {report.round_index} failed on the aggregator (island {report.aggregator})"
-    if report.outcome == Outcome.ERROR:
+    if report.outcome == AggregatorOutcome.ERROR:
         return (
             f"{head}: it raised an error while validating or aggregating; read island "
             f"{report.aggregator}'s log for the cause. Anchors are unchanged."
@@ -154,7 +156,7 @@ class RoundStatus:
 
     HEADER: ClassVar[tuple[str, ...]] = ("outcome", "result_bytes", "result_chunk_bytes")
 
-    outcome: Outcome
+    outcome: AggregatorOutcome
     result_bytes: int
     result_chunk_bytes: int
     verdicts: tuple[Verdict, ...]
@@ -179,6 +181,8 @@ class RoundStatus:
     def from_tensor(cls, t: Tensor) -> RoundStatus:
         values = [int(v) for v in t.tolist()]
         n = len(cls.HEADER)
-        (outcome,) = _decode(values[:1], Outcome, "round status")
+        (outcome,) = _decode(values[:1], AggregatorOutcome, "round status")
         verdicts = _decode(values[n:], Verdict, "round status")
-        return cls(Outcome(outcome), values[1], values[2], tuple(Verdict(v) for v in verdicts))
+        return cls(
+            AggregatorOutcome(outcome), values[1], values[2], tuple(Verdict(v) for v in verdicts)
+        )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.outer.records import SyncReport
+from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.sync import OuterSync
 
 

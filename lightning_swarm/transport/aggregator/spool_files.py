@@ -26,7 +26,8 @@ from typing import Any, Protocol
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from lightning_swarm.transport.layout import PayloadLayout
+from lightning_swarm.errors import SwarmError
+from lightning_swarm.transport.payload import PayloadLayout
 
 WriteAt = Callable[[int, memoryview, int], int]  # os.pwrite's signature: (fd, data, offset)
 
@@ -54,7 +55,7 @@ class Lease(Protocol):
         """Drop the hold; the spool may delete the file once no lease remains. Call once."""
 
 
-class SpoolError(RuntimeError):
+class SpoolError(SwarmError, RuntimeError):
     """A spool file could not be written or read; the round cannot use it."""
 
 

@@ -15,17 +15,18 @@ message elects it. One round, over the peer group (one rank per island):
    contribution (the caller's tensors) stays in memory and is validated the same way.
 4. With at least ``min_contributions`` accepted, the aggregation rule runs block by block over
    the accepted contributions in island order, writing into the aggregator's own tensors.
-5. The aggregator sends every peer a status (the round's ``Outcome``: applied, skipped, spool
-   failed or error; and each island's ``Verdict``), then the result in chunks (a point-to-point
-   fan-out, so byte counts are exact). Each rank unpacks it into its own tensors: ordinary
-   in-memory tensors everywhere.
+5. The aggregator sends every peer a status (the round's ``AggregatorOutcome``: applied,
+   skipped, spool failed or error; and each island's ``Verdict``), then the result in chunks
+   (a point-to-point fan-out, so byte counts are exact). Each rank unpacks it into its own
+   tensors: ordinary in-memory tensors everywhere.
 6. The round's spool files are deleted (``Spool.release_round`` waits for leases).
 
 The messages of steps 1 and 5 and the words for a round's outcome and each island's verdict
-are defined once, in ``round_status``; steps 2-6 are ``aggregator.Aggregator``. A round's state
-travels explicitly (``SwarmRound``); ``last_round`` keeps the last ``RoundReport`` for diagnostics.
-Profiler labels: ``swarm/exchange`` (the whole ``average``), ``swarm/send`` and
-``swarm/receive`` (payloads and results on the wire), ``swarm/aggregate`` (validation and rule).
+are defined once, in ``round_status``; steps 2-6 are ``rounds.Aggregator``. A round's state
+travels explicitly (``AggregatorRound``); ``last_round`` keeps the last ``RoundReport`` for
+diagnostics.
+Profiler labels (``lightning_swarm.profiling``): ``AGGREGATOR_ROUND`` (the whole ``average``),
+``SEND`` and ``RECEIVE`` (payloads and results on the wire), ``AGGREGATE`` (validation and rule).
 
 Failure modes: too few accepted contributions, or (``weighted_mean``) accepted islands whose
 weights sum to 0 -> ``RoundStats(applied=False)`` and a warning naming the cause on every rank.
@@ -69,14 +70,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
-from lightning_swarm.transport.aggregator import AggregationRule, Aggregator, SwarmRound
-from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.coded import CodedPayload
-from lightning_swarm.transport.layout import PayloadLayout
-from lightning_swarm.transport.round_status import (
-    Outcome,
+from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.links import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+from lightning_swarm.transport.aggregator.round_status import (
+    AggregatorOutcome,
     RoundReport,
     RoundStatus,
     SwarmRoundError,
@@ -85,15 +85,17 @@ from lightning_swarm.transport.round_status import (
     peer_failure_message,
     skip_message,
 )
-from lightning_swarm.transport.spool import Spool
-from lightning_swarm.transport.streams import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+from lightning_swarm.transport.aggregator.rounds import AggregationRule, Aggregator, AggregatorRound
+from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.payload import PayloadLayout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Outcome", "RoundReport", "SwarmRoundError", "SwarmTransport", "Verdict"]
+__all__ = ["AggregatorOutcome", "AggregatorTransport", "RoundReport", "SwarmRoundError", "Verdict"]
 
 
-class SwarmTransport:
+class AggregatorTransport:
     """Rotating-aggregator transport; see the module docstring.
 
     Args:
@@ -184,13 +186,13 @@ class SwarmTransport:
     def spool(self) -> Spool | None:
         return self._spool
 
-    @record_function("swarm/exchange")
+    @record_function(labels.AGGREGATOR_ROUND)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group."""
         start = time.perf_counter()
         layout = PayloadLayout.from_tensors(tensors)
         report = RoundReport(round_index, self.aggregator_of(round_index))
-        rnd = SwarmRound(
+        rnd = AggregatorRound(
             report=report,
             layout=layout,
             coded=CodedPayload(layout, self.codec) if self.codec is not None else None,
@@ -206,7 +208,7 @@ class SwarmTransport:
                 rnd.coded.roundtrip_into(rnd.targets)
         elif report.aggregator == self.island_index:
             stats = self._aggregator.run(rnd)
-            if report.outcome == Outcome.SKIPPED:
+            if report.outcome == AggregatorOutcome.SKIPPED:
                 self._warn_skipped(report)
         else:
             stats = self._contribute(rnd)
@@ -219,16 +221,16 @@ class SwarmTransport:
             self._spool.close()
 
     # -- a peer's round --------------------------------------------------------------------
-    def _contribute(self, rnd: SwarmRound) -> RoundStats:
+    def _contribute(self, rnd: AggregatorRound) -> RoundStats:
         report = rnd.report
         dst = self._ranks[report.aggregator]
-        with record_function("swarm/send"):
+        with record_function(labels.SEND):
             # With a codec the encoded payload travels; the result comes back in float32.
             sources = rnd.coded.encode(rnd.targets) if rnd.coded else rnd.targets
             sent = self._link.send_description(dst, rnd.wire, self.chunk_bytes)
             sent += self._link.send_stream([dst], rnd.wire, sources, self.chunk_bytes, TAG_CHUNK)
             del sources
-        with record_function("swarm/receive"):
+        with record_function(labels.RECEIVE):
             raw = RoundStatus.empty(self.num_islands)
             self._link.irecv(raw, dst, TAG_STATUS).wait()
             status = RoundStatus.from_tensor(raw)
@@ -243,9 +245,9 @@ class SwarmTransport:
                     report.round_index,
                     verdict.text,
                 )
-            if status.outcome in (Outcome.ERROR, Outcome.SPOOL_FAILED):
+            if status.outcome in (AggregatorOutcome.ERROR, AggregatorOutcome.SPOOL_FAILED):
                 raise SwarmRoundError(peer_failure_message(report))
-            if status.outcome == Outcome.SKIPPED:
+            if status.outcome == AggregatorOutcome.SKIPPED:
                 stats.applied = False
                 self._warn_skipped(report)
                 return stats

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
-from lightning_swarm.outer.records import OuterOptimizerFactory
+from lightning_swarm.outer.reports import OuterOptimizerFactory
 from lightning_swarm.outer.two_phase import Exchanged, RoundInFlight, TwoPhaseRound
 from lightning_swarm.transport.base import RoundStats
 

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.robust import aggregate
-from lightning_swarm.transport.layout import PayloadLayout, TensorSpec
-from lightning_swarm.transport.spool import Spool, SpoolError, SpoolReader, SpoolWriter
+from lightning_swarm.transport.aggregator.spool import Spool, SpoolError, SpoolReader, SpoolWriter
+from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
 
 class Sink(Protocol):

@@ -6,7 +6,7 @@ conversion): ``describe_changes`` names each with its old and new value and what
 caller warns once. Others make the saved state unusable: ``refuse_unusable`` raises.
 
 Layout changes (island count, parameters, fragments, and for Streaming DiLoCo ``sync_every`` and
-``sync_delay``) are refused earlier by the fingerprint (``lightning_swarm.checkpoint``).
+``sync_delay``) are refused earlier by the fingerprint (``lightning_swarm.resume.files``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from lightning_swarm.algorithm.codecs import NO_CODEC
-from lightning_swarm.checkpoint import SwarmCheckpointError
+from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.records import OptionsRecord
 
 _LIST_FIELDS = ("outer_optimizer", "outer_hyperparameters")

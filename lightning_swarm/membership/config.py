@@ -1,0 +1,84 @@
+"""Which membership a ``SwarmConfig`` asks for, and torchft's options, checked before launch.
+
+``elastic_options`` returns ``None`` for the static membership (nothing to build) and an
+``ElasticConfig`` for torchft, after refusing the options that do not work with it yet: the
+swarm transport, quantized pseudo-gradients and Streaming DiLoCo (fragments, delayed rounds).
+Their rounds span several exchanges or steps, while a torchft round is one quorum, one mean and
+one commit; each refusal names the option and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_swarm.algorithm.codecs import NO_CODEC
+from lightning_swarm.config import SwarmConfig
+from lightning_swarm.membership.static import check_membership
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Where the lighthouse is, who this island is, and how long to wait.
+
+    Attributes:
+        lighthouse: the lighthouse's address, e.g. ``http://host:29510``.
+        island_id: this island's name, unique among live islands.
+        min_islands: a round commits only with at least this many islands in it.
+        quorum_timeout_s: how long a round waits for ``min_islands`` islands; also how long
+            rounds may keep falling short of ``min_islands`` before the island gives up.
+        round_timeout_s: bound on every collective and on the commit gate of a round; a dead
+            peer is noticed within it.
+        connect_timeout_s: how long to try to reach the lighthouse at start.
+    """
+
+    lighthouse: str
+    island_id: str
+    min_islands: int = 2
+    quorum_timeout_s: float = 60.0
+    round_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lighthouse, str) or not self.lighthouse:
+            raise ValueError(
+                "membership='torchft' needs lighthouse='http://host:port' (the address "
+                "`swarm-lighthouse` prints)."
+            )
+        if not isinstance(self.island_id, str) or not self.island_id or ":" in self.island_id:
+            raise ValueError(
+                f"island_id must be a non-empty name without ':', got {self.island_id!r}; give "
+                "each launch its own, e.g. island_id=a."
+            )
+        if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int):
+            raise ValueError(f"min_islands must be an integer >= 1, got {self.min_islands!r}")
+        if self.min_islands < 1:
+            raise ValueError(f"min_islands must be >= 1, got {self.min_islands}")
+        for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
+    """``None`` for ``membership="static"``; the checked torchft options otherwise."""
+    if check_membership(config.membership) == "static":
+        return None
+    refused = {
+        "transport": (config.transport != "allreduce", "transport=allreduce"),
+        "quantize": (config.quantize != NO_CODEC, f"quantize={NO_CODEC}"),
+        "num_fragments": (config.num_fragments != 1, "num_fragments=1"),
+        "sync_delay": (config.sync_delay != 0, "sync_delay=0"),
+    }
+    for option, (bad, fix) in refused.items():
+        if bad:
+            raise ValueError(
+                f"membership='torchft' does not support {option}={getattr(config, option)!r} "
+                f"yet; use {fix} with elastic islands, or membership='static'."
+            )
+    return ElasticConfig(
+        lighthouse=config.lighthouse or "",
+        island_id=config.island_id or "",
+        min_islands=config.min_islands,
+        quorum_timeout_s=config.quorum_timeout_s,
+        round_timeout_s=config.round_timeout_s,
+    )

@@ -1,0 +1,35 @@
+"""Profiler labels of a round, one namespace per layer, defined once.
+
+Every phase of an outer round is wrapped in ``torch.profiler.record_function`` with one of these
+names, so that a user's trace shows where a sync goes. The namespace says which layer labelled
+it: ``lightning_swarm::outer::*`` (the outer loop's phases), ``lightning_swarm::transport::*``
+(a collective) and ``lightning_swarm::aggregator::*`` (the rotating aggregator's steps). No label
+is ever opened inside itself: the outer loop's ``exchange`` wraps a transport's own label.
+Logger metrics keep their ``swarm/`` names; these are trace labels only. Imports nothing.
+"""
+
+from __future__ import annotations
+
+_OUTER = "lightning_swarm::outer::"
+_TRANSPORT = "lightning_swarm::transport::"
+_AGGREGATOR = "lightning_swarm::aggregator::"
+
+# Outer loop (lightning_swarm.outer): one round's phases, per fragment (per bucket in a
+# bucketed round, inside BUCKETED_ROUND).
+PSEUDO_GRADIENT = _OUTER + "pseudo_gradient"
+EXCHANGE = _OUTER + "exchange"
+OUTER_STEP = _OUTER + "outer_step"
+MERGE = _OUTER + "merge"
+WAIT = _OUTER + "wait"  # a delayed round: training blocked on a round still in flight
+ISLAND_GATHER = _OUTER + "island_gather"  # shard_outer: the island gathers the new parameters
+BUCKETED_ROUND = _OUTER + "bucketed_round"
+
+# Transports (lightning_swarm.transport): the collective under EXCHANGE.
+ALLREDUCE = _TRANSPORT + "allreduce"
+QUANTIZED = _TRANSPORT + "quantized"
+
+# The rotating aggregator (lightning_swarm.transport.aggregator): its round and its steps.
+AGGREGATOR_ROUND = _AGGREGATOR + "round"
+SEND = _AGGREGATOR + "send"
+RECEIVE = _AGGREGATOR + "receive"
+AGGREGATE = _AGGREGATOR + "aggregate"

@@ -1,0 +1,8 @@
+"""The rotating-aggregator transport (``transport="swarm"``): each round one island aggregates.
+
+``rotating`` (``AggregatorTransport``: the round as every island walks it), ``rounds`` (the
+aggregating island's side: receive, validate, aggregate, answer), ``round_status`` (the round's
+control messages and their words), ``links`` (chunked point-to-point streams), ``spool`` and
+``spool_files`` (the run-scoped disk spool and its leased files), ``contributions`` (where a
+peer's payload lands and how it is aggregated) and ``coded`` (quantized payloads on this path).
+"""
