@@ -14,16 +14,22 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
-from lightning_swarm.algorithm.codecs import NO_CODEC, Codec
-from lightning_swarm.algorithm.fragments import FragmentSchedule, as_layout, check_positive_int
+from lightning_swarm.algorithm.codecs import NO_CODEC, Codec, CodecName
+from lightning_swarm.algorithm.fragments import (
+    FragmentLayout,
+    FragmentSchedule,
+    as_layout,
+    check_positive_int,
+)
 from lightning_swarm.transport.config import (
     MIN_BUCKET_MB,
     TRANSPORTS,
     SwarmTransportConfig,
+    TransportName,
     check_block_mb,
     check_transport,
 )
@@ -83,6 +89,9 @@ class AnchorConfig:
                 raise ValueError(f"anchors.{name} must be true or false, got {value!r}.")
 
 
+MembershipName = Literal["static", "torchft"]
+
+
 @dataclass(kw_only=True)
 class SwarmConfig:
     """Options of ``SwarmStrategy`` that are plain data.
@@ -131,22 +140,21 @@ class SwarmConfig:
 
     sync_every: int = 100
     island_size: int = 1
-    transport: str = "allreduce"
+    transport: TransportName = "allreduce"
     anchor_device: str = "cpu"
     anchor_dtype: str | None = None
     bucket_mb: float = 32.0
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
     swarm: SwarmTransportConfig = field(default_factory=SwarmTransportConfig)
     num_fragments: int = 1
-    # A layout name or lists of module names; Any so the Hydra schema accepts both forms.
-    fragment_layout: Any = "strided"
+    fragment_layout: FragmentLayout = "strided"
     sync_delay: int = 0
     merge_alpha: float = 0.0
-    quantize: str = NO_CODEC
+    quantize: CodecName = NO_CODEC
     quantize_block_size: int = 128
     error_feedback: bool = False
     sync_at_end: bool = True
-    membership: str = "static"
+    membership: MembershipName = "static"
     lighthouse: str | None = None
     island_id: str | None = None
     min_islands: int = 2
@@ -178,6 +186,15 @@ class SwarmConfig:
         check_streaming(self)
         _check_shard_outer(self)
 
+    def resume_options(self) -> dict[str, Any]:
+        """The options a checkpoint records and a resume compares (``RESUME_OPTIONS``), as
+        plain values: the dtype by its torch name, numbers and flags normalised."""
+        values = {name: getattr(self, name) for name in RESUME_OPTIONS}
+        values["anchor_dtype"] = str(self.anchor_torch_dtype).removeprefix("torch.")
+        values["merge_alpha"] = float(self.merge_alpha)
+        values["error_feedback"] = bool(self.error_feedback)
+        return values
+
     @property
     def sharded(self) -> bool:
         """Whether the outer loop is split among an island's ranks."""
@@ -191,6 +208,23 @@ class SwarmConfig:
     def bucket_numel(self) -> int:
         """Float32 elements in one transport bucket (at least one)."""
         return max(1, int(self.bucket_mb * 2**20) // 4)
+
+
+# The fields that shape the outer loop's saved state: a checkpoint records them and a resume
+# names every one that changed (lightning_swarm.resume.option_changes says what follows).
+RESUME_OPTIONS: tuple[str, ...] = (
+    "sync_every",
+    "num_fragments",
+    "fragment_layout",
+    "sync_delay",
+    "merge_alpha",
+    "quantize",
+    "quantize_block_size",
+    "transport",
+    "error_feedback",
+    "anchor_dtype",
+    "island_size",
+)
 
 
 def _check_shard_outer(config: SwarmConfig) -> None:

@@ -27,12 +27,12 @@ first and the Lightning file last, so a crash in between leaves the previous che
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -40,13 +40,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.algorithm.fragments import FragmentLayout
 from lightning_swarm.config import (
-    AnchorConfig,
     SwarmConfig,
-    SwarmTransportConfig,
-    as_anchor_config,
-    as_swarm_transport_config,
     dtype_name,
 )
 from lightning_swarm.elastic import ElasticIsland
@@ -64,18 +59,44 @@ from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.transport import Transport
 
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SwarmConfig))
+
+
+def _pop_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the ``SwarmConfig`` fields out of the strategy's keywords (the rest is DDP's)."""
+    options = {name: kwargs.pop(name) for name in list(kwargs) if name in _OPTION_NAMES}
+    if "anchor_device" in options:
+        options["anchor_device"] = str(options["anchor_device"])
+    if "anchor_dtype" in options:
+        options["anchor_dtype"] = dtype_name(options["anchor_dtype"])
+    return options
+
+
+def config_with(config: SwarmConfig | None, options: dict[str, Any]) -> SwarmConfig:
+    """``config`` (or the defaults) with ``options`` applied; validated again as a whole."""
+    if config is None:
+        return SwarmConfig(**options)
+    if not isinstance(config, SwarmConfig):
+        raise TypeError(
+            f"SwarmStrategy's first argument is a SwarmConfig, got {type(config).__name__}; "
+            "pass options by name, e.g. SwarmStrategy(sync_every=100)."
+        )
+    return dataclasses.replace(config, **options)
+
 
 class SwarmStrategy(IslandDDPStrategy):
     """Train any LightningModule DiLoCo-style across islands of ranks.
 
     Args:
+        config: every option that is plain data (``SwarmConfig``, where each field is declared
+            and documented once); ``None`` starts from its defaults.
         outer_optimizer: callable taking an iterable of tensors (the anchors) and returning a
             ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True).
-        **kwargs: passed through to ``DDPStrategy`` (``start_method``, ``timeout``,
+        **kwargs: any ``SwarmConfig`` field by name (``sync_every=50``, ``island_size=2``, ...),
+            applied over ``config``; ``anchor_device`` may be a ``torch.device``,
+            ``anchor_dtype`` a ``torch.dtype``, ``anchors`` and ``swarm`` dicts of their fields.
+            Every other keyword goes to ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, DDP keywords such as ``find_unused_parameters``).
-
-    Every other argument is the ``SwarmConfig`` field of the same name, documented there;
-    ``anchor_dtype`` may be a ``torch.dtype``, ``anchors`` and ``swarm`` dicts of their fields.
 
     Raises:
         ValueError: an option is out of range (the message names it and the fix).
@@ -85,60 +106,15 @@ class SwarmStrategy(IslandDDPStrategy):
 
     def __init__(
         self,
-        sync_every: int = 100,
+        config: SwarmConfig | None = None,
+        *,
         outer_optimizer: OuterOptimizerFactory | None = None,
-        island_size: int = 1,
-        transport: str = "allreduce",
-        anchor_device: str | torch.device = "cpu",
-        anchor_dtype: str | torch.dtype | None = None,
-        bucket_mb: float = 32.0,
-        anchors: AnchorConfig | dict[str, Any] | None = None,
-        swarm: SwarmTransportConfig | dict[str, Any] | None = None,
-        num_fragments: int = 1,
-        fragment_layout: FragmentLayout = "strided",
-        sync_delay: int = 0,
-        merge_alpha: float = 0.0,
-        quantize: str = "none",
-        quantize_block_size: int = 128,
-        error_feedback: bool = False,
-        sync_at_end: bool = True,
-        membership: str = "static",
-        lighthouse: str | None = None,
-        island_id: str | None = None,
-        min_islands: int = 2,
-        quorum_timeout_s: float = 60.0,
-        round_timeout_s: float = 60.0,
-        shard_outer: bool = True,
         **kwargs: Any,
     ) -> None:
-        self.config = SwarmConfig(
-            sync_every=sync_every,
-            island_size=island_size,
-            transport=transport,
-            anchor_device=str(anchor_device),
-            anchor_dtype=dtype_name(anchor_dtype),
-            bucket_mb=bucket_mb,
-            anchors=as_anchor_config(anchors if anchors is not None else AnchorConfig()),
-            swarm=as_swarm_transport_config(swarm if swarm is not None else SwarmTransportConfig()),
-            num_fragments=num_fragments,
-            fragment_layout=fragment_layout,
-            sync_delay=sync_delay,
-            merge_alpha=merge_alpha,
-            quantize=quantize,
-            quantize_block_size=quantize_block_size,
-            error_feedback=error_feedback,
-            sync_at_end=sync_at_end,
-            membership=membership,
-            lighthouse=lighthouse,
-            island_id=island_id,
-            min_islands=min_islands,
-            quorum_timeout_s=quorum_timeout_s,
-            round_timeout_s=round_timeout_s,
-            shard_outer=shard_outer,
-        )
+        self.config = config_with(config, _pop_options(kwargs))
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
-        self._elastic = ElasticIsland(elastic, sync_every) if elastic is not None else None
+        self._elastic = None if elastic is None else ElasticIsland(elastic, self.config.sync_every)
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
         super().__init__(

@@ -111,3 +111,34 @@ def test_anchor_device_without_that_device_is_refused_by_name() -> None:
 def test_sync_at_end_reaches_the_config() -> None:
     assert SwarmConfig().sync_at_end is True
     assert SwarmStrategy(sync_at_end=False).config.sync_at_end is False
+
+
+def test_every_option_is_declared_once_on_swarm_config() -> None:
+    """The strategy's keywords, the Hydra schema and the resume record derive from SwarmConfig."""
+    from dataclasses import fields
+
+    from lightning_swarm.cli.schema import SwarmStrategyConf
+    from lightning_swarm.config import RESUME_OPTIONS
+    from lightning_swarm.resume.records import OptionsRecord
+
+    names = [f.name for f in fields(SwarmConfig)]
+    extras = {"_target_", "outer_optimizer", "start_method", "process_group_backend"}
+    assert [f.name for f in fields(SwarmStrategyConf) if f.name not in extras] == names
+    assert set(RESUME_OPTIONS) <= set(names)
+    record = OptionsRecord.from_dict(SwarmConfig(sync_every=7).resume_options())
+    assert record["sync_every"] == 7 and set(record.values) == set(RESUME_OPTIONS)
+
+
+def test_strategy_takes_a_config_and_any_field_by_name() -> None:
+    from lightning_swarm.strategy import SwarmStrategy
+
+    base = SwarmConfig(sync_every=8, num_fragments=2)
+    strategy = SwarmStrategy(base, sync_every=4, anchor_dtype=torch.bfloat16)
+    assert strategy.config.sync_every == 4 and strategy.config.num_fragments == 2
+    assert strategy.config.anchor_dtype == "bfloat16"
+    assert base.sync_every == 8  # the caller's config is not mutated
+    # An override is validated with the rest: 3 inner steps cannot hold 2 fragments evenly.
+    with pytest.raises(ValueError, match="sync_every"):
+        SwarmStrategy(base, sync_every=3)
+    with pytest.raises(TypeError, match=r"pass options by name, e.g. SwarmStrategy\(sync_every"):
+        SwarmStrategy(100)  # type: ignore[arg-type]

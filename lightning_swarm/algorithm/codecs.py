@@ -37,12 +37,16 @@ next round's input and stores what the codec lost this round. The residual belon
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-NO_CODEC = "none"  # the option value; in code, "no codec" is ``None`` (``codec_for``)
-CODECS = (NO_CODEC, "bf16", "int8", "int4")
+# The option value; in code, "no codec" is ``None`` (``codec_for``).
+NO_CODEC: Literal["none"] = "none"
+CodecName = Literal["none", "bf16", "int8", "int4"]
+CODECS: tuple[str, ...] = get_args(CodecName)
+assert CODECS[0] == NO_CODEC
 _QMAX = {"int8": 127, "int4": 7}
 _INT4_ZERO_CODE = 8
 _DATA_DTYPE = {

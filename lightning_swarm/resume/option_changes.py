@@ -12,13 +12,11 @@ Layout changes (island count, parameters, fragments, and for Streaming DiLoCo ``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 
 from lightning_swarm.algorithm.codecs import NO_CODEC
+from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.records import OptionsRecord
-
-_LIST_FIELDS = ("outer_optimizer", "outer_hyperparameters")
 
 
 def refuse_unusable(saved: OptionsRecord, current: OptionsRecord) -> None:
@@ -41,11 +39,10 @@ def describe_changes(
 ) -> list[str]:
     """One line per changed option: ``name old -> new: what follows``."""
     lines: list[str] = []
-    for item in fields(OptionsRecord):
-        name = item.name
-        if name in _LIST_FIELDS:
-            continue
-        old, new = getattr(saved, name), getattr(current, name)
+    for name in RESUME_OPTIONS:
+        if name not in saved.values:
+            continue  # a record older than the option: nothing to compare against
+        old, new = saved[name], current[name]
         if old != new:
             effect = _effect(name, saved, current, inner_steps, residuals_saved)
             lines.append(f"{name} {_text(old)} -> {_text(new)}: {effect}")
@@ -74,34 +71,34 @@ def _effect(
     dropped = "the saved error-feedback residuals are dropped"
     if name == "sync_every":
         step = inner_steps[0] if inner_steps else 0
-        due = (step // current.sync_every + 1) * current.sync_every
-        was = (step // saved.sync_every + 1) * saved.sync_every
+        due = (step // current["sync_every"] + 1) * current["sync_every"]
+        was = (step // saved["sync_every"] + 1) * saved["sync_every"]
         return f"the next round comes at inner step {due} (it would have come at {was})"
     if name in ("num_fragments", "fragment_layout", "sync_delay"):
         return "the fragments and their schedule come out the same, so nothing changes"
     if name == "merge_alpha":
-        alpha = current.merge_alpha
+        alpha = current["merge_alpha"]
         return f"applied rounds now merge local <- (1 - {alpha:g}) * global + {alpha:g} * local"
     if name == "quantize":
-        text = f"the next rounds send {current.quantize} pseudo-gradients"
-        if current.quantize == NO_CODEC and residuals_saved:
+        text = f"the next rounds send {current['quantize']} pseudo-gradients"
+        if current["quantize"] == NO_CODEC and residuals_saved:
             text += f"; error feedback stops and {dropped}"
         return text
     if name == "quantize_block_size":
-        return f"int8/int4 scales now cover blocks of {current.quantize_block_size} elements"
+        return f"int8/int4 scales now cover blocks of {current['quantize_block_size']} elements"
     if name == "transport":
-        return f"pseudo-gradients are averaged by the {current.transport} transport from now on"
+        return f"pseudo-gradients are averaged by the {current['transport']} transport from now on"
     if name == "error_feedback":
-        if not current.error_feedback:
+        if not current["error_feedback"]:
             return dropped if residuals_saved else "no residuals were saved, nothing is lost"
         return "residuals start at zero"
     if name == "anchor_dtype":
         return (
-            f"the saved {saved.anchor_dtype} anchors are converted to {current.anchor_dtype} on "
-            "load (an eager copy in RAM, not memory-mapped)"
+            f"the saved {saved['anchor_dtype']} anchors are converted to "
+            f"{current['anchor_dtype']} on load (an eager copy in RAM, not memory-mapped)"
         )
     if name == "island_size":
-        return f"each island's saved state now seeds {current.island_size} rank(s)"
+        return f"each island's saved state now seeds {current['island_size']} rank(s)"
     return "the resumed run differs from an uninterrupted one"
 
 

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import merge_by_name
+from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
 
 FORMAT_VERSION = 2
@@ -72,30 +73,34 @@ class FileDigest:
 class OptionsRecord:
     """The options that shape the outer loop, as the saving run had them.
 
-    ``outer_optimizer`` is the outer optimizer's class name; ``outer_hyperparameters`` its first
-    param group's plain-valued entries (lr, momentum, ...), one dict per optimizer.
+    ``values`` holds ``SwarmConfig.resume_options()`` (the fields named in ``RESUME_OPTIONS``,
+    declared once on ``SwarmConfig``); ``outer_optimizer`` is each outer optimizer's class name
+    and ``outer_hyperparameters`` its first param group's plain-valued entries (lr, momentum,
+    ...), one per optimizer. On disk the values sit at the top level of the dict, beside the two
+    lists, so records written before this type existed read back the same.
     """
 
-    sync_every: int
-    num_fragments: int
-    fragment_layout: Any
-    sync_delay: int
-    merge_alpha: float
-    quantize: str
-    quantize_block_size: int
-    transport: str
-    error_feedback: bool
-    anchor_dtype: str
-    island_size: int
+    values: dict[str, Any]
     outer_optimizer: list[str] = field(default_factory=list)
     outer_hyperparameters: list[dict[str, Any]] = field(default_factory=list)
 
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            **self.values,
+            "outer_optimizer": list(self.outer_optimizer),
+            "outer_hyperparameters": [dict(h) for h in self.outer_hyperparameters],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptionsRecord:
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+        return cls(
+            values={name: data[name] for name in RESUME_OPTIONS if name in data},
+            outer_optimizer=list(data.get("outer_optimizer", [])),
+            outer_hyperparameters=list(data.get("outer_hyperparameters", [])),
+        )
 
 
 @dataclass(frozen=True)

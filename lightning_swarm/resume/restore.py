@@ -261,9 +261,9 @@ def _check_round_in_flight(host: TrainingView, record: AnchorsRecord, path: str)
     for index, state in enumerate(record.outer):
         step = int(state["inner_steps"])
         schedule = FragmentSchedule(
-            sync_every=options.sync_every,
-            num_fragments=options.num_fragments,
-            sync_delay=options.sync_delay,
+            sync_every=options["sync_every"],
+            num_fragments=options["num_fragments"],
+            sync_delay=options["sync_delay"],
         )
         expected = schedule.in_flight(step) if step else None
         found = pending_fragment(state)

@@ -51,10 +51,10 @@ def current_fingerprint(host: TrainingView) -> dict[str, Any]:
     """
     options = host.options
     fragments = None
-    if options.num_fragments > 1 or options.sync_delay > 0:
+    if options["num_fragments"] > 1 or options["sync_delay"] > 0:
         fragments = {
-            "sync_every": options.sync_every,
-            "sync_delay": options.sync_delay,
+            "sync_every": options["sync_every"],
+            "sync_delay": options["sync_delay"],
             "layout": [o.fragments for o in host.outer_syncs],
         }
     return layout_fingerprint(

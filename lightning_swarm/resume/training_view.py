@@ -116,17 +116,7 @@ class TrainingView:
 def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> OptionsRecord:
     """The outer-loop options of a ``SwarmConfig`` and the built outer optimizers."""
     return OptionsRecord(
-        sync_every=config.sync_every,
-        num_fragments=config.num_fragments,
-        fragment_layout=config.fragment_layout,
-        sync_delay=config.sync_delay,
-        merge_alpha=float(config.merge_alpha),
-        quantize=config.quantize,
-        quantize_block_size=config.quantize_block_size,
-        transport=config.transport,
-        error_feedback=bool(config.error_feedback),
-        anchor_dtype=str(config.anchor_torch_dtype).removeprefix("torch."),
-        island_size=config.island_size,
+        values=config.resume_options(),
         outer_optimizer=[type(o.outer_optimizer).__name__ for o in outer_syncs],
         outer_hyperparameters=[
             plain_values(o.outer_optimizer.param_groups[0]) for o in outer_syncs

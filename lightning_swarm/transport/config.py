@@ -20,10 +20,13 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 
-TRANSPORTS = ("allreduce", "swarm")
+# The transports by option value; "swarm" is the rotating aggregator (transport/aggregator/).
+TransportName = Literal["allreduce", "swarm"]
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 MIN_BUCKET_MB = 1.0
 MIN_CHUNK_MB = 0.25
 
