@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 
@@ -153,3 +153,9 @@ class SwarmTransportConfig:
     @property
     def chunk_bytes(self) -> int:
         return int(self.chunk_mb * 2**20)
+
+    def transport_kwargs(self) -> dict[str, Any]:
+        """These options as ``AggregatorTransport``'s keywords (``chunk_mb`` as bytes)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "chunk_mb"}
+        kwargs["chunk_bytes"] = self.chunk_bytes
+        return kwargs

@@ -74,17 +74,9 @@ def build_transport(
             group,
             num_islands=num_islands,
             island_index=island_index,
-            offload=swarm.offload,
-            spool_dir=swarm.spool_dir,
-            aggregation=swarm.aggregation,
-            trim_ratio=swarm.trim_ratio,
-            min_contributions=swarm.min_contributions,
-            max_norm=swarm.max_norm,
-            island_weights=swarm.island_weights,
-            chunk_bytes=swarm.chunk_bytes,
-            cleanup_timeout_s=swarm.cleanup_timeout_s,
             device=torch.device("cpu"),
             codec=codec,
+            **swarm.transport_kwargs(),
         )
     if codec is not None:
         return QuantizedTransport(
