@@ -14,6 +14,7 @@ from torch import Tensor
 from lightning_swarm.algorithm.outer_fast import fast_outer_kind
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.bucketed import BucketedRound, Segment, plan_buckets
+from lightning_swarm.outer.bucketed_engine import BucketedEngine
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.checks import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
@@ -201,7 +202,7 @@ def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:
             stream=stream,
         )
         # The streamed round is taken exactly where it applies (not for other optimizers).
-        assert (outer._stream_kind() is not None) == (stream and opt != "rmsprop")
+        assert (outer.round_kind == "bucketed") == (stream and opt != "rmsprop")
         for step in range(6):
             _train(params, rank, step)
             outer.on_inner_step()
@@ -253,7 +254,8 @@ def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) ->
             outer.on_inner_step()
         if device == "cuda":
             assert all(a.is_pinned() for a in outer.anchors.values())
-            assert outer._stream is not None and outer._stream.buffer_bytes() > 0
+            assert isinstance(outer.engine, BucketedEngine)
+            assert outer.engine.rounds.buffer_bytes() > 0
         results[device] = (
             {n: p.detach().cpu() for n, p in params.items()},
             {n: a.clone() for n, a in outer.anchors.items()},
@@ -284,7 +286,7 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
         transport=transport,
         sync_every=config.sync_every,
     )
-    assert outer._stream_kind() == "sgd"
+    assert isinstance(outer.engine, BucketedEngine) and outer.engine.kind == "sgd"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

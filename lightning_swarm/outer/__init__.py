@@ -4,11 +4,13 @@ Layer: below the Lightning glue, above the transports and the algorithm; never i
 lightning. ``OuterLoop`` (one per fit) owns one ``OuterSync`` per optimizer, the ``SyncWorker``
 and the totals; ``OuterSync`` runs one optimizer's rounds against a ``Transport``.
 
-Modules: ``loop`` (the per-fit owner), ``sync`` (``OuterSync``: the outer state and the
-coordinator that picks a round's form), ``stream`` (the streamed round, the default) and
-``staging`` (its CUDA path), ``two_phase`` (the send/apply round), ``state`` (checkpoint state),
-``records`` (``SyncReport``, ``Streaming``), ``shard`` (a sharded island), ``worker`` (the
-background thread), ``build`` (transport factory), ``elastic`` (an elastic island's rounds).
+Modules: ``loop`` (the per-fit owner), ``sync`` (``OuterSync``: holds its state, its round
+engine and its checkpoint state as members), ``sync_state`` (``SyncState``: the fields they
+share), ``bucketed_engine`` (whole rounds in one bucketed pass, the default) over ``bucketed``
+(the bucket pass itself) and ``staging`` (its CUDA path), ``two_phase`` (the send/apply round
+engine), ``checkpoint_state`` (``SyncCheckpoint``), ``reports`` (``SyncReport``,
+``StreamingOptions``), ``shard`` (a sharded island), ``worker`` (the background thread),
+``build`` (the transport the options name), ``join`` (an elastic joiner's state).
 """
 
 from lightning_swarm.outer.loop import (

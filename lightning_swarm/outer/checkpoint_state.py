@@ -25,19 +25,26 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
-from lightning_swarm.outer.reports import OuterOptimizerFactory
-from lightning_swarm.outer.two_phase import Exchanged, RoundInFlight, TwoPhaseRound
+from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
+from lightning_swarm.outer.two_phase import TwoPhaseRound
 from lightning_swarm.transport.base import RoundStats
 
 
-class SyncState(TwoPhaseRound):
-    """Save and restore methods of ``OuterSync`` (which owns and documents the fields)."""
+class SyncCheckpoint:
+    """What a save holds of one ``OuterSync`` and how a resume installs it.
 
-    owned: list[str]
-    anchor_device: torch.device
-    anchor_dtype: torch.dtype
-    ended_at: int | None
-    _outer_optimizer_factory: OuterOptimizerFactory
+    Args:
+        state: the sync's shared state (``SyncState``), owned by the ``OuterSync``; this member
+            reads it to save and replaces its anchors, outer optimizer and counters on resume.
+    """
+
+    def __init__(self, state: SyncState) -> None:
+        self.state = state
+
+    def _wait(self) -> Exchanged | None:
+        """The round in flight's exchange result, after waiting for the worker (or None)."""
+        rnd = self.state.in_flight
+        return None if rnd is None else TwoPhaseRound.result(rnd)
 
     def state_dict(self) -> dict[str, Any]:
         """Anchors, outer optimizer state, counters and a round in flight (global state).
@@ -48,36 +55,36 @@ class SyncState(TwoPhaseRound):
         """
         pending = self._pending_state()  # waits for the exchange first
         state: dict[str, Any] = {
-            "anchors": dict(self.anchors),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-            "inner_steps": self.inner_steps,
-            "outer_steps": self.outer_steps,
-            "fragment_rounds": list(self.fragment_rounds),
+            "anchors": dict(self.state.anchors),
+            "outer_optimizer": self.state.outer_optimizer.state_dict(),
+            "inner_steps": self.state.inner_steps,
+            "outer_steps": self.state.outer_steps,
+            "fragment_rounds": list(self.state.fragment_rounds),
             "pending": pending,
-            "synced_at": list(self.synced_at),
-            "ended_at": self.ended_at,
+            "synced_at": list(self.state.synced_at),
+            "ended_at": self.state.ended_at,
         }
-        if self.shard is not None:
+        if self.state.shard is not None:
             # The outer optimizer's state is positional: a re-shard needs the names.
-            state["param_names"] = list(self.owned)
+            state["param_names"] = list(self.state.owned)
         return state
 
     def _pending_state(self) -> dict[str, Any] | None:
         """The round in flight, after waiting for its exchange (None when none is)."""
-        if self._in_flight is None:
+        result = self._wait()
+        if self.state.in_flight is None or result is None:
             return None
-        result = self._result(self._in_flight)
         pending = {
-            "fragment": self._in_flight.fragment,
-            "send_step": self._in_flight.send_step,
-            "deltas": dict(self._in_flight.deltas),
+            "fragment": self.state.in_flight.fragment,
+            "send_step": self.state.in_flight.send_step,
+            "deltas": dict(self.state.in_flight.deltas),
             "applied": result.stats.applied,
             "norm": result.norm,
             "bytes_sent": result.stats.bytes_sent,
             "bytes_received": result.stats.bytes_received,
             "transport_s": result.stats.wall_s,
         }
-        if self.shard is not None:
+        if self.state.shard is not None:
             pending["share_norm"] = not result.combined  # merged shards combine it
         return pending
 
@@ -88,24 +95,24 @@ class SyncState(TwoPhaseRound):
         collective over the island, and the island's first rank (which writes the island's
         file) gets every share's residuals.
         """
-        self.drain()
-        residuals = dict(self.residuals)
-        if self.shard is not None and self.streaming.error_feedback:
-            residuals = self.shard.collect(residuals)
+        self._wait()
+        residuals = dict(self.state.residuals)
+        if self.state.shard is not None and self.state.streaming.error_feedback:
+            residuals = self.state.shard.collect(residuals)
         return {"residuals": residuals}
 
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install residuals saved by ``island_state_dict`` (converted to the anchor device)."""
         residuals: Mapping[str, Tensor] = state.get("residuals", {})
         for name, residual in residuals.items():
-            if name not in self.params or residual.shape != self.params[name].shape:
+            if name not in self.state.params or residual.shape != self.state.params[name].shape:
                 raise ValueError(
                     f"saved error-feedback residual {name!r} does not fit this model; resume "
                     "with the model and fragments the checkpoint was written by."
                 )
-        owned = set(self.owned)
-        self.residuals = {
-            name: r.to(device=self.anchor_device, dtype=torch.float32)
+        owned = set(self.state.owned)
+        self.state.residuals = {
+            name: r.to(device=self.state.anchor_device, dtype=torch.float32)
             for name, r in residuals.items()
             if name in owned
         }
@@ -124,45 +131,46 @@ class SyncState(TwoPhaseRound):
         """
         anchors: Mapping[str, Tensor] = state["anchors"]
         self._install_anchors(anchors)
-        self.outer_optimizer = self._outer_optimizer_factory(list(self.anchors.values()))
+        s = self.state
+        s.outer_optimizer = s.outer_optimizer_factory(list(s.anchors.values()))
         saved_names = state.get("param_names") or list(anchors)
-        optimizer_state = select_by_name(state["outer_optimizer"], saved_names, self.owned)
-        self.outer_optimizer.load_state_dict(optimizer_state)
-        keep_state_float32(self.outer_optimizer, optimizer_state)
-        self.inner_steps = int(state["inner_steps"])
-        self.outer_steps = int(state["outer_steps"])
+        optimizer_state = select_by_name(state["outer_optimizer"], saved_names, s.owned)
+        s.outer_optimizer.load_state_dict(optimizer_state)
+        keep_state_float32(s.outer_optimizer, optimizer_state)
+        s.inner_steps = int(state["inner_steps"])
+        s.outer_steps = int(state["outer_steps"])
         rounds = state.get("fragment_rounds")
-        self.fragment_rounds = list(rounds) if rounds is not None else [0] * len(self.fragments)
+        s.fragment_rounds = list(rounds) if rounds is not None else [0] * len(s.fragments)
         # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
         synced = state.get("synced_at")
-        self.synced_at = list(synced) if synced is not None else [None] * len(self.fragments)
+        s.synced_at = list(synced) if synced is not None else [None] * len(s.fragments)
         ended = state.get("ended_at")
-        self.ended_at = None if ended is None else int(ended)
-        self._in_flight = self._restore_round(state.get("pending"))
+        s.ended_at = None if ended is None else int(ended)
+        s.in_flight = self._restore_round(state.get("pending"))
 
     def _install_anchors(self, anchors: Mapping[str, Tensor]) -> None:
         """Check every parameter's saved anchor, then adopt (or convert) the owned ones."""
-        for name, p in self.params.items():
+        for name, p in self.state.params.items():
             if name not in anchors or tuple(anchors[name].shape) != tuple(p.shape):
                 found = tuple(anchors[name].shape) if name in anchors else "no anchor"
                 raise ValueError(
                     f"saved anchors do not fit parameter {name!r} (shape {tuple(p.shape)}, "
                     f"saved {found}); resume with the model the checkpoint was written by."
                 )
-        self.anchors = {
-            name: anchors[name].to(device=self.anchor_device, dtype=self.anchor_dtype)
-            for name in self.owned
+        self.state.anchors = {
+            name: anchors[name].to(device=self.state.anchor_device, dtype=self.state.anchor_dtype)
+            for name in self.state.owned
         }
-        self._placeholders = False
+        self.state.placeholders = False
 
     def _restore_round(self, pending: Mapping[str, Any] | None) -> RoundInFlight | None:
-        expected = None
-        if self.inner_steps:
-            expected = self.schedule.in_flight(self.inner_steps, sent_after=self.ended_at or 0)
+        expected, step = None, self.state.inner_steps
+        if step:
+            expected = self.state.schedule.in_flight(step, sent_after=self.state.ended_at or 0)
         found = None if pending is None else int(pending["fragment"])
         if found != expected:
             raise ValueError(
-                f"the checkpoint has fragment {found} in flight at inner step {self.inner_steps} "
+                f"the checkpoint has fragment {found} in flight at inner step {step} "
                 f"but this run's schedule expects {expected}; resume with the sync_every, "
                 "num_fragments and sync_delay the checkpoint was written with."
             )
@@ -174,7 +182,7 @@ class SyncState(TwoPhaseRound):
             wall_s=float(pending["transport_s"]),
             applied=bool(pending["applied"]),
         )
-        owned = set(self.owned)
+        owned = set(self.state.owned)
         deltas = {
             name: t.to(torch.float32) for name, t in pending["deltas"].items() if name in owned
         }

@@ -1,6 +1,6 @@
 """The values an ``OuterSync`` is configured with and reports: plain records, no behaviour.
 
-``Streaming`` holds the Streaming DiLoCo options of one ``OuterSync`` (read, never mutated,
+``StreamingOptions`` holds the Streaming DiLoCo options of one ``OuterSync`` (read, never mutated,
 after construction); ``SyncReport`` is one applied or skipped round as this rank saw it, built
 at the round's end and owned by the caller from then on. Neither holds a tensor.
 """

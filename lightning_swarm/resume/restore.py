@@ -1,9 +1,10 @@
 """Restoring a swarm checkpoint: check everything, agree on every rank, then install.
 
-``restore_swarm_state`` runs on every rank in the same order of collectives, failures included:
+``SwarmCheckpointer.restore`` (``resume/checkpointer.py``) runs these steps on every rank, in the
+same order of collectives, failures included:
 
 1. sources: ``island_ckpt_paths`` fit the island count; the fingerprint and the options that
-   cannot change (``options.refuse_unusable``) match; this island's source is chosen;
+   cannot change (``option_changes.refuse_unusable``) match; this island's source is chosen;
 2. every rank agrees on the newest outer round among the islands' sources (catch-up target);
 3. files: each file this rank reads is checked against the size and checksum its record holds
    (one chunked read, ``integrity``), loaded (mapped by default), and validated: island index,

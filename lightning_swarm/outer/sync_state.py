@@ -1,0 +1,121 @@
+"""``SyncState``: everything one ``OuterSync``'s rounds read and write, in one record.
+
+``OuterSync`` (``outer/sync.py``) builds one ``SyncState`` and hands it to its members: the
+round engine it chose (``TwoPhaseRound`` or ``BucketedEngine``) and its checkpoint state
+(``SyncCheckpoint``). Each member reads and writes these fields and nothing else, so the fields
+are annotated and documented once, here.
+
+Ownership and lifetime:
+- ``params`` are the model's live parameters, owned by the LightningModule; an applied round
+  overwrites (or mixes into) them in place. ``params`` and ``fragments`` name every trained
+  parameter, also when sharded.
+- ``anchors`` are owned here: one tensor per ``owned`` name, on ``anchor_device`` in
+  ``anchor_dtype``, never aliased to a parameter; they hold the pure global model (no alpha
+  mixing). The outer optimizer is built over them and owns its state (on the same device).
+- Sharded (``shard``): only the ``owned`` names have anchors, outer state, pseudo-gradients and
+  residuals on this rank; counters are island-wide (the shares agree every round).
+- ``residuals`` (error feedback) are per-island state, like the inner optimizer's; anchors,
+  outer state, counters and a round in flight are global.
+- ``in_flight`` is the one round between its send and its apply (two-phase rounds only).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.fragments import FragmentSchedule
+from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
+from lightning_swarm.outer.shard import IslandShard
+from lightning_swarm.transport.base import RoundStats, Transport
+
+
+@dataclass
+class Exchanged:
+    """What an exchange reported: the transport's round stats and the averaged
+    pseudo-gradient's norm (both identical on all ranks). The averaged tensors themselves are
+    written into the round's ``deltas`` in place."""
+
+    stats: RoundStats
+    norm: float
+    # True when ``norm`` is already the whole island's (a round restored from a checkpoint).
+    combined: bool = False
+
+
+@dataclass
+class RoundInFlight:
+    """A fragment's two-phase round between its send and its apply.
+
+    Its ``deltas`` are full-size float32 pseudo-gradients that the exchange overwrites in place
+    with the average; until ``future`` resolves they belong to the worker thread.
+    """
+
+    fragment: int
+    send_step: int
+    deltas: dict[str, Tensor]
+    send_blocked_s: float = 0.0
+    future: Future[Exchanged] | None = None
+    result: Exchanged | None = None
+    error: Exception | None = None  # a sharded inline exchange that failed (raised at apply)
+
+
+@dataclass(kw_only=True)
+class SyncState:
+    """The fields an ``OuterSync``'s members share (see the module docstring).
+
+    Attributes:
+        params: trained parameters by name, in a fixed order identical on every rank.
+        shard: this rank's share of a sharded island, or None (owns every name).
+        owned: the names this rank keeps anchors and outer state for.
+        owned_fragments: per fragment, the owned names it contains.
+        fragments: per fragment, every name it contains.
+        transport: averages pseudo-gradients across islands.
+        schedule: when each fragment sends and applies.
+        streaming: fragments, delay, merge alpha, codec, error feedback and the worker.
+        anchor_device: where anchors and outer state live.
+        anchor_dtype: the anchors' dtype (float32 unless ``anchor_dtype`` says otherwise).
+        outer_optimizer_factory: builds the outer optimizer over the anchors (again on resume).
+        anchors: the global parameters as of the last applied round (owned names only).
+        outer_optimizer: steps the anchors.
+        placeholders: the anchors are memory-less placeholders awaiting a resume.
+        inner_steps: inner steps counted so far.
+        outer_steps: applied rounds so far (all fragments).
+        fragment_rounds: applied rounds per fragment.
+        synced_at: per fragment, the inner step after which its locals last equalled its
+            anchors on every island (None: unknown, e.g. placeholders awaiting a resume).
+        ended_at: the inner step of the last end-of-fit round, or None.
+        residuals: error-feedback residuals by owned name (this island's own state).
+        in_flight: the round sent and not applied yet, or None.
+    """
+
+    params: dict[str, torch.nn.Parameter]
+    shard: IslandShard | None
+    owned: list[str]
+    owned_fragments: list[list[str]]
+    fragments: list[list[str]]
+    transport: Transport
+    schedule: FragmentSchedule
+    streaming: StreamingOptions
+    anchor_device: torch.device
+    anchor_dtype: torch.dtype
+    outer_optimizer_factory: OuterOptimizerFactory
+    anchors: dict[str, Tensor]
+    outer_optimizer: torch.optim.Optimizer
+    placeholders: bool
+    inner_steps: int = 0
+    outer_steps: int = 0
+    fragment_rounds: list[int] = field(default_factory=list)
+    synced_at: list[int | None] = field(default_factory=list)
+    ended_at: int | None = None
+    residuals: dict[str, Tensor] = field(default_factory=dict)
+    in_flight: RoundInFlight | None = None
+
+    def count_applied(self, fragment: int, alpha: float) -> None:
+        """An applied round of ``fragment`` merged with ``alpha``: advance the counters."""
+        self.outer_steps += 1
+        self.fragment_rounds[fragment] += 1
+        if alpha == 0.0:
+            self.synced_at[fragment] = self.inner_steps
