@@ -27,6 +27,12 @@ BUCKETED_ROUND = _OUTER + "bucketed_round"
 # Transports (lightning_swarm.transport): the collective under EXCHANGE.
 ALLREDUCE = _TRANSPORT + "allreduce"
 QUANTIZED = _TRANSPORT + "quantized"
+REDUCE_SCATTER = _TRANSPORT + "reduce_scatter"
+# Inside REDUCE_SCATTER, per bucket: each island's shares out, its own share averaged, the
+# encoded means of every share back.
+SCATTER_SHARES = _TRANSPORT + "scatter_shares"
+REDUCE_SHARE = _TRANSPORT + "reduce_share"
+GATHER_MEANS = _TRANSPORT + "gather_means"
 
 # The rotating aggregator (lightning_swarm.transport.aggregator): its round and its steps.
 AGGREGATOR_ROUND = _AGGREGATOR + "round"

@@ -1,9 +1,11 @@
 """Build the transport a run's options name: the one place that knows every transport class.
 
 ``build_transport`` turns the plain options (``transport``, the codec, ``bucket_mb`` as
-elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``QuantizedTransport`` or a
-``AggregatorTransport`` over a peer group the caller built. ``peer_backend`` says which backend
-that peer group needs, so the caller can build it before the transport: the swarm transport's
+elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``ReduceScatterTransport``
+(any codec: a quantized reduce-scatter + all-gather) or an ``AggregatorTransport`` over a peer
+group the caller built. The gather-based ``QuantizedTransport`` is not built here: it stays for
+comparison (``benchmarks/scaling.py``). ``peer_backend`` says which backend that peer group
+needs, so the caller can build it before the transport: the swarm transport's
 payloads, status messages and spool live on the CPU, so in an NCCL world its point-to-point
 traffic runs on a gloo group created beside the NCCL groups (``groups.build_groups``).
 
@@ -20,7 +22,7 @@ from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.allreduce import AllReduceTransport
 from lightning_swarm.transport.base import Transport
 from lightning_swarm.transport.config import SwarmTransportConfig, check_transport
-from lightning_swarm.transport.quantized import QuantizedTransport
+from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 
 CPU_BACKEND = "gloo"
 
@@ -79,8 +81,13 @@ def build_transport(
             **swarm.transport_kwargs(),
         )
     if codec is not None:
-        return QuantizedTransport(
-            group, num_islands=num_islands, codec=codec, bucket_numel=bucket_numel, device=device
+        return ReduceScatterTransport(
+            group,
+            num_islands=num_islands,
+            island_index=island_index,
+            codec=codec,
+            bucket_numel=bucket_numel,
+            device=device,
         )
     return AllReduceTransport(
         group, num_islands=num_islands, bucket_numel=bucket_numel, device=device

@@ -1,14 +1,18 @@
-"""Quantized transport: the mean across islands of codec-encoded pseudo-gradients.
+"""Gather-based quantized transport: every island's encoded payload goes to every island.
+
+Not what ``quantize`` builds any more: ``transport.reduce_scatter.ReduceScatterTransport``
+moves about 2 (n - 1) / n encoded payloads per rank where this one moves n - 1, so this class
+stays for comparison (``benchmarks/scaling.py``, docs/scaling.md) and as the reference for
+``mean_i decode(encode(x_i))`` without the second encoding of the mean.
 
 An all-reduce cannot sum int8 or int4 codes (each island's block scales differ), so this
 transport gathers the encoded payloads and accumulates in float32:
 
-1. The tensors are cut into *pieces* packed into buckets of at most ``bucket_numel`` elements.
-   A piece starts at a multiple of the codec's ``block_size`` inside its tensor, so every piece
-   is quantized exactly as ``codec.roundtrip(tensor)`` would quantize the whole tensor (error
-   feedback computed by the caller with the same codec stays exact). A tensor larger than a
-   bucket spans several buckets; a bucket that cannot take another whole block is sent
-   under-filled.
+1. The tensors are cut into *pieces* packed into buckets of at most ``bucket_numel`` elements
+   (``transport.pieces``). A piece starts at a multiple of the codec's ``block_size`` inside
+   its tensor, so every piece is quantized exactly as ``codec.roundtrip(tensor)`` would
+   quantize the whole tensor (error feedback computed by the caller with the same codec stays
+   exact).
 2. Each rank encodes its pieces into one uint8 payload and ``all_gather``s it over the peer
    group (one rank per island, group rank = island index); the payload size follows from the
    shapes, so no header travels.
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,50 +44,15 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite
+from lightning_swarm.transport.pieces import (
+    Piece,
+    decode_flat,
+    encode_pieces,
+    plan_coded_buckets,
+    write_flat,
+)
 
-
-@dataclass(frozen=True)
-class Piece:
-    """Elements ``[start, start + length)`` of one flat tensor, carried in one bucket."""
-
-    tensor_index: int
-    start: int
-    length: int
-
-
-def plan_coded_buckets(numels: list[int], bucket_numel: int, block_size: int) -> list[list[Piece]]:
-    """Cut tensors of ``numels`` elements into buckets of at most ``bucket_numel`` elements.
-
-    Pieces start at multiples of ``block_size`` inside their tensor. ``bucket_numel`` must be
-    at least ``block_size``; each bucket holds at least one element.
-    """
-    if bucket_numel < block_size:
-        raise ValueError(
-            f"bucket_numel={bucket_numel} is smaller than one codec block ({block_size} "
-            "elements); raise bucket_mb or lower block_size."
-        )
-    buckets: list[list[Piece]] = []
-    current: list[Piece] = []
-    fill = 0
-    for index, numel in enumerate(numels):
-        pos = 0
-        while pos < numel:
-            space = bucket_numel - fill
-            remaining = numel - pos
-            take = remaining if remaining <= space else (space // block_size) * block_size
-            if take == 0:
-                buckets.append(current)
-                current, fill = [], 0
-                continue
-            current.append(Piece(index, pos, take))
-            fill += take
-            pos += take
-            if fill == bucket_numel:
-                buckets.append(current)
-                current, fill = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+__all__ = ["Piece", "QuantizedTransport", "plan_coded_buckets"]
 
 
 class QuantizedTransport:
@@ -146,12 +114,7 @@ class QuantizedTransport:
 
     @torch.no_grad()
     def _average_bucket(self, flats: list[Tensor], bucket: list[Piece], stats: RoundStats) -> None:
-        payload = torch.cat(
-            [
-                self.codec.to_bytes(self.codec.encode(_slice(flats, p).to(self.device)))
-                for p in bucket
-            ]
-        )
+        payload = encode_pieces(self.codec, flats, bucket, self.device)
         if self.num_islands > 1:
             gathered = [torch.empty_like(payload) for _ in range(self.num_islands)]
             dist.all_gather(gathered, payload, group=self.group)
@@ -163,28 +126,10 @@ class QuantizedTransport:
         del payload
         total = None
         for island_payload in gathered:  # island order: the float sum is the same on all ranks
-            decoded = self._decode(island_payload, bucket)
+            decoded = decode_flat(self.codec, island_payload, bucket)
             total = decoded if total is None else total.add_(decoded)
         assert total is not None
-        total.div_(self.num_islands)
-        offset = 0
-        for p in bucket:
-            _slice(flats, p).copy_(total[offset : offset + p.length])
-            offset += p.length
-
-    def _decode(self, payload: Tensor, bucket: list[Piece]) -> Tensor:
-        parts = []
-        offset = 0
-        for p in bucket:
-            size = self.codec.encoded_nbytes(p.length)
-            raw = payload[offset : offset + size]
-            parts.append(self.codec.decode(self.codec.from_bytes(raw, p.length)))
-            offset += size
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        write_flat(flats, bucket, total.div_(self.num_islands))
 
     def close(self) -> None:
         """Nothing to release: buckets live only inside ``average``."""
-
-
-def _slice(flats: list[Tensor], piece: Piece) -> Tensor:
-    return flats[piece.tensor_index][piece.start : piece.start + piece.length]

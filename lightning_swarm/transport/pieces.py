@@ -1,0 +1,178 @@
+"""Where a quantized exchange cuts a payload: buckets, owners' shares, and their encoded bytes.
+
+Pure planning and codec arithmetic (torch only, no torch.distributed): the quantized transports
+(``quantized.py`` gathers, ``reduce_scatter.py`` reduce-scatters) call it with the caller's flat
+float32 tensors and move the bytes themselves.
+
+Invariants:
+- A ``Piece`` is a run of consecutive elements of one flat tensor that *starts at a multiple of
+  the codec's block size inside that tensor*. Blocks are laid over a tensor from element 0
+  (``algorithm.codecs``), so encoding a piece on its own quantizes each of its elements exactly
+  as encoding the whole tensor would: ``codec.roundtrip(tensor)`` (what error feedback
+  computes) and any cut into pieces agree bit for bit, and so does a result written back piece
+  by piece.
+- ``plan_coded_buckets`` packs tensors, in order, into buckets of at most ``bucket_numel`` elements;
+  ``plan_shares`` cuts one bucket into ``num_islands`` *shares* (the chunks of a reduce-scatter)
+  of whole blocks: share j holds blocks ``[j * U // n, (j + 1) * U // n)`` of the bucket's U
+  blocks, so shares differ by at most one block and may be empty (fewer blocks than islands).
+  Only a tensor's last block can be partial, so shares are balanced in elements too, to within
+  one block.
+- The payload of a list of pieces is the concatenation of ``codec.to_bytes`` of each piece's
+  encoding; its size (``encoded_nbytes``) follows from the piece lengths alone, so every island
+  computes every share's size without a message and no header travels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.algorithm.codecs import Codec
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + length)`` of one flat tensor, carried in one bucket."""
+
+    tensor_index: int
+    start: int
+    length: int
+
+
+def plan_coded_buckets(numels: list[int], bucket_numel: int, block_size: int) -> list[list[Piece]]:
+    """Cut tensors of ``numels`` elements into buckets of at most ``bucket_numel`` elements.
+
+    Pieces start at multiples of ``block_size`` inside their tensor. A tensor larger than a
+    bucket spans several buckets; a bucket that cannot take another whole block is closed
+    under-filled. Each bucket holds at least one element.
+
+    Raises:
+        ValueError: ``bucket_numel`` is smaller than one block.
+    """
+    if bucket_numel < block_size:
+        raise ValueError(
+            f"bucket_numel={bucket_numel} is smaller than one codec block ({block_size} "
+            "elements); raise bucket_mb or lower block_size."
+        )
+    buckets: list[list[Piece]] = []
+    current: list[Piece] = []
+    fill = 0
+    for index, numel in enumerate(numels):
+        pos = 0
+        while pos < numel:
+            space = bucket_numel - fill
+            remaining = numel - pos
+            take = remaining if remaining <= space else (space // block_size) * block_size
+            if take == 0:
+                buckets.append(current)
+                current, fill = [], 0
+                continue
+            current.append(Piece(index, pos, take))
+            fill += take
+            pos += take
+            if fill == bucket_numel:
+                buckets.append(current)
+                current, fill = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> list[list[Piece]]:
+    """Cut ``bucket`` into ``num_islands`` shares of whole blocks, in bucket order.
+
+    Every piece of ``bucket`` must start on a block boundary of its tensor (as
+    ``plan_coded_buckets`` makes them); so does every piece of every share. Concatenated in
+    share order, the shares cover the bucket's elements exactly once, in the bucket's order.
+
+    Raises:
+        ValueError: ``num_islands < 1``.
+    """
+    if num_islands < 1:
+        raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+    num_blocks = [-(-p.length // block_size) for p in bucket]
+    total = sum(num_blocks)
+    shares: list[list[Piece]] = []
+    for island in range(num_islands):
+        lo, hi = island * total // num_islands, (island + 1) * total // num_islands
+        share: list[Piece] = []
+        first = 0  # index of the current piece's first block among the bucket's blocks
+        for piece, count in zip(bucket, num_blocks, strict=True):
+            a, b = max(lo, first), min(hi, first + count)
+            if a < b:
+                start = (a - first) * block_size
+                stop = min(piece.length, (b - first) * block_size)
+                share.append(Piece(piece.tensor_index, piece.start + start, stop - start))
+            first += count
+        shares.append(share)
+    return shares
+
+
+def numel_of(pieces: Sequence[Piece]) -> int:
+    """Elements in ``pieces``."""
+    return sum(p.length for p in pieces)
+
+
+def encoded_nbytes(codec: Codec, pieces: Sequence[Piece]) -> int:
+    """Bytes of the payload of ``pieces`` (each piece encoded on its own)."""
+    return sum(codec.encoded_nbytes(p.length) for p in pieces)
+
+
+def piece_view(flats: Sequence[Tensor], piece: Piece) -> Tensor:
+    """The elements of ``piece`` as a view of its flat tensor."""
+    return flats[piece.tensor_index][piece.start : piece.start + piece.length]
+
+
+def encode_flat(codec: Codec, values: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """The payload (uint8) of ``pieces`` whose values lie back to back in the flat ``values``.
+
+    Each piece is encoded on its own, so the bytes equal those of ``encode_pieces`` over tensors
+    holding ``values`` at the pieces' places.
+    """
+    parts = []
+    offset = 0
+    for p in pieces:
+        parts.append(codec.to_bytes(codec.encode(values[offset : offset + p.length])))
+        offset += p.length
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def encode_pieces(
+    codec: Codec, flats: Sequence[Tensor], pieces: Sequence[Piece], device: torch.device
+) -> Tensor:
+    """The payload (uint8, on ``device``) of ``pieces`` of the caller's flat tensors."""
+    parts = [codec.to_bytes(codec.encode(piece_view(flats, p).to(device))) for p in pieces]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def decode_flat(codec: Codec, payload: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """Decode the payload of ``pieces`` into one new flat float32 tensor, pieces back to back."""
+    parts = []
+    offset = 0
+    for p in pieces:
+        size = codec.encoded_nbytes(p.length)
+        parts.append(codec.decode(codec.from_bytes(payload[offset : offset + size], p.length)))
+        offset += size
+    if offset != payload.numel():
+        raise ValueError(
+            f"a payload of {payload.numel()} bytes does not hold pieces of {offset} bytes; "
+            "islands disagree on the layout (same model, quantize and block_size everywhere?)."
+        )
+    if not parts:
+        return torch.empty(0, dtype=torch.float32, device=payload.device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def write_flat(flats: Sequence[Tensor], pieces: Sequence[Piece], values: Tensor) -> None:
+    """Copy ``values`` (pieces back to back) into the pieces' places in ``flats``."""
+    offset = 0
+    for p in pieces:
+        piece_view(flats, p).copy_(values[offset : offset + p.length])
+        offset += p.length

@@ -1,0 +1,203 @@
+"""Quantized reduce-scatter + all-gather: the mean of encoded pseudo-gradients, flat in islands.
+
+An all-reduce cannot sum int8 or int4 codes (each island's block scales differ), and gathering
+every island's payload (``quantized.QuantizedTransport``) costs a rank n - 1 payloads per
+round. Here each of the n islands of the peer group *owns* a share of every bucket, so a rank
+moves about 2 (n - 1) / n encoded payloads, as a ring all-reduce moves 2 (n - 1) / n raw ones:
+
+1. Buckets and shares (``transport.pieces``): the tensors are packed into buckets of at most
+   ``bucket_numel`` elements, and each bucket is cut into n shares of whole codec blocks
+   (share j belongs to island j; any n, shares may be uneven by one block or empty). Every
+   piece starts on a block boundary of its tensor, so each island encodes its pseudo-gradient
+   exactly as ``codec.roundtrip`` of the whole tensor would: error feedback computed by the
+   caller with the same codec stays exact.
+2. Reduce-scatter: each rank encodes every share of its bucket and sends share j to island j
+   (``all_to_all_single`` on one uint8 buffer; its own share stays local). The owner decodes
+   the n contributions in island order 0 .. n - 1, sums them in float32 and divides by n.
+3. The owner encodes that mean once, and an all-gather (``all_to_all_single`` again: shares'
+   sizes differ, and gloo's all-gather wants equal ones) hands every island every share's
+   encoded mean. Every island, the owner included, decodes those bytes: the result is
+   bitwise identical on all islands, so the anchors stay equal.
+
+Result, elementwise: ``decode(encode(mean_i decode(encode(x_i))))``. It does not depend on
+buckets or shares (blocks are the tensors' own), so sharding the outer loop or cutting the model
+into fragments does not change a bit. Error: the gather's ``mean_i`` of each island's codec
+bound, plus one codec bound of the mean (``Codec.error_bound(mean)``). The second encoding's
+error is the same on every island and is not fed back: error feedback stays per island, on
+its own encoding.
+
+Bytes per rank and bucket, with ``s_j`` the encoded size of share j and ``me`` this island:
+``bytes_sent = bytes_received = sum_{j != me} s_j + (n - 1) * s_me``, about
+``2 (n - 1) / n`` of the encoded bucket (what the two collectives move to and from other
+ranks; nothing for the share a rank keeps). With one island nothing moves and the result is
+``decode(encode(decode(encode(x))))``, the same formula.
+
+Memory while a bucket is in flight (nothing is kept between rounds): the encoded bucket to send,
+n received contributions of this island's share (about one encoded bucket), a float32
+accumulator of one share, n copies of the encoded mean to send (about one encoded bucket), the
+gathered means (one encoded bucket) and one decoded share at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.checks import agree_finite
+from lightning_swarm.transport.pieces import (
+    Piece,
+    decode_flat,
+    encode_flat,
+    encode_pieces,
+    encoded_nbytes,
+    numel_of,
+    plan_coded_buckets,
+    plan_shares,
+    write_flat,
+)
+
+
+def reduce_scatter_bytes(share_nbytes: Sequence[int], island_index: int) -> int:
+    """Bytes one rank sends (and receives) for one bucket whose shares encode to
+    ``share_nbytes``: every other share out (and its own share's n - 1 contributions in), then
+    its encoded mean to n - 1 islands (and every other share's mean in)."""
+    others = sum(share_nbytes) - share_nbytes[island_index]
+    return others + (len(share_nbytes) - 1) * share_nbytes[island_index]
+
+
+class ReduceScatterTransport:
+    """Mean over a peer group of codec-encoded tensors by a quantized reduce-scatter and
+    all-gather; see the module docstring for the result, its error, bytes and memory.
+
+    Args:
+        group: the peer group (one rank per island, group rank = island index); ``None`` means
+            the default group.
+        num_islands: size of the peer group.
+        island_index: this rank's island (its rank in ``group``).
+        codec: how payloads are encoded (``Codec("int8", block_size=128)`` etc.).
+        bucket_numel: float32 elements per bucket; bounds the extra memory.
+        device: where encoding, exchange and accumulation happen (``cuda`` for NCCL, ``cpu``
+            for gloo); the caller's tensors stay where they are.
+
+    Raises:
+        ValueError: ``num_islands < 1``, ``island_index`` outside the group, or
+            ``bucket_numel`` below the codec's block size.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        island_index: int,
+        codec: Codec,
+        bucket_numel: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_islands < 1:
+            raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+        if not 0 <= island_index < num_islands:
+            raise ValueError(
+                f"island_index={island_index} is outside the peer group of {num_islands} "
+                "islands; pass this rank's rank in the peer group."
+            )
+        if bucket_numel < codec.block_size:
+            raise ValueError(
+                f"bucket_numel={bucket_numel} is smaller than one codec block "
+                f"({codec.block_size} elements); raise bucket_mb or lower block_size."
+            )
+        self.group = group
+        self.num_islands = num_islands
+        self.island_index = island_index
+        self.codec = codec
+        self.bucket_numel = bucket_numel
+        self.device = torch.device(device)
+
+    @record_function(labels.REDUCE_SCATTER)
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Overwrite ``tensors`` with the quantized mean across islands (collective)."""
+        start = time.perf_counter()
+        stats = RoundStats()
+        flats = []
+        for name, t in tensors.items():
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(
+                    f"ReduceScatterTransport averages contiguous float32 tensors only; {name!r} "
+                    f"is {t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
+                )
+            flats.append(t.view(-1))
+        # Before any byte moves: a NaN would raise inside one island's encoder while its
+        # peers wait in the exchange, so every island agrees on finiteness first.
+        agree_finite(flats, self.group, self.num_islands, self.device)
+        numels = [f.numel() for f in flats]
+        for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):
+            moved = self._average_bucket(flats, bucket)
+            stats.bytes_sent += moved
+            stats.bytes_received += moved
+        stats.wall_s = time.perf_counter() - start
+        return stats
+
+    @torch.no_grad()
+    def _average_bucket(self, flats: list[Tensor], bucket: list[Piece]) -> int:
+        """Average one bucket in place; returns the bytes this rank sent (= received)."""
+        shares = plan_shares(bucket, self.num_islands, self.codec.block_size)
+        sizes = [encoded_nbytes(self.codec, share) for share in shares]
+        own = shares[self.island_index]
+        with record_function(labels.SCATTER_SHARES):
+            payload = torch.cat(
+                [encode_pieces(self.codec, flats, share, self.device) for share in shares]
+            )
+            contributions = self._exchange(payload, sizes, [sizes[self.island_index]] * len(sizes))
+            del payload
+        with record_function(labels.REDUCE_SHARE):
+            mean = self._encoded_mean(contributions, own)
+            del contributions
+        with record_function(labels.GATHER_MEANS):
+            means = self._exchange(
+                mean.repeat(self.num_islands), [mean.numel()] * len(sizes), sizes
+            )
+            del mean
+        offset = 0
+        for share, size in zip(shares, sizes, strict=True):
+            # Every island decodes the same bytes, its own share's included: bitwise equal.
+            write_flat(flats, share, decode_flat(self.codec, means[offset : offset + size], share))
+            offset += size
+        return reduce_scatter_bytes(sizes, self.island_index)
+
+    def _encoded_mean(self, contributions: Tensor, own: list[Piece]) -> Tensor:
+        """The encoded mean of this island's share from the n islands' encoded contributions
+        (back to back, island order 0 .. n - 1)."""
+        if not own:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        size = contributions.numel() // self.num_islands
+        total = torch.zeros(numel_of(own), dtype=torch.float32, device=self.device)
+        for island in range(self.num_islands):  # fixed order: the same float sum everywhere
+            raw = contributions[island * size : (island + 1) * size]
+            total.add_(decode_flat(self.codec, raw, own))
+        return encode_flat(self.codec, total.div_(self.num_islands), own)
+
+    def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
+        """``send`` cut into ``send_sizes`` goes to islands 0 .. n - 1; returns what islands
+        0 .. n - 1 sent here, back to back in ``recv_sizes``."""
+        if self.num_islands == 1:
+            return send
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(
+            received,
+            send,
+            output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes,
+            group=self.group,
+        )
+        return received
+
+    def close(self) -> None:
+        """Nothing to release: buffers live only inside ``average``."""
