@@ -16,7 +16,7 @@ from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import (
     AggregatorTransport,
     AllReduceTransport,
-    QuantizedTransport,
+    ReduceScatterTransport,
     SwarmTransportConfig,
     build_transport,
     peer_backend,
@@ -66,7 +66,7 @@ def _groups_worker(rank: int, world: int, out: str) -> None:
     coded = build_transport(
         "allreduce", group=None, device=cpu, **common | {"codec": codec_for("int8")}
     )
-    assert isinstance(plain, AllReduceTransport) and isinstance(coded, QuantizedTransport)
+    assert isinstance(plain, AllReduceTransport) and isinstance(coded, ReduceScatterTransport)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         plain.average({"w": torch.ones(4)}, round_index=0)
         coded.average({"w": torch.ones(4)}, round_index=0)
@@ -82,6 +82,7 @@ def test_factory_builds_each_transport_and_the_swarm_one_runs_on_a_gloo_side_gro
     aggregator = json.loads((tmp_path / "0.json").read_text())
     peer = json.loads((tmp_path / "1.json").read_text())
     labels = [AGG + "aggregate", AGG + "receive", AGG + "round", AGG + "send"]
-    reduce = [TRANSPORT + "allreduce", TRANSPORT + "quantized"]
+    reduce = [TRANSPORT + name for name in ("allreduce", "gather_means", "reduce_scatter")]
+    reduce += [TRANSPORT + "reduce_share", TRANSPORT + "scatter_shares"]
     assert aggregator == labels + reduce
     assert peer == [AGG + "receive", AGG + "round", AGG + "send", *reduce]
