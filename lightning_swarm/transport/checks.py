@@ -2,8 +2,10 @@
 
 A diverged island (NaN or inf in its pseudo-gradient) must not poison the anchors of every
 island through a mean, and must not leave its peers blocked in a collective while it alone
-raises. One tiny all-gather of a flag per round lets every rank of the peer group raise the same
-clear error, naming the islands at fault, before any payload is exchanged.
+raises. One tiny exchange of a flag per round lets every rank of the peer group raise the same
+clear error, naming the islands at fault, before any payload is exchanged: an all-gather
+(``agree_finite``, a ring of n - 1 steps), or an all-to-all of one byte per peer
+(``agree_finite_direct``, one step, for the transports whose latency is otherwise flat in n).
 """
 
 from __future__ import annotations
@@ -50,6 +52,29 @@ def agree_finite_flag(
         bad = [i for i, f in enumerate(flags) if f.item() == 0.0]
     else:
         bad = [] if local else [0]
+    _raise_if_any(bad)
+
+
+def agree_finite_direct(
+    tensors: Iterable[Tensor],
+    group: dist.ProcessGroup | None,
+    num_islands: int,
+    device: torch.device,
+) -> None:
+    """``agree_finite`` in one step: every rank sends its one-byte verdict straight to every
+    other (``all_to_all_single``) instead of around a ring (n - 1 steps in sequence), so over
+    long-latency links the vote costs one message time whatever the number of islands."""
+    local = all_finite(tensors)
+    if num_islands <= 1:
+        _raise_if_any([] if local else [0])
+        return
+    mine = torch.full((num_islands,), 1 if local else 0, dtype=torch.uint8, device=device)
+    flags = torch.empty_like(mine)
+    dist.all_to_all_single(flags, mine, group=group)
+    _raise_if_any([i for i, f in enumerate(flags.tolist()) if f == 0])
+
+
+def _raise_if_any(bad: list[int]) -> None:
     if bad:
         raise NonFinitePseudoGradientError(
             f"the pseudo-gradient of island(s) {bad} holds NaN or inf, so the outer step was not "

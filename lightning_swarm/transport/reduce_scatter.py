@@ -51,7 +51,7 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.checks import agree_finite
+from lightning_swarm.transport.checks import agree_finite_direct
 from lightning_swarm.transport.pieces import (
     Piece,
     decode_flat,
@@ -135,8 +135,9 @@ class ReduceScatterTransport:
                 )
             flats.append(t.view(-1))
         # Before any byte moves: a NaN would raise inside one island's encoder while its
-        # peers wait in the exchange, so every island agrees on finiteness first.
-        agree_finite(flats, self.group, self.num_islands, self.device)
+        # peers wait in the exchange, so every island agrees on finiteness first (in one
+        # message step: the exchange's own latency is flat in islands, keep the vote's so too).
+        agree_finite_direct(flats, self.group, self.num_islands, self.device)
         numels = [f.numel() for f in flats]
         for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):
             moved = self._average_bucket(flats, bucket)

@@ -1,0 +1,265 @@
+"""A latency + bandwidth + codec-work model of each wire, fitted to ``scaling.py``'s points.
+
+Model of one round's time for a method ``m`` at ``n`` islands, ``N`` float32 elements per rank:
+
+    T = lat * steps_m(n) + over(n) * (wire_m(n) / bw + work_m(n) * N * k_m)
+
+- ``steps_m(n)``: messages in sequence on the critical path. The fp32 and gather transports
+  first agree on finiteness with a ring all-gather of one flag (n - 1 steps); then the ring
+  all-reduce takes 2 (n - 1), the gather's ring all-gather n - 1. The reduce-scatter votes with
+  one ``all_to_all`` and exchanges with two: 3 steps (every rank sends to all peers at once).
+  The swarm round is 4 (descriptor + payload in, status + result out).
+- ``wire_m(n)``: bytes through the busiest rank's link, in sequence: ``bytes_sent`` for the
+  all-reduce transports (sending and receiving overlap: ring steps and all-to-all are full
+  duplex), sent + received for the swarm aggregator (it receives every payload, then sends).
+  At measured points these are the transports' own counts; projections use the formulas they
+  follow: 2 (n - 1) / n P (fp32), 2 (n - 1) / n E (reduce-scatter, E the encoded payload),
+  (n - 1) E (gather), 2 (n - 1) P (swarm).
+- ``work_m(n) * N``: elements through the codec or the aggregator per rank (k_m per element):
+  reduce-scatter 3 + 1 / n (encode all, decode n shares, encode and decode the mean: about
+  three passes), gather 1 + n (encode, decode n payloads), swarm n (the aggregator writes, reads
+  back and sums every contribution); fp32's additions ride in ``bw``.
+- ``over(n) = max(1, n / cores)``: the measured ranks share this machine's cores, so every
+  byte copied and every element encoded waits for a core. Projections are for one machine per
+  island: ``over = 1``.
+
+Fitted on the measured points (least squares on relative error, non-negative): ``lat``,
+``bw`` (loopback: memory and TCP-stack speed), and ``k`` per codec family (int8, int4, swarm).
+Projections replace ``lat`` by half a round-trip time and ``bw`` by the link's rate, and keep
+``k`` as measured on this CPU (a GPU encodes far faster, so the codec terms are an upper bound).
+
+Run:   .venv/bin/python benchmarks/scaling_model.py docs/scaling_cpu.json --plot docs/scaling.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Elements of the projected model: 1e9 float32 parameters (a 1B-parameter model's pseudo-
+# gradient), besides the measured payload.
+PROJECT_NUMEL = 10**9
+PROJECT_ISLANDS = (16, 32, 64, 128, 256)
+LINKS_GBIT = (1.0, 10.0)
+RTTS_MS = (10.0, 100.0)
+PARAMS = ("lat_s", "s_per_byte", "k_int8_s", "k_int4_s", "k_swarm_s")
+
+
+def encoded_bytes_per_element(method: str, block_size: int) -> float:
+    if method.startswith("int8"):
+        return 1 + 4 / block_size
+    if method.startswith("int4"):
+        return 0.5 + 4 / block_size
+    return 4.0
+
+
+def steps(method: str, n: int) -> float:
+    finite = n - 1
+    if method == "fp32 allreduce":
+        return finite + 2 * (n - 1)
+    if method.endswith("gather"):
+        return finite + (n - 1)
+    if method.endswith("rs"):
+        return 1 + 2  # its finiteness vote is one all-to-all step too
+    return 4.0  # swarm
+
+
+def wire_bytes(method: str, n: int, numel: int, block_size: int) -> float:
+    """Bytes through the busiest link for ``numel`` elements (the formulas of the docstring)."""
+    encoded = encoded_bytes_per_element(method, block_size) * numel
+    if method == "fp32 allreduce" or method.endswith("rs"):
+        return 2 * (n - 1) / n * encoded
+    if method.endswith("gather"):
+        return (n - 1) * encoded
+    return 2 * (n - 1) * encoded  # swarm: in, then out
+
+
+def work(method: str, n: int) -> float:
+    if method.endswith("rs"):
+        return 3 + 1 / n
+    if method.endswith("gather"):
+        return 1 + n
+    if method == "swarm":
+        return float(n)
+    return 0.0
+
+
+def k_index(method: str) -> int | None:
+    if method.startswith("int8"):
+        return 2
+    if method.startswith("int4"):
+        return 3
+    if method == "swarm":
+        return 4
+    return None
+
+
+def measured_wire(method: str, r: dict[str, Any]) -> float:
+    sent, received = r["bytes_sent_per_rank"], r["bytes_received_per_rank"]
+    if method == "swarm":
+        return max(s + q for s, q in zip(sent, received, strict=True))
+    return float(max(max(sent), max(received)))
+
+
+def row(method: str, n: int, numel: int, wire: float, over: float) -> np.ndarray:
+    x = np.zeros(len(PARAMS))
+    x[0] = steps(method, n)
+    x[1] = over * wire
+    k = k_index(method)
+    if k is not None:
+        x[k] = over * work(method, n) * numel
+    return x
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative parameters: drop a negative one and refit."""
+    active = list(range(a.shape[1]))
+    while True:
+        x, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (x >= 0).all():
+            full = np.zeros(a.shape[1])
+            full[active] = x
+            return full
+        active.pop(int(np.argmin(x)))
+
+
+def fit(report: dict[str, Any]) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    numel = report["payload_bytes"] // 4
+    cores = int(report["machine"].split()[0])
+    points = []
+    for n_text, methods in report["islands"].items():
+        n = int(n_text)
+        for method, r in methods.items():
+            over = max(1.0, n / cores)
+            points.append((method, n, row(method, n, numel, measured_wire(method, r), over), r))
+    a = np.stack([p[2] for p in points])
+    t = np.array([p[3]["time_s"] for p in points])
+    params = nnls(a / t[:, None], np.ones(len(t)))  # relative error
+    table = []
+    for (method, n, x, r), measured in zip(points, t, strict=True):
+        predicted = float(x @ params)
+        table.append(
+            {
+                "method": method,
+                "islands": n,
+                "measured_s": float(measured),
+                "model_s": predicted,
+                "error": predicted / float(measured) - 1,
+                "busiest_bytes": measured_wire(method, r),
+                "formula_bytes": wire_bytes(method, n, numel, report["block_size"]),
+            }
+        )
+    return params, table
+
+
+def project(
+    params: np.ndarray, method: str, n: int, numel: int, gbit: float, rtt_ms: float, block: int
+) -> float:
+    """Round time at ``n`` islands, one machine each, over links of ``gbit`` and ``rtt_ms``."""
+    wire = wire_bytes(method, n, numel, block)
+    k = k_index(method)
+    compute = 0.0 if k is None else work(method, n) * numel * float(params[k])
+    return rtt_ms / 2e3 * steps(method, n) + wire * 8 / (gbit * 1e9) + compute
+
+
+def markdown(report: dict[str, Any], params: np.ndarray, table: list[dict[str, Any]]) -> str:
+    payload = report["payload_bytes"]
+    lines = ["Fitted: " + ", ".join(f"{p}={v:.3g}" for p, v in zip(PARAMS, params, strict=True))]
+    lines += [
+        "",
+        "| islands | method | bytes/rank (x fp32 payload) | formula | measured s | model s "
+        "| error |",
+    ]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(
+            f"| {r['islands']} | {r['method']} | {r['busiest_bytes'] / payload:.3f} | "
+            f"{r['formula_bytes'] / payload:.3f} | {r['measured_s']:.3f} | {r['model_s']:.3f} | "
+            f"{100 * r['error']:+.0f}% |"
+        )
+    methods = list(next(iter(report["islands"].values())))
+    block = report["block_size"]
+    for numel, label in (
+        (payload // 4, f"{payload / 2**20:.0f} MiB payload"),
+        (PROJECT_NUMEL, "1e9 parameters"),
+    ):
+        lines += ["", f"Projected round time (s), {label}, one machine per island:", ""]
+        lines += ["| link | RTT | islands | " + " | ".join(methods) + " | fastest |"]
+        lines += ["|---" * (len(methods) + 4) + "|"]
+        for gbit in LINKS_GBIT:
+            for rtt in RTTS_MS:
+                for n in PROJECT_ISLANDS:
+                    times = {m: project(params, m, n, numel, gbit, rtt, block) for m in methods}
+                    best = min(times, key=lambda m: times[m])
+                    cells = " | ".join(f"{times[m]:.3g}" for m in methods)
+                    lines.append(f"| {gbit:g} Gbit/s | {rtt:g} ms | {n} | {cells} | {best} |")
+    return "\n".join(lines)
+
+
+def plot(
+    report: dict[str, Any], params: np.ndarray, table: list[dict[str, Any]], out: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(next(iter(report["islands"].values())))
+    payload = report["payload_bytes"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    colors: dict[str, Any] = {}
+    for method in methods:
+        rows = [r for r in table if r["method"] == method]
+        n = [r["islands"] for r in rows]
+        line = axes[0].plot(n, [r["busiest_bytes"] / payload for r in rows], "o-", label=method)
+        colors[method] = line[0].get_color()
+        axes[1].plot(n, [r["measured_s"] for r in rows], "o", color=colors[method], label=method)
+        axes[1].plot(n, [r["model_s"] for r in rows], "--", color=colors[method])
+        proj = [
+            project(params, method, k, PROJECT_NUMEL, 1.0, 100.0, report["block_size"])
+            for k in PROJECT_ISLANDS
+        ]
+        axes[2].plot(PROJECT_ISLANDS, proj, "o-", color=colors[method], label=method)
+    axes[0].set(
+        xlabel="islands",
+        ylabel="bytes per rank per round / fp32 payload",
+        title="Measured bytes, busiest rank",
+    )
+    axes[1].set(
+        xlabel="islands",
+        ylabel="round time (s)",
+        title=f"Measured (dots) and model (dashes), {payload / 2**20:.0f} MiB, 2 shared cores",
+    )
+    axes[2].set(
+        xlabel="islands",
+        ylabel="round time (s)",
+        xscale="log",
+        yscale="log",
+        title="Projected: 1e9 params, 1 Gbit/s, 100 ms RTT",
+    )
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"lightning_swarm wires, measured {report['date']} (benchmarks/scaling.py)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", type=Path)
+    parser.add_argument("--plot", type=Path, default=None)
+    ns = parser.parse_args()
+    report = json.loads(ns.json.read_text())
+    params, table = fit(report)
+    print(markdown(report, params, table))
+    if ns.plot is not None:
+        plot(report, params, table, ns.plot)
+
+
+if __name__ == "__main__":
+    main()
