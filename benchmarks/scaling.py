@@ -13,7 +13,9 @@ rank's payload, after a barrier:
 - ``swarm``: ``SwarmTransport`` (rotating aggregator, spool on disk, float32, default options).
 
 A round's time is the slowest rank's ``average`` wall time; reported: the median over
-``--reps`` repetitions after ``--warmup``, and min-max. Bytes are the transports' own
+``--reps`` repetitions after ``--warmup``, and min-max. Before the rounds, ranks 0 and 1
+measure the loopback link itself (a ping-pong of 1 byte and of 16 MiB): the latency and
+bandwidth the model takes as given. Bytes are the transports' own
 ``RoundStats`` (what the collectives move to and from other ranks); for each method the
 busiest rank's. ``benchmarks/scaling_model.py`` fits a latency + bandwidth model to the JSON this
 writes and projects it to many islands (docs/scaling.md).
@@ -50,6 +52,7 @@ from lightning_swarm.transport import (
 METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "int8 gather", "swarm")
 BLOCK_SIZE = 128
 BUCKET_MB = 32.0  # the strategy's default bucket_mb
+PROBE_BYTES = 16 * 2**20
 
 
 def payload(mib: float, rank: int) -> dict[str, torch.Tensor]:
@@ -74,12 +77,38 @@ def build(method: str, world: int, rank: int, spool_dir: str) -> Transport:
     )
 
 
+def probe_link(rank: int, tiny_reps: int = 50, big_reps: int = 3) -> list[float]:
+    """Ranks 0 and 1 ping-pong: [one-way latency (s), bandwidth (bytes/s)] of this loopback
+    link, measured with one message of 1 byte and one of ``PROBE_BYTES``; the others wait."""
+    result = [0.0, 0.0]
+    if rank in (0, 1):
+        peer = 1 - rank
+        for size, reps in ((1, tiny_reps), (PROBE_BYTES, big_reps)):
+            buf = torch.zeros(size, dtype=torch.uint8)
+            start = time.perf_counter()
+            for _ in range(reps):
+                if rank == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+            one_way = (time.perf_counter() - start) / (2 * reps)
+            if size == 1:
+                result[0] = one_way
+            else:
+                result[1] = size / max(one_way - result[0], 1e-9)
+    dist.barrier()
+    return result
+
+
 def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)  # n processes share this machine's cores
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
+        link = probe_link(rank)
         base = payload(args["mb"], rank)
         with tempfile.TemporaryDirectory(prefix="scaling-spool-") as spool_dir:
             transports = {m: build(m, world, rank, spool_dir) for m in args["methods"]}
@@ -101,7 +130,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             for transport in transports.values():
                 transport.close()
         if rank == 0:
-            Path(out).write_text(json.dumps(rows))
+            Path(out).write_text(json.dumps({"rows": rows, "link": link}))
     finally:
         dist.destroy_process_group()
 
@@ -119,8 +148,11 @@ def measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
         mp.start_processes(
             _worker, args=(world, _free_port(), args, out), nprocs=world, start_method="spawn"
         )
-        rows = json.loads(Path(out).read_text())
-    result: dict[str, Any] = {}
+        measured = json.loads(Path(out).read_text())
+    rows = measured["rows"]
+    result: dict[str, Any] = {
+        "link": {"latency_s": measured["link"][0], "bytes_per_s": measured["link"][1]}
+    }
     for method, reps in rows.items():
         times = [max(rep[3 * r] for r in range(world)) for rep in reps]
         sent = [rep[3 * r + 1] for r in range(world) for rep in reps[:1]]
@@ -159,7 +191,14 @@ def main() -> None:
     for world in ns.islands:
         result = measure(world, args)
         report["islands"][str(world)] = result
-        for method, r in result.items():
+        link = result["link"]
+        print(
+            f"n={world} link: one-way latency {1e6 * link['latency_s']:.0f} us, "
+            f"{link['bytes_per_s'] / 1e9:.2f} GB/s",
+            flush=True,
+        )
+        for method in ns.methods:
+            r = result[method]
             busiest = max(max(r["bytes_sent_per_rank"]), max(r["bytes_received_per_rank"]))
             print(
                 f"n={world} {method:15s} round {r['time_s']:.3f} s "

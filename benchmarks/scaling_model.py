@@ -18,15 +18,17 @@ Model of one round's time for a method ``m`` at ``n`` islands, ``N`` float32 ele
 - ``work_m(n) * N``: elements through the codec or the aggregator per rank (k_m per element):
   reduce-scatter 3 + 1 / n (encode all, decode n shares, encode and decode the mean: about
   three passes), gather 1 + n (encode, decode n payloads), swarm n (the aggregator writes, reads
-  back and sums every contribution); fp32's additions ride in ``bw``.
+  back and sums every contribution), fp32 2 (n - 1) / n (the ring's additions and copies).
 - ``over(n) = max(1, n / cores)``: the measured ranks share this machine's cores, so every
   byte copied and every element encoded waits for a core. Projections are for one machine per
   island: ``over = 1``.
 
-Fitted on the measured points (least squares on relative error, non-negative): ``lat``,
-``bw`` (loopback: memory and TCP-stack speed), and ``k`` per codec family (int8, int4, swarm).
-Projections replace ``lat`` by half a round-trip time and ``bw`` by the link's rate, and keep
-``k`` as measured on this CPU (a GPU encodes far faster, so the codec terms are an upper bound).
+``lat`` and ``bw`` are not fitted: ``scaling.py`` probes the loopback link (ping-pong of 1 byte
+and 16 MiB; the median over its runs). Fitted on the measured points (least squares on relative
+error, non-negative): ``k`` per family (fp32 all-reduce, int8, int4, swarm). Projections
+replace ``lat`` by half a round-trip time and ``bw`` by the link's rate, and either keep ``k`` as
+measured on this CPU (one thread per rank) or leave the work out (the wire alone: a GPU encodes
+1e9 elements in milliseconds, so the wire-only figures are the ones for GPU islands).
 
 Run:   .venv/bin/python benchmarks/scaling_model.py docs/scaling_cpu.json --plot docs/scaling.png
 """
@@ -46,7 +48,7 @@ PROJECT_NUMEL = 10**9
 PROJECT_ISLANDS = (16, 32, 64, 128, 256)
 LINKS_GBIT = (1.0, 10.0)
 RTTS_MS = (10.0, 100.0)
-PARAMS = ("lat_s", "s_per_byte", "k_int8_s", "k_int4_s", "k_swarm_s")
+PARAMS = ("k_fp32_s", "k_int8_s", "k_int4_s", "k_swarm_s")
 
 
 def encoded_bytes_per_element(method: str, block_size: int) -> float:
@@ -79,23 +81,23 @@ def wire_bytes(method: str, n: int, numel: int, block_size: int) -> float:
 
 
 def work(method: str, n: int) -> float:
+    if method == "fp32 allreduce":
+        return 2 * (n - 1) / n  # the ring's additions and copies follow its bytes
     if method.endswith("rs"):
         return 3 + 1 / n
     if method.endswith("gather"):
         return 1 + n
-    if method == "swarm":
-        return float(n)
-    return 0.0
+    return float(n)  # swarm
 
 
-def k_index(method: str) -> int | None:
+def k_index(method: str) -> int:
     if method.startswith("int8"):
-        return 2
+        return 1
     if method.startswith("int4"):
-        return 3
+        return 2
     if method == "swarm":
-        return 4
-    return None
+        return 3
+    return 0
 
 
 def measured_wire(method: str, r: dict[str, Any]) -> float:
@@ -106,13 +108,17 @@ def measured_wire(method: str, r: dict[str, Any]) -> float:
 
 
 def row(method: str, n: int, numel: int, wire: float, over: float) -> np.ndarray:
+    """The coefficients of the ``k`` parameters for one point."""
     x = np.zeros(len(PARAMS))
-    x[0] = steps(method, n)
-    x[1] = over * wire
-    k = k_index(method)
-    if k is not None:
-        x[k] = over * work(method, n) * numel
+    x[k_index(method)] = over * work(method, n) * numel
     return x
+
+
+def link_of(report: dict[str, Any]) -> tuple[float, float]:
+    """The loopback link's one-way latency (s) and bandwidth (bytes/s): medians of the probes."""
+    probes = [m["link"] for m in report["islands"].values()]
+    latency = float(np.median([p["latency_s"] for p in probes]))
+    return latency, float(np.median([p["bytes_per_s"] for p in probes]))
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -128,20 +134,27 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit(report: dict[str, Any]) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """Fit the ``k`` per element (``PARAMS``) with the probed link's latency and bandwidth
+    fixed; returns them and, per measured point, the model's time and its error."""
     numel = report["payload_bytes"] // 4
     cores = int(report["machine"].split()[0])
+    latency, bandwidth = link_of(report)
     points = []
     for n_text, methods in report["islands"].items():
         n = int(n_text)
-        for method, r in methods.items():
+        for method in report["args"]["methods"]:
+            r = methods[method]
             over = max(1.0, n / cores)
-            points.append((method, n, row(method, n, numel, measured_wire(method, r), over), r))
+            wire = measured_wire(method, r)
+            fixed = latency * steps(method, n) + over * wire / bandwidth
+            points.append((method, n, row(method, n, numel, wire, over), fixed, r))
     a = np.stack([p[2] for p in points])
-    t = np.array([p[3]["time_s"] for p in points])
-    params = nnls(a / t[:, None], np.ones(len(t)))  # relative error
+    t = np.array([p[4]["time_s"] for p in points])
+    fixed = np.array([p[3] for p in points])
+    params = nnls(a / t[:, None], (t - fixed) / t)  # relative error
     table = []
-    for (method, n, x, r), measured in zip(points, t, strict=True):
-        predicted = float(x @ params)
+    for (method, n, x, f, r), measured in zip(points, t, strict=True):
+        predicted = float(x @ params) + f
         table.append(
             {
                 "method": method,
@@ -157,46 +170,62 @@ def fit(report: dict[str, Any]) -> tuple[np.ndarray, list[dict[str, Any]]]:
 
 
 def project(
-    params: np.ndarray, method: str, n: int, numel: int, gbit: float, rtt_ms: float, block: int
+    params: np.ndarray,
+    method: str,
+    n: int,
+    numel: int,
+    gbit: float,
+    rtt_ms: float,
+    block: int,
+    *,
+    compute: bool = True,
 ) -> float:
-    """Round time at ``n`` islands, one machine each, over links of ``gbit`` and ``rtt_ms``."""
+    """Round time at ``n`` islands, one machine each, over links of ``gbit`` and ``rtt_ms``;
+    ``compute=False`` leaves out the per-element work (the wire alone)."""
     wire = wire_bytes(method, n, numel, block)
-    k = k_index(method)
-    compute = 0.0 if k is None else work(method, n) * numel * float(params[k])
-    return rtt_ms / 2e3 * steps(method, n) + wire * 8 / (gbit * 1e9) + compute
+    work_s = work(method, n) * numel * float(params[k_index(method)]) if compute else 0.0
+    return rtt_ms / 2e3 * steps(method, n) + wire * 8 / (gbit * 1e9) + work_s
 
 
 def markdown(report: dict[str, Any], params: np.ndarray, table: list[dict[str, Any]]) -> str:
+    """The measured points against the model, then the projections, as Markdown tables."""
     payload = report["payload_bytes"]
-    lines = ["Fitted: " + ", ".join(f"{p}={v:.3g}" for p, v in zip(PARAMS, params, strict=True))]
-    lines += [
+    latency, bandwidth = link_of(report)
+    lines = [
+        f"Probed link: one-way latency {1e6 * latency:.0f} us, {bandwidth / 1e9:.2f} GB/s. "
+        "Fitted per element: "
+        + ", ".join(f"{p}={v:.3g}" for p, v in zip(PARAMS, params, strict=True)),
         "",
         "| islands | method | bytes/rank (x fp32 payload) | formula | measured s | model s "
         "| error |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += ["|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(
             f"| {r['islands']} | {r['method']} | {r['busiest_bytes'] / payload:.3f} | "
             f"{r['formula_bytes'] / payload:.3f} | {r['measured_s']:.3f} | {r['model_s']:.3f} | "
             f"{100 * r['error']:+.0f}% |"
         )
-    methods = list(next(iter(report["islands"].values())))
+    methods = report["args"]["methods"]
     block = report["block_size"]
-    for numel, label in (
-        (payload // 4, f"{payload / 2**20:.0f} MiB payload"),
-        (PROJECT_NUMEL, "1e9 parameters"),
+    scenarios = [(g, r) for g in LINKS_GBIT for r in RTTS_MS]
+    for numel, label, compute in (
+        (payload // 4, f"{payload / 2**20:.0f} MiB payload, codec work at this CPU's speed", True),
+        (PROJECT_NUMEL, "1e9 parameters, the wire alone (latency + bytes)", False),
+        (PROJECT_NUMEL, "1e9 parameters, codec work at this CPU's speed", True),
     ):
         lines += ["", f"Projected round time (s), {label}, one machine per island:", ""]
         lines += ["| link | RTT | islands | " + " | ".join(methods) + " | fastest |"]
         lines += ["|---" * (len(methods) + 4) + "|"]
-        for gbit in LINKS_GBIT:
-            for rtt in RTTS_MS:
-                for n in PROJECT_ISLANDS:
-                    times = {m: project(params, m, n, numel, gbit, rtt, block) for m in methods}
-                    best = min(times, key=lambda m: times[m])
-                    cells = " | ".join(f"{times[m]:.3g}" for m in methods)
-                    lines.append(f"| {gbit:g} Gbit/s | {rtt:g} ms | {n} | {cells} | {best} |")
+        for gbit, rtt in scenarios:
+            for n in PROJECT_ISLANDS:
+                times = {
+                    m: project(params, m, n, numel, gbit, rtt, block, compute=compute)
+                    for m in methods
+                }
+                best = min(times, key=lambda m: times[m])
+                cells = " | ".join(f"{times[m]:.3g}" for m in methods)
+                lines.append(f"| {gbit:g} Gbit/s | {rtt:g} ms | {n} | {cells} | {best} |")
     return "\n".join(lines)
 
 
@@ -208,7 +237,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(next(iter(report["islands"].values())))
+    methods = report["args"]["methods"]
     payload = report["payload_bytes"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     colors: dict[str, Any] = {}
@@ -220,7 +249,9 @@ def plot(
         axes[1].plot(n, [r["measured_s"] for r in rows], "o", color=colors[method], label=method)
         axes[1].plot(n, [r["model_s"] for r in rows], "--", color=colors[method])
         proj = [
-            project(params, method, k, PROJECT_NUMEL, 1.0, 100.0, report["block_size"])
+            project(
+                params, method, k, PROJECT_NUMEL, 1.0, 100.0, report["block_size"], compute=False
+            )
             for k in PROJECT_ISLANDS
         ]
         axes[2].plot(PROJECT_ISLANDS, proj, "o-", color=colors[method], label=method)
@@ -239,7 +270,7 @@ def plot(
         ylabel="round time (s)",
         xscale="log",
         yscale="log",
-        title="Projected: 1e9 params, 1 Gbit/s, 100 ms RTT",
+        title="Projected wire time: 1e9 params, 1 Gbit/s, 100 ms RTT",
     )
     for ax in axes:
         ax.grid(alpha=0.3)
