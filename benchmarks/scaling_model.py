@@ -257,21 +257,24 @@ def plot(
         axes[2].plot(PROJECT_ISLANDS, proj, "o-", color=colors[method], label=method)
     axes[0].set(
         xlabel="islands",
-        ylabel="bytes per rank per round / fp32 payload",
-        title="Measured bytes, busiest rank",
+        ylabel="bytes / fp32 payload",
+        yscale="log",
+        title="Measured bytes per round, busiest link\n(swarm aggregator: in + out)",
     )
     axes[1].set(
         xlabel="islands",
         ylabel="round time (s)",
-        title=f"Measured (dots) and model (dashes), {payload / 2**20:.0f} MiB, 2 shared cores",
+        title=f"Measured (dots) and model (dashes)\n{payload / 2**20:.0f} MiB, 2 shared cores",
     )
     axes[2].set(
         xlabel="islands",
         ylabel="round time (s)",
         xscale="log",
         yscale="log",
-        title="Projected wire time: 1e9 params, 1 Gbit/s, 100 ms RTT",
+        title="Projected wire time\n1e9 params, 1 Gbit/s, 100 ms RTT",
     )
+    axes[2].set_xticks(PROJECT_ISLANDS, [str(k) for k in PROJECT_ISLANDS])
+    axes[2].minorticks_off()
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
