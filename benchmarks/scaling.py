@@ -10,7 +10,8 @@ rank's payload, after a barrier:
 - ``int8 rs`` / ``int4 rs``: ``ReduceScatterTransport``, what ``quantize="int8"`` / ``"int4"``
   builds (block 128);
 - ``int8 gather``: the gather-based ``QuantizedTransport`` it replaces;
-- ``swarm``: ``SwarmTransport`` (rotating aggregator, spool on disk, float32, default options).
+- ``swarm``: ``AggregatorTransport`` (``transport="swarm"``: the rotating aggregator, spool on
+  disk, float32, default options).
 
 A round's time is the slowest rank's ``average`` wall time; reported: the median over
 ``--reps`` repetitions after ``--warmup``, and min-max. Before the rounds, ranks 0 and 1
@@ -42,10 +43,10 @@ import torch.multiprocessing as mp
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import (
+    AggregatorTransport,
     AllReduceTransport,
     QuantizedTransport,
     ReduceScatterTransport,
-    SwarmTransport,
     Transport,
 )
 
@@ -68,7 +69,7 @@ def build(method: str, world: int, rank: int, spool_dir: str) -> Transport:
     if method == "fp32 allreduce":
         return AllReduceTransport(None, num_islands=world, bucket_numel=bucket_numel)
     if method == "swarm":
-        return SwarmTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
+        return AggregatorTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     codec = Codec(method.split()[0], BLOCK_SIZE)
     if method.endswith("gather"):
         return QuantizedTransport(None, num_islands=world, codec=codec, bucket_numel=bucket_numel)
