@@ -36,6 +36,7 @@ GATHER_MEANS = _TRANSPORT + "gather_means"
 
 # The rotating aggregator (lightning_swarm.transport.aggregator): its round and its steps.
 AGGREGATOR_ROUND = _AGGREGATOR + "round"
+SHARDED_ROUND = _AGGREGATOR + "sharded_round"  # every island aggregates its own shard
 SEND = _AGGREGATOR + "send"
 RECEIVE = _AGGREGATOR + "receive"
 AGGREGATE = _AGGREGATOR + "aggregate"

@@ -206,6 +206,26 @@ def check_values(
     return None
 
 
+def finite_and_sum_sq(
+    contribution: Contribution, layout: PayloadLayout, block_numel: int
+) -> tuple[bool, float]:
+    """Whether every floating value of ``contribution`` is finite, and (if so) the float64 sum
+    of their squares, read one block at a time as ``check_values`` reads them. A sharded round
+    adds the sums of every shard to judge ``max_norm`` on the whole contribution."""
+    sum_sq = 0.0
+    for spec in layout.specs:
+        if not spec.dtype.is_floating_point:
+            continue
+        scratch = torch.empty(min(block_numel, spec.numel), dtype=spec.dtype)
+        for start, n in _blocks(spec, block_numel):
+            block = scratch[:n]
+            contribution.read_into(spec, start, block)
+            if not bool(torch.isfinite(block).all()):
+                return False, 0.0
+            sum_sq += float(block.double().square().sum())
+    return True, sum_sq
+
+
 def aggregate_into(
     targets: Sequence[Tensor],
     contributions: Sequence[Contribution],

@@ -1,0 +1,431 @@
+"""Sharded swarm transport: every island aggregates 1/n of every payload, so no island's load
+grows with the number of islands.
+
+The rotating aggregator (``rotating.AggregatorTransport``) takes n - 1 payloads in and sends
+n - 1 out in one round. Here every island owns one shard of the payload (``shards``: a run of
+elements cut on codec blocks) and aggregates it over all islands at once, through the same
+spool, validation and rules:
+
+1. Layout check: a CRC of every island's wire layout is all-gathered; islands that differ from
+   island 0's make every rank raise ``ValueError`` naming them (the rotating transport drops
+   such an island and goes on; a sharded round cannot, since shard boundaries follow the
+   layout).
+2. Scatter: each island encodes (with a codec) and streams shard j of its payload to island j,
+   in chunks of ``chunk_bytes`` per peer and step (``all_to_all_single``, so nothing blocks on
+   a send nobody receives). The owner writes each peer's chunks into that peer's sink: a
+   safetensors spool file with offload, memory without; two chunk buffers per peer at most.
+3. Verdicts: each owner reads its shard of every contribution back, one block at a time
+   (decoded with a codec), and reports per island whether it is finite and its sum of squares,
+   plus whether its spool held. One all-gather of these rows gives every rank the same table,
+   from which every rank derives the same verdicts: non-finite anywhere rejects the island;
+   ``max_norm`` compares the *whole* contribution's norm (the square root of the summed
+   squares, equal to the rotating transport's up to float64 rounding); ``min_contributions``
+   and ``weighted_mean``'s weights follow. So the robust rules keep their semantics: the rules
+   themselves (mean, weighted_mean, median, trimmed_mean) are elementwise.
+4. Aggregate: each owner runs the rule over the accepted contributions of its shard, in island
+   order, into its own tensors (float32 back, as the rotating transport sends); an all-gather
+   of one flag tells every rank whether every owner succeeded.
+5. Gather: each owner streams its shard's result to every island in chunks (all-to-all), and
+   every island receives the other shards straight into its tensors. Results are bitwise the
+   rotating transport's: the same rule on the same values in the same order, per element.
+
+A spool that fails on any owner, or an exception while an owner aggregates, makes every rank
+raise ``SwarmRoundError`` after the collectives of the round completed (anchors unchanged); the
+owner whose aggregation raised re-raises its own exception. Any exception while chunks are
+arriving aborts that rank's spool writers at once, and the round's files are removed in every
+case (``Spool.release_round`` waits for leases).
+
+Bytes per rank: the scatter sends sum_(j != me) of the shards' wire bytes and receives n - 1
+contributions of its own shard; the gather sends its result shard (float) to n - 1 islands and
+receives every other shard's: about 2 (n - 1) / n payloads each way, flat in n. The three small
+all-gathers (layout CRC, verdict rows, flags) are counted too. Memory per round: the spool (or
+memory) holds n - 1 contributions of one shard, about the payload / n each; buffers are
+(n - 1) chunks per direction and step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import zlib
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.robust import check_aggregation, check_weights
+from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.contributions import (
+    Contribution,
+    DiscardSink,
+    MemoryContribution,
+    Sink,
+    aggregate_into,
+    finish_sinks,
+    finite_and_sum_sq,
+    open_sinks,
+)
+from lightning_swarm.transport.aggregator.round_status import (
+    AggregatorOutcome,
+    RoundReport,
+    SwarmRoundError,
+    Verdict,
+    skip_message,
+)
+from lightning_swarm.transport.aggregator.rounds import AggregationRule
+from lightning_swarm.transport.aggregator.shards import Shard, plan_shards
+from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+
+log = logging.getLogger(__name__)
+
+
+class ShardedAggregatorTransport:
+    """Sharded swarm transport; see the module docstring. Takes the rotating transport's
+    arguments (``AggregatorTransport``) and honours them the same way."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        island_index: int,
+        offload: bool = True,
+        spool_dir: str | None = None,
+        aggregation: str = "mean",
+        trim_ratio: float = 0.0,
+        min_contributions: int = 1,
+        max_norm: float | None = None,
+        island_weights: Sequence[float] | None = None,
+        chunk_bytes: int = 4 * 2**20,
+        cleanup_timeout_s: float = 60.0,
+        codec: Codec | None = None,
+        spool: Spool | None = None,
+    ) -> None:
+        if not 0 <= island_index < num_islands:
+            raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
+        if not 1 <= min_contributions <= num_islands:
+            raise ValueError(
+                f"min_contributions={min_contributions} must lie in 1..{num_islands} (the "
+                "number of islands); a larger value would skip every round"
+            )
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}; e.g. 4 MiB per chunk")
+        check_aggregation(aggregation)
+        if island_weights is not None:
+            island_weights = check_weights(island_weights, option="island_weights")
+        if aggregation == "weighted_mean" and (
+            island_weights is None or len(island_weights) != num_islands
+        ):
+            raise ValueError(
+                f"aggregation='weighted_mean' needs island_weights with one weight per island "
+                f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
+            )
+        self.group, self.num_islands, self.island_index = group, num_islands, island_index
+        self.chunk_bytes, self.codec = chunk_bytes, codec
+        self.rule = AggregationRule(
+            aggregation, trim_ratio, min_contributions, max_norm, island_weights
+        )
+        self._spool = spool
+        if self._spool is None and offload and num_islands > 1:
+            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self._sequence = 0  # average() calls so far: names spool rounds uniquely
+        self.last_round: RoundReport | None = None
+
+    @property
+    def spool(self) -> Spool | None:
+        return self._spool
+
+    def spool_bytes(self) -> int:
+        return self._spool.disk_bytes if self._spool is not None else 0
+
+    def peak_spool_bytes(self) -> int:
+        return self._spool.peak_disk_bytes if self._spool is not None else 0
+
+    @record_function(labels.SHARDED_ROUND)
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Aggregate ``tensors`` across islands in place; collective over the peer group."""
+        start = time.perf_counter()
+        layout = PayloadLayout.from_tensors(tensors)
+        targets = list(tensors.values())
+        report = RoundReport(round_index, self.island_index)
+        self.last_round = report
+        round_id = self._sequence
+        self._sequence += 1
+        if self.num_islands == 1:
+            report.accepted = [0]
+            if self.codec is not None:
+                CodedPayload(layout, self.codec).roundtrip_into(targets)
+            return RoundStats(wall_s=time.perf_counter() - start)
+        stats = RoundStats()
+        align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
+        shards = plan_shards(layout, self.num_islands, align)
+        stats.bytes_sent = stats.bytes_received = self._agree_layout(shards)
+        coded = [CodedPayload(s.layout, self.codec) if self.codec else None for s in shards]
+        wires = [c.wire if c is not None else s.layout for c, s in zip(coded, shards, strict=True)]
+        mine = shards[self.island_index]
+        contributions: dict[int, Contribution] = {}
+        sinks: dict[int, Sink] = {}
+        try:
+            failure = self._scatter(targets, shards, coded, wires, round_id, sinks, stats)
+            failure = finish_sinks(sinks, contributions, failure)
+            own = mine.views(targets)
+            own_coded = coded[self.island_index]
+            encoded = own_coded.encode(own) if own_coded is not None else own
+            contributions[self.island_index] = MemoryContribution(self.island_index, encoded)
+            if own_coded is not None:
+                for island, c in contributions.items():
+                    contributions[island] = own_coded.decoded(c)
+            block_numel = block_numel_of(own_coded, self.chunk_bytes)
+            outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
+            if outcome == AggregatorOutcome.APPLIED:
+                self._aggregate(report, mine, own, contributions, block_numel, stats)
+                self._gather(targets, shards, stats)
+        except BaseException:
+            for sink in sinks.values():
+                sink.abort()  # their leases go now: cleanup below does not wait for them
+            raise
+        finally:
+            for c in contributions.values():
+                c.close()
+            if self._spool is not None:
+                self._spool.release_round(round_id)
+        stats.applied = report.outcome == AggregatorOutcome.APPLIED
+        stats.wall_s = time.perf_counter() - start
+        return stats
+
+    def close(self) -> None:
+        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
+        if self._spool is not None:
+            self._spool.close()
+
+    # -- the phases ------------------------------------------------------------------------
+    def _all_gather(self, row: Tensor) -> list[Tensor]:
+        rows = [torch.empty_like(row) for _ in range(self.num_islands)]
+        dist.all_gather(rows, row, group=self.group)
+        return rows
+
+    def _agree_layout(self, shards: list[Shard]) -> int:
+        """Raise ``ValueError`` on every rank unless every island cut the same shards."""
+        blob = b"".join(s.layout.to_json() for s in shards) + repr(self.codec).encode()
+        crcs = self._all_gather(torch.tensor([zlib.crc32(blob)], dtype=torch.int64))
+        odd = [i for i, c in enumerate(crcs) if int(c) != int(crcs[0])]
+        if odd:
+            raise ValueError(
+                f"swarm round: the pseudo-gradient layout (names, shapes, dtypes) or codec of "
+                f"island(s) {odd} differs from island 0's; every island must train the same "
+                "parameters with the same quantize and quantize_block_size."
+            )
+        return 8 * (self.num_islands - 1)
+
+    def _scatter(
+        self,
+        targets: list[Tensor],
+        shards: list[Shard],
+        coded: list[CodedPayload | None],
+        wires: list[PayloadLayout],
+        round_id: int,
+        sinks: dict[int, Sink],
+        stats: RoundStats,
+    ) -> SpoolError | None:
+        """Stream shard j of this island's payload to island j, and every peer's contribution
+        to this island's shard into ``sinks``; returns the first spool error met."""
+        me = self.island_index
+        peers = [i for i in range(self.num_islands) if i != me]
+        failure = open_sinks(
+            sinks, peers, peers, wires[me], self._spool, round_id, remap_bytes=self.chunk_bytes
+        )
+        with record_function(labels.SEND):
+            sources = []
+            for j, (shard, c) in enumerate(zip(shards, coded, strict=True)):
+                views = shard.views(targets) if j != me else []
+                encoded = c.encode(views) if c is not None and j != me else views
+                sources.append([byte_view(t) for t in encoded])
+        steps = max(w.num_chunks(self.chunk_bytes) for w in wires)
+        for k in range(steps):
+            send_sizes = [0 if j == me else _chunk_size(wires[j], k, self.chunk_bytes)
+                          for j in range(self.num_islands)]  # fmt: skip
+            out = torch.empty(sum(send_sizes), dtype=torch.uint8)
+            offset = 0
+            for j, size in enumerate(send_sizes):
+                if size:
+                    pack_chunk(sources[j], wires[j], k, self.chunk_bytes, out[offset:])
+                offset += size
+            size_in = _chunk_size(wires[me], k, self.chunk_bytes)
+            recv_sizes = [0 if i == me else size_in for i in range(self.num_islands)]
+            received = self._all_to_all(out, send_sizes, recv_sizes, stats)
+            offset = 0
+            for i, size in enumerate(recv_sizes):
+                if size:
+                    try:
+                        sinks[i].write(k * self.chunk_bytes, received[offset : offset + size])
+                    except SpoolError as err:
+                        failure = failure or err
+                        sinks[i] = DiscardSink()  # the writer already removed its file
+                offset += size
+        if failure is not None:
+            for sink in sinks.values():
+                sink.abort()
+        return failure
+
+    def _judge(
+        self,
+        report: RoundReport,
+        mine: Shard,
+        contributions: dict[int, Contribution],
+        failure: SpoolError | None,
+        block_numel: int,
+        stats: RoundStats,
+    ) -> AggregatorOutcome:
+        """The verdict table: every rank derives the same verdicts and outcome from it."""
+        n = self.num_islands
+        row = torch.zeros(1 + 2 * n, dtype=torch.float64)
+        row[0] = 1.0 if failure is None else 0.0
+        if failure is None:
+            with record_function(labels.AGGREGATE):
+                for island, c in contributions.items():
+                    finite, sum_sq = finite_and_sum_sq(c, mine.layout, block_numel)
+                    row[1 + island], row[1 + n + island] = float(finite), sum_sq
+        table = torch.stack(self._all_gather(row))
+        _count_all_gather(stats, row, n)
+        failed = [j for j in range(n) if table[j, 0] == 0.0]
+        if failed:
+            report.outcome = AggregatorOutcome.SPOOL_FAILED
+            raise SwarmRoundError(
+                f"swarm round {report.round_index}: the spool failed on island(s) {failed} "
+                f"({failure if failure is not None else 'see their logs'}). Anchors are "
+                "unchanged."
+            )
+        for island in range(n):
+            verdict = Verdict.ACCEPTED
+            if bool((table[:, 1 + island] == 0.0).any()):
+                verdict = Verdict.NON_FINITE
+            elif self.rule.max_norm is not None:
+                norm = float(table[:, 1 + n + island].sum().sqrt())
+                if norm > self.rule.max_norm:
+                    verdict = Verdict.ABOVE_NORM
+                    report.rejected[island] = f"L2 norm {norm:.6g} exceeds max_norm"
+            if verdict == Verdict.NON_FINITE:
+                report.rejected[island] = "non-finite values (NaN or Inf)"
+            if verdict == Verdict.ACCEPTED:
+                report.accepted.append(island)
+            elif island == self.island_index:
+                log.warning(
+                    "swarm round %d: this island's contribution was rejected (%s)",
+                    report.round_index,
+                    report.rejected[island],
+                )
+        if len(report.accepted) < self.rule.min_contributions or self.rule.zero_weight(
+            report.accepted
+        ):
+            report.outcome = AggregatorOutcome.SKIPPED
+            warnings.warn(
+                skip_message(report, n, self.rule.min_contributions), RuntimeWarning, stacklevel=4
+            )
+        return report.outcome
+
+    def _aggregate(
+        self,
+        report: RoundReport,
+        mine: Shard,
+        own: list[Tensor],
+        contributions: dict[int, Contribution],
+        block_numel: int,
+        stats: RoundStats,
+    ) -> None:
+        """The rule over this island's shard; then every rank learns whether every owner's
+        aggregation succeeded."""
+        error: Exception | None = None
+        try:
+            with record_function(labels.AGGREGATE):
+                accepted = [contributions[i] for i in report.accepted]
+                weights = None
+                if self.rule.island_weights is not None:
+                    weights = [self.rule.island_weights[i] for i in report.accepted]
+                aggregate_into(
+                    own,
+                    accepted,
+                    mine.layout,
+                    rule=self.rule.aggregation,
+                    weights=weights,
+                    trim_ratio=self.rule.trim_ratio,
+                    block_numel=block_numel,
+                )
+        except Exception as err:
+            error = err
+            log.exception(
+                "swarm round %d: aggregating this island's shard failed", report.round_index
+            )
+        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+        flags = self._all_gather(flag)
+        _count_all_gather(stats, flag, self.num_islands)
+        failed = [j for j, f in enumerate(flags) if int(f) == 0]
+        if failed:
+            report.outcome = AggregatorOutcome.ERROR
+            if error is not None:
+                raise error
+            raise SwarmRoundError(
+                f"swarm round {report.round_index}: aggregation failed on island(s) {failed} "
+                "(their logs say why). Anchors are unchanged."
+            )
+
+    def _gather(self, targets: list[Tensor], shards: list[Shard], stats: RoundStats) -> None:
+        """Every owner's result shard (float) to every island, into its tensors."""
+        me = self.island_index
+        with record_function(labels.RECEIVE):
+            views = [[byte_view(v) for v in s.views(targets)] for s in shards]
+            layouts = [s.layout for s in shards]
+            steps = max(s.layout.num_chunks(self.chunk_bytes) for s in shards)
+            for k in range(steps):
+                size_out = _chunk_size(layouts[me], k, self.chunk_bytes)
+                chunk = torch.empty(size_out, dtype=torch.uint8)
+                if size_out:
+                    pack_chunk(views[me], layouts[me], k, self.chunk_bytes, chunk)
+                send_sizes = [0 if j == me else size_out for j in range(self.num_islands)]
+                out = chunk.repeat(self.num_islands - 1)
+                recv_sizes = [0 if i == me else _chunk_size(layouts[i], k, self.chunk_bytes)
+                              for i in range(self.num_islands)]  # fmt: skip
+                received = self._all_to_all(out, send_sizes, recv_sizes, stats)
+                offset = 0
+                for i, size in enumerate(recv_sizes):
+                    if size:
+                        piece = received[offset : offset + size]
+                        unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
+                    offset += size
+
+    def _all_to_all(
+        self, out: Tensor, send_sizes: list[int], recv_sizes: list[int], stats: RoundStats
+    ) -> Tensor:
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(
+            received,
+            out,
+            output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes,
+            group=self.group,
+        )
+        stats.bytes_sent += sum(send_sizes)
+        stats.bytes_received += sum(recv_sizes)
+        return received
+
+
+def block_numel_of(coded: CodedPayload | None, chunk_bytes: int) -> int:
+    """Elements per validation / aggregation block, as the rotating aggregator uses them."""
+    return coded.block_numel(chunk_bytes) if coded is not None else max(1, chunk_bytes // 4)
+
+
+def _chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
+    """Bytes of chunk ``k`` of ``layout``'s stream (0 past its end)."""
+    return max(0, min(chunk_bytes, layout.data_bytes - k * chunk_bytes))
+
+
+def _count_all_gather(stats: RoundStats, row: Tensor, num_islands: int) -> None:
+    moved = (num_islands - 1) * row.numel() * row.element_size()
+    stats.bytes_sent += moved
+    stats.bytes_received += moved
