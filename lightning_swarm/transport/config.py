@@ -24,9 +24,12 @@ from typing import Any, Literal, get_args
 
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 
-# The transports by option value; "swarm" is the rotating aggregator (transport/aggregator/).
+# The transports by option value; "swarm" is the aggregator transport (transport/aggregator/).
 TransportName = Literal["allreduce", "swarm"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+# Who aggregates a swarm round: one island in turn, or every island its own shard.
+AggregatorName = Literal["rotating", "sharded"]
+AGGREGATORS: tuple[str, ...] = get_args(AggregatorName)
 MIN_BUCKET_MB = 1.0
 MIN_CHUNK_MB = 0.25
 
@@ -83,6 +86,9 @@ class SwarmTransportConfig:
             aggregation (bounds the aggregator's extra memory to about peers x chunk); at
             least ``MIN_CHUNK_MB``.
         cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+        aggregator: ``rotating`` (one island aggregates each round, in turn) or ``sharded``
+            (every island aggregates 1/n of every round: bytes and work per island stay flat
+            as islands are added; same results, rules and spool; docs/scaling.md).
     """
 
     offload: bool = True
@@ -94,6 +100,7 @@ class SwarmTransportConfig:
     island_weights: list[float] | None = None
     chunk_mb: float = 4.0
     cleanup_timeout_s: float = 60.0
+    aggregator: AggregatorName = "rotating"
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, bool):
@@ -122,6 +129,11 @@ class SwarmTransportConfig:
             raise ValueError(
                 f"swarm.cleanup_timeout_s must be a positive number, got "
                 f"{self.cleanup_timeout_s!r}; e.g. 60."
+            )
+        if self.aggregator not in AGGREGATORS:
+            raise ValueError(
+                f"swarm.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}; "
+                "'sharded' spreads each round's aggregation over every island."
             )
         self._check_weights()
 
@@ -156,6 +168,8 @@ class SwarmTransportConfig:
 
     def transport_kwargs(self) -> dict[str, Any]:
         """These options as ``AggregatorTransport``'s keywords (``chunk_mb`` as bytes)."""
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "chunk_mb"}
+        # ``aggregator`` picks the class (``factory.build_transport``), it is no keyword of it.
+        skip = ("chunk_mb", "aggregator")
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         kwargs["chunk_bytes"] = self.chunk_bytes
         return kwargs

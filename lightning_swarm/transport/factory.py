@@ -2,8 +2,9 @@
 
 ``build_transport`` turns the plain options (``transport``, the codec, ``bucket_mb`` as
 elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``ReduceScatterTransport``
-(any codec: a quantized reduce-scatter + all-gather) or an ``AggregatorTransport`` over a peer
-group the caller built. The gather-based ``QuantizedTransport`` is not built here: it stays for
+(any codec: a quantized reduce-scatter + all-gather), an ``AggregatorTransport`` (rotating) or a
+``ShardedAggregatorTransport`` (``swarm.aggregator="sharded"``) over a peer group the caller
+built. The gather-based ``QuantizedTransport`` is not built here: it stays for
 comparison (``benchmarks/scaling.py``). ``peer_backend`` says which backend that peer group
 needs, so the caller can build it before the transport: the swarm transport's
 payloads, status messages and spool live on the CPU, so in an NCCL world its point-to-point
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.allreduce import AllReduceTransport
 from lightning_swarm.transport.base import Transport
 from lightning_swarm.transport.config import SwarmTransportConfig, check_transport
@@ -72,11 +74,13 @@ def build_transport(
     """
     check_transport(transport)
     if transport == "swarm":
-        return AggregatorTransport(
+        swarm_class = (
+            ShardedAggregatorTransport if swarm.aggregator == "sharded" else AggregatorTransport
+        )
+        return swarm_class(
             group,
             num_islands=num_islands,
             island_index=island_index,
-            device=torch.device("cpu"),
             codec=codec,
             **swarm.transport_kwargs(),
         )

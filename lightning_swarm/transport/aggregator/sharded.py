@@ -62,7 +62,6 @@ from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
-    DiscardSink,
     MemoryContribution,
     Sink,
     aggregate_into,
@@ -78,10 +77,11 @@ from lightning_swarm.transport.aggregator.round_status import (
     skip_message,
 )
 from lightning_swarm.transport.aggregator.rounds import AggregationRule
+from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
 from lightning_swarm.transport.aggregator.shards import Shard, plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
 from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class ShardedAggregatorTransport:
         self._spool = spool
         if self._spool is None and offload and num_islands > 1:
             self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self._streams = ShardStreams(group, island_index, num_islands, chunk_bytes)
         self._sequence = 0  # average() calls so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
 
@@ -186,7 +187,9 @@ class ShardedAggregatorTransport:
             outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
             if outcome == AggregatorOutcome.APPLIED:
                 self._aggregate(report, mine, own, contributions, block_numel, stats)
-                self._gather(targets, shards, stats)
+                with record_function(labels.RECEIVE):
+                    views = [[byte_view(v) for v in s.views(targets)] for s in shards]
+                    self._streams.gather(views, [s.layout for s in shards], stats)
         except BaseException:
             for sink in sinks.values():
                 sink.abort()  # their leases go now: cleanup below does not wait for them
@@ -242,33 +245,13 @@ class ShardedAggregatorTransport:
             sinks, peers, peers, wires[me], self._spool, round_id, remap_bytes=self.chunk_bytes
         )
         with record_function(labels.SEND):
-            sources = []
+            sources: list[list[Tensor]] = []
             for j, (shard, c) in enumerate(zip(shards, coded, strict=True)):
                 views = shard.views(targets) if j != me else []
                 encoded = c.encode(views) if c is not None and j != me else views
                 sources.append([byte_view(t) for t in encoded])
-        steps = max(w.num_chunks(self.chunk_bytes) for w in wires)
-        for k in range(steps):
-            send_sizes = [0 if j == me else _chunk_size(wires[j], k, self.chunk_bytes)
-                          for j in range(self.num_islands)]  # fmt: skip
-            out = torch.empty(sum(send_sizes), dtype=torch.uint8)
-            offset = 0
-            for j, size in enumerate(send_sizes):
-                if size:
-                    pack_chunk(sources[j], wires[j], k, self.chunk_bytes, out[offset:])
-                offset += size
-            size_in = _chunk_size(wires[me], k, self.chunk_bytes)
-            recv_sizes = [0 if i == me else size_in for i in range(self.num_islands)]
-            received = self._all_to_all(out, send_sizes, recv_sizes, stats)
-            offset = 0
-            for i, size in enumerate(recv_sizes):
-                if size:
-                    try:
-                        sinks[i].write(k * self.chunk_bytes, received[offset : offset + size])
-                    except SpoolError as err:
-                        failure = failure or err
-                        sinks[i] = DiscardSink()  # the writer already removed its file
-                offset += size
+            streamed = self._streams.scatter(sources, wires, sinks, stats)
+        failure = failure or streamed
         if failure is not None:
             for sink in sinks.values():
                 sink.abort()
@@ -375,54 +358,10 @@ class ShardedAggregatorTransport:
                 "(their logs say why). Anchors are unchanged."
             )
 
-    def _gather(self, targets: list[Tensor], shards: list[Shard], stats: RoundStats) -> None:
-        """Every owner's result shard (float) to every island, into its tensors."""
-        me = self.island_index
-        with record_function(labels.RECEIVE):
-            views = [[byte_view(v) for v in s.views(targets)] for s in shards]
-            layouts = [s.layout for s in shards]
-            steps = max(s.layout.num_chunks(self.chunk_bytes) for s in shards)
-            for k in range(steps):
-                size_out = _chunk_size(layouts[me], k, self.chunk_bytes)
-                chunk = torch.empty(size_out, dtype=torch.uint8)
-                if size_out:
-                    pack_chunk(views[me], layouts[me], k, self.chunk_bytes, chunk)
-                send_sizes = [0 if j == me else size_out for j in range(self.num_islands)]
-                out = chunk.repeat(self.num_islands - 1)
-                recv_sizes = [0 if i == me else _chunk_size(layouts[i], k, self.chunk_bytes)
-                              for i in range(self.num_islands)]  # fmt: skip
-                received = self._all_to_all(out, send_sizes, recv_sizes, stats)
-                offset = 0
-                for i, size in enumerate(recv_sizes):
-                    if size:
-                        piece = received[offset : offset + size]
-                        unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
-                    offset += size
-
-    def _all_to_all(
-        self, out: Tensor, send_sizes: list[int], recv_sizes: list[int], stats: RoundStats
-    ) -> Tensor:
-        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(
-            received,
-            out,
-            output_split_sizes=recv_sizes,
-            input_split_sizes=send_sizes,
-            group=self.group,
-        )
-        stats.bytes_sent += sum(send_sizes)
-        stats.bytes_received += sum(recv_sizes)
-        return received
-
 
 def block_numel_of(coded: CodedPayload | None, chunk_bytes: int) -> int:
     """Elements per validation / aggregation block, as the rotating aggregator uses them."""
     return coded.block_numel(chunk_bytes) if coded is not None else max(1, chunk_bytes // 4)
-
-
-def _chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
-    """Bytes of chunk ``k`` of ``layout``'s stream (0 past its end)."""
-    return max(0, min(chunk_bytes, layout.data_bytes - k * chunk_bytes))
 
 
 def _count_all_gather(stats: RoundStats, row: Tensor, num_islands: int) -> None:

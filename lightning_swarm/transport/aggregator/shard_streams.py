@@ -1,0 +1,119 @@
+"""The two streams of a sharded swarm round, in chunks, over ``all_to_all_single``.
+
+- ``scatter``: shard j of every island's payload to island j. Step k moves chunk k (at most
+  ``chunk_bytes``) of each island's stream for each other island, so every peer's contribution
+  reaches its owner's sink chunk by chunk, in order, and no island holds more than one chunk per
+  peer and direction. A spool error on one sink turns it into a discard sink (its writer already
+  removed its file); the stream goes on, so no peer blocks, and the first error is returned.
+- ``gather``: every owner's result shard to every island, chunk by chunk, unpacked straight into
+  the receiving island's tensors.
+
+Every island runs the same number of steps with the same split sizes (all follow from the
+shards' layouts, which the round has already agreed on), so the collectives always match; an
+island sends nothing to itself. Byte counts are what the steps moved to and from other ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink
+from lightning_swarm.transport.aggregator.spool import SpoolError
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.payload import PayloadLayout, pack_chunk, unpack_chunk
+
+
+def chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
+    """Bytes of chunk ``k`` of ``layout``'s stream (0 past its end)."""
+    return max(0, min(chunk_bytes, layout.data_bytes - k * chunk_bytes))
+
+
+class ShardStreams:
+    """Chunked all-to-all streams over the peer group (group rank = island index)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, island_index: int, num_islands: int, chunk_bytes: int
+    ) -> None:
+        self.group, self.me, self.n, self.chunk_bytes = (
+            group,
+            island_index,
+            num_islands,
+            chunk_bytes,
+        )
+
+    def scatter(
+        self,
+        sources: list[list[Tensor]],
+        wires: list[PayloadLayout],
+        sinks: dict[int, Sink],
+        stats: RoundStats,
+    ) -> SpoolError | None:
+        """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j; write what
+        each peer i sends for this island's shard (``wires[me]``) into ``sinks[i]``."""
+        failure: SpoolError | None = None
+        steps = max(w.num_chunks(self.chunk_bytes) for w in wires)
+        size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
+        for k in range(steps):
+            send_sizes = [
+                0 if j == self.me else chunk_size(wires[j], k, self.chunk_bytes)
+                for j in range(self.n)
+            ]
+            out = torch.empty(sum(send_sizes), dtype=torch.uint8)
+            offset = 0
+            for j, size in enumerate(send_sizes):
+                if size:
+                    pack_chunk(sources[j], wires[j], k, self.chunk_bytes, out[offset:])
+                offset += size
+            recv_sizes = [0 if i == self.me else size_in[k] for i in range(self.n)]
+            received = self._all_to_all(out, send_sizes, recv_sizes, stats)
+            offset = 0
+            for i, size in enumerate(recv_sizes):
+                if size:
+                    try:
+                        sinks[i].write(k * self.chunk_bytes, received[offset : offset + size])
+                    except SpoolError as err:
+                        failure = failure or err
+                        sinks[i] = DiscardSink()
+                offset += size
+        return failure
+
+    def gather(
+        self, views: list[list[Tensor]], layouts: list[PayloadLayout], stats: RoundStats
+    ) -> None:
+        """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
+        island, and unpack every other island's into ``views[i]``."""
+        me = self.me
+        steps = max(layout.num_chunks(self.chunk_bytes) for layout in layouts)
+        for k in range(steps):
+            size_out = chunk_size(layouts[me], k, self.chunk_bytes)
+            chunk = torch.empty(size_out, dtype=torch.uint8)
+            if size_out:
+                pack_chunk(views[me], layouts[me], k, self.chunk_bytes, chunk)
+            send_sizes = [0 if j == me else size_out for j in range(self.n)]
+            recv_sizes = [
+                0 if i == me else chunk_size(layouts[i], k, self.chunk_bytes) for i in range(self.n)
+            ]
+            received = self._all_to_all(chunk.repeat(self.n - 1), send_sizes, recv_sizes, stats)
+            offset = 0
+            for i, size in enumerate(recv_sizes):
+                if size:
+                    piece = received[offset : offset + size]
+                    unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
+                offset += size
+
+    def _all_to_all(
+        self, out: Tensor, send_sizes: list[int], recv_sizes: list[int], stats: RoundStats
+    ) -> Tensor:
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(
+            received,
+            out,
+            output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes,
+            group=self.group,
+        )
+        stats.bytes_sent += sum(send_sizes)
+        stats.bytes_received += sum(recv_sizes)
+        return received

@@ -1,0 +1,174 @@
+"""The sharded swarm transport: shard planning, bitwise equality with the rotating aggregator
+(rules, codecs, rejections), bytes flat in islands, and clean failures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport import AggregatorTransport, SwarmTransportConfig, build_transport
+from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, SwarmRoundError
+from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from lightning_swarm.transport.aggregator.shards import plan_shards
+from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.pieces import Piece
+from tests.dist_utils import run_ranks
+
+SHAPES = {"a": (37, 11), "b": (5,), "empty": (0,), "c": (1000,)}
+PAYLOAD_BYTES = 4 * (37 * 11 + 5 + 1000)
+
+
+def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * island + round_index)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+
+# -- planning ---------------------------------------------------------------------------------
+def test_shards_cover_the_payload_on_alignment_units() -> None:
+    layout = PayloadLayout.from_tensors(_contribution(0, 0))
+    shards = plan_shards(layout, 3, 32)
+    # 1412 elements: 13 + 1 + 0 + 32 units of 32 = 46 units over 3 islands: 15, 15, 16
+    assert [sum(p.length for p in s.pieces) for s in shards] == [407 + 5 + 32, 480, 488]
+    assert shards[0].pieces == (Piece(0, 0, 407), Piece(1, 0, 5), Piece(3, 0, 32))
+    assert shards[2].pieces == (Piece(3, 512, 488),)
+    assert [spec.name for spec in shards[0].layout.specs] == ["a[0:407]", "b[0:5]", "c[0:32]"]
+    assert all(p.start % 32 == 0 for s in shards for p in s.pieces)
+    tensors = list(_contribution(0, 0).values())
+    joined = torch.cat([v for s in shards for v in s.views(tensors)])
+    assert torch.equal(joined, torch.cat([t.reshape(-1) for t in tensors]))
+    with pytest.raises(ValueError, match="align must be >= 1, got 0"):
+        plan_shards(layout, 2, 0)
+
+
+def test_option_is_validated_and_built() -> None:
+    with pytest.raises(
+        ValueError, match=r"swarm.aggregator must be one of \['rotating', 'sharded'\], got 'x'"
+    ):
+        SwarmTransportConfig(aggregator="x")
+    common: dict[str, Any] = {"group": None, "num_islands": 1, "island_index": 0, "codec": None}
+    common |= {"device": torch.device("cpu"), "bucket_numel": 1024}
+    built = build_transport("swarm", swarm=SwarmTransportConfig(aggregator="sharded"), **common)
+    assert isinstance(built, ShardedAggregatorTransport)
+    rotating = build_transport("swarm", swarm=SwarmTransportConfig(), **common)
+    assert isinstance(rotating, AggregatorTransport)
+    built.close()
+    rotating.close()
+
+
+# -- equal to the rotating aggregator ---------------------------------------------------------
+CASES: list[dict[str, Any]] = [
+    {"aggregation": "mean"},
+    {"aggregation": "median", "codec": Codec("int4", 32)},
+    {"aggregation": "trimmed_mean", "trim_ratio": 0.25, "codec": Codec("int8", 32)},
+    {"aggregation": "weighted_mean", "island_weights": [3.0, 1.0, 2.0, 0.5]},
+    {"aggregation": "mean", "offload": False, "codec": Codec("bf16")},
+    # island 1's norm is above 60 only over the whole payload (each shard's is below)
+    {"aggregation": "mean", "max_norm": 60.0, "scale": {1: 1.8}},
+    {"aggregation": "median", "nan": 2},  # a NaN in one shard rejects island 2 everywhere
+]
+
+
+def _inputs(rank: int, r: int, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    tensors = _contribution(rank, r)
+    for t in tensors.values():
+        t.mul_(case.get("scale", {}).get(rank, 1.0))
+    if case.get("nan") == rank:
+        tensors["c"][900] = float("nan")
+    return tensors
+
+
+def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
+    sent = {}
+    for index, case in enumerate(CASES):
+        kw = {k: v for k, v in case.items() if k not in ("scale", "nan")}
+        if "island_weights" in kw:
+            kw["island_weights"] = kw["island_weights"][:world]
+        kw |= {"num_islands": world, "island_index": rank, "chunk_bytes": 1000}
+        rotating = AggregatorTransport(None, spool_dir=spool_dir, **kw)
+        sharded = ShardedAggregatorTransport(None, spool_dir=spool_dir, **kw)
+        for r in range(2):
+            a, b = _inputs(rank, r, case), _inputs(rank, r, case)
+            rotating.average(a, round_index=r)
+            stats = sharded.average(b, round_index=r)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (index, r, k)
+            assert sharded.last_round is not None and rotating.last_round is not None
+            assert sharded.last_round.accepted == rotating.last_round.accepted, index
+            assert sharded.spool_bytes() == 0, "a round's files outlived it"
+            sent[index] = stats.bytes_sent
+        rotating.close()
+        sharded.close()
+    torch.save(sent, Path(out) / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_equals_rotating_bitwise(world: int, tmp_path: Path) -> None:
+    spool, out = tmp_path / "spool", tmp_path / "out"
+    spool.mkdir()
+    out.mkdir()
+    run_ranks(_equal_worker, world, str(spool), str(out), timeout_s=60)
+    assert list(spool.iterdir()) == []
+    if world == 4:
+        sent = [torch.load(out / f"{r}.pt")[0] for r in range(world)]  # float32 mean
+        # 2 (n - 1) / n of the payload (+ the tiny verdict messages), where the rotating
+        # aggregator sends (n - 1) payloads
+        for value in sent:
+            assert 1.5 * PAYLOAD_BYTES <= value <= 1.5 * PAYLOAD_BYTES + 4 * 32 + 400, value
+
+
+# -- failures ---------------------------------------------------------------------------------
+def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
+    calls = {"n": 0}
+
+    def disk_fills_up(fd: int, data: memoryview, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(28, "No space left on device")
+        return os.pwrite(fd, data, offset)
+
+    spool = Spool(spool_dir, write_at=disk_fills_up) if rank == 1 else None
+    transport = ShardedAggregatorTransport(
+        None,
+        num_islands=world,
+        island_index=rank,
+        spool=spool,
+        spool_dir=spool_dir,
+        chunk_bytes=256,
+    )
+    assert transport.spool is not None
+    tensors = _contribution(rank, 0)
+    before = {k: v.clone() for k, v in tensors.items()}
+    with pytest.raises(SwarmRoundError, match=r"round 0: the spool failed on island\(s\) \[1\]"):
+        transport.average(tensors, round_index=0)
+    assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
+    assert transport.last_round is not None
+    assert transport.last_round.outcome == AggregatorOutcome.SPOOL_FAILED
+    assert transport.spool.files() == [], "a failed round left spool files"
+    # a layout that differs on one island: every island raises, naming it
+    odd = _contribution(rank, 1)
+    if rank == 2:
+        odd["b"] = torch.zeros(6)
+    with pytest.raises(ValueError, match=r"layout .* of island\(s\) \[2\] differs from island 0"):
+        transport.average(odd, round_index=1)
+    # too few accepted contributions: skipped on every island, with the same warning
+    skipped = ShardedAggregatorTransport(
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=3
+    )
+    nan = _contribution(rank, 2)
+    if rank == 0:
+        nan["a"][0, 0] = float("inf")
+    with pytest.warns(RuntimeWarning, match="2 of 3 contributions were accepted"):
+        assert not skipped.average(nan, round_index=2).applied
+    skipped.close()
+    transport.close()
+
+
+def test_failures_raise_on_every_island_and_leave_no_files(tmp_path: Path) -> None:
+    run_ranks(_failure_worker, 3, str(tmp_path), timeout_s=60)
+    assert list(tmp_path.iterdir()) == []
