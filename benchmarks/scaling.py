@@ -11,7 +11,9 @@ rank's payload, after a barrier:
   builds (block 128);
 - ``int8 gather``: the gather-based ``QuantizedTransport`` it replaces;
 - ``swarm``: ``AggregatorTransport`` (``transport="swarm"``: the rotating aggregator, spool on
-  disk, float32, default options).
+  disk, float32, default options);
+- ``swarm sharded``: ``ShardedAggregatorTransport`` (``swarm.aggregator="sharded"``): every
+  island aggregates 1/n of the payload, same spool and defaults.
 
 A round's time is the slowest rank's ``average`` wall time; reported: the median over
 ``--reps`` repetitions after ``--warmup``, and min-max. Before the rounds, ranks 0 and 1
@@ -49,8 +51,9 @@ from lightning_swarm.transport import (
     ReduceScatterTransport,
     Transport,
 )
+from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 
-METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "int8 gather", "swarm")
+METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "int8 gather", "swarm", "swarm sharded")
 BLOCK_SIZE = 128
 BUCKET_MB = 32.0  # the strategy's default bucket_mb
 PROBE_BYTES = 16 * 2**20
@@ -70,6 +73,10 @@ def build(method: str, world: int, rank: int, spool_dir: str) -> Transport:
         return AllReduceTransport(None, num_islands=world, bucket_numel=bucket_numel)
     if method == "swarm":
         return AggregatorTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
+    if method == "swarm sharded":
+        return ShardedAggregatorTransport(
+            None, num_islands=world, island_index=rank, spool_dir=spool_dir
+        )
     codec = Codec(method.split()[0], BLOCK_SIZE)
     if method.endswith("gather"):
         return QuantizedTransport(None, num_islands=world, codec=codec, bucket_numel=bucket_numel)

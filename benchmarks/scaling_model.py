@@ -8,27 +8,30 @@ Model of one round's time for a method ``m`` at ``n`` islands, ``N`` float32 ele
   first agree on finiteness with a ring all-gather of one flag (n - 1 steps); then the ring
   all-reduce takes 2 (n - 1), the gather's ring all-gather n - 1. The reduce-scatter votes with
   one ``all_to_all`` and exchanges with two: 3 steps (every rank sends to all peers at once).
-  The swarm round is 4 (descriptor + payload in, status + result out).
+  The rotating swarm round is 4 (descriptor + payload in, status + result out); the sharded one
+  3 one-step votes plus its scatter and gather in lockstep chunks of 4 MiB per peer.
 - ``wire_m(n)``: bytes through the busiest rank's link, in sequence: ``bytes_sent`` for the
   all-reduce transports (sending and receiving overlap: ring steps and all-to-all are full
   duplex), sent + received for the swarm aggregator (it receives every payload, then sends).
   At measured points these are the transports' own counts; projections use the formulas they
   follow: 2 (n - 1) / n P (fp32), 2 (n - 1) / n E (reduce-scatter, E the encoded payload),
-  (n - 1) E (gather), 2 (n - 1) P (swarm).
+  (n - 1) E (gather), 2 (n - 1) P (rotating swarm), 2 (n - 1) / n P (sharded swarm).
 - ``work_m(n) * N``: elements through the codec or the aggregator per rank (k_m per element):
   reduce-scatter 3 + 1 / n (encode all, decode n shares, encode and decode the mean: about
-  three passes), gather 1 + n (encode, decode n payloads), swarm n (the aggregator writes, reads
-  back and sums every contribution), fp32 2 (n - 1) / n (the ring's additions and copies).
+  three passes), gather 1 + n (encode, decode n payloads), rotating swarm n (the aggregator
+  writes, reads back and sums every contribution), sharded swarm 2 (its shard of each), fp32
+  2 (n - 1) / n (the ring's additions and copies).
 - ``over(n) = max(1, n / cores)``: the measured ranks share this machine's cores, so every
   byte copied and every element encoded waits for a core. Projections are for one machine per
   island: ``over = 1``.
 
 ``lat`` and ``bw`` are not fitted: ``scaling.py`` probes the loopback link (ping-pong of 1 byte
 and 16 MiB; the median over its runs). Fitted on the measured points (least squares on relative
-error, non-negative): ``k`` per family (fp32 all-reduce, int8, int4, swarm). Projections
-replace ``lat`` by half a round-trip time and ``bw`` by the link's rate, and either keep ``k`` as
-measured on this CPU (one thread per rank) or leave the work out (the wire alone: a GPU encodes
-1e9 elements in milliseconds, so the wire-only figures are the ones for GPU islands).
+error, non-negative): ``k`` per family (fp32 all-reduce, int8, int4, rotating and sharded
+swarm). Projections replace ``lat`` by half a round-trip time and ``bw`` by the link's rate,
+and either keep ``k`` as measured on this CPU (one thread per rank) or leave the work out (the
+wire alone: a GPU encodes 1e9 elements in milliseconds, so the wire-only figures are the ones
+for GPU islands).
 
 Run:   .venv/bin/python benchmarks/scaling_model.py docs/scaling_cpu.json --plot docs/scaling.png
 """
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +52,8 @@ PROJECT_NUMEL = 10**9
 PROJECT_ISLANDS = (16, 32, 64, 128, 256)
 LINKS_GBIT = (1.0, 10.0)
 RTTS_MS = (10.0, 100.0)
-PARAMS = ("k_fp32_s", "k_int8_s", "k_int4_s", "k_swarm_s")
+PARAMS = ("k_fp32_s", "k_int8_s", "k_int4_s", "k_swarm_s", "k_sharded_s")
+CHUNK_BYTES = 4 * 2**20  # the swarm transports' chunk_mb default
 
 
 def encoded_bytes_per_element(method: str, block_size: int) -> float:
@@ -59,7 +64,7 @@ def encoded_bytes_per_element(method: str, block_size: int) -> float:
     return 4.0
 
 
-def steps(method: str, n: int) -> float:
+def steps(method: str, n: int, numel: int) -> float:
     finite = n - 1
     if method == "fp32 allreduce":
         return finite + 2 * (n - 1)
@@ -67,6 +72,10 @@ def steps(method: str, n: int) -> float:
         return finite + (n - 1)
     if method.endswith("rs"):
         return 1 + 2  # its finiteness vote is one all-to-all step too
+    if method == "swarm sharded":
+        # layout, verdict and flag votes (one all-to-all each), then the scatter and the
+        # gather in lockstep chunks of 4 MiB per peer
+        return 3 + 2 * math.ceil(4 * numel / n / CHUNK_BYTES)
     return 4.0  # swarm
 
 
@@ -77,6 +86,8 @@ def wire_bytes(method: str, n: int, numel: int, block_size: int) -> float:
         return 2 * (n - 1) / n * encoded
     if method.endswith("gather"):
         return (n - 1) * encoded
+    if method == "swarm sharded":
+        return 2 * (n - 1) / n * encoded
     return 2 * (n - 1) * encoded  # swarm: in, then out
 
 
@@ -87,6 +98,8 @@ def work(method: str, n: int) -> float:
         return 3 + 1 / n
     if method.endswith("gather"):
         return 1 + n
+    if method == "swarm sharded":
+        return 2.0  # its shard of n contributions written and read back: about 2 passes
     return float(n)  # swarm
 
 
@@ -97,6 +110,8 @@ def k_index(method: str) -> int:
         return 2
     if method == "swarm":
         return 3
+    if method == "swarm sharded":
+        return 4
     return 0
 
 
@@ -146,7 +161,7 @@ def fit(report: dict[str, Any]) -> tuple[np.ndarray, list[dict[str, Any]]]:
             r = methods[method]
             over = max(1.0, n / cores)
             wire = measured_wire(method, r)
-            fixed = latency * steps(method, n) + over * wire / bandwidth
+            fixed = latency * steps(method, n, numel) + over * wire / bandwidth
             points.append((method, n, row(method, n, numel, wire, over), fixed, r))
     a = np.stack([p[2] for p in points])
     t = np.array([p[4]["time_s"] for p in points])
@@ -184,7 +199,7 @@ def project(
     ``compute=False`` leaves out the per-element work (the wire alone)."""
     wire = wire_bytes(method, n, numel, block)
     work_s = work(method, n) * numel * float(params[k_index(method)]) if compute else 0.0
-    return rtt_ms / 2e3 * steps(method, n) + wire * 8 / (gbit * 1e9) + work_s
+    return rtt_ms / 2e3 * steps(method, n, numel) + wire * 8 / (gbit * 1e9) + work_s
 
 
 def markdown(report: dict[str, Any], params: np.ndarray, table: list[dict[str, Any]]) -> str:
