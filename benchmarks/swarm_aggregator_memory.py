@@ -9,7 +9,11 @@ round, then reads it after), so the figures are the aggregator's real peak resid
 Also reported: the spool's peak disk use, and the wall time of one sync for the swarm
 transport and for the all-reduce transport on the same payload and ranks (max over ranks).
 
+``--kinds ... swarm_sharded`` adds the sharded swarm transport (``swarm.aggregator="sharded"``),
+where every island aggregates its shard; island 0 is measured all the same.
+
 Run: .venv/bin/python benchmarks/swarm_aggregator_memory.py [--peers 2 4 8] [--chunk-mb 4]
+     [--kinds swarm_offload swarm_sharded]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.multiprocessing as mp
 
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 
 MIB = 2**20
 
@@ -85,9 +90,20 @@ class PeakSampler:
         self.peak = max(self.peak, vm_rss())
 
 
+KINDS = ("swarm_offload", "swarm_memory", "allreduce", "swarm_sharded")
+
+
 def build(kind: str, rank: int, world: int, chunk_mb: float, spool_dir: str) -> Any:
     if kind == "allreduce":
         return AllReduceTransport(None, num_islands=world, bucket_numel=32 * MIB // 4)
+    if kind == "swarm_sharded":  # every island aggregates its shard; island 0 is measured
+        return ShardedAggregatorTransport(
+            None,
+            num_islands=world,
+            island_index=rank,
+            spool_dir=spool_dir,
+            chunk_bytes=int(chunk_mb * MIB),
+        )
     return AggregatorTransport(
         None,
         num_islands=world,
@@ -121,7 +137,7 @@ def rank_main(rank: int, world: int, port: int, kind: str, chunk_mb: float, out:
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     if rank == 0:
         peak_spool = (
-            transport.peak_spool_bytes() if isinstance(transport, AggregatorTransport) else 0
+            0 if isinstance(transport, AllReduceTransport) else transport.peak_spool_bytes()
         )
         result.update(
             wall_s=float(wall),
@@ -156,6 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--chunk-mb", type=float, default=4.0)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS[:3]), choices=KINDS)
     args = parser.parse_args()
     print(f"cpu cores: {os.cpu_count()}, chunk_mb: {args.chunk_mb}, torch {torch.__version__}")
     header = (
@@ -166,7 +183,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="swarm-bench-", dir=os.getcwd()) as tmp:
         for world in args.peers:
-            for kind in ("swarm_offload", "swarm_memory", "allreduce"):
+            for kind in args.kinds:
                 r = measure(kind, world, args.chunk_mb, Path(tmp))
                 results[f"{kind}-{world}"] = r
                 base = r.get("baseline_rss", 0) / MIB
@@ -178,7 +195,7 @@ def main() -> None:
                     flush=True,
                 )
     print(f"payload per island: {results[next(iter(results))]['payload_bytes'] / MIB:.1f} MiB")
-    for kind in ("swarm_offload", "swarm_memory"):
+    for kind in ("swarm_offload", "swarm_memory", "swarm_sharded"):
         lo, hi = min(args.peers), max(args.peers)
         if f"{kind}-{lo}" in results and f"{kind}-{hi}" in results:
             ratio = results[f"{kind}-{hi}"]["peak_rss"] / results[f"{kind}-{lo}"]["peak_rss"]

@@ -3,8 +3,9 @@
 - ``scatter``: shard j of every island's payload to island j. Step k moves chunk k (at most
   ``chunk_bytes``) of each island's stream for each other island, so every peer's contribution
   reaches its owner's sink chunk by chunk, in order, and no island holds more than one chunk per
-  peer and direction. A spool error on one sink turns it into a discard sink (its writer already
-  removed its file); the stream goes on, so no peer blocks, and the first error is returned.
+  peer and direction (one send and one receive buffer of n - 1 chunks, reused by every step). A
+  spool error on one sink turns it into a discard sink (its writer already removed its file);
+  the stream goes on, so no peer blocks, and the first error is returned.
 - ``gather``: every owner's result shard to every island, chunk by chunk, unpacked straight into
   the receiving island's tensors.
 
@@ -55,19 +56,21 @@ class ShardStreams:
         failure: SpoolError | None = None
         steps = max(w.num_chunks(self.chunk_bytes) for w in wires)
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
+        # One send and one receive buffer for the whole stream: buffers allocated per step
+        # would pile up in the allocator (measured: RSS grew by several buffers at 8 islands).
+        send_buf, recv_buf = self._buffers()
         for k in range(steps):
             send_sizes = [
                 0 if j == self.me else chunk_size(wires[j], k, self.chunk_bytes)
                 for j in range(self.n)
             ]
-            out = torch.empty(sum(send_sizes), dtype=torch.uint8)
             offset = 0
             for j, size in enumerate(send_sizes):
                 if size:
-                    pack_chunk(sources[j], wires[j], k, self.chunk_bytes, out[offset:])
+                    pack_chunk(sources[j], wires[j], k, self.chunk_bytes, send_buf[offset:])
                 offset += size
             recv_sizes = [0 if i == self.me else size_in[k] for i in range(self.n)]
-            received = self._all_to_all(out, send_sizes, recv_sizes, stats)
+            received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
             offset = 0
             for i, size in enumerate(recv_sizes):
                 if size:
@@ -86,16 +89,18 @@ class ShardStreams:
         island, and unpack every other island's into ``views[i]``."""
         me = self.me
         steps = max(layout.num_chunks(self.chunk_bytes) for layout in layouts)
+        send_buf, recv_buf = self._buffers()
         for k in range(steps):
             size_out = chunk_size(layouts[me], k, self.chunk_bytes)
-            chunk = torch.empty(size_out, dtype=torch.uint8)
             if size_out:
-                pack_chunk(views[me], layouts[me], k, self.chunk_bytes, chunk)
+                pack_chunk(views[me], layouts[me], k, self.chunk_bytes, send_buf)
+                for copy in range(1, self.n - 1):  # the same chunk for every other island
+                    send_buf[copy * size_out : (copy + 1) * size_out].copy_(send_buf[:size_out])
             send_sizes = [0 if j == me else size_out for j in range(self.n)]
             recv_sizes = [
                 0 if i == me else chunk_size(layouts[i], k, self.chunk_bytes) for i in range(self.n)
             ]
-            received = self._all_to_all(chunk.repeat(self.n - 1), send_sizes, recv_sizes, stats)
+            received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
             offset = 0
             for i, size in enumerate(recv_sizes):
                 if size:
@@ -103,13 +108,23 @@ class ShardStreams:
                     unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
                 offset += size
 
+    def _buffers(self) -> tuple[Tensor, Tensor]:
+        """A send and a receive buffer of one chunk per peer, for one stream."""
+        size = (self.n - 1) * self.chunk_bytes
+        return torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+
     def _all_to_all(
-        self, out: Tensor, send_sizes: list[int], recv_sizes: list[int], stats: RoundStats
+        self,
+        send_buf: Tensor,
+        recv_buf: Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        stats: RoundStats,
     ) -> Tensor:
-        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        received = recv_buf[: sum(recv_sizes)]
         dist.all_to_all_single(
             received,
-            out,
+            send_buf[: sum(send_sizes)],
             output_split_sizes=recv_sizes,
             input_split_sizes=send_sizes,
             group=self.group,
