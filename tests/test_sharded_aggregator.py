@@ -7,9 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import AggregatorTransport, SwarmTransportConfig, build_transport
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, SwarmRoundError
@@ -19,6 +21,7 @@ from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.payload import PayloadLayout
 from lightning_swarm.transport.pieces import Piece
 from tests.dist_utils import run_ranks
+from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
 SHAPES = {"a": (37, 11), "b": (5,), "empty": (0,), "c": (1000,)}
 PAYLOAD_BYTES = 4 * (37 * 11 + 5 + 1000)
@@ -172,3 +175,49 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
 def test_failures_raise_on_every_island_and_leave_no_files(tmp_path: Path) -> None:
     run_ranks(_failure_worker, 3, str(tmp_path), timeout_s=60)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- through Lightning ------------------------------------------------------------------------
+def _fit(out: Path, **swarm: Any) -> list[dict[str, Any]]:
+    out.mkdir()
+    strategy = SwarmStrategy(
+        sync_every=2,
+        island_size=1,
+        transport="swarm",
+        quantize="int8",
+        quantize_block_size=16,
+        error_feedback=True,
+        swarm={"spool_dir": str(out / "spool"), **swarm},
+        sync_at_end=False,
+        start_method="fork",
+    )
+    pl.seed_everything(5)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=6,
+        callbacks=[Recorder(str(out))],
+        **QUIET,
+    )
+    trainer.fit(TinyRegressor(), regression_data())
+    return load_ranks(out, 2)
+
+
+def test_strategy_with_the_sharded_aggregator_trains_as_the_rotating_one(tmp_path: Path) -> None:
+    rotating = _fit(tmp_path / "rotating")
+    sharded = _fit(tmp_path / "sharded", aggregator="sharded")
+    assert all(r["outer_steps"] == [3] for r in sharded)
+    for a, b in zip(rotating[0]["steps"], sharded[0]["steps"], strict=True):
+        assert torch.equal(a["anchors"][0], b["anchors"][0])
+        assert torch.equal(a["params"], b["params"])
+    for a, b in zip(sharded[0]["steps"], sharded[1]["steps"], strict=True):
+        assert torch.equal(a["anchors"][0], b["anchors"][0]), "islands disagree"
+    first, last = sharded[0]["steps"][0]["anchors"][0], sharded[0]["steps"][-1]["anchors"][0]
+    assert not torch.equal(first, last)
+    assert list((tmp_path / "sharded" / "spool").iterdir()) == []
+    # the option reached the transport: every round, each island sends half of its encoded
+    # payload and half of the float32 result, where the rotating aggregator sends all of it
+    sent = [r["totals"]["bytes_sent"] for r in sharded]
+    # (shards differ by at most one 16-element block: 84 bytes a round, 3 rounds)
+    assert abs(sent[0] - sent[1]) <= 3 * 84 and sent[0] != rotating[0]["totals"]["bytes_sent"]
