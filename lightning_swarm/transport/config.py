@@ -100,7 +100,9 @@ class SwarmTransportConfig:
     island_weights: list[float] | None = None
     chunk_mb: float = 4.0
     cleanup_timeout_s: float = 60.0
-    aggregator: AggregatorName = "rotating"
+    # str, not AggregatorName: this dataclass is the Hydra schema of ``swarm:`` as is, and
+    # OmegaConf refuses Literal annotations.
+    aggregator: str = "rotating"
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, bool):
