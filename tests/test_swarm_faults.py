@@ -1,4 +1,6 @@
 """A swarm round that dies mid-collection: the survivor raises at once and leaves no files.
+Both aggregators: the rotating one (island 0 collects round 0) and the sharded one (island 0
+collects its shard while it sends the other).
 
 The ranks here are plain processes this test starts and kills itself (fork, a TCP store, no
 Lightning launcher and no ``torch.multiprocessing`` watcher that would kill the survivor for us),
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.spool import Spool
 from tests.dist_utils import free_port
 
@@ -38,8 +41,11 @@ def _tensors() -> dict[str, torch.Tensor]:
     return {"w": torch.ones(256, 1024)}  # 1 MiB: 256 chunks of 4 KiB
 
 
-def _rank(rank: int, port: int, spool_dir: str, out: str, collecting: Event, fault: str) -> None:
-    """One island; rank 0 aggregates round 0 and reports what it raised into ``out``."""
+def _rank(
+    rank: int, port: int, spool_dir: str, out: str, collecting: Event, fault: str, kind: str
+) -> None:
+    """One island; rank 0 aggregates round 0 (its shard, with ``kind="sharded"``) and reports
+    what it raised into ``out``."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -62,8 +68,15 @@ def _rank(rank: int, port: int, spool_dir: str, out: str, collecting: Event, fau
             time.sleep(0.05)
         return os.pwrite(fd, data, offset)
 
-    spool = Spool(spool_dir, cleanup_timeout_s=CLEANUP_TIMEOUT_S, write_at=slow_write)
-    transport = AggregatorTransport(
+    # Only rank 0's writes are slowed and faulted: with the sharded transport rank 1 spools
+    # too, and the fault must land on the island the test watches.
+    spool = Spool(
+        spool_dir,
+        cleanup_timeout_s=CLEANUP_TIMEOUT_S,
+        write_at=slow_write if rank == 0 else os.pwrite,
+    )
+    transport_class = ShardedAggregatorTransport if kind == "sharded" else AggregatorTransport
+    transport = transport_class(
         None, num_islands=2, island_index=rank, spool=spool, chunk_bytes=4096
     )
     start = time.monotonic()
@@ -88,13 +101,13 @@ def _rank(rank: int, port: int, spool_dir: str, out: str, collecting: Event, fau
     os._exit(0)  # the peer is gone: skip destroy_process_group, which could wait on it
 
 
-def _start(spool_dir: Path, out: Path, fault: str) -> tuple[list[Any], Event]:
+def _start(spool_dir: Path, out: Path, fault: str, kind: str) -> tuple[list[Any], Event]:
     context = multiprocessing.get_context("fork")
     collecting = context.Event()
     port = free_port()
     procs = [
         context.Process(
-            target=_rank, args=(rank, port, str(spool_dir), str(out), collecting, fault)
+            target=_rank, args=(rank, port, str(spool_dir), str(out), collecting, fault, kind)
         )
         for rank in range(2)
     ]
@@ -119,13 +132,14 @@ def _report(out: Path) -> tuple[float, str, str]:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["rotating", "sharded"])
 @pytest.mark.parametrize("fault", ["kill", "kill_background"])
 def test_a_peer_killed_mid_collection_fails_the_aggregator_at_once(
-    tmp_path: Path, fault: str
+    tmp_path: Path, fault: str, kind: str
 ) -> None:
     spool_dir, out = tmp_path / "spool", tmp_path / "out"
     out.mkdir()
-    procs, collecting = _start(spool_dir, out, fault=fault)
+    procs, collecting = _start(spool_dir, out, fault=fault, kind=kind)
     try:
         assert collecting.wait(WAIT_S), "the aggregator never started collecting"
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -144,12 +158,13 @@ def test_a_peer_killed_mid_collection_fails_the_aggregator_at_once(
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["rotating", "sharded"])
 def test_an_interrupt_mid_collection_removes_the_rounds_files_and_is_reraised(
-    tmp_path: Path,
+    tmp_path: Path, kind: str
 ) -> None:
     spool_dir, out = tmp_path / "spool", tmp_path / "out"
     out.mkdir()
-    procs, collecting = _start(spool_dir, out, fault="interrupt")
+    procs, collecting = _start(spool_dir, out, fault="interrupt", kind=kind)
     try:
         assert collecting.wait(WAIT_S), "the aggregator never started collecting"
         procs[0].join(WAIT_S)
