@@ -177,6 +177,39 @@ def test_failures_raise_on_every_island_and_leave_no_files(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []
 
 
+def _broken_rule(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("injected aggregation bug")
+
+
+def _aggregation_error_worker(rank: int, world: int, spool_dir: str) -> None:
+    import lightning_swarm.transport.aggregator.sharded as sharded_module
+
+    if rank == 0:  # a forked child: the patch dies with it
+        sharded_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+    transport = ShardedAggregatorTransport(
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir
+    )
+    assert transport.spool is not None
+    tensors = _contribution(rank, 0)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="injected aggregation bug"):
+            transport.average(tensors, round_index=0)
+    else:
+        with pytest.raises(
+            SwarmRoundError, match=r"round 0: aggregation failed on island\(s\) \[0\]"
+        ):
+            transport.average(tensors, round_index=0)
+    assert transport.last_round is not None
+    assert transport.last_round.outcome == AggregatorOutcome.ERROR
+    assert transport.spool.files() == [], "a failed round left spool files"
+    transport.close()
+
+
+def test_an_aggregation_error_raises_on_every_island(tmp_path: Path) -> None:
+    run_ranks(_aggregation_error_worker, 2, str(tmp_path), timeout_s=30)
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- through Lightning ------------------------------------------------------------------------
 def _fit(out: Path, **swarm: Any) -> list[dict[str, Any]]:
     out.mkdir()
