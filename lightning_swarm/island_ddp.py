@@ -5,6 +5,11 @@ the island and peer process groups, starts every rank from global rank 0's weigh
 the module in DDP over its island's group only. Nothing here crosses islands after that first
 broadcast; the outer loop does, in ``lightning_swarm.strategy``.
 
+With ``island_parallel="fsdp"`` there is no DDP wrapper: an ``IslandFSDP`` member
+(``lightning_swarm.island_fsdp``) gives the module its island's device mesh for
+``configure_model``, checks the module sharded itself, aligns the islands shard by shard and
+splits the data over ``islands x data_parallel`` replicas.
+
 Lifetime of the groups: created in ``setup_distributed``, destroyed at the very end of
 ``teardown``, after Lightning unwrapped the module (its DDP reducer is bound to the island
 group) and after a subclass closed whatever used the peer group.
@@ -18,10 +23,12 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.factory import peer_backend
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
@@ -36,6 +43,8 @@ class IslandDDPStrategy(DDPStrategy):
             world (a background thread that drives it must not share the default group).
         peer_transport: the transport that will run over the peer group (its backend may
             differ from the world's: ``transport.factory.peer_backend``).
+        island_parallel: ``"ddp"`` or ``"fsdp"`` (model-sharded islands, ``IslandFSDP``).
+        tensor_parallel_size: the island mesh's tensor-parallel size (``"fsdp"`` only).
         **kwargs: ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
 
     Raises:
@@ -49,6 +58,8 @@ class IslandDDPStrategy(DDPStrategy):
         island_size: int,
         dedicated_peers: bool = False,
         peer_transport: str = "allreduce",
+        island_parallel: str = "ddp",
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if "process_group" in kwargs:
@@ -63,6 +74,9 @@ class IslandDDPStrategy(DDPStrategy):
         self._peer_transport = peer_transport
         self._topology: IslandTopology | None = None
         self._groups: SwarmGroups | None = None
+        self._model_sharded = island_parallel == "fsdp"
+        self._tensor_parallel_size = tensor_parallel_size
+        self._fsdp: IslandFSDP | None = None
 
     @property
     def topology(self) -> IslandTopology:
@@ -91,11 +105,48 @@ class IslandDDPStrategy(DDPStrategy):
             # The swarm transport's CPU traffic needs a gloo peer group beside NCCL's.
             peer_backend=peer_backend(self._peer_transport, dist.get_backend()),
         )
+        if self._model_sharded:
+            self._fsdp = IslandFSDP(
+                self._topology,
+                self._tensor_parallel_size,
+                device_type=self.root_device.type,
+                backend=self._process_group_backend,
+                island_group=self._groups.island,
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._model_sharded and self._start_method != "popen":
+            self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """This island's ``(data_parallel, tensor_parallel)`` mesh (``island_parallel="fsdp"``)."""
+        if self._fsdp is None:
+            raise RuntimeError("a device mesh exists only with island_parallel='fsdp', after setup")
+        return self._fsdp.device_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._fsdp is not None:
+            # Read by the module's configure_model, which Lightning calls right after this.
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self._fsdp.device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._fsdp is not None:
+            return self._fsdp.sampler_kwargs()
+        return super().distributed_sampler_kwargs
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
-        """Wrap in DDP over the island's group; an island of one rank needs no wrapper."""
-        if self.topology.island_size == 1:
+        """Wrap in DDP over the island's group; an island of one rank needs no wrapper, and
+        a model-sharded island is already sharded by ``configure_model``."""
+        if self.topology.island_size == 1 or self._fsdp is not None:
             return model
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
@@ -108,6 +159,12 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
+        if self._fsdp is not None:
+            assert self.lightning_module is not None
+            self._fsdp.check_module(self.lightning_module)
+            # Anchors must start identical in every island: island 0's shards everywhere.
+            self._fsdp.align_islands(self.model, self.groups.peers)
+            return
         # Anchors must start identical on every rank: take global rank 0's weights everywhere,
         # before DDP (which would only sync inside the island) wraps the module.
         _sync_module_states(self.model)
@@ -124,6 +181,9 @@ class IslandDDPStrategy(DDPStrategy):
         # reducer, bound to the island group): unwrap first, destroy the groups last. The other
         # way round, a rank can block forever inside the wrapper of a destroyed group.
         super().teardown()
+        if self._fsdp is not None:  # before the island group, which its mesh may reuse
+            self._fsdp.destroy()
+            self._fsdp = None
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None

@@ -109,6 +109,8 @@ class SwarmStrategy(IslandDDPStrategy):
         quorum_timeout_s: float = 60.0,
         round_timeout_s: float = 60.0,
         shard_outer: bool = True,
+        island_parallel: str = "ddp",
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         self.config = SwarmConfig(
@@ -135,6 +137,8 @@ class SwarmStrategy(IslandDDPStrategy):
             quorum_timeout_s=quorum_timeout_s,
             round_timeout_s=round_timeout_s,
             shard_outer=shard_outer,
+            island_parallel=island_parallel,
+            tensor_parallel_size=tensor_parallel_size,
         )
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
@@ -145,6 +149,8 @@ class SwarmStrategy(IslandDDPStrategy):
             island_size=self.config.island_size,
             dedicated_peers=self.config.sync_delay > 0,
             peer_transport=self.config.transport,
+            island_parallel=self.config.island_parallel,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             **kwargs,
         )
         self._loop: OuterLoop | None = None
@@ -159,6 +165,8 @@ class SwarmStrategy(IslandDDPStrategy):
         strategy_registry.register("swarm", cls, description=description)
         spawn = f"{description}, processes started with spawn"
         strategy_registry.register("swarm_spawn", cls, description=spawn, start_method="spawn")
+        fsdp = f"{description}, FSDP2 inside each island (configure_model)"
+        strategy_registry.register("swarm_fsdp", cls, description=fsdp, island_parallel="fsdp")
 
     @property
     def outer_loop(self) -> OuterLoop | None:
@@ -214,12 +222,17 @@ class SwarmStrategy(IslandDDPStrategy):
             device=self.root_device,
             defer_anchors=defer_anchors,
             totals=self.totals,
-            # Elastic islands exchange through their rank 0 only (membership fans out): no shares.
-            island_group=self.groups.island if self._elastic is None else None,
+            # Elastic islands exchange through their rank 0 only (membership fans out), and a
+            # model-sharded rank's share is its own shard: no shares of the outer state.
+            island_group=self.groups.island if self._shares_outer_state else None,
             island_position=self.topology.local_index,
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
+
+    @property
+    def _shares_outer_state(self) -> bool:
+        return self._elastic is None and not self.config.model_sharded
 
     # -- checkpoints ---------------------------------------------------------------------
     def _resume_host(self) -> TrainingView:

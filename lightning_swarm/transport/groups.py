@@ -7,13 +7,18 @@ that does so, so the order cannot drift between ranks.
 The peer group may use another backend than the island groups (``peer_backend``): in an NCCL
 world the swarm transport's CPU traffic runs on a gloo peer group created beside the NCCL
 groups (``factory.peer_backend`` says when).
+
+Model-sharded islands (``island_parallel="fsdp"``) also get a device mesh of their own
+(``build_island_mesh``), built from groups created here in the same fixed order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_swarm.topology import IslandTopology
 
@@ -86,3 +91,79 @@ def _member(group: object) -> dist.ProcessGroup:
     """
     assert isinstance(group, dist.ProcessGroup), "asked for a group this rank is not in"
     return group
+
+
+MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
+
+
+@dataclass
+class IslandMesh:
+    """One rank's view of its island's ``(data_parallel, tensor_parallel)`` device mesh.
+
+    Inside an island, position ``p`` (``topology.local_index``) sits at data-parallel
+    coordinate ``p // tensor_parallel_size`` and tensor-parallel coordinate
+    ``p % tensor_parallel_size``. Ranks at the same position of every island hold the same
+    shard, so the topology's peer group is exactly "the same (dp, tp) coordinate".
+
+    Attributes:
+        mesh: this island's mesh only: it never has an island dimension (that would be HSDP,
+            a gradient reduction across islands at every step).
+        data_parallel_size, tensor_parallel_size: the mesh's shape.
+        created: groups created for the mesh, destroyed by ``destroy`` (after the module that
+            used them is gone).
+    """
+
+    mesh: DeviceMesh
+    data_parallel_size: int
+    tensor_parallel_size: int
+    created: list[dist.ProcessGroup]
+
+    def destroy(self) -> None:
+        for group in self.created:
+            dist.destroy_process_group(group)
+        self.created.clear()
+
+
+def build_island_mesh(
+    topology: IslandTopology,
+    tensor_parallel_size: int,
+    *,
+    device_type: str,
+    backend: str | None = None,
+    island_group: dist.ProcessGroup | None = None,
+) -> IslandMesh:
+    """The device mesh of this rank's island (collective on every rank).
+
+    ``init_device_mesh`` can only build one mesh over the whole world; per-island meshes are
+    built with ``DeviceMesh.from_group`` from groups created here, every island's in the same
+    order on every rank (``new_group`` is collective over the world). With one tensor-parallel
+    rank the data-parallel group is the island's own group (``island_group``), not a second one.
+    """
+    tp = tensor_parallel_size
+    dp = topology.island_size // tp
+    created: list[dist.ProcessGroup] = []
+    # Decided from arguments every rank shares, so that every rank creates the same groups.
+    reuse_island = tp == 1 and island_group is not None
+    dp_group: dist.ProcessGroup | None = island_group if reuse_island else None
+    tp_group: dist.ProcessGroup | None = None
+    my_dp, my_tp = divmod(topology.local_index, tp)
+    for island in range(topology.num_islands):
+        ranks = topology.island_ranks(island)
+        mine = island == topology.island_index
+        if not reuse_island:
+            for t in range(tp):
+                group = dist.new_group(ranks[t::tp], backend=backend)
+                if mine and t == my_tp:
+                    dp_group = _member(group)
+                    created.append(dp_group)
+        for d in range(dp):
+            group = dist.new_group(ranks[d * tp : (d + 1) * tp], backend=backend)
+            if mine and d == my_dp:
+                tp_group = _member(group)
+                created.append(tp_group)
+    assert dp_group is not None and tp_group is not None
+    layout = torch.tensor(topology.island_ranks(topology.island_index)).view(dp, tp)
+    mesh = DeviceMesh.from_group(
+        [dp_group, tp_group], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
+    )
+    return IslandMesh(mesh, dp, tp, created)

@@ -1,0 +1,108 @@
+"""A module with uneven and empty FSDP2 shards, and a fit runner for DDP and FSDP islands.
+
+``ShardedRegressor.configure_model`` shards each linear layer and then the stack over the
+island's ``data_parallel`` mesh when the strategy gives one (``island_parallel="fsdp"``) and
+does nothing under DDP islands, so the same module runs both ways. Over two data-parallel ranks
+``Linear(8, 5)`` splits its 5 rows 3 + 2 (uneven) and ``Linear(5, 1)`` its single row 1 + 0
+(an empty shard on the second rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_swarm import SwarmStrategy
+from tests.helpers import QUIET, regression_data
+
+
+class ShardedRegressor(pl.LightningModule):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+        )
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:  # DDP islands: nothing to shard
+            return
+        dp = self.device_mesh["data_parallel"]
+        fully_shard(self.net[0], mesh=dp)
+        fully_shard(self.net[2], mesh=dp)
+        fully_shard(self.net, mesh=dp)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
+
+
+class DumpShards(pl.Callback):
+    """Every rank writes, at the end of fit, its full parameters (gathered inside the island),
+    its local shards, anchors and byte totals, and the bytes of each round it sent."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rounds: list[int] = []
+        self._sent = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        if strategy.totals.bytes_sent != self._sent:
+            self.rounds.append(strategy.totals.bytes_sent - self._sent)
+            self._sent = strategy.totals.bytes_sent
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        full, local = {}, {}
+        for name, p in pl_module.named_parameters():
+            if isinstance(p, DTensor):
+                full[name], local[name] = p.full_tensor(), p.to_local()
+            else:
+                full[name], local[name] = p, p
+            full[name], local[name] = full[name].detach().clone(), local[name].detach().clone()
+        outer = strategy.outer_syncs[0]
+        info = {
+            "full": full,
+            "local": local,
+            "anchors": {n: a.clone() for n, a in outer.anchors.items()},
+            "anchor_bytes": strategy.outer_loop.anchor_bytes() if strategy.outer_loop else -1,
+            "outer_state_bytes": strategy.outer_loop.outer_state_bytes()
+            if strategy.outer_loop
+            else -1,
+            "rounds": self.rounds,
+            "outer_steps": outer.outer_steps,
+        }
+        torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit_islands(out: Path, *, steps: int, devices: int = 4, **strategy_kw: Any) -> None:
+    """One fit of ``ShardedRegressor`` (fork launcher, CPU, gloo), each rank dumping its state."""
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(7)
+    strategy_kw.setdefault("start_method", "fork")
+    strategy = SwarmStrategy(**strategy_kw)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[DumpShards(out)],
+        **QUIET,
+    )
+    trainer.fit(ShardedRegressor(), regression_data())
+
+
+def load(out: Path, world: int) -> list[dict[str, Any]]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]

@@ -1,0 +1,106 @@
+"""Model-sharded islands (``island_parallel="fsdp"``): 2 islands x 2 FSDP2 ranks over gloo.
+
+The same data, seeds and options run once with DDP islands and once with FSDP islands; the
+outer round of the FSDP run works on each rank's local shards only. The model has an uneven
+shard (5 rows over 2 ranks) and an empty one (1 row over 2 ranks: rank 1 holds none).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_swarm import SwarmStrategy
+from lightning_swarm.config import SwarmConfig
+from tests.fsdp_utils import fit_islands, load
+
+STEPS, SYNC_EVERY = 9, 3
+
+
+@pytest.fixture(scope="module")
+def ddp_and_fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, list]:
+    root = tmp_path_factory.mktemp("fsdp_vs_ddp")
+    common = {"island_size": 2, "sync_every": SYNC_EVERY}
+    fit_islands(root / "ddp", steps=STEPS, shard_outer=False, **common)
+    fit_islands(root / "fsdp", steps=STEPS, island_parallel="fsdp", **common)
+    return load(root / "ddp", 4), load(root / "fsdp", 4)
+
+
+def test_fsdp_islands_match_ddp_islands(ddp_and_fsdp: tuple[list, list]) -> None:
+    ddp, fsdp = ddp_and_fsdp
+    for rank in range(4):
+        assert fsdp[rank]["outer_steps"] == STEPS // SYNC_EVERY
+        for name, want in ddp[rank]["full"].items():
+            got = fsdp[rank]["full"][name]
+            assert got.shape == want.shape, name
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fsdp_shards_are_uneven_and_empty(ddp_and_fsdp: tuple[list, list]) -> None:
+    _, fsdp = ddp_and_fsdp
+    assert fsdp[0]["local"]["net.0.weight"].shape == (3, 8)
+    assert fsdp[1]["local"]["net.0.weight"].shape == (2, 8)
+    assert fsdp[0]["local"]["net.2.weight"].shape == (1, 5)
+    assert fsdp[1]["local"]["net.2.weight"].shape == (0, 5)
+    assert fsdp[1]["local"]["net.2.bias"].numel() == 0
+
+
+def test_fsdp_anchors_and_outer_state_are_the_local_shards(
+    ddp_and_fsdp: tuple[list, list],
+) -> None:
+    _, fsdp = ddp_and_fsdp
+    for rank, info in enumerate(fsdp):
+        shard_bytes = sum(t.numel() * t.element_size() for t in info["local"].values())
+        assert info["anchor_bytes"] == shard_bytes, rank
+        # Nesterov SGD keeps one momentum buffer per anchor: the shard's size again
+        assert info["outer_state_bytes"] == shard_bytes, rank
+        for name, anchor in info["anchors"].items():
+            # sync_at_end: every island ends on the anchors, shard for shard
+            assert torch.equal(anchor, info["local"][name]), (rank, name)
+    full_bytes = sum(t.numel() * 4 for t in fsdp[0]["full"].values())
+    assert fsdp[0]["anchor_bytes"] + fsdp[1]["anchor_bytes"] == full_bytes
+    assert fsdp[0]["anchor_bytes"] != fsdp[1]["anchor_bytes"]  # uneven shards
+
+
+def test_fsdp_bytes_sent_per_round_are_the_shard(ddp_and_fsdp: tuple[list, list]) -> None:
+    ddp, fsdp = ddp_and_fsdp
+    for rank, info in enumerate(fsdp):
+        shard_bytes = sum(t.numel() * t.element_size() for t in info["local"].values())
+        # a ring all-reduce between 2 islands sends the payload once
+        assert info["rounds"] == [shard_bytes] * (STEPS // SYNC_EVERY), rank
+    full_bytes = sum(t.numel() * 4 for t in ddp[0]["full"].values())
+    assert ddp[0]["rounds"] == [full_bytes] * (STEPS // SYNC_EVERY)
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"island_parallel": "zero"}, "island_parallel='zero'"),
+        ({"tensor_parallel_size": 2, "island_size": 2}, "island_parallel='fsdp'"),
+        ({"island_parallel": "fsdp", "tensor_parallel_size": 0}, "tensor_parallel_size"),
+        (
+            {"island_parallel": "fsdp", "island_size": 3, "tensor_parallel_size": 2},
+            "tensor_parallel_size=2 does not divide island_size=3",
+        ),
+        (
+            {"island_parallel": "fsdp", "membership": "torchft", "lighthouse": "http://h:1"},
+            "membership='torchft'",
+        ),
+        (
+            {"island_parallel": "fsdp", "transport": "swarm", "swarm": {"max_norm": 1.0}},
+            "swarm.max_norm",
+        ),
+    ],
+)
+def test_refusals_name_the_option(options: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(".", r"\.")) as err:
+        SwarmConfig(**options)
+    assert "island_parallel" in str(err.value) or "tensor_parallel_size" in str(err.value)
+    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(".", r"\.")):
+        SwarmStrategy(**options)
+
+
+def test_sharded_outer_state_is_off_under_fsdp() -> None:
+    assert SwarmConfig(island_size=2).sharded
+    assert not SwarmConfig(island_size=2, island_parallel="fsdp").sharded
+    assert SwarmConfig(island_size=4, island_parallel="fsdp").data_parallel_size == 4
