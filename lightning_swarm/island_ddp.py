@@ -18,6 +18,7 @@ group) and after a subclass closed whatever used the peer group.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -26,9 +27,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
+from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.factory import peer_backend
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
@@ -141,6 +144,31 @@ class IslandDDPStrategy(DDPStrategy):
         if self._fsdp is not None:
             return self._fsdp.sampler_kwargs()
         return super().distributed_sampler_kwargs
+
+    # -- model-sharded checkpoints: the module and inner optimizers live in per-rank swarm files
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Rank 0's shards alone would be neither the model nor loadable into other ranks.
+        return {} if self._model_sharded else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {} if self._model_sharded else super().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        swarm = checkpoint.get("swarm")
+        if isinstance(swarm, Mapping) and isinstance(swarm.get("fingerprint"), Mapping):
+            # Before Lightning loads weights that may not be there (a per-rank save has none).
+            mesh = self._fsdp.mesh.shape if self._fsdp is not None else None
+            check_layout(swarm["fingerprint"], mesh, self.topology.num_islands)
+        if not self._model_sharded:  # sharded: the swarm restore installs each rank's shards
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._model_sharded:
+            super().load_optimizer_state_dict(checkpoint)
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]

@@ -62,6 +62,7 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
+from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
 
 
@@ -249,7 +250,15 @@ class SwarmStrategy(IslandDDPStrategy):
             options=options_of(self.config, self.outer_syncs),
             anchors=self.config.anchors,
             collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+            model_shards=self._model_shards(module),
         )
+
+    def _model_shards(self, module: Module) -> ModelShards | None:
+        """The island mesh and global shapes, when each rank holds only its shards."""
+        if self._fsdp is None:
+            return None
+        shapes = {name: list(p.shape) for name, p in module.named_parameters()}
+        return ModelShards(mesh=self._fsdp.mesh.shape, global_shapes=shapes)
 
     @functools.cached_property
     def checkpointer(self) -> SwarmCheckpointer:

@@ -14,9 +14,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
 from tests.helpers import QUIET, regression_data
@@ -106,3 +108,97 @@ def fit_islands(out: Path, *, steps: int, devices: int = 4, **strategy_kw: Any) 
 
 def load(out: Path, world: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+# -- resume ------------------------------------------------------------------------------------
+class ShardedStepModel(pl.LightningModule):
+    """``resume_utils.StepDataModel``'s step-seeded data with uneven (5 rows) and empty (1 row)
+    shards over two ranks, trained with Adam so the inner optimizer state matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+        )
+
+    def configure_model(self) -> None:
+        dp = self.device_mesh["data_parallel"]
+        fully_shard(self.net[0], mesh=dp)
+        fully_shard(self.net[2], mesh=dp)
+        fully_shard(self.net, mesh=dp)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        g = torch.Generator().manual_seed(1000 * self.trainer.global_step + self.global_rank)
+        x = torch.randn(16, 6, generator=g)
+        y = x[:, :3].sum(1, keepdim=True) - x[:, 3:].prod(1, keepdim=True)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4096, 1)), batch_size=1)
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class DumpLocal(pl.Callback):
+    """Every rank writes its local module shards, anchors, inner optimizer state and counters."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        optimizer = trainer.optimizers[0].state_dict()["state"]
+        info = {
+            "params": {k: _local(v).detach().clone() for k, v in pl_module.state_dict().items()},
+            "anchors": [{k: v.clone() for k, v in o.anchors.items()} for o in strategy.outer_syncs],
+            "inner_steps": [o.inner_steps for o in strategy.outer_syncs],
+            "outer_steps": [o.outer_steps for o in strategy.outer_syncs],
+            "optimizer": {
+                i: {k: _local(v).clone() for k, v in s.items()} for i, s in optimizer.items()
+            },
+            "summary": strategy.checkpointer.summary,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit_sharded(
+    out: Path,
+    *,
+    max_steps: int,
+    ckpt_dir: Path | None = None,
+    ckpt_path: Path | None = None,
+    **strategy_kw: Any,
+) -> None:
+    """2 islands x 2 FSDP ranks of ``ShardedStepModel``; a checkpoint after every step."""
+    pl.seed_everything(0)
+    strategy_kw.setdefault("sync_every", 3)
+    strategy = SwarmStrategy(
+        island_size=2, island_parallel="fsdp", start_method="fork", **strategy_kw
+    )
+    callbacks: list[pl.Callback] = [DumpLocal(out)]
+    if ckpt_dir is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=ckpt_dir is not None,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(ShardedStepModel(), ckpt_path=ckpt_path)

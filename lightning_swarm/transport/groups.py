@@ -118,6 +118,14 @@ class IslandMesh:
     tensor_parallel_size: int
     created: list[dist.ProcessGroup]
 
+    @property
+    def shape(self) -> dict[str, int]:
+        """``{"data_parallel": dp, "tensor_parallel": tp}``, as checkpoints record it."""
+        return {
+            "data_parallel": self.data_parallel_size,
+            "tensor_parallel": self.tensor_parallel_size,
+        }
+
     def destroy(self) -> None:
         for group in self.created:
             dist.destroy_process_group(group)

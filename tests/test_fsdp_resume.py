@@ -1,0 +1,104 @@
+"""Checkpoints of model-sharded islands: per-rank files that keep every island's shards.
+
+2 islands x 2 FSDP2 ranks, a checkpoint after every step; a resume from a checkpoint taken
+between two rounds (the islands differ then) must continue bit for bit, also with a round in
+flight (fragments and ``sync_delay``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.files import swarm_root
+from tests.fsdp_utils import fit_sharded
+from tests.resume_utils import load_ranks
+
+MAX_STEPS = 8
+CASES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "fragments_delay": {"sync_every": 4, "num_fragments": 2, "sync_delay": 1},
+}
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
+    for key, value in a["params"].items():
+        assert torch.equal(value, b["params"][key]), f"{where}: param {key}"
+    for oa, ob in zip(a["anchors"], b["anchors"], strict=True):
+        for key, value in oa.items():
+            assert torch.equal(value, ob[key]), f"{where}: anchor {key}"
+    assert (a["inner_steps"], a["outer_steps"]) == (b["inner_steps"], b["outer_steps"]), where
+    for index, state in a["optimizer"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer"][index][key]), f"{where}: adam {key}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_mid_round_is_bitwise(tmp_path: Path, case: str) -> None:
+    options = CASES[case]
+    fit_sharded(tmp_path / "full", max_steps=MAX_STEPS, ckpt_dir=tmp_path / "ckpts", **options)
+    ckpt = tmp_path / "ckpts" / "step=5.ckpt"  # between rounds: the islands differ
+    fit_sharded(tmp_path / "resumed", max_steps=MAX_STEPS, ckpt_path=ckpt, **options)
+    full, resumed = load_ranks(tmp_path / "full", 4), load_ranks(tmp_path / "resumed", 4)
+    for rank in range(4):
+        assert "from this rank's own files" in resumed[rank]["summary"]
+        _assert_same(full[rank], resumed[rank], f"rank {rank}")
+
+
+def test_save_keeps_every_island_shards(tmp_path: Path) -> None:
+    # max_steps past step 5: at the end of fit the islands are made equal again (sync_at_end)
+    fit_sharded(tmp_path / "full", max_steps=6, ckpt_dir=tmp_path / "ckpts")
+    ckpt = tmp_path / "ckpts" / "step=5.ckpt"
+    record = torch.load(ckpt, weights_only=True)
+    assert record["state_dict"] == {}  # the weights are in the per-rank files only
+    directory = swarm_root(ckpt) / record["swarm"]["save_id"]
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [
+        "anchors-rank-00000.pt",
+        "anchors-rank-00001.pt",
+        "island-00000-rank-00000.pt",
+        "island-00000-rank-00001.pt",
+        "island-00001-rank-00000.pt",
+        "island-00001-rank-00001.pt",
+    ]
+    assert sorted(record["swarm"]["files"]) == names
+    shards = {
+        (i, r): torch.load(directory / f"island-{i:05d}-rank-{r:05d}.pt", weights_only=True)
+        for i in range(2)
+        for r in range(2)
+    }
+    for position, rows in ((0, 3), (1, 2)):  # Linear(6, 5) over 2 ranks: uneven
+        weights = [shards[(i, position)]["module"]["net.0.weight"] for i in range(2)]
+        assert weights[0].shape == weights[1].shape == (rows, 6)
+        # two steps after the round at step 3 the islands differ: both were kept
+        assert not torch.equal(weights[0], weights[1]), position
+    assert shards[(0, 1)]["module"]["net.2.weight"].shape == (0, 5)  # the empty shard
+    anchors = [
+        torch.load(directory / f"anchors-rank-{r:05d}.pt", weights_only=True) for r in (0, 1)
+    ]
+    assert anchors[0]["outer"][0]["anchors"]["net.0.weight"].shape == (3, 6)
+    assert anchors[1]["outer"][0]["anchors"]["net.0.weight"].shape == (2, 6)
+
+
+def test_resume_onto_another_layout_is_refused(tmp_path: Path) -> None:
+    fit_sharded(tmp_path / "full", max_steps=2, ckpt_dir=tmp_path / "ckpts")
+    ckpt = tmp_path / "ckpts" / "step=2.ckpt"
+    from tests.resume_utils import fit
+
+    with pytest.raises(Exception, match="island_parallel='ddp'") as err:
+        fit(tmp_path / "ddp", devices=4, island_size=2, max_steps=4, ckpt_path=ckpt)
+    assert "data_parallel=2 x tensor_parallel=1" in str(err.value)
+    assert SwarmCheckpointError.__name__ in str(err.value)
+
+
+def test_fsdp_run_refuses_a_ddp_checkpoint(tmp_path: Path) -> None:
+    from tests.resume_utils import fit
+
+    fit(tmp_path / "ddp", devices=4, island_size=2, max_steps=2, ckpt_dir=tmp_path / "ckpts")
+    with pytest.raises(Exception, match="island_parallel='fsdp'") as err:
+        fit_sharded(tmp_path / "fsdp", max_steps=4, ckpt_path=tmp_path / "ckpts" / "step=2.ckpt")
+    assert "2 DDP island(s) (island_parallel='ddp')" in str(err.value)
