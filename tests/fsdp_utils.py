@@ -202,3 +202,44 @@ def fit_sharded(
         callbacks=callbacks,
     )
     trainer.fit(ShardedStepModel(), ckpt_path=ckpt_path)
+
+
+# -- the demo GPT and refusals at setup -----------------------------------------------------------
+def token_data(num: int = 64, block_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (num, block_size + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+def fit_module(
+    module: pl.LightningModule, data: DataLoader, out: Path, *, devices: int, **strategy_kw: Any
+) -> None:
+    """Fit any module under ``SwarmStrategy`` (fork launcher), each rank dumping its state."""
+    out.mkdir(parents=True, exist_ok=True)
+    strategy_kw.setdefault("start_method", "fork")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=SwarmStrategy(**strategy_kw),
+        max_steps=4,
+        callbacks=[DumpShards(out)],
+        **QUIET,
+    )
+    trainer.fit(module, data)
+
+
+class NoConfigureModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ForgetsToShard(NoConfigureModel):
+    def configure_model(self) -> None:
+        pass  # written for DDP: under FSDP islands nothing would average its gradients

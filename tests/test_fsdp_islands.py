@@ -7,12 +7,22 @@ shard (5 rows over 2 ranks) and an empty one (1 row over 2 ranks: rank 1 holds n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.config import SwarmConfig
-from tests.fsdp_utils import fit_islands, load
+from tests.fsdp_utils import (
+    ForgetsToShard,
+    NoConfigureModel,
+    fit_islands,
+    fit_module,
+    load,
+    token_data,
+)
+from tests.helpers import regression_data
 
 STEPS, SYNC_EVERY = 9, 3
 
@@ -104,3 +114,45 @@ def test_sharded_outer_state_is_off_under_fsdp() -> None:
     assert SwarmConfig(island_size=2).sharded
     assert not SwarmConfig(island_size=2, island_parallel="fsdp").sharded
     assert SwarmConfig(island_size=4, island_parallel="fsdp").data_parallel_size == 4
+
+
+def test_swarm_fsdp_is_registered() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = StrategyRegistry.get("swarm_fsdp")
+    assert isinstance(strategy, SwarmStrategy)
+    assert strategy.config.island_parallel == "fsdp"
+
+
+def test_demo_gpt_shards_and_matches_ddp_islands(tmp_path: Path) -> None:
+    from lightning_swarm.demo.gpt import GPTLightningModule
+
+    def gpt() -> GPTLightningModule:
+        torch.manual_seed(0)
+        return GPTLightningModule(block_size=8, n_layer=2, n_head=2, n_embd=16, warmup_steps=1)
+
+    common = {"devices": 4, "island_size": 2, "sync_every": 2}
+    fit_module(gpt(), token_data(), tmp_path / "ddp", shard_outer=False, **common)
+    fit_module(gpt(), token_data(), tmp_path / "fsdp", island_parallel="fsdp", **common)
+    ddp, fsdp = load(tmp_path / "ddp", 4), load(tmp_path / "fsdp", 4)
+    for rank in range(4):
+        assert fsdp[rank]["outer_steps"] == 2
+        for name, want in ddp[rank]["full"].items():
+            torch.testing.assert_close(fsdp[rank]["full"][name], want, rtol=0, atol=1e-6)
+    # each rank's anchors are half the model (every GPT tensor has an even first dimension)
+    full_bytes = sum(t.numel() * 4 for t in fsdp[0]["full"].values())
+    assert fsdp[0]["anchor_bytes"] == fsdp[1]["anchor_bytes"] == full_bytes // 2
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (NoConfigureModel, "requires the LightningModule to override configure_model"),
+        (ForgetsToShard, "left 2 parameter\\(s\\) unsharded, e.g. \\['layer.weight'"),
+    ],
+)
+def test_module_that_does_not_shard_is_refused(tmp_path: Path, module: type, message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        fit_module(
+            module(), regression_data(), tmp_path, devices=2, island_size=2, island_parallel="fsdp"
+        )
