@@ -122,6 +122,7 @@ class ShardedStepModel(pl.LightningModule):
         )
 
     def configure_model(self) -> None:
+        assert self.device_mesh is not None, "run under island_parallel='fsdp'"
         dp = self.device_mesh["data_parallel"]
         fully_shard(self.net[0], mesh=dp)
         fully_shard(self.net[2], mesh=dp)
