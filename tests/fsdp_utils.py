@@ -85,6 +85,7 @@ class DumpShards(pl.Callback):
             else -1,
             "rounds": self.rounds,
             "outer_steps": outer.outer_steps,
+            "residuals": {n: r.clone() for n, r in outer.residuals.items()},
         }
         torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
 

@@ -156,3 +156,34 @@ def test_module_that_does_not_shard_is_refused(tmp_path: Path, module: type, mes
         fit_module(
             module(), regression_data(), tmp_path, devices=2, island_size=2, island_parallel="fsdp"
         )
+
+
+@pytest.mark.parametrize(
+    ("options", "atol"),
+    [
+        # each rank blocks its own shard for the int8 scales, so the codes differ from DDP's
+        ({"quantize": "int8", "quantize_block_size": 4, "error_feedback": True}, 1e-3),
+        ({"transport": "swarm"}, 1e-6),
+        ({"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "merge_alpha": 0.5}, 1e-6),
+    ],
+    ids=["int8_error_feedback", "swarm_transport", "fragments_delay_alpha"],
+)
+def test_fsdp_outer_features_on_shards(tmp_path: Path, options: dict, atol: float) -> None:
+    common = {"island_size": 2, "sync_every": SYNC_EVERY, **options}
+    fit_islands(tmp_path / "ddp", steps=STEPS, shard_outer=False, **common)
+    fit_islands(tmp_path / "fsdp", steps=STEPS, island_parallel="fsdp", **common)
+    ddp, fsdp = load(tmp_path / "ddp", 4), load(tmp_path / "fsdp", 4)
+    for rank in range(4):
+        assert fsdp[rank]["outer_steps"] == ddp[rank]["outer_steps"] >= 3
+        for name, want in ddp[rank]["full"].items():
+            torch.testing.assert_close(fsdp[rank]["full"][name], want, rtol=0, atol=atol)
+        for name, anchor in fsdp[rank]["anchors"].items():  # every island ends on the anchors
+            assert torch.equal(anchor, fsdp[rank]["local"][name]), (rank, name)
+    if options.get("error_feedback"):
+        # the residuals are per rank and shaped like its shards (the empty one included)
+        for rank in range(4):
+            residuals = fsdp[rank]["residuals"]
+            assert set(residuals) == set(fsdp[rank]["local"])
+            for name, residual in residuals.items():
+                assert residual.shape == fsdp[rank]["local"][name].shape
+            assert any(r.abs().sum() > 0 for r in residuals.values())
