@@ -292,13 +292,6 @@ def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
                 "not formed yet; drop swarm.max_norm.",
             )
         )
-    if config.tensor_parallel_size > 1:
-        refusals.append(
-            (
-                f"tensor_parallel_size={config.tensor_parallel_size}",
-                "tensor-parallel islands are not supported yet; use tensor_parallel_size=1.",
-            )
-        )
     return refusals
 
 

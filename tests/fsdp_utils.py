@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
@@ -245,3 +246,36 @@ class NoConfigureModel(pl.LightningModule):
 class ForgetsToShard(NoConfigureModel):
     def configure_model(self) -> None:
         pass  # written for DDP: under FSDP islands nothing would average its gradients
+
+
+class TensorParallelRegressor(ShardedRegressor):
+    """A regressor split over the island's ``tensor_parallel`` mesh: the first layer column-wise
+    (6 output rows, 3 per rank), the second row-wise (its bias replicated). Even splits: a
+    column-wise output enters the row-wise layer as a local tensor, which torch re-wraps
+    assuming even shards. Under DDP islands ``configure_model`` does nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)
+        )
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+
+
+def fit_tensor_parallel(out: Path, *, devices: int, **strategy_kw: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(7)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=SwarmStrategy(start_method="fork", **strategy_kw),
+        max_steps=9,
+        callbacks=[DumpShards(out)],
+        **QUIET,
+    )
+    trainer.fit(TensorParallelRegressor(), regression_data())

@@ -19,6 +19,7 @@ from tests.fsdp_utils import (
     NoConfigureModel,
     fit_islands,
     fit_module,
+    fit_tensor_parallel,
     load,
     token_data,
 )
@@ -187,3 +188,31 @@ def test_fsdp_outer_features_on_shards(tmp_path: Path, options: dict, atol: floa
             for name, residual in residuals.items():
                 assert residual.shape == fsdp[rank]["local"][name].shape
             assert any(r.abs().sum() > 0 for r in residuals.values())
+
+
+def test_tensor_parallel_islands_match_ddp_islands(tmp_path: Path) -> None:
+    """2 islands x (1 dp x 2 tp) against 2 single-rank DDP islands: both tensor-parallel ranks
+    of an island read the island's batch, so each island sees what a one-rank island sees."""
+    common = {"sync_every": SYNC_EVERY}
+    fit_tensor_parallel(tmp_path / "ddp", devices=2, island_size=1, **common)
+    fit_tensor_parallel(
+        tmp_path / "tp",
+        devices=4,
+        island_size=2,
+        island_parallel="fsdp",
+        tensor_parallel_size=2,
+        **common,
+    )
+    ddp, tp = load(tmp_path / "ddp", 2), load(tmp_path / "tp", 4)
+    for rank in range(4):
+        island = rank // 2
+        assert tp[rank]["outer_steps"] == STEPS // SYNC_EVERY
+        for name, want in ddp[island]["full"].items():
+            torch.testing.assert_close(tp[rank]["full"][name], want, rtol=0, atol=1e-6, msg=name)
+    assert tp[1]["local"]["net.0.weight"].shape == (3, 8)  # column-wise: output rows
+    assert tp[1]["local"]["net.2.weight"].shape == (1, 3)  # row-wise: input columns
+    assert tp[1]["local"]["net.2.bias"].shape == (1,)  # replicated on both ranks
+    for rank in range(4):
+        shard_bytes = sum(t.numel() * t.element_size() for t in tp[rank]["local"].values())
+        assert tp[rank]["anchor_bytes"] == shard_bytes
+        assert tp[rank]["rounds"] == [shard_bytes] * (STEPS // SYNC_EVERY)
