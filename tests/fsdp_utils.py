@@ -171,15 +171,31 @@ class DumpLocal(pl.Callback):
         torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
 
 
+class TensorParallelStepModel(ShardedStepModel):
+    """``ShardedStepModel``'s data over the island's ``tensor_parallel`` mesh (even splits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)
+        )
+
+    def configure_model(self) -> None:
+        assert self.device_mesh is not None, "run under island_parallel='fsdp'"
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+
+
 def fit_sharded(
     out: Path,
     *,
     max_steps: int,
     ckpt_dir: Path | None = None,
     ckpt_path: Path | None = None,
+    model: type[pl.LightningModule] = ShardedStepModel,
     **strategy_kw: Any,
 ) -> None:
-    """2 islands x 2 FSDP ranks of ``ShardedStepModel``; a checkpoint after every step."""
+    """2 islands x 2 FSDP ranks of ``model``; a checkpoint after every step into ``ckpt_dir``."""
     pl.seed_everything(0)
     strategy_kw.setdefault("sync_every", 3)
     strategy = SwarmStrategy(
@@ -204,7 +220,7 @@ def fit_sharded(
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
-    trainer.fit(ShardedStepModel(), ckpt_path=ckpt_path)
+    trainer.fit(model(), ckpt_path=ckpt_path)
 
 
 # -- the demo GPT and refusals at setup -----------------------------------------------------------

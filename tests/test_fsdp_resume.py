@@ -15,13 +15,14 @@ import torch
 
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import swarm_root
-from tests.fsdp_utils import fit_sharded
+from tests.fsdp_utils import TensorParallelStepModel, fit_sharded
 from tests.resume_utils import load_ranks
 
 MAX_STEPS = 8
 CASES: dict[str, dict[str, Any]] = {
     "plain": {},
     "fragments_delay": {"sync_every": 4, "num_fragments": 2, "sync_delay": 1},
+    "tensor_parallel": {"tensor_parallel_size": 2, "model": TensorParallelStepModel},
 }
 
 
