@@ -91,7 +91,14 @@ class DumpShards(pl.Callback):
         torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def fit_islands(out: Path, *, steps: int, devices: int = 4, **strategy_kw: Any) -> None:
+def fit_islands(
+    out: Path,
+    *,
+    steps: int,
+    devices: int = 4,
+    trainer_kw: dict[str, Any] | None = None,
+    **strategy_kw: Any,
+) -> None:
     """One fit of ``ShardedRegressor`` (fork launcher, CPU, gloo), each rank dumping its state."""
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(7)
@@ -104,6 +111,7 @@ def fit_islands(out: Path, *, steps: int, devices: int = 4, **strategy_kw: Any) 
         max_steps=steps,
         callbacks=[DumpShards(out)],
         **QUIET,
+        **(trainer_kw or {}),
     )
     trainer.fit(ShardedRegressor(), regression_data())
 
