@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -162,13 +163,25 @@ class IslandDDPStrategy(DDPStrategy):
             # Before Lightning loads weights that may not be there (a per-rank save has none).
             mesh = self._fsdp.mesh.shape if self._fsdp is not None else None
             check_layout(swarm["fingerprint"], mesh, self.topology.num_islands)
-        if not self._model_sharded:  # sharded: the swarm restore installs each rank's shards
+        if self._fsdp is None:
             super().load_model_state_dict(checkpoint, strict=strict)
+        elif swarm is None and checkpoint.get("state_dict"):
+            # A plain Lightning checkpoint holds the full weights: each rank takes its shards.
+            # A swarm checkpoint's shards are installed by the swarm restore instead.
+            assert self.lightning_module is not None
+            self._fsdp.load_full_state(
+                self.lightning_module, checkpoint["state_dict"], strict=strict
+            )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._model_sharded:
             super().load_optimizer_state_dict(checkpoint)
+        elif "swarm" not in checkpoint and self.is_global_zero:
+            rank_zero_warn(
+                "island_parallel='fsdp': a plain Lightning checkpoint's inner optimizer state is "
+                "not restored (it is one rank's, unsharded); the inner optimizers start fresh."
+            )
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]

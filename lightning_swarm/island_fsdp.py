@@ -26,6 +26,7 @@ before the island groups (the mesh may reuse the island group, which the strateg
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,6 +39,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
@@ -149,6 +151,16 @@ class IslandFSDP:
                     _broadcast(tensor.to_local(), group=peers)
             else:
                 _broadcast(tensor.detach(), group=None)
+
+    def load_full_state(self, module: Module, state: Mapping[str, Any], *, strict: bool) -> None:
+        """Load an unsharded state dict (a plain Lightning checkpoint) into the sharded module.
+
+        Every rank holds the whole dict (Lightning loaded the file on each) and keeps its own
+        slice of each tensor; collective over the island's mesh.
+        """
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        # set_model_state_dict replaces the dict's values as it distributes them: hand it a copy.
+        set_model_state_dict(module, dict(state), options=options)
 
     def destroy(self) -> None:
         if self._mesh is not None:

@@ -160,6 +160,10 @@ class DumpLocal(pl.Callback):
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.start: dict[str, Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = {k: _local(v).detach().clone() for k, v in pl_module.state_dict().items()}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -174,6 +178,7 @@ class DumpLocal(pl.Callback):
                 i: {k: _local(v).clone() for k, v in s.items()} for i, s in optimizer.items()
             },
             "summary": strategy.checkpointer.summary,
+            "start": self.start,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(info, self.out / f"rank{trainer.global_rank}.pt")

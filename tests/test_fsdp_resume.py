@@ -103,3 +103,27 @@ def test_fsdp_run_refuses_a_ddp_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="island_parallel='fsdp'") as err:
         fit_sharded(tmp_path / "fsdp", max_steps=4, ckpt_path=tmp_path / "ckpts" / "step=2.ckpt")
     assert "2 DDP island(s) (island_parallel='ddp')" in str(err.value)
+
+
+def test_plain_checkpoint_weights_are_sharded_into_fsdp_islands(tmp_path: Path) -> None:
+    """A plain Lightning checkpoint (full weights, no swarm record) starts FSDP islands: each
+    rank takes its slices, uneven and empty shards included."""
+    import lightning.pytorch as pl
+
+    from tests.fsdp_utils import ShardedStepModel
+
+    pl.seed_everything(5)
+    module = ShardedStepModel()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=0, logger=False)
+    trainer.strategy.connect(module)
+    ckpt = tmp_path / "plain.ckpt"
+    trainer.save_checkpoint(ckpt)
+    fit_sharded(tmp_path / "out", max_steps=1, ckpt_path=ckpt, sync_every=1)
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    for rank in range(4):
+        start = torch.load(tmp_path / "out" / f"rank{rank}.pt", weights_only=True)["start"]
+        for name, value in saved.items():
+            rows = {0: slice(0, 3), 1: slice(3, 5)}[rank % 2]
+            if name.startswith("net.2"):
+                rows = {0: slice(0, 1), 1: slice(1, 1)}[rank % 2]
+            assert torch.equal(start[name], value[rows]), (rank, name)
