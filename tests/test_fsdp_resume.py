@@ -127,3 +127,39 @@ def test_plain_checkpoint_weights_are_sharded_into_fsdp_islands(tmp_path: Path) 
             if name.startswith("net.2"):
                 rows = {0: slice(0, 1), 1: slice(1, 1)}[rank % 2]
             assert torch.equal(start[name], value[rows]), (rank, name)
+
+
+def test_each_rank_reads_only_its_own_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restore I/O per rank is its own island file and its own anchor shard, nothing else."""
+    import torch.distributed as dist
+
+    import lightning_swarm.resume.per_rank as per_rank
+
+    fit_sharded(tmp_path / "full", max_steps=4, ckpt_dir=tmp_path / "ckpts")
+    log = tmp_path / "reads"
+    log.mkdir()
+    real_load, real_check = per_rank.load_swarm_file, per_rank.check_file
+
+    def record(kind: str, path: Path) -> None:
+        with open(log / f"rank{dist.get_rank()}", "a") as handle:
+            handle.write(f"{kind} {path.name}\n")
+
+    def load(path: Path, *, mmap: bool) -> Any:
+        record("load", path)
+        return real_load(path, mmap=mmap)
+
+    def check(path: Path, expected: Any, *, verify: bool) -> None:
+        record("check", path)
+        real_check(path, expected, verify=verify)
+
+    # Patched before the fork launcher starts the ranks, so every rank runs the recorders.
+    monkeypatch.setattr(per_rank, "load_swarm_file", load)
+    monkeypatch.setattr(per_rank, "check_file", check)
+    fit_sharded(tmp_path / "resumed", max_steps=5, ckpt_path=tmp_path / "ckpts" / "step=4.ckpt")
+    for rank in range(4):
+        island, position = divmod(rank, 2)
+        own = [f"island-{island:05d}-rank-{position:05d}.pt", f"anchors-rank-{position:05d}.pt"]
+        reads = (log / f"rank{rank}").read_text().split()
+        assert reads == ["check", own[0], "load", own[0], "check", own[1], "load", own[1]], rank
