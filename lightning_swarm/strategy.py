@@ -211,6 +211,8 @@ class SwarmStrategy(IslandDDPStrategy):
                 num_islands=self.topology.num_islands,
                 island_index=self.topology.island_index,
                 device=staging_device(self.root_device),
+                # Model-sharded: one finite verdict per island, whatever shard holds a NaN.
+                island_group=self.groups.island if self.config.model_sharded else None,
             )
         )
         self._loop = OuterLoop(

@@ -30,19 +30,30 @@ def agree_finite(
     group: dist.ProcessGroup | None,
     num_islands: int,
     device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Raise ``NonFinitePseudoGradientError`` on every rank if any island's tensors are not finite.
 
     Collective over the peer group (ordered by island). With one island only the local check
-    runs. Costs one all-gather of ``num_islands`` floats.
+    runs. Costs one all-gather of ``num_islands`` floats. With ``island_group`` (model-sharded
+    islands, whose ranks hold different shards) the island first agrees on one verdict, so that
+    every peer group raises or proceeds together.
     """
-    agree_finite_flag(all_finite(tensors), group, num_islands, device)
+    agree_finite_flag(all_finite(tensors), group, num_islands, device, island_group)
 
 
 def agree_finite_flag(
-    local: bool, group: dist.ProcessGroup | None, num_islands: int, device: torch.device
+    local: bool,
+    group: dist.ProcessGroup | None,
+    num_islands: int,
+    device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
 ) -> None:
     """``agree_finite`` for a verdict the caller already has (e.g. from a norm it computed)."""
+    if island_group is not None:
+        island_flag = torch.tensor([1.0 if local else 0.0], device=device)
+        dist.all_reduce(island_flag, op=dist.ReduceOp.MIN, group=island_group)
+        local = bool(island_flag.item() == 1.0)
     if num_islands > 1:
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         flags = [torch.empty_like(flag) for _ in range(num_islands)]

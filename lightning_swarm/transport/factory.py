@@ -48,6 +48,7 @@ def build_transport(
     codec: Codec | None,
     bucket_numel: int,
     swarm: SwarmTransportConfig,
+    island_group: dist.ProcessGroup | None = None,
 ) -> Transport:
     """The transport named ``transport`` over the peer group ``group``.
 
@@ -63,6 +64,9 @@ def build_transport(
             float32 as is.
         bucket_numel: float32 elements per all-reduce bucket.
         swarm: the swarm transport's options (used only by ``"swarm"``).
+        island_group: a model-sharded island's group, over which the all-reduce transports
+            agree on one finite verdict per island before the peer groups compare theirs.
+            The swarm transport judges each peer group's contributions on its own.
 
     Raises:
         ValueError: an unknown transport, or options out of range for this topology.
@@ -88,8 +92,17 @@ def build_transport(
         )
     if codec is not None:
         return QuantizedTransport(
-            group, num_islands=num_islands, codec=codec, bucket_numel=bucket_numel, device=device
+            group,
+            num_islands=num_islands,
+            codec=codec,
+            bucket_numel=bucket_numel,
+            device=device,
+            island_group=island_group,
         )
     return AllReduceTransport(
-        group, num_islands=num_islands, bucket_numel=bucket_numel, device=device
+        group,
+        num_islands=num_islands,
+        bucket_numel=bucket_numel,
+        device=device,
+        island_group=island_group,
     )
