@@ -115,7 +115,6 @@ class IslandDDPStrategy(DDPStrategy):
                 self._tensor_parallel_size,
                 device_type=self.root_device.type,
                 backend=self._process_group_backend,
-                island_group=self._groups.island,
             )
 
     @override
@@ -222,7 +221,7 @@ class IslandDDPStrategy(DDPStrategy):
         # reducer, bound to the island group): unwrap first, destroy the groups last. The other
         # way round, a rank can block forever inside the wrapper of a destroyed group.
         super().teardown()
-        if self._fsdp is not None:  # before the island group, which its mesh may reuse
+        if self._fsdp is not None:
             self._fsdp.destroy()
             self._fsdp = None
         if self._groups is not None:

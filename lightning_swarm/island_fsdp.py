@@ -20,7 +20,7 @@ would load one rank's shards into the unsharded module there. ``ShardedResultsLa
 everything else but no weights (and says so); trained weights are in the checkpoints.
 
 Lifetime: built in the strategy's ``setup_distributed`` (collective), destroyed in ``teardown``
-before the island groups (the mesh may reuse the island group, which the strategy owns).
+with the groups it created (never the island's own group, which the strategy owns).
 """
 
 from __future__ import annotations
@@ -64,8 +64,6 @@ class IslandFSDP:
         tensor_parallel_size: ranks of the mesh's ``tensor_parallel`` dimension.
         device_type: ``"cpu"`` or ``"cuda"`` (the mesh's device type).
         backend: backend of the mesh's groups (the world's when None).
-        island_group: the island's own group, reused as the data-parallel group when there is
-            no tensor parallelism.
     """
 
     def __init__(
@@ -75,15 +73,10 @@ class IslandFSDP:
         *,
         device_type: str,
         backend: str | None,
-        island_group: dist.ProcessGroup | None,
     ) -> None:
         self.topology = topology
         self._mesh: IslandMesh | None = build_island_mesh(
-            topology,
-            tensor_parallel_size,
-            device_type=device_type,
-            backend=backend,
-            island_group=island_group,
+            topology, tensor_parallel_size, device_type=device_type, backend=backend
         )
 
     @property

@@ -138,32 +138,30 @@ def build_island_mesh(
     *,
     device_type: str,
     backend: str | None = None,
-    island_group: dist.ProcessGroup | None = None,
 ) -> IslandMesh:
     """The device mesh of this rank's island (collective on every rank).
 
     ``init_device_mesh`` can only build one mesh over the whole world; per-island meshes are
     built with ``DeviceMesh.from_group`` from groups created here, every island's in the same
-    order on every rank (``new_group`` is collective over the world). With one tensor-parallel
-    rank the data-parallel group is the island's own group (``island_group``), not a second one.
+    order on every rank (``new_group`` is collective over the world). The data-parallel group
+    is never the island's own group (``SwarmGroups.island``), even when it has the same ranks:
+    that one carries the outer round's island-wide agreement, possibly from the sync worker's
+    thread, while FSDP's collectives run on the training thread.
     """
     tp = tensor_parallel_size
     dp = topology.island_size // tp
     created: list[dist.ProcessGroup] = []
-    # Decided from arguments every rank shares, so that every rank creates the same groups.
-    reuse_island = tp == 1 and island_group is not None
-    dp_group: dist.ProcessGroup | None = island_group if reuse_island else None
+    dp_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
     my_dp, my_tp = divmod(topology.local_index, tp)
     for island in range(topology.num_islands):
         ranks = topology.island_ranks(island)
         mine = island == topology.island_index
-        if not reuse_island:
-            for t in range(tp):
-                group = dist.new_group(ranks[t::tp], backend=backend)
-                if mine and t == my_tp:
-                    dp_group = _member(group)
-                    created.append(dp_group)
+        for t in range(tp):
+            group = dist.new_group(ranks[t::tp], backend=backend)
+            if mine and t == my_tp:
+                dp_group = _member(group)
+                created.append(dp_group)
         for d in range(dp):
             group = dist.new_group(ranks[d * tp : (d + 1) * tp], backend=backend)
             if mine and d == my_dp:
