@@ -124,6 +124,12 @@ class IslandDDPStrategy(DDPStrategy):
             self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
 
     @property
+    def island_mesh_shape(self) -> dict[str, int] | None:
+        """``{"data_parallel": dp, "tensor_parallel": tp}`` of a model-sharded island; None
+        under DDP islands (and before setup)."""
+        return self._fsdp.mesh.shape if self._fsdp is not None else None
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """This island's ``(data_parallel, tensor_parallel)`` mesh (``island_parallel="fsdp"``)."""
         if self._fsdp is None:
@@ -160,8 +166,7 @@ class IslandDDPStrategy(DDPStrategy):
         swarm = checkpoint.get("swarm")
         if isinstance(swarm, Mapping) and isinstance(swarm.get("fingerprint"), Mapping):
             # Before Lightning loads weights that may not be there (a per-rank save has none).
-            mesh = self._fsdp.mesh.shape if self._fsdp is not None else None
-            check_layout(swarm["fingerprint"], mesh, self.topology.num_islands)
+            check_layout(swarm["fingerprint"], self.island_mesh_shape, self.topology.num_islands)
         if self._fsdp is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         elif swarm is None and checkpoint.get("state_dict"):

@@ -257,10 +257,11 @@ class SwarmStrategy(IslandDDPStrategy):
 
     def _model_shards(self, module: Module) -> ModelShards | None:
         """The island mesh and global shapes, when each rank holds only its shards."""
-        if self._fsdp is None:
+        mesh = self.island_mesh_shape
+        if mesh is None:
             return None
         shapes = {name: list(p.shape) for name, p in module.named_parameters()}
-        return ModelShards(mesh=self._fsdp.mesh.shape, global_shapes=shapes)
+        return ModelShards(mesh=mesh, global_shapes=shapes)
 
     @functools.cached_property
     def checkpointer(self) -> SwarmCheckpointer:
