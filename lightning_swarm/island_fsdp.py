@@ -107,9 +107,10 @@ class IslandFSDP:
 
         Raises:
             TypeError: the LightningModule does not override ``configure_model``.
-            ValueError: a trained parameter is still a plain tensor while the island has
-                several data-parallel ranks: nothing would average its gradient inside the
-                island, so the island's ranks would silently drift apart.
+            ValueError: a parameter that requires grad is still a plain tensor while the island
+                has several data-parallel ranks: nothing would average its gradient inside the
+                island, so the island's ranks would silently drift apart. A parameter frozen at
+                setup is let through: it must stay frozen (or be sharded) to stay in step.
         """
         if not is_overridden("configure_model", module):
             raise TypeError(
@@ -119,7 +120,11 @@ class IslandFSDP:
             )
         if self.mesh.data_parallel_size == 1:
             return
-        plain = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+        plain = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and not isinstance(p, DTensor)
+        ]
         if plain:
             raise ValueError(
                 f"island_parallel='fsdp': configure_model left {len(plain)} parameter(s) "
