@@ -8,6 +8,7 @@ shard (5 rows over 2 ranks) and an empty one (1 row over 2 ranks: rank 1 holds n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ STEPS, SYNC_EVERY = 9, 3
 @pytest.fixture(scope="module")
 def ddp_and_fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, list]:
     root = tmp_path_factory.mktemp("fsdp_vs_ddp")
-    common = {"island_size": 2, "sync_every": SYNC_EVERY}
+    common: dict[str, Any] = {"island_size": 2, "sync_every": SYNC_EVERY}
     fit_islands(root / "ddp", steps=STEPS, shard_outer=False, **common)
     fit_islands(root / "fsdp", steps=STEPS, island_parallel="fsdp", **common)
     return load(root / "ddp", 4), load(root / "fsdp", 4)
@@ -221,7 +222,8 @@ def test_tensor_parallel_islands_match_ddp_islands(tmp_path: Path) -> None:
 def test_gradient_clipping_uses_the_island_wide_norm(tmp_path: Path) -> None:
     """Lightning's ``gradient_clip_val`` on sharded gradients: the norm is the island's (the
     DTensor reduction runs over the island's mesh), so clipping matches DDP islands."""
-    common = {"island_size": 2, "sync_every": SYNC_EVERY, "trainer_kw": {"gradient_clip_val": 0.05}}
+    common: dict[str, Any] = {"island_size": 2, "sync_every": SYNC_EVERY}
+    common["trainer_kw"] = {"gradient_clip_val": 0.05}
     fit_islands(tmp_path / "ddp", steps=STEPS, shard_outer=False, **common)
     fit_islands(tmp_path / "fsdp", steps=STEPS, island_parallel="fsdp", **common)
     fit_islands(
