@@ -18,10 +18,13 @@ group) and after a subclass closed whatever used the peer group.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -150,6 +153,29 @@ class IslandDDPStrategy(DDPStrategy):
         if self._fsdp is not None:
             return self._fsdp.sampler_kwargs()
         return super().distributed_sampler_kwargs
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not self._model_sharded:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # As Lightning's ModelParallelStrategy: ``empty_init`` builds the module on the meta
+        # device, and ``model_to_device`` materialises it after configure_model sharded it,
+        # so no rank ever allocates the whole model.
+        with (
+            torch.device("meta") if empty_init else nullcontext(),
+            self.precision_plugin.tensor_init_context(),
+        ):
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        if self._fsdp is not None:
+            assert self.model is not None
+            _materialize_distributed_module(self.model, self.root_device)
+        super().model_to_device()
 
     # -- model-sharded checkpoints: the module and inner optimizers live in per-rank swarm files
     @override

@@ -236,3 +236,36 @@ def test_gradient_clipping_uses_the_island_wide_norm(tmp_path: Path) -> None:
             torch.testing.assert_close(fsdp[rank]["full"][name], want, rtol=0, atol=1e-6)
     # the bound was active: without it the run ends elsewhere
     assert not torch.allclose(fsdp[0]["full"]["net.0.weight"], unclipped[0]["full"]["net.0.weight"])
+
+
+def test_empty_init_builds_on_meta_and_materialises_shards(tmp_path: Path) -> None:
+    """``trainer.init_module(empty_init=True)``, as with ModelParallelStrategy: the module is
+    built on the meta device and each rank materialises only its shards after configure_model
+    (``reset_parameters``); every island starts from island 0's shards and ends on the anchors."""
+    import lightning.pytorch as pl
+
+    from tests.fsdp_utils import DumpShards, ShardedRegressor
+    from tests.helpers import QUIET
+
+    pl.seed_everything(7)
+    strategy = SwarmStrategy(
+        island_size=2, island_parallel="fsdp", sync_every=SYNC_EVERY, start_method="fork"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[DumpShards(tmp_path)],
+        **QUIET,
+    )
+    with trainer.init_module(empty_init=True):
+        module = ShardedRegressor()
+    assert module.net[0].weight.is_meta
+    trainer.fit(module, regression_data())
+    ranks = load(tmp_path, 4)
+    for rank in range(4):
+        assert ranks[rank]["outer_steps"] == STEPS // SYNC_EVERY
+        for name, value in ranks[rank]["full"].items():
+            assert torch.isfinite(value).all() and value.abs().sum() > 0, (rank, name)
+            assert torch.equal(value, ranks[0]["full"][name]), (rank, name)
