@@ -284,14 +284,6 @@ def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
                 "use membership='static'.",
             )
         )
-    if config.transport == "swarm" and config.swarm.max_norm is not None:
-        refusals.append(
-            (
-                "swarm.max_norm",
-                "the norm of an island's whole pseudo-gradient spans its ranks' shards and is "
-                "not formed yet; drop swarm.max_norm.",
-            )
-        )
     return refusals
 
 

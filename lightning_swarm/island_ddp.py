@@ -105,12 +105,16 @@ class IslandDDPStrategy(DDPStrategy):
             island_size=self._island_size,
             global_rank=self.global_rank,
         )
+        peers_backend = peer_backend(self._peer_transport, dist.get_backend())
         self._groups = build_groups(
             self._topology,
             backend=self._process_group_backend,
             dedicated_peers=self._dedicated_peers,
             # The swarm transport's CPU traffic needs a gloo peer group beside NCCL's.
-            peer_backend=peer_backend(self._peer_transport, dist.get_backend()),
+            peer_backend=peers_backend,
+            # Model-sharded, the island group carries the outer round's agreement only (FSDP
+            # has its own groups), on the peer group's backend.
+            island_backend=peers_backend if self._model_sharded else None,
         )
         if self._model_sharded:
             self._fsdp = IslandFSDP(

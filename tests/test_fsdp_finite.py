@@ -64,3 +64,60 @@ def test_a_nan_in_one_shard_stops_every_rank(tmp_path: Path, quantize: str) -> N
     for rank in range(4):
         outcome = (tmp_path / f"rank{rank}").read_text()
         assert "the pseudo-gradient of island(s) [0] holds NaN or inf" in outcome, (rank, outcome)
+
+
+def _swarm_round(rank: int, world: int, max_norm: float, out: Path) -> None:
+    """Island 1's shards each stay under ``max_norm`` while the island as a whole exceeds 1.0."""
+    topology = IslandTopology(world_size=world, island_size=2, global_rank=rank)
+    groups = build_groups(topology)
+    config = SwarmConfig(
+        island_size=2,
+        island_parallel="fsdp",
+        sync_every=1,
+        transport="swarm",
+        swarm={"offload": False, "max_norm": max_norm},
+    )
+    shard = torch.nn.Parameter(torch.full((3 - topology.local_index,), 0.5))
+    optimizer = torch.optim.SGD([shard], lr=0.1)
+    loop = OuterLoop(
+        [optimizer],
+        {id(shard): "w"},
+        config=config,
+        transport=transport_for(
+            config,
+            groups.peers,
+            num_islands=2,
+            island_index=topology.island_index,
+            device=torch.device("cpu"),
+            island_group=groups.island,
+        ),
+        num_islands=2,
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+    )
+    try:
+        with torch.no_grad():
+            # norms: island 0 0.1 x sqrt(5); island 1 0.5 x sqrt(3) and 0.5 x sqrt(2) per
+            # shard (0.87, 0.71), 0.5 x sqrt(5) = 1.12 over the island
+            shard.add_(0.1 if topology.island_index == 0 else 0.5)
+        loop.on_inner_step(optimizer)
+    finally:
+        loop.close()
+        groups.destroy()
+    torch.save(
+        {"anchor": loop.outer_syncs[0].anchors["w"].clone(), "param": shard.detach().clone()},
+        out / f"rank{rank}.pt",
+    )
+
+
+@pytest.mark.parametrize(("max_norm", "expected"), [(1.0, 0.6), (2.0, 0.8)])
+def test_swarm_max_norm_bounds_the_island_norm(
+    tmp_path: Path, max_norm: float, expected: float
+) -> None:
+    """max_norm=1.0 rejects island 1 in both shards' rounds (anchor 0.5 + 0.1: island 0
+    alone); max_norm=2.0 accepts both (0.5 + mean(0.1, 0.5))."""
+    run_ranks(_swarm_round, 4, max_norm, tmp_path, timeout_s=60)
+    for rank in range(4):
+        info = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        want = torch.full((3 - rank % 2,), expected)
+        torch.testing.assert_close(info["anchor"], want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(info["param"], want, rtol=0, atol=1e-6)

@@ -65,8 +65,9 @@ def build_transport(
         bucket_numel: float32 elements per all-reduce bucket.
         swarm: the swarm transport's options (used only by ``"swarm"``).
         island_group: a model-sharded island's group, over which the all-reduce transports
-            agree on one finite verdict per island before the peer groups compare theirs.
-            The swarm transport judges each peer group's contributions on its own.
+            agree on one finite verdict per island before the peer groups compare theirs, and
+            the swarm transport's aggregators on one verdict (and norm) per island. For
+            ``"swarm"`` in an NCCL world it must have ``peer_backend``'s backend.
 
     Raises:
         ValueError: an unknown transport, or options out of range for this topology.
@@ -89,6 +90,7 @@ def build_transport(
             cleanup_timeout_s=swarm.cleanup_timeout_s,
             device=torch.device("cpu"),
             codec=codec,
+            island_group=island_group,
         )
     if codec is not None:
         return QuantizedTransport(

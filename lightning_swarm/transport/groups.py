@@ -51,6 +51,7 @@ def build_groups(
     *,
     dedicated_peers: bool = False,
     peer_backend: str | None = None,
+    island_backend: str | None = None,
 ) -> SwarmGroups:
     """Create the island and peer groups for ``topology`` (collective on every rank).
 
@@ -58,7 +59,9 @@ def build_groups(
     group: a transport driven from a background thread must not share a group with the
     training thread's collectives (their order would differ between ranks). A
     ``peer_backend`` (e.g. ``"gloo"`` in an NCCL world) also gives the peer group a group of
-    its own, with that backend.
+    its own, with that backend. ``island_backend`` overrides ``backend`` for the island
+    groups (model-sharded islands, whose island group serves the outer round only and must
+    carry the swarm transport's CPU agreement: ``peer_backend``).
     """
     if peer_backend is not None:
         dedicated_peers = True
@@ -67,7 +70,7 @@ def build_groups(
     peers: dist.ProcessGroup | None = None
     if topology.island_size > 1:
         for index in range(topology.num_islands):
-            group = dist.new_group(topology.island_ranks(index), backend=backend)
+            group = dist.new_group(topology.island_ranks(index), backend=island_backend or backend)
             if index == topology.island_index:
                 island = _member(group)
                 created.append(island)
