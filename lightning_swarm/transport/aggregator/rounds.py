@@ -6,7 +6,9 @@
   layout differs), so it never holds a whole peer payload in RAM with offload on;
 - it validates every contribution, its own included (finite values, ``max_norm``), one block
   at a time, and with at least ``min_contributions`` accepted runs the rule block by block in
-  island order into its own tensors;
+  island order into its own tensors; with model-sharded islands (``island_group``) the
+  round's aggregators, one per shard position, first agree on one verdict per island
+  (``island_verdicts``), joining as failed when they cannot validate;
 - it sends every peer a ``RoundStatus`` and then the result (a point-to-point fan-out);
 - it removes the round's spool files. Any exception while collecting first aborts the writers,
   so their leases go at once and cleanup never waits for ``cleanup_timeout_s``.
