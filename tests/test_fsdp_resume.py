@@ -163,3 +163,44 @@ def test_each_rank_reads_only_its_own_files(
         own = [f"island-{island:05d}-rank-{position:05d}.pt", f"anchors-rank-{position:05d}.pt"]
         reads = (log / f"rank{rank}").read_text().split()
         assert reads == ["check", own[0], "load", own[0], "check", own[1], "load", own[1]], rank
+
+
+def _fit_one_rank(
+    ckpt_dir: Path, *, max_steps: int, strategy: dict[str, Any], ckpt_path: Path | None = None
+) -> None:
+    """One rank in this process (so pytest sees its warnings): one FSDP island of one rank."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_swarm import SwarmStrategy
+    from tests.fsdp_utils import ShardedStepModel
+
+    pl.seed_everything(0)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SwarmStrategy(
+            island_parallel="fsdp", sync_every=2, start_method="popen", **strategy
+        ),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoint],
+    )
+    try:
+        trainer.fit(ShardedStepModel(), ckpt_path=ckpt_path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_changed_options_warn_on_a_per_rank_resume(tmp_path: Path) -> None:
+    _fit_one_rank(tmp_path / "ckpts", max_steps=3, strategy={})
+    ckpt = tmp_path / "ckpts" / "step=3.ckpt"
+    with pytest.warns(UserWarning, match=r"merge_alpha 0\.0 -> 0\.5"):
+        _fit_one_rank(
+            tmp_path / "ckpts2", max_steps=4, strategy={"merge_alpha": 0.5}, ckpt_path=ckpt
+        )

@@ -126,9 +126,22 @@ class SwarmCheckpointer:
         """Model-sharded islands: each rank restores its own files (``resume.per_rank``)."""
         try:
             use_mmap, how = resolve_mmap(host.anchors.mmap)
-            restore_per_rank(host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths)
+            residuals = restore_per_rank(
+                host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths
+            )
         finally:
             self._pending = None
+        saved = main.record.options
+        if host.collectives.rank == 0 and saved is not None:
+            lines = describe_changes(
+                saved, host.options, inner_steps=main.record.inner_steps, residuals_saved=residuals
+            )
+            if lines:
+                warnings.warn(
+                    "resuming with options other than the checkpoint's; the run is no longer an "
+                    "exact continuation: " + "; ".join(lines) + ".",
+                    stacklevel=3,
+                )
         rounds, steps = main.record.outer_steps, main.record.inner_steps
         self.summary = (
             f"island {host.topology.island_index}, position {host.topology.local_index}: "
