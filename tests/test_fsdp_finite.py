@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.config import SwarmConfig, SwarmTransportConfig
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.outer.build import transport_for
 from lightning_swarm.topology import IslandTopology
@@ -75,7 +75,7 @@ def _swarm_round(rank: int, world: int, max_norm: float, out: Path) -> None:
         island_parallel="fsdp",
         sync_every=1,
         transport="swarm",
-        swarm={"offload": False, "max_norm": max_norm},
+        swarm=SwarmTransportConfig(offload=False, max_norm=max_norm),
     )
     shard = torch.nn.Parameter(torch.full((3 - topology.local_index,), 0.5))
     optimizer = torch.optim.SGD([shard], lr=0.1)
