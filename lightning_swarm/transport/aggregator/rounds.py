@@ -291,10 +291,18 @@ class Aggregator:
         return problems
 
     def _abstain(self, rnd: AggregatorRound) -> None:
-        """Join the island's agreement as failed, once, so the other shards do not wait."""
-        if self.island_group is not None and not rnd.agreed:
-            rnd.agreed = True
+        """Join the island's agreement as failed, once, so the other shards do not wait.
+
+        Called on failure paths only: if the agreement itself fails (a rank of the island is
+        gone), that is logged and the failure being handled is the one that propagates.
+        """
+        if self.island_group is None or rnd.agreed:
+            return
+        rnd.agreed = True
+        try:
             agree(None, self.num_islands, self.island_group)
+        except Exception:
+            log.exception("swarm round %d: the island's agreement failed", rnd.report.round_index)
 
     def _status(
         self, outcome: AggregatorOutcome, verdicts: dict[int, Verdict], rnd: AggregatorRound
