@@ -9,6 +9,7 @@ island group given to the transport, every rank of every island raises the same 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,47 @@ def test_swarm_max_norm_bounds_the_island_norm(
         want = torch.full((3 - rank % 2,), expected)
         torch.testing.assert_close(info["anchor"], want, rtol=0, atol=1e-6)
         torch.testing.assert_close(info["param"], want, rtol=0, atol=1e-6)
+
+
+def _disk_full(fd: int, data: memoryview, offset: int) -> int:
+    raise OSError(28, "No space left on device")
+
+
+def _spool_fails_on_one_shard(rank: int, world: int, out: Path) -> None:
+    """Round 0's aggregators are island 0's ranks; rank 0's spool cannot be written."""
+    from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+    from lightning_swarm.transport.aggregator.spool import Spool
+
+    topology = IslandTopology(world_size=world, island_size=2, global_rank=rank)
+    groups = build_groups(topology)
+    spool = Spool(out / "spool", write_at=_disk_full if rank == 0 else os.pwrite)
+    transport = AggregatorTransport(
+        groups.peers,
+        num_islands=2,
+        island_index=topology.island_index,
+        spool=spool,
+        chunk_bytes=4096,
+        island_group=groups.island,
+    )
+    tensors = {"w": torch.full((4096,), float(1 + topology.island_index))}
+    outcome = "applied"
+    try:
+        stats = transport.average(tensors, round_index=0)
+        outcome = "applied" if stats.applied else "skipped"
+    except Exception as err:
+        outcome = type(err).__name__
+    finally:
+        transport.close()
+        groups.destroy()
+    torch.save({"outcome": outcome, "w": tensors["w"][:4].clone()}, out / f"rank{rank}.pt")
+
+
+def test_a_failed_aggregator_skips_the_round_on_every_shard(tmp_path: Path) -> None:
+    """The other shard's aggregator (rank 1) validated fine, yet skips: no shard of any island
+    takes a mean that another shard of it did not take."""
+    run_ranks(_spool_fails_on_one_shard, 4, tmp_path, timeout_s=60)
+    infos = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    assert infos[0]["outcome"] == "SwarmRoundError"  # its own spool failed
+    assert infos[1]["outcome"] == "skipped" and infos[3]["outcome"] == "skipped"
+    for rank in (1, 3):  # unchanged: each island keeps its own values
+        assert torch.equal(infos[rank]["w"], torch.full((4,), float(1 + rank // 2)))
