@@ -94,6 +94,10 @@ def test_resume_onto_another_layout_is_refused(tmp_path: Path) -> None:
         fit(tmp_path / "ddp", devices=4, island_size=2, max_steps=4, ckpt_path=ckpt)
     assert "data_parallel=2 x tensor_parallel=1" in str(err.value)
     assert SwarmCheckpointError.__name__ in str(err.value)
+    # another island mesh: the same ranks as (dp 1 x tp 2)
+    with pytest.raises(Exception, match="data_parallel=1 x tensor_parallel=2") as err:
+        fit_sharded(tmp_path / "tp", max_steps=4, ckpt_path=ckpt, tensor_parallel_size=2)
+    assert "written by 2 island(s) of data_parallel=2 x tensor_parallel=1" in str(err.value)
 
 
 def test_fsdp_run_refuses_a_ddp_checkpoint(tmp_path: Path) -> None:
