@@ -1,7 +1,8 @@
 """lightning_swarm: DiLoCo-style training across islands as a PyTorch Lightning strategy.
 
 The public names: the strategy, its callbacks, and the errors a user catches.
-``import lightning_swarm`` registers ``Trainer(strategy="swarm")`` (and ``"swarm_spawn"``); a
+``import lightning_swarm`` registers ``Trainer(strategy="swarm")`` (and ``"swarm_spawn"``,
+``"swarm_fsdp"``); a
 second import, or a registry that already holds the name, is left alone.
 
 No module below this one imports the package root or the strategy from a lower layer

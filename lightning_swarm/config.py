@@ -34,7 +34,16 @@ from lightning_swarm.transport.config import (
     check_transport,
 )
 
-__all__ = ["TRANSPORTS", "AnchorConfig", "SwarmConfig", "SwarmTransportConfig", "parse_dtype"]
+__all__ = [
+    "ISLAND_PARALLEL",
+    "TRANSPORTS",
+    "AnchorConfig",
+    "SwarmConfig",
+    "SwarmTransportConfig",
+    "parse_dtype",
+]
+
+ISLAND_PARALLEL = ("ddp", "fsdp")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -135,7 +144,16 @@ class SwarmConfig:
         shard_outer: with ``island_size = k > 1``, each rank of an island owns about 1/k of
             the anchors and outer state (balanced by bytes) and exchanges only that share
             across islands; the island then gathers the new parameters over its own group
-            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
+            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy. No effect
+            with ``island_parallel="fsdp"``: there each rank's share is its own model shard.
+        island_parallel: how an island's ranks split the work: ``"ddp"`` (every rank holds the
+            whole model, gradients averaged over the island's group) or ``"fsdp"`` (the module's
+            ``configure_model`` shards it over the island's own ``(data_parallel,
+            tensor_parallel)`` mesh; the outer round runs on each rank's local shards;
+            docs/fsdp.md).
+        tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island's
+            ``tensor_parallel`` mesh dimension; ``island_size / tensor_parallel_size`` ranks form
+            its ``data_parallel`` dimension.
     """
 
     sync_every: int = 100
@@ -161,6 +179,9 @@ class SwarmConfig:
     quorum_timeout_s: float = 60.0
     round_timeout_s: float = 60.0
     shard_outer: bool = True
+    # A str, not a Literal: OmegaConf 2.3 (the Hydra schema subclasses this class) rejects Literal.
+    island_parallel: str = "ddp"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -185,6 +206,7 @@ class SwarmConfig:
         check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
         check_streaming(self)
         _check_shard_outer(self)
+        check_island_parallel(self)
 
     def resume_options(self) -> dict[str, Any]:
         """The options a checkpoint records and a resume compares (``RESUME_OPTIONS``), as
@@ -198,7 +220,17 @@ class SwarmConfig:
     @property
     def sharded(self) -> bool:
         """Whether the outer loop is split among an island's ranks."""
-        return self.shard_outer and self.island_size > 1
+        return self.shard_outer and self.island_size > 1 and self.island_parallel == "ddp"
+
+    @property
+    def model_sharded(self) -> bool:
+        """Whether each rank holds only its shard of the model (``island_parallel="fsdp"``)."""
+        return self.island_parallel == "fsdp"
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks of an island's ``data_parallel`` mesh dimension (``island_size`` under DDP)."""
+        return self.island_size // self.tensor_parallel_size
 
     @property
     def anchor_torch_dtype(self) -> torch.dtype:
@@ -243,6 +275,58 @@ def _check_shard_outer(config: SwarmConfig) -> None:
             "never seen in one place; set shard_outer=False to bound contributions by norm, "
             "or drop swarm.max_norm."
         )
+
+
+def check_island_parallel(config: SwarmConfig) -> None:
+    """``island_parallel`` and ``tensor_parallel_size``, and what model-sharded islands refuse."""
+    if config.island_parallel not in ISLAND_PARALLEL:
+        raise ValueError(
+            f"island_parallel={config.island_parallel!r} is not one of {list(ISLAND_PARALLEL)}; "
+            "use 'ddp' (every rank holds the model) or 'fsdp' (configure_model shards it)."
+        )
+    check_positive_int(
+        "tensor_parallel_size", config.tensor_parallel_size, "1 = no tensor parallel"
+    )
+    if config.tensor_parallel_size > 1 and not config.model_sharded:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs island_parallel='fsdp' "
+            "(a DDP island has no tensor-parallel mesh); set island_parallel='fsdp' or "
+            "tensor_parallel_size=1."
+        )
+    if config.island_size % config.tensor_parallel_size != 0:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} does not divide "
+            f"island_size={config.island_size}; an island is data_parallel x tensor_parallel "
+            "ranks, so choose a divisor of island_size."
+        )
+    if not config.model_sharded:
+        return
+    refusals = _fsdp_refusals(config)
+    if refusals:
+        option, reason = refusals[0]
+        raise ValueError(f"{option} cannot be combined with island_parallel='fsdp': {reason}")
+
+
+def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
+    """(option, why) for each chosen option that model-sharded islands do not support yet."""
+    refusals = []
+    if config.membership != "static":
+        refusals.append(
+            (
+                f"membership={config.membership!r}",
+                "an elastic island exchanges through its rank 0 only, which holds one shard; "
+                "use membership='static'.",
+            )
+        )
+    if config.transport == "swarm" and config.swarm.aggregator == "sharded":
+        refusals.append(
+            (
+                "swarm.aggregator='sharded'",
+                "its aggregators do not agree on one verdict per model-sharded island yet; use "
+                "swarm.aggregator='rotating' (the default).",
+            )
+        )
+    return refusals
 
 
 def _check_anchor_device(anchor_device: str) -> None:

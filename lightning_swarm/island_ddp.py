@@ -5,6 +5,11 @@ the island and peer process groups, starts every rank from global rank 0's weigh
 the module in DDP over its island's group only. Nothing here crosses islands after that first
 broadcast; the outer loop does, in ``lightning_swarm.strategy``.
 
+With ``island_parallel="fsdp"`` there is no DDP wrapper: an ``IslandFSDP`` member
+(``lightning_swarm.island_fsdp``) gives the module its island's device mesh for
+``configure_model``, checks the module sharded itself, aligns the islands shard by shard and
+splits the data over ``islands x data_parallel`` replicas.
+
 Lifetime of the groups: created in ``setup_distributed``, destroyed at the very end of
 ``teardown``, after Lightning unwrapped the module (its DDP reducer is bound to the island
 group) and after a subclass closed whatever used the peer group.
@@ -13,15 +18,24 @@ group) and after a subclass closed whatever used the peer group.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
+from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.factory import peer_backend
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
@@ -36,6 +50,8 @@ class IslandDDPStrategy(DDPStrategy):
             world (a background thread that drives it must not share the default group).
         peer_transport: the transport that will run over the peer group (its backend may
             differ from the world's: ``transport.factory.peer_backend``).
+        island_parallel: ``"ddp"`` or ``"fsdp"`` (model-sharded islands, ``IslandFSDP``).
+        tensor_parallel_size: the island mesh's tensor-parallel size (``"fsdp"`` only).
         **kwargs: ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
 
     Raises:
@@ -49,6 +65,8 @@ class IslandDDPStrategy(DDPStrategy):
         island_size: int,
         dedicated_peers: bool = False,
         peer_transport: str = "allreduce",
+        island_parallel: str = "ddp",
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if "process_group" in kwargs:
@@ -63,6 +81,9 @@ class IslandDDPStrategy(DDPStrategy):
         self._peer_transport = peer_transport
         self._topology: IslandTopology | None = None
         self._groups: SwarmGroups | None = None
+        self._model_sharded = island_parallel == "fsdp"
+        self._tensor_parallel_size = tensor_parallel_size
+        self._fsdp: IslandFSDP | None = None
 
     @property
     def topology(self) -> IslandTopology:
@@ -84,18 +105,123 @@ class IslandDDPStrategy(DDPStrategy):
             island_size=self._island_size,
             global_rank=self.global_rank,
         )
+        peers_backend = peer_backend(self._peer_transport, dist.get_backend())
         self._groups = build_groups(
             self._topology,
             backend=self._process_group_backend,
             dedicated_peers=self._dedicated_peers,
             # The swarm transport's CPU traffic needs a gloo peer group beside NCCL's.
-            peer_backend=peer_backend(self._peer_transport, dist.get_backend()),
+            peer_backend=peers_backend,
+            # Model-sharded, the island group carries the outer round's agreement only (FSDP
+            # has its own groups), on the peer group's backend.
+            island_backend=peers_backend if self._model_sharded else None,
         )
+        if self._model_sharded:
+            self._fsdp = IslandFSDP(
+                self._topology,
+                self._tensor_parallel_size,
+                device_type=self.root_device.type,
+                backend=self._process_group_backend,
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._model_sharded and self._start_method != "popen":
+            self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
+
+    @property
+    def island_mesh_shape(self) -> dict[str, int] | None:
+        """``{"data_parallel": dp, "tensor_parallel": tp}`` of a model-sharded island; None
+        under DDP islands (and before setup)."""
+        return self._fsdp.mesh.shape if self._fsdp is not None else None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """This island's ``(data_parallel, tensor_parallel)`` mesh (``island_parallel="fsdp"``)."""
+        if self._fsdp is None:
+            raise RuntimeError("a device mesh exists only with island_parallel='fsdp', after setup")
+        return self._fsdp.device_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._fsdp is not None:
+            # Read by the module's configure_model, which Lightning calls right after this.
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self._fsdp.device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._fsdp is not None:
+            return self._fsdp.sampler_kwargs()
+        return super().distributed_sampler_kwargs
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not self._model_sharded:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # As Lightning's ModelParallelStrategy: ``empty_init`` builds the module on the meta
+        # device, and ``model_to_device`` materialises it after configure_model sharded it,
+        # so no rank ever allocates the whole model.
+        with (
+            torch.device("meta") if empty_init else nullcontext(),
+            self.precision_plugin.tensor_init_context(),
+        ):
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        if self._fsdp is not None:
+            assert self.model is not None
+            _materialize_distributed_module(self.model, self.root_device)
+        super().model_to_device()
+
+    # -- model-sharded checkpoints: the module and inner optimizers live in per-rank swarm files
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Rank 0's shards alone would be neither the model nor loadable into other ranks.
+        return {} if self._model_sharded else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {} if self._model_sharded else super().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        swarm = checkpoint.get("swarm")
+        if isinstance(swarm, Mapping) and isinstance(swarm.get("fingerprint"), Mapping):
+            # Before Lightning loads weights that may not be there (a per-rank save has none).
+            check_layout(swarm["fingerprint"], self.island_mesh_shape, self.topology.num_islands)
+        if self._fsdp is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+        elif swarm is None and checkpoint.get("state_dict"):
+            # A plain Lightning checkpoint holds the full weights: each rank takes its shards.
+            # A swarm checkpoint's shards are installed by the swarm restore instead.
+            assert self.lightning_module is not None
+            self._fsdp.load_full_state(
+                self.lightning_module, checkpoint["state_dict"], strict=strict
+            )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._model_sharded:
+            super().load_optimizer_state_dict(checkpoint)
+        elif "swarm" not in checkpoint and self.is_global_zero:
+            rank_zero_warn(
+                "island_parallel='fsdp': a plain Lightning checkpoint's inner optimizer state is "
+                "not restored (it is one rank's, unsharded); the inner optimizers start fresh."
+            )
 
     @override
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
-        """Wrap in DDP over the island's group; an island of one rank needs no wrapper."""
-        if self.topology.island_size == 1:
+        """Wrap in DDP over the island's group; an island of one rank needs no wrapper, and
+        a model-sharded island is already sharded by ``configure_model``."""
+        if self.topology.island_size == 1 or self._fsdp is not None:
             return model
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
@@ -108,6 +234,12 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
+        if self._fsdp is not None:
+            assert self.lightning_module is not None
+            self._fsdp.check_module(self.lightning_module)
+            # Anchors must start identical in every island: island 0's shards everywhere.
+            self._fsdp.align_islands(self.model, self.groups.peers)
+            return
         # Anchors must start identical on every rank: take global rank 0's weights everywhere,
         # before DDP (which would only sync inside the island) wraps the module.
         _sync_module_states(self.model)
@@ -124,6 +256,9 @@ class IslandDDPStrategy(DDPStrategy):
         # reducer, bound to the island group): unwrap first, destroy the groups last. The other
         # way round, a rank can block forever inside the wrapper of a destroyed group.
         super().teardown()
+        if self._fsdp is not None:
+            self._fsdp.destroy()
+            self._fsdp = None
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None

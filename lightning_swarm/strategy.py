@@ -57,6 +57,7 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
+from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SwarmConfig))
@@ -121,6 +122,8 @@ class SwarmStrategy(IslandDDPStrategy):
             island_size=self.config.island_size,
             dedicated_peers=self.config.sync_delay > 0,
             peer_transport=self.config.transport,
+            island_parallel=self.config.island_parallel,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             **kwargs,
         )
         self._loop: OuterLoop | None = None
@@ -135,6 +138,8 @@ class SwarmStrategy(IslandDDPStrategy):
         strategy_registry.register("swarm", cls, description=description)
         spawn = f"{description}, processes started with spawn"
         strategy_registry.register("swarm_spawn", cls, description=spawn, start_method="spawn")
+        fsdp = f"{description}, FSDP2 inside each island (configure_model)"
+        strategy_registry.register("swarm_fsdp", cls, description=fsdp, island_parallel="fsdp")
 
     @property
     def outer_loop(self) -> OuterLoop | None:
@@ -178,6 +183,8 @@ class SwarmStrategy(IslandDDPStrategy):
                 num_islands=self.topology.num_islands,
                 island_index=self.topology.island_index,
                 device=staging_device(self.root_device),
+                # Model-sharded: one finite verdict per island, whatever shard holds a NaN.
+                island_group=self.groups.island if self.config.model_sharded else None,
             )
         )
         self._loop = OuterLoop(
@@ -190,12 +197,17 @@ class SwarmStrategy(IslandDDPStrategy):
             device=self.root_device,
             defer_anchors=defer_anchors,
             totals=self.totals,
-            # Elastic islands exchange through their rank 0 only (membership fans out): no shares.
-            island_group=self.groups.island if self._elastic is None else None,
+            # Elastic islands exchange through their rank 0 only (membership fans out), and a
+            # model-sharded rank's share is its own shard: no shares of the outer state.
+            island_group=self.groups.island if self._shares_outer_state else None,
             island_position=self.topology.local_index,
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
+
+    @property
+    def _shares_outer_state(self) -> bool:
+        return self._elastic is None and not self.config.model_sharded
 
     # -- checkpoints ---------------------------------------------------------------------
     def _resume_host(self) -> TrainingView:
@@ -212,7 +224,16 @@ class SwarmStrategy(IslandDDPStrategy):
             options=options_of(self.config, self.outer_syncs),
             anchors=self.config.anchors,
             collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+            model_shards=self._model_shards(module),
         )
+
+    def _model_shards(self, module: Module) -> ModelShards | None:
+        """The island mesh and global shapes, when each rank holds only its shards."""
+        mesh = self.island_mesh_shape
+        if mesh is None:
+            return None
+        shapes = {name: list(p.shape) for name, p in module.named_parameters()}
+        return ModelShards(mesh=mesh, global_shapes=shapes)
 
     @functools.cached_property
     def checkpointer(self) -> SwarmCheckpointer:

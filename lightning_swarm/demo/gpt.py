@@ -3,6 +3,10 @@
 Pre-norm transformer blocks (``blocks.<i>``) with causal self-attention; parameter names keep the
 layer index so fragment layouts can stride over layers. Validation reports cross-entropy and
 perplexity (torchmetrics), averaged over all ranks.
+
+Under ``strategy=swarm_fsdp`` (``island_parallel="fsdp"``) ``configure_model`` shards each block,
+then the rest of the transformer, over the island's ``data_parallel`` mesh (FSDP2); under DDP
+islands it does nothing. The parameter names are the same either way.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 from torchmetrics.text import Perplexity
 
 
@@ -103,6 +108,15 @@ class GPTLightningModule(pl.LightningModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
+
+    def configure_model(self) -> None:
+        """FSDP2 inside each island when the strategy gives a mesh; nothing otherwise."""
+        if self.device_mesh is None:
+            return
+        data_parallel = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=data_parallel)
+        fully_shard(self.model, mesh=data_parallel)  # the embeddings, final norm and head
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch

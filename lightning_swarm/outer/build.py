@@ -36,11 +36,13 @@ def transport_for(
     num_islands: int,
     island_index: int,
     device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
 ) -> Transport:
     """The transport ``config`` names, averaging over ``peers`` (this rank's peer group).
 
     ``device`` is where all-reduce buckets are staged (``staging_device``); anchors stay on
-    their own device either way.
+    their own device either way. ``island_group`` is given for model-sharded islands only
+    (``transport.factory.build_transport``).
     """
     return build_transport(
         config.transport,
@@ -51,4 +53,5 @@ def transport_for(
         codec=codec_of(config),
         bucket_numel=config.bucket_numel,
         swarm=config.swarm,
+        island_group=island_group,
     )

@@ -14,6 +14,10 @@ Ownership and lifetime:
 - ``totals``: running sums of this rank's rounds over all optimizers. The caller may hand in
   the instance to update (a resume restores its fields).
 - The live parameters stay the LightningModule's; rounds overwrite or mix into them in place.
+  A DTensor parameter (FSDP2 / tensor parallel inside an island) is handed to its ``OuterSync``
+  as its local shard (``local_shard``): a view of the parameter's own storage, so that an
+  in-place write reaches the module. The view lives as long as the loop; it stays valid because
+  FSDP2 steps and all-gathers from that same storage (checked by ``tests/test_fsdp_islands.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
@@ -309,6 +315,8 @@ def trained_params(
 ) -> dict[str, torch.nn.Parameter]:
     """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
 
+    A sharded (DTensor) parameter comes back as this rank's local shard (``local_shard``).
+
     Frozen parameters (``requires_grad=False``) are included: a parameter unfrozen later in the
     run must already have an anchor, or it would train on every island and never be synced.
     While frozen its pseudo-gradient is zero and its anchor does not move.
@@ -325,8 +333,23 @@ def trained_params(
                     "exactly one optimizer."
                 )
             seen.add(id(p))
-            params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = p
+            params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = local_shard(p)
     return params
+
+
+@torch.no_grad()
+def local_shard(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """``param`` itself, or for a DTensor its local shard as a view of the same storage.
+
+    Under ``no_grad``, ``to_local()`` returns an alias of the DTensor's local tensor (no autograd
+    node, no copy): reads see the inner steps, writes reach the module. An empty shard (a
+    ``Linear(5, 1)`` over two ranks leaves one rank no rows) is a 0-element tensor, which every
+    round handles. The cast keeps ``OuterSync``'s signature: it only ever reads and writes the
+    tensor's data, which is all a shard offers.
+    """
+    if isinstance(param, DTensor):
+        return cast(torch.nn.Parameter, param.to_local())
+    return param
 
 
 def _num_params(optimizer: Optimizer) -> int:

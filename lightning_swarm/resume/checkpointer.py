@@ -33,6 +33,7 @@ from lightning_swarm.resume.files import (
     warn_legacy,
 )
 from lightning_swarm.resume.option_changes import describe_changes
+from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
 from lightning_swarm.resume.records import SwarmRecord
 from lightning_swarm.resume.restore import (
     Loaded,
@@ -104,6 +105,9 @@ class SwarmCheckpointer:
         if main is None:
             return
         comm = host.collectives
+        if host.model_shards is not None or "island_mesh" in main.record.fingerprint:
+            self._restore_per_rank(host, main)
+            return
         try:
             use_mmap, how = resolve_mmap(host.anchors.mmap)
             own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
@@ -116,6 +120,34 @@ class SwarmCheckpointer:
         finally:
             self._pending = None
         self.summary = _summary(host, main, own, loaded, how, stale)
+        log.info("swarm resume: %s", self.summary)
+
+    def _restore_per_rank(self, host: TrainingView, main: Source) -> None:
+        """Model-sharded islands: each rank restores its own files (``resume.per_rank``)."""
+        try:
+            use_mmap, how = resolve_mmap(host.anchors.mmap)
+            residuals = restore_per_rank(
+                host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths
+            )
+        finally:
+            self._pending = None
+        saved = main.record.options
+        if host.collectives.rank == 0 and saved is not None:
+            lines = describe_changes(
+                saved, host.options, inner_steps=main.record.inner_steps, residuals_saved=residuals
+            )
+            if lines:
+                warnings.warn(
+                    "resuming with options other than the checkpoint's; the run is no longer an "
+                    "exact continuation: " + "; ".join(lines) + ".",
+                    stacklevel=3,
+                )
+        rounds, steps = main.record.outer_steps, main.record.inner_steps
+        self.summary = (
+            f"island {host.topology.island_index}, position {host.topology.local_index}: "
+            f"restored round(s) {rounds} at inner step(s) {steps} from this rank's own files "
+            f"({how})"
+        )
         log.info("swarm resume: %s", self.summary)
 
     def _warn(self, host: TrainingView, main: Source, own: Source, loaded: Loaded) -> None:
@@ -147,6 +179,8 @@ class SwarmCheckpointer:
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
         """Write the swarm files and put the record in ``checkpoint`` (collective)."""
+        if host.model_shards is not None:
+            return save_per_rank(host, checkpoint, filepath)
         return save_swarm_state(host, checkpoint, filepath)
 
     @staticmethod

@@ -59,7 +59,9 @@ _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 # What a save directory may hold: its files, and the temporary names they are written under.
-_SAVE_FILE = re.compile(r"\.?(anchors\.pt|island-\d{5}\.pt)(\.tmp-\d+)?")
+_SAVE_FILE = re.compile(
+    r"\.?(anchors\.pt|anchors-rank-\d{5}\.pt|island-\d{5}(-rank-\d{5})?\.pt)(\.tmp-\d+)?"
+)
 
 
 # -- paths ------------------------------------------------------------------------------------

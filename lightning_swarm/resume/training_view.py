@@ -99,8 +99,25 @@ def gather_objects(obj: _T) -> list[_T]:
 
 
 @dataclass(frozen=True)
+class ModelShards:
+    """What a model-sharded island (``island_parallel="fsdp"``) adds to the view.
+
+    Attributes:
+        mesh: the island mesh's shape, ``{"data_parallel": dp, "tensor_parallel": tp}``.
+        global_shapes: each parameter's full shape by name (the outer state holds local shards).
+    """
+
+    mesh: Mapping[str, int]
+    global_shapes: Mapping[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
 class TrainingView:
-    """The training state a save reads and a restore writes, on one rank."""
+    """The training state a save reads and a restore writes, on one rank.
+
+    ``model_shards`` is set when each rank holds only its shard of the model: the swarm files
+    are then written per rank (``resume.per_rank``).
+    """
 
     topology: IslandTopology
     outer_syncs: Sequence[OuterState]
@@ -111,6 +128,7 @@ class TrainingView:
     options: OptionsRecord
     anchors: AnchorConfig
     collectives: Collectives
+    model_shards: ModelShards | None = None
 
 
 def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> OptionsRecord:

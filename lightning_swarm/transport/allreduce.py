@@ -45,6 +45,8 @@ class AllReduceTransport:
             moves nothing.
         bucket_numel: float32 elements per bucket; bounds the extra memory.
         device: where the bucket lives (``cuda`` for NCCL, ``cpu`` for gloo).
+        island_group: a model-sharded island's group: its ranks agree on one finite verdict
+            first (``checks.agree_finite``); ``None`` otherwise.
     """
 
     def __init__(
@@ -54,10 +56,12 @@ class AllReduceTransport:
         num_islands: int,
         bucket_numel: int,
         device: torch.device | str = "cpu",
+        island_group: dist.ProcessGroup | None = None,
     ) -> None:
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
         self.group = group
+        self.island_group = island_group
         self.num_islands = num_islands
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
@@ -69,7 +73,7 @@ class AllReduceTransport:
         for t in tensors.values():
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError("AllReduceTransport averages contiguous float32 tensors only")
-        agree_finite(tensors.values(), self.group, self.num_islands, self.device)
+        agree_finite(tensors.values(), self.group, self.num_islands, self.device, self.island_group)
         if self.num_islands > 1:
             self._reduce_in_buckets(list(tensors.values()), stats)
         stats.wall_s = time.perf_counter() - start
@@ -81,7 +85,9 @@ class AllReduceTransport:
         The first half of a streamed round (``lightning_swarm.outer.bucketed``), before any
         bucket moves; collective over the peer group.
         """
-        agree_finite_flag(local_finite, self.group, self.num_islands, self.device)
+        agree_finite_flag(
+            local_finite, self.group, self.num_islands, self.device, self.island_group
+        )
 
     def mean_(self, flat: Tensor) -> int:
         """Overwrite the flat float32 bucket ``flat`` with its mean across islands, in place.

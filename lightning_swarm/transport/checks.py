@@ -32,19 +32,40 @@ def agree_finite(
     group: dist.ProcessGroup | None,
     num_islands: int,
     device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Raise ``NonFinitePseudoGradientError`` on every rank if any island's tensors are not finite.
 
     Collective over the peer group (ordered by island). With one island only the local check
-    runs. Costs one all-gather of ``num_islands`` floats.
+    runs. Costs one all-gather of ``num_islands`` floats. With ``island_group`` (model-sharded
+    islands, whose ranks hold different shards) the island first agrees on one verdict, so that
+    every peer group raises or proceeds together.
     """
-    agree_finite_flag(all_finite(tensors), group, num_islands, device)
+    agree_finite_flag(all_finite(tensors), group, num_islands, device, island_group)
+
+
+def island_verdict(
+    local: bool, island_group: dist.ProcessGroup | None, device: torch.device
+) -> bool:
+    """One finite verdict for a model-sharded island (its ranks hold different shards), so
+    that every peer group of the island raises or proceeds together; ``local`` unchanged
+    without an island group. Collective over ``island_group``."""
+    if island_group is None:
+        return local
+    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=island_group)
+    return bool(flag.item() == 1.0)
 
 
 def agree_finite_flag(
-    local: bool, group: dist.ProcessGroup | None, num_islands: int, device: torch.device
+    local: bool,
+    group: dist.ProcessGroup | None,
+    num_islands: int,
+    device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
 ) -> None:
     """``agree_finite`` for a verdict the caller already has (e.g. from a norm it computed)."""
+    local = island_verdict(local, island_group, device)
     if num_islands > 1:
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         flags = [torch.empty_like(flag) for _ in range(num_islands)]
@@ -60,11 +81,13 @@ def agree_finite_direct(
     group: dist.ProcessGroup | None,
     num_islands: int,
     device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
 ) -> None:
     """``agree_finite`` in one step: every rank sends its one-byte verdict straight to every
     other (``all_to_all_single``) instead of around a ring (n - 1 steps in sequence), so over
-    long-latency links the vote costs one message time whatever the number of islands."""
-    local = all_finite(tensors)
+    long-latency links the vote costs one message time whatever the number of islands. With
+    ``island_group`` the island agrees on one verdict first (``island_verdict``)."""
+    local = island_verdict(all_finite(tensors), island_group, device)
     if num_islands <= 1:
         _raise_if_any([] if local else [0])
         return

@@ -52,6 +52,7 @@ def build_transport(
     codec: Codec | None,
     bucket_numel: int,
     swarm: SwarmTransportConfig,
+    island_group: dist.ProcessGroup | None = None,
 ) -> Transport:
     """The transport named ``transport`` over the peer group ``group``.
 
@@ -67,21 +68,33 @@ def build_transport(
             float32 as is.
         bucket_numel: float32 elements per all-reduce bucket.
         swarm: the swarm transport's options (used only by ``"swarm"``).
+        island_group: a model-sharded island's group, over which the all-reduce transports
+            agree on one finite verdict per island before the peer groups compare theirs, and
+            the swarm transport's aggregators on one verdict (and norm) per island. For
+            ``"swarm"`` in an NCCL world it must have ``peer_backend``'s backend.
 
     Raises:
         ValueError: an unknown transport, or options out of range for this topology.
         SpoolError: the swarm transport's spool root cannot be created.
     """
     check_transport(transport)
-    if transport == "swarm":
-        swarm_class = (
-            ShardedAggregatorTransport if swarm.aggregator == "sharded" else AggregatorTransport
-        )
-        return swarm_class(
+    if transport == "swarm" and swarm.aggregator == "sharded":
+        # SwarmConfig refuses it on model-sharded islands: it has no island-wide verdict yet.
+        assert island_group is None, "swarm.aggregator='sharded' with island_parallel='fsdp'"
+        return ShardedAggregatorTransport(
             group,
             num_islands=num_islands,
             island_index=island_index,
             codec=codec,
+            **swarm.transport_kwargs(),
+        )
+    if transport == "swarm":
+        return AggregatorTransport(
+            group,
+            num_islands=num_islands,
+            island_index=island_index,
+            codec=codec,
+            island_group=island_group,
             **swarm.transport_kwargs(),
         )
     if codec is not None:
@@ -92,7 +105,12 @@ def build_transport(
             codec=codec,
             bucket_numel=bucket_numel,
             device=device,
+            island_group=island_group,
         )
     return AllReduceTransport(
-        group, num_islands=num_islands, bucket_numel=bucket_numel, device=device
+        group,
+        num_islands=num_islands,
+        bucket_numel=bucket_numel,
+        device=device,
+        island_group=island_group,
     )

@@ -7,13 +7,18 @@ that does so, so the order cannot drift between ranks.
 The peer group may use another backend than the island groups (``peer_backend``): in an NCCL
 world the swarm transport's CPU traffic runs on a gloo peer group created beside the NCCL
 groups (``factory.peer_backend`` says when).
+
+Model-sharded islands (``island_parallel="fsdp"``) also get a device mesh of their own
+(``build_island_mesh``), built from groups created here in the same fixed order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_swarm.topology import IslandTopology
 
@@ -46,6 +51,7 @@ def build_groups(
     *,
     dedicated_peers: bool = False,
     peer_backend: str | None = None,
+    island_backend: str | None = None,
 ) -> SwarmGroups:
     """Create the island and peer groups for ``topology`` (collective on every rank).
 
@@ -53,7 +59,9 @@ def build_groups(
     group: a transport driven from a background thread must not share a group with the
     training thread's collectives (their order would differ between ranks). A
     ``peer_backend`` (e.g. ``"gloo"`` in an NCCL world) also gives the peer group a group of
-    its own, with that backend.
+    its own, with that backend. ``island_backend`` overrides ``backend`` for the island
+    groups (model-sharded islands, whose island group serves the outer round only and must
+    carry the swarm transport's CPU agreement: ``peer_backend``).
     """
     if peer_backend is not None:
         dedicated_peers = True
@@ -62,7 +70,7 @@ def build_groups(
     peers: dist.ProcessGroup | None = None
     if topology.island_size > 1:
         for index in range(topology.num_islands):
-            group = dist.new_group(topology.island_ranks(index), backend=backend)
+            group = dist.new_group(topology.island_ranks(index), backend=island_backend or backend)
             if index == topology.island_index:
                 island = _member(group)
                 created.append(island)
@@ -86,3 +94,85 @@ def _member(group: object) -> dist.ProcessGroup:
     """
     assert isinstance(group, dist.ProcessGroup), "asked for a group this rank is not in"
     return group
+
+
+MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
+
+
+@dataclass
+class IslandMesh:
+    """One rank's view of its island's ``(data_parallel, tensor_parallel)`` device mesh.
+
+    Inside an island, position ``p`` (``topology.local_index``) sits at data-parallel
+    coordinate ``p // tensor_parallel_size`` and tensor-parallel coordinate
+    ``p % tensor_parallel_size``. Ranks at the same position of every island hold the same
+    shard, so the topology's peer group is exactly "the same (dp, tp) coordinate".
+
+    Attributes:
+        mesh: this island's mesh only: it never has an island dimension (that would be HSDP,
+            a gradient reduction across islands at every step).
+        data_parallel_size, tensor_parallel_size: the mesh's shape.
+        created: groups created for the mesh, destroyed by ``destroy`` (after the module that
+            used them is gone).
+    """
+
+    mesh: DeviceMesh
+    data_parallel_size: int
+    tensor_parallel_size: int
+    created: list[dist.ProcessGroup]
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """``{"data_parallel": dp, "tensor_parallel": tp}``, as checkpoints record it."""
+        return {
+            "data_parallel": self.data_parallel_size,
+            "tensor_parallel": self.tensor_parallel_size,
+        }
+
+    def destroy(self) -> None:
+        for group in self.created:
+            dist.destroy_process_group(group)
+        self.created.clear()
+
+
+def build_island_mesh(
+    topology: IslandTopology,
+    tensor_parallel_size: int,
+    *,
+    device_type: str,
+    backend: str | None = None,
+) -> IslandMesh:
+    """The device mesh of this rank's island (collective on every rank).
+
+    ``init_device_mesh`` can only build one mesh over the whole world; per-island meshes are
+    built with ``DeviceMesh.from_group`` from groups created here, every island's in the same
+    order on every rank (``new_group`` is collective over the world). The data-parallel group
+    is never the island's own group (``SwarmGroups.island``), even when it has the same ranks:
+    that one carries the outer round's island-wide agreement, possibly from the sync worker's
+    thread, while FSDP's collectives run on the training thread.
+    """
+    tp = tensor_parallel_size
+    dp = topology.island_size // tp
+    created: list[dist.ProcessGroup] = []
+    dp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    my_dp, my_tp = divmod(topology.local_index, tp)
+    for island in range(topology.num_islands):
+        ranks = topology.island_ranks(island)
+        mine = island == topology.island_index
+        for t in range(tp):
+            group = dist.new_group(ranks[t::tp], backend=backend)
+            if mine and t == my_tp:
+                dp_group = _member(group)
+                created.append(dp_group)
+        for d in range(dp):
+            group = dist.new_group(ranks[d * tp : (d + 1) * tp], backend=backend)
+            if mine and d == my_dp:
+                tp_group = _member(group)
+                created.append(tp_group)
+    assert dp_group is not None and tp_group is not None
+    layout = torch.tensor(topology.island_ranks(topology.island_index)).view(dp, tp)
+    mesh = DeviceMesh.from_group(
+        [dp_group, tp_group], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
+    )
+    return IslandMesh(mesh, dp, tp, created)

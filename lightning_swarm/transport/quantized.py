@@ -66,6 +66,8 @@ class QuantizedTransport:
         bucket_numel: float32 elements per bucket; bounds the extra memory (module docstring).
         device: where encoding, gathering and accumulation happen (``cuda`` for NCCL, ``cpu``
             for gloo); the caller's tensors stay where they are.
+        island_group: a model-sharded island's group: its ranks agree on one finite verdict
+            first (``checks.agree_finite``); ``None`` otherwise.
 
     Raises:
         ValueError: ``bucket_numel`` below the codec's block size or ``num_islands < 1``.
@@ -79,6 +81,7 @@ class QuantizedTransport:
         codec: Codec,
         bucket_numel: int,
         device: torch.device | str = "cpu",
+        island_group: dist.ProcessGroup | None = None,
     ) -> None:
         if num_islands < 1:
             raise ValueError(f"num_islands must be >= 1, got {num_islands}")
@@ -92,6 +95,7 @@ class QuantizedTransport:
         self.codec = codec
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
+        self.island_group = island_group
 
     @record_function(labels.QUANTIZED)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
@@ -105,7 +109,7 @@ class QuantizedTransport:
                     f"{t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
                 )
             flats.append(t.view(-1))
-        agree_finite(flats, self.group, self.num_islands, self.device)
+        agree_finite(flats, self.group, self.num_islands, self.device, self.island_group)
         numels = [f.numel() for f in flats]
         for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):
             self._average_bucket(flats, bucket, stats)

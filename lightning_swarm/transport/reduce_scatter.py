@@ -86,6 +86,8 @@ class ReduceScatterTransport:
         bucket_numel: float32 elements per bucket; bounds the extra memory.
         device: where encoding, exchange and accumulation happen (``cuda`` for NCCL, ``cpu``
             for gloo); the caller's tensors stay where they are.
+        island_group: a model-sharded island's group: its ranks agree on one finite verdict
+            first (``checks.island_verdict``); ``None`` otherwise.
 
     Raises:
         ValueError: ``num_islands < 1``, ``island_index`` outside the group, or
@@ -101,6 +103,7 @@ class ReduceScatterTransport:
         codec: Codec,
         bucket_numel: int,
         device: torch.device | str = "cpu",
+        island_group: dist.ProcessGroup | None = None,
     ) -> None:
         if num_islands < 1:
             raise ValueError(f"num_islands must be >= 1, got {num_islands}")
@@ -120,6 +123,7 @@ class ReduceScatterTransport:
         self.codec = codec
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
+        self.island_group = island_group
 
     @record_function(labels.REDUCE_SCATTER)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
@@ -137,7 +141,7 @@ class ReduceScatterTransport:
         # Before any byte moves: a NaN would raise inside one island's encoder while its
         # peers wait in the exchange, so every island agrees on finiteness first (in one
         # message step: the exchange's own latency is flat in islands, keep the vote's so too).
-        agree_finite_direct(flats, self.group, self.num_islands, self.device)
+        agree_finite_direct(flats, self.group, self.num_islands, self.device, self.island_group)
         numels = [f.numel() for f in flats]
         for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):
             moved = self._average_bucket(flats, bucket)

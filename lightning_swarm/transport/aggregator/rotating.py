@@ -117,6 +117,9 @@ class AggregatorTransport:
         codec: encode contributions with this codec (module docstring); ``None`` sends float32
             as is. Every island must pass the same codec.
         spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
+        island_group: a model-sharded island's group (CPU-capable, e.g. gloo): the round's
+            aggregators agree on one verdict per island, ``max_norm`` bounding the island's
+            norm over all its shards (``island_verdicts``); ``None`` otherwise.
 
     Raises:
         ValueError: an option is out of range for this topology.
@@ -141,6 +144,7 @@ class AggregatorTransport:
         device: torch.device | str = "cpu",
         codec: Codec | None = None,
         spool: Spool | None = None,
+        island_group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_topology(num_islands, island_index, min_contributions, chunk_bytes)
         check_aggregation(aggregation)
@@ -165,7 +169,7 @@ class AggregatorTransport:
         self._ranks = _global_ranks(group, num_islands)
         self._link = Link(group, self.device)
         self._aggregator = Aggregator(
-            self._link, self._ranks, island_index, self.rule, self._spool, chunk_bytes
+            self._link, self._ranks, island_index, self.rule, self._spool, chunk_bytes, island_group
         )
         self._sequence = 0  # average() calls so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None

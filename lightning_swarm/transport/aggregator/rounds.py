@@ -6,7 +6,9 @@
   layout differs), so it never holds a whole peer payload in RAM with offload on;
 - it validates every contribution, its own included (finite values, ``max_norm``), one block
   at a time, and with at least ``min_contributions`` accepted runs the rule block by block in
-  island order into its own tensors;
+  island order into its own tensors; with model-sharded islands (``island_group``) the
+  round's aggregators, one per shard position, first agree on one verdict per island
+  (``island_verdicts``), joining as failed when they cannot validate;
 - it sends every peer a ``RoundStatus`` and then the result (a point-to-point fan-out);
 - it removes the round's spool files. Any exception while collecting first aborts the writers,
   so their leases go at once and cleanup never waits for ``cleanup_timeout_s``.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -34,6 +37,7 @@ from lightning_swarm.transport.aggregator.contributions import (
     finish_sinks,
     open_sinks,
 )
+from lightning_swarm.transport.aggregator.island_verdicts import agree, measure
 from lightning_swarm.transport.aggregator.links import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
@@ -77,6 +81,7 @@ class AggregatorRound:
     coded: CodedPayload | None
     targets: list[Tensor]
     round_id: int  # names the round's spool files
+    agreed: bool = False  # model-sharded islands: this aggregator has joined the agreement
 
     @property
     def wire(self) -> PayloadLayout:
@@ -94,6 +99,9 @@ class Aggregator:
         rule: the aggregation rule and its options.
         spool: where peer payloads are spooled; ``None`` holds them in memory.
         chunk_bytes: bytes per result message and the block size of validation.
+        island_group: a model-sharded island's group: the round's aggregators (one per shard
+            position) agree on one verdict per island (``island_verdicts``); ``None`` judges
+            this peer group's contributions alone.
     """
 
     def __init__(
@@ -104,10 +112,12 @@ class Aggregator:
         rule: AggregationRule,
         spool: Spool | None,
         chunk_bytes: int,
+        island_group: dist.ProcessGroup | None = None,
     ) -> None:
         self._link, self._ranks, self.island_index = link, ranks, island_index
         self.num_islands = len(ranks)
         self.rule, self._spool, self.chunk_bytes = rule, spool, chunk_bytes
+        self.island_group = island_group
 
     def run(self, rnd: AggregatorRound) -> RoundStats:
         """Steps 2-6 of the round; raises ``SwarmRoundError`` on spool trouble."""
@@ -135,6 +145,8 @@ class Aggregator:
             outcome = AggregatorOutcome.SPOOL_FAILED
             if failure is None:
                 outcome = self._combine(rnd, contributions, verdicts)
+            else:
+                self._abstain(rnd)
             stats.bytes_sent = self._send_status(self._status(outcome, verdicts, rnd))
             if outcome == AggregatorOutcome.APPLIED:
                 with record_function(labels.SEND):
@@ -147,6 +159,7 @@ class Aggregator:
             # and release_round below would wait cleanup_timeout_s for them. Abort them now.
             for sink in sinks.values():
                 sink.abort()
+            self._abstain(rnd)
             raise
         finally:
             for c in contributions.values():
@@ -194,6 +207,7 @@ class Aggregator:
                         contributions[island] = rnd.coded.decoded(c)
                 return self._validate_and_aggregate(rnd, contributions, verdicts, block_numel)
         except Exception:
+            self._abstain(rnd)
             rnd.report.outcome = AggregatorOutcome.ERROR
             log.exception(
                 "swarm round %d failed on this aggregator (island %d); telling the peers",
@@ -211,17 +225,25 @@ class Aggregator:
         block_numel: int,
     ) -> AggregatorOutcome:
         accepted: list[Contribution] = []
+        problems = (
+            self._island_problems(rnd, contributions, block_numel)
+            if self.island_group is not None
+            else {
+                i: check_values(c, rnd.layout, max_norm=self.rule.max_norm, block_numel=block_numel)
+                for i, c in contributions.items()
+            }
+        )
+        if problems is None:  # another shard's aggregator failed: no shard moves
+            return AggregatorOutcome.SKIPPED
         for island in sorted(contributions):
             c = contributions[island]
-            problem = check_values(
-                c, rnd.layout, max_norm=self.rule.max_norm, block_numel=block_numel
-            )
+            problem = problems[island]
             if problem is None:
                 verdicts[island] = Verdict.ACCEPTED
                 accepted.append(c)
             else:
-                non_finite = problem.startswith("non-finite")
-                verdicts[island] = Verdict.NON_FINITE if non_finite else Verdict.ABOVE_NORM
+                above = problem.startswith("L2 norm")
+                verdicts[island] = Verdict.ABOVE_NORM if above else Verdict.NON_FINITE
                 self._log_rejection(rnd.report, island, problem)
         rnd.report.accepted = [c.island for c in accepted]
         if len(accepted) < self.rule.min_contributions or self.rule.zero_weight(
@@ -241,6 +263,46 @@ class Aggregator:
             block_numel=block_numel,
         )
         return AggregatorOutcome.APPLIED
+
+    def _island_problems(
+        self, rnd: AggregatorRound, contributions: dict[int, Contribution], block_numel: int
+    ) -> dict[int, str | None] | None:
+        """Why each island's contribution must not count, agreed over the island's shards
+        (``island_verdicts``); None when another shard's aggregator failed."""
+        assert self.island_group is not None
+        measures = {
+            i: measure(c, rnd.layout, block_numel=block_numel) for i, c in contributions.items()
+        }
+        rnd.agreed = True
+        validated, islands = agree(measures, self.num_islands, self.island_group)
+        if not validated:
+            return None
+        problems: dict[int, str | None] = {}
+        for island in contributions:
+            finite, norm = islands[island]
+            problems[island] = None
+            if not finite:
+                problems[island] = "non-finite values (NaN or Inf) or no payload in some shard"
+            elif self.rule.max_norm is not None and norm > self.rule.max_norm:
+                problems[island] = (
+                    f"L2 norm {norm:.6g} over the island's shards exceeds "
+                    f"max_norm={self.rule.max_norm:g}"
+                )
+        return problems
+
+    def _abstain(self, rnd: AggregatorRound) -> None:
+        """Join the island's agreement as failed, once, so the other shards do not wait.
+
+        Called on failure paths only: if the agreement itself fails (a rank of the island is
+        gone), that is logged and the failure being handled is the one that propagates.
+        """
+        if self.island_group is None or rnd.agreed:
+            return
+        rnd.agreed = True
+        try:
+            agree(None, self.num_islands, self.island_group)
+        except Exception:
+            log.exception("swarm round %d: the island's agreement failed", rnd.report.round_index)
 
     def _status(
         self, outcome: AggregatorOutcome, verdicts: dict[int, Verdict], rnd: AggregatorRound

@@ -1,0 +1,304 @@
+"""Per-rank swarm files for model-sharded islands (``island_parallel="fsdp"``).
+
+Under FSDP2 / tensor-parallel islands no rank holds an island's whole model, so the island file
+of a DDP save (one per island, written by its first rank) would keep one shard. Here every rank
+writes its own state, and island 0's ranks write the anchors, each its own shard::
+
+    <save_id>/island-IIIII-rank-PPPPP.pt  island I, position P: its module shards and inner
+                                          optimizer state (plain local tensors), totals and
+                                          error-feedback residuals (``IslandRecord``)
+    <save_id>/anchors-rank-PPPPP.pt       shard P's anchors and outer optimizer state
+                                          (``AnchorsRecord``); the same in every island
+
+``torch.distributed.checkpoint`` is not used: it deduplicates write items with the same (FQN,
+offset) across its process group, and every island has the same FQNs and offsets, so a save over
+the world would silently keep one island's shards. Tensors are saved as ``to_local()`` copies,
+never DTensors (a weights-only load of a DTensor carries mesh state).
+
+Invariants:
+- A rank writes, reads and checksums only its own two files: restore I/O does not grow with the
+  number of ranks. Anchors are mapped (``torch.load(mmap=True)``) as in a DDP save.
+- The record's fingerprint holds global shapes and the island mesh (``data_parallel`` x
+  ``tensor_parallel``), so it is the same on every rank; a resume onto another mesh or island
+  count is refused naming both layouts (files hold local shards: no re-sharding yet).
+- Restore installs nothing unless every rank checked its files (``restore.attempt``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.files import (
+    anchor_shard_file_name,
+    atomic_save,
+    load_swarm_file,
+    remove_orphan_saves,
+    require_local_path,
+    swarm_root,
+)
+from lightning_swarm.resume.fingerprint import compare_fingerprints
+from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
+from lightning_swarm.resume.option_changes import refuse_unusable
+from lightning_swarm.resume.records import (
+    AnchorsRecord,
+    FileDigest,
+    IslandRecord,
+    SwarmRecord,
+    TotalsRecord,
+    outer_anchors,
+)
+
+# The DDP restore's own checks, reused as they are (restore.py is not edited here).
+from lightning_swarm.resume.restore import Source, attempt
+from lightning_swarm.resume.restore import _check_anchor_sets as check_anchor_sets
+from lightning_swarm.resume.restore import _check_round_in_flight as check_round_in_flight
+from lightning_swarm.resume.restore import _optimizer_to_device as optimizer_to_device
+from lightning_swarm.resume.save import current_fingerprint
+from lightning_swarm.resume.training_view import ModelShards, TrainingView
+
+MESH_KEY = "island_mesh"
+
+
+def island_rank_file_name(island: int, position: int) -> str:
+    return f"island-{island:05d}-rank-{position:05d}.pt"
+
+
+def shards_of(host: TrainingView) -> ModelShards:
+    assert host.model_shards is not None, "a per-rank save needs a model-sharded view"
+    return host.model_shards
+
+
+def mesh_fingerprint(host: TrainingView) -> dict[str, Any]:
+    """``current_fingerprint`` with global shapes (equal on every rank) and the island mesh."""
+    shards = shards_of(host)
+    fingerprint = current_fingerprint(host)
+    fingerprint["params"] = [
+        [[name, list(shards.global_shapes[name])] for name in o.params] for o in host.outer_syncs
+    ]
+    fingerprint[MESH_KEY] = dict(shards.mesh)
+    return fingerprint
+
+
+def check_layout(
+    saved: Mapping[str, Any], mesh: Mapping[str, int] | None, num_islands: int
+) -> None:
+    """Refuse a resume across DDP and model-sharded islands, or onto another island mesh.
+
+    ``saved`` is the checkpoint's fingerprint, ``mesh`` this run's island mesh (None: DDP).
+    """
+    saved_mesh = saved.get(MESH_KEY)
+    current_mesh = dict(mesh) if mesh is not None else None
+    if saved_mesh == current_mesh:
+        return
+    raise SwarmCheckpointError(
+        f"the checkpoint was written by {_layout(saved_mesh, saved.get('num_islands'))}, this "
+        f"run has {_layout(current_mesh, num_islands)}; model-sharded saves hold each rank's "
+        "local shards of their own layout (no re-sharding yet). Resume with the "
+        "island_parallel, island_size and tensor_parallel_size it was written with."
+    )
+
+
+def _layout(mesh: Mapping[str, Any] | None, num_islands: Any) -> str:
+    if mesh is None:
+        return f"{num_islands} DDP island(s) (island_parallel='ddp')"
+    return (
+        f"{num_islands} island(s) of data_parallel={mesh.get('data_parallel')} x "
+        f"tensor_parallel={mesh.get('tensor_parallel')} (island_parallel='fsdp')"
+    )
+
+
+# -- save -------------------------------------------------------------------------------------
+def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
+    """Write this rank's island file (and island 0's anchor shard); record them (collective)."""
+    comm = host.collectives
+    root = swarm_root(require_local_path(filepath, what="checkpoint path"))
+    if comm.rank == 0:
+        remove_orphan_saves(root.parent, keep=root)
+    save_id = str(comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else ""))
+    directory = root / save_id
+    directory.mkdir(parents=True, exist_ok=True)
+    topology, outers = host.topology, host.outer_syncs
+    island = IslandRecord(
+        save_id=save_id,
+        island=topology.island_index,
+        module=local_tensors(host.module.state_dict()),
+        optimizers=[local_tensors(opt.state_dict()) for opt in host.optimizers],
+        totals=TotalsRecord.of(host.totals),
+        outer_island=[o.island_state_dict() for o in outers],
+    )
+    written: dict[str, FileDigest] = {}
+    name = island_rank_file_name(topology.island_index, topology.local_index)
+    atomic_save(island.to_dict(), directory / name)
+    written[name] = file_digest(directory / name)
+    if topology.island_index == 0:
+        name = anchor_shard_file_name(topology.local_index)
+        anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
+        atomic_save(anchors.to_dict(), directory / name)
+        written[name] = file_digest(directory / name)
+    files: dict[str, FileDigest] = {}
+    for part in comm.all_gather_object(written):
+        files.update(part)
+    record = SwarmRecord(
+        save_id=save_id,
+        fingerprint=mesh_fingerprint(host),
+        anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
+        outer_steps=[o.outer_steps for o in outers],
+        inner_steps=[o.inner_steps for o in outers],
+        files=dict(sorted(files.items())),
+        options=host.options,
+    )
+    comm.barrier("swarm_save")
+    checkpoint["swarm"] = record.to_dict()
+    return save_id
+
+
+def local_tensors(state: Any) -> Any:
+    """``state`` with every DTensor replaced by its local shard (a view; saving copies it)."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, Mapping):
+        return {k: local_tensors(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(local_tensors(v) for v in state)
+    return state
+
+
+# -- restore ----------------------------------------------------------------------------------
+def restore_per_rank(
+    host: TrainingView, main: Source, *, use_mmap: bool, island_paths: Mapping[int, Any]
+) -> bool:
+    """Check this rank's two files against ``main``'s record, then install them (collective).
+
+    Returns:
+        Whether this rank's file held error-feedback residuals (for the option-change warning).
+
+    Raises:
+        SwarmCheckpointError: on every rank, when any rank cannot restore; nothing has been
+            installed then.
+    """
+    comm = host.collectives
+    island, anchors = attempt(comm, lambda: _load(host, main, use_mmap, island_paths))
+    _install(host, island, anchors)
+    return any(state.get("residuals") for state in island.outer_island)
+
+
+def _load(
+    host: TrainingView, main: Source, use_mmap: bool, island_paths: Mapping[int, Any]
+) -> tuple[IslandRecord, AnchorsRecord]:
+    check_layout(main.record.fingerprint, shards_of(host).mesh, host.topology.num_islands)
+    if island_paths:
+        raise SwarmCheckpointError(
+            "SwarmResume(island_ckpt_paths=...) is not supported with island_parallel='fsdp' "
+            "yet; resume every island from ckpt_path."
+        )
+    compare_fingerprints(main.record.fingerprint, mesh_fingerprint(host))
+    if main.record.options is not None:
+        refuse_unusable(main.record.options, host.options)
+    topology = host.topology
+    island_name = island_rank_file_name(topology.island_index, topology.local_index)
+    anchor_name = anchor_shard_file_name(topology.local_index)
+    island = IslandRecord.from_dict(_read(host, main, island_name, use_mmap), island_name)
+    anchors = AnchorsRecord.from_dict(_read(host, main, anchor_name, use_mmap), anchor_name)
+    path = main.directory / anchor_name
+    check_anchor_sets(host, anchors, str(path))
+    check_round_in_flight(host, anchors, str(path))
+    _check_module(host, island, main.directory / island_name)
+    if host.anchors.verify:
+        for state in anchors.outer:
+            check_finite(dict(outer_anchors(state)), source=path, what="an anchor")
+        check_finite(island.module, source=main.directory / island_name, what="the module shard")
+    return island, anchors
+
+
+def _read(host: TrainingView, source: Source, name: str, use_mmap: bool) -> dict[str, Any]:
+    """One of this rank's files, checked against the record (size; checksum with verify)."""
+    path = source.directory / name
+    files = source.record.files or {}
+    if name not in files:
+        raise SwarmCheckpointError(
+            f"{source.ckpt_path} records no file {name}; the save is incomplete or was written "
+            "by another layout. Resume from another checkpoint."
+        )
+    if path.is_file():
+        check_file(path, files[name], verify=host.anchors.verify)
+    payload, _ = load_swarm_file(path, mmap=use_mmap)
+    if payload.get("save_id") != source.record.save_id:
+        raise SwarmCheckpointError(
+            f"{path} belongs to another save than {source.ckpt_path}; the directory was mixed "
+            "up. Resume from another checkpoint."
+        )
+    return payload
+
+
+def _check_module(host: TrainingView, island: IslandRecord, path: Path) -> None:
+    if island.island != host.topology.island_index:
+        raise SwarmCheckpointError(
+            f"{path} says it holds island {island.island}, not {host.topology.island_index}; "
+            "the directory was tampered with. Resume from another checkpoint."
+        )
+    expected = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
+    saved = {k: tuple(v.shape) for k, v in island.module.items()}
+    if expected != saved:
+        differ = sorted(
+            k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k)
+        )
+        raise SwarmCheckpointError(
+            f"{path}: the saved module shards do not fit this model (entries {differ[:5]} "
+            "differ); resume with the model and layout the checkpoint was written by."
+        )
+    if len(island.optimizers) != len(host.optimizers):
+        raise SwarmCheckpointError(
+            f"{path} holds {len(island.optimizers)} optimizer states, this run has "
+            f"{len(host.optimizers)} optimizers; use the same configure_optimizers."
+        )
+
+
+@torch.no_grad()
+def _install(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -> None:
+    """Copy the shards into the live module and optimizers; adopt the outer state."""
+    live = local_tensors(host.module.state_dict())
+    for name, target in live.items():
+        target.copy_(island.module[name])
+    for optimizer, state in zip(host.optimizers, island.optimizers, strict=True):
+        optimizer.load_state_dict(state)
+        optimizer_to_device(optimizer, host.device)
+        _shard_optimizer_state(optimizer)
+    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
+        outer.load_state_dict(outer_state)
+    for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
+        outer.load_island_state_dict(island_state)
+    island.totals.install(host.totals)
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Turn a restored local state tensor back into a DTensor shaped like its parameter.
+
+    ``Optimizer.load_state_dict`` hands back plain tensors; a sharded parameter's step needs its
+    state as the same DTensor (same mesh, placements, global shape and stride: shards may be
+    uneven, so they are given explicitly).
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            local_shape = param.to_local().shape
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                plain = isinstance(value, Tensor) and not isinstance(value, DTensor)
+                if plain and value.dim() > 0 and value.shape == local_shape:
+                    state[key] = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )

@@ -1,0 +1,75 @@
+"""One verdict per model-sharded island, agreed among the aggregators of a round.
+
+Under ``island_parallel="fsdp"`` every rank of an island holds a different shard, and each
+peer group (one shard position across the islands) runs its own swarm round. The aggregators of
+one round are the ranks of one island (``round_index % num_islands``), one per shard position.
+Judged alone, each would see one shard of every contribution: a NaN in one shard would reject
+that island in one peer group only, and ``max_norm`` would bound a shard's norm instead of
+the island's. Here the aggregators exchange what they measured over their island's group:
+
+- a contribution counts only if every shard of it arrived and is finite (a ``MIN`` of flags);
+- its norm is the island-wide one, the square root of the sum of every shard's sum of squares;
+- a last flag says whether every aggregator got as far as validating. If one failed (spool
+  trouble, an error), the others skip the round, so no shard of any island moves.
+
+Every aggregator of the round must call ``agree`` exactly once, failures included (``None``),
+or the others wait in the collective. Torch only; the group is the caller's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from lightning_swarm.transport.aggregator.contributions import Contribution
+from lightning_swarm.transport.payload import PayloadLayout
+
+# (every shard arrived and is finite, the island's L2 norm)
+IslandMeasure = tuple[bool, float]
+
+
+def measure(
+    contribution: Contribution, layout: PayloadLayout, *, block_numel: int
+) -> IslandMeasure:
+    """Whether this shard's contribution is finite, and its sum of squares (float64 per block)."""
+    sum_sq = 0.0
+    for spec in layout.specs:
+        if not spec.dtype.is_floating_point:
+            continue
+        scratch = torch.empty(min(block_numel, spec.numel), dtype=spec.dtype)
+        for start in range(0, spec.numel, block_numel):
+            n = min(block_numel, spec.numel - start)
+            block = scratch[:n]
+            contribution.read_into(spec, start, block)
+            if not bool(torch.isfinite(block).all()):
+                return False, 0.0
+            sum_sq += float(block.double().square().sum())
+    return True, sum_sq
+
+
+def agree(
+    measures: Mapping[int, IslandMeasure] | None, num_islands: int, group: dist.ProcessGroup
+) -> tuple[bool, list[IslandMeasure]]:
+    """Combine this aggregator's ``measures`` (island -> finite, sum of squares) with the
+    other shards' (collective over ``group``).
+
+    ``None`` means this aggregator failed before validating. An island missing from
+    ``measures`` (its payload was refused or never arrived) counts as not finite.
+
+    Returns:
+        Whether every aggregator validated, and per island (finite everywhere, island norm).
+    """
+    flags = torch.zeros(num_islands + 1, dtype=torch.float64)
+    sums = torch.zeros(num_islands, dtype=torch.float64)
+    if measures is not None:
+        flags[num_islands] = 1.0
+        for island, (finite, sum_sq) in measures.items():
+            flags[island] = 1.0 if finite else 0.0
+            sums[island] = sum_sq
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    islands = [(bool(flags[i] == 1.0), math.sqrt(float(sums[i]))) for i in range(num_islands)]
+    return bool(flags[num_islands] == 1.0), islands
