@@ -113,6 +113,32 @@ def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
     return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
 
 
+# Values Lightning's fit(ckpt_path=...) resolves itself (not paths).
+_LIGHTNING_NAMES = {"best", "hpc", "registry"}
+
+
+def check_ckpt_file(ckpt_path: str | None) -> str | None:
+    """``ckpt_path`` unchanged when it is a checkpoint file (or not a local path at all).
+
+    Raises:
+        ValueError: a local path that does not exist, or is a folder.
+    """
+    if ckpt_path is None or ckpt_path in _LIGHTNING_NAMES or "://" in str(ckpt_path):
+        return ckpt_path
+    path = Path(ckpt_path)
+    if path.is_dir():
+        raise ValueError(
+            f"ckpt_path={ckpt_path} is a folder; give one checkpoint file in it (e.g. "
+            f"{path / 'last.ckpt'}), or ckpt_path=last run_dir={ckpt_path} for the newest one."
+        )
+    if not path.exists():
+        raise ValueError(
+            f"ckpt_path={ckpt_path} does not exist; check the path (relative paths start at "
+            f"{Path.cwd()}), or use ckpt_path=last with run_dir=<the run directory>."
+        )
+    return ckpt_path
+
+
 def resolve_ckpt_path(
     ckpt_path: str | None, run_dir: str | None, callbacks: list[Any]
 ) -> str | None:
@@ -120,13 +146,15 @@ def resolve_ckpt_path(
 
     ``ckpt_path=last`` means the newest ``*.ckpt`` (by modification time, then name) anywhere
     under ``run_dir`` when it is given, else under the run's ModelCheckpoint folders. Any other
-    value is a path and is returned unchanged (Lightning reports a missing file).
+    value is a path: a local one must be an existing file (checked here, before any rank
+    starts), a URL is passed on as it is.
 
     Raises:
-        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked.
+        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked; a local
+            path that is missing or a folder.
     """
     if ckpt_path != LAST:
-        return ckpt_path
+        return check_ckpt_file(ckpt_path)
     if run_dir is not None:
         places = [Path(run_dir)]
         if not places[0].is_dir():

@@ -51,7 +51,38 @@ def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
             f"{type(factory).__name__}; pass e.g. "
             "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
         )
+    check_outer_optimizer(factory, option="outer_optimizer")
     return factory
+
+
+# How torch's optimizers name a hyper-parameter in their "Invalid ..." messages.
+_SPOKEN = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
+
+
+def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> None:
+    """Build the outer optimizer once over a scratch tensor, so a bad hyper-parameter fails now.
+
+    torch checks values such as ``lr`` when the optimizer is built, which would otherwise be at
+    setup, on every rank, with a message that names no option. The error names ``option.<key>``
+    (``option`` is how the caller spells the factory: ``outer_optimizer`` in the API,
+    ``strategy.outer_optimizer`` in the CLI).
+
+    Raises:
+        ValueError: the factory raised ValueError (torch's reason is kept in the message).
+    """
+    try:
+        factory([torch.zeros(1, requires_grad=True)])
+    except ValueError as err:
+        keywords = dict(getattr(factory, "keywords", None) or {})
+        reason = str(err)
+        named = [k for k in keywords if k in reason or _SPOKEN.get(k, k) in reason.lower()] or list(
+            keywords
+        )
+        given = ", ".join(f"{option}.{k}={keywords[k]!r}" for k in named) or option
+        raise ValueError(
+            f"{given} is refused by the outer optimizer: {reason}. Give a value it accepts "
+            f"(e.g. {option}.lr=0.7)."
+        ) from err
 
 
 @dataclass
