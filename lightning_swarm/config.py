@@ -127,6 +127,10 @@ class SwarmConfig:
             the anchors and outer state (balanced by bytes) and exchanges only that share
             across islands; the island then gathers the new parameters over its own group
             (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
+        timeout_s: how long any collective of a static run (DDP inside an island, the outer
+            round, a checkpoint's barriers) waits for the other ranks before every waiting
+            rank raises ``CollectiveTimeoutError``: a rank that stopped or hung ends the run
+            after this many seconds instead of blocking it (torch's default is 30 minutes).
     """
 
     sync_every: int = 100
@@ -153,6 +157,7 @@ class SwarmConfig:
     quorum_timeout_s: float = 60.0
     round_timeout_s: float = 60.0
     shard_outer: bool = True
+    timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -177,6 +182,7 @@ class SwarmConfig:
         check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
         check_streaming(self)
         _check_shard_outer(self)
+        _check_timeout(self.timeout_s)
 
     @property
     def sharded(self) -> bool:
@@ -208,6 +214,16 @@ def _check_shard_outer(config: SwarmConfig) -> None:
             "exchanges only its share, so the norm of an island's whole pseudo-gradient is "
             "never seen in one place; set shard_outer=False to bound contributions by norm, "
             "or drop swarm.max_norm."
+        )
+
+
+def _check_timeout(timeout_s: object) -> None:
+    """A finite number of seconds above zero."""
+    ok = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not ok or not 0 < float(timeout_s) < float("inf"):  # type: ignore[arg-type]
+        raise ValueError(
+            f"timeout_s={timeout_s!r} must be a finite number of seconds above 0, e.g. "
+            "timeout_s=600 (a stopped rank then ends the run after 10 minutes)."
         )
 
 

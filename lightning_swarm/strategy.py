@@ -27,6 +27,7 @@ first and the Lightning file last, so a crash in between leaves the previous che
 
 from __future__ import annotations
 
+import datetime
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +52,11 @@ from lightning_swarm.config import (
 )
 from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.fit_end import fit_ends_after_step
-from lightning_swarm.island_ddp import IslandDDPStrategy
+from lightning_swarm.island_ddp import (
+    IslandDDPStrategy,
+    process_group_timeout_s,
+    timeouts_explained,
+)
 from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,
@@ -109,6 +114,7 @@ class SwarmStrategy(IslandDDPStrategy):
         quorum_timeout_s: float = 60.0,
         round_timeout_s: float = 60.0,
         shard_outer: bool = True,
+        timeout_s: float = 1800.0,
         **kwargs: Any,
     ) -> None:
         self.config = SwarmConfig(
@@ -135,6 +141,7 @@ class SwarmStrategy(IslandDDPStrategy):
             quorum_timeout_s=quorum_timeout_s,
             round_timeout_s=round_timeout_s,
             shard_outer=shard_outer,
+            timeout_s=process_group_timeout_s(timeout_s, kwargs),
         )
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
@@ -145,6 +152,7 @@ class SwarmStrategy(IslandDDPStrategy):
             island_size=self.config.island_size,
             dedicated_peers=self.config.sync_delay > 0,
             peer_transport=self.config.transport,
+            timeout=datetime.timedelta(seconds=self.config.timeout_s),
             **kwargs,
         )
         self._loop: OuterLoop | None = None
@@ -302,22 +310,26 @@ class SwarmStrategy(IslandDDPStrategy):
     ) -> Any:
         if self._loop is not None:
             self._loop.check_optimizer(optimizer)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._loop is not None:
-            metrics = self._loop.on_inner_step(optimizer)
-            trainer = self.lightning_module.trainer if self.lightning_module else None
-            if metrics is not None and self._elastic is not None and trainer is not None:
-                metrics = self._elastic.after_round(trainer, metrics)
-            # global_step counts this step only once optimizer_step has returned.
-            self._log_round(metrics, steps_pending=1)
-            self._end_of_fit_round(manual=False)
+        # The step's collectives (DDP's in backward, the outer round's): a rank that stopped
+        # shows here as a timeout, which is told apart from other errors by its message.
+        with timeouts_explained(self.config.timeout_s, self.global_rank):
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._loop is not None:
+                metrics = self._loop.on_inner_step(optimizer)
+                trainer = self.lightning_module.trainer if self.lightning_module else None
+                if metrics is not None and self._elastic is not None and trainer is not None:
+                    metrics = self._elastic.after_round(trainer, metrics)
+                # global_step counts this step only once optimizer_step has returned.
+                self._log_round(metrics, steps_pending=1)
+                self._end_of_fit_round(manual=False)
         return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        # Manual optimization steps its optimizers inside training_step: all of them are done.
-        self._end_of_fit_round(manual=True)
+        with timeouts_explained(self.config.timeout_s, self.global_rank):
+            output = super().training_step(*args, **kwargs)
+            # Manual optimization steps its optimizers inside training_step: all are done.
+            self._end_of_fit_round(manual=True)
         return output
 
     @property

@@ -12,6 +12,7 @@ groups (``factory.peer_backend`` says when).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -46,6 +47,7 @@ def build_groups(
     *,
     dedicated_peers: bool = False,
     peer_backend: str | None = None,
+    timeout: timedelta | None = None,
 ) -> SwarmGroups:
     """Create the island and peer groups for ``topology`` (collective on every rank).
 
@@ -53,7 +55,8 @@ def build_groups(
     group: a transport driven from a background thread must not share a group with the
     training thread's collectives (their order would differ between ranks). A
     ``peer_backend`` (e.g. ``"gloo"`` in an NCCL world) also gives the peer group a group of
-    its own, with that backend.
+    its own, with that backend. ``timeout`` bounds every collective of the new groups
+    (``None``: torch's default, not the world's).
     """
     if peer_backend is not None:
         dedicated_peers = True
@@ -62,7 +65,7 @@ def build_groups(
     peers: dist.ProcessGroup | None = None
     if topology.island_size > 1:
         for index in range(topology.num_islands):
-            group = dist.new_group(topology.island_ranks(index), backend=backend)
+            group = dist.new_group(topology.island_ranks(index), backend=backend, timeout=timeout)
             if index == topology.island_index:
                 island = _member(group)
                 created.append(island)
@@ -71,7 +74,9 @@ def build_groups(
             peers = dist.group.WORLD
         else:
             for local in range(topology.island_size):
-                group = dist.new_group(topology.peer_ranks(local), backend=peer_backend or backend)
+                group = dist.new_group(
+                    topology.peer_ranks(local), backend=peer_backend or backend, timeout=timeout
+                )
                 if local == topology.local_index:
                     peers = _member(group)
                     created.append(peers)
