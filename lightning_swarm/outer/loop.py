@@ -22,6 +22,7 @@ import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,11 +74,11 @@ def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> Non
     try:
         factory([torch.zeros(1, requires_grad=True)])
     except ValueError as err:
-        keywords = dict(getattr(factory, "keywords", None) or {})
+        keywords: dict[str, Any] = dict(getattr(factory, "keywords", None) or {})
         reason = str(err)
-        named = [k for k in keywords if k in reason or _SPOKEN.get(k, k) in reason.lower()] or list(
-            keywords
-        )
+        spoken = {k: _SPOKEN.get(k, k) for k in keywords}
+        named = [k for k in keywords if spoken[k] in reason.lower() or k in reason]
+        named = named or list(keywords)
         given = ", ".join(f"{option}.{k}={keywords[k]!r}" for k in named) or option
         raise ValueError(
             f"{given} is refused by the outer optimizer: {reason}. Give a value it accepts "
