@@ -35,6 +35,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
@@ -42,6 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.algorithm.fragments import FragmentLayout
+from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file, save_failure
 from lightning_swarm.config import (
     AnchorConfig,
     SwarmConfig,
@@ -251,11 +254,31 @@ class SwarmStrategy(IslandDDPStrategy):
         """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
         return SwarmCheckpointer()
 
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's file is written atomically (``AtomicCheckpointIO``) unless the user
+        gave a checkpoint IO of their own (``Trainer(plugins=[...])``), which is kept."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # Sets the wrapped IO only where none was configured (e.g. AsyncCheckpointIO()).
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = read_lightning_file(
+            checkpoint_path,
+            lambda: super(SwarmStrategy, self).load_checkpoint(
+                checkpoint_path, weights_only=weights_only
+            ),
+        )
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -280,7 +303,19 @@ class SwarmStrategy(IslandDDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         save_id = self.checkpointer.save(self._resume_host(), checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        error: Exception | None = None
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        except Exception as err:  # raised below, on every rank, once the others know
+            error = err
+        # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns which.
+        failure = self.broadcast(None if error is None else save_failure(error))
+        if failure is not None:
+            if self.is_global_zero:
+                # The new swarm files are named by no Lightning file: remove them. The previous
+                # checkpoint (its file and the save it names) was never touched.
+                self.checkpointer.discard(filepath, save_id)
+            raise error if error is not None else failure.error(filepath)
         if self.is_global_zero:
             # Only now does the Lightning file name the new save; older ones can go.
             self.checkpointer.prune(filepath, keep=save_id)

@@ -92,9 +92,11 @@ def fit(
     ckpt_dir: Path | None = None,
     ckpt_path: Path | None = None,
     callbacks: list[pl.Callback] | None = None,
+    module: pl.LightningModule | None = None,
     **strategy_kw: Any,
 ) -> None:
-    """One ``Trainer.fit``; checkpoints after every step into ``ckpt_dir`` when given."""
+    """One ``Trainer.fit`` (of ``module``, a ``StepDataModel`` by default); checkpoints after
+    every step into ``ckpt_dir`` when given."""
     pl.seed_everything(0)
     strategy_kw.setdefault("sync_every", SYNC_EVERY)
     strategy_kw.setdefault("start_method", "fork")
@@ -118,7 +120,7 @@ def fit(
         num_sanity_val_steps=0,
         callbacks=cbs,
     )
-    trainer.fit(StepDataModel(), ckpt_path=ckpt_path)
+    trainer.fit(module if module is not None else StepDataModel(), ckpt_path=ckpt_path)
 
 
 def fit_here(out: Path, *, max_steps: int, **kw: Any) -> None:

@@ -43,7 +43,7 @@ from lightning_swarm.resume.restore import (
     load_sources,
     newest_source,
 )
-from lightning_swarm.resume.save import remove_swarm_state, save_swarm_state
+from lightning_swarm.resume.save import discard_save, remove_swarm_state, save_swarm_state
 from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
@@ -153,6 +153,11 @@ class SwarmCheckpointer:
     def prune(filepath: Any, keep: str) -> None:
         """After the Lightning file names ``keep``: remove older saves (global rank 0)."""
         prune_saves(swarm_root(os.fspath(filepath)), keep=keep)
+
+    @staticmethod
+    def discard(filepath: Any, save_id: str) -> None:
+        """Remove save ``save_id`` when its Lightning file could not be written (rank 0)."""
+        discard_save(swarm_root(os.fspath(filepath)), save_id)
 
     @staticmethod
     def remove(filepath: Any) -> None:
