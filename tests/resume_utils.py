@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.resume.files import swarm_root
 from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.records import reseal
 
 SYNC_EVERY = 3
 
@@ -162,10 +163,15 @@ def swarm_dir(ckpt: Path) -> Path:
     return swarm_root(ckpt) / record["save_id"]
 
 
-def edit_record(ckpt: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Rewrite the ``swarm`` record of a Lightning checkpoint in place."""
+def edit_record(
+    ckpt: Path, edit: Callable[[dict[str, Any]], None], *, reseal_it: bool = True
+) -> None:
+    """Rewrite the ``swarm`` record of a Lightning checkpoint in place (and, unless told not
+    to, its checksum: as a tool that rewrites records on purpose would)."""
     checkpoint = torch.load(ckpt, weights_only=True)
     edit(checkpoint["swarm"])
+    if reseal_it:
+        reseal(checkpoint["swarm"])
     torch.save(checkpoint, ckpt)
 
 

@@ -32,6 +32,7 @@ from lightning_swarm.resume.files import (
     swarm_root,
     warn_legacy,
 )
+from lightning_swarm.resume.loop_state import check_loop_state
 from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.records import SwarmRecord
 from lightning_swarm.resume.restore import (
@@ -84,6 +85,7 @@ class SwarmCheckpointer:
                 )
             return
         record = SwarmRecord.from_dict(payload, f"the swarm record of {ckpt_path}")
+        check_loop_state(record, checkpoint, ckpt_path)
         self._pending = Source(require_local_path(ckpt_path, what="ckpt_path"), record)
 
     def defer_anchors(self, *, resuming: bool) -> bool:

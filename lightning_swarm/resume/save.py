@@ -35,6 +35,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.fingerprint import layout_fingerprint
 from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.loop_state import global_step, optimizer_steps
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     FileDigest,
@@ -102,6 +103,9 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
         inner_steps=[o.inner_steps for o in outers],
         files=dict(sorted(files.items())),
         options=host.options,
+        # Lightning's own counters, which a resume cross-checks against the Lightning file.
+        global_step=global_step(checkpoint),
+        optimizer_steps=optimizer_steps(checkpoint),
     )
     comm.barrier("swarm_save")
     checkpoint["swarm"] = record.to_dict()
