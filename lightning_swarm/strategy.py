@@ -308,13 +308,14 @@ class SwarmStrategy(IslandDDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         except Exception as err:  # raised below, on every rank, once the others know
             error = err
+            if self.is_global_zero:
+                # The new swarm files are named by no Lightning file: remove them (before the
+                # other ranks hear of it and fail: a launcher may then end this rank at once).
+                # The previous checkpoint, its file and the save it names, was never touched.
+                self.checkpointer.discard(filepath, save_id)
         # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns which.
         failure = self.broadcast(None if error is None else save_failure(error))
         if failure is not None:
-            if self.is_global_zero:
-                # The new swarm files are named by no Lightning file: remove them. The previous
-                # checkpoint (its file and the save it names) was never touched.
-                self.checkpointer.discard(filepath, save_id)
             raise error if error is not None else failure.error(filepath)
         if self.is_global_zero:
             # Only now does the Lightning file name the new save; older ones can go.

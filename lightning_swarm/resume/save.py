@@ -90,6 +90,9 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
             (directory / name).unlink(missing_ok=True)
         if comm.rank == 0:
             discard_save(root, save_id)
+        # No rank raises before the files are gone: a launcher that sees one rank fail may
+        # end the others at once.
+        comm.barrier("swarm_save_failed")
         raise _save_error(failed, len(outcomes), filepath)
     files: dict[str, FileDigest] = {}
     for part, _ in outcomes:
