@@ -32,6 +32,7 @@ from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
+from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
@@ -144,6 +145,10 @@ class OuterLoop:
         self._params_at_setup = {id(opt): _num_params(opt) for opt in optimizers}
         self._outer_syncs: list[OuterSync] = []
         self._by_optimizer: dict[int, OuterSync] = {}
+        self._optimizer_of: dict[int, Optimizer] = {}  # id(OuterSync) -> its inner optimizer
+        self._island_group = island_group
+        # Islands restarted after a non-finite contribution, this fit (outer.reset).
+        self.islands_reset = 0
         seen: set[int] = set()
         for index, optimizer in enumerate(optimizers):
             params = trained_params(optimizer, names, index, seen)
@@ -164,6 +169,7 @@ class OuterLoop:
             )
             self._outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
+            self._optimizer_of[id(outer)] = optimizer
 
     def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
         """Fragments (the layout is checked here, where the names are known) and options."""
@@ -244,6 +250,8 @@ class OuterLoop:
         self.totals.sync_wall_s += report.wall_s
         index = self._outer_syncs.index(outer)
         suffix = "" if len(self._outer_syncs) == 1 else f"_opt{index}"
+        if self.config.transport == "swarm":
+            self._reset_poisoned(report, outer)
         metrics = {
             f"swarm/outer_steps{suffix}": float(report.outer_steps),
             f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
@@ -252,11 +260,20 @@ class OuterLoop:
             f"swarm/sync_time_s{suffix}": report.wall_s,
             f"swarm/transport_time_s{suffix}": report.transport_s,
         }
+        if self.config.transport == "swarm":
+            metrics["swarm/islands_reset"] = float(self.islands_reset)
         if self.config.num_fragments > 1:
             metrics[f"swarm/fragment{report.fragment}_rounds{suffix}"] = float(
                 report.fragment_rounds
             )
         return metrics
+
+    def _reset_poisoned(self, report: SyncReport, outer: OuterSync) -> None:
+        """Restart this island if its contribution was rejected as non-finite; count every
+        island rejected so (each rank sees the whole round's verdicts)."""
+        self.islands_reset += len(report.non_finite_islands)
+        if island_must_reset(report, self._island_group):
+            reset_island(outer, self._optimizer_of[id(outer)], report.outer_steps)
 
     def finish(self) -> dict[str, float] | None:
         """The end-of-fit round of every optimizer (``OuterSync.finish``), in optimizer order.

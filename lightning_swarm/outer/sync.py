@@ -52,6 +52,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.outer_fast import FastKind, fast_outer_kind
 from lightning_swarm.outer.bucketed import BucketedResult, BucketedRound, BucketMean
@@ -128,6 +129,19 @@ class OuterSync(SyncState):
         self.residuals = {}
         self._in_flight = None
         self._stream = self._build_stream(stream)
+
+    def reset_to_anchors(self) -> None:
+        """Every parameter becomes its anchor again; error-feedback residuals are dropped.
+
+        For an island whose state went non-finite (``outer.reset``). Sharded, each rank writes
+        its own names and the island gathers the rest (collective over the island).
+        """
+        with torch.no_grad():
+            for name in self.owned:
+                merge_into_local(self.params[name].data, self.anchors[name], 0.0)
+        self.residuals = {}
+        if self.shard is not None:
+            self.shard.gather(list(self.params), self.params)
 
     def _build_schedule(self) -> FragmentSchedule:
         schedule = FragmentSchedule(

@@ -224,6 +224,7 @@ class Aggregator:
                 verdicts[island] = Verdict.NON_FINITE if non_finite else Verdict.ABOVE_NORM
                 self._log_rejection(rnd.report, island, problem)
         rnd.report.accepted = [c.island for c in accepted]
+        rnd.report.non_finite = sorted(i for i, v in verdicts.items() if v == Verdict.NON_FINITE)
         if len(accepted) < self.rule.min_contributions or self.rule.zero_weight(
             rnd.report.accepted
         ):
