@@ -127,6 +127,11 @@ class SwarmConfig:
             the anchors and outer state (balanced by bytes) and exchanges only that share
             across islands; the island then gathers the new parameters over its own group
             (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
+        frozen_params: what the outer loop does with parameters an optimizer holds that have
+            ``requires_grad=False`` at setup: ``"exclude"`` (they cannot change while frozen:
+            no anchor, never exchanged; unfreezing one later is refused at that step) or
+            ``"sync"`` (anchored and exchanged like the others, so they can be unfrozen
+            mid-run). Applied by ``lightning_swarm.outer.params``.
         timeout_s: how long any collective of a static run (DDP inside an island, the outer
             round, a checkpoint's barriers) waits for the other ranks before every waiting
             rank raises ``CollectiveTimeoutError``: a rank that stopped or hung ends the run
@@ -157,6 +162,7 @@ class SwarmConfig:
     quorum_timeout_s: float = 60.0
     round_timeout_s: float = 60.0
     shard_outer: bool = True
+    frozen_params: str = "exclude"
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
@@ -183,6 +189,7 @@ class SwarmConfig:
         check_streaming(self)
         _check_shard_outer(self)
         _check_timeout(self.timeout_s)
+        check_frozen_params(self.frozen_params)
 
     @property
     def sharded(self) -> bool:
@@ -214,6 +221,19 @@ def _check_shard_outer(config: SwarmConfig) -> None:
             "exchanges only its share, so the norm of an island's whole pseudo-gradient is "
             "never seen in one place; set shard_outer=False to bound contributions by norm, "
             "or drop swarm.max_norm."
+        )
+
+
+FROZEN_PARAMS = ("exclude", "sync")
+
+
+def check_frozen_params(value: object) -> None:
+    """``frozen_params`` is one of ``FROZEN_PARAMS``."""
+    if value not in FROZEN_PARAMS:
+        raise ValueError(
+            f"frozen_params={value!r} is not known; use 'exclude' (frozen parameters get no "
+            "anchor and are never exchanged) or 'sync' (they are kept in the outer loop, so "
+            "they can be unfrozen mid-run)."
         )
 
 

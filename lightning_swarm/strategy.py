@@ -117,6 +117,7 @@ class SwarmStrategy(IslandDDPStrategy):
         quorum_timeout_s: float = 60.0,
         round_timeout_s: float = 60.0,
         shard_outer: bool = True,
+        frozen_params: str = "exclude",
         timeout_s: float = 1800.0,
         **kwargs: Any,
     ) -> None:
@@ -144,6 +145,7 @@ class SwarmStrategy(IslandDDPStrategy):
             quorum_timeout_s=quorum_timeout_s,
             round_timeout_s=round_timeout_s,
             shard_outer=shard_outer,
+            frozen_params=frozen_params,
             timeout_s=process_group_timeout_s(timeout_s, kwargs),
         )
         elastic = elastic_options(self.config)
@@ -231,6 +233,8 @@ class SwarmStrategy(IslandDDPStrategy):
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
+        if self._loop.frozen:
+            rank_zero_info(self._loop.frozen_summary())
 
     # -- checkpoints ---------------------------------------------------------------------
     def _resume_host(self) -> TrainingView:

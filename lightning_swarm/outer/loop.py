@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
@@ -142,7 +143,6 @@ class OuterLoop:
         self.totals = totals if totals is not None else SwarmTotals()
         self._closed = False
         self._worker = SyncWorker(device=device) if config.sync_delay > 0 else None
-        self._params_at_setup = {id(opt): _num_params(opt) for opt in optimizers}
         self._outer_syncs: list[OuterSync] = []
         self._by_optimizer: dict[int, OuterSync] = {}
         self._optimizer_of: dict[int, Optimizer] = {}  # id(OuterSync) -> its inner optimizer
@@ -150,8 +150,11 @@ class OuterLoop:
         # Islands restarted after a non-finite contribution, this fit (outer.reset).
         self.islands_reset = 0
         seen: set[int] = set()
+        # Frozen at setup and left out (frozen_params="exclude"): by name, for the log.
+        self.frozen: dict[str, torch.nn.Parameter] = {}
+        exclude = self.frozen if config.frozen_params == "exclude" else None
         for index, optimizer in enumerate(optimizers):
-            params = trained_params(optimizer, names, index, seen)
+            params = trained_params(optimizer, names, index, seen, frozen=exclude)
             if not params:
                 continue
             streaming = self._streaming(params)
@@ -170,6 +173,7 @@ class OuterLoop:
             self._outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
             self._optimizer_of[id(outer)] = optimizer
+        self._watch = ParameterWatch(optimizers, self.frozen)
 
     def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
         """Fragments (the layout is checked here, where the names are known) and options."""
@@ -221,18 +225,20 @@ class OuterLoop:
         """One ``OuterSync`` per optimizer that trains floating parameters, in order."""
         return self._outer_syncs
 
+    def frozen_summary(self) -> str:
+        """One line for the log: the frozen parameters left out of the outer loop."""
+        mib = sum(p.numel() * p.element_size() for p in self.frozen.values()) / 2**20
+        return (
+            f"swarm: {len(self.frozen)} frozen parameter(s) ({mib:.2f} MiB, e.g. "
+            f"{list(self.frozen)[:3]}) left out of the outer loop: no anchors, never exchanged "
+            "(frozen_params='exclude'; 'sync' keeps them, to unfreeze them mid-run)."
+        )
+
     # -- rounds ---------------------------------------------------------------------------
     def check_optimizer(self, optimizer: Optimizer) -> None:
-        """Refuse an optimizer whose parameters changed since setup (they have no anchors)."""
-        expected = self._params_at_setup.get(id(optimizer))
-        if expected is not None and _num_params(optimizer) != expected:
-            raise ValueError(
-                f"an optimizer gained or lost parameters after setup ({expected} at setup, "
-                f"{_num_params(optimizer)} now), e.g. through add_param_group (as "
-                "BackboneFinetuning does); SwarmStrategy anchors every parameter at setup, so "
-                "give the optimizer all parameters from the start and freeze them with "
-                "requires_grad=False instead."
-            )
+        """Before an inner step: refuse parameters without anchors that would train
+        (``outer.params.ParameterWatch``)."""
+        self._watch.check(optimizer)
 
     def on_inner_step(self, optimizer: Optimizer) -> dict[str, float] | None:
         """Count one inner step of ``optimizer``; the ``swarm/*`` metrics if a round applied."""
@@ -351,32 +357,3 @@ class OuterLoop:
             grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
             total += ring_allreduce_bytes(grad_bytes, self.num_islands) * outer.inner_steps
         return total
-
-
-def trained_params(
-    optimizer: Optimizer, names: Mapping[int, str], index: int, seen: set[int]
-) -> dict[str, torch.nn.Parameter]:
-    """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
-
-    Frozen parameters (``requires_grad=False``) are included: a parameter unfrozen later in the
-    run must already have an anchor, or it would train on every island and never be synced.
-    While frozen its pseudo-gradient is zero and its anchor does not move.
-    """
-    params: dict[str, torch.nn.Parameter] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.is_floating_point():
-                continue
-            if id(p) in seen:
-                raise ValueError(
-                    f"a parameter of optimizer {index} is also trained by another optimizer; "
-                    "SwarmStrategy keeps one anchor per parameter, so give each parameter to "
-                    "exactly one optimizer."
-                )
-            seen.add(id(p))
-            params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = p
-    return params
-
-
-def _num_params(optimizer: Optimizer) -> int:
-    return sum(len(group["params"]) for group in optimizer.param_groups)
