@@ -177,12 +177,16 @@ def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
 
 
 @contextlib.contextmanager
-def timeouts_explained(timeout_s: float, rank: int) -> Iterator[None]:
-    """Turn a collective's timeout (torch's message names no option) into one that does."""
+def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iterator[None]:
+    """Turn a collective's timeout (torch's message names no option) into one that does.
+
+    Only for static runs (``static``): elastic islands bound their rounds with
+    ``round_timeout_s`` and report their own errors.
+    """
     try:
         yield
     except RuntimeError as err:
-        if isinstance(err, SwarmError) or not _is_timeout(err):
+        if not static or isinstance(err, SwarmError) or not _is_timeout(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CollectiveTimeoutError(

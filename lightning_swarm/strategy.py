@@ -352,7 +352,7 @@ class SwarmStrategy(IslandDDPStrategy):
             self._loop.check_optimizer(optimizer)
         # The step's collectives (DDP's in backward, the outer round's): a rank that stopped
         # shows here as a timeout, which is told apart from other errors by its message.
-        with timeouts_explained(self.config.timeout_s, self.global_rank):
+        with timeouts_explained(self.config.timeout_s, self.global_rank, self._elastic is None):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._loop is not None:
                 metrics = self._loop.on_inner_step(optimizer)
@@ -366,7 +366,7 @@ class SwarmStrategy(IslandDDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with timeouts_explained(self.config.timeout_s, self.global_rank):
+        with timeouts_explained(self.config.timeout_s, self.global_rank, self._elastic is None):
             output = super().training_step(*args, **kwargs)
             # Manual optimization steps its optimizers inside training_step: all are done.
             self._end_of_fit_round(manual=True)
