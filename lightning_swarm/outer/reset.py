@@ -4,7 +4,8 @@ The swarm transport leaves a non-finite contribution out of the mean and still s
 round's result to its island, so the island's parameters get the new anchors back at the merge.
 Its inner optimizer state does not: AdamW's moments hold NaN and turn every later step NaN, and
 the island would be rejected in every round to come, training for nothing. ``reset_island``
-therefore, after such a round:
+therefore, after such a round (applied, or skipped for too few contributions: then the
+anchors it restarts from are the unchanged ones):
 
 - overwrites every parameter of the island with the anchors (all fragments; sharded, each rank
   writes its own share and the island gathers the rest), whatever ``merge_alpha`` mixed in;
@@ -34,7 +35,8 @@ def island_must_reset(report: SyncReport, island_group: dist.ProcessGroup | None
     Collective over ``island_group`` when given (every rank of the island calls it after the
     same round).
     """
-    flag = report.rejected_own and report.applied
+    # Also after a skipped round: the anchors did not move, and they are still finite.
+    flag = report.rejected_own
     if island_group is None or dist.get_world_size(island_group) == 1:
         return flag
     value = torch.tensor([int(flag)])
