@@ -22,7 +22,9 @@ Checkpoints, inside ``Trainer.fit(ckpt_path=...)``: ``load_checkpoint`` captures
 before setup (so the outer loop builds placeholder anchors), ``setup`` runs, then
 ``load_optimizer_state_dict`` (after Lightning loaded rank 0's optimizer state) restores every
 island's own state, before any sanity check or training step. On save the swarm files are written
-first and the Lightning file last, so a crash in between leaves the previous checkpoint intact.
+first and the Lightning file last (``AtomicCheckpointIO``: temporary file in its folder, fsync,
+rename), so a crash in between leaves the previous checkpoint intact; a save that fails on any
+rank (a full disk: ``DiskFullError``) removes its files and raises on every rank.
 """
 
 from __future__ import annotations
