@@ -58,6 +58,15 @@ def test_bad_outer_optimizer_value_is_named_by_the_api() -> None:
         SwarmStrategy(outer_optimizer=functools.partial(torch.optim.SGD, lr=-1))
 
 
+def test_unknown_outer_optimizer_keyword_is_named() -> None:
+    import functools
+
+    import torch
+
+    with pytest.raises(ValueError, match=r"outer_optimizer.momentun=0.9 is refused"):
+        SwarmStrategy(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentun=0.9))
+
+
 def test_missing_checkpoint_is_refused_before_launch(compose, tmp_path: Path) -> None:
     missing = tmp_path / "nonexistent.ckpt"
     cfg = compose(f"ckpt_path={missing}")

@@ -70,12 +70,16 @@ def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> Non
     (``option`` is how the caller spells the factory: ``outer_optimizer`` in the API,
     ``strategy.outer_optimizer`` in the CLI).
 
+    Any other failure is left for setup, where the optimizer is built for real: a factory may
+    need what only exists there (a process group, a device).
+
     Raises:
-        ValueError: the factory raised ValueError (torch's reason is kept in the message).
+        ValueError: the factory raised ValueError (a bad value) or TypeError (an unknown
+            keyword); torch's reason is kept in the message.
     """
     try:
         factory([torch.zeros(1, requires_grad=True)])
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         keywords: dict[str, Any] = dict(getattr(factory, "keywords", None) or {})
         reason = str(err)
         spoken = {k: _SPOKEN.get(k, k) for k in keywords}
@@ -86,6 +90,8 @@ def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> Non
             f"{given} is refused by the outer optimizer: {reason}. Give a value it accepts "
             f"(e.g. {option}.lr=0.7)."
         ) from err
+    except Exception:  # see the docstring: setup reports it, with its context
+        pass
 
 
 @dataclass
