@@ -122,3 +122,24 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(small_disk: Path, tmp_pa
     assert last == str((ckpts / "step=1.ckpt").resolve())
     fit_here(tmp_path / "resumed", max_steps=2, ckpt_path=Path(last), module=BigStepModel())
     assert load_ranks(tmp_path / "resumed", 1)[0]["global_step"] == 2
+
+
+def test_the_strategy_writes_lightning_files_atomically_unless_given_its_own_io() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    from lightning_swarm import SwarmStrategy
+    from lightning_swarm.checkpoint_io import AtomicCheckpointIO
+
+    def io_of(plugins: list[object]) -> object:
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=SwarmStrategy(), plugins=plugins, logger=False
+        )
+        return trainer.strategy.checkpoint_io
+
+    assert isinstance(io_of([]), AtomicCheckpointIO)
+    own = TorchCheckpointIO()
+    assert io_of([own]) is own  # a user's own checkpoint IO is kept
+    wrapped = io_of([AsyncCheckpointIO()])
+    assert isinstance(wrapped, AsyncCheckpointIO)
+    assert isinstance(wrapped.checkpoint_io, AtomicCheckpointIO)  # and wrapped, ours inside
