@@ -154,6 +154,16 @@ class SwarmConfig:
         tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island's
             ``tensor_parallel`` mesh dimension; ``island_size / tensor_parallel_size`` ranks form
             its ``data_parallel`` dimension.
+            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
+        frozen_params: what the outer loop does with parameters an optimizer holds that have
+            ``requires_grad=False`` at setup: ``"exclude"`` (they cannot change while frozen:
+            no anchor, never exchanged; unfreezing one later is refused at that step) or
+            ``"sync"`` (anchored and exchanged like the others, so they can be unfrozen
+            mid-run). Applied by ``lightning_swarm.outer.params``.
+        timeout_s: how long any collective of a static run (DDP inside an island, the outer
+            round, a checkpoint's barriers) waits for the other ranks before every waiting
+            rank raises ``CollectiveTimeoutError``: a rank that stopped or hung ends the run
+            after this many seconds instead of blocking it (torch's default is 30 minutes).
     """
 
     sync_every: int = 100
@@ -182,6 +192,8 @@ class SwarmConfig:
     # A str, not a Literal: OmegaConf 2.3 (the Hydra schema subclasses this class) rejects Literal.
     island_parallel: str = "ddp"
     tensor_parallel_size: int = 1
+    frozen_params: str = "exclude"
+    timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -216,6 +228,8 @@ class SwarmConfig:
         values["merge_alpha"] = float(self.merge_alpha)
         values["error_feedback"] = bool(self.error_feedback)
         return values
+        _check_timeout(self.timeout_s)
+        check_frozen_params(self.frozen_params)
 
     @property
     def sharded(self) -> bool:
@@ -327,6 +341,29 @@ def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
             )
         )
     return refusals
+
+
+FROZEN_PARAMS = ("exclude", "sync")
+
+
+def check_frozen_params(value: object) -> None:
+    """``frozen_params`` is one of ``FROZEN_PARAMS``."""
+    if value not in FROZEN_PARAMS:
+        raise ValueError(
+            f"frozen_params={value!r} is not known; use 'exclude' (frozen parameters get no "
+            "anchor and are never exchanged) or 'sync' (they are kept in the outer loop, so "
+            "they can be unfrozen mid-run)."
+        )
+
+
+def _check_timeout(timeout_s: object) -> None:
+    """A finite number of seconds above zero."""
+    ok = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not ok or not 0 < float(timeout_s) < float("inf"):  # type: ignore[arg-type]
+        raise ValueError(
+            f"timeout_s={timeout_s!r} must be a finite number of seconds above 0, e.g. "
+            "timeout_s=600 (a stopped rank then ends the run after 10 minutes)."
+        )
 
 
 def _check_anchor_device(anchor_device: str) -> None:

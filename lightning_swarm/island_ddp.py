@@ -17,8 +17,10 @@ group) and after a subclass closed whatever used the peer group.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import inspect
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.errors import SwarmError
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
@@ -109,6 +112,8 @@ class IslandDDPStrategy(DDPStrategy):
         self._groups = build_groups(
             self._topology,
             backend=self._process_group_backend,
+            # new_group does not inherit the world's timeout: every group gets the same one.
+            timeout=self._timeout,
             dedicated_peers=self._dedicated_peers,
             # The swarm transport's CPU traffic needs a gloo peer group beside NCCL's.
             peer_backend=peers_backend,
@@ -279,3 +284,54 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
             f"SwarmStrategy got unknown option(s) {unknown}; use SwarmStrategy's own options, "
             "DDPStrategy's, or DistributedDataParallel keywords such as find_unused_parameters."
         )
+
+
+class CollectiveTimeoutError(SwarmError, RuntimeError):
+    """A collective waited ``timeout_s`` for a rank that never came (stopped, hung or dead)."""
+
+
+def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
+    """The one timeout of every process group, from ``timeout_s`` or DDPStrategy's ``timeout``.
+
+    ``timeout=timedelta(...)`` (DDPStrategy's own keyword) is still accepted and removed from
+    ``kwargs``; giving both with different values is refused.
+    """
+    timeout = kwargs.pop("timeout", None)
+    if timeout is None:
+        return timeout_s
+    if not isinstance(timeout, datetime.timedelta):
+        raise ValueError(
+            f"timeout={timeout!r} must be a datetime.timedelta; prefer timeout_s=<seconds>."
+        )
+    if timeout_s not in (1800.0, timeout.total_seconds()):
+        raise ValueError(
+            f"timeout={timeout} and timeout_s={timeout_s} disagree; give timeout_s only."
+        )
+    return timeout.total_seconds()
+
+
+@contextlib.contextmanager
+def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iterator[None]:
+    """Turn a collective's timeout (torch's message names no option) into one that does.
+
+    Only for static runs (``static``): elastic islands bound their rounds with
+    ``round_timeout_s`` and report their own errors.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if not static or isinstance(err, SwarmError) or not _is_timeout(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CollectiveTimeoutError(
+            f"rank {rank}: a collective waited timeout_s={timeout_s:g} s for another rank and "
+            f"gave up ({first}). A rank stopped, hung or died; every waiting rank stops here "
+            "instead of blocking. Look for the rank whose log ends earliest; if a step or a "
+            "checkpoint legitimately takes longer, raise timeout_s."
+        ) from err
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    # gloo: "Timed out waiting 5000ms for recv ..."; NCCL: "collective operation timeout".
+    return "timed out" in text or "operation timeout" in text

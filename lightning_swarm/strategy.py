@@ -22,31 +22,41 @@ Checkpoints, inside ``Trainer.fit(ckpt_path=...)``: ``load_checkpoint`` captures
 before setup (so the outer loop builds placeholder anchors), ``setup`` runs, then
 ``load_optimizer_state_dict`` (after Lightning loaded rank 0's optimizer state) restores every
 island's own state, before any sanity check or training step. On save the swarm files are written
-first and the Lightning file last, so a crash in between leaves the previous checkpoint intact.
+first and the Lightning file last (``AtomicCheckpointIO``: temporary file in its folder, fsync,
+rename), so a crash in between leaves the previous checkpoint intact; a save that fails on any
+rank (a full disk: ``DiskFullError``) removes its files and raises on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file, save_failure
 from lightning_swarm.config import (
     SwarmConfig,
     dtype_name,
 )
 from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.fit_end import fit_ends_after_step
-from lightning_swarm.island_ddp import IslandDDPStrategy
+from lightning_swarm.island_ddp import (
+    IslandDDPStrategy,
+    process_group_timeout_s,
+    timeouts_explained,
+)
 from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,
@@ -112,7 +122,13 @@ class SwarmStrategy(IslandDDPStrategy):
         outer_optimizer: OuterOptimizerFactory | None = None,
         **kwargs: Any,
     ) -> None:
-        self.config = config_with(config, _pop_options(kwargs))
+        options = _pop_options(kwargs)
+        if "timeout" in kwargs:  # DDPStrategy's own keyword, still accepted
+            default = config.timeout_s if isinstance(config, SwarmConfig) else 1800.0
+            options["timeout_s"] = process_group_timeout_s(
+                options.get("timeout_s", default), kwargs
+            )
+        self.config = config_with(config, options)
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
         self._elastic = None if elastic is None else ElasticIsland(elastic, self.config.sync_every)
@@ -124,6 +140,7 @@ class SwarmStrategy(IslandDDPStrategy):
             peer_transport=self.config.transport,
             island_parallel=self.config.island_parallel,
             tensor_parallel_size=self.config.tensor_parallel_size,
+            timeout=datetime.timedelta(seconds=self.config.timeout_s),
             **kwargs,
         )
         self._loop: OuterLoop | None = None
@@ -204,6 +221,8 @@ class SwarmStrategy(IslandDDPStrategy):
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
+        if self._loop.frozen:
+            rank_zero_info(self._loop.frozen_summary())
 
     @property
     def _shares_outer_state(self) -> bool:
@@ -240,11 +259,31 @@ class SwarmStrategy(IslandDDPStrategy):
         """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
         return SwarmCheckpointer()
 
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's file is written atomically (``AtomicCheckpointIO``) unless the user
+        gave a checkpoint IO of their own (``Trainer(plugins=[...])``), which is kept."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # Sets the wrapped IO only where none was configured (e.g. AsyncCheckpointIO()).
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
     @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = read_lightning_file(
+            checkpoint_path,
+            lambda: super(SwarmStrategy, self).load_checkpoint(
+                checkpoint_path, weights_only=weights_only
+            ),
+        )
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -269,7 +308,20 @@ class SwarmStrategy(IslandDDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         save_id = self.checkpointer.save(self._resume_host(), checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        error: Exception | None = None
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        except Exception as err:  # raised below, on every rank, once the others know
+            error = err
+            if self.is_global_zero:
+                # The new swarm files are named by no Lightning file: remove them (before the
+                # other ranks hear of it and fail: a launcher may then end this rank at once).
+                # The previous checkpoint, its file and the save it names, was never touched.
+                self.checkpointer.discard(filepath, save_id)
+        # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns which.
+        failure = self.broadcast(None if error is None else save_failure(error))
+        if failure is not None:
+            raise error if error is not None else failure.error(filepath)
         if self.is_global_zero:
             # Only now does the Lightning file name the new save; older ones can go.
             self.checkpointer.prune(filepath, keep=save_id)
@@ -299,22 +351,26 @@ class SwarmStrategy(IslandDDPStrategy):
     ) -> Any:
         if self._loop is not None:
             self._loop.check_optimizer(optimizer)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._loop is not None:
-            metrics = self._loop.on_inner_step(optimizer)
-            trainer = self.lightning_module.trainer if self.lightning_module else None
-            if metrics is not None and self._elastic is not None and trainer is not None:
-                metrics = self._elastic.after_round(trainer, metrics)
-            # global_step counts this step only once optimizer_step has returned.
-            self._log_round(metrics, steps_pending=1)
-            self._end_of_fit_round(manual=False)
+        # The step's collectives (DDP's in backward, the outer round's): a rank that stopped
+        # shows here as a timeout, which is told apart from other errors by its message.
+        with timeouts_explained(self.config.timeout_s, self.global_rank, self._elastic is None):
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._loop is not None:
+                metrics = self._loop.on_inner_step(optimizer)
+                trainer = self.lightning_module.trainer if self.lightning_module else None
+                if metrics is not None and self._elastic is not None and trainer is not None:
+                    metrics = self._elastic.after_round(trainer, metrics)
+                # global_step counts this step only once optimizer_step has returned.
+                self._log_round(metrics, steps_pending=1)
+                self._end_of_fit_round(manual=False)
         return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        # Manual optimization steps its optimizers inside training_step: all of them are done.
-        self._end_of_fit_round(manual=True)
+        with timeouts_explained(self.config.timeout_s, self.global_rank, self._elastic is None):
+            output = super().training_step(*args, **kwargs)
+            # Manual optimization steps its optimizers inside training_step: all are done.
+            self._end_of_fit_round(manual=True)
         return output
 
     @property

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.resume.files import swarm_root
 from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.records import reseal
 
 SYNC_EVERY = 3
 
@@ -92,9 +93,11 @@ def fit(
     ckpt_dir: Path | None = None,
     ckpt_path: Path | None = None,
     callbacks: list[pl.Callback] | None = None,
+    module: pl.LightningModule | None = None,
     **strategy_kw: Any,
 ) -> None:
-    """One ``Trainer.fit``; checkpoints after every step into ``ckpt_dir`` when given."""
+    """One ``Trainer.fit`` (of ``module``, a ``StepDataModel`` by default); checkpoints after
+    every step into ``ckpt_dir`` when given."""
     pl.seed_everything(0)
     strategy_kw.setdefault("sync_every", SYNC_EVERY)
     strategy_kw.setdefault("start_method", "fork")
@@ -118,7 +121,7 @@ def fit(
         num_sanity_val_steps=0,
         callbacks=cbs,
     )
-    trainer.fit(StepDataModel(), ckpt_path=ckpt_path)
+    trainer.fit(module if module is not None else StepDataModel(), ckpt_path=ckpt_path)
 
 
 def fit_here(out: Path, *, max_steps: int, **kw: Any) -> None:
@@ -160,10 +163,15 @@ def swarm_dir(ckpt: Path) -> Path:
     return swarm_root(ckpt) / record["save_id"]
 
 
-def edit_record(ckpt: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Rewrite the ``swarm`` record of a Lightning checkpoint in place."""
+def edit_record(
+    ckpt: Path, edit: Callable[[dict[str, Any]], None], *, reseal_it: bool = True
+) -> None:
+    """Rewrite the ``swarm`` record of a Lightning checkpoint in place (and, unless told not
+    to, its checksum: as a tool that rewrites records on purpose would)."""
     checkpoint = torch.load(ckpt, weights_only=True)
     edit(checkpoint["swarm"])
+    if reseal_it:
+        reseal(checkpoint["swarm"])
     torch.save(checkpoint, ckpt)
 
 

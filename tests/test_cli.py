@@ -15,11 +15,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning_swarm.cli.summary import format_summary
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.cli.app import CONF_DIR, Run, build
+from lightning_swarm.cli.summary import format_summary
 from tests.cli_utils import run_in
 from tests.helpers import QUIET, TinyRegressor, regression_data
 

@@ -80,8 +80,9 @@ def test_resume_through_the_cli_ends_bitwise_equal(tmp_path: Path) -> None:
 
 
 def _touch(path: Path, mtime: int) -> Path:
+    """A small complete (plain Lightning) checkpoint with modification time ``mtime``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x")
+    torch.save({"state_dict": {}}, path)
     os.utime(path, (mtime, mtime))
     return path
 
@@ -91,8 +92,9 @@ def test_last_takes_the_newest_checkpoint_under_the_run_dir(tmp_path: Path) -> N
     newest = _touch(tmp_path / "logs" / "version_0" / "checkpoints" / "epoch=1-step=8.ckpt", 2_000)
     _touch(tmp_path / "checkpoints" / "epoch=1-step=8.ckpt.swarm" / "x" / "anchors.pt", 3_000)
     assert resolve_ckpt_path("last", str(tmp_path), []) == str(newest.resolve())
-    # any other value is a path, passed on as given
-    assert resolve_ckpt_path("a/epoch=0-step=4.ckpt", None, []) == "a/epoch=0-step=4.ckpt"
+    # any other value is a path, passed on as given (once it is known to exist)
+    other = str(tmp_path / "checkpoints" / "epoch=0-step=4.ckpt")
+    assert resolve_ckpt_path(other, None, []) == other
     assert resolve_ckpt_path(None, str(tmp_path), []) is None
 
 

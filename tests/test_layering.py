@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: list[tuple[str, int]] = [
     (PACKAGE, 7),
     (f"{PACKAGE}.strategy", 7),
+    (f"{PACKAGE}.checkpoint_io", 7),
     (f"{PACKAGE}.fit_end", 7),
     (f"{PACKAGE}.island_ddp", 7),
     (f"{PACKAGE}.island_fsdp", 7),

@@ -343,11 +343,13 @@ def _save_ids(root: Path) -> list[str]:
 def test_crash_before_the_lightning_file_keeps_the_previous_checkpoint(
     full_run_1: Path, tmp_path: Path, crash_file: str, resumed_step: int
 ) -> None:
-    """At step 6 one save dies between its swarm files and its Lightning file.
+    """At step 6 one save fails between its swarm files and its Lightning file.
 
-    ``latest.ckpt`` must still resume exactly (from step 5 when its own overwrite died), and the
-    next save removes what the crash left: the extra save under ``latest.ckpt.swarm`` (pruned
-    with the next ``latest.ckpt``) or ``step=6.ckpt.swarm``, which no file will ever name.
+    ``latest.ckpt`` must still resume exactly (from step 5 when its own overwrite failed), and
+    the failed save removes its own swarm files at once (issue 22): no extra save under
+    ``latest.ckpt.swarm``, no ``step=6.ckpt.swarm`` that no file names. What a killed process
+    leaves (it cannot clean up) is removed by the next save: ``remove_orphan_saves`` and
+    ``prune_saves``, tested in test_resume_units.py.
     """
     ckpts = tmp_path / "ckpts"
     with pytest.raises(Exception, match=f"simulated crash before {crash_file}"):
@@ -363,10 +365,9 @@ def test_crash_before_the_lightning_file_keeps_the_previous_checkpoint(
     latest = ckpts / "latest.ckpt"
     record = torch.load(latest, weights_only=True)["swarm"]
     assert record["inner_steps"] == [resumed_step]
-    if crash_file == "latest.ckpt":
-        assert len(_save_ids(swarm_root(latest))) == 2  # the named save and the crashed one
-    else:
-        assert not (ckpts / crash_file).exists() and swarm_root(ckpts / crash_file).is_dir()
+    assert _save_ids(swarm_root(latest)) == [record["save_id"]]  # only the named save
+    if crash_file != "latest.ckpt":
+        assert not (ckpts / crash_file).exists() and not swarm_root(ckpts / crash_file).exists()
     fit(
         tmp_path / "resumed",
         devices=2,

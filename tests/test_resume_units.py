@@ -31,6 +31,7 @@ from lightning_swarm.resume.files import (
     warn_legacy,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
+from lightning_swarm.resume.records import SwarmRecord
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -368,13 +369,9 @@ def test_anchor_config_forms() -> None:
 
 
 # -- checkpointer -----------------------------------------------------------------------------
-_RECORD = {
-    "format": FORMAT_VERSION,
-    "save_id": "abc",
-    "fingerprint": {},
-    "outer_steps": [1],
-    "inner_steps": [3],
-}
+_RECORD = SwarmRecord(
+    save_id="abc", fingerprint={}, anchor_dtype=None, outer_steps=[1], inner_steps=[3]
+).to_dict()
 
 
 def test_plain_lightning_checkpoint_warns_and_keeps_fresh_anchors() -> None:
@@ -395,7 +392,8 @@ def test_a_new_fit_forgets_a_checkpoint_captured_by_an_earlier_one() -> None:
 
 def test_unknown_swarm_record_format_is_rejected() -> None:
     with pytest.raises(
-        SwarmCheckpointError, match=r"is not lightning_swarm state of format \[1, 2\] \(found 99\)"
+        SwarmCheckpointError,
+        match=r"is not lightning_swarm state of format \[1, 2, 3\] \(found 99\)",
     ):
         SwarmCheckpointer().capture("/tmp/x.ckpt", {"swarm": {"format": 99}}, rank=0)
 

@@ -182,7 +182,7 @@ def test_mixed_precision_clipping_scheduler_and_bf16_anchors(tmp_path: Path) -> 
 
 
 def test_parameter_unfrozen_mid_run_is_synced(tmp_path: Path) -> None:
-    strategy = SwarmStrategy(sync_every=4, start_method="fork")
+    strategy = SwarmStrategy(sync_every=4, start_method="fork", frozen_params="sync")
     pl.seed_everything(7)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -43,6 +43,7 @@ from lightning_swarm.cli.preflight import (
 from lightning_swarm.cli.schema import register_configs
 from lightning_swarm.cli.summary import format_summary, summarize
 from lightning_swarm.demo.loss_plot import LossHistory, write_loss_png
+from lightning_swarm.outer.loop import check_outer_optimizer
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -76,6 +77,12 @@ def build(cfg: DictConfig) -> Run:
     """Instantiate everything a run needs; raises ValueError on a bad option, before training."""
     trainer_options = plain(cfg.trainer)
     check_accelerator(trainer_options.get("accelerator", "auto"))
+    outer_optimizer = cfg.strategy.get("outer_optimizer")
+    if outer_optimizer is not None:
+        # Named by its CLI key here; inside the strategy it would read "outer_optimizer.lr".
+        check_outer_optimizer(
+            instantiate(outer_optimizer, _convert_="all"), option="strategy.outer_optimizer"
+        )
     strategy = instantiate(cfg.strategy, _convert_="all")
     if isinstance(strategy, SwarmStrategy):
         # Fails here, in the launching process, instead of once per rank after the launch.

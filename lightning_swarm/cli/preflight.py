@@ -12,6 +12,7 @@ Lightning glue: imports lightning, holds no state.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator,
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import Container, OmegaConf
 
+from lightning_swarm.resume.complete import checkpoint_problem
 from lightning_swarm.topology import IslandTopology
 
 LAST = "last"
@@ -113,20 +115,48 @@ def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
     return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
 
 
+# Values Lightning's fit(ckpt_path=...) resolves itself (not paths).
+_LIGHTNING_NAMES = {"best", "hpc", "registry"}
+
+
+def check_ckpt_file(ckpt_path: str | None) -> str | None:
+    """``ckpt_path`` unchanged when it is a checkpoint file (or not a local path at all).
+
+    Raises:
+        ValueError: a local path that does not exist, or is a folder.
+    """
+    if ckpt_path is None or ckpt_path in _LIGHTNING_NAMES or "://" in str(ckpt_path):
+        return ckpt_path
+    path = Path(ckpt_path)
+    if path.is_dir():
+        raise ValueError(
+            f"ckpt_path={ckpt_path} is a folder; give one checkpoint file in it (e.g. "
+            f"{path / 'last.ckpt'}), or ckpt_path=last run_dir={ckpt_path} for the newest one."
+        )
+    if not path.exists():
+        raise ValueError(
+            f"ckpt_path={ckpt_path} does not exist; check the path (relative paths start at "
+            f"{Path.cwd()}), or use ckpt_path=last with run_dir=<the run directory>."
+        )
+    return ckpt_path
+
+
 def resolve_ckpt_path(
     ckpt_path: str | None, run_dir: str | None, callbacks: list[Any]
 ) -> str | None:
     """The checkpoint ``trainer.fit`` resumes from.
 
-    ``ckpt_path=last`` means the newest ``*.ckpt`` (by modification time, then name) anywhere
+    ``ckpt_path=last`` means the newest complete ``*.ckpt`` (``newest_complete``) anywhere
     under ``run_dir`` when it is given, else under the run's ModelCheckpoint folders. Any other
-    value is a path and is returned unchanged (Lightning reports a missing file).
+    value is a path: a local one must be an existing file (checked here, before any rank
+    starts), a URL is passed on as it is.
 
     Raises:
-        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked.
+        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked; a local
+            path that is missing or a folder.
     """
     if ckpt_path != LAST:
-        return ckpt_path
+        return check_ckpt_file(ckpt_path)
     if run_dir is not None:
         places = [Path(run_dir)]
         if not places[0].is_dir():
@@ -149,5 +179,34 @@ def resolve_ckpt_path(
             f"ckpt_path=last found no *.ckpt file under {where}; check the folder, or train "
             "with callbacks=checkpoint to write checkpoints there."
         )
-    newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
-    return str(newest.resolve())
+    return str(newest_complete(found).resolve())
+
+
+def newest_complete(found: list[Path]) -> Path:
+    """The newest checkpoint (by modification time, then name) that a resume can use.
+
+    Each candidate, newest first, is checked (``resume.complete.checkpoint_problem``: the
+    Lightning file's CRCs, its swarm record and the swarm files' sizes and checksums); a
+    newer one that fails is skipped with a warning naming it, why, and the one chosen.
+
+    Raises:
+        ValueError: no candidate is complete (each is listed with its problem).
+    """
+    ordered = sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+    skipped: list[str] = []
+    for path in ordered:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if skipped:
+                warnings.warn(
+                    f"ckpt_path=last: skipped newer checkpoint(s) that cannot be resumed from: "
+                    f"{'; '.join(skipped)}. Resuming from {path}, the newest complete one.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return path
+        skipped.append(f"{path} ({problem})")
+    raise ValueError(
+        "ckpt_path=last found no complete checkpoint: " + "; ".join(skipped) + ". Give an "
+        "intact checkpoint as ckpt_path=<file>, or start without ckpt_path."
+    )

@@ -20,6 +20,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 from torchmetrics.text import Perplexity
 
+# The demo's default sizes, quoted by the error a non-positive size raises.
+DEFAULT_SIZES = {"block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
+
 
 class Block(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
@@ -47,6 +50,14 @@ class GPT(nn.Module):
         self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int
     ) -> None:
         super().__init__()
+        sizes = {"block_size": block_size, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd}
+        for name, value in sizes.items():
+            # A GPT of no blocks (n_layer=0) would train its embeddings alone and exit 0.
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"model.{name}={value!r} must be a positive integer; e.g. model.{name}="
+                    f"{DEFAULT_SIZES[name]} (the default)."
+                )
         if n_embd % n_head != 0:
             raise ValueError(f"model.n_embd={n_embd} must be divisible by model.n_head={n_head}")
         self.block_size = block_size

@@ -26,17 +26,18 @@ import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
+from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
@@ -57,7 +58,44 @@ def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
             f"{type(factory).__name__}; pass e.g. "
             "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
         )
+    check_outer_optimizer(factory, option="outer_optimizer")
     return factory
+
+
+# How torch's optimizers name a hyper-parameter in their "Invalid ..." messages.
+_SPOKEN = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
+
+
+def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> None:
+    """Build the outer optimizer once over a scratch tensor, so a bad hyper-parameter fails now.
+
+    torch checks values such as ``lr`` when the optimizer is built, which would otherwise be at
+    setup, on every rank, with a message that names no option. The error names ``option.<key>``
+    (``option`` is how the caller spells the factory: ``outer_optimizer`` in the API,
+    ``strategy.outer_optimizer`` in the CLI).
+
+    Any other failure is left for setup, where the optimizer is built for real: a factory may
+    need what only exists there (a process group, a device).
+
+    Raises:
+        ValueError: the factory raised ValueError (a bad value) or TypeError (an unknown
+            keyword); torch's reason is kept in the message.
+    """
+    try:
+        factory([torch.zeros(1, requires_grad=True)])
+    except (ValueError, TypeError) as err:
+        keywords: dict[str, Any] = dict(getattr(factory, "keywords", None) or {})
+        reason = str(err)
+        spoken = {k: _SPOKEN.get(k, k) for k in keywords}
+        named = [k for k in keywords if spoken[k] in reason.lower() or k in reason]
+        named = named or list(keywords)
+        given = ", ".join(f"{option}.{k}={keywords[k]!r}" for k in named) or option
+        raise ValueError(
+            f"{given} is refused by the outer optimizer: {reason}. Give a value it accepts "
+            f"(e.g. {option}.lr=0.7)."
+        ) from err
+    except Exception:  # see the docstring: setup reports it, with its context
+        pass
 
 
 @dataclass
@@ -115,12 +153,18 @@ class OuterLoop:
         self.totals = totals if totals is not None else SwarmTotals()
         self._closed = False
         self._worker = SyncWorker(device=device) if config.sync_delay > 0 else None
-        self._params_at_setup = {id(opt): _num_params(opt) for opt in optimizers}
         self._outer_syncs: list[OuterSync] = []
         self._by_optimizer: dict[int, OuterSync] = {}
+        self._optimizer_of: dict[int, Optimizer] = {}  # id(OuterSync) -> its inner optimizer
+        self._island_group = island_group
+        # Islands restarted after a non-finite contribution, this fit (outer.reset).
+        self.islands_reset = 0
         seen: set[int] = set()
+        # Frozen at setup and left out (frozen_params="exclude"): by name, for the log.
+        self.frozen: dict[str, torch.nn.Parameter] = {}
+        exclude = self.frozen if config.frozen_params == "exclude" else None
         for index, optimizer in enumerate(optimizers):
-            params = trained_params(optimizer, names, index, seen)
+            params = trained_params(optimizer, names, index, seen, frozen=exclude)
             if not params:
                 continue
             streaming = self._streaming(params)
@@ -138,6 +182,8 @@ class OuterLoop:
             )
             self._outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
+            self._optimizer_of[id(outer)] = optimizer
+        self._watch = ParameterWatch(optimizers, self.frozen)
 
     def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
         """Fragments (the layout is checked here, where the names are known) and options."""
@@ -189,18 +235,20 @@ class OuterLoop:
         """One ``OuterSync`` per optimizer that trains floating parameters, in order."""
         return self._outer_syncs
 
+    def frozen_summary(self) -> str:
+        """One line for the log: the frozen parameters left out of the outer loop."""
+        mib = sum(p.numel() * p.element_size() for p in self.frozen.values()) / 2**20
+        return (
+            f"swarm: {len(self.frozen)} frozen parameter(s) ({mib:.2f} MiB, e.g. "
+            f"{list(self.frozen)[:3]}) left out of the outer loop: no anchors, never exchanged "
+            "(frozen_params='exclude'; 'sync' keeps them, to unfreeze them mid-run)."
+        )
+
     # -- rounds ---------------------------------------------------------------------------
     def check_optimizer(self, optimizer: Optimizer) -> None:
-        """Refuse an optimizer whose parameters changed since setup (they have no anchors)."""
-        expected = self._params_at_setup.get(id(optimizer))
-        if expected is not None and _num_params(optimizer) != expected:
-            raise ValueError(
-                f"an optimizer gained or lost parameters after setup ({expected} at setup, "
-                f"{_num_params(optimizer)} now), e.g. through add_param_group (as "
-                "BackboneFinetuning does); SwarmStrategy anchors every parameter at setup, so "
-                "give the optimizer all parameters from the start and freeze them with "
-                "requires_grad=False instead."
-            )
+        """Before an inner step: refuse parameters without anchors that would train
+        (``outer.params.ParameterWatch``)."""
+        self._watch.check(optimizer)
 
     def on_inner_step(self, optimizer: Optimizer) -> dict[str, float] | None:
         """Count one inner step of ``optimizer``; the ``swarm/*`` metrics if a round applied."""
@@ -218,6 +266,8 @@ class OuterLoop:
         self.totals.sync_wall_s += report.wall_s
         index = self._outer_syncs.index(outer)
         suffix = "" if len(self._outer_syncs) == 1 else f"_opt{index}"
+        if self.config.transport == "swarm":
+            self._reset_poisoned(report, outer)
         metrics = {
             f"swarm/outer_steps{suffix}": float(report.outer_steps),
             f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
@@ -226,11 +276,20 @@ class OuterLoop:
             f"swarm/sync_time_s{suffix}": report.wall_s,
             f"swarm/transport_time_s{suffix}": report.transport_s,
         }
+        if self.config.transport == "swarm":
+            metrics["swarm/islands_reset"] = float(self.islands_reset)
         if self.config.num_fragments > 1:
             metrics[f"swarm/fragment{report.fragment}_rounds{suffix}"] = float(
                 report.fragment_rounds
             )
         return metrics
+
+    def _reset_poisoned(self, report: SyncReport, outer: OuterSync) -> None:
+        """Restart this island if its contribution was rejected as non-finite; count every
+        island rejected so (each rank sees the whole round's verdicts)."""
+        self.islands_reset += len(report.non_finite_islands)
+        if island_must_reset(report, self._island_group):
+            reset_island(outer, self._optimizer_of[id(outer)], report.outer_steps)
 
     def finish(self) -> dict[str, float] | None:
         """The end-of-fit round of every optimizer (``OuterSync.finish``), in optimizer order.
@@ -308,49 +367,3 @@ class OuterLoop:
             grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
             total += ring_allreduce_bytes(grad_bytes, self.num_islands) * outer.inner_steps
         return total
-
-
-def trained_params(
-    optimizer: Optimizer, names: Mapping[int, str], index: int, seen: set[int]
-) -> dict[str, torch.nn.Parameter]:
-    """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
-
-    A sharded (DTensor) parameter comes back as this rank's local shard (``local_shard``).
-
-    Frozen parameters (``requires_grad=False``) are included: a parameter unfrozen later in the
-    run must already have an anchor, or it would train on every island and never be synced.
-    While frozen its pseudo-gradient is zero and its anchor does not move.
-    """
-    params: dict[str, torch.nn.Parameter] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.is_floating_point():
-                continue
-            if id(p) in seen:
-                raise ValueError(
-                    f"a parameter of optimizer {index} is also trained by another optimizer; "
-                    "SwarmStrategy keeps one anchor per parameter, so give each parameter to "
-                    "exactly one optimizer."
-                )
-            seen.add(id(p))
-            params[names.get(id(p), f"optimizer{index}.param{len(params)}")] = local_shard(p)
-    return params
-
-
-@torch.no_grad()
-def local_shard(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    """``param`` itself, or for a DTensor its local shard as a view of the same storage.
-
-    Under ``no_grad``, ``to_local()`` returns an alias of the DTensor's local tensor (no autograd
-    node, no copy): reads see the inner steps, writes reach the module. An empty shard (a
-    ``Linear(5, 1)`` over two ranks leaves one rank no rows) is a 0-element tensor, which every
-    round handles. The cast keeps ``OuterSync``'s signature: it only ever reads and writes the
-    tensor's data, which is all a shard offers.
-    """
-    if isinstance(param, DTensor):
-        return cast(torch.nn.Parameter, param.to_local())
-    return param
-
-
-def _num_params(optimizer: Optimizer) -> int:
-    return sum(len(group["params"]) for group in optimizer.param_groups)

@@ -38,6 +38,9 @@ class SyncReport:
     fragment: int = 0
     fragment_rounds: int = 0
     transport_s: float = 0.0
+    # Islands rejected for NaN or inf in this round, and whether this island was one of them.
+    non_finite_islands: tuple[int, ...] = ()
+    rejected_own: bool = False
 
 
 @dataclass

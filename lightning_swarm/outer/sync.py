@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.outer.bucketed import BucketedRound, BucketMean
 from lightning_swarm.outer.bucketed_engine import BucketedEngine, bucketed_kind
@@ -250,6 +251,20 @@ class OuterSync:
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""
         self.engine.drain()
+
+    @torch.no_grad()
+    def reset_to_anchors(self) -> None:
+        """Every parameter becomes its anchor again; error-feedback residuals are dropped.
+
+        For an island whose state went non-finite (``outer.reset``). Sharded, each rank writes
+        its own names and the island gathers the rest (collective over the island).
+        """
+        s = self.state
+        for name in s.owned:
+            merge_into_local(s.params[name].data, s.anchors[name], 0.0)
+        s.residuals = {}
+        if s.shard is not None:
+            s.shard.gather(list(s.params), s.params)
 
     # -- checkpoint state (SyncCheckpoint) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

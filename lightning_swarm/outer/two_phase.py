@@ -175,6 +175,8 @@ class TwoPhaseRound:
             fragment=fragment,
             fragment_rounds=self.state.fragment_rounds[fragment],
             transport_s=result.stats.wall_s,
+            non_finite_islands=result.stats.non_finite_islands,
+            rejected_own=result.stats.rejected_own,
         )
 
     def _step_and_merge(self, fragment: int, deltas: Mapping[str, Tensor], alpha: float) -> None:

@@ -32,6 +32,7 @@ from lightning_swarm.resume.files import (
     swarm_root,
     warn_legacy,
 )
+from lightning_swarm.resume.loop_state import check_loop_state
 from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
 from lightning_swarm.resume.records import SwarmRecord
@@ -44,7 +45,7 @@ from lightning_swarm.resume.restore import (
     load_sources,
     newest_source,
 )
-from lightning_swarm.resume.save import remove_swarm_state, save_swarm_state
+from lightning_swarm.resume.save import discard_save, remove_swarm_state, save_swarm_state
 from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
@@ -85,6 +86,7 @@ class SwarmCheckpointer:
                 )
             return
         record = SwarmRecord.from_dict(payload, f"the swarm record of {ckpt_path}")
+        check_loop_state(record, checkpoint, ckpt_path)
         self._pending = Source(require_local_path(ckpt_path, what="ckpt_path"), record)
 
     def defer_anchors(self, *, resuming: bool) -> bool:
@@ -187,6 +189,11 @@ class SwarmCheckpointer:
     def prune(filepath: Any, keep: str) -> None:
         """After the Lightning file names ``keep``: remove older saves (global rank 0)."""
         prune_saves(swarm_root(os.fspath(filepath)), keep=keep)
+
+    @staticmethod
+    def discard(filepath: Any, save_id: str) -> None:
+        """Remove save ``save_id`` when its Lightning file could not be written (rank 0)."""
+        discard_save(swarm_root(os.fspath(filepath)), save_id)
 
     @staticmethod
     def remove(filepath: Any) -> None:

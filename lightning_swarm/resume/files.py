@@ -19,8 +19,9 @@ Why a separate directory and not keys inside the Lightning dict:
 - ``torch.load(mmap=True)`` needs a local path (Lightning opens its file through fsspec).
 
 Invariants:
-- Every file is written to a temporary name and renamed into place, and the Lightning file
-  (renamed last by fsspec's transaction) names its ``save_id``: a crash mid-save leaves the
+- Every file is written to a temporary name in its own directory and renamed into place
+  (``lightning_swarm.resume.atomic``; the strategy's checkpoint IO writes the Lightning file
+  the same way, last), and the Lightning file names its ``save_id``: a crash mid-save leaves the
   previous checkpoint and the directory it names intact; stale directories are pruned only after
   the new Lightning file is in place. Renaming also means a file is never rewritten in place, so
   a mapping of an older save keeps seeing its own bytes.
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.atomic import atomic_save as atomic_save  # where it used to live
 
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
 ANCHORS_FILE = "anchors.pt"
@@ -120,28 +122,7 @@ def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     return True, "memory-mapped"
 
 
-# -- writing ----------------------------------------------------------------------------------
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary sibling, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
+# -- pruning ----------------------------------------------------------------------------------
 def prune_saves(root: Path, keep: str) -> None:
     """Remove every save directory under ``root`` except ``keep`` (after the new file exists)."""
     if not root.is_dir():

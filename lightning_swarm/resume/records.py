@@ -17,26 +17,32 @@ back by ``from_dict`` here, never by string keys elsewhere:
 The ``OuterSync`` state dicts stay the outer loop's own format; ``outer_anchors`` and
 ``pending_fragment`` are the only places that look inside them.
 
-Format history: 1 had no checksums and no options (still readable, unverified); 2 adds both.
+Format history: 1 had no checksums and no options (still readable, unverified); 2 adds both;
+3 adds Lightning's counters at the save (``global_step``, ``optimizer_steps``, cross-checked
+against the Lightning file's loop state on resume) and a checksum over the record's own fields
+(``record_checksum``), so an edited record, a flipped counter included, is refused.
 Imports torch only.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import xxhash
 from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import merge_by_name
 from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 DIGEST_ALGORITHM = "xxh3_128"
+_CHECKSUM = "checksum"
 
 
 class RecordError(SwarmCheckpointError):
@@ -117,9 +123,18 @@ class SwarmRecord:
     inner_steps: list[int]
     files: dict[str, FileDigest] | None = None
     options: OptionsRecord | None = None
+    global_step: int | None = None
+    optimizer_steps: int | None = None
     format: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as saved; from format 3 on, sealed by ``record_checksum``."""
+        body = self._body()
+        if self.format >= 3:
+            body[_CHECKSUM] = record_checksum(body)
+        return body
+
+    def _body(self) -> dict[str, Any]:
         return {
             "format": self.format,
             "save_id": self.save_id,
@@ -131,12 +146,22 @@ class SwarmRecord:
             if self.files is None
             else {name: d.to_dict() for name, d in self.files.items()},
             "options": None if self.options is None else self.options.to_dict(),
+            "global_step": self.global_step,
+            "optimizer_steps": self.optimizer_steps,
         }
 
     @classmethod
     def from_dict(cls, payload: object, what: str) -> SwarmRecord:
+        """Parse a saved record; from format 3 on its checksum must match its fields.
+
+        Raises:
+            RecordError: an unknown format, or a record changed after it was written.
+        """
         data = check_format(payload, what)
+        if int(data["format"]) >= 3:
+            check_seal(data, what)
         files, options = data.get("files"), data.get("options")
+        steps = data.get("global_step"), data.get("optimizer_steps")
         return cls(
             format=int(data["format"]),
             save_id=str(data["save_id"]),
@@ -148,7 +173,34 @@ class SwarmRecord:
             if files is None
             else {str(n): FileDigest.from_dict(d) for n, d in files.items()},
             options=None if options is None else OptionsRecord.from_dict(options),
+            global_step=None if steps[0] is None else int(steps[0]),
+            optimizer_steps=None if steps[1] is None else int(steps[1]),
         )
+
+
+def record_checksum(body: Mapping[str, Any]) -> str:
+    """XXH3-128 of the record's fields (all but the checksum) in a canonical JSON form."""
+    fields = {k: v for k, v in body.items() if k != _CHECKSUM}
+    text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def check_seal(data: Mapping[str, Any], what: str) -> None:
+    """Raise ``RecordError`` unless ``data``'s checksum matches its fields."""
+    found, expected = data.get(_CHECKSUM), record_checksum(data)
+    if found != expected:
+        state = "has no checksum" if found is None else f"checksum {found} != {expected}"
+        raise RecordError(
+            f"{what} was changed after it was written ({state}): one of its fields, such as "
+            "the round or step counters, no longer holds what the save wrote. Resume from "
+            "another checkpoint."
+        )
+
+
+def reseal(data: dict[str, Any]) -> None:
+    """Recompute the checksum of a record edited on purpose (format 3 on; for tools, tests)."""
+    if int(data.get("format", 0)) >= 3:
+        data[_CHECKSUM] = record_checksum(data)
 
 
 @dataclass(frozen=True)

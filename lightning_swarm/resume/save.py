@@ -7,22 +7,27 @@ Collective (every rank calls ``save_swarm_state``, in the same order):
    ``anchors.pt`` (``AnchorsRecord``), or, with a sharded outer loop, every rank of island 0
    writes its share as ``anchors-rank-NNNNN.pt`` (NNNNN = its position in the island; the
    other islands hold the same shares); each writer hashes what it wrote;
-3. the sizes and checksums are gathered, so every rank holds the same ``SwarmRecord``;
+3. the sizes and checksums, or each writer's failure, are gathered, so every rank holds the
+   same ``SwarmRecord`` or raises the same error; after a failure (a full disk:
+   ``DiskFullError``) every file of this save is removed, and the previous save is untouched;
 4. barrier; the caller writes the Lightning file holding the record (last), then prunes older
    save directories. Layout and atomicity: ``lightning_swarm.resume.files``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import uuid
+from pathlib import Path
 from typing import Any
 
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.atomic import DiskFullError, atomic_save
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
-    atomic_save,
     island_file_name,
     remove_orphan_saves,
     require_local_path,
@@ -30,6 +35,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.fingerprint import layout_fingerprint
 from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.loop_state import global_step, optimizer_steps
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     FileDigest,
@@ -74,35 +80,24 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
             log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
     save_id = str(comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else ""))
     directory = root / save_id
-    topology, outers = host.topology, host.outer_syncs
-    written: dict[str, FileDigest] = {}
-    sharded = any(len(o.owned) != len(o.params) for o in outers)
-    # Sharded, collecting the island's state is collective over the island (every rank).
-    outer_island = (
-        [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
-    )
-    if topology.local_index == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        island = IslandRecord(
-            save_id=save_id,
-            island=topology.island_index,
-            module=host.module.state_dict(),
-            optimizers=[opt.state_dict() for opt in host.optimizers],
-            totals=TotalsRecord.of(host.totals),
-            outer_island=outer_island,
-        )
-        name = island_file_name(topology.island_index)
-        atomic_save(island.to_dict(), directory / name)
-        written[name] = file_digest(directory / name)
-    if (topology.island_index == 0 and sharded) or comm.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
-        anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
-        atomic_save(anchors.to_dict(), directory / name)
-        written[name] = file_digest(directory / name)
+    written, error = _write_own_files(host, directory, save_id)
+    outcomes = comm.all_gather_object((written, error))
+    failed = [(rank, e) for rank, (_, e) in enumerate(outcomes) if e is not None]
+    if failed:
+        # Every writer is done (the gather waited for all): nothing of this save is kept, and
+        # the previous save, which the existing Lightning file names, was never touched.
+        for name in written:
+            (directory / name).unlink(missing_ok=True)
+        if comm.rank == 0:
+            discard_save(root, save_id)
+        # No rank raises before the files are gone: a launcher that sees one rank fail may
+        # end the others at once.
+        comm.barrier("swarm_save_failed")
+        raise _save_error(failed, len(outcomes), filepath)
     files: dict[str, FileDigest] = {}
-    for part in comm.all_gather_object(written):
+    for part, _ in outcomes:
         files.update(part)
+    outers = host.outer_syncs
     record = SwarmRecord(
         save_id=save_id,
         fingerprint=current_fingerprint(host),
@@ -111,10 +106,73 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
         inner_steps=[o.inner_steps for o in outers],
         files=dict(sorted(files.items())),
         options=host.options,
+        # Lightning's own counters, which a resume cross-checks against the Lightning file.
+        global_step=global_step(checkpoint),
+        optimizer_steps=optimizer_steps(checkpoint),
     )
     comm.barrier("swarm_save")
     checkpoint["swarm"] = record.to_dict()
     return save_id
+
+
+def _write_own_files(
+    host: TrainingView, directory: Path, save_id: str
+) -> tuple[dict[str, FileDigest], tuple[bool, str] | None]:
+    """Write the files this rank owns; ``(written, None)`` or ``(written, (disk_full, why))``.
+
+    Never raises: a rank that failed must still reach the gather, or the others would wait
+    there for the process group's timeout.
+    """
+    topology, outers = host.topology, host.outer_syncs
+    written: dict[str, FileDigest] = {}
+    try:
+        sharded = any(len(o.owned) != len(o.params) for o in outers)
+        # Sharded, collecting the island's state is collective over the island (every rank).
+        outer_island = (
+            [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
+        )
+        if topology.local_index == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            island = IslandRecord(
+                save_id=save_id,
+                island=topology.island_index,
+                module=host.module.state_dict(),
+                optimizers=[opt.state_dict() for opt in host.optimizers],
+                totals=TotalsRecord.of(host.totals),
+                outer_island=outer_island,
+            )
+            name = island_file_name(topology.island_index)
+            atomic_save(island.to_dict(), directory / name)
+            written[name] = file_digest(directory / name)
+        if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
+            anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
+            atomic_save(anchors.to_dict(), directory / name)
+            written[name] = file_digest(directory / name)
+    except Exception as err:  # reported to every rank by the caller
+        return written, (isinstance(err, DiskFullError), f"{type(err).__name__}: {err}")
+    return written, None
+
+
+def _save_error(
+    failed: list[tuple[int, tuple[bool, str]]], world: int, filepath: Any
+) -> SwarmCheckpointError | DiskFullError:
+    """One error, the same on every rank, naming the first rank that failed and why."""
+    rank, (full, why) = failed[0]
+    where = "" if world == 1 else f"rank {rank}: "
+    message = (
+        f"checkpoint {filepath} was not saved ({where}{why}); the files of this save were "
+        "removed and the previous checkpoint is untouched."
+    )
+    return DiskFullError(message) if full else SwarmCheckpointError(message)
+
+
+def discard_save(root: Path, save_id: str) -> None:
+    """Remove the files of save ``save_id`` (and ``root`` when nothing else is in it)."""
+    shutil.rmtree(root / save_id, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: an older save lives there
+        root.rmdir()
 
 
 def remove_swarm_state(filepath: Any) -> None:

@@ -38,12 +38,18 @@ class RoundStats:
         bytes_received: payload bytes this rank took off the wire.
         wall_s: wall-clock seconds spent inside ``average``.
         applied: False when the round was skipped and anchors must stay unchanged.
+        non_finite_islands: islands whose contribution was rejected for NaN or inf (the swarm
+            transport; the same on every rank that took part). Other transports raise instead.
+        rejected_own: this island's own contribution was one of them: it received the round's
+            result but its inner state is poisoned (the outer loop resets it).
     """
 
     bytes_sent: int = 0
     bytes_received: int = 0
     wall_s: float = 0.0
     applied: bool = True
+    non_finite_islands: tuple[int, ...] = ()
+    rejected_own: bool = False
 
 
 @runtime_checkable

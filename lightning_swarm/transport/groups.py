@@ -15,6 +15,7 @@ Model-sharded islands (``island_parallel="fsdp"``) also get a device mesh of the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ def build_groups(
     dedicated_peers: bool = False,
     peer_backend: str | None = None,
     island_backend: str | None = None,
+    timeout: timedelta | None = None,
 ) -> SwarmGroups:
     """Create the island and peer groups for ``topology`` (collective on every rank).
 
@@ -62,6 +64,8 @@ def build_groups(
     its own, with that backend. ``island_backend`` overrides ``backend`` for the island
     groups (model-sharded islands, whose island group serves the outer round only and must
     carry the swarm transport's CPU agreement: ``peer_backend``).
+    its own, with that backend. ``timeout`` bounds every collective of the new groups
+    (``None``: torch's default, not the world's).
     """
     if peer_backend is not None:
         dedicated_peers = True
@@ -70,7 +74,9 @@ def build_groups(
     peers: dist.ProcessGroup | None = None
     if topology.island_size > 1:
         for index in range(topology.num_islands):
-            group = dist.new_group(topology.island_ranks(index), backend=island_backend or backend)
+            group = dist.new_group(
+                topology.island_ranks(index), backend=island_backend or backend, timeout=timeout
+            )
             if index == topology.island_index:
                 island = _member(group)
                 created.append(island)
@@ -79,7 +85,9 @@ def build_groups(
             peers = dist.group.WORLD
         else:
             for local in range(topology.island_size):
-                group = dist.new_group(topology.peer_ranks(local), backend=peer_backend or backend)
+                group = dist.new_group(
+                    topology.peer_ranks(local), backend=peer_backend or backend, timeout=timeout
+                )
                 if local == topology.local_index:
                     peers = _member(group)
                     created.append(peers)

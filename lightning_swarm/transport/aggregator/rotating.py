@@ -217,6 +217,8 @@ class AggregatorTransport:
         else:
             stats = self._contribute(rnd)
         stats.wall_s = time.perf_counter() - start
+        stats.non_finite_islands = tuple(report.non_finite)
+        stats.rejected_own = self.island_index in report.non_finite
         return stats
 
     def close(self) -> None:
@@ -240,6 +242,9 @@ class AggregatorTransport:
             status = RoundStatus.from_tensor(raw)
             stats = RoundStats(bytes_sent=sent, bytes_received=RoundStatus.nbytes(self.num_islands))
             report.outcome, report.accepted = status.outcome, status.accepted
+            report.non_finite = [
+                i for i, v in enumerate(status.verdicts) if v == Verdict.NON_FINITE
+            ]
             verdict = status.verdicts[self.island_index]
             if verdict == Verdict.BAD_LAYOUT:
                 raise ValueError(bad_layout_message(report))

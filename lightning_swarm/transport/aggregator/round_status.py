@@ -72,6 +72,8 @@ class RoundReport:
     outcome: AggregatorOutcome = AggregatorOutcome.APPLIED
     accepted: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
+    # Islands rejected for NaN or inf: every rank learns it from the status's verdicts.
+    non_finite: list[int] = field(default_factory=list)
 
 
 def bad_layout_message(report: RoundReport) -> str:

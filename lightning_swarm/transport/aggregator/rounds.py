@@ -246,6 +246,7 @@ class Aggregator:
                 verdicts[island] = Verdict.ABOVE_NORM if above else Verdict.NON_FINITE
                 self._log_rejection(rnd.report, island, problem)
         rnd.report.accepted = [c.island for c in accepted]
+        rnd.report.non_finite = sorted(i for i, v in verdicts.items() if v == Verdict.NON_FINITE)
         if len(accepted) < self.rule.min_contributions or self.rule.zero_weight(
             rnd.report.accepted
         ):

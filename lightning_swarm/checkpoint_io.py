@@ -1,0 +1,100 @@
+"""``AtomicCheckpointIO``: Lightning's checkpoint file written in place, atomically (glue).
+
+Lightning's ``TorchCheckpointIO`` serialises the whole dict into memory and lets fsspec write
+it to a temporary file in the system's temporary folder, then moves it over the checkpoint: on
+another filesystem that move is a copy, and a full disk mid-copy leaves a truncated ``.ckpt``
+under the real name, which ``ckpt_path=last`` would then pick. Here the file goes through
+``lightning_swarm.resume.atomic.atomic_save`` (temporary file in the checkpoint's own folder,
+fsync, rename): the old file or the complete new one, never a part, and a full disk raises
+``DiskFullError`` naming the file and the bytes it needs.
+
+``SwarmStrategy`` uses it unless the user gave a checkpoint IO of their own
+(``Trainer(plugins=[...])``), which is kept as it is. Remote paths (``s3://...``) and
+``storage_options`` go to ``TorchCheckpointIO`` unchanged; loading is ``TorchCheckpointIO``'s.
+
+Also here, for the strategy's checkpoint hooks: ``save_failure`` (what the other ranks learn
+when global rank 0 could not write the file) and ``read_lightning_file`` (a truncated or
+damaged ``.ckpt`` refused with its name, not torch's bare ``Invalid argument``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.atomic import DiskFullError, atomic_save, is_disk_full
+
+_T = TypeVar("_T")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local saves are atomic and name a full disk."""
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        text = str(path)
+        if storage_options is not None or ("://" in text and not text.startswith("file://")):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        target = Path(text.removeprefix("file://"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(checkpoint, target)
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """Why global rank 0 could not write the Lightning file (broadcast to every rank)."""
+
+    disk_full: bool
+    message: str
+
+    def error(self, filepath: Any) -> Exception:
+        """The error a rank other than global rank 0 raises for the same failed save."""
+        text = (
+            f"checkpoint {filepath} was not saved (global rank 0: {self.message}); the files "
+            "of this save were removed and the previous checkpoint is untouched."
+        )
+        return DiskFullError(text) if self.disk_full else SwarmCheckpointError(text)
+
+
+def save_failure(error: BaseException) -> SaveFailure:
+    return SaveFailure(is_disk_full(error), f"{type(error).__name__}: {error}")
+
+
+def read_lightning_file(path: Any, load: Callable[[], _T]) -> _T:
+    """``load()`` (Lightning reading ``path``), with damage reported as damage to ``path``.
+
+    Raises:
+        SwarmCheckpointError: the file is truncated or corrupt (e.g. torch's "failed finding
+            central directory" or "Invalid argument"). A missing file and a refusal to
+            unpickle an object (the file is fine) keep their own errors.
+    """
+    try:
+        return load()
+    except (FileNotFoundError, SwarmCheckpointError):
+        raise
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" in str(err):
+            raise
+        raise _damaged(path, err) from err
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        raise _damaged(path, err) from err
+
+
+def _damaged(path: Any, err: BaseException) -> SwarmCheckpointError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return SwarmCheckpointError(
+        f"checkpoint {path} is truncated or corrupt and cannot be read ({type(err).__name__}: "
+        f"{first}); a save into it was cut short or the file was damaged since. Resume from "
+        "another checkpoint (ckpt_path=last in the CLI picks the newest complete one)."
+    )

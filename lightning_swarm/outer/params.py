@@ -1,0 +1,109 @@
+"""Which of an optimizer's parameters the outer loop holds, and the checks that keep it so.
+
+The outer loop holds an anchor of every floating parameter an optimizer trains, by module name,
+in a rank-independent order (``trained_params``). A parameter with ``requires_grad=False`` at
+setup cannot change while it stays frozen: torch's optimizers skip a parameter without a
+gradient, and every island starts from global rank 0's weights. With
+``frozen_params="exclude"`` (the default) such a parameter gets no anchor and is never
+exchanged, which saves its anchor memory and its bytes in every round.
+
+Invariant: a left-out parameter never trains. ``ParameterWatch.check`` runs before each inner
+step, before anything has moved; a left-out parameter that was unfrozen since setup (e.g. by a
+fine-tuning schedule) is refused there with the fix (``frozen_params="sync"`` keeps frozen
+parameters in the outer loop, so that they can be unfrozen and synced later). An optimizer that
+gains or loses parameters after setup (``add_param_group``) is refused the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+
+def trained_params(
+    optimizer: Optimizer,
+    names: Mapping[int, str],
+    index: int,
+    seen: set[int],
+    *,
+    frozen: dict[str, torch.nn.Parameter] | None = None,
+) -> dict[str, torch.nn.Parameter]:
+    """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
+
+    A sharded (DTensor) parameter comes back as this rank's local shard (``local_shard``).
+    With ``frozen`` given, parameters with ``requires_grad=False`` are put there instead of in
+    the result (left out of the outer loop); without it they are included (a parameter
+    unfrozen later must already have an anchor; while frozen its pseudo-gradient is zero).
+    """
+    params: dict[str, torch.nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.is_floating_point():
+                continue
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of optimizer {index} is also trained by another optimizer; "
+                    "SwarmStrategy keeps one anchor per parameter, so give each parameter to "
+                    "exactly one optimizer."
+                )
+            seen.add(id(p))
+            name = names.get(id(p), f"optimizer{index}.param{len(params)}")
+            if frozen is not None and not p.requires_grad:
+                frozen[name] = p
+            else:
+                params[name] = local_shard(p)
+    return params
+
+
+@torch.no_grad()
+def local_shard(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """``param`` itself, or for a DTensor its local shard as a view of the same storage.
+
+    Under ``no_grad``, ``to_local()`` returns an alias of the DTensor's local tensor (no autograd
+    node, no copy): reads see the inner steps, writes reach the module. An empty shard (a
+    ``Linear(5, 1)`` over two ranks leaves one rank no rows) is a 0-element tensor, which every
+    round handles. The cast keeps ``OuterSync``'s signature: it only ever reads and writes the
+    tensor's data, which is all a shard offers.
+    """
+    if isinstance(param, DTensor):
+        return cast(torch.nn.Parameter, param.to_local())
+    return param
+
+
+class ParameterWatch:
+    """What each optimizer held at setup, checked before every inner step."""
+
+    def __init__(
+        self, optimizers: Sequence[Optimizer], frozen: Mapping[str, torch.nn.Parameter]
+    ) -> None:
+        self._counts = {id(opt): _num_params(opt) for opt in optimizers}
+        self._frozen = dict(frozen)
+
+    def check(self, optimizer: Optimizer) -> None:
+        """Refuse a changed parameter set, or a left-out parameter that was unfrozen."""
+        expected = self._counts.get(id(optimizer))
+        if expected is not None and _num_params(optimizer) != expected:
+            raise ValueError(
+                f"an optimizer gained or lost parameters after setup ({expected} at setup, "
+                f"{_num_params(optimizer)} now), e.g. through add_param_group (as "
+                "BackboneFinetuning does); SwarmStrategy anchors every parameter at setup, so "
+                "give the optimizer all parameters from the start and freeze them with "
+                "requires_grad=False instead (with frozen_params='sync' to unfreeze them later)."
+            )
+        thawed = [name for name, p in self._frozen.items() if p.requires_grad]
+        if thawed:
+            raise ValueError(
+                f"parameter(s) {thawed[:5]} were frozen (requires_grad=False) at setup and left "
+                "out of the outer loop (frozen_params='exclude'), and now require gradients: "
+                "they would train on every island and never be synced. Set "
+                "frozen_params='sync' (strategy.frozen_params=sync) to keep frozen parameters "
+                "in the outer loop so they can be unfrozen mid-run."
+            )
+
+
+def _num_params(optimizer: Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)

@@ -1,0 +1,157 @@
+"""Writing one checkpoint file all at once or not at all, and saying so when the disk is full.
+
+``atomic_save`` is the only way this package writes a checkpoint file, the swarm files and
+(through the strategy's checkpoint IO) Lightning's own file alike:
+
+1. ``torch.save`` streams the object into ``.<name>.tmp-<pid>`` in the file's own directory
+   (the same filesystem, so the rename below is atomic);
+2. the file is flushed and fsynced, then renamed over ``<name>``, then the directory is fsynced;
+3. on any failure the temporary file is removed and ``<name>`` is left as it was: a reader
+   sees the old file or the complete new one, never a part.
+
+A full disk is reported as ``DiskFullError`` naming the file, the bytes it needs and the bytes
+free. torch's zip writer hides the cause (it raises ``unexpected pos 403968 vs 403860`` without
+an errno), so every write goes through ``_CountingWriter``, which remembers the ``OSError`` the
+operating system gave. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from lightning_swarm.errors import SwarmError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(SwarmError, OSError):
+    """No space left on the device a checkpoint file was being written to.
+
+    The message names the file, the bytes it needs and the bytes free; ``errno`` is ENOSPC and
+    ``filename`` the file, as for the ``OSError`` the operating system raised.
+    """
+
+    def __init__(self, message: str, filename: str | None = None) -> None:
+        super().__init__(errno.ENOSPC, message, filename)
+
+    def __str__(self) -> str:
+        # OSError's own form would add "[Errno 28]" and repeat the file the message names.
+        return str(self.strerror)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses process boundaries (spawned ranks) with its message intact.
+        return (type(self), (self.strerror, self.filename))
+
+
+def _open_for_write(path: Path) -> IO[bytes]:
+    # One seam for tests: a full disk is simulated by returning a writer that fails.
+    return open(path, "wb")
+
+
+class _CountingWriter:
+    """The file object torch writes through: counts bytes and keeps the OS's write error."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.written = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            count = self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+        self.written += count
+        return count
+
+    def flush(self) -> None:
+        try:
+            self.handle.flush()
+        except OSError as err:
+            self.error = err
+            raise
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` into ``path`` atomically (see the module docstring).
+
+    Raises:
+        DiskFullError: the device ran out of space (nothing of the new file is left).
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer: _CountingWriter | None = None
+    try:
+        with _open_for_write(tmp) as handle:
+            writer = _CountingWriter(handle)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # has write(): all torch needs
+            writer.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(err, writer.error if writer is not None else None):
+            raise disk_full(path, needed=payload_bytes(obj)) from err
+        raise
+    fsync_dir(path.parent)
+
+
+def is_disk_full(err: BaseException, seen: OSError | None = None) -> bool:
+    """Whether ``err`` (or what caused it, or the write error ``seen``) is a full device."""
+    for cause in (seen, *_chain(err)):
+        if isinstance(cause, OSError) and cause.errno in _FULL:
+            return True
+    return False
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def disk_full(path: Path, *, needed: int) -> DiskFullError:
+    """The error for a file that did not fit (free space measured now, after cleanup)."""
+    try:
+        free: int | None = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    free_text = f"{free:,} bytes are free there" if free is not None else "free space unknown"
+    return DiskFullError(
+        f"no space left on device writing {path}: it needs about {needed:,} bytes "
+        f"({needed / 2**20:.1f} MiB), {free_text}. The partial file was removed. Free space "
+        "on that filesystem, or write checkpoints to a larger one (ModelCheckpoint(dirpath=...)).",
+        str(path),
+    )
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes of every distinct tensor storage in ``obj``: about what ``torch.save`` writes."""
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

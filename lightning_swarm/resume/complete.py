@@ -1,0 +1,66 @@
+"""Whether a checkpoint on disk is complete enough to resume from, without loading it.
+
+``ckpt_path=last`` (the CLI) must never choose a checkpoint a resume would refuse or, worse,
+half-use: a ``.ckpt`` cut short by a full disk, one whose swarm files are missing or damaged,
+one whose record was edited. ``checkpoint_problem`` says what is wrong with one, or ``None``:
+
+1. the Lightning file is a whole zip archive whose members all match their CRC-32 (torch's
+   format; ``zipfile`` reads each member once);
+2. it loads (mapped, weights only), and its swarm record, if any, passes its own checksum and
+   agrees with Lightning's counters (``loop_state``);
+3. every swarm file the record lists exists with the recorded size and XXH3-128 checksum.
+
+It reads every byte of the checkpoint once (the page cache then serves the resume). Imports
+torch only.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import torch
+
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.files import swarm_root
+from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.loop_state import check_loop_state
+from lightning_swarm.resume.records import SwarmRecord
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being resumed (one line), or ``None`` when it is complete."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        return f"truncated or corrupt ({err})"
+    if bad is not None:
+        return f"corrupt: member {bad} fails its CRC-32"
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # any failure to read is a reason not to choose it
+        return f"unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    payload = checkpoint.get("swarm") if isinstance(checkpoint, dict) else None
+    if payload is None:
+        return None  # a plain Lightning checkpoint: nothing more to check
+    try:
+        record = SwarmRecord.from_dict(payload, "its swarm record")
+        check_loop_state(record, checkpoint, path)
+    except SwarmCheckpointError as err:
+        return str(err)
+    return _swarm_files_problem(path, record)
+
+
+def _swarm_files_problem(path: Path, record: SwarmRecord) -> str | None:
+    directory = swarm_root(path) / record.save_id
+    for name, expected in sorted((record.files or {}).items()):
+        file = directory / name
+        if not file.is_file():
+            return f"swarm file {file} is missing"
+        size = file.stat().st_size
+        if size != expected.num_bytes:
+            return f"swarm file {file} has {size} bytes, its record says {expected.num_bytes}"
+        if file_digest(file).digest != expected.digest:
+            return f"swarm file {file} fails its checksum"
+    return None
