@@ -219,6 +219,8 @@ class SwarmConfig:
         check_streaming(self)
         _check_shard_outer(self)
         check_island_parallel(self)
+        _check_timeout(self.timeout_s)
+        check_frozen_params(self.frozen_params)
 
     def resume_options(self) -> dict[str, Any]:
         """The options a checkpoint records and a resume compares (``RESUME_OPTIONS``), as
@@ -228,8 +230,6 @@ class SwarmConfig:
         values["merge_alpha"] = float(self.merge_alpha)
         values["error_feedback"] = bool(self.error_feedback)
         return values
-        _check_timeout(self.timeout_s)
-        check_frozen_params(self.frozen_params)
 
     @property
     def sharded(self) -> bool:
