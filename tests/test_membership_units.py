@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership import check_membership
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, elastic_options
 from lightning_swarm.membership.lighthouse import parse_args
 from lightning_swarm.membership.model_fingerprint import (
     describe_difference,
@@ -87,3 +89,25 @@ def test_membership_names_and_lighthouse_arguments() -> None:
     assert (args.min_islands, args.port) == (3, 0)
     with pytest.raises(SystemExit):
         parse_args(["--min-islands", "0"])
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"lighthouse": "http://127.0.0.1:1"}, "lighthouse='http://127.0.0.1:1'"),
+        ({"island_id": "a"}, "island_id='a'"),
+    ],
+)
+def test_torchft_options_without_torchft_membership_are_refused(
+    options: dict[str, str], named: str
+) -> None:
+    """A launch that names a lighthouse or an island but keeps membership='static' would train
+    alone, silently; it is refused, naming the option and `membership`."""
+    config = SwarmConfig(**options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="membership='torchft'") as caught:
+        elastic_options(config)
+    assert named in str(caught.value) and "membership='static'" in str(caught.value)
+    from lightning_swarm import SwarmStrategy
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        SwarmStrategy(**options)  # type: ignore[arg-type]
