@@ -12,16 +12,20 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
+from tests.dist_utils import free_port
 from tests.elastic_utils import (
     anchors_by_round,
     finish,
     lighthouse,
+    logged,
     rounds,
     start_island,
+    start_lighthouse,
     wait_for,
 )
 
@@ -48,7 +52,7 @@ def _opts(rounds_: int, step_s: float = 0.03, stop_file: Path | None = None) -> 
 
 
 @contextlib.contextmanager
-def _reaped(procs: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+def _reaped(procs: list[subprocess.Popen[Any]]) -> Iterator[None]:
     """Kill every island the test started and has not seen exit, however the test ends (a
     failed assertion, a timeout), so that no island outlives it."""
     try:
@@ -160,7 +164,6 @@ def _membership(address: str, **options: float) -> object:
 
 def test_lighthouse_down_is_named_within_the_connect_timeout() -> None:
     from lightning_swarm.membership import LighthouseUnreachableError
-    from tests.dist_utils import free_port
 
     start = time.monotonic()
     with pytest.raises(LighthouseUnreachableError, match="could not reach the lighthouse at"):
@@ -180,3 +183,71 @@ def test_too_few_islands_for_the_quorum_timeout() -> None:
                 membership.average({"w": torch.zeros(3)}, round_index=0)  # type: ignore[attr-defined]
         finally:
             membership.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60 + 30 + QUORUM_TIMEOUT_S + 30 + 60 + 30)  # its waits, one after the other
+def test_islands_go_on_when_the_lighthouse_restarts_on_its_address(tmp_path: Path) -> None:
+    """SIGKILL the lighthouse mid-run and restart it on the same port once both islands' quorum
+    requests have failed against the dead one: both commit rounds again and end equal."""
+    port = free_port()
+    address = f"http://127.0.0.1:{port}"
+    first = start_lighthouse(port, tmp_path / "lighthouse.log")
+    started: list[subprocess.Popen[Any]] = [first]
+    with _reaped(started):
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        procs = {name: start_island(tmp_path, address, name, *opts) for name in "ab"}
+        started.extend(procs.values())
+        wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
+        first.kill()
+        first.wait()
+        killed_at = time.time()
+        for name in "ab":  # the deterministic point: each island asked the dead lighthouse
+            wait_for(
+                lambda n=name: logged(tmp_path, n, "lighthouse quorum failed"),
+                30,
+                f"{name}'s quorum request to fail",
+            )
+        second = start_lighthouse(port, tmp_path / "lighthouse.log")
+        try:
+            for name in "ab":
+                wait_for(
+                    lambda n=name: bool(_committed_after(tmp_path, n, killed_at)),
+                    QUORUM_TIMEOUT_S + 30,
+                    f"{name}'s round after the restart",
+                )
+            stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 2))
+            _finish_all(procs, tmp_path, 60)
+        finally:
+            second.kill()
+            second.wait()
+    a, b = (load_file(str(tmp_path / f"{n}.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_lighthouse_gone_for_the_quorum_timeout_is_named(tmp_path: Path) -> None:
+    """The lighthouse dies and stays dead: the island stops after quorum_timeout_s with an
+    error that names the lighthouse, not a shortage of islands."""
+    import torch
+
+    from lightning_swarm.membership import MembershipError
+
+    port = free_port()
+    server = start_lighthouse(port, tmp_path / "lighthouse.log", min_islands=1)
+    address = f"http://127.0.0.1:{port}"
+    membership = _membership(address, min_islands=1, quorum_timeout_s=2.0)
+    try:
+        assert membership.average({"w": torch.zeros(3)}, round_index=0) is not None  # type: ignore[attr-defined]
+        server.kill()
+        server.wait()
+        with pytest.raises(MembershipError) as caught:
+            membership.average({"w": torch.zeros(3)}, round_index=1)  # type: ignore[attr-defined]
+    finally:
+        membership.close()  # type: ignore[attr-defined]
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "LighthouseLostError", message
+    assert f"the lighthouse at {address} stopped answering" in message
+    assert "quorum_timeout_s=2.0" in message and "restart it on the same address" in message

@@ -57,6 +57,7 @@ from lightning_swarm.membership.errors import (
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
+from lightning_swarm.membership.quorum import quorum_retries_for, request_quorum
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
@@ -164,6 +165,7 @@ class TorchftMembership:
                 replica_id=config.island_id,
                 checkpoint_transport=self.heal_transport,
                 init_sync=True,
+                quorum_retries=quorum_retries_for(config.quorum_timeout_s),
             )
         except RuntimeError as err:
             raise LighthouseUnreachableError(
@@ -235,16 +237,7 @@ class TorchftMembership:
         return outcome
 
     def _quorum(self) -> None:
-        config = self.config
-        try:
-            self._manager.start_quorum(timeout=_seconds(config.quorum_timeout_s))
-            self._manager.wait_quorum()
-        except TimeoutError as err:
-            raise QuorumTimeoutError(
-                f"island {config.island_id!r}: fewer islands than the lighthouse's "
-                f"--min-islands met within quorum_timeout_s={config.quorum_timeout_s}; start "
-                "more islands, lower --min-islands, or raise quorum_timeout_s."
-            ) from err
+        request_quorum(self._manager, self.config)
 
     def _check_round_header(self, healing: bool, finite: bool) -> bool:
         """All-gather the round header; True when the round must be abandoned."""
