@@ -138,7 +138,7 @@ class SwarmStrategy(IslandDDPStrategy):
         )
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
-        self._elastic = ElasticIsland(elastic, sync_every) if elastic is not None else None
+        self._elastic = ElasticIsland(elastic, self.config) if elastic is not None else None
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
         super().__init__(

@@ -250,3 +250,31 @@ def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
     final = [load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "abc"]
     for state in final[1:]:
         assert all(final[0][k].equal(state[k]) for k in final[0])
+
+
+@pytest.mark.timeout(300)
+def test_lightning_merge_alpha_ends_equal_and_other_settings_are_refused(tmp_path: Path) -> None:
+    """With merge_alpha=0.5 the islands still end bitwise equal (on the global model); an
+    island with another outer learning rate is refused, naming it, while a and b go on."""
+    fast = tmp_path / "fast"
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts += ["--merge-alpha", "0.5"]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
+            other = start_island(tmp_path, address, "x", *opts, "--outer-lr", "0.1", script=SCRIPT)
+            started.append(other)
+            assert finish(other, 90, tmp_path, "x") != 0
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 120, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    error = (tmp_path / "x.error.0").read_text()
+    assert error.startswith("SettingsMismatchError: island 'x' was refused"), error
+    assert "outer_optimizer.lr is 0.1 here but 0.7 in the swarm" in error
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max() for k in a}

@@ -148,6 +148,38 @@ def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
     assert all(a[k].equal(b[k]) for k in a)
 
 
+@pytest.mark.timeout(60 + 2 * 90 + 60 + 30)  # its waits below, one after the other
+def test_islands_with_other_diloco_settings_are_refused(tmp_path: Path) -> None:
+    """An island with another sync_every and one with another outer learning rate are refused
+    in their first round, naming the setting and both values; a abandons that round, goes on."""
+    started: list[subprocess.Popen[Any]] = []
+    with lighthouse(min_islands=1) as address, _reaped(started):
+        stop = tmp_path / "stop"
+        opts = [*_opts(10_000, step_s=0.05, stop_file=stop), "--min-islands", "1"]
+        a = start_island(tmp_path, address, "a", *opts)
+        started.append(a)
+        wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
+        joiners_at = time.time()
+        b = start_island(tmp_path, address, "b", *opts, "--every", "4")
+        c = start_island(tmp_path, address, "c", *opts, "--outer-lr", "0.1")
+        started.extend([b, c])
+        assert finish(b, 90, tmp_path, "b") != 0
+        assert finish(c, 90, tmp_path, "c") != 0
+        stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 2))
+        assert finish(a, 60, tmp_path, "a") == 0, (tmp_path / "a.stderr").read_text()[-2000:]
+    b_error = (tmp_path / "b.error").read_text()
+    assert b_error.startswith("SettingsMismatchError: island 'b' was refused"), b_error
+    assert "sync_every is 4 here but 3 in the swarm" in b_error
+    c_error = (tmp_path / "c.error").read_text()
+    assert "outer_optimizer.lr is 0.1 here but 0.7 in the swarm" in c_error, c_error
+    assert "sync_every" not in c_error  # only what differs is named
+    # They were refused inside a round with a, which abandoned it (anchors unchanged) and went
+    # on: its abandoned rounds all came after they started, and its last rounds committed.
+    abandoned = [r for r in rounds(tmp_path, "a") if not r["applied"] and not r["joined"]]
+    assert abandoned and all(float(r["t"]) > joiners_at for r in abandoned)
+    assert rounds(tmp_path, "a")[-1]["applied"]
+
+
 def _membership(address: str, **options: float) -> object:
     import torch
 

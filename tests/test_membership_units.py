@@ -111,3 +111,51 @@ def test_torchft_options_without_torchft_membership_are_refused(
 
     with pytest.raises(ValueError, match=re.escape(named)):
         SwarmStrategy(**options)  # type: ignore[arg-type]
+
+
+def test_settings_that_must_agree_and_their_differences_in_words() -> None:
+    from lightning_swarm.membership.round_header import (
+        describe_settings_difference,
+        encode_settings,
+        swarm_settings,
+    )
+
+    def settings(lr: float, **options: object) -> dict[str, object]:
+        optimizer = torch.optim.SGD([torch.zeros(1)], lr=lr, momentum=0.9, nesterov=True)
+        return swarm_settings(SwarmConfig(**options), optimizer)  # type: ignore[arg-type]
+
+    ours = settings(0.7, sync_every=8, merge_alpha=0.5)
+    assert ours["outer_optimizer"] == "torch.optim.sgd.SGD"
+    assert (ours["outer_optimizer.lr"], ours["outer_optimizer.nesterov"]) == (0.7, True)
+    assert encode_settings(ours) == encode_settings(dict(reversed(ours.items())))
+    theirs = settings(0.1, sync_every=4, merge_alpha=0.5, quantize="int8", error_feedback=True)
+    text = describe_settings_difference(theirs, ours)
+    assert "sync_every is 4 here but 8 in the swarm" in text
+    assert "outer_optimizer.lr is 0.1 here but 0.7 in the swarm" in text
+    assert "quantize is 'int8' here but 'none' in the swarm" in text
+    assert "error_feedback is True here but False in the swarm" in text
+    assert "merge_alpha" not in text  # only what differs
+
+
+def test_the_round_header_verdicts() -> None:
+    from lightning_swarm.membership.round_header import HeaderRow, Verdict, judge
+
+    def row(island: int, **changes: int) -> HeaderRow:
+        values = dict(island=island, model=7, healing=0, joined_ns=island, nonce=island)
+        values.update(finite=1, settings=5, settings_len=10)
+        return HeaderRow(**{**values, **changes})
+
+    a, b = row(1), row(2)
+    assert judge([a, b], a) is Verdict.GO
+    assert HeaderRow.of(b.tensor()) == b
+    joiner = row(3, healing=1, settings=6)  # the island in the swarm is the reference
+    assert judge([joiner, a], joiner) is Verdict.SETTINGS
+    assert judge([joiner, a], a) is Verdict.ABANDON
+    other_model = row(3, healing=1, model=8)
+    assert judge([a, other_model], other_model) is Verdict.MODEL
+    twin = row(1, joined_ns=9, nonce=9)  # started later with a's island_id
+    assert judge([a, twin], twin) is Verdict.DUPLICATE
+    assert judge([a, twin], a) is Verdict.ABANDON
+    diverged = row(2, finite=0)
+    assert judge([a, diverged], diverged) is Verdict.DIVERGED
+    assert judge([a, diverged], a) is Verdict.ABANDON

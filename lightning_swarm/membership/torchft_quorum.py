@@ -6,10 +6,11 @@ islands is decided anew every round by torchft's Lighthouse. One round, on the i
 1. quorum: ``Manager.start_quorum``; a joiner (new, restarted, or an island that missed a
    commit) is healed here from a live island: anchors, outer optimizer state and counters,
    over the quorum's process group (``TensorHealTransport``, no pickle);
-2. round header: a tiny all-gather of (island id hash, model fingerprint, healing, join time,
-   nonce, finite) over the quorum's group. A duplicate ``island_id``, a model that differs or a
-   pseudo-gradient with NaN or inf makes every member abandon the round before any
-   pseudo-gradient moves; the offending island raises and leaves;
+2. round header (``round_header``): a tiny all-gather of one row per island (island id hash,
+   model fingerprint, healing, join time, nonce, finite, settings hash) over the quorum's group.
+   A duplicate ``island_id``, a model or DiLoCo settings that differ, or a pseudo-gradient with
+   NaN or inf makes every member abandon the round before any pseudo-gradient moves; the
+   offending island raises and leaves;
 3. the mean over the participating islands (``Manager.allreduce``, bucketed); an island being
    healed contributes zeros and is not counted;
 4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
@@ -33,7 +34,6 @@ Ownership: the Manager, its TCPStore and its process group belong to this object
 from __future__ import annotations
 
 import datetime
-import hashlib
 import secrets
 import socket
 import time
@@ -54,10 +54,25 @@ from lightning_swarm.membership.errors import (
     MembershipError,
     ModelMismatchError,
     QuorumTimeoutError,
+    SettingsMismatchError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
 from lightning_swarm.membership.quorum import quorum_retries_for, request_quorum
+from lightning_swarm.membership.round_header import (
+    HeaderRow,
+    Settings,
+    Verdict,
+    decode_settings,
+    describe_settings_difference,
+    encode_settings,
+    island_hash,
+    judge,
+    reference_index,
+    settings_disagree,
+    settings_hash,
+    settings_tensor,
+)
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
@@ -77,8 +92,7 @@ class MembershipTotals:
     heals: int = 0
 
 
-def _hash63(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+_REFUSALS = (Verdict.DIVERGED, Verdict.DUPLICATE, Verdict.MODEL, Verdict.SETTINGS)
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -118,14 +132,17 @@ class TorchftMembership:
         self._state_fn, self._load_fn = state_fn, load_fn
         self._fanout = IslandFanout(island_group)
         self._short_since: float | None = None
-        self._row = [
-            _hash63(config.island_id),
-            fingerprint(self.layout),
-            0,
-            time.time_ns(),
-            secrets.randbits(62),
-            1,
-        ]
+        self._settings: Settings = {}
+        self._row = HeaderRow(
+            island=island_hash(config.island_id),
+            model=fingerprint(self.layout),
+            healing=0,
+            joined_ns=time.time_ns(),
+            nonce=secrets.randbits(62),
+            finite=1,
+            settings=settings_hash(encode_settings({})),
+            settings_len=len(encode_settings({})),
+        )
         self._manager: Any = None
         self._healed: dict[str, Any] | None = None
         error = None
@@ -174,6 +191,13 @@ class TorchftMembership:
                 f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
                 "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
             ) from err
+
+    def agree_on(self, settings: Settings) -> None:
+        """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
+        before the first round; an island whose settings differ is refused, naming them."""
+        self._settings = dict(settings)
+        encoded = encode_settings(self._settings)
+        self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
 
     # -- healing hooks (called by torchft on the island's rank 0) --------------------------------
     def _state_for_peer(self) -> dict[str, Any]:
@@ -240,43 +264,69 @@ class TorchftMembership:
         request_quorum(self._manager, self.config)
 
     def _check_round_header(self, healing: bool, finite: bool) -> bool:
-        """All-gather the round header; True when the round must be abandoned."""
-        self._row[2], self._row[5] = int(healing), int(finite or healing)
-        mine = torch.tensor(self._row, dtype=torch.int64)
-        rows_t = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        """All-gather the round header (``round_header``); True when the round is abandoned.
+
+        Raises the refusal of this island when the header shows it is at fault.
+        """
+        self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
-            self._pg.allgather([rows_t], [mine], AllgatherOptions()).wait()
+            rows = self._gather_rows()
+            swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
             return True
-        rows = [r.tolist() for r in rows_t]
-        reference = next((r[1] for r in rows if not r[2]), rows[0][1])
-        twins = [r for r in rows if r[0] == self._row[0] and r[4] != self._row[4]]
-        mismatched = any(r[1] != reference for r in rows)
-        if not self._row[5]:
-            raise DivergedIslandError(
-                f"island {self.config.island_id!r} leaves the swarm: its pseudo-gradient holds "
-                "NaN or inf, so its training diverged (the other islands abandon this round and "
-                "go on); lower the inner learning rate or clip gradients, then restart it."
-            )
-        if twins and min(twins, key=lambda r: (r[3], r[4]))[3:5] < self._row[3:5]:
-            self._manager.shutdown(wait=False)
-            raise DuplicateIslandError(
-                f"island_id {self.config.island_id!r} is already taken by a live island of the "
-                "swarm; give this launch another island_id (each island needs its own)."
-            )
-        if self._row[1] != reference:
-            if healing:  # the healed layout names the difference (raised in _load_healed)
-                self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
-            raise ModelMismatchError(
-                f"island {self.config.island_id!r} was refused: its model (fingerprint "
-                f"{self._row[1]:x}) differs from the swarm's ({reference:x}). Start it with the "
-                "model the swarm trains."
-            )
-        if twins or mismatched or not all(r[5] for r in rows):
+        verdict = judge(rows, self._row)
+        if verdict in _REFUSALS:
+            self._refuse(verdict, rows, healing, swarm_settings)
+        if verdict is Verdict.ABANDON:
             self._manager.report_error(MembershipError("a refused island was in the round"))
             return True
         return False
+
+    def _gather_rows(self) -> list[HeaderRow]:
+        mine = self._row.tensor()
+        rows = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        self._pg.allgather([rows], [mine], AllgatherOptions()).wait()
+        return [HeaderRow.of(r) for r in rows]
+
+    def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
+        """Every member's settings (the hashes disagree); returns the swarm's reference."""
+        mine = settings_tensor(encode_settings(self._settings), rows)
+        gathered = [torch.empty_like(mine) for _ in rows]
+        self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+        index = reference_index(rows)
+        return decode_settings(gathered[index], rows[index].settings_len)
+
+    def _refuse(
+        self, verdict: Verdict, rows: list[HeaderRow], healing: bool, swarm: Settings | None
+    ) -> None:
+        name = self.config.island_id
+        if verdict is Verdict.DIVERGED:
+            raise DivergedIslandError(
+                f"island {name!r} leaves the swarm: its pseudo-gradient holds NaN or inf, so its "
+                "training diverged (the other islands abandon this round and go on); lower the "
+                "inner learning rate or clip gradients, then restart it."
+            )
+        if verdict is Verdict.DUPLICATE:
+            self._manager.shutdown(wait=False)
+            raise DuplicateIslandError(
+                f"island_id {name!r} is already taken by a live island of the swarm; give this "
+                "launch another island_id (each island needs its own)."
+            )
+        if verdict is Verdict.MODEL:
+            if healing:  # the healed layout names the difference (raised in _load_healed)
+                self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
+            reference = rows[reference_index(rows)].model
+            raise ModelMismatchError(
+                f"island {name!r} was refused: its model (fingerprint {self._row.model:x}) "
+                f"differs from the swarm's ({reference:x}). Start it with the model the swarm "
+                "trains."
+            )
+        raise SettingsMismatchError(
+            f"island {name!r} was refused: its DiLoCo settings differ from the swarm's: "
+            f"{describe_settings_difference(self._settings, swarm or {})}. Start it with the "
+            "swarm's settings (every island of a swarm must use the same ones)."
+        )
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
         """The mean over participating islands, one bucket at a time, written back in place."""

@@ -11,6 +11,9 @@ then get the catch-up ``local <- global_new + (local - anchor_old)``: a new isla
 parameters equal its own anchors, lands exactly on the global model; an island resumed from its
 own older checkpoint keeps the progress it made since its anchors.
 
+An elastic fit ends on a committed round, the same on every island, with every parameter set to
+its anchor (``land_on_anchors``), so that islands end equal whatever ``merge_alpha`` is.
+
 Ownership: ``ElasticOuter`` borrows the outer loop's ``OuterSync`` objects; installed tensors are
 adopted by them. The progress kept for the catch-up lives only during ``join_round``.
 """
@@ -69,3 +72,16 @@ class ElasticOuter:
                 for name, param in outer.params.items():
                     param.copy_(outer.anchors[name].float() + own[name])
         return reports
+
+    @torch.no_grad()
+    def land_on_anchors(self) -> None:
+        """Every parameter <- its anchor: how an elastic fit ends, on every island alike.
+
+        The last committed round merged with ``merge_alpha``; its anchors are the same on every
+        island, its mixed parameters are not. Copying the anchors is what merging that round
+        with alpha 0 gives (the outer step does not depend on alpha), as the static ``finish``
+        does.
+        """
+        for outer in self.outer_syncs:
+            for name, param in outer.params.items():
+                param.copy_(outer.anchors[name])
