@@ -26,6 +26,7 @@ from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.join import ElasticOuter
+from tests.elastic_faults import fault_hook
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.02)
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--fault", action="append", default=[], help="see tests/elastic_faults.py")
     parser.add_argument("--min-islands", type=int, default=2)
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
     parser.add_argument("--round-timeout", type=float, default=10.0)
@@ -82,6 +84,7 @@ def main() -> None:
             transport=membership,
             sync_every=args.every,
         )
+        membership.on_phase = fault_hook(args.fault, out, args.island)
         membership.agree_on(
             swarm_settings(SwarmConfig(sync_every=args.every), outer.outer_optimizer)
         )

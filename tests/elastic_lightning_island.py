@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-at", type=int, default=0, help="save <island>.ckpt there")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (ckpt_path)")
     parser.add_argument("--merge-alpha", type=float, default=0.0)
+    parser.add_argument("--quorum-timeout", type=float, default=20.0)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     args = parser.parse_args()
     out = Path(args.out)
@@ -184,7 +185,7 @@ def main() -> None:
         lighthouse=args.lighthouse,
         island_id=args.island,
         min_islands=2,
-        quorum_timeout_s=20.0,
+        quorum_timeout_s=args.quorum_timeout,
         round_timeout_s=5.0,
         merge_alpha=args.merge_alpha,
         outer_optimizer=functools.partial(

@@ -180,6 +180,132 @@ def test_islands_with_other_diloco_settings_are_refused(tmp_path: Path) -> None:
     assert rounds(tmp_path, "a")[-1]["applied"]
 
 
+# A death in each phase of a round. pg_setup is the failure users met (a survivor crashed with
+# torchft's DistStoreError); the others are slow only because each takes ~30 s here.
+_DEATHS = [
+    "pg_setup",
+    "commit",
+    pytest.param("quorum", marks=pytest.mark.slow),
+    pytest.param("header", marks=pytest.mark.slow),
+    pytest.param("mean", marks=pytest.mark.slow),
+    pytest.param("heal_recv", marks=pytest.mark.slow),
+    pytest.param("heal_send", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("phase", _DEATHS)
+@pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 60 + 30)
+def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) -> None:
+    """a and b train; c joins and is SIGKILLed at the start of one phase of a round (for
+    heal_send, whichever of a and b heals c dies while sending): the survivors commit rounds
+    again and end bitwise equal."""
+    started: list[subprocess.Popen[Any]] = []
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        healer_fault = ["--fault", "heal_send:1+:kill"] if phase == "heal_send" else []
+        procs = {n: start_island(tmp_path, address, n, *opts, *healer_fault) for n in "ab"}
+        started.extend(procs.values())
+        wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
+        when = "*" if phase in ("pg_setup", "heal_recv") else "3"
+        c_fault = [] if healer_fault else ["--fault", f"{phase}:{when}:kill"]
+        procs["c"] = start_island(tmp_path, address, "c", *opts, *c_fault)
+        started.append(procs["c"])
+        markers = [tmp_path / f"{n}.kill" for n in "abc"]
+        wait_for(lambda: any(m.exists() for m in markers), 90, f"a death in {phase}")
+        dead = next(n for n, m in zip("abc", markers, strict=True) if m.exists())
+        procs.pop(dead).wait()
+        killed_at = time.time()
+        for name in procs:
+            wait_for(
+                lambda n=name: len(_committed_after(tmp_path, n, killed_at)) >= 2,
+                2 * (QUORUM_TIMEOUT_S + 30),
+                f"{name}'s rounds after {dead} died in {phase}",
+            )
+        stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
+        _finish_all(procs, tmp_path, 60)
+    assert (tmp_path / f"{dead}.kill").read_text().startswith(phase)
+    final = {n: load_file(str(tmp_path / f"{n}.safetensors")) for n in procs}
+    first, *others = final.values()
+    for state in others:
+        assert all(first[k].equal(state[k]) for k in first)
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "quorum",
+        pytest.param("mean", marks=pytest.mark.slow),
+        pytest.param("commit", marks=pytest.mark.slow),
+    ],
+)
+@pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 90 + 60 + 30)
+def test_a_frozen_island_is_healed_and_rejoins(tmp_path: Path, phase: str) -> None:
+    """c stops itself (SIGSTOP) at one phase of a round; a and b go on without it; continued,
+    c takes its expired round as abandoned, is healed, commits again, and all end equal."""
+    started: list[subprocess.Popen[Any]] = []
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        procs = {n: start_island(tmp_path, address, n, *opts) for n in "ab"}
+        wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
+        procs["c"] = start_island(tmp_path, address, "c", *opts, "--fault", f"{phase}:3:freeze")
+        started.extend(procs.values())
+        wait_for((tmp_path / "c.freeze").exists, 90, f"c to stop itself in {phase}")
+        frozen_at = time.time()
+        for name in "ab":
+            wait_for(
+                lambda n=name: len(_committed_after(tmp_path, n, frozen_at)) >= 2,
+                2 * (QUORUM_TIMEOUT_S + 30),
+                f"{name}'s rounds without c",
+            )
+        heals_before = rounds(tmp_path, "c")[-1]["heals"]
+        procs["c"].send_signal(signal.SIGCONT)
+        continued_at = time.time()
+        wait_for(
+            lambda: any(
+                r["heals"] > heals_before for r in _committed_after(tmp_path, "c", continued_at)
+            ),
+            90,
+            "c to be healed and commit again",
+        )
+        stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
+        _finish_all(procs, tmp_path, 60)
+    final = {n: load_file(str(tmp_path / f"{n}.safetensors")) for n in "abc"}
+    for name in "bc":
+        assert all(final["a"][k].equal(final[name][k]) for k in final["a"]), name
+
+
+@pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 60 + 60 + 30)
+def test_a_frozen_island_continued_after_the_swarm_ended_says_so(tmp_path: Path) -> None:
+    """c stops itself inside a round; a and b finish and exit; continued, c stops with an error
+    saying the swarm ended or went on without it, not that more islands should be started."""
+    started: list[subprocess.Popen[Any]] = []
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        procs = {n: start_island(tmp_path, address, n, *opts) for n in "ab"}
+        wait_for(lambda: len(_committed_after(tmp_path, "a", 0)) >= 2, 60, "a's second round")
+        frozen = start_island(
+            tmp_path, address, "c", *opts, "--quorum-timeout", "5", "--fault", "mean:3:freeze"
+        )
+        started.extend([*procs.values(), frozen])
+        wait_for((tmp_path / "c.freeze").exists, 90, "c to stop itself in a round")
+        frozen_at = time.time()
+        wait_for(
+            lambda: bool(_committed_after(tmp_path, "b", frozen_at)),
+            2 * (QUORUM_TIMEOUT_S + 30),
+            "b's round without c",
+        )
+        stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
+        _finish_all(procs, tmp_path, 60)
+        frozen.send_signal(signal.SIGCONT)
+        assert finish(frozen, 60, tmp_path, "c") != 0
+    error = (tmp_path / "c.error").read_text()
+    assert error.startswith("SwarmGoneError: island 'c' was suspended or starved for"), error
+    assert "the swarm ended or lost its other islands meanwhile" in error
+
+
 def _membership(address: str, **options: float) -> object:
     import torch
 

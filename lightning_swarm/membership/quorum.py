@@ -12,10 +12,10 @@ torchft 0.2.0, measured on this machine:
   on its address within ``quorum_timeout_s`` is found again and the swarm goes on.
 - A failed quorum stays in the Manager's future and its next ``start_quorum`` raises it again;
   ``_forget_failed_quorum`` clears it so that the island can ask anew.
-- A process stopped with SIGSTOP (or starved) keeps its monotonic clock running. A request
-  that returns far later than its timeout therefore means this island was away; the swarm
-  went on without it, so it asks again with a whole ``quorum_timeout_s`` (it is behind, and is
-  healed in that quorum) instead of giving up at once.
+- A process stopped with SIGSTOP (or starved) keeps its monotonic clock running, so its
+  request times out the moment it continues. When ``SuspensionWatch`` saw the island away
+  during a request, the swarm went on without it: it asks again with a whole
+  ``quorum_timeout_s`` (it is behind, and that quorum heals it) instead of giving up at once.
 
 Invariant: every way out of ``request_quorum`` other than a quorum is a ``MembershipError``
 whose message says which of three things happened: the lighthouse is gone, too few islands
@@ -38,12 +38,10 @@ from lightning_swarm.membership.errors import (
     QuorumTimeoutError,
     SwarmGoneError,
 )
+from lightning_swarm.membership.suspension import SuspensionWatch
 
 RETRY_SPACING_S = 1.0
 """How often the manager server asks a lighthouse that did not answer, roughly."""
-
-SUSPENDED_AFTER_S = 5.0
-"""A request that returns this much later than its own timeout means the island was away."""
 
 
 def quorum_retries_for(quorum_timeout_s: float) -> int:
@@ -68,8 +66,13 @@ def _forget_failed_quorum(manager: Any) -> None:
     manager._quorum_future = None
 
 
-def request_quorum(manager: Any, config: ElasticConfig) -> None:
+def request_quorum(
+    manager: Any, config: ElasticConfig, watch: SuspensionWatch, last_round_at: float
+) -> None:
     """This round's quorum from ``manager``, within ``config.quorum_timeout_s``.
+
+    ``last_round_at`` is when this island last committed a round (monotonic): if it was away
+    since then and finds no quorum, the swarm went on without it, or ended.
 
     Raises:
         LighthouseLostError: the lighthouse stopped answering for the whole timeout.
@@ -77,7 +80,6 @@ def request_quorum(manager: Any, config: ElasticConfig) -> None:
         QuorumTimeoutError: the lighthouse answers but too few islands came.
     """
     deadline = time.monotonic() + config.quorum_timeout_s
-    away_s = 0.0
     while True:
         left = max(deadline - time.monotonic(), 0.5)
         asked = time.monotonic()
@@ -87,12 +89,10 @@ def request_quorum(manager: Any, config: ElasticConfig) -> None:
             return
         except TimeoutError as err:
             _forget_failed_quorum(manager)
-            late = time.monotonic() - asked - left
-            if late > SUSPENDED_AFTER_S:  # away (SIGSTOP, starved): the request is stale
-                away_s += late
+            if watch.away_since(asked):  # away while asking: the request is stale, ask anew
                 deadline = time.monotonic() + config.quorum_timeout_s
                 continue
-            raise quorum_error(config, away_s) from err
+            raise quorum_error(config, watch.away_since(last_round_at)) from err
 
 
 def quorum_error(config: ElasticConfig, away_s: float) -> MembershipError:

@@ -73,9 +73,14 @@ from lightning_swarm.membership.round_header import (
     settings_hash,
     settings_tensor,
 )
+from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
+PhaseHook = Callable[[str, int], None]
+"""Called with (phase, round) as each phase of a round starts on the island's rank 0: quorum,
+pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
+For failure injection in tests: it may kill or stop the process at a chosen moment."""
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
 
@@ -144,12 +149,18 @@ class TorchftMembership:
             settings_len=len(encode_settings({})),
         )
         self._manager: Any = None
+        self.on_phase: PhaseHook | None = None
+        self._watch: SuspensionWatch | None = None
+        self._last_commit_at = time.monotonic()
+        self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
         error = None
         if self._fanout.is_leader:
+            self._watch = SuspensionWatch()
             try:
                 self._start_manager()
             except MembershipError as err:
+                self.close()
                 error = err
         self._fanout.share_error(error)
 
@@ -163,7 +174,17 @@ class TorchftMembership:
         host = socket.gethostname()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self._pg = ProcessGroupGloo(timeout=_seconds(config.round_timeout_s))
-        self.heal_transport = TensorHealTransport(self._pg, _seconds(config.round_timeout_s))
+        configure = self._pg.configure
+
+        def configure_after_hook(*args: Any, **kwargs: Any) -> None:
+            # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
+            self._phase("pg_setup")
+            configure(*args, **kwargs)
+
+        self._pg.configure = configure_after_hook
+        self.heal_transport = TensorHealTransport(
+            self._pg, _seconds(config.round_timeout_s), on_phase=self._phase
+        )
         try:
             self._manager = Manager(
                 pg=self._pg,
@@ -244,15 +265,22 @@ class TorchftMembership:
     def _lead_round(self, tensors: list[Tensor]) -> RoundOutcome:
         manager = self._manager
         self._healed = None
+        self._rounds_started += 1
+        self._phase("quorum")
         self._quorum()
         healing = not manager.is_participating()
         genesis = manager.current_step() == 0
+        self._phase("header")
         conflict = self._check_round_header(healing, all_finite(tensors))
         participants = manager.num_participants()
         if not conflict:
+            self._phase("mean")
             self._allreduce(tensors)
-        committed = bool(manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
+        self._phase("commit")
+        committed = self._commit_gate()
         self._watch_min_islands(participants, committed)
+        if committed:
+            self._last_commit_at = time.monotonic()
         outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
         if self._healed is not None:
             outcome.healed = self._healed
@@ -260,8 +288,22 @@ class TorchftMembership:
             outcome.heal_s = self.heal_transport.last_heal_s
         return outcome
 
+    def _commit_gate(self) -> bool:
+        """torchft's vote; a timeout of the vote itself (this island was suspended across it)
+        counts as an abandoned round: the next quorum heals the island if the others went on."""
+        try:
+            return bool(self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
+        except TimeoutError:
+            return False
+
+    def _phase(self, name: str) -> None:
+        """Tell the fault hook (tests only) which phase of which round starts now."""
+        if self.on_phase is not None:
+            self.on_phase(name, self._rounds_started - 1)
+
     def _quorum(self) -> None:
-        request_quorum(self._manager, self.config)
+        assert self._watch is not None, "the island's rank 0 watches for suspensions"
+        request_quorum(self._manager, self.config, self._watch, self._last_commit_at)
 
     def _check_round_header(self, healing: bool, finite: bool) -> bool:
         """All-gather the round header (``round_header``); True when the round is abandoned.
@@ -373,3 +415,6 @@ class TorchftMembership:
         if self._manager is not None:
             self._manager.shutdown(wait=True)
             self._manager = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
