@@ -16,14 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
-def lighthouse(min_islands: int = 2, heartbeat_timeout_ms: int = 1500) -> Iterator[str]:
+def lighthouse(
+    min_islands: int = 2, heartbeat_timeout_ms: int = 1500, join_timeout_ms: int = 1000
+) -> Iterator[str]:
     """A torchft lighthouse on a free port; yields its address."""
     from torchft._torchft import LighthouseServer
 
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=min_islands,
-        join_timeout_ms=1000,
+        join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=50,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )

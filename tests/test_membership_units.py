@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -159,3 +160,30 @@ def test_the_round_header_verdicts() -> None:
     diverged = row(2, finite=0)
     assert judge([a, diverged], diverged) is Verdict.DIVERGED
     assert judge([a, diverged], a) is Verdict.ABANDON
+
+
+def test_quorums_that_leave_live_islands_out_warn_once() -> None:
+    """A member missing from a round and back with the same nonce was alive all along; two
+    such returns warn once, naming the lighthouse's join timeout; a restart (new nonce) and a
+    single return (a suspended island coming back) do not."""
+    from lightning_swarm.membership.quorum_watch import QuorumWatch
+    from lightning_swarm.membership.round_header import HeaderRow
+
+    def rows(*members: tuple[int, int]) -> list[HeaderRow]:
+        return [HeaderRow(i, 7, 0, 0, nonce, 1, 5, 10) for i, nonce in members]
+
+    watch = QuorumWatch("a")
+    a, b, c, c_restarted = (1, 1), (2, 2), (3, 3), (3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for members in ([a, b, c], [a, b], [a, b, c_restarted], [a, b], [a, b, c]):
+            watch.see(rows(*members))  # c came back once with its old nonce: no warning yet
+    assert watch.returns == 1
+    watch.see(rows(a, b))
+    with pytest.warns(UserWarning, match="join timeout is shorter than a round") as caught:
+        watch.see(rows(a, b, c))
+    assert "--join-timeout-ms" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.see(rows(a, b))
+        watch.see(rows(a, b, c))  # once only

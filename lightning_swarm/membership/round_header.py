@@ -32,6 +32,13 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.config import SwarmConfig
+from lightning_swarm.membership.errors import (
+    DivergedIslandError,
+    DuplicateIslandError,
+    MembershipError,
+    ModelMismatchError,
+    SettingsMismatchError,
+)
 
 Settings = dict[str, Any]
 """Setting name -> a JSON value; equal on every island of a swarm."""
@@ -184,3 +191,37 @@ def judge(rows: list[HeaderRow], mine: HeaderRow) -> Verdict:
         or not all(r.finite for r in rows)
     )
     return Verdict.ABANDON if refused else Verdict.GO
+
+
+def refusal(
+    verdict: Verdict,
+    island_id: str,
+    own_model: int,
+    swarm_model: int,
+    own_settings: Mapping[str, Any],
+    swarm_settings: Mapping[str, Any] | None,
+) -> MembershipError:
+    """The error this island raises for a refusing ``verdict``, naming the cause and the fix."""
+    name = island_id
+    if verdict is Verdict.DIVERGED:
+        return DivergedIslandError(
+            f"island {name!r} leaves the swarm: its pseudo-gradient holds NaN or inf, so its "
+            "training diverged (the other islands abandon this round and go on); lower the "
+            "inner learning rate or clip gradients, then restart it."
+        )
+    if verdict is Verdict.DUPLICATE:
+        return DuplicateIslandError(
+            f"island_id {name!r} is already taken by a live island of the swarm; give this "
+            "launch another island_id (each island needs its own)."
+        )
+    if verdict is Verdict.MODEL:
+        return ModelMismatchError(
+            f"island {name!r} was refused: its model (fingerprint {own_model:x}) differs from "
+            f"the swarm's ({swarm_model:x}). Start it with the model the swarm trains."
+        )
+    assert verdict is Verdict.SETTINGS, verdict
+    return SettingsMismatchError(
+        f"island {name!r} was refused: its DiLoCo settings differ from the swarm's: "
+        f"{describe_settings_difference(own_settings, swarm_settings or {})}. Start it with the "
+        "swarm's settings (every island of a swarm must use the same ones)."
+    )

@@ -48,27 +48,25 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
-    DivergedIslandError,
-    DuplicateIslandError,
     LighthouseUnreachableError,
     MembershipError,
     ModelMismatchError,
     QuorumTimeoutError,
-    SettingsMismatchError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
 from lightning_swarm.membership.quorum import quorum_retries_for, request_quorum
+from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
     HeaderRow,
     Settings,
     Verdict,
     decode_settings,
-    describe_settings_difference,
     encode_settings,
     island_hash,
     judge,
     reference_index,
+    refusal,
     settings_disagree,
     settings_hash,
     settings_tensor,
@@ -151,6 +149,7 @@ class TorchftMembership:
         self._manager: Any = None
         self.on_phase: PhaseHook | None = None
         self._watch: SuspensionWatch | None = None
+        self._quorum_watch = QuorumWatch(config.island_id)
         self._last_commit_at = time.monotonic()
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
@@ -318,6 +317,7 @@ class TorchftMembership:
             self._manager.report_error(err)
             return True
         verdict = judge(rows, self._row)
+        self._quorum_watch.see(rows)
         if verdict in _REFUSALS:
             self._refuse(verdict, rows, healing, swarm_settings)
         if verdict is Verdict.ABANDON:
@@ -342,33 +342,13 @@ class TorchftMembership:
     def _refuse(
         self, verdict: Verdict, rows: list[HeaderRow], healing: bool, swarm: Settings | None
     ) -> None:
-        name = self.config.island_id
-        if verdict is Verdict.DIVERGED:
-            raise DivergedIslandError(
-                f"island {name!r} leaves the swarm: its pseudo-gradient holds NaN or inf, so its "
-                "training diverged (the other islands abandon this round and go on); lower the "
-                "inner learning rate or clip gradients, then restart it."
-            )
         if verdict is Verdict.DUPLICATE:
             self._manager.shutdown(wait=False)
-            raise DuplicateIslandError(
-                f"island_id {name!r} is already taken by a live island of the swarm; give this "
-                "launch another island_id (each island needs its own)."
-            )
-        if verdict is Verdict.MODEL:
-            if healing:  # the healed layout names the difference (raised in _load_healed)
-                self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
-            reference = rows[reference_index(rows)].model
-            raise ModelMismatchError(
-                f"island {name!r} was refused: its model (fingerprint {self._row.model:x}) "
-                f"differs from the swarm's ({reference:x}). Start it with the model the swarm "
-                "trains."
-            )
-        raise SettingsMismatchError(
-            f"island {name!r} was refused: its DiLoCo settings differ from the swarm's: "
-            f"{describe_settings_difference(self._settings, swarm or {})}. Start it with the "
-            "swarm's settings (every island of a swarm must use the same ones)."
-        )
+        if verdict is Verdict.MODEL and healing:
+            # The healed layout names the difference (raised by _load_healed in the vote).
+            self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
+        model = rows[reference_index(rows)].model
+        raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
         """The mean over participating islands, one bucket at a time, written back in place."""
