@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (ckpt_path)")
     parser.add_argument("--merge-alpha", type=float, default=0.0)
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     args = parser.parse_args()
     out = Path(args.out)
@@ -198,7 +199,7 @@ def main() -> None:
     if args.checkpoint_at:
         callbacks.append(CheckpointAt(args.checkpoint_at, out / f"{args.island}.ckpt"))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,

@@ -310,3 +310,24 @@ def test_lightning_islands_stop_cleanly_when_the_lighthouse_stays_gone(tmp_path:
         assert f"{address} stopped answering" in error
         saved = torch.load(tmp_path / f"{name}.ckpt", map_location="cpu", weights_only=True)
         assert saved["global_step"] == 8 and saved["state_dict"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+def test_lightning_islands_on_cuda(tmp_path: Path) -> None:
+    """Two one-rank islands training on a GPU (NCCL worlds of one rank each; the elastic traffic
+    on gloo over CPU copies) commit rounds together and end bitwise equal. The one command for a
+    GPU machine: `pytest tests/test_elastic_strategy.py -k cuda`."""
+    opts = ["--max-steps", "40", "--every", "4", "--step-s", "0.05", "--accelerator", "cuda"]
+    started: list[subprocess.Popen[Any]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            for name, proc in procs.items():
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    assert max(r["swarm/islands_in_round"] for r in _rounds(tmp_path, "a")) == 2
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +188,31 @@ def test_quorums_that_leave_live_islands_out_warn_once() -> None:
         warnings.simplefilter("error")
         watch.see(rows(a, b))
         watch.see(rows(a, b, c))  # once only
+
+
+def _fan_out_on_a_side_group(rank: int, world: int, out: Path) -> None:
+    """An island whose own group is not gloo (NCCL on GPUs; forced here on CPU) fans out over a
+    gloo group created beside it: rank 0's outcome, averaged tensors and healed state arrive."""
+    import torch.distributed as dist
+
+    from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
+
+    fanout = IslandFanout(dist.group.WORLD, side_group=True)
+    assert fanout.group is not dist.group.WORLD and fanout.is_leader == (rank == 0)
+    tensors = [torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 10))]
+    healed = {"outer": [{"anchors": {"w": torch.arange(4.0)}, "outer_steps": 7}]}
+    mine = RoundOutcome(committed=True, participants=3, healed=healed if rank == 0 else None)
+    shared = fanout.share_outcome(mine, tensors)
+    fanout.close()
+    assert (shared.committed, shared.participants) == (True, 3)
+    assert tensors[0].eq(0.0).all() and tensors[1].eq(10.0).all()  # rank 0's values
+    assert shared.healed is not None
+    assert shared.healed["outer"][0]["anchors"]["w"].equal(torch.arange(4.0))
+    (out / f"rank{rank}").write_text("ok")
+
+
+def test_the_fan_out_runs_on_a_gloo_group_beside_the_islands_own(tmp_path: Path) -> None:
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_fan_out_on_a_side_group, 2, tmp_path, timeout_s=30)
+    assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}

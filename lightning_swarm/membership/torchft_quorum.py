@@ -159,7 +159,7 @@ class TorchftMembership:
             try:
                 self._start_manager()
             except MembershipError as err:
-                self.close()
+                self._watch.close()  # the fan-out below still needs the island's group
                 error = err
         self._fanout.share_error(error)
 
@@ -398,3 +398,4 @@ class TorchftMembership:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        self._fanout.close()
