@@ -202,6 +202,8 @@ def chaos(minutes: float, seed: int, event_s: float, settle_s: float, out: Path)
         events[kind] = events.get(kind, 0) + 1
         live = sorted(swarm.procs)
         victim = rng.choice(live)
+        with (out / "events.log").open("a") as log:
+            log.write(f"{time.time():.3f} {kind} {victim if kind != 'lighthouse' else ''}\n")
         if kind in ("kill", "join"):
             swarm.kill(victim)
             at = time.time()
@@ -289,6 +291,7 @@ def main() -> None:
     parser.add_argument("--event-s", type=float, default=15.0, help="between events")
     parser.add_argument("--settle-s", type=float, default=20.0)
     parser.add_argument("--results", default=None, help="write the figures as JSON here")
+    parser.add_argument("--keep", default=None, help="keep the islands' logs in this directory")
     parser.add_argument("--island", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--lighthouse", default=None, help=argparse.SUPPRESS)
@@ -299,7 +302,9 @@ def main() -> None:
         island(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        results = chaos(args.minutes, args.seed, args.event_s, args.settle_s, Path(tmp))
+        out = Path(args.keep or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        results = chaos(args.minutes, args.seed, args.event_s, args.settle_s, out)
     print(json.dumps(results, indent=2))
     if args.results:
         Path(args.results).write_text(json.dumps(results, indent=2))

@@ -55,7 +55,11 @@ from lightning_swarm.membership.errors import (
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.quorum import quorum_retries_for, request_quorum
+from lightning_swarm.membership.quorum import (
+    QuorumIdentity,
+    quorum_retries_for,
+    request_quorum,
+)
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
     HeaderRow,
@@ -175,10 +179,11 @@ class TorchftMembership:
         self._pg = ProcessGroupGloo(timeout=_seconds(config.round_timeout_s))
         configure = self._pg.configure
 
-        def configure_after_hook(*args: Any, **kwargs: Any) -> None:
+        def configure_after_hook(store_addr: str, *args: Any, **kwargs: Any) -> None:
             # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
             self._phase("pg_setup")
-            configure(*args, **kwargs)
+            configure(self._identity.store_prefix(store_addr), *args, **kwargs)
+            self._identity.set_up()
 
         self._pg.configure = configure_after_hook
         self.heal_transport = TensorHealTransport(
@@ -211,6 +216,7 @@ class TorchftMembership:
                 f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
                 "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
             ) from err
+        self._identity = QuorumIdentity(self._manager)
 
     def agree_on(self, settings: Settings) -> None:
         """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
