@@ -294,21 +294,27 @@ def test_lightning_islands_stop_cleanly_when_the_lighthouse_stays_gone(tmp_path:
     started: list[subprocess.Popen[Any]] = [server]
     try:
         address = f"http://127.0.0.1:{port}"
-        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+        # Each island its own checkpoint folder: a save prunes the folder's other .swarm
+        # directories that have no checkpoint yet, which includes another island's save in
+        # progress (see docs/elastic.md).
+        outs = {n: tmp_path / n for n in "ab"}
+        for out in outs.values():
+            out.mkdir()
+        procs = {n: start_island(outs[n], address, n, *opts, script=SCRIPT) for n in "ab"}
         started += procs.values()
         for name in "ab":
-            wait_for((tmp_path / f"{name}.ckpt").exists, 120, f"{name}'s checkpoint")
+            wait_for((outs[name] / f"{name}.ckpt").exists, 120, f"{name}'s checkpoint")
         server.kill()
         server.wait()
         for name, proc in procs.items():
-            assert finish(proc, 10 + 60, tmp_path, name) != 0, name
+            assert finish(proc, 10 + 60, outs[name], name) != 0, name
     finally:
         _kill_all(started)
     for name in "ab":
-        error = (tmp_path / f"{name}.error.0").read_text()
+        error = (outs[name] / f"{name}.error.0").read_text()
         assert error.startswith(f"LighthouseLostError: island {name!r}: the lighthouse at"), error
         assert f"{address} stopped answering" in error
-        saved = torch.load(tmp_path / f"{name}.ckpt", map_location="cpu", weights_only=True)
+        saved = torch.load(outs[name] / f"{name}.ckpt", map_location="cpu", weights_only=True)
         assert saved["global_step"] == 8 and saved["state_dict"]
 
 
