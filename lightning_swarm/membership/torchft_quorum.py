@@ -3,9 +3,11 @@
 ``TorchftMembership`` is a ``Transport`` (``average(tensors, round_index=...)``) whose set of
 islands is decided anew every round by torchft's Lighthouse. One round, on the island's rank 0:
 
-1. quorum: ``Manager.start_quorum``; a joiner (new, restarted, or an island that missed a
-   commit) is healed here from a live island: anchors, outer optimizer state and counters,
-   over the quorum's process group (``TensorHealTransport``, no pickle);
+1. quorum (``quorum.request_quorum``): ``Manager.start_quorum``; a joiner (new, restarted, or
+   an island that missed a commit) is healed here from a live island: anchors, outer optimizer
+   state and counters, over the quorum's process group (``TensorHealTransport``, no pickle). A
+   lighthouse restarted within ``quorum_timeout_s`` is asked again; each new membership gets a
+   process group of its own (``QuorumIdentity``); an island back from a suspension asks anew;
 2. round header (``round_header``): a tiny all-gather of one row per island (island id hash,
    model fingerprint, healing, join time, nonce, finite, settings hash) over the quorum's group.
    A duplicate ``island_id``, a model or DiLoCo settings that differ, or a pseudo-gradient with
@@ -17,6 +19,10 @@ islands is decided anew every round by torchft's Lighthouse. One round, on the i
    fail, so they vote no and the round is abandoned (anchors unchanged, local progress kept for
    the next round). A survivor that voted differently is behind by one commit at the next quorum
    and torchft heals it from the others, so the swarm converges on one history.
+   A failure anywhere in the round, the set-up of the quorum's group included, abandons the
+   round on the survivors; only the refusals of step 2 and a quorum that never comes raise.
+
+A test can inject failures at each phase through ``on_phase`` (``PhaseHook``).
 
 The very first quorum of a swarm (torchft step 0) is the genesis round: every island except the
 first is healed to the first island's anchors and no outer step is taken (``applied`` false).
@@ -60,6 +66,7 @@ from lightning_swarm.membership.quorum import (
     quorum_retries_for,
     request_quorum,
 )
+from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
     HeaderRow,
@@ -357,30 +364,8 @@ class TorchftMembership:
         raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
-        """The mean over participating islands, one bucket at a time, written back in place."""
-        total = sum(t.numel() for t in tensors)
-        flat = torch.empty(min(self.bucket_numel, max(total, 1)))
-        pieces: list[tuple[Tensor, int]] = []
-        fill = 0
-        for t in tensors:
-            view, pos = t.view(-1), 0
-            while pos < view.numel():
-                n = min(view.numel() - pos, flat.numel() - fill)
-                flat[fill : fill + n].copy_(view[pos : pos + n])
-                pieces.append((view[pos : pos + n], fill))
-                fill, pos = fill + n, pos + n
-                if fill == flat.numel():
-                    self._reduce_bucket(flat[:fill], pieces)
-                    pieces, fill = [], 0
-        if fill:
-            self._reduce_bucket(flat[:fill], pieces)
-
-    def _reduce_bucket(self, bucket: Tensor, pieces: list[tuple[Tensor, int]]) -> None:
-        # Manager.allreduce averages over participants, zeroes a healing island's share and
-        # records an error (for the commit gate) instead of raising.
-        self._manager.allreduce(bucket).wait()
-        for piece, offset in pieces:
-            piece.copy_(bucket[offset : offset + piece.numel()])
+        """The mean over participating islands, bucketed, written back in place."""
+        bucketed_mean(self._manager, tensors, self.bucket_numel)
 
     def _watch_min_islands(self, participants: int, committed: bool) -> None:
         short = participants < self.config.min_islands and not committed
