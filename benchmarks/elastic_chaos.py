@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ QUORUM_TIMEOUT_S = 30.0
 ROUND_TIMEOUT_S = 10.0
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def _digest(tensors: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(tensors[name].detach().contiguous().numpy().tobytes())
@@ -72,7 +73,7 @@ def island(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     params = dict(model.named_parameters())
-    out, holder = Path(args.out), []
+    out, holder = Path(args.out), list[ElasticOuter]()
     membership = TorchftMembership(
         ElasticConfig(
             args.lighthouse,
@@ -130,6 +131,7 @@ class Swarm:
     killed: set[int] = field(default_factory=set)  # pids the controller killed
     crashes: list[str] = field(default_factory=list)
     lighthouse: subprocess.Popen[str] | None = None
+    joined: int = 0  # new island ids started so far (n0, n1, ...)
 
     def start_lighthouse(self) -> float:
         cmd = [sys.executable, "-m", "lightning_swarm.membership.lighthouse", "--bind"]
@@ -181,6 +183,54 @@ def _wait(seconds: float, swarm: Swarm) -> None:
         time.sleep(0.2)
 
 
+Mark = tuple[str, float, list[str]]
+"""(kind, when, the islands expected to commit next): recovery times are read at the end."""
+
+
+def _event(swarm: Swarm, rng: random.Random, kind: str, victim: str, event_s: float) -> Mark | None:
+    """Run one event of the schedule; returns what to measure the recovery from."""
+    mark: Mark | None = None
+    if kind in ("kill", "join"):
+        swarm.kill(victim)
+        at = time.time()
+        _wait(rng.uniform(2, 8), swarm)
+        others = sorted(swarm.procs)
+        if kind == "join":
+            victim = f"n{swarm.joined}"
+            swarm.joined += 1
+        swarm.start(victim)
+        mark = ("kill", at, others)
+    elif kind == "freeze":
+        proc = swarm.procs[victim]
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(rng.uniform(5, 25))  # the schedule itself: how long it stays stopped
+        proc.send_signal(signal.SIGCONT)
+    else:
+        assert swarm.lighthouse is not None
+        swarm.lighthouse.kill()
+        swarm.lighthouse.wait()
+        _wait(rng.uniform(2, 8), swarm)
+        mark = ("lighthouse", swarm.start_lighthouse(), sorted(swarm.procs))
+    _wait(event_s, swarm)
+    return mark
+
+
+def _finish(swarm: Swarm) -> dict[str, dict[str, str]]:
+    """Stop every running island at one round a little ahead; their final digests."""
+    finishers = sorted(swarm.procs)
+    last = max(r["outer_steps"] for n in finishers for r in swarm.rows(n))
+    (swarm.out / "stop").write_text(str(last + 5))
+    deadline = time.monotonic() + 120
+    for name in finishers:
+        code = swarm.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
+        if code != 0:
+            swarm.crashes.append(f"{name} exited {code} at the end")
+    assert swarm.lighthouse is not None
+    swarm.lighthouse.kill()
+    swarm.lighthouse.wait()
+    return {n: json.loads((swarm.out / f"{n}.final.json").read_text()) for n in finishers}
+
+
 def chaos(minutes: float, seed: int, event_s: float, settle_s: float, out: Path) -> dict[str, Any]:
     rng = random.Random(seed)
     with socket.socket() as s:
@@ -188,69 +238,36 @@ def chaos(minutes: float, seed: int, event_s: float, settle_s: float, out: Path)
         port = int(s.getsockname()[1])
     swarm = Swarm(out, port, every=4, step_s=0.05)
     swarm.start_lighthouse()
-    names = ["a", "b", "c", "d"]
-    for name in names:
+    for name in "abcd":
         swarm.start(name)
     events: dict[str, int] = {}
-    # (kind, when, the islands expected to commit next): recovery times are read at the end.
-    marks: list[tuple[str, float, list[str]]] = []
-    next_id = 0
+    marks: list[Mark] = []
     end = time.monotonic() + minutes * 60
     _wait(event_s, swarm)
     while time.monotonic() < end:
         kind = rng.choice(["kill", "freeze", "join", "lighthouse"])
         events[kind] = events.get(kind, 0) + 1
-        live = sorted(swarm.procs)
-        victim = rng.choice(live)
+        victim = rng.choice(sorted(swarm.procs))
         with (out / "events.log").open("a") as log:
             log.write(f"{time.time():.3f} {kind} {victim if kind != 'lighthouse' else ''}\n")
-        if kind in ("kill", "join"):
-            swarm.kill(victim)
-            at = time.time()
-            _wait(rng.uniform(2, 8), swarm)
-            others = [n for n in swarm.procs]
-            if kind == "join":
-                names[names.index(victim)] = victim = f"n{next_id}"
-                next_id += 1
-            swarm.start(victim)
-            marks.append(("kill", at, others))
-            _wait(event_s, swarm)
-        elif kind == "freeze":
-            proc = swarm.procs[victim]
-            proc.send_signal(signal.SIGSTOP)
-            time.sleep(rng.uniform(5, 25))  # the schedule itself: how long it stays stopped
-            proc.send_signal(signal.SIGCONT)
-            _wait(event_s, swarm)
-        else:
-            assert swarm.lighthouse is not None
-            swarm.lighthouse.kill()
-            swarm.lighthouse.wait()
-            _wait(rng.uniform(2, 8), swarm)
-            back = swarm.start_lighthouse()
-            marks.append(("lighthouse", back, sorted(swarm.procs)))
-            _wait(event_s, swarm)
+        mark = _event(swarm, rng, kind, victim, event_s)
+        if mark is not None:
+            marks.append(mark)
     _wait(settle_s, swarm)
-    finishers = sorted(swarm.procs)
-    last = max(r["outer_steps"] for n in finishers for r in swarm.rows(n))
-    (out / "stop").write_text(str(last + 5))
-    deadline = time.monotonic() + 120
-    for name in finishers:
-        proc = swarm.procs[name]
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        if code != 0:
-            swarm.crashes.append(f"{name} exited {code} at the end")
-    assert swarm.lighthouse is not None
-    swarm.lighthouse.kill()
-    finals = {n: json.loads((out / f"{n}.final.json").read_text()) for n in finishers}
-    every_rows = [r for p in out.glob("*.jsonl") for r in _rows(p)]
-    heal_times = _heal_times(out)
+    finals = _finish(swarm)
+    return _report(swarm, marks, events, finals) | {"minutes": minutes, "seed": seed}
+
+
+def _report(
+    swarm: Swarm, marks: list[Mark], events: dict[str, int], finals: dict[str, dict[str, str]]
+) -> dict[str, Any]:
+    every_rows = [r for p in swarm.out.glob("*.jsonl") for r in _rows(p)]
+    heal_times = _heal_times(swarm.out)
     recovery = {
-        kind: [_first_commit_after(swarm, names_, t) for k, t, names_ in marks if k == kind]
+        kind: [_first_commit_after(swarm, names, t) for k, t, names in marks if k == kind]
         for kind in ("kill", "lighthouse")
     }
     return {
-        "minutes": minutes,
-        "seed": seed,
         "events": events,
         "committed_rounds": max(r["outer_steps"] for r in every_rows),
         "abandoned_rounds": sum(1 for r in every_rows if not r["applied"] and not r["joined"]),
@@ -262,7 +279,7 @@ def chaos(minutes: float, seed: int, event_s: float, settle_s: float, out: Path)
         # seconds to the next commit of a survivor (None: none committed after it)
         "kill_to_commit_s": recovery["kill"],
         "lighthouse_back_to_commit_s": recovery["lighthouse"],
-        "finishers": finishers,
+        "finishers": sorted(finals),
         "finishers_equal": len({json.dumps(f, sort_keys=True) for f in finals.values()}) == 1,
     }
 
