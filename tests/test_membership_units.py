@@ -216,3 +216,38 @@ def test_the_fan_out_runs_on_a_gloo_group_beside_the_islands_own(tmp_path: Path)
 
     run_ranks(_fan_out_on_a_side_group, 2, tmp_path, timeout_s=30)
     assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
+
+
+class _NoExchange:
+    """A transport that leaves the pseudo-gradients as they are (one island)."""
+
+    def average(self, tensors: object, *, round_index: int) -> object:
+        from lightning_swarm.transport.base import RoundStats
+
+        return RoundStats(wall_s=0.0, applied=True)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
+    """Healed in the middle of a run (it missed a commit: a freeze, a failed vote), an island
+    adopts the swarm's anchors and keeps its own progress on top: local <- new + (local - old).
+    Otherwise a round abandoned after the heal leaves it with stale weights under new anchors,
+    and its next pseudo-gradient would carry the swarm's whole advance."""
+    import functools
+
+    from lightning_swarm.outer import OuterSync
+    from lightning_swarm.outer.join import ElasticOuter
+
+    def outer_sync(value: float) -> OuterSync:
+        params = {"w": torch.nn.Parameter(torch.full((3,), value))}
+        sgd = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        return OuterSync(params, outer_optimizer=sgd, transport=_NoExchange(), sync_every=2)
+
+    island, swarm = outer_sync(1.0), outer_sync(5.0)
+    with torch.no_grad():
+        island.params["w"].add_(torch.tensor([0.5, -0.25, 0.0]))  # its progress since anchors
+    ElasticOuter([island]).install(ElasticOuter([swarm]).state())
+    assert island.anchors["w"].equal(torch.full((3,), 5.0))
+    assert island.params["w"].detach().equal(torch.tensor([5.5, 4.75, 5.0]))
