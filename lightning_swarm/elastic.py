@@ -10,9 +10,10 @@ restarted island starts it at 0 again, and logs, ``every_n_train_steps`` checkpo
 island's own LR schedulers follow it. The swarm's clock is its committed rounds, which a joiner
 receives when healed. ``max_steps`` is read on that clock: the fit ends after the round that
 brings the swarm to ``ceil(max_steps / sync_every)`` committed rounds, on every island at the
-same round, so the islands still in the swarm end holding the same global model. Lightning's
-own ``max_steps`` limit is lifted for that: an island whose rounds were abandoned has run more
-inner steps than the swarm's clock shows and must not stop before the others.
+same round, so the islands still in the swarm end holding the same global model (each sets
+its parameters to the anchors of that round: with ``merge_alpha > 0`` the round left a mix).
+Lightning's own ``max_steps`` limit is lifted for that: an island whose rounds were abandoned
+has run more inner steps than the swarm's clock shows and must not stop before the others.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from torch.nn import Module
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.model_fingerprint import model_layout
+from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
@@ -34,9 +37,10 @@ from lightning_swarm.outer.sync import OuterSync
 class ElasticIsland:
     """One island's membership, its first round and its stopping rule."""
 
-    def __init__(self, options: ElasticConfig, sync_every: int) -> None:
+    def __init__(self, options: ElasticConfig, config: SwarmConfig) -> None:
         self.options = options
-        self.sync_every = sync_every
+        self.config = config
+        self.sync_every = config.sync_every
         self.membership: TorchftMembership | None = None
         self._outer: ElasticOuter | None = None
         self._target_rounds: int | None = None
@@ -77,6 +81,9 @@ class ElasticIsland:
                 f"{len(outer_syncs)}; use membership='static' for several."
             )
         self._outer = ElasticOuter(outer_syncs)
+        assert self.membership is not None, "the membership is built before the outer loop"
+        # Islands whose rounds would mean different things are refused in the round header.
+        self.membership.agree_on(swarm_settings(self.config, outer_syncs[0].outer_optimizer))
 
     def join(self, trainer: pl.Trainer) -> dict[str, float]:
         """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""
@@ -98,4 +105,6 @@ class ElasticIsland:
         rounds = self._elastic_outer.outer_syncs[0].outer_steps
         if self._target_rounds is not None and rounds >= self._target_rounds:
             trainer.should_stop = True
+            # The global model, not a merge_alpha mix of it with this island's own weights.
+            self._elastic_outer.land_on_anchors()
         return out

@@ -131,7 +131,7 @@ class SwarmStrategy(IslandDDPStrategy):
         self.config = config_with(config, options)
         elastic = elastic_options(self.config)
         # membership="torchft": this launch is one island of a swarm (docs/elastic.md).
-        self._elastic = None if elastic is None else ElasticIsland(elastic, self.config.sync_every)
+        self._elastic = None if elastic is None else ElasticIsland(elastic, self.config)
         self.outer_optimizer_factory = as_outer_optimizer(outer_optimizer)
         # A delayed exchange runs in a worker thread: it gets a peer group of its own.
         super().__init__(

@@ -19,11 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.model_fingerprint import model_layout
+from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.join import ElasticOuter
+from tests.elastic_faults import fault_hook
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -42,6 +45,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--step-s", type=float, default=0.02)
     parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--fault", action="append", default=[], help="see tests/elastic_faults.py")
     parser.add_argument("--min-islands", type=int, default=2)
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
     parser.add_argument("--round-timeout", type=float, default=10.0)
@@ -73,9 +78,15 @@ def main() -> None:
         )
         outer = OuterSync(
             params,
-            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+            outer_optimizer=functools.partial(
+                torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True
+            ),
             transport=membership,
             sync_every=args.every,
+        )
+        membership.on_phase = fault_hook(args.fault, out, args.island)
+        membership.agree_on(
+            swarm_settings(SwarmConfig(sync_every=args.every), outer.outer_optimizer)
         )
         elastic = ElasticOuter([outer])
         outer_holder.append(elastic)

@@ -18,6 +18,7 @@ header arrived and before its tensors do, and writes ``<island>.stalled``.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -167,6 +168,10 @@ def main() -> None:
     parser.add_argument("--stall-in-heal", action="store_true", help="see the module docstring")
     parser.add_argument("--checkpoint-at", type=int, default=0, help="save <island>.ckpt there")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (ckpt_path)")
+    parser.add_argument("--merge-alpha", type=float, default=0.0)
+    parser.add_argument("--quorum-timeout", type=float, default=20.0)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
     args = parser.parse_args()
     out = Path(args.out)
     seed = sum(args.island.encode())
@@ -181,8 +186,12 @@ def main() -> None:
         lighthouse=args.lighthouse,
         island_id=args.island,
         min_islands=2,
-        quorum_timeout_s=20.0,
+        quorum_timeout_s=args.quorum_timeout,
         round_timeout_s=5.0,
+        merge_alpha=args.merge_alpha,
+        outer_optimizer=functools.partial(
+            torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True
+        ),
     )
     join_file = str(out / f"{args.island}.join.rank{{rank}}.safetensors")
     recorder = Recorder(out / f"{args.island}.jsonl", strategy, join_file)
@@ -190,7 +199,7 @@ def main() -> None:
     if args.checkpoint_at:
         callbacks.append(CheckpointAt(args.checkpoint_at, out / f"{args.island}.ckpt"))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,

@@ -16,14 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
-def lighthouse(min_islands: int = 2, heartbeat_timeout_ms: int = 1500) -> Iterator[str]:
+def lighthouse(
+    min_islands: int = 2, heartbeat_timeout_ms: int = 1500, join_timeout_ms: int = 1000
+) -> Iterator[str]:
     """A torchft lighthouse on a free port; yields its address."""
     from torchft._torchft import LighthouseServer
 
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=min_islands,
-        join_timeout_ms=1000,
+        join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=50,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
@@ -85,3 +87,49 @@ def finish(proc: subprocess.Popen[bytes], timeout_s: float, out: Path, island: s
 def anchors_by_round(out: Path, island: str) -> dict[int, str]:
     """Outer step -> anchor digest after each applied round of ``island``."""
     return {r["outer_steps"]: r["anchors"] for r in rounds(out, island) if r["applied"]}
+
+
+def start_lighthouse(
+    port: int, log: Path, min_islands: int = 2, heartbeat_timeout_ms: int = 1500
+) -> subprocess.Popen[str]:
+    """``swarm-lighthouse`` as its own process on ``port`` (so a test can SIGKILL and restart
+    it); returns once it listens. Its log goes to ``log``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("a") as stderr:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lightning_swarm.membership.lighthouse",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--min-islands",
+                str(min_islands),
+                "--join-timeout-ms",
+                "1000",
+                "--heartbeat-timeout-ms",
+                str(heartbeat_timeout_ms),
+                "--quorum-tick-ms",
+                "50",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "lighthouse at ..." once it listens; "" if it died
+    if not line.startswith("lighthouse at"):
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the lighthouse did not start on port {port}: {log.read_text()}")
+    return proc
+
+
+def logged(out: Path, island: str, text: str) -> bool:
+    """Whether ``text`` appears in the island's stderr (torchft's own log lines go there)."""
+    path = out / f"{island}.stderr"
+    return path.exists() and text in path.read_text(errors="replace")

@@ -11,12 +11,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.elastic_utils import finish, lighthouse, start_island, wait_for
+from tests.dist_utils import free_port
+from tests.elastic_utils import finish, lighthouse, start_island, start_lighthouse, wait_for
 
 pytest.importorskip("torchft")
 
@@ -54,7 +56,7 @@ def _first_row_after(rows: list[Row], t: float) -> tuple[Row, Row]:
     return before[-1], after[0]
 
 
-def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+def _kill_all(procs: list[subprocess.Popen[Any]]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -250,3 +252,88 @@ def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
     final = [load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "abc"]
     for state in final[1:]:
         assert all(final[0][k].equal(state[k]) for k in final[0])
+
+
+@pytest.mark.timeout(300)
+def test_lightning_merge_alpha_ends_equal_and_other_settings_are_refused(tmp_path: Path) -> None:
+    """With merge_alpha=0.5 the islands still end bitwise equal (on the global model); an
+    island with another outer learning rate is refused, naming it, while a and b go on."""
+    fast = tmp_path / "fast"
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts += ["--merge-alpha", "0.5"]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 90, "a's second round")
+            other = start_island(tmp_path, address, "x", *opts, "--outer-lr", "0.1", script=SCRIPT)
+            started.append(other)
+            assert finish(other, 90, tmp_path, "x") != 0
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 120, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    error = (tmp_path / "x.error.0").read_text()
+    assert error.startswith("SettingsMismatchError: island 'x' was refused"), error
+    assert "outer_optimizer.lr is 0.1 here but 0.7 in the swarm" in error
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max() for k in a}
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores; test_membership_torchft.py names the error in seconds
+@pytest.mark.timeout(400)
+def test_lightning_islands_stop_cleanly_when_the_lighthouse_stays_gone(tmp_path: Path) -> None:
+    """The lighthouse dies for good: every island stops after quorum_timeout_s with an error
+    naming the lighthouse, and the checkpoint each wrote before still loads, whole."""
+    fast, port = tmp_path / "fast", free_port()
+    opts = ["--max-steps", "400", "--every", "4", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts += ["--checkpoint-at", "8", "--quorum-timeout", "10"]
+    server = start_lighthouse(port, tmp_path / "lighthouse.log")
+    started: list[subprocess.Popen[Any]] = [server]
+    try:
+        address = f"http://127.0.0.1:{port}"
+        # Each island its own checkpoint folder: a save prunes the folder's other .swarm
+        # directories that have no checkpoint yet, which includes another island's save in
+        # progress (see docs/elastic.md).
+        outs = {n: tmp_path / n for n in "ab"}
+        for out in outs.values():
+            out.mkdir()
+        procs = {n: start_island(outs[n], address, n, *opts, script=SCRIPT) for n in "ab"}
+        started += procs.values()
+        for name in "ab":
+            wait_for((outs[name] / f"{name}.ckpt").exists, 120, f"{name}'s checkpoint")
+        server.kill()
+        server.wait()
+        for name, proc in procs.items():
+            assert finish(proc, 10 + 60, outs[name], name) != 0, name
+    finally:
+        _kill_all(started)
+    for name in "ab":
+        error = (outs[name] / f"{name}.error.0").read_text()
+        assert error.startswith(f"LighthouseLostError: island {name!r}: the lighthouse at"), error
+        assert f"{address} stopped answering" in error
+        saved = torch.load(outs[name] / f"{name}.ckpt", map_location="cpu", weights_only=True)
+        assert saved["global_step"] == 8 and saved["state_dict"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+def test_lightning_islands_on_cuda(tmp_path: Path) -> None:
+    """Two one-rank islands training on a GPU (NCCL worlds of one rank each; the elastic traffic
+    on gloo over CPU copies) commit rounds together and end bitwise equal. The one command for a
+    GPU machine: `pytest tests/test_elastic_strategy.py -k cuda`."""
+    opts = ["--max-steps", "40", "--every", "4", "--step-s", "0.05", "--accelerator", "cuda"]
+    started: list[subprocess.Popen[Any]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            for name, proc in procs.items():
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    assert max(r["swarm/islands_in_round"] for r in _rounds(tmp_path, "a")) == 2
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a)

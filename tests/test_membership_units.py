@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership import check_membership
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, elastic_options
 from lightning_swarm.membership.lighthouse import parse_args
 from lightning_swarm.membership.model_fingerprint import (
     describe_difference,
@@ -87,3 +91,163 @@ def test_membership_names_and_lighthouse_arguments() -> None:
     assert (args.min_islands, args.port) == (3, 0)
     with pytest.raises(SystemExit):
         parse_args(["--min-islands", "0"])
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"lighthouse": "http://127.0.0.1:1"}, "lighthouse='http://127.0.0.1:1'"),
+        ({"island_id": "a"}, "island_id='a'"),
+    ],
+)
+def test_torchft_options_without_torchft_membership_are_refused(
+    options: dict[str, str], named: str
+) -> None:
+    """A launch that names a lighthouse or an island but keeps membership='static' would train
+    alone, silently; it is refused, naming the option and `membership`."""
+    config = SwarmConfig(**options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="membership='torchft'") as caught:
+        elastic_options(config)
+    assert named in str(caught.value) and "membership='static'" in str(caught.value)
+    from lightning_swarm import SwarmStrategy
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        SwarmStrategy(**options)  # type: ignore[arg-type]
+
+
+def test_settings_that_must_agree_and_their_differences_in_words() -> None:
+    from lightning_swarm.membership.round_header import (
+        describe_settings_difference,
+        encode_settings,
+        swarm_settings,
+    )
+
+    def settings(lr: float, **options: object) -> dict[str, object]:
+        optimizer = torch.optim.SGD([torch.zeros(1)], lr=lr, momentum=0.9, nesterov=True)
+        return swarm_settings(SwarmConfig(**options), optimizer)  # type: ignore[arg-type]
+
+    ours = settings(0.7, sync_every=8, merge_alpha=0.5)
+    assert ours["outer_optimizer"] == "torch.optim.sgd.SGD"
+    assert (ours["outer_optimizer.lr"], ours["outer_optimizer.nesterov"]) == (0.7, True)
+    assert encode_settings(ours) == encode_settings(dict(reversed(ours.items())))
+    theirs = settings(0.1, sync_every=4, merge_alpha=0.5, quantize="int8", error_feedback=True)
+    text = describe_settings_difference(theirs, ours)
+    assert "sync_every is 4 here but 8 in the swarm" in text
+    assert "outer_optimizer.lr is 0.1 here but 0.7 in the swarm" in text
+    assert "quantize is 'int8' here but 'none' in the swarm" in text
+    assert "error_feedback is True here but False in the swarm" in text
+    assert "merge_alpha" not in text  # only what differs
+
+
+def test_the_round_header_verdicts() -> None:
+    from lightning_swarm.membership.round_header import HeaderRow, Verdict, judge
+
+    def row(island: int, **changes: int) -> HeaderRow:
+        values = dict(island=island, model=7, healing=0, joined_ns=island, nonce=island)
+        values.update(finite=1, settings=5, settings_len=10)
+        return HeaderRow(**{**values, **changes})
+
+    a, b = row(1), row(2)
+    assert judge([a, b], a) is Verdict.GO
+    assert HeaderRow.of(b.tensor()) == b
+    joiner = row(3, healing=1, settings=6)  # the island in the swarm is the reference
+    assert judge([joiner, a], joiner) is Verdict.SETTINGS
+    assert judge([joiner, a], a) is Verdict.ABANDON
+    other_model = row(3, healing=1, model=8)
+    assert judge([a, other_model], other_model) is Verdict.MODEL
+    twin = row(1, joined_ns=9, nonce=9)  # started later with a's island_id
+    assert judge([a, twin], twin) is Verdict.DUPLICATE
+    assert judge([a, twin], a) is Verdict.ABANDON
+    diverged = row(2, finite=0)
+    assert judge([a, diverged], diverged) is Verdict.DIVERGED
+    assert judge([a, diverged], a) is Verdict.ABANDON
+
+
+def test_quorums_that_leave_live_islands_out_warn_once() -> None:
+    """A member missing from a round and back with the same nonce was alive all along; two
+    such returns warn once, naming the lighthouse's join timeout; a restart (new nonce) and a
+    single return (a suspended island coming back) do not."""
+    from lightning_swarm.membership.quorum_watch import QuorumWatch
+    from lightning_swarm.membership.round_header import HeaderRow
+
+    def rows(*members: tuple[int, int]) -> list[HeaderRow]:
+        return [HeaderRow(i, 7, 0, 0, nonce, 1, 5, 10) for i, nonce in members]
+
+    watch = QuorumWatch("a")
+    a, b, c, c_restarted = (1, 1), (2, 2), (3, 3), (3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for members in ([a, b, c], [a, b], [a, b, c_restarted], [a, b], [a, b, c]):
+            watch.see(rows(*members))  # c came back once with its old nonce: no warning yet
+    assert watch.returns == 1
+    watch.see(rows(a, b))
+    with pytest.warns(UserWarning, match="join timeout is shorter than a round") as caught:
+        watch.see(rows(a, b, c))
+    assert "--join-timeout-ms" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.see(rows(a, b))
+        watch.see(rows(a, b, c))  # once only
+
+
+def _fan_out_on_a_side_group(rank: int, world: int, out: Path) -> None:
+    """An island whose own group is not gloo (NCCL on GPUs; forced here on CPU) fans out over a
+    gloo group created beside it: rank 0's outcome, averaged tensors and healed state arrive."""
+    import torch.distributed as dist
+
+    from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
+
+    fanout = IslandFanout(dist.group.WORLD, side_group=True)
+    assert fanout.group is not dist.group.WORLD and fanout.is_leader == (rank == 0)
+    tensors = [torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 10))]
+    healed = {"outer": [{"anchors": {"w": torch.arange(4.0)}, "outer_steps": 7}]}
+    mine = RoundOutcome(committed=True, participants=3, healed=healed if rank == 0 else None)
+    shared = fanout.share_outcome(mine, tensors)
+    fanout.close()
+    assert (shared.committed, shared.participants) == (True, 3)
+    assert tensors[0].eq(0.0).all() and tensors[1].eq(10.0).all()  # rank 0's values
+    assert shared.healed is not None
+    assert shared.healed["outer"][0]["anchors"]["w"].equal(torch.arange(4.0))
+    (out / f"rank{rank}").write_text("ok")
+
+
+def test_the_fan_out_runs_on_a_gloo_group_beside_the_islands_own(tmp_path: Path) -> None:
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_fan_out_on_a_side_group, 2, tmp_path, timeout_s=30)
+    assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
+
+
+class _NoExchange:
+    """A transport that leaves the pseudo-gradients as they are (one island)."""
+
+    def average(self, tensors: object, *, round_index: int) -> object:
+        from lightning_swarm.transport.base import RoundStats
+
+        return RoundStats(wall_s=0.0, applied=True)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
+    """Healed in the middle of a run (it missed a commit: a freeze, a failed vote), an island
+    adopts the swarm's anchors and keeps its own progress on top: local <- new + (local - old).
+    Otherwise a round abandoned after the heal leaves it with stale weights under new anchors,
+    and its next pseudo-gradient would carry the swarm's whole advance."""
+    import functools
+
+    from lightning_swarm.outer import OuterSync
+    from lightning_swarm.outer.join import ElasticOuter
+
+    def outer_sync(value: float) -> OuterSync:
+        params = {"w": torch.nn.Parameter(torch.full((3,), value))}
+        sgd = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        return OuterSync(params, outer_optimizer=sgd, transport=_NoExchange(), sync_every=2)
+
+    island, swarm = outer_sync(1.0), outer_sync(5.0)
+    with torch.no_grad():
+        island.params["w"].add_(torch.tensor([0.5, -0.25, 0.0]))  # its progress since anchors
+    ElasticOuter([island]).install(ElasticOuter([swarm]).state())
+    assert island.anchors["w"].equal(torch.full((3,), 5.0))
+    assert island.params["w"].detach().equal(torch.tensor([5.5, 4.75, 5.0]))

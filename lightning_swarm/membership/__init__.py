@@ -15,10 +15,13 @@ from lightning_swarm.membership.config import elastic_options
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
     DuplicateIslandError,
+    LighthouseLostError,
     LighthouseUnreachableError,
     MembershipError,
     ModelMismatchError,
     QuorumTimeoutError,
+    SettingsMismatchError,
+    SwarmGoneError,
 )
 from lightning_swarm.membership.static import MEMBERSHIPS, check_membership
 
@@ -26,10 +29,13 @@ __all__ = [
     "MEMBERSHIPS",
     "DivergedIslandError",
     "DuplicateIslandError",
+    "LighthouseLostError",
     "LighthouseUnreachableError",
     "MembershipError",
     "ModelMismatchError",
     "QuorumTimeoutError",
+    "SettingsMismatchError",
+    "SwarmGoneError",
     "check_membership",
     "elastic_options",
 ]

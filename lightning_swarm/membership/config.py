@@ -1,6 +1,7 @@
 """Which membership a ``SwarmConfig`` asks for, and torchft's options, checked before launch.
 
-``elastic_options`` returns ``None`` for the static membership (nothing to build) and an
+``elastic_options`` returns ``None`` for the static membership (nothing to build; a
+``lighthouse`` or ``island_id`` given with it is refused, since the launch would train alone) and an
 ``ElasticConfig`` for torchft, after refusing the options that do not work with it yet: the
 swarm transport, quantized pseudo-gradients and Streaming DiLoCo (fragments, delayed rounds).
 Their rounds span several exchanges or steps, while a torchft round is one quorum, one mean and
@@ -59,9 +60,26 @@ class ElasticConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
+def _refuse_torchft_only_options(config: SwarmConfig) -> None:
+    """A lighthouse or island id with the static membership would train alone, silently."""
+    for option in ("lighthouse", "island_id"):
+        value = getattr(config, option)
+        if value is not None:
+            raise ValueError(
+                f"{option}={value!r} is used only with membership='torchft', but membership="
+                f"'static': this launch would train alone, ignoring it. Set membership='torchft' "
+                f"to join the swarm at the lighthouse, or drop {option}."
+            )
+
+
 def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
-    """``None`` for ``membership="static"``; the checked torchft options otherwise."""
+    """``None`` for ``membership="static"``; the checked torchft options otherwise.
+
+    Raises:
+        ValueError: an option that needs the other membership, or one torchft cannot serve.
+    """
     if check_membership(config.membership) == "static":
+        _refuse_torchft_only_options(config)
         return None
     refused = {
         "transport": (config.transport != "allreduce", "transport=allreduce"),

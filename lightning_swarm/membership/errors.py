@@ -17,6 +17,19 @@ class QuorumTimeoutError(MembershipError):
     """Fewer than ``min_islands`` islands met for longer than the quorum timeout."""
 
 
+class LighthouseLostError(MembershipError):
+    """The lighthouse stopped answering mid-run and did not come back within the quorum timeout."""
+
+
+class SwarmGoneError(QuorumTimeoutError):
+    """This island was suspended (or starved) past its timeouts and found no swarm after it."""
+
+
+class SettingsMismatchError(MembershipError):
+    """This island's DiLoCo settings (sync_every, fragments, outer optimizer, ...) differ from
+    the swarm's."""
+
+
 class DuplicateIslandError(MembershipError):
     """Another live island already claims this island's ``island_id``."""
 
@@ -36,6 +49,9 @@ KINDS: dict[int, type[MembershipError]] = {
     4: DuplicateIslandError,
     5: ModelMismatchError,
     6: DivergedIslandError,
+    7: LighthouseLostError,
+    8: SwarmGoneError,
+    9: SettingsMismatchError,
 }
 """Wire codes, so that an island's rank 0 can hand its error to the island's other ranks."""
 

@@ -2,10 +2,13 @@
 
 Only rank 0 of an island talks to torchft. Its other ranks hold the same parameters and anchors
 (DDP inside the island), so they need exactly what rank 0 learnt: an error, whether the round
-committed, the averaged tensors, and a healed state. ``IslandFanout`` broadcasts these over the
-island's process group (gloo; tensors on the CPU). With an island of one rank every call is a
-no-op that returns its input. Every rank of the island must make the same calls in the same
-order; all of them are collective over the island group.
+committed, the averaged tensors, and a healed state. ``IslandFanout`` broadcasts these over a
+gloo group of the island's ranks, with tensors on the CPU. In an island whose own group is NCCL
+(GPUs), it creates that gloo group beside it (``dist.new_group`` is collective over the whole
+world: with ``membership="torchft"`` the world is the island, so every rank creates it, in the
+same place) and destroys it in ``close``; a tensor on an accelerator travels through a CPU copy.
+With an island of one rank every call is a no-op that returns its input. Every rank of the
+island must make the same calls in the same order; all of them are collective over the group.
 """
 
 from __future__ import annotations
@@ -36,16 +39,38 @@ class RoundOutcome:
 class IslandFanout:
     """Collective hand-over from the island's rank 0 (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, side_group: bool | None = None) -> None:
+        """``side_group``: create a gloo group beside ``group``; ``None`` decides by its backend
+        (anything but gloo needs one)."""
         self.group = group
         self.size, rank = 1, 0
         if dist.is_available() and dist.is_initialized():
             self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.is_leader = rank == 0
         self._src = dist.get_global_rank(group, 0) if group is not None and self.size > 1 else 0
+        self._created: dist.ProcessGroup | None = None
+        if self.size > 1:
+            if side_group is None:
+                side_group = dist.get_backend(group) != dist.Backend.GLOO
+            if side_group:
+                ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+                created = dist.new_group(ranks, backend=dist.Backend.GLOO)
+                assert isinstance(created, dist.ProcessGroup), "every rank is in its island"
+                self.group = self._created = created
+
+    def close(self) -> None:
+        """Destroy the gloo group created beside the island's own (if any). Idempotent."""
+        if self._created is not None:
+            dist.destroy_process_group(self._created)
+            self._created = None
 
     def _broadcast(self, tensor: Tensor) -> None:
-        dist.broadcast(tensor, src=self._src, group=self.group)
+        if tensor.device.type == "cpu":
+            dist.broadcast(tensor, src=self._src, group=self.group)
+            return
+        staged = tensor.cpu()  # gloo moves CPU tensors; an accelerator's go through a copy
+        dist.broadcast(staged, src=self._src, group=self.group)
+        tensor.copy_(staged)
 
     def _share_bytes(self, data: bytes, length: int) -> bytes:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader else None

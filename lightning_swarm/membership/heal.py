@@ -14,6 +14,7 @@ owned by the caller. ``last_heal_bytes`` and ``last_heal_s`` describe the latest
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -29,8 +30,12 @@ _TAG_LENGTH, _TAG_HEADER, _TAG_FIRST_TENSOR = 1, 2, 3
 class TensorHealTransport(CheckpointTransport[Any]):
     """Moves a state tree between islands as a JSON header plus tensors over ``pg``."""
 
-    def __init__(self, pg: ProcessGroup, timeout: timedelta) -> None:
+    def __init__(
+        self, pg: ProcessGroup, timeout: timedelta, on_phase: Callable[[str], None] | None = None
+    ) -> None:
         self._pg = pg
+        # The membership's fault hook (tests): "heal_send" / "heal_recv" after the header.
+        self._on_phase = on_phase
         self._timeout = timeout
         self.last_heal_bytes = 0
         self.last_heal_s = 0.0
@@ -49,6 +54,8 @@ class TensorHealTransport(CheckpointTransport[Any]):
                 self._pg.send([length], dst, tag=_TAG_LENGTH),
                 self._pg.send([header_t], dst, tag=_TAG_HEADER),
             ]
+            if self._on_phase is not None:
+                self._on_phase("heal_send")
             works += [
                 self._pg.send([t], dst, tag=_TAG_FIRST_TENSOR + i)
                 for i, t in enumerate(tensors)
@@ -66,6 +73,8 @@ class TensorHealTransport(CheckpointTransport[Any]):
         header_t = torch.empty(int(length.item()), dtype=torch.uint8)
         self._pg.recv([header_t], src_rank, tag=_TAG_HEADER).wait(timeout)
         header = header_t.numpy().tobytes()
+        if self._on_phase is not None:
+            self._on_phase("heal_recv")
         payload = [torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)]
         works = [
             self._pg.recv([t], src_rank, tag=_TAG_FIRST_TENSOR + i)

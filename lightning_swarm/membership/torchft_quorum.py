@@ -3,19 +3,26 @@
 ``TorchftMembership`` is a ``Transport`` (``average(tensors, round_index=...)``) whose set of
 islands is decided anew every round by torchft's Lighthouse. One round, on the island's rank 0:
 
-1. quorum: ``Manager.start_quorum``; a joiner (new, restarted, or an island that missed a
-   commit) is healed here from a live island: anchors, outer optimizer state and counters,
-   over the quorum's process group (``TensorHealTransport``, no pickle);
-2. round header: a tiny all-gather of (island id hash, model fingerprint, healing, join time,
-   nonce, finite) over the quorum's group. A duplicate ``island_id``, a model that differs or a
-   pseudo-gradient with NaN or inf makes every member abandon the round before any
-   pseudo-gradient moves; the offending island raises and leaves;
+1. quorum (``quorum.request_quorum``): ``Manager.start_quorum``; a joiner (new, restarted, or
+   an island that missed a commit) is healed here from a live island: anchors, outer optimizer
+   state and counters, over the quorum's process group (``TensorHealTransport``, no pickle). A
+   lighthouse restarted within ``quorum_timeout_s`` is asked again; each new membership gets a
+   process group of its own (``QuorumIdentity``); an island back from a suspension asks anew;
+2. round header (``round_header``): a tiny all-gather of one row per island (island id hash,
+   model fingerprint, healing, join time, nonce, finite, settings hash) over the quorum's group.
+   A duplicate ``island_id``, a model or DiLoCo settings that differ, or a pseudo-gradient with
+   NaN or inf makes every member abandon the round before any pseudo-gradient moves; the
+   offending island raises and leaves;
 3. the mean over the participating islands (``Manager.allreduce``, bucketed); an island being
    healed contributes zeros and is not counted;
 4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
    fail, so they vote no and the round is abandoned (anchors unchanged, local progress kept for
    the next round). A survivor that voted differently is behind by one commit at the next quorum
    and torchft heals it from the others, so the swarm converges on one history.
+   A failure anywhere in the round, the set-up of the quorum's group included, abandons the
+   round on the survivors; only the refusals of step 2 and a quorum that never comes raise.
+
+A test can inject failures at each phase through ``on_phase`` (``PhaseHook``).
 
 The very first quorum of a swarm (torchft step 0) is the genesis round: every island except the
 first is healed to the first island's anchors and no outer step is taken (``applied`` false).
@@ -33,7 +40,6 @@ Ownership: the Manager, its TCPStore and its process group belong to this object
 from __future__ import annotations
 
 import datetime
-import hashlib
 import secrets
 import socket
 import time
@@ -48,8 +54,6 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
-    DivergedIslandError,
-    DuplicateIslandError,
     LighthouseUnreachableError,
     MembershipError,
     ModelMismatchError,
@@ -57,9 +61,35 @@ from lightning_swarm.membership.errors import (
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
+from lightning_swarm.membership.quorum import (
+    QuorumIdentity,
+    quorum_retries_for,
+    request_quorum,
+)
+from lightning_swarm.membership.quorum_mean import bucketed_mean
+from lightning_swarm.membership.quorum_watch import QuorumWatch
+from lightning_swarm.membership.round_header import (
+    HeaderRow,
+    Settings,
+    Verdict,
+    decode_settings,
+    encode_settings,
+    island_hash,
+    judge,
+    reference_index,
+    refusal,
+    settings_disagree,
+    settings_hash,
+    settings_tensor,
+)
+from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
+PhaseHook = Callable[[str, int], None]
+"""Called with (phase, round) as each phase of a round starts on the island's rank 0: quorum,
+pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
+For failure injection in tests: it may kill or stop the process at a chosen moment."""
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
 
@@ -76,8 +106,7 @@ class MembershipTotals:
     heals: int = 0
 
 
-def _hash63(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+_REFUSALS = (Verdict.DIVERGED, Verdict.DUPLICATE, Verdict.MODEL, Verdict.SETTINGS)
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -117,21 +146,31 @@ class TorchftMembership:
         self._state_fn, self._load_fn = state_fn, load_fn
         self._fanout = IslandFanout(island_group)
         self._short_since: float | None = None
-        self._row = [
-            _hash63(config.island_id),
-            fingerprint(self.layout),
-            0,
-            time.time_ns(),
-            secrets.randbits(62),
-            1,
-        ]
+        self._settings: Settings = {}
+        self._row = HeaderRow(
+            island=island_hash(config.island_id),
+            model=fingerprint(self.layout),
+            healing=0,
+            joined_ns=time.time_ns(),
+            nonce=secrets.randbits(62),
+            finite=1,
+            settings=settings_hash(encode_settings({})),
+            settings_len=len(encode_settings({})),
+        )
         self._manager: Any = None
+        self.on_phase: PhaseHook | None = None
+        self._watch: SuspensionWatch | None = None
+        self._quorum_watch = QuorumWatch(config.island_id)
+        self._last_commit_at = time.monotonic()
+        self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
         error = None
         if self._fanout.is_leader:
+            self._watch = SuspensionWatch()
             try:
                 self._start_manager()
             except MembershipError as err:
+                self._watch.close()  # the fan-out below still needs the island's group
                 error = err
         self._fanout.share_error(error)
 
@@ -145,7 +184,18 @@ class TorchftMembership:
         host = socket.gethostname()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self._pg = ProcessGroupGloo(timeout=_seconds(config.round_timeout_s))
-        self.heal_transport = TensorHealTransport(self._pg, _seconds(config.round_timeout_s))
+        configure = self._pg.configure
+
+        def configure_after_hook(store_addr: str, *args: Any, **kwargs: Any) -> None:
+            # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
+            self._phase("pg_setup")
+            configure(self._identity.store_prefix(store_addr), *args, **kwargs)
+            self._identity.set_up()
+
+        self._pg.configure = configure_after_hook
+        self.heal_transport = TensorHealTransport(
+            self._pg, _seconds(config.round_timeout_s), on_phase=self._phase
+        )
         try:
             self._manager = Manager(
                 pg=self._pg,
@@ -164,6 +214,7 @@ class TorchftMembership:
                 replica_id=config.island_id,
                 checkpoint_transport=self.heal_transport,
                 init_sync=True,
+                quorum_retries=quorum_retries_for(config.quorum_timeout_s),
             )
         except RuntimeError as err:
             raise LighthouseUnreachableError(
@@ -172,6 +223,14 @@ class TorchftMembership:
                 f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
                 "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
             ) from err
+        self._identity = QuorumIdentity(self._manager)
+
+    def agree_on(self, settings: Settings) -> None:
+        """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
+        before the first round; an island whose settings differ is refused, naming them."""
+        self._settings = dict(settings)
+        encoded = encode_settings(self._settings)
+        self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
 
     # -- healing hooks (called by torchft on the island's rank 0) --------------------------------
     def _state_for_peer(self) -> dict[str, Any]:
@@ -218,15 +277,22 @@ class TorchftMembership:
     def _lead_round(self, tensors: list[Tensor]) -> RoundOutcome:
         manager = self._manager
         self._healed = None
+        self._rounds_started += 1
+        self._phase("quorum")
         self._quorum()
         healing = not manager.is_participating()
         genesis = manager.current_step() == 0
+        self._phase("header")
         conflict = self._check_round_header(healing, all_finite(tensors))
         participants = manager.num_participants()
         if not conflict:
+            self._phase("mean")
             self._allreduce(tensors)
-        committed = bool(manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
+        self._phase("commit")
+        committed = self._commit_gate()
         self._watch_min_islands(participants, committed)
+        if committed:
+            self._last_commit_at = time.monotonic()
         outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
         if self._healed is not None:
             outcome.healed = self._healed
@@ -234,82 +300,72 @@ class TorchftMembership:
             outcome.heal_s = self.heal_transport.last_heal_s
         return outcome
 
-    def _quorum(self) -> None:
-        config = self.config
+    def _commit_gate(self) -> bool:
+        """torchft's vote; a timeout of the vote itself (this island was suspended across it)
+        counts as an abandoned round: the next quorum heals the island if the others went on."""
         try:
-            self._manager.start_quorum(timeout=_seconds(config.quorum_timeout_s))
-            self._manager.wait_quorum()
-        except TimeoutError as err:
-            raise QuorumTimeoutError(
-                f"island {config.island_id!r}: fewer islands than the lighthouse's "
-                f"--min-islands met within quorum_timeout_s={config.quorum_timeout_s}; start "
-                "more islands, lower --min-islands, or raise quorum_timeout_s."
-            ) from err
+            return bool(self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
+        except TimeoutError:
+            return False
+
+    def _phase(self, name: str) -> None:
+        """Tell the fault hook (tests only) which phase of which round starts now."""
+        if self.on_phase is not None:
+            self.on_phase(name, self._rounds_started - 1)
+
+    def _quorum(self) -> None:
+        assert self._watch is not None, "the island's rank 0 watches for suspensions"
+        request_quorum(self._manager, self.config, self._watch, self._last_commit_at)
 
     def _check_round_header(self, healing: bool, finite: bool) -> bool:
-        """All-gather the round header; True when the round must be abandoned."""
-        self._row[2], self._row[5] = int(healing), int(finite or healing)
-        mine = torch.tensor(self._row, dtype=torch.int64)
-        rows_t = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        """All-gather the round header (``round_header``); True when the round is abandoned.
+
+        Raises the refusal of this island when the header shows it is at fault.
+        """
+        self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
-            self._pg.allgather([rows_t], [mine], AllgatherOptions()).wait()
+            rows = self._gather_rows()
+            swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
             return True
-        rows = [r.tolist() for r in rows_t]
-        reference = next((r[1] for r in rows if not r[2]), rows[0][1])
-        twins = [r for r in rows if r[0] == self._row[0] and r[4] != self._row[4]]
-        mismatched = any(r[1] != reference for r in rows)
-        if not self._row[5]:
-            raise DivergedIslandError(
-                f"island {self.config.island_id!r} leaves the swarm: its pseudo-gradient holds "
-                "NaN or inf, so its training diverged (the other islands abandon this round and "
-                "go on); lower the inner learning rate or clip gradients, then restart it."
-            )
-        if twins and min(twins, key=lambda r: (r[3], r[4]))[3:5] < self._row[3:5]:
-            self._manager.shutdown(wait=False)
-            raise DuplicateIslandError(
-                f"island_id {self.config.island_id!r} is already taken by a live island of the "
-                "swarm; give this launch another island_id (each island needs its own)."
-            )
-        if self._row[1] != reference:
-            if healing:  # the healed layout names the difference (raised in _load_healed)
-                self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
-            raise ModelMismatchError(
-                f"island {self.config.island_id!r} was refused: its model (fingerprint "
-                f"{self._row[1]:x}) differs from the swarm's ({reference:x}). Start it with the "
-                "model the swarm trains."
-            )
-        if twins or mismatched or not all(r[5] for r in rows):
+        verdict = judge(rows, self._row)
+        self._quorum_watch.see(rows)
+        if verdict in _REFUSALS:
+            self._refuse(verdict, rows, healing, swarm_settings)
+        if verdict is Verdict.ABANDON:
             self._manager.report_error(MembershipError("a refused island was in the round"))
             return True
         return False
 
-    def _allreduce(self, tensors: list[Tensor]) -> None:
-        """The mean over participating islands, one bucket at a time, written back in place."""
-        total = sum(t.numel() for t in tensors)
-        flat = torch.empty(min(self.bucket_numel, max(total, 1)))
-        pieces: list[tuple[Tensor, int]] = []
-        fill = 0
-        for t in tensors:
-            view, pos = t.view(-1), 0
-            while pos < view.numel():
-                n = min(view.numel() - pos, flat.numel() - fill)
-                flat[fill : fill + n].copy_(view[pos : pos + n])
-                pieces.append((view[pos : pos + n], fill))
-                fill, pos = fill + n, pos + n
-                if fill == flat.numel():
-                    self._reduce_bucket(flat[:fill], pieces)
-                    pieces, fill = [], 0
-        if fill:
-            self._reduce_bucket(flat[:fill], pieces)
+    def _gather_rows(self) -> list[HeaderRow]:
+        mine = self._row.tensor()
+        rows = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        self._pg.allgather([rows], [mine], AllgatherOptions()).wait()
+        return [HeaderRow.of(r) for r in rows]
 
-    def _reduce_bucket(self, bucket: Tensor, pieces: list[tuple[Tensor, int]]) -> None:
-        # Manager.allreduce averages over participants, zeroes a healing island's share and
-        # records an error (for the commit gate) instead of raising.
-        self._manager.allreduce(bucket).wait()
-        for piece, offset in pieces:
-            piece.copy_(bucket[offset : offset + piece.numel()])
+    def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
+        """Every member's settings (the hashes disagree); returns the swarm's reference."""
+        mine = settings_tensor(encode_settings(self._settings), rows)
+        gathered = [torch.empty_like(mine) for _ in rows]
+        self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+        index = reference_index(rows)
+        return decode_settings(gathered[index], rows[index].settings_len)
+
+    def _refuse(
+        self, verdict: Verdict, rows: list[HeaderRow], healing: bool, swarm: Settings | None
+    ) -> None:
+        if verdict is Verdict.DUPLICATE:
+            self._manager.shutdown(wait=False)
+        if verdict is Verdict.MODEL and healing:
+            # The healed layout names the difference (raised by _load_healed in the vote).
+            self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
+        model = rows[reference_index(rows)].model
+        raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
+
+    def _allreduce(self, tensors: list[Tensor]) -> None:
+        """The mean over participating islands, bucketed, written back in place."""
+        bucketed_mean(self._manager, tensors, self.bucket_numel)
 
     def _watch_min_islands(self, participants: int, committed: bool) -> None:
         short = participants < self.config.min_islands and not committed
@@ -330,3 +386,7 @@ class TorchftMembership:
         if self._manager is not None:
             self._manager.shutdown(wait=True)
             self._manager = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        self._fanout.close()
