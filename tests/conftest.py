@@ -17,6 +17,21 @@ os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 
+# What Lightning's launchers write into the environment of the process that runs a fit. A fit
+# in a module-scoped fixture runs before the per-test snapshot below, so these are also dropped
+# after every test unless the session started with them: a `swarm-train` child that inherits
+# LOCAL_RANK takes itself for an already launched rank and waits for peers that never come.
+_LAUNCH_VARS = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GLOBAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+_SESSION_ENV = dict(os.environ)
+
+
 @pytest.fixture(autouse=True)
 def _clean_process_state() -> Iterator[None]:
     env_before = dict(os.environ)
@@ -27,6 +42,9 @@ def _clean_process_state() -> Iterator[None]:
         pytest.fail("test left a torch.distributed process group initialised")
     os.environ.clear()
     os.environ.update(env_before)
+    for name in _LAUNCH_VARS:
+        if name not in _SESSION_ENV:
+            os.environ.pop(name, None)
     leftover = [
         t
         for t in threading.enumerate()

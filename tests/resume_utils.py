@@ -7,6 +7,7 @@ dataloader does on a mid-epoch restart. Adam makes the inner optimizer state mat
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 from collections.abc import Callable
@@ -129,11 +130,18 @@ def fit_here(out: Path, *, max_steps: int, **kw: Any) -> None:
     so that pytest sees its warnings; the process group is destroyed afterwards."""
     import torch.distributed as dist
 
+    # Lightning leaves LOCAL_RANK, MASTER_PORT, ... in the environment. conftest restores it
+    # after each test, but a module-scoped fixture runs before that snapshot: a later
+    # `swarm-train` subprocess then took itself for an already launched rank and waited for a
+    # peer that never came. Restore it here, whoever calls.
+    env = dict(os.environ)
     try:
         fit(out, devices=1, island_size=1, max_steps=max_steps, start_method="popen", **kw)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def load_ranks(out: Path, world: int) -> list[dict[str, Any]]:
