@@ -24,13 +24,38 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
+
+
+def check_coded_options(num_islands: int, codec: Codec, bucket_numel: int) -> None:
+    """The options every coded transport needs: islands, and a bucket of whole codec blocks."""
+    if num_islands < 1:
+        raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+    if bucket_numel < codec.block_size:
+        raise ValueError(
+            f"bucket_numel={bucket_numel} is smaller than one codec block "
+            f"({codec.block_size} elements); raise bucket_mb or lower block_size."
+        )
+
+
+def flat_views(tensors: Mapping[str, Tensor], transport: str) -> list[Tensor]:
+    """Each tensor as a flat view, after checking it is contiguous float32 (what a codec
+    encodes and what the mean is written back into, in place)."""
+    flats = []
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(
+                f"{transport} averages contiguous float32 tensors only; {name!r} is "
+                f"{t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
+            )
+        flats.append(t.view(-1))
+    return flats
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,10 @@ from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite
 from lightning_swarm.transport.pieces import (
     Piece,
+    check_coded_options,
     decode_flat,
     encode_pieces,
+    flat_views,
     plan_coded_buckets,
     write_flat,
 )
@@ -83,13 +85,7 @@ class QuantizedTransport:
         device: torch.device | str = "cpu",
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if num_islands < 1:
-            raise ValueError(f"num_islands must be >= 1, got {num_islands}")
-        if bucket_numel < codec.block_size:
-            raise ValueError(
-                f"bucket_numel={bucket_numel} is smaller than one codec block "
-                f"({codec.block_size} elements); raise bucket_mb or lower block_size."
-            )
+        check_coded_options(num_islands, codec, bucket_numel)
         self.group = group
         self.num_islands = num_islands
         self.codec = codec
@@ -101,14 +97,7 @@ class QuantizedTransport:
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         start = time.perf_counter()
         stats = RoundStats()
-        flats = []
-        for name, t in tensors.items():
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError(
-                    f"QuantizedTransport averages contiguous float32 tensors only; {name!r} is "
-                    f"{t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
-                )
-            flats.append(t.view(-1))
+        flats = flat_views(tensors, "QuantizedTransport")
         agree_finite(flats, self.group, self.num_islands, self.device, self.island_group)
         numels = [f.numel() for f in flats]
         for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):

@@ -54,10 +54,12 @@ from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite_direct
 from lightning_swarm.transport.pieces import (
     Piece,
+    check_coded_options,
     decode_flat,
     encode_flat,
     encode_pieces,
     encoded_nbytes,
+    flat_views,
     numel_of,
     plan_coded_buckets,
     plan_shares,
@@ -105,17 +107,11 @@ class ReduceScatterTransport:
         device: torch.device | str = "cpu",
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if num_islands < 1:
-            raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+        check_coded_options(num_islands, codec, bucket_numel)
         if not 0 <= island_index < num_islands:
             raise ValueError(
                 f"island_index={island_index} is outside the peer group of {num_islands} "
                 "islands; pass this rank's rank in the peer group."
-            )
-        if bucket_numel < codec.block_size:
-            raise ValueError(
-                f"bucket_numel={bucket_numel} is smaller than one codec block "
-                f"({codec.block_size} elements); raise bucket_mb or lower block_size."
             )
         self.group = group
         self.num_islands = num_islands
@@ -130,14 +126,7 @@ class ReduceScatterTransport:
         """Overwrite ``tensors`` with the quantized mean across islands (collective)."""
         start = time.perf_counter()
         stats = RoundStats()
-        flats = []
-        for name, t in tensors.items():
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError(
-                    f"ReduceScatterTransport averages contiguous float32 tensors only; {name!r} "
-                    f"is {t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
-                )
-            flats.append(t.view(-1))
+        flats = flat_views(tensors, "ReduceScatterTransport")
         # Before any byte moves: a NaN would raise inside one island's encoder while its
         # peers wait in the exchange, so every island agrees on finiteness first (in one
         # message step: the exchange's own latency is flat in islands, keep the vote's so too).
