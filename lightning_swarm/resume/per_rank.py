@@ -55,12 +55,13 @@ from lightning_swarm.resume.records import (
     TotalsRecord,
     outer_anchors,
 )
-
-# The DDP restore's own checks, reused as they are (restore.py is not edited here).
-from lightning_swarm.resume.restore import Source, attempt
-from lightning_swarm.resume.restore import _check_anchor_sets as check_anchor_sets
-from lightning_swarm.resume.restore import _check_round_in_flight as check_round_in_flight
-from lightning_swarm.resume.restore import _optimizer_to_device as optimizer_to_device
+from lightning_swarm.resume.restore import (
+    Source,
+    attempt,
+    check_anchor_sets,
+    check_round_in_flight,
+    optimizer_to_device,
+)
 from lightning_swarm.resume.save import current_fingerprint
 from lightning_swarm.resume.training_view import ModelShards, TrainingView
 

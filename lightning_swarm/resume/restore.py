@@ -234,11 +234,11 @@ def validate(
     if loaded.newest is not loaded.own_anchors:
         anchor_sets.append((loaded.newest, newest_anchors))
     for record, where in anchor_sets:
-        _check_anchor_sets(host, record, where)
-    _check_round_in_flight(host, loaded.newest, newest_anchors)
+        check_anchor_sets(host, record, where)
+    check_round_in_flight(host, loaded.newest, newest_anchors)
 
 
-def _check_anchor_sets(host: TrainingView, record: AnchorsRecord, path: str) -> None:
+def check_anchor_sets(host: TrainingView, record: AnchorsRecord, path: str) -> None:
     if len(record.outer) != len(host.outer_syncs):
         raise SwarmCheckpointError(
             f"{path} holds {len(record.outer)} anchor sets for {len(host.outer_syncs)} "
@@ -256,7 +256,7 @@ def _check_anchor_sets(host: TrainingView, record: AnchorsRecord, path: str) -> 
                 )
 
 
-def _check_round_in_flight(host: TrainingView, record: AnchorsRecord, path: str) -> None:
+def check_round_in_flight(host: TrainingView, record: AnchorsRecord, path: str) -> None:
     """A saved round in flight must be one this run's schedule applies (else refuse now)."""
     options = host.options
     for index, state in enumerate(record.outer):
@@ -292,7 +292,7 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
     loaded.own_anchors = AnchorsRecord(loaded.own_anchors.save_id, [])
     for optimizer, state in zip(host.optimizers, loaded.island.optimizers, strict=True):
         optimizer.load_state_dict(state)
-        _optimizer_to_device(optimizer, host.device)
+        optimizer_to_device(optimizer, host.device)
     for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
         outer.load_state_dict(outer_state)
     for outer, island_state in zip(host.outer_syncs, loaded.island.outer_island, strict=False):
@@ -301,7 +301,7 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
     return stale
 
 
-def _optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+def optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move an inner optimizer's state tensors to the module's device (``step`` stays put)."""
     for state in optimizer.state.values():
         for key, value in state.items():
