@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
@@ -43,7 +43,8 @@ __all__ = [
     "parse_dtype",
 ]
 
-ISLAND_PARALLEL = ("ddp", "fsdp")
+IslandParallel = Literal["ddp", "fsdp"]
+ISLAND_PARALLEL: tuple[str, ...] = get_args(IslandParallel)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -99,6 +100,7 @@ class AnchorConfig:
 
 
 MembershipName = Literal["static", "torchft"]
+FrozenParams = Literal["exclude", "sync"]
 
 
 @dataclass(kw_only=True)
@@ -189,10 +191,9 @@ class SwarmConfig:
     quorum_timeout_s: float = 60.0
     round_timeout_s: float = 60.0
     shard_outer: bool = True
-    # A str, not a Literal: OmegaConf 2.3 (the Hydra schema subclasses this class) rejects Literal.
-    island_parallel: str = "ddp"
+    island_parallel: IslandParallel = "ddp"
     tensor_parallel_size: int = 1
-    frozen_params: str = "exclude"
+    frozen_params: FrozenParams = "exclude"
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
@@ -343,7 +344,7 @@ def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
     return refusals
 
 
-FROZEN_PARAMS = ("exclude", "sync")
+FROZEN_PARAMS: tuple[str, ...] = get_args(FrozenParams)
 
 
 def check_frozen_params(value: object) -> None:
