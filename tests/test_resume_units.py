@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import os
+import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +27,7 @@ from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.files import (
     MMAP_ENV,
     atomic_save,
+    claim_save,
     load_swarm_file,
     prune_saves,
     remove_orphan_saves,
@@ -32,6 +37,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
 from lightning_swarm.resume.records import SwarmRecord
+from lightning_swarm.resume.save import begin_save, discard_save
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -325,6 +331,50 @@ def test_orphan_swarm_directories_are_removed_and_nothing_else(tmp_path: Path) -
     assert not orphan.exists() and not half.exists()
     assert all(p.is_dir() for p in (named, current, foreign, linked))
     assert remove_orphan_saves(tmp_path / "missing", keep=current) == []
+
+
+def test_another_process_save_in_progress_is_never_taken_for_an_orphan(tmp_path: Path) -> None:
+    """Elastic islands sharing a dirpath: island b's save, whose Lightning file is still to
+    come, survives island a's pruning while b's writer lives; it goes once b is known dead."""
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = _swarm_dir(tmp_path, "b-step=6.ckpt.swarm", "anchors.pt", "island-00000.pt")
+        (theirs / "0123456789ab.writing").write_text(
+            json.dumps({"host": socket.gethostname(), "pid": writer.pid})
+        )
+        mine = tmp_path / "a-step=6.ckpt.swarm"
+        save_id = begin_save(mine)
+        assert (mine / f"{save_id}.writing").is_file()
+        assert (theirs / "0123456789ab" / "anchors.pt").is_file(), "b's save was removed"
+    finally:
+        writer.kill()
+        writer.wait()
+    # b's writer died before its Lightning file: now the directory is an interrupted save.
+    assert remove_orphan_saves(tmp_path, keep=mine) == [theirs]
+    assert not theirs.exists()
+    # a's own save completes: pruning drops its claim with the older saves.
+    (mine / save_id).mkdir()
+    prune_saves(mine, keep=save_id)
+    assert [p.name for p in mine.iterdir()] == [save_id]
+
+
+def test_claims_from_other_hosts_or_unreadable_keep_their_save(tmp_path: Path) -> None:
+    remote = _swarm_dir(tmp_path, "remote.ckpt.swarm", "anchors.pt")
+    (remote / "0123456789ab.writing").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    garbled = _swarm_dir(tmp_path, "garbled.ckpt.swarm", "anchors.pt")
+    (garbled / "0123456789ab.writing").write_text("{not json")
+    ours = tmp_path / "now.ckpt.swarm"
+    assert remove_orphan_saves(tmp_path, keep=ours) == []
+    assert remote.is_dir() and garbled.is_dir()
+
+
+def test_a_discarded_save_leaves_no_claim(tmp_path: Path) -> None:
+    root = tmp_path / "x.ckpt.swarm"
+    claim = claim_save(root, "abc")
+    assert json.loads(claim.read_text())["pid"] == os.getpid()
+    (root / "abc").mkdir()
+    discard_save(root, "abc")
+    assert not root.exists()
 
 
 def test_remote_paths_are_rejected() -> None:

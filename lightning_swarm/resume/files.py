@@ -40,10 +40,12 @@ lightning, no torch.distributed).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
 import shutil
+import socket
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -128,8 +130,59 @@ def prune_saves(root: Path, keep: str) -> None:
     if not root.is_dir():
         return
     for entry in root.iterdir():
-        if entry.name != keep:
+        if entry.name == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
+        else:  # a writer's claim (``claim_save``), this save's included: it is complete now
+            entry.unlink(missing_ok=True)
+
+
+# -- claims of saves in progress -----------------------------------------------------------------
+_CLAIM_SUFFIX = ".writing"
+
+
+def claim_save(root: Path, save_id: str) -> Path:
+    """Mark save ``save_id`` under ``root`` as being written by this process (``host``, ``pid``).
+
+    Another process sharing the checkpoint folder (an elastic island with the same
+    ``dirpath``) then never takes this save for an orphan while its Lightning file is still to
+    come. The claim goes when the save completes (``prune_saves``) or is discarded
+    (``release_save``); a claim left by a crash is honoured until its writer is known dead.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    claim = root / f"{save_id}{_CLAIM_SUFFIX}"
+    tmp = root / f".{claim.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    os.replace(tmp, claim)
+    return claim
+
+
+def release_save(root: Path, save_id: str) -> None:
+    """Drop the claim of save ``save_id`` (its files are gone, or it is complete)."""
+    (root / f"{save_id}{_CLAIM_SUFFIX}").unlink(missing_ok=True)
+
+
+def _writer_may_live(claim: Path) -> bool:
+    """Whether the process that claimed a save may still be writing it.
+
+    Only a writer on this host whose pid is gone is known dead; an unreadable claim, or one from
+    another host, counts as alive: a save is never removed while it might be in progress.
+    """
+    try:
+        writer = json.loads(claim.read_text())
+        host, pid = str(writer["host"]), int(writer["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
 
 
 def remove_orphan_saves(folder: Path, *, keep: Path) -> list[Path]:
@@ -138,8 +191,9 @@ def remove_orphan_saves(folder: Path, *, keep: Path) -> list[Path]:
     Such a directory is left by a save that crashed after writing the swarm files and before
     the Lightning file: nothing names it, and it would otherwise stay forever. ``keep`` (the
     directory of the save in progress, whose Lightning file is not written yet) is never
-    touched, nor is a directory holding anything a save does not write (not ours). Returns
-    the directories removed.
+    touched, nor is a directory holding anything a save does not write (not ours), nor one
+    claimed by a writer that may still be alive (another process's save in progress,
+    ``claim_save``). Returns the directories removed.
     """
     removed: list[Path] = []
     if not folder.is_dir():
@@ -156,6 +210,10 @@ def _is_orphan(root: Path) -> bool:
     if not root.is_dir() or root.is_symlink() or os.path.lexists(str(root)[: -len(".swarm")]):
         return False
     for save in root.iterdir():
+        if save.name.endswith(_CLAIM_SUFFIX) and save.is_file():
+            if _writer_may_live(save):  # another process's save in progress
+                return False
+            continue
         if not save.is_dir() or save.is_symlink():
             return False
         if not all(_SAVE_FILE.fullmatch(f.name) and f.is_file() for f in save.iterdir()):

@@ -26,7 +26,6 @@ Invariants:
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from lightning_swarm.resume.files import (
     anchor_shard_file_name,
     atomic_save,
     load_swarm_file,
-    remove_orphan_saves,
     require_local_path,
     swarm_root,
 )
@@ -62,7 +60,7 @@ from lightning_swarm.resume.restore import (
     check_round_in_flight,
     optimizer_to_device,
 )
-from lightning_swarm.resume.save import current_fingerprint
+from lightning_swarm.resume.save import begin_save, current_fingerprint
 from lightning_swarm.resume.training_view import ModelShards, TrainingView
 
 MESH_KEY = "island_mesh"
@@ -121,9 +119,7 @@ def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any)
     """Write this rank's island file (and island 0's anchor shard); record them (collective)."""
     comm = host.collectives
     root = swarm_root(require_local_path(filepath, what="checkpoint path"))
-    if comm.rank == 0:
-        remove_orphan_saves(root.parent, keep=root)
-    save_id = str(comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else ""))
+    save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
     directory = root / save_id
     directory.mkdir(parents=True, exist_ok=True)
     topology, outers = host.topology, host.outer_syncs

@@ -1,8 +1,10 @@
 """Saving a swarm checkpoint: every island's file, the anchors, then the record that names them.
 
 Collective (every rank calls ``save_swarm_state``, in the same order):
-1. global rank 0 removes ``<name>.swarm`` directories whose ``<name>`` was never written
-   (saves that crashed before their Lightning file), draws the ``save_id`` and broadcasts it;
+1. global rank 0 draws the ``save_id``, claims it (``files.claim_save``: another process
+   pruning the same folder leaves it alone), removes ``<name>.swarm`` directories whose
+   ``<name>`` was never written (saves that crashed before their Lightning file) and
+   broadcasts the id;
 2. each island's first rank writes ``island-NNNNN.pt`` (``IslandRecord``); global rank 0 writes
    ``anchors.pt`` (``AnchorsRecord``), or, with a sharded outer loop, every rank of island 0
    writes its share as ``anchors-rank-NNNNN.pt`` (NNNNN = its position in the island; the
@@ -28,7 +30,9 @@ from lightning_swarm.resume.atomic import DiskFullError, atomic_save
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
+    claim_save,
     island_file_name,
+    release_save,
     remove_orphan_saves,
     require_local_path,
     swarm_root,
@@ -75,10 +79,7 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
     """
     comm = host.collectives
     root = swarm_root(require_local_path(filepath, what="checkpoint path"))
-    if comm.rank == 0:
-        for orphan in remove_orphan_saves(root.parent, keep=root):
-            log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
-    save_id = str(comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else ""))
+    save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
     directory = root / save_id
     written, error = _write_own_files(host, directory, save_id)
     outcomes = comm.all_gather_object((written, error))
@@ -168,9 +169,23 @@ def _save_error(
     return DiskFullError(message) if full else SwarmCheckpointError(message)
 
 
+def begin_save(root: Path) -> str:
+    """Draw a new save id, claim it, and remove interrupted saves of the folder (rank 0).
+
+    The claim comes first: another process pruning the same folder meanwhile (an elastic
+    island sharing this ``dirpath``) must not take this save for an interrupted one.
+    """
+    save_id = uuid.uuid4().hex[:12]
+    claim_save(root, save_id)
+    for orphan in remove_orphan_saves(root.parent, keep=root):
+        log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
+    return save_id
+
+
 def discard_save(root: Path, save_id: str) -> None:
     """Remove the files of save ``save_id`` (and ``root`` when nothing else is in it)."""
     shutil.rmtree(root / save_id, ignore_errors=True)
+    release_save(root, save_id)
     with contextlib.suppress(OSError):  # not empty: an older save lives there
         root.rmdir()
 
