@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import AggregatorTransport, SwarmTransportConfig, build_transport
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, SwarmRoundError
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.shards import plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool
@@ -74,7 +76,15 @@ CASES: list[dict[str, Any]] = [
     # island 1's norm is above 60 only over the whole payload (each shard's is below)
     {"aggregation": "mean", "max_norm": 60.0, "scale": {1: 1.8}},
     {"aggregation": "median", "nan": 2},  # a NaN in one shard rejects island 2 everywhere
+    # the mean is summed as it arrives; a NaN makes it judge again through the spool
+    {"aggregation": "mean", "nan": 1},
+    {"aggregation": "weighted_mean", "island_weights": [0.0, 2.0, 1.0, 4.0], "nan": 0},
 ]
+
+
+def _summed_on_arrival(case: dict[str, Any]) -> bool:
+    plain = not any(k in case for k in ("codec", "max_norm", "nan"))
+    return plain and case["aggregation"] in ("mean", "weighted_mean")
 
 
 def _inputs(rank: int, r: int, case: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -105,6 +115,9 @@ def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
             assert sharded.last_round.accepted == rotating.last_round.accepted, index
             assert sharded.spool_bytes() == 0, "a round's files outlived it"
             sent[index] = stats.bytes_sent
+        # a summed mean never touches the disk; any other round spools its shard
+        spooled = sharded.peak_spool_bytes() > 0
+        assert spooled == (case.get("offload", True) and not _summed_on_arrival(case)), index
         rotating.close()
         sharded.close()
     torch.save(sent, Path(out) / f"{rank}.pt")
@@ -143,6 +156,7 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         spool=spool,
         spool_dir=spool_dir,
         chunk_bytes=256,
+        aggregation="median",  # a mean would be summed as it arrives, with no spool
     )
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
@@ -181,16 +195,25 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("injected aggregation bug")
 
 
-def _aggregation_error_worker(rank: int, world: int, spool_dir: str) -> None:
+class _BrokenFold(ShardFold):
+    def add(self, k: int, chunks: Mapping[int, torch.Tensor]) -> None:
+        _broken_rule()
+
+
+def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation: str) -> None:
     import lightning_swarm.transport.aggregator.sharded as sharded_module
 
     if rank == 0:  # a forked child: the patch dies with it
-        sharded_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+        if aggregation == "mean":  # summed as the chunks arrive
+            sharded_module.ShardFold = _BrokenFold  # type: ignore[misc]
+        else:
+            sharded_module.aggregate_into = _broken_rule  # type: ignore[assignment]
     transport = ShardedAggregatorTransport(
-        None, num_islands=world, island_index=rank, spool_dir=spool_dir
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir, aggregation=aggregation
     )
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
+    before = {k: v.clone() for k, v in tensors.items()}
     if rank == 0:
         with pytest.raises(RuntimeError, match="injected aggregation bug"):
             transport.average(tensors, round_index=0)
@@ -199,14 +222,17 @@ def _aggregation_error_worker(rank: int, world: int, spool_dir: str) -> None:
             SwarmRoundError, match=r"round 0: aggregation failed on island\(s\) \[0\]"
         ):
             transport.average(tensors, round_index=0)
+    if aggregation == "mean":  # the sum is written out only once every island agreed
+        assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
     assert transport.last_round is not None
     assert transport.last_round.outcome == AggregatorOutcome.ERROR
     assert transport.spool.files() == [], "a failed round left spool files"
     transport.close()
 
 
-def test_an_aggregation_error_raises_on_every_island(tmp_path: Path) -> None:
-    run_ranks(_aggregation_error_worker, 2, str(tmp_path), timeout_s=30)
+@pytest.mark.parametrize("aggregation", ["mean", "median"])
+def test_an_aggregation_error_raises_on_every_island(tmp_path: Path, aggregation: str) -> None:
+    run_ranks(_aggregation_error_worker, 2, str(tmp_path), aggregation, timeout_s=30)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -77,6 +77,7 @@ from lightning_swarm.transport.aggregator.round_status import (
     skip_message,
 )
 from lightning_swarm.transport.aggregator.rounds import AggregationRule
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
 from lightning_swarm.transport.aggregator.shards import Shard, plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
@@ -171,22 +172,21 @@ class ShardedAggregatorTransport:
         coded = [CodedPayload(s.layout, self.codec) if self.codec else None for s in shards]
         wires = [c.wire if c is not None else s.layout for c, s in zip(coded, shards, strict=True)]
         mine = shards[self.island_index]
+        own = mine.views(targets)
         contributions: dict[int, Contribution] = {}
         sinks: dict[int, Sink] = {}
         try:
-            failure = self._scatter(targets, shards, coded, wires, round_id, sinks, stats)
-            failure = finish_sinks(sinks, contributions, failure)
-            own = mine.views(targets)
-            own_coded = coded[self.island_index]
-            encoded = own_coded.encode(own) if own_coded is not None else own
-            contributions[self.island_index] = MemoryContribution(self.island_index, encoded)
-            if own_coded is not None:
-                for island, c in contributions.items():
-                    contributions[island] = own_coded.decoded(c)
-            block_numel = block_numel_of(own_coded, self.chunk_bytes)
-            outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
-            if outcome == AggregatorOutcome.APPLIED:
-                self._aggregate(report, mine, own, contributions, block_numel, stats)
+            settled = False
+            if self.codec is None and folds(
+                mine.layout, self.rule.aggregation, self.rule.max_norm, self.chunk_bytes
+            ):
+                settled = self._fold_round(report, targets, shards, own, stats)
+            if not settled:
+                self._spooled_round(
+                    report, targets, shards, coded, wires, own, round_id, sinks, contributions,
+                    stats,
+                )  # fmt: skip
+            if report.outcome == AggregatorOutcome.APPLIED:
                 with record_function(labels.RECEIVE):
                     views = [[byte_view(v) for v in s.views(targets)] for s in shards]
                     self._streams.gather(views, [s.layout for s in shards], stats)
@@ -229,6 +229,68 @@ class ShardedAggregatorTransport:
                 "parameters with the same quantize and quantize_block_size."
             )
         return 8 * (self.num_islands - 1)
+
+    def _fold_round(
+        self,
+        report: RoundReport,
+        targets: list[Tensor],
+        shards: list[Shard],
+        own: list[Tensor],
+        stats: RoundStats,
+    ) -> bool:
+        """``mean`` / ``weighted_mean`` without a codec: sum the shard's contributions as they
+        arrive (``shard_fold``), with no spool. Returns True when the round is settled (every
+        island's shard finite: all accepted, the mean is in ``own``); False when some owner's
+        sum is not finite, so the round must be judged island by island (every rank reads the
+        same table, so every rank returns the same). Raises when an owner's sum failed."""
+        me, n = self.island_index, self.num_islands
+        weights = self.rule.island_weights if self.rule.aggregation == "weighted_mean" else None
+        fold = ShardFold(shards[me].layout, own, me, n, self.chunk_bytes, weights)
+        with record_function(labels.SEND):
+            sources = [[byte_view(t) for t in s.views(targets)] if j != me else []
+                       for j, s in enumerate(shards)]  # fmt: skip
+            wires = [s.layout for s in shards]
+            finite, error = fold.collect(self._streams, sources, wires, stats)
+        if error is not None:
+            log.error("swarm round %d: summing this island's shard failed", report.round_index,
+                      exc_info=error)  # fmt: skip
+        row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
+        table = torch.stack(self._all_gather(row))
+        _count_all_gather(stats, row, n)
+        self._raise_if_failed(report, error, [j for j in range(n) if table[j, 0] == 0.0])
+        if not bool((table[:, 1] == 1.0).all()):
+            return False
+        report.accepted = list(range(n))
+        fold.write_into(own)
+        return True
+
+    def _spooled_round(
+        self,
+        report: RoundReport,
+        targets: list[Tensor],
+        shards: list[Shard],
+        coded: list[CodedPayload | None],
+        wires: list[PayloadLayout],
+        own: list[Tensor],
+        round_id: int,
+        sinks: dict[int, Sink],
+        contributions: dict[int, Contribution],
+        stats: RoundStats,
+    ) -> None:
+        """Every rule: spool the shard's contributions, judge each island, aggregate."""
+        failure = self._scatter(targets, shards, coded, wires, round_id, sinks, stats)
+        failure = finish_sinks(sinks, contributions, failure)
+        own_coded = coded[self.island_index]
+        encoded = own_coded.encode(own) if own_coded is not None else own
+        contributions[self.island_index] = MemoryContribution(self.island_index, encoded)
+        if own_coded is not None:
+            for island, c in contributions.items():
+                contributions[island] = own_coded.decoded(c)
+        block_numel = block_numel_of(own_coded, self.chunk_bytes)
+        mine = shards[self.island_index]
+        outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
+        if outcome == AggregatorOutcome.APPLIED:
+            self._aggregate(report, mine, own, contributions, block_numel, stats)
 
     def _scatter(
         self,
@@ -276,7 +338,9 @@ class ShardedAggregatorTransport:
         if failure is None:
             with record_function(labels.AGGREGATE):
                 for island, c in contributions.items():
-                    finite, sum_sq = finite_and_sum_sq(c, mine.layout, block_numel)
+                    finite, sum_sq = finite_and_sum_sq(
+                        c, mine.layout, block_numel, sum_sq=self.rule.max_norm is not None
+                    )
                     row[1 + island], row[1 + n + island] = float(finite), sum_sq
         table = torch.stack(self._all_gather(row))
         _count_all_gather(stats, row, n)
@@ -351,15 +415,21 @@ class ShardedAggregatorTransport:
         flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
         flags = self._all_gather(flag)
         _count_all_gather(stats, flag, self.num_islands)
-        failed = [j for j, f in enumerate(flags) if int(f) == 0]
-        if failed:
-            report.outcome = AggregatorOutcome.ERROR
-            if error is not None:
-                raise error
-            raise SwarmRoundError(
-                f"swarm round {report.round_index}: aggregation failed on island(s) {failed} "
-                "(their logs say why). Anchors are unchanged."
-            )
+        self._raise_if_failed(report, error, [j for j, f in enumerate(flags) if int(f) == 0])
+
+    @staticmethod
+    def _raise_if_failed(report: RoundReport, error: Exception | None, failed: list[int]) -> None:
+        """After the islands shared whether their aggregation succeeded: the island whose own
+        raised re-raises it, every other raises ``SwarmRoundError`` naming the failed ones."""
+        if not failed:
+            return
+        report.outcome = AggregatorOutcome.ERROR
+        if error is not None:
+            raise error
+        raise SwarmRoundError(
+            f"swarm round {report.round_index}: aggregation failed on island(s) {failed} "
+            "(their logs say why). Anchors are unchanged."
+        )
 
 
 def block_numel_of(coded: CodedPayload | None, chunk_bytes: int) -> int:
