@@ -16,7 +16,7 @@ from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import AggregatorTransport, SwarmTransportConfig, build_transport
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, SwarmRoundError
-from lightning_swarm.transport.aggregator.shard_fold import ShardFold
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.shards import plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool
@@ -66,6 +66,45 @@ def test_option_is_validated_and_built() -> None:
     rotating.close()
 
 
+# -- the mean summed as it arrives ----------------------------------------------------------
+def test_fold_sums_in_island_order_chunk_by_chunk() -> None:
+    layout = PayloadLayout.from_tensors({"x": torch.zeros(5), "y": torch.zeros(4)})
+    assert folds(layout, "mean", None, 8) and folds(layout, "weighted_mean", None, 8)
+    assert not folds(layout, "median", None, 8), "median needs every value per element"
+    assert not folds(layout, "mean", 1.0, 8), "max_norm needs each island's norm"
+    assert not folds(layout, "mean", None, 6), "a chunk must hold whole floats"
+    assert not folds(PayloadLayout.from_tensors({"h": torch.zeros(2, dtype=torch.float64)}),
+                     "mean", None, 8)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    # 9 floats in chunks of 2 (8 bytes): one chunk spans "x" and "y"; values that make float
+    # addition order visible
+    flat = [torch.randn(9, generator=g) * 10.0 ** (3 * i) for i in range(3)]
+    own = [flat[1][:5].clone(), flat[1][5:].clone()]
+    for weights in (None, [0.5, 3.0, 1.5]):
+        fold = ShardFold(layout, own, 1, 3, 8, weights)
+        for k in range(5):
+            fold.add(k, {i: flat[i][2 * k : 2 * k + 2].view(torch.uint8) for i in (0, 2)})
+        assert fold.finish()
+        w = weights or [1.0, 1.0, 1.0]
+        if weights is None:
+            expected = (flat[0].clone().add_(flat[1]).add_(flat[2])).div_(3)
+        else:
+            expected = flat[0].mul(w[0]).add_(flat[1].mul(w[1])).add_(flat[2].mul(w[2]))
+            expected.div_(sum(w))
+        assert torch.equal(fold.acc, expected)
+        reverse = flat[2].mul(w[2]).add_(flat[1].mul(w[1])).add_(flat[0].mul(w[0])).div_(sum(w))
+        assert not torch.equal(reverse, expected), "the data must make the order visible"
+        out = [torch.empty(5), torch.empty(4)]
+        fold.write_into(out)
+        assert torch.equal(torch.cat(out), expected)
+        assert torch.equal(own[0], flat[1][:5]), "own contribution was written before the end"
+    flat[2][7] = float("inf")
+    fold = ShardFold(layout, own, 1, 3, 8, None)
+    for k in range(5):
+        fold.add(k, {i: flat[i][2 * k : 2 * k + 2].view(torch.uint8) for i in (0, 2)})
+    assert not fold.finish(), "an inf in one island's chunk must make the sum non-finite"
+
+
 # -- equal to the rotating aggregator ---------------------------------------------------------
 CASES: list[dict[str, Any]] = [
     {"aggregation": "mean"},
@@ -79,11 +118,12 @@ CASES: list[dict[str, Any]] = [
     # the mean is summed as it arrives; a NaN makes it judge again through the spool
     {"aggregation": "mean", "nan": 1},
     {"aggregation": "weighted_mean", "island_weights": [0.0, 2.0, 1.0, 4.0], "nan": 0},
+    {"aggregation": "mean", "chunk_bytes": 1001},  # chunks that split a float: spooled
 ]
 
 
 def _summed_on_arrival(case: dict[str, Any]) -> bool:
-    plain = not any(k in case for k in ("codec", "max_norm", "nan"))
+    plain = not any(k in case for k in ("codec", "max_norm", "nan", "chunk_bytes"))
     return plain and case["aggregation"] in ("mean", "weighted_mean")
 
 
@@ -102,7 +142,8 @@ def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
         kw = {k: v for k, v in case.items() if k not in ("scale", "nan")}
         if "island_weights" in kw:
             kw["island_weights"] = kw["island_weights"][:world]
-        kw |= {"num_islands": world, "island_index": rank, "chunk_bytes": 1000}
+        kw |= {"num_islands": world, "island_index": rank}
+        kw.setdefault("chunk_bytes", 1000)
         rotating = AggregatorTransport(None, spool_dir=spool_dir, **kw)
         sharded = ShardedAggregatorTransport(None, spool_dir=spool_dir, **kw)
         for r in range(2):
