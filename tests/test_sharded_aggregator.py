@@ -119,11 +119,13 @@ CASES: list[dict[str, Any]] = [
     {"aggregation": "mean", "nan": 1},
     {"aggregation": "weighted_mean", "island_weights": [0.0, 2.0, 1.0, 4.0], "nan": 0},
     {"aggregation": "mean", "chunk_bytes": 1001},  # chunks that split a float: spooled
+    # one float64 tensor: only the last island's shard holds it, yet every island spools
+    {"aggregation": "mean", "float64": True},
 ]
 
 
 def _summed_on_arrival(case: dict[str, Any]) -> bool:
-    plain = not any(k in case for k in ("codec", "max_norm", "nan", "chunk_bytes"))
+    plain = not any(k in case for k in ("codec", "max_norm", "nan", "chunk_bytes", "float64"))
     return plain and case["aggregation"] in ("mean", "weighted_mean")
 
 
@@ -133,13 +135,16 @@ def _inputs(rank: int, r: int, case: dict[str, Any]) -> dict[str, torch.Tensor]:
         t.mul_(case.get("scale", {}).get(rank, 1.0))
     if case.get("nan") == rank:
         tensors["c"][900] = float("nan")
+    if case.get("float64"):
+        g = torch.Generator().manual_seed(100 * rank + r)
+        tensors["d"] = torch.randn(300, generator=g, dtype=torch.float64)
     return tensors
 
 
 def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
     sent = {}
     for index, case in enumerate(CASES):
-        kw = {k: v for k, v in case.items() if k not in ("scale", "nan")}
+        kw = {k: v for k, v in case.items() if k not in ("scale", "nan", "float64")}
         if "island_weights" in kw:
             kw["island_weights"] = kw["island_weights"][:world]
         kw |= {"num_islands": world, "island_index": rank}
@@ -214,6 +219,17 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         odd["b"] = torch.zeros(6)
     with pytest.raises(ValueError, match=r"layout .* of island\(s\) \[2\] differs from island 0"):
         transport.average(odd, round_index=1)
+    # so do islands whose rules differ: one would sum the mean, the other spool it
+    rules = ShardedAggregatorTransport(
+        None,
+        num_islands=world,
+        island_index=rank,
+        spool_dir=spool_dir,
+        aggregation="median" if rank == 1 else "mean",
+    )
+    with pytest.raises(ValueError, match=r"swarm options of island\(s\) \[1\] differs"):
+        rules.average(_contribution(rank, 3), round_index=3)
+    rules.close()
     # too few accepted contributions: skipped on every island, with the same warning
     skipped = ShardedAggregatorTransport(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=3

@@ -178,8 +178,10 @@ class ShardedAggregatorTransport:
         sinks: dict[int, Sink] = {}
         try:
             settled = False
+            # Decided on the whole layout, which every island agreed on above: a shard's own
+            # dtypes could send two islands different ways, and their collectives would not match.
             if self.codec is None and folds(
-                mine.layout, self.rule.aggregation, self.rule.max_norm, self.chunk_bytes
+                layout, self.rule.aggregation, self.rule.max_norm, self.chunk_bytes
             ):
                 settled = self._fold_round(report, targets, shards, own, stats)
             if not settled:
@@ -219,15 +221,19 @@ class ShardedAggregatorTransport:
         return list(rows)
 
     def _agree_layout(self, shards: list[Shard]) -> int:
-        """Raise ``ValueError`` on every rank unless every island cut the same shards."""
-        blob = b"".join(s.layout.to_json() for s in shards) + repr(self.codec).encode()
+        """Raise ``ValueError`` on every rank unless every island cut the same shards and
+        runs the same rule in the same chunks (which decide the round's collectives)."""
+        blob = b"".join(s.layout.to_json() for s in shards)
+        blob += f"{self.codec!r} {self.rule!r} {self.chunk_bytes}".encode()
         crcs = self._all_gather(torch.tensor([zlib.crc32(blob)], dtype=torch.int64))
         odd = [i for i, c in enumerate(crcs) if int(c) != int(crcs[0])]
         if odd:
             raise ValueError(
-                f"swarm round: the pseudo-gradient layout (names, shapes, dtypes) or codec of "
-                f"island(s) {odd} differs from island 0's; every island must train the same "
-                "parameters with the same quantize and quantize_block_size."
+                f"swarm round: the pseudo-gradient layout (names, shapes, dtypes), codec or "
+                f"swarm options of island(s) {odd} differs from island 0's; every island must "
+                "train the same parameters with the same quantize, quantize_block_size and "
+                "swarm options (aggregation, trim_ratio, min_contributions, max_norm, "
+                "island_weights, chunk_mb)."
             )
         return 8 * (self.num_islands - 1)
 
