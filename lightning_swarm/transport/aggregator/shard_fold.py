@@ -40,9 +40,10 @@ FOLDED_RULES = ("mean", "weighted_mean")
 def folds(
     layout: PayloadLayout, aggregation: str, max_norm: float | None, chunk_bytes: int
 ) -> bool:
-    """Whether a round of ``layout`` (the shard's wire layout) can be summed as it arrives:
-    a running-sum rule, no ``max_norm`` (that needs each island's norm), float32 tensors only
-    (no codec: the wire is the floats) and chunks of whole elements."""
+    """Whether a round of ``layout`` can be summed as it arrives: a running-sum rule, no
+    ``max_norm`` (that needs each island's norm), float32 tensors only and chunks of whole
+    elements (the caller also rules out codecs). Pass the round's whole layout, which every
+    island agreed on, not a shard's: every island must take the same way."""
     return (
         aggregation in FOLDED_RULES
         and max_norm is None
