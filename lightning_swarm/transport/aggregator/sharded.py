@@ -245,11 +245,9 @@ class ShardedAggregatorTransport:
         own: list[Tensor],
         stats: RoundStats,
     ) -> bool:
-        """``mean`` / ``weighted_mean`` without a codec: sum the shard's contributions as they
-        arrive (``shard_fold``), with no spool. Returns True when the round is settled (every
-        island's shard finite: all accepted, the mean is in ``own``); False when some owner's
-        sum is not finite, so the round must be judged island by island (every rank reads the
-        same table, so every rank returns the same). Raises when an owner's sum failed."""
+        """Sum the shard's contributions as they arrive (``shard_fold``), with no spool. True:
+        every shard was finite, all are accepted and the mean is in ``own``; False: some sum was
+        not, judge island by island (every rank reads the same table and returns the same)."""
         me, n = self.island_index, self.num_islands
         weights = self.rule.island_weights if self.rule.aggregation == "weighted_mean" else None
         fold = ShardFold(shards[me].layout, own, me, n, self.chunk_bytes, weights)
