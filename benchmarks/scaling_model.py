@@ -9,7 +9,8 @@ Model of one round's time for a method ``m`` at ``n`` islands, ``N`` float32 ele
   all-reduce takes 2 (n - 1), the gather's ring all-gather n - 1. The reduce-scatter votes with
   one ``all_to_all`` and exchanges with two: 3 steps (every rank sends to all peers at once).
   The rotating swarm round is 4 (descriptor + payload in, status + result out); the sharded one
-  3 one-step votes plus its scatter and gather in lockstep chunks of 4 MiB per peer.
+  (with its default ``mean``, summed as it arrives) 2 one-step votes plus its scatter and
+  gather in lockstep chunks of 4 MiB per peer.
 - ``wire_m(n)``: bytes through the busiest rank's link, in sequence: ``bytes_sent`` for the
   all-reduce transports (sending and receiving overlap: ring steps and all-to-all are full
   duplex), sent + received for the swarm aggregator (it receives every payload, then sends).
@@ -19,7 +20,8 @@ Model of one round's time for a method ``m`` at ``n`` islands, ``N`` float32 ele
 - ``work_m(n) * N``: elements through the codec or the aggregator per rank (k_m per element):
   reduce-scatter 3 + 1 / n (encode all, decode n shares, encode and decode the mean: about
   three passes), gather 1 + n (encode, decode n payloads), rotating swarm n (the aggregator
-  writes, reads back and sums every contribution), sharded swarm 2 (its shard of each), fp32
+  writes, reads back and sums every contribution), sharded swarm 2 (its shard of each,
+  summed as it arrives, and the copies in and out of the streams' buffers), fp32
   2 (n - 1) / n (the ring's additions and copies).
 - ``over(n) = max(1, n / cores)``: the measured ranks share this machine's cores, so every
   byte copied and every element encoded waits for a core. Projections are for one machine per
@@ -73,9 +75,9 @@ def steps(method: str, n: int, numel: int) -> float:
     if method.endswith("rs"):
         return 1 + 2  # its finiteness vote is one all-to-all step too
     if method == "swarm sharded":
-        # layout, verdict and flag votes (one all-to-all each), then the scatter and the
-        # gather in lockstep chunks of 4 MiB per peer
-        return 3 + 2 * math.ceil(4 * numel / n / CHUNK_BYTES)
+        # the layout vote and the verdict table (one all-to-all each; a summed mean needs no
+        # flag vote), then the scatter and the gather in lockstep chunks of 4 MiB per peer
+        return 2 + 2 * math.ceil(4 * numel / n / CHUNK_BYTES)
     return 4.0  # swarm
 
 
@@ -99,7 +101,7 @@ def work(method: str, n: int) -> float:
     if method.endswith("gather"):
         return 1 + n
     if method == "swarm sharded":
-        return 2.0  # its shard of n contributions written and read back: about 2 passes
+        return 2.0  # its shard of n contributions summed, packed and unpacked: about 2 passes
     return float(n)  # swarm
 
 

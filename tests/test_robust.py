@@ -76,6 +76,37 @@ def test_blocks_give_bitwise_the_whole_tensor_result(rule: str) -> None:
         assert torch.equal(torch.cat(parts), whole), f"{rule} differs with block {block}"
 
 
+def _sorted_reference(xs: list[torch.Tensor], rule: str) -> torch.Tensor:
+    """The order statistics through torch.sort, as the rules computed them before the network."""
+    ordered = torch.sort(torch.stack([x.float() for x in xs]), dim=0).values
+    n = len(xs)
+    if rule == "median":
+        middle = ordered[n // 2].clone() if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        return middle.to(xs[0].dtype)
+    k = trimmed_count(n, 0.2)
+    acc = ordered[k].clone()
+    for row in ordered[k + 1 : n - k]:
+        acc.add_(row)
+    return acc.div_(n - 2 * k).to(xs[0].dtype)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 11, 16, 33])  # 33: past the network
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_order_statistics_equal_a_full_sort_bitwise(n: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(n)
+    # few distinct values, so ties are common; and wide ones, so sums round
+    xs = [
+        (
+            torch.randint(-3, 4, (257,), generator=g)
+            * 10.0 ** torch.randint(-3, 4, (257,), generator=g)
+        ).to(dtype)
+        for _ in range(n)
+    ]
+    for rule in ("median", "trimmed_mean"):
+        got = aggregate(rule, xs, trim_ratio=0.2)
+        assert torch.equal(got, _sorted_reference(xs, rule)), (rule, n, dtype)
+
+
 def test_low_precision_is_accumulated_in_float32() -> None:
     xs = [torch.full((4,), 256.0, dtype=torch.bfloat16)] + [
         torch.full((4,), 1.0, dtype=torch.bfloat16) for _ in range(3)

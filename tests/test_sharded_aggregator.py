@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import AggregatorTransport, SwarmTransportConfig, build_transport
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, SwarmRoundError
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.shards import plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool
@@ -64,6 +66,45 @@ def test_option_is_validated_and_built() -> None:
     rotating.close()
 
 
+# -- the mean summed as it arrives ----------------------------------------------------------
+def test_fold_sums_in_island_order_chunk_by_chunk() -> None:
+    layout = PayloadLayout.from_tensors({"x": torch.zeros(5), "y": torch.zeros(4)})
+    assert folds(layout, "mean", None, 8) and folds(layout, "weighted_mean", None, 8)
+    assert not folds(layout, "median", None, 8), "median needs every value per element"
+    assert not folds(layout, "mean", 1.0, 8), "max_norm needs each island's norm"
+    assert not folds(layout, "mean", None, 6), "a chunk must hold whole floats"
+    assert not folds(PayloadLayout.from_tensors({"h": torch.zeros(2, dtype=torch.float64)}),
+                     "mean", None, 8)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    # 9 floats in chunks of 2 (8 bytes): one chunk spans "x" and "y"; values that make float
+    # addition order visible
+    flat = [torch.randn(9, generator=g) * 10.0 ** (3 * i) for i in range(3)]
+    own = [flat[1][:5].clone(), flat[1][5:].clone()]
+    for weights in (None, [0.5, 3.0, 1.5]):
+        fold = ShardFold(layout, own, 1, 3, 8, weights)
+        for k in range(5):
+            fold.add(k, {i: flat[i][2 * k : 2 * k + 2].view(torch.uint8) for i in (0, 2)})
+        assert fold.finish()
+        w = weights or [1.0, 1.0, 1.0]
+        if weights is None:
+            expected = (flat[0].clone().add_(flat[1]).add_(flat[2])).div_(3)
+        else:
+            expected = flat[0].mul(w[0]).add_(flat[1].mul(w[1])).add_(flat[2].mul(w[2]))
+            expected.div_(sum(w))
+        assert torch.equal(fold.acc, expected)
+        reverse = flat[2].mul(w[2]).add_(flat[1].mul(w[1])).add_(flat[0].mul(w[0])).div_(sum(w))
+        assert not torch.equal(reverse, expected), "the data must make the order visible"
+        out = [torch.empty(5), torch.empty(4)]
+        fold.write_into(out)
+        assert torch.equal(torch.cat(out), expected)
+        assert torch.equal(own[0], flat[1][:5]), "own contribution was written before the end"
+    flat[2][7] = float("inf")
+    fold = ShardFold(layout, own, 1, 3, 8, None)
+    for k in range(5):
+        fold.add(k, {i: flat[i][2 * k : 2 * k + 2].view(torch.uint8) for i in (0, 2)})
+    assert not fold.finish(), "an inf in one island's chunk must make the sum non-finite"
+
+
 # -- equal to the rotating aggregator ---------------------------------------------------------
 CASES: list[dict[str, Any]] = [
     {"aggregation": "mean"},
@@ -74,7 +115,18 @@ CASES: list[dict[str, Any]] = [
     # island 1's norm is above 60 only over the whole payload (each shard's is below)
     {"aggregation": "mean", "max_norm": 60.0, "scale": {1: 1.8}},
     {"aggregation": "median", "nan": 2},  # a NaN in one shard rejects island 2 everywhere
+    # the mean is summed as it arrives; a NaN makes it judge again through the spool
+    {"aggregation": "mean", "nan": 1},
+    {"aggregation": "weighted_mean", "island_weights": [0.0, 2.0, 1.0, 4.0], "nan": 0},
+    {"aggregation": "mean", "chunk_bytes": 1001},  # chunks that split a float: spooled
+    # one float64 tensor: only the last island's shard holds it, yet every island spools
+    {"aggregation": "mean", "float64": True},
 ]
+
+
+def _summed_on_arrival(case: dict[str, Any]) -> bool:
+    plain = not any(k in case for k in ("codec", "max_norm", "nan", "chunk_bytes", "float64"))
+    return plain and case["aggregation"] in ("mean", "weighted_mean")
 
 
 def _inputs(rank: int, r: int, case: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -83,16 +135,20 @@ def _inputs(rank: int, r: int, case: dict[str, Any]) -> dict[str, torch.Tensor]:
         t.mul_(case.get("scale", {}).get(rank, 1.0))
     if case.get("nan") == rank:
         tensors["c"][900] = float("nan")
+    if case.get("float64"):
+        g = torch.Generator().manual_seed(100 * rank + r)
+        tensors["d"] = torch.randn(300, generator=g, dtype=torch.float64)
     return tensors
 
 
 def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
     sent = {}
     for index, case in enumerate(CASES):
-        kw = {k: v for k, v in case.items() if k not in ("scale", "nan")}
+        kw = {k: v for k, v in case.items() if k not in ("scale", "nan", "float64")}
         if "island_weights" in kw:
             kw["island_weights"] = kw["island_weights"][:world]
-        kw |= {"num_islands": world, "island_index": rank, "chunk_bytes": 1000}
+        kw |= {"num_islands": world, "island_index": rank}
+        kw.setdefault("chunk_bytes", 1000)
         rotating = AggregatorTransport(None, spool_dir=spool_dir, **kw)
         sharded = ShardedAggregatorTransport(None, spool_dir=spool_dir, **kw)
         for r in range(2):
@@ -105,6 +161,9 @@ def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
             assert sharded.last_round.accepted == rotating.last_round.accepted, index
             assert sharded.spool_bytes() == 0, "a round's files outlived it"
             sent[index] = stats.bytes_sent
+        # a summed mean never touches the disk; any other round spools its shard
+        spooled = sharded.peak_spool_bytes() > 0
+        assert spooled == (case.get("offload", True) and not _summed_on_arrival(case)), index
         rotating.close()
         sharded.close()
     torch.save(sent, Path(out) / f"{rank}.pt")
@@ -143,6 +202,7 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         spool=spool,
         spool_dir=spool_dir,
         chunk_bytes=256,
+        aggregation="median",  # a mean would be summed as it arrives, with no spool
     )
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
@@ -159,6 +219,17 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         odd["b"] = torch.zeros(6)
     with pytest.raises(ValueError, match=r"layout .* of island\(s\) \[2\] differs from island 0"):
         transport.average(odd, round_index=1)
+    # so do islands whose rules differ: one would sum the mean, the other spool it
+    rules = ShardedAggregatorTransport(
+        None,
+        num_islands=world,
+        island_index=rank,
+        spool_dir=spool_dir,
+        aggregation="median" if rank == 1 else "mean",
+    )
+    with pytest.raises(ValueError, match=r"swarm options of island\(s\) \[1\] differs"):
+        rules.average(_contribution(rank, 3), round_index=3)
+    rules.close()
     # too few accepted contributions: skipped on every island, with the same warning
     skipped = ShardedAggregatorTransport(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=3
@@ -181,16 +252,25 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("injected aggregation bug")
 
 
-def _aggregation_error_worker(rank: int, world: int, spool_dir: str) -> None:
+class _BrokenFold(ShardFold):
+    def add(self, k: int, chunks: Mapping[int, torch.Tensor]) -> None:
+        _broken_rule()
+
+
+def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation: str) -> None:
     import lightning_swarm.transport.aggregator.sharded as sharded_module
 
     if rank == 0:  # a forked child: the patch dies with it
-        sharded_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+        if aggregation == "mean":  # summed as the chunks arrive
+            sharded_module.ShardFold = _BrokenFold  # type: ignore[misc]
+        else:
+            sharded_module.aggregate_into = _broken_rule  # type: ignore[assignment]
     transport = ShardedAggregatorTransport(
-        None, num_islands=world, island_index=rank, spool_dir=spool_dir
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir, aggregation=aggregation
     )
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
+    before = {k: v.clone() for k, v in tensors.items()}
     if rank == 0:
         with pytest.raises(RuntimeError, match="injected aggregation bug"):
             transport.average(tensors, round_index=0)
@@ -199,14 +279,17 @@ def _aggregation_error_worker(rank: int, world: int, spool_dir: str) -> None:
             SwarmRoundError, match=r"round 0: aggregation failed on island\(s\) \[0\]"
         ):
             transport.average(tensors, round_index=0)
+    if aggregation == "mean":  # the sum is written out only once every island agreed
+        assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
     assert transport.last_round is not None
     assert transport.last_round.outcome == AggregatorOutcome.ERROR
     assert transport.spool.files() == [], "a failed round left spool files"
     transport.close()
 
 
-def test_an_aggregation_error_raises_on_every_island(tmp_path: Path) -> None:
-    run_ranks(_aggregation_error_worker, 2, str(tmp_path), timeout_s=30)
+@pytest.mark.parametrize("aggregation", ["mean", "median"])
+def test_an_aggregation_error_raises_on_every_island(tmp_path: Path, aggregation: str) -> None:
+    run_ranks(_aggregation_error_worker, 2, str(tmp_path), aggregation, timeout_s=30)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,6 +1,7 @@
 """A swarm round that dies mid-collection: the survivor raises at once and leaves no files.
 Both aggregators: the rotating one (island 0 collects round 0) and the sharded one (island 0
-collects its shard while it sends the other).
+collects its shard while it sends the other), the latter both spooling its shard (``median``)
+and summing it as it arrives (``mean``, no spool: the fault lands in the sum instead).
 
 The ranks here are plain processes this test starts and kills itself (fork, a TCP store, no
 Lightning launcher and no ``torch.multiprocessing`` watcher that would kill the survivor for us),
@@ -19,6 +20,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.spool import Spool
 from tests.dist_utils import free_port
@@ -44,7 +47,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 def _rank(
     rank: int, port: int, spool_dir: str, out: str, collecting: Event, fault: str, kind: str
 ) -> None:
-    """One island; rank 0 aggregates round 0 (its shard, with ``kind="sharded"``) and reports
+    """One island; rank 0 aggregates round 0 (its shard, with a sharded ``kind``) and reports
     what it raised into ``out``."""
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -56,7 +59,7 @@ def _rank(
     )
     writes = {"n": 0}
 
-    def slow_write(fd: int, data: memoryview, offset: int) -> int:
+    def collect_slowly() -> None:
         # The aggregator is mid-collection: tell the test, then go slowly enough that the
         # fault lands before the payload is complete.
         writes["n"] += 1
@@ -66,6 +69,9 @@ def _rank(
                 raise KeyboardInterrupt
         if writes["n"] >= 3:
             time.sleep(0.05)
+
+    def slow_write(fd: int, data: memoryview, offset: int) -> int:
+        collect_slowly()
         return os.pwrite(fd, data, offset)
 
     # Only rank 0's writes are slowed and faulted: with the sharded transport rank 1 spools
@@ -75,10 +81,25 @@ def _rank(
         cleanup_timeout_s=CLEANUP_TIMEOUT_S,
         write_at=slow_write if rank == 0 else os.pwrite,
     )
-    transport_class = ShardedAggregatorTransport if kind == "sharded" else AggregatorTransport
-    transport = transport_class(
-        None, num_islands=2, island_index=rank, spool=spool, chunk_bytes=4096
-    )
+    if kind == "sharded_mean" and rank == 0:  # a forked child: the patch dies with it
+        import lightning_swarm.transport.aggregator.sharded as sharded_module
+
+        class SlowFold(ShardFold):
+            def add(self, k: int, chunks: Mapping[int, torch.Tensor]) -> None:
+                collect_slowly()
+                super().add(k, chunks)
+
+        sharded_module.ShardFold = SlowFold  # type: ignore[misc]
+    options: dict[str, Any] = {"spool": spool, "chunk_bytes": 4096}
+    if kind == "rotating":
+        transport: AggregatorTransport | ShardedAggregatorTransport = AggregatorTransport(
+            None, num_islands=2, island_index=rank, **options
+        )
+    else:
+        aggregation = "mean" if kind == "sharded_mean" else "median"
+        transport = ShardedAggregatorTransport(
+            None, num_islands=2, island_index=rank, aggregation=aggregation, **options
+        )
     start = time.monotonic()
     outcome = ["no error"]
 
@@ -132,7 +153,7 @@ def _report(out: Path) -> tuple[float, str, str]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind", ["rotating", "sharded"])
+@pytest.mark.parametrize("kind", ["rotating", "sharded", "sharded_mean"])
 @pytest.mark.parametrize("fault", ["kill", "kill_background"])
 def test_a_peer_killed_mid_collection_fails_the_aggregator_at_once(
     tmp_path: Path, fault: str, kind: str
@@ -158,7 +179,7 @@ def test_a_peer_killed_mid_collection_fails_the_aggregator_at_once(
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind", ["rotating", "sharded"])
+@pytest.mark.parametrize("kind", ["rotating", "sharded", "sharded_mean"])
 def test_an_interrupt_mid_collection_removes_the_rounds_files_and_is_reraised(
     tmp_path: Path, kind: str
 ) -> None:

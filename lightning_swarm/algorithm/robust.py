@@ -5,8 +5,9 @@ and returns a new tensor of that shape; the inputs are never modified. The swarm
 them block by block (a slice of one parameter from each island), so the memory they use is
 ``len(tensors)`` x one block, never islands x model.
 
-Results are computed elementwise with a fixed order of operations (island order for sums, a sort
-for order statistics), so applying a rule to a whole tensor or to consecutive slices of it gives
+Results are computed elementwise with a fixed order of operations (island order for sums, a
+sorting network of elementwise minimum / maximum for order statistics, ``torch.sort`` past 32
+contributions), so applying a rule to a whole tensor or to consecutive slices of it gives
 bitwise identical results: blocking is invisible in the output.
 
 Rules:
@@ -115,17 +116,38 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor
     return acc.to(tensors[0].dtype)
 
 
-def _sorted_stack(tensors: Sequence[Tensor]) -> Tensor:
+# Up to this many contributions the order statistics come from a sorting network of elementwise
+# minimum / maximum: about n^2 / 2 compare-exchanges, each two passes over a block, where
+# torch.sort along the island dimension costs about 20 ns per value (measured here with one
+# thread: 8 x 256K floats, 42 ms sorted, 6 ms through the network). Past it, torch.sort.
+_NETWORK_MAX = 32
+
+
+def _sorted_rows(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Row i holds every coordinate's i-th smallest value (in the accumulation dtype).
+
+    An odd-even transposition sort (n rounds of compare-exchanges between neighbours) sorts any
+    n; minimum and maximum return their inputs' values unchanged, so the rows hold the same
+    values as ``torch.sort``'s. Inputs are not modified.
+    """
     acc_dtype = _accumulation_dtype(tensors[0].dtype)
-    stacked = torch.stack([t.to(acc_dtype) for t in tensors])
-    return torch.sort(stacked, dim=0).values
+    rows = [t.to(acc_dtype) for t in tensors]
+    n = len(rows)
+    if n > _NETWORK_MAX:
+        return list(torch.sort(torch.stack(rows), dim=0).values)
+    for round_index in range(n):
+        for j in range(round_index % 2, n - 1, 2):
+            low = torch.minimum(rows[j], rows[j + 1])
+            rows[j + 1] = torch.maximum(rows[j], rows[j + 1])
+            rows[j] = low
+    return rows
 
 
 def median(tensors: Sequence[Tensor]) -> Tensor:
     """Coordinate-wise median; the mean of the two middle values for an even count."""
     _check(tensors)
     n = len(tensors)
-    ordered = _sorted_stack(tensors)
+    ordered = _sorted_rows(tensors)
     middle = ordered[n // 2].clone() if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     return middle.to(tensors[0].dtype)
 
@@ -146,7 +168,7 @@ def trimmed_mean(tensors: Sequence[Tensor], trim_ratio: float) -> Tensor:
         raise ValueError(f"trim_ratio must lie in [0, 0.5), got {trim_ratio}")
     n = len(tensors)
     k = trimmed_count(n, trim_ratio)
-    ordered = _sorted_stack(tensors)
+    ordered = _sorted_rows(tensors)
     kept = ordered[k : n - k]
     acc = kept[0].clone()
     for row in kept[1:]:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.transport.aggregator.contributions import Contribution
+from lightning_swarm.transport.aggregator.contributions import Contribution, all_finite
 from lightning_swarm.transport.payload import PayloadLayout
 
 # (every shard arrived and is finite, the island's L2 norm)
@@ -44,7 +44,7 @@ def measure(
             n = min(block_numel, spec.numel - start)
             block = scratch[:n]
             contribution.read_into(spec, start, block)
-            if not bool(torch.isfinite(block).all()):
+            if not all_finite(block):
                 return False, 0.0
             sum_sq += float(block.double().square().sum())
     return True, sum_sq

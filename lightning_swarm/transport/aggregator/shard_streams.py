@@ -5,7 +5,9 @@
   reaches its owner's sink chunk by chunk, in order, and no island holds more than one chunk per
   peer and direction (one send and one receive buffer of n - 1 chunks, reused by every step). A
   spool error on one sink turns it into a discard sink (its writer already removed its file);
-  the stream goes on, so no peer blocks, and the first error is returned.
+  the stream goes on, so no peer blocks, and the first error is returned. ``scatter_steps``
+  is the same stream handing each step's chunks to the caller instead (the sharded mean sums
+  them as they arrive: ``shard_fold``).
 - ``gather``: every owner's result shard to every island, chunk by chunk, unpacked straight into
   the receiving island's tensors.
 
@@ -15,6 +17,8 @@ island sends nothing to itself. Byte counts are what the steps moved to and from
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,6 +58,22 @@ class ShardStreams:
         """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j; write what
         each peer i sends for this island's shard (``wires[me]``) into ``sinks[i]``."""
         failure: SpoolError | None = None
+        for k, chunks in self.scatter_steps(sources, wires, stats):
+            for i, chunk in chunks.items():
+                try:
+                    sinks[i].write(k * self.chunk_bytes, chunk)
+                except SpoolError as err:
+                    failure = failure or err
+                    sinks[i] = DiscardSink()
+        return failure
+
+    def scatter_steps(
+        self, sources: list[list[Tensor]], wires: list[PayloadLayout], stats: RoundStats
+    ) -> Iterator[tuple[int, dict[int, Tensor]]]:
+        """The scatter, step by step: yields ``(k, {peer: chunk k of its contribution to this
+        island's shard})`` (uint8 views of the receive buffer, valid until the next step; no
+        entries past the shard's end). The caller must run the generator to its end, or the
+        other islands wait in the step it left."""
         steps = max(w.num_chunks(self.chunk_bytes) for w in wires)
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
         # One send and one receive buffer for the whole stream: buffers allocated per step
@@ -71,16 +91,13 @@ class ShardStreams:
                 offset += size
             recv_sizes = [0 if i == self.me else size_in[k] for i in range(self.n)]
             received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
+            chunks: dict[int, Tensor] = {}
             offset = 0
             for i, size in enumerate(recv_sizes):
                 if size:
-                    try:
-                        sinks[i].write(k * self.chunk_bytes, received[offset : offset + size])
-                    except SpoolError as err:
-                        failure = failure or err
-                        sinks[i] = DiscardSink()
+                    chunks[i] = received[offset : offset + size]
                 offset += size
-        return failure
+            yield k, chunks
 
     def gather(
         self, views: list[list[Tensor]], layouts: list[PayloadLayout], stats: RoundStats

@@ -3,8 +3,8 @@ grows with the number of islands.
 
 The rotating aggregator (``rotating.AggregatorTransport``) takes n - 1 payloads in and sends
 n - 1 out in one round. Here every island owns one shard of the payload (``shards``: a run of
-elements cut on codec blocks) and aggregates it over all islands at once, through the same
-spool, validation and rules:
+elements cut on codec blocks) and aggregates it over all islands at once, with the same
+validation and rules:
 
 1. Layout check: a CRC of every island's wire layout is all-gathered; islands that differ from
    island 0's make every rank raise ``ValueError`` naming them (the rotating transport drops
@@ -12,42 +12,48 @@ spool, validation and rules:
    layout).
 2. Scatter: each island encodes (with a codec) and streams shard j of its payload to island j,
    in chunks of ``chunk_bytes`` per peer and step (``all_to_all_single``, so nothing blocks on
-   a send nobody receives). The owner writes each peer's chunks into that peer's sink: a
-   safetensors spool file with offload, memory without; two chunk buffers per peer at most.
-3. Verdicts: each owner reads its shard of every contribution back, one block at a time
-   (decoded with a codec), and reports per island whether it is finite and its sum of squares,
-   plus whether its spool held. One all-gather of these rows gives every rank the same table,
-   from which every rank derives the same verdicts: non-finite anywhere rejects the island;
-   ``max_norm`` compares the *whole* contribution's norm (the square root of the summed
-   squares, equal to the rotating transport's up to float64 rounding); ``min_contributions``
-   and ``weighted_mean``'s weights follow. So the robust rules keep their semantics: the rules
-   themselves (mean, weighted_mean, median, trimmed_mean) are elementwise.
-4. Aggregate: each owner runs the rule over the accepted contributions of its shard, in island
-   order, into its own tensors (float32 back, as the rotating transport sends); an all-gather
-   of one flag tells every rank whether every owner succeeded.
-5. Gather: each owner streams its shard's result to every island in chunks (all-to-all), and
-   every island receives the other shards straight into its tensors. Results are bitwise the
-   rotating transport's: the same rule on the same values in the same order, per element.
+   a send nobody receives); one send and one receive buffer of n - 1 chunks.
+3. Judge and aggregate, one of two ways (every rank takes the same, from what every rank knows):
+   - ``mean`` / ``weighted_mean`` without a codec or ``max_norm``: each owner adds the chunks
+     into a float32 sum of its shard as they arrive, in island order (``shard_fold``); nothing
+     is spooled or read back. A finite sum proves every island's shard finite; one all-gather
+     of (succeeded, finite) rows settles the round: all finite, every island is accepted and
+     the mean is the round's result. If some owner's sum is not finite, the round is judged
+     again the second way (a second scatter: the tensors are still untouched).
+   - Otherwise the owner writes each peer's chunks into that peer's sink (a safetensors spool
+     file with offload, memory without), reads its shard of every contribution back one block
+     at a time (decoded with a codec) and reports per island whether it is finite and its sum
+     of squares, plus whether its spool held. One all-gather of these rows gives every rank the
+     same table and so the same verdicts (``shard_verdicts``): non-finite anywhere rejects the
+     island; ``max_norm`` compares the *whole* contribution's norm (equal to the rotating
+     transport's up to float64 rounding); ``min_contributions`` and ``weighted_mean``'s weights
+     follow. Each owner then runs the rule over the accepted contributions of its shard, in
+     island order, into its own tensors, and an all-gather of one flag tells every rank
+     whether every owner succeeded. The rules are elementwise, so they keep their semantics.
+4. Gather: each owner streams its shard's result (float32) to every island in chunks
+   (all-to-all), and every island receives the other shards straight into its tensors. Results
+   are bitwise the rotating transport's: the same operations on the same values in the same
+   order, per element.
 
-A spool that fails on any owner, or an exception while an owner aggregates, makes every rank
-raise ``SwarmRoundError`` after the collectives of the round completed (anchors unchanged); the
-owner whose aggregation raised re-raises its own exception. Any exception while chunks are
-arriving aborts that rank's spool writers at once, and the round's files are removed in every
-case (``Spool.release_round`` waits for leases).
+A spool that fails on any owner, or an exception while an owner aggregates (or sums), makes
+every rank raise ``SwarmRoundError`` after the collectives of the round completed (anchors
+unchanged); the owner whose aggregation raised re-raises its own exception. Any exception while
+chunks are arriving aborts that rank's spool writers at once, and the round's files are removed
+in every case (``Spool.release_round`` waits for leases).
 
 Bytes per rank: the scatter sends sum_(j != me) of the shards' wire bytes and receives n - 1
 contributions of its own shard; the gather sends its result shard (float) to n - 1 islands and
-receives every other shard's: about 2 (n - 1) / n payloads each way, flat in n. The three small
-all-gathers (layout CRC, verdict rows, flags) are counted too. Memory per round: the spool (or
-memory) holds n - 1 contributions of one shard, about the payload / n each; buffers are
-(n - 1) chunks per direction and step.
+receives every other shard's: about 2 (n - 1) / n payloads each way, flat in n (a summed round
+judged again scatters twice). The small all-gathers (layout CRC, verdict rows, flags) are
+counted too. Memory per round: a summed mean holds one float32 shard (the payload / n);
+otherwise the spool (or memory) holds n - 1 contributions of one shard, about the payload / n
+each; buffers are (n - 1) chunks per direction and step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 
@@ -69,15 +75,11 @@ from lightning_swarm.transport.aggregator.contributions import (
     finite_and_sum_sq,
     open_sinks,
 )
-from lightning_swarm.transport.aggregator.round_status import (
-    AggregatorOutcome,
-    RoundReport,
-    SwarmRoundError,
-    Verdict,
-    skip_message,
-)
+from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, RoundReport
 from lightning_swarm.transport.aggregator.rounds import AggregationRule
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
+from lightning_swarm.transport.aggregator.shard_verdicts import raise_if_failed, read_verdicts
 from lightning_swarm.transport.aggregator.shards import Shard, plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
 from lightning_swarm.transport.base import RoundStats
@@ -171,22 +173,23 @@ class ShardedAggregatorTransport:
         coded = [CodedPayload(s.layout, self.codec) if self.codec else None for s in shards]
         wires = [c.wire if c is not None else s.layout for c, s in zip(coded, shards, strict=True)]
         mine = shards[self.island_index]
+        own = mine.views(targets)
         contributions: dict[int, Contribution] = {}
         sinks: dict[int, Sink] = {}
         try:
-            failure = self._scatter(targets, shards, coded, wires, round_id, sinks, stats)
-            failure = finish_sinks(sinks, contributions, failure)
-            own = mine.views(targets)
-            own_coded = coded[self.island_index]
-            encoded = own_coded.encode(own) if own_coded is not None else own
-            contributions[self.island_index] = MemoryContribution(self.island_index, encoded)
-            if own_coded is not None:
-                for island, c in contributions.items():
-                    contributions[island] = own_coded.decoded(c)
-            block_numel = block_numel_of(own_coded, self.chunk_bytes)
-            outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
-            if outcome == AggregatorOutcome.APPLIED:
-                self._aggregate(report, mine, own, contributions, block_numel, stats)
+            settled = False
+            # Decided on the whole layout, which every island agreed on above: a shard's own
+            # dtypes could send two islands different ways, and their collectives would not match.
+            if self.codec is None and folds(
+                layout, self.rule.aggregation, self.rule.max_norm, self.chunk_bytes
+            ):
+                settled = self._fold_round(report, targets, shards, own, stats)
+            if not settled:
+                self._spooled_round(
+                    report, targets, shards, coded, wires, own, round_id, sinks, contributions,
+                    stats,
+                )  # fmt: skip
+            if report.outcome == AggregatorOutcome.APPLIED:
                 with record_function(labels.RECEIVE):
                     views = [[byte_view(v) for v in s.views(targets)] for s in shards]
                     self._streams.gather(views, [s.layout for s in shards], stats)
@@ -218,17 +221,81 @@ class ShardedAggregatorTransport:
         return list(rows)
 
     def _agree_layout(self, shards: list[Shard]) -> int:
-        """Raise ``ValueError`` on every rank unless every island cut the same shards."""
-        blob = b"".join(s.layout.to_json() for s in shards) + repr(self.codec).encode()
+        """Raise ``ValueError`` on every rank unless every island cut the same shards and
+        runs the same rule in the same chunks (which decide the round's collectives)."""
+        blob = b"".join(s.layout.to_json() for s in shards)
+        blob += f"{self.codec!r} {self.rule!r} {self.chunk_bytes}".encode()
         crcs = self._all_gather(torch.tensor([zlib.crc32(blob)], dtype=torch.int64))
         odd = [i for i, c in enumerate(crcs) if int(c) != int(crcs[0])]
         if odd:
             raise ValueError(
-                f"swarm round: the pseudo-gradient layout (names, shapes, dtypes) or codec of "
-                f"island(s) {odd} differs from island 0's; every island must train the same "
-                "parameters with the same quantize and quantize_block_size."
+                f"swarm round: the pseudo-gradient layout (names, shapes, dtypes), codec or "
+                f"swarm options of island(s) {odd} differs from island 0's; every island must "
+                "train the same parameters with the same quantize, quantize_block_size and "
+                "swarm options (aggregation, trim_ratio, min_contributions, max_norm, "
+                "island_weights, chunk_mb)."
             )
         return 8 * (self.num_islands - 1)
+
+    def _fold_round(
+        self,
+        report: RoundReport,
+        targets: list[Tensor],
+        shards: list[Shard],
+        own: list[Tensor],
+        stats: RoundStats,
+    ) -> bool:
+        """Sum the shard's contributions as they arrive (``shard_fold``), with no spool. True:
+        every shard was finite, all are accepted and the mean is in ``own``; False: some sum was
+        not, judge island by island (every rank reads the same table and returns the same)."""
+        me, n = self.island_index, self.num_islands
+        weights = self.rule.island_weights if self.rule.aggregation == "weighted_mean" else None
+        fold = ShardFold(shards[me].layout, own, me, n, self.chunk_bytes, weights)
+        with record_function(labels.SEND):
+            sources = [[byte_view(t) for t in s.views(targets)] if j != me else []
+                       for j, s in enumerate(shards)]  # fmt: skip
+            wires = [s.layout for s in shards]
+            finite, error = fold.collect(self._streams, sources, wires, stats)
+        if error is not None:
+            log.error("swarm round %d: summing this island's shard failed", report.round_index,
+                      exc_info=error)  # fmt: skip
+        row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
+        table = torch.stack(self._all_gather(row))
+        _count_all_gather(stats, row, n)
+        raise_if_failed(report, error, [j for j in range(n) if table[j, 0] == 0.0])
+        if not bool((table[:, 1] == 1.0).all()):
+            return False
+        report.accepted = list(range(n))
+        fold.write_into(own)
+        return True
+
+    def _spooled_round(
+        self,
+        report: RoundReport,
+        targets: list[Tensor],
+        shards: list[Shard],
+        coded: list[CodedPayload | None],
+        wires: list[PayloadLayout],
+        own: list[Tensor],
+        round_id: int,
+        sinks: dict[int, Sink],
+        contributions: dict[int, Contribution],
+        stats: RoundStats,
+    ) -> None:
+        """Every rule: spool the shard's contributions, judge each island, aggregate."""
+        failure = self._scatter(targets, shards, coded, wires, round_id, sinks, stats)
+        failure = finish_sinks(sinks, contributions, failure)
+        own_coded = coded[self.island_index]
+        encoded = own_coded.encode(own) if own_coded is not None else own
+        contributions[self.island_index] = MemoryContribution(self.island_index, encoded)
+        if own_coded is not None:
+            for island, c in contributions.items():
+                contributions[island] = own_coded.decoded(c)
+        block_numel = block_numel_of(own_coded, self.chunk_bytes)
+        mine = shards[self.island_index]
+        outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
+        if outcome == AggregatorOutcome.APPLIED:
+            self._aggregate(report, mine, own, contributions, block_numel, stats)
 
     def _scatter(
         self,
@@ -276,45 +343,13 @@ class ShardedAggregatorTransport:
         if failure is None:
             with record_function(labels.AGGREGATE):
                 for island, c in contributions.items():
-                    finite, sum_sq = finite_and_sum_sq(c, mine.layout, block_numel)
+                    finite, sum_sq = finite_and_sum_sq(
+                        c, mine.layout, block_numel, sum_sq=self.rule.max_norm is not None
+                    )
                     row[1 + island], row[1 + n + island] = float(finite), sum_sq
         table = torch.stack(self._all_gather(row))
         _count_all_gather(stats, row, n)
-        failed = [j for j in range(n) if table[j, 0] == 0.0]
-        if failed:
-            report.outcome = AggregatorOutcome.SPOOL_FAILED
-            raise SwarmRoundError(
-                f"swarm round {report.round_index}: the spool failed on island(s) {failed} "
-                f"({failure if failure is not None else 'see their logs'}). Anchors are "
-                "unchanged."
-            )
-        for island in range(n):
-            verdict = Verdict.ACCEPTED
-            if bool((table[:, 1 + island] == 0.0).any()):
-                verdict = Verdict.NON_FINITE
-            elif self.rule.max_norm is not None:
-                norm = float(table[:, 1 + n + island].sum().sqrt())
-                if norm > self.rule.max_norm:
-                    verdict = Verdict.ABOVE_NORM
-                    report.rejected[island] = f"L2 norm {norm:.6g} exceeds max_norm"
-            if verdict == Verdict.NON_FINITE:
-                report.rejected[island] = "non-finite values (NaN or Inf)"
-            if verdict == Verdict.ACCEPTED:
-                report.accepted.append(island)
-            elif island == self.island_index:
-                log.warning(
-                    "swarm round %d: this island's contribution was rejected (%s)",
-                    report.round_index,
-                    report.rejected[island],
-                )
-        if len(report.accepted) < self.rule.min_contributions or self.rule.zero_weight(
-            report.accepted
-        ):
-            report.outcome = AggregatorOutcome.SKIPPED
-            warnings.warn(
-                skip_message(report, n, self.rule.min_contributions), RuntimeWarning, stacklevel=4
-            )
-        return report.outcome
+        return read_verdicts(table, self.rule, report, self.island_index, failure)
 
     def _aggregate(
         self,
@@ -351,15 +386,7 @@ class ShardedAggregatorTransport:
         flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
         flags = self._all_gather(flag)
         _count_all_gather(stats, flag, self.num_islands)
-        failed = [j for j, f in enumerate(flags) if int(f) == 0]
-        if failed:
-            report.outcome = AggregatorOutcome.ERROR
-            if error is not None:
-                raise error
-            raise SwarmRoundError(
-                f"swarm round {report.round_index}: aggregation failed on island(s) {failed} "
-                "(their logs say why). Anchors are unchanged."
-            )
+        raise_if_failed(report, error, [j for j, f in enumerate(flags) if int(f) == 0])
 
 
 def block_numel_of(coded: CodedPayload | None, chunk_bytes: int) -> int:

@@ -1,0 +1,154 @@
+"""The mean of a sharded round, summed while the chunks arrive.
+
+For ``mean`` and ``weighted_mean`` (the rules that need each element's contributions only as a
+running sum), an owner need not spool its shard of every contribution and read it back twice
+(once to validate, once to aggregate): every step of the scatter brings chunk k of every peer's
+contribution at once, so the owner adds them, and its own, in island order into a float32
+accumulator of its shard as they arrive. The operations are the rule's own, element by element
+and in the same order (``algorithm.robust.mean``: copy island 0, add islands 1..n-1, divide by
+n; ``weighted_mean``: multiply then add, divide by the sum of the weights), so the result is
+bitwise the rotating aggregator's whenever every island is accepted.
+
+Validation comes from the sum itself: NaN or inf in any contribution makes that element of the
+sum non-finite (NaN and inf survive every addition, and multiplication by a finite weight,
+0 included), so a finite accumulator proves every island's shard finite. An accumulator that is
+not finite cannot say which island is at fault; the caller then judges the round again through
+the spool, island by island (``sharded.ShardedAggregatorTransport``).
+
+Memory: the accumulator is one shard of float32 (the payload / n), plus one chunk of scratch
+for weighted means; the received chunks are the stream's buffers, used before the next step
+reuses them. Torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+import lightning_swarm.profiling as labels
+from lightning_swarm.transport.aggregator.contributions import all_finite
+from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.payload import PayloadLayout
+
+FOLDED_RULES = ("mean", "weighted_mean")
+
+
+def folds(
+    layout: PayloadLayout, aggregation: str, max_norm: float | None, chunk_bytes: int
+) -> bool:
+    """Whether a round of ``layout`` can be summed as it arrives: a running-sum rule, no
+    ``max_norm`` (that needs each island's norm), float32 tensors only and chunks of whole
+    elements (the caller also rules out codecs). Pass the round's whole layout, which every
+    island agreed on, not a shard's: every island must take the same way."""
+    return (
+        aggregation in FOLDED_RULES
+        and max_norm is None
+        and chunk_bytes % 4 == 0
+        and all(spec.dtype == torch.float32 for spec in layout.specs)
+    )
+
+
+class ShardFold:
+    """The running (weighted) sum of every island's contribution to one shard.
+
+    Args:
+        layout: the shard's layout (float32 tensors; ``folds`` said yes).
+        own: this island's flat views of the shard, in ``layout`` order; read, never written
+            until ``write_into``.
+        island_index: this island; its contribution enters the sum at its place.
+        num_islands: every island is summed.
+        chunk_bytes: bytes per chunk of the scatter's stream.
+        weights: one weight per island for ``weighted_mean``; ``None`` for ``mean``.
+    """
+
+    def __init__(
+        self,
+        layout: PayloadLayout,
+        own: Sequence[Tensor],
+        island_index: int,
+        num_islands: int,
+        chunk_bytes: int,
+        weights: Sequence[float] | None,
+    ) -> None:
+        assert chunk_bytes % 4 == 0 and all(s.dtype == torch.float32 for s in layout.specs)
+        self.layout, self.own = layout, list(own)
+        self.me, self.n, self.chunk_bytes = island_index, num_islands, chunk_bytes
+        self.weights = list(weights) if weights is not None else None
+        self.acc = torch.empty(layout.data_bytes // 4, dtype=torch.float32)
+        scratch = min(chunk_bytes, layout.data_bytes) // 4 if weights is not None else 0
+        self._scratch = torch.empty(scratch, dtype=torch.float32)
+
+    def add(self, k: int, chunks: Mapping[int, Tensor]) -> None:
+        """Add chunk ``k`` of every island: ``chunks`` maps each peer to its chunk (uint8);
+        this island's own comes from ``own``. A step past the shard's end has no chunks."""
+        if not chunks:
+            return
+        base = k * self.chunk_bytes // 4
+        for island in range(self.n):
+            if island == self.me:
+                for p in self.layout.chunk_pieces(k, self.chunk_bytes):
+                    lo, count = base + p.chunk_start // 4, p.length // 4
+                    src = self.own[p.index][p.tensor_start // 4 : p.tensor_start // 4 + count]
+                    self._fold(island, self.acc[lo : lo + count], src)
+            else:
+                src = chunks[island].view(torch.float32)
+                self._fold(island, self.acc[base : base + src.numel()], src)
+
+    def _fold(self, island: int, dst: Tensor, src: Tensor) -> None:
+        if self.weights is None:
+            if island == 0:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+            return
+        if island == 0:
+            torch.mul(src, self.weights[0], out=dst)
+        else:
+            # Multiply, then add, as weighted_mean does: add_(alpha=w) may fuse the two.
+            term = self._scratch[: src.numel()]
+            torch.mul(src, self.weights[island], out=term)
+            dst.add_(term)
+
+    def collect(
+        self,
+        streams: ShardStreams,
+        sources: list[list[Tensor]],
+        wires: list[PayloadLayout],
+        stats: RoundStats,
+    ) -> tuple[bool, Exception | None]:
+        """Run the scatter (``streams.scatter_steps``), adding every step's chunks, then divide.
+
+        Returns whether the mean is finite, and the exception the sum raised, if any: the
+        stream still runs to its end then, so that no peer blocks in a step this island left.
+        """
+        error: Exception | None = None
+        for k, chunks in streams.scatter_steps(sources, wires, stats):
+            if error is None:
+                try:
+                    with record_function(labels.AGGREGATE):
+                        self.add(k, chunks)
+                except Exception as err:
+                    error = err
+        if error is not None:
+            return False, error
+        try:
+            with record_function(labels.AGGREGATE):
+                return self.finish(), None
+        except Exception as err:
+            return False, err
+
+    def finish(self) -> bool:
+        """Divide the sum into the mean; whether every value is finite (so every island's
+        shard was)."""
+        self.acc.div_(self.n if self.weights is None else sum(self.weights))
+        return all_finite(self.acc)
+
+    def write_into(self, targets: Sequence[Tensor]) -> None:
+        """Copy the mean into ``targets`` (flat views in ``layout`` order)."""
+        for spec, target in zip(self.layout.specs, targets, strict=True):
+            start = spec.offset // 4
+            target.copy_(self.acc[start : start + spec.numel])

@@ -1,0 +1,90 @@
+"""The verdicts of a sharded swarm round, read from a table every island holds.
+
+Each owner judged one shard of every island's contribution; one all-gather of their rows gives
+every rank the same table, so every rank derives the same verdicts and the same outcome with no
+further message. Column 0 of the table says whether each owner's spool held; then one column
+per island (its shard was finite on that owner) and one per island (the shard's sum of squares):
+
+- non-finite on any owner rejects the island everywhere;
+- ``max_norm`` compares the norm of the *whole* contribution (the square root of the shards'
+  summed squares) with the bound;
+- fewer accepted islands than ``min_contributions``, or accepted ``weighted_mean`` weights that
+  sum to 0, skip the round on every rank with the same warning.
+
+Torch only; the collectives are the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from torch import Tensor
+
+from lightning_swarm.transport.aggregator.round_status import (
+    AggregatorOutcome,
+    RoundReport,
+    SwarmRoundError,
+    skip_message,
+)
+from lightning_swarm.transport.aggregator.rounds import AggregationRule
+
+log = logging.getLogger("lightning_swarm.transport.aggregator.sharded")
+
+
+def read_verdicts(
+    table: Tensor,
+    rule: AggregationRule,
+    report: RoundReport,
+    island_index: int,
+    failure: Exception | None,
+) -> AggregatorOutcome:
+    """Fill ``report`` (accepted, rejected, outcome) from ``table`` (one row per owner:
+    ``[spool held, finite per island..., sum of squares per island...]``); ``failure`` is this
+    island's own spool error, named in the message.
+
+    Raises:
+        SwarmRoundError: some owner's spool failed (the outcome is ``SPOOL_FAILED``).
+    """
+    n = table.shape[0]
+    failed = [j for j in range(n) if table[j, 0] == 0.0]
+    if failed:
+        report.outcome = AggregatorOutcome.SPOOL_FAILED
+        raise SwarmRoundError(
+            f"swarm round {report.round_index}: the spool failed on island(s) {failed} "
+            f"({failure if failure is not None else 'see their logs'}). Anchors are unchanged."
+        )
+    for island in range(n):
+        if bool((table[:, 1 + island] == 0.0).any()):
+            report.rejected[island] = "non-finite values (NaN or Inf)"
+        elif rule.max_norm is not None:
+            norm = float(table[:, 1 + n + island].sum().sqrt())
+            if norm > rule.max_norm:
+                report.rejected[island] = f"L2 norm {norm:.6g} exceeds max_norm"
+        if island not in report.rejected:
+            report.accepted.append(island)
+        elif island == island_index:
+            log.warning(
+                "swarm round %d: this island's contribution was rejected (%s)",
+                report.round_index,
+                report.rejected[island],
+            )
+    if len(report.accepted) < rule.min_contributions or rule.zero_weight(report.accepted):
+        report.outcome = AggregatorOutcome.SKIPPED
+        warnings.warn(skip_message(report, n, rule.min_contributions), RuntimeWarning, stacklevel=6)
+    return report.outcome
+
+
+def raise_if_failed(report: RoundReport, error: Exception | None, failed: list[int]) -> None:
+    """After the islands shared whether their aggregation succeeded (``failed`` lists those
+    that did not): the island whose own raised re-raises it; every other raises
+    ``SwarmRoundError`` naming them. Nothing when every island succeeded."""
+    if not failed:
+        return
+    report.outcome = AggregatorOutcome.ERROR
+    if error is not None:
+        raise error
+    raise SwarmRoundError(
+        f"swarm round {report.round_index}: aggregation failed on island(s) {failed} "
+        "(their logs say why). Anchors are unchanged."
+    )
