@@ -85,8 +85,8 @@ class ElasticIsland:
             )
         membership = self.membership
         assert membership is not None, "the membership is built before the outer loop"
-        self._outer = ElasticOuter(outer_syncs, take_adopted=membership.take_adopted)
-        membership.place_fn = self._outer.place
+        self._outer = ElasticOuter(outer_syncs, take_adopted=membership.adoption.take)
+        membership.adoption.place_fn = self._outer.place
         # Islands whose rounds would mean different things are refused in the round header.
         outer = outer_syncs[0]
         membership.agree_on(

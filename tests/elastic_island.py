@@ -113,8 +113,8 @@ def main() -> None:
         membership.agree_on(
             swarm_settings(config, outer.outer_optimizer), fragments=fragment_shapes(outer)
         )
-        elastic = ElasticOuter([outer], take_adopted=membership.take_adopted)
-        membership.place_fn = elastic.place
+        elastic = ElasticOuter([outer], take_adopted=membership.adoption.take)
+        membership.adoption.place_fn = elastic.place
         outer_holder.append(elastic)
 
         def record(report: object, joined: bool) -> None:

@@ -18,18 +18,23 @@ from the header alone (``plan_round``), the same way everywhere:
   it has the swarm's committed rounds) makes every member abandon the round, and it adopts the
   swarm's clock without applying anything, so the next round lines up.
 
-``AdoptedRound`` is what the outer loop receives to finish that on its training thread.
-Nothing in this module talks to the network except ``share_adopted`` (the island's fan-out).
+``AdoptedRound`` is what the outer loop receives to finish that on its training thread;
+``RoundAdoption`` applies the rule round after round for one island. Nothing in this module
+talks to the network except ``share_adopted`` (the island's fan-out).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_swarm.membership.errors import MembershipError
+from lightning_swarm.membership.fanout import IslandFanout
+from lightning_swarm.membership.round_header import HeaderRow, reference_index
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,73 @@ def plan_round(
 def zeros_for(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
     """Float32 zeros in the fragment's shapes: a healed island's contribution."""
     return {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
+
+
+class RoundAdoption:
+    """One island's side of the module's rule, round after round (``TorchftMembership`` holds
+    one). The outer loop's glue sets ``fragments`` and ``place_fn`` and reads ``take``.
+
+    Lifetime: ``adopted`` is written on the thread that runs the round (the sync worker when
+    ``sync_delay > 0``) and read by ``take`` on the thread that waited for that round.
+    """
+
+    def __init__(self) -> None:
+        self.fragments: list[dict[str, tuple[int, ...]]] = []
+        self.place_fn: Callable[[], RoundPlace] | None = None
+        self.adopted: AdoptedRound | None = None
+        self._plan: RoundPlan | None = None
+
+    def mark(self, row: HeaderRow) -> None:
+        """A new round: write this island's place into its header row."""
+        self.adopted, self._plan = None, None
+        place = self.place_fn() if self.place_fn is not None else RoundPlace(0, 0, 0)
+        row.fragment, row.send_step, row.apply_step = astuple(place)
+
+    def contribution(
+        self, rows: list[HeaderRow], mine: HeaderRow, tensors: list[Tensor]
+    ) -> list[Tensor] | None:
+        """What this island averages in the round: its own tensors, zeros of the swarm's
+        fragment (adopting), or ``None`` when every member abandons the round."""
+        places = [RoundPlace(r.fragment, r.send_step, r.apply_step) for r in rows]
+        me = next(i for i, r in enumerate(rows) if r.nonce == mine.nonce)
+        plan = plan_round(places, [bool(r.healing) for r in rows], reference_index(rows), me)
+        self._plan = plan
+        if plan.abandon:
+            return None
+        if plan.adopt:
+            return list(zeros_for(self._shapes(plan.swarm.fragment)).values())
+        return tensors
+
+    def conclude(self, averaged: list[Tensor], applied: bool) -> None:
+        """After the commit gate: keep the swarm's round if this island adopted it."""
+        plan = self._plan
+        if plan is None or not plan.adopt:
+            return
+        names = list(self._shapes(plan.swarm.fragment))
+        deltas = dict(zip(names, averaged, strict=True)) if applied else {}
+        self.adopted = AdoptedRound(plan.swarm, deltas, applied)
+
+    def share(self, fanout: IslandFanout) -> None:
+        """The island's rank 0's adopted round on every rank of the island (collective)."""
+        if fanout.size > 1:
+            group = fanout.group
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            adopted = self.adopted if fanout.is_leader else None
+            self.adopted = share_adopted(group, src, fanout.is_leader, adopted, self.fragments)
+
+    def take(self) -> AdoptedRound | None:
+        """The swarm's round this island adopted in its last round, once."""
+        adopted, self.adopted = self.adopted, None
+        return adopted
+
+    def _shapes(self, fragment: int) -> dict[str, tuple[int, ...]]:
+        if not 0 <= fragment < len(self.fragments):
+            raise MembershipError(
+                f"the swarm's round syncs fragment {fragment}, but this island knows "
+                f"{len(self.fragments)} fragment(s); give the membership the outer loop's "
+                "fragments (agree_on)."
+            )
+        return self.fragments[fragment]
 
 
 def share_adopted(

@@ -16,7 +16,7 @@ islands is decided anew every round by torchft's Lighthouse. One round, on the i
 3. the mean over the participating islands (``Manager.allreduce``, bucketed; with a codec the
    quantized reduce-scatter of ``quorum_coded``); an island being healed contributes zeros
    and is not counted. With fragments, an island being healed averages the swarm's fragment,
-   not its own, and adopts the swarm's round (``adopt``): ``take_adopted`` hands it over;
+   not its own, and adopts the swarm's round (``adopt``; ``adoption.take`` hands it over);
 4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
    fail, so they vote no and the round is abandoned (anchors unchanged, local progress kept for
    the next round). A survivor that voted differently is behind by one commit at the next quorum
@@ -55,13 +55,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.membership.adopt import (
-    AdoptedRound,
-    RoundPlace,
-    plan_round,
-    share_adopted,
-    zeros_for,
-)
+from lightning_swarm.membership.adopt import RoundAdoption
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     LighthouseUnreachableError,
@@ -101,7 +95,6 @@ PhaseHook = Callable[[str, int], None]
 """Called with (phase, round) as each phase of a round starts on the island's rank 0: quorum,
 pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
 For failure injection in tests: it may kill or stop the process at a chosen moment."""
-PlaceFn = Callable[[], RoundPlace]
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
 
@@ -157,11 +150,8 @@ class TorchftMembership:
         self.layout = dict(layout)
         self.bucket_numel = bucket_numel
         self.codec = codec
-        # Streaming DiLoCo (``adopt``): each fragment's shapes, and where this island's round
-        # sits in its schedule (set by the outer loop's glue; one fragment at step 0 without).
-        self.fragments: list[dict[str, tuple[int, ...]]] = []
-        self.place_fn: PlaceFn | None = None
-        self._adopted: AdoptedRound | None = None
+        # Streaming DiLoCo: which round this island averages, its own or the swarm's.
+        self.adoption = RoundAdoption()
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
         self._state_fn, self._load_fn = state_fn, load_fn
@@ -185,7 +175,7 @@ class TorchftMembership:
         self._last_commit_at = time.monotonic()
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
-        self._rows: list[HeaderRow] = []
+        self._rows: list[HeaderRow] = []  # the last round header's
         error = None
         if self._fanout.is_leader:
             self._watch = SuspensionWatch()
@@ -257,7 +247,7 @@ class TorchftMembership:
         ``fragments``: each fragment's parameter shapes, in fragment order (an island being
         healed averages zeros of the swarm's fragment)."""
         self._settings = dict(settings)
-        self.fragments = list(fragments or [])
+        self.adoption.fragments = list(fragments or [])
         encoded = encode_settings(self._settings)
         self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
 
@@ -290,12 +280,7 @@ class TorchftMembership:
                 error = err
         self._fanout.share_error(error)
         outcome = self._fanout.share_outcome(outcome, list(tensors.values()))
-        adopted = self._adopted if self._fanout.is_leader else None
-        if self._fanout.size > 1:
-            fan = self._fanout
-            src = dist.get_global_rank(fan.group, 0) if fan.group is not None else 0
-            adopted = share_adopted(fan.group, src, fan.is_leader, adopted, self.fragments)
-        self._adopted = adopted
+        self.adoption.share(self._fanout)
         if outcome.healed is not None:
             self._load_fn(outcome.healed)
             self.totals.heals += 1
@@ -309,40 +294,27 @@ class TorchftMembership:
             bytes_sent=moved,
             bytes_received=moved,
             wall_s=time.perf_counter() - start,
-            # An island that adopted the swarm's round drops its own (``take_adopted``).
-            applied=outcome.committed and not outcome.genesis and adopted is None,
+            # An island that adopted the swarm's round drops its own (``adoption.take``).
+            applied=outcome.committed and not outcome.genesis and self.adoption.adopted is None,
         )
-
-    def take_adopted(self) -> AdoptedRound | None:
-        """The swarm's round this island adopted in its last round, once (see ``adopt``).
-
-        Read it on the thread that waited for ``average``: it was set there.
-        """
-        adopted, self._adopted = self._adopted, None
-        return adopted
 
     def _lead_round(self, tensors: list[Tensor]) -> RoundOutcome:
         manager = self._manager
         self._healed = None
-        self._adopted = None
         self._rounds_started += 1
         self._phase("quorum")
         self._quorum()
         healing = not manager.is_participating()
         genesis = manager.current_step() == 0
         self._phase("header")
-        place = self.place_fn() if self.place_fn is not None else RoundPlace(0, 0, 0)
-        self._row.fragment, self._row.send_step = place.fragment, place.send_step
-        self._row.apply_step = place.apply_step
+        self.adoption.mark(self._row)
         conflict = self._check_round_header(healing, all_finite(tensors))
         participants = manager.num_participants()
-        plan = None if conflict else self._plan(healing)
-        if plan is not None and plan.abandon:
-            manager.report_error(MembershipError("islands were at different fragments"))
+        averaged = None if conflict else self.adoption.contribution(self._rows, self._row, tensors)
+        if averaged is None and not conflict:
+            manager.report_error(MembershipError("the islands were at different fragments"))
             conflict = True
-        averaged = tensors
-        if plan is not None and plan.adopt:
-            averaged = list(zeros_for(self._fragment_shapes(plan.swarm.fragment)).values())
+        averaged = tensors if averaged is None else averaged
         self.last_round_bytes = 0
         if not conflict:
             self._phase("mean")
@@ -352,11 +324,7 @@ class TorchftMembership:
         self._watch_min_islands(participants, committed)
         if committed:
             self._last_commit_at = time.monotonic()
-        if plan is not None and plan.adopt:
-            applied = committed and not genesis and not conflict
-            names = list(self._fragment_shapes(plan.swarm.fragment))
-            deltas = dict(zip(names, averaged, strict=True)) if applied else {}
-            self._adopted = AdoptedRound(plan.swarm, deltas, applied)
+        self.adoption.conclude(averaged, committed and not genesis and not conflict)
         outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
         if self._healed is not None:
             outcome.healed = self._healed
@@ -427,18 +395,6 @@ class TorchftMembership:
             self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
         model = rows[reference_index(rows)].model
         raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
-
-    def _plan(self, healing: bool) -> Any:
-        """This island's plan for the round, from the header's rows (``adopt.plan_round``)."""
-        rows = self._rows
-        places = [RoundPlace(r.fragment, r.send_step, r.apply_step) for r in rows]
-        me = next(i for i, r in enumerate(rows) if r.nonce == self._row.nonce)
-        return plan_round(places, [bool(r.healing) for r in rows], reference_index(rows), me)
-
-    def _fragment_shapes(self, fragment: int) -> dict[str, tuple[int, ...]]:
-        if not self.fragments:
-            raise MembershipError("the swarm syncs fragments but this island was not told its own")
-        return self.fragments[fragment]
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
         """The mean over participating islands, bucketed, written back in place."""
