@@ -69,6 +69,7 @@ class ElasticIsland:
             island_group=island_group,
             bucket_numel=bucket_numel,
             codec=codec_of(self.config),
+            background=self.config.sync_delay > 0,
         )
         return self.membership
 

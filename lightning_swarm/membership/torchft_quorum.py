@@ -130,6 +130,9 @@ class TorchftMembership:
             exists, else an island of one rank).
         bucket_numel: float32 elements per all-reduce bucket.
         codec: quantize the mean (``quorum_coded``); ``None`` averages float32.
+        background: rounds run on a worker thread while the training thread's DDP uses the
+            island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
+            own, since two threads' collectives on one group interleave differently per rank.
 
     Raises:
         LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
@@ -145,6 +148,7 @@ class TorchftMembership:
         island_group: dist.ProcessGroup | None = None,
         bucket_numel: int = 8 << 20,
         codec: Codec | None = None,
+        background: bool = False,
     ) -> None:
         self.config = config
         self.layout = dict(layout)
@@ -155,7 +159,7 @@ class TorchftMembership:
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
         self._state_fn, self._load_fn = state_fn, load_fn
-        self._fanout = IslandFanout(island_group)
+        self._fanout = IslandFanout(island_group, side_group=True if background else None)
         self._short_since: float | None = None
         self._settings: Settings = {}
         self._row = HeaderRow(
