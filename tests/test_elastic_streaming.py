@@ -110,3 +110,43 @@ def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(tmp_path: Path) 
     heal = [r for r in rounds(tmp_path, "d") if r["joined"]][-1]
     assert heal["heals"] >= 1 and heal["applied"], heal
     assert heal["anchors"] == anchors_by_round(tmp_path, "a")[heal["outer_steps"]]
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_island_with_a_fragment_round_in_flight_is_healed(tmp_path: Path) -> None:
+    """c stops itself (SIGSTOP) in the quantized mean of a fragment round running on its
+    worker; a and b commit rounds without it. Continued, c takes that round as abandoned, is
+    healed at another fragment of the swarm's schedule, adopts the swarm's round, commits
+    again, and a, b and c end bitwise equal."""
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address, _reaped(started):
+        stop = tmp_path / "stop"
+        opts = [*STREAM, *TIMEOUTS, "--rounds", "10000", "--step-s", "0.03"]
+        opts += ["--stop-file", str(stop)]
+        procs = {n: start_island(tmp_path, address, n, *opts) for n in "ab"}
+        procs["c"] = start_island(tmp_path, address, "c", *opts, "--fault", "mean:5:freeze")
+        started.extend(procs.values())
+        wait_for((tmp_path / "c.freeze").exists, 90, "c to stop itself in the mean")
+        frozen_at = time.time()
+        wait_for(
+            lambda: len([r for r in _committed(tmp_path, "a") if float(r["t"]) > frozen_at]) >= 3,
+            60,
+            "a's rounds without c",
+        )
+        heals_before = rounds(tmp_path, "c")[-1]["heals"]
+        procs["c"].send_signal(signal.SIGCONT)
+        continued_at = time.time()
+        wait_for(
+            lambda: any(
+                r["heals"] > heals_before and float(r["t"]) > continued_at
+                for r in _committed(tmp_path, "c")
+            ),
+            90,
+            "c to be healed and commit again",
+        )
+        stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 4))
+        _finish_all(procs, tmp_path, 90)
+    _assert_equal(tmp_path, "abc")
+    c_log = rounds(tmp_path, "c")
+    after = [r for r in c_log if float(r["t"]) > continued_at]
+    assert not after[0]["applied"]  # the round frozen in flight was abandoned
