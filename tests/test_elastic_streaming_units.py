@@ -174,3 +174,29 @@ def test_streaming_options_are_accepted_with_torchft_and_the_swarm_transport_ref
     with pytest.raises(ValueError, match="transport='swarm'") as caught:
         elastic_options(swarm)
     assert "transport='allreduce'" in str(caught.value)
+
+
+def test_a_join_applies_a_round_in_flight_restored_from_a_checkpoint_first() -> None:
+    """A checkpoint written with sync_delay > 0 between a round's send and its apply holds
+    that round (its averaged result); an elastic island resumed from it applies the round
+    before its first elastic round (it refused to start before: a round in flight)."""
+    worker = SyncWorker()
+    try:
+        saved = _sync(Scripted([True] * 3), worker)
+        for step in range(1, 3):  # fragment 1 sent after step 2, in flight
+            _step(saved.params, step)
+            saved.on_inner_step()
+        assert saved.in_flight == 1
+        state = saved.state_dict()  # waits for the exchange; holds its mean
+        resumed = _sync(Scripted([True]), worker)
+        resumed.load_state_dict(state)
+        assert resumed.in_flight == 1
+        reports = ElasticOuter([resumed]).join_round()
+        assert resumed.fragment_rounds == [1, 1]  # the restored round, then the join's
+        assert reports[0].applied and resumed.in_flight is None
+        _step(saved.params, 3)
+        saved.on_inner_step()  # the uninterrupted island applies it at step 3
+        for name in ("1.weight", "1.bias"):
+            assert resumed.anchors[name].equal(saved.anchors[name]), name
+    finally:
+        worker.close()

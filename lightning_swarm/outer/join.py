@@ -163,7 +163,13 @@ class ElasticOuter:
 
     @torch.no_grad()
     def join_round(self) -> list[SyncReport]:
-        """Each optimizer's first elastic round, now (see the module docstring)."""
+        """Each optimizer's first elastic round, now (see the module docstring).
+
+        A round in flight restored from a checkpoint (saved with ``sync_delay > 0``) is applied
+        first, as the swarm applied it when the checkpoint was written.
+        """
+        for outer in self.outer_syncs:
+            outer.engine.apply_in_flight()
         progress = [
             {name: p.float() - outer.anchors[name].float() for name, p in outer.params.items()}
             for outer in self.outer_syncs
