@@ -77,17 +77,21 @@ def _committed(out: Path, island: str) -> list[dict[str, Any]]:
     return [r for r in rounds(out, island) if r["applied"] and not r["joined"]]
 
 
+@pytest.mark.parametrize("quantize", ["int8", "none"])
 @pytest.mark.timeout(300)
-def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(tmp_path: Path) -> None:
+def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(
+    tmp_path: Path, quantize: str
+) -> None:
     """c is SIGKILLed in the quantized mean of a fragment round (its 5th round, sync_delay 1:
     a round in flight on the worker); a and b abandon it and go on. A new island d then joins
     mid-stream: healed with every fragment's anchors and outer state, it adopts the swarm's
-    fragment round in flight, holds a's anchors after it, and a, b and d end bitwise equal."""
+    fragment round in flight, holds a's anchors after it, and a, b and d end bitwise equal.
+    With ``quantize="none"`` the same runs over torchft's float32 all-reduce."""
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse(heartbeat_timeout_ms=1500) as address, _reaped(started):
         stop = tmp_path / "stop"
         opts = [*STREAM, *TIMEOUTS, "--rounds", "10000", "--step-s", "0.03"]
-        opts += ["--stop-file", str(stop)]
+        opts += ["--stop-file", str(stop), "--quantize", quantize]
         procs = {n: start_island(tmp_path, address, n, *opts) for n in "ab"}
         procs["c"] = start_island(tmp_path, address, "c", *opts, "--fault", "mean:5:kill")
         started.extend(procs.values())
