@@ -110,7 +110,8 @@ def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(
     _assert_equal(tmp_path, "abd")
     a_log = rounds(tmp_path, "a")
     abandoned = [r for r in a_log if not r["applied"] and not r["joined"]]
-    assert abandoned and all(r["islands"] == 3 for r in abandoned[:1]), abandoned
+    # The round c died in had all three (earlier quorums may have formed before c came).
+    assert any(r["islands"] == 3 for r in abandoned), abandoned
     heal = [r for r in rounds(tmp_path, "d") if r["joined"]][-1]
     assert heal["heals"] >= 1 and heal["applied"], heal
     assert heal["anchors"] == anchors_by_round(tmp_path, "a")[heal["outer_steps"]]
