@@ -32,7 +32,7 @@ from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.build import codec_of
-from lightning_swarm.outer.join import ElasticOuter, fragment_shapes
+from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
 
 
@@ -86,14 +86,10 @@ class ElasticIsland:
             )
         membership = self.membership
         assert membership is not None, "the membership is built before the outer loop"
-        self._outer = ElasticOuter(outer_syncs, take_adopted=membership.adoption.take)
-        membership.adoption.place_fn = self._outer.place
+        self._outer = ElasticOuter(outer_syncs)
+        self._outer.connect(membership.adoption)
         # Islands whose rounds would mean different things are refused in the round header.
-        outer = outer_syncs[0]
-        membership.agree_on(
-            swarm_settings(self.config, outer.outer_optimizer),
-            fragments=fragment_shapes(outer),
-        )
+        membership.agree_on(swarm_settings(self.config, outer_syncs[0].outer_optimizer))
 
     def join(self, trainer: pl.Trainer) -> dict[str, float]:
         """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""

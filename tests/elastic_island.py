@@ -27,7 +27,7 @@ from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer import OuterSync, StreamingOptions
-from lightning_swarm.outer.join import ElasticOuter, fragment_shapes
+from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.worker import SyncWorker
 from tests.elastic_faults import fault_hook
 
@@ -110,11 +110,9 @@ def main() -> None:
             ),
         )
         membership.on_phase = fault_hook(args.fault, out, args.island)
-        membership.agree_on(
-            swarm_settings(config, outer.outer_optimizer), fragments=fragment_shapes(outer)
-        )
-        elastic = ElasticOuter([outer], take_adopted=membership.adoption.take)
-        membership.adoption.place_fn = elastic.place
+        membership.agree_on(swarm_settings(config, outer.outer_optimizer))
+        elastic = ElasticOuter([outer])
+        elastic.connect(membership.adoption)
         outer_holder.append(elastic)
 
         def record(report: object, joined: bool) -> None:

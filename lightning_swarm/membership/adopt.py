@@ -88,7 +88,8 @@ def zeros_for(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Tensor]:
 
 class RoundAdoption:
     """One island's side of the module's rule, round after round (``TorchftMembership`` holds
-    one). The outer loop's glue sets ``fragments`` and ``place_fn`` and reads ``take``.
+    one). The outer loop sets ``fragments`` and ``place_fn`` and reads ``take``
+    (``outer.join.ElasticOuter.connect``).
 
     Lifetime: ``adopted`` is written on the thread that runs the round (the sync worker when
     ``sync_delay > 0``) and read by ``take`` on the thread that waited for that round.
@@ -117,6 +118,8 @@ class RoundAdoption:
         self._plan = plan
         if plan.abandon:
             return None
+        if plan.adopt and not self.fragments:  # one fragment (nobody said otherwise)
+            return [torch.zeros_like(t) for t in tensors]
         if plan.adopt:
             return list(zeros_for(self._shapes(plan.swarm.fragment)).values())
         return tensors
@@ -126,7 +129,12 @@ class RoundAdoption:
         plan = self._plan
         if plan is None or not plan.adopt:
             return
-        names = list(self._shapes(plan.swarm.fragment))
+        names = list(self._shapes(plan.swarm.fragment)) if self.fragments else []
+        if applied and not names:
+            raise MembershipError(
+                "this island adopted the swarm's round but does not know the outer loop's "
+                "parameter names; connect them first (ElasticOuter.connect(adoption))."
+            )
         deltas = dict(zip(names, averaged, strict=True)) if applied else {}
         self.adopted = AdoptedRound(plan.swarm, deltas, applied)
 
@@ -147,8 +155,8 @@ class RoundAdoption:
         if not 0 <= fragment < len(self.fragments):
             raise MembershipError(
                 f"the swarm's round syncs fragment {fragment}, but this island knows "
-                f"{len(self.fragments)} fragment(s); give the membership the outer loop's "
-                "fragments (agree_on)."
+                f"{len(self.fragments)} fragment(s); connect the outer loop to the membership "
+                "(ElasticOuter.connect(adoption))."
             )
         return self.fragments[fragment]
 

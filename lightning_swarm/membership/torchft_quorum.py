@@ -241,17 +241,10 @@ class TorchftMembership:
             ) from err
         self._identity = QuorumIdentity(self._manager)
 
-    def agree_on(
-        self,
-        settings: Settings,
-        fragments: list[dict[str, tuple[int, ...]]] | None = None,
-    ) -> None:
+    def agree_on(self, settings: Settings) -> None:
         """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
-        before the first round; an island whose settings differ is refused, naming them.
-        ``fragments``: each fragment's parameter shapes, in fragment order (an island being
-        healed averages zeros of the swarm's fragment)."""
+        before the first round; an island whose settings differ is refused, naming them."""
         self._settings = dict(settings)
-        self.adoption.fragments = list(fragments or [])
         encoded = encode_settings(self._settings)
         self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.membership.adopt import AdoptedRound, RoundPlace
+from lightning_swarm.membership.adopt import AdoptedRound, RoundAdoption, RoundPlace
 from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight
@@ -64,6 +64,14 @@ class ElasticOuter:
         self.healed = False
         self._kept: dict[str, Any] | None = None
         self._joining = False
+
+    def connect(self, adoption: RoundAdoption) -> None:
+        """Wire this island's membership (``TorchftMembership.adoption``) to these syncs: it
+        learns each fragment's shapes and where a round sits, and hands adopted rounds here.
+        ``settle`` must then run on the training thread after every round's report."""
+        adoption.fragments = fragment_shapes(self.outer_syncs[0])
+        adoption.place_fn = self.place
+        self.take_adopted = adoption.take
 
     def place(self) -> RoundPlace:
         """Where the round being exchanged sits in this island's schedule (for the header).
