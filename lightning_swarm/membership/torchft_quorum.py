@@ -31,9 +31,10 @@ first is healed to the first island's anchors and no outer step is taken (``appl
 
 Islands of several ranks: only the island's rank 0 talks to torchft (one Manager per island,
 replica group size 1). The island's other ranks follow over the island's own process group: rank
-0 broadcasts the round's outcome, a healed state and the averaged tensors. Every rank of the
-island therefore sees the same outcome and the same errors. The cross-island bytes are those of
-one rank per island; the island's fast fabric carries the fan-out.
+0 broadcasts the round's outcome, a healed state, an adopted round and the averaged tensors.
+Every rank of the island therefore sees the same outcome and the same errors. With rounds on a
+background worker (``background``) the fan-out gets a gloo group of its own. The cross-island
+bytes are those of one rank per island; the island's fast fabric carries the fan-out.
 
 Ownership: the Manager, its TCPStore and its process group belong to this object until
 ``close``. Healed state is handed to ``load_fn`` (the outer loop), which adopts its tensors.
