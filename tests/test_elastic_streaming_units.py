@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -200,3 +201,96 @@ def test_a_join_applies_a_round_in_flight_restored_from_a_checkpoint_first() -> 
             assert resumed.anchors[name].equal(saved.anchors[name]), name
     finally:
         worker.close()
+
+
+class _Quorum:
+    """Two islands' torchft process group in one process (one thread per island): just the
+    ``alltoall_base`` the quantized mean uses, with a barrier where gloo would wait."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(2)
+        self.deposits: dict[int, list[Tensor]] = {}
+
+    def member(self, rank: int) -> Any:
+        quorum = self
+
+        class Parent:
+            def rank(self) -> int:
+                return rank
+
+        class Work:
+            def wait(self) -> None:
+                pass
+
+        class Member:
+            parent = Parent()
+
+            def size(self) -> int:
+                return 2
+
+            def alltoall_base(
+                self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int], _: Any
+            ) -> Work:
+                quorum.deposits[rank] = list(inp.split(in_splits))
+                quorum.barrier.wait()
+                out.copy_(torch.cat([quorum.deposits[src][rank] for src in (0, 1)]))
+                quorum.barrier.wait()  # both read before the next exchange overwrites
+                return Work()
+
+        return Member()
+
+
+class _Manager:
+    def __init__(self, participating: bool) -> None:
+        self.participating = participating
+        self.errors: list[Exception] = []
+
+    def num_participants(self) -> int:
+        return 1  # the island being healed is not counted
+
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def report_error(self, err: Exception) -> None:
+        self.errors.append(err)
+
+
+def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwise() -> None:
+    """Island 0 contributes x, island 1 is being healed (its tensors are its own pseudo-
+    gradient, which must not count): both get decode(encode(decode(encode(x)) / 1)) bit for
+    bit, and the bytes of a reduce-scatter of the encoded payload."""
+    import threading
+
+    from lightning_swarm.membership.quorum_coded import coded_quorum_mean
+    from lightning_swarm.transport.coded_mean import reduce_scatter_bytes
+    from lightning_swarm.transport.pieces import encoded_nbytes, plan_coded_buckets, plan_shares
+
+    codec = Codec("int8", block_size=4)
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(10, generator=g), torch.randn(3, 2, generator=g)]
+    own = [torch.randn(10, generator=g), torch.randn(3, 2, generator=g)]  # the healed one's
+    tensors = {0: [t.clone() for t in x], 1: [t.clone() for t in own]}
+    managers = {0: _Manager(True), 1: _Manager(False)}
+    quorum, moved = _Quorum(), {}
+
+    def island(rank: int) -> None:
+        moved[rank] = coded_quorum_mean(
+            managers[rank], quorum.member(rank), tensors[rank], codec, bucket_numel=8
+        )
+
+    threads = [threading.Thread(target=island, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not managers[0].errors and not managers[1].errors
+    for got0, got1, want in zip(tensors[0], tensors[1], x, strict=True):
+        expected = codec.roundtrip(codec.roundtrip(want.view(-1))).view(want.shape)
+        assert got0.equal(got1)
+        assert got0.equal(expected)
+    buckets = plan_coded_buckets([10, 6], 8, codec.block_size)
+    sizes = [[encoded_nbytes(codec, s) for s in plan_shares(b, 2, 4)] for b in buckets]
+    assert moved[0] == sum(reduce_scatter_bytes(s, 0) for s in sizes) > 0
+    assert moved[1] == sum(reduce_scatter_bytes(s, 1) for s in sizes)
