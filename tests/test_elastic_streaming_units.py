@@ -122,13 +122,15 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
         elastic = ElasticOuter([island])
         elastic.install(peer_state)
         _step(live.params, 7)
-        live.on_inner_step()  # the live island applies fragment 1 at step 7
+        live_report = live.on_inner_step()  # the live island applies fragment 1 at step 7
+        assert live_report is not None and live_report.applied
         mean = dict(swarm.last)
         assert list(mean) == ["1.weight", "1.bias"]
         elastic.take_adopted = lambda: AdoptedRound(RoundPlace(1, 6, 7), mean, True)
         own = {n: island.params[n].detach() - island.anchors[n] for n in island.params}
         report = elastic.settle()
         assert report is not None and report.applied and report.fragment == 1
+        assert report.pseudo_grad_norm == live_report.pseudo_grad_norm > 0
         assert island.inner_steps == 7 and island.outer_steps == live.outer_steps
         for name in live.anchors:
             assert island.anchors[name].equal(live.anchors[name]), name

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lightning_swarm.algorithm import global_norm
 from lightning_swarm.membership.adopt import AdoptedRound, RoundAdoption, RoundPlace
 from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.sync import OuterSync
@@ -146,7 +147,7 @@ class ElasticOuter:
             adopted.place.fragment,
             adopted.place.send_step,
             adopted.deltas,
-            result=Exchanged(RoundStats(applied=True), 0.0),
+            result=Exchanged(RoundStats(applied=True), global_norm(list(adopted.deltas.values()))),
         )
         return engine.apply(adopted.place.fragment)
 
