@@ -54,7 +54,9 @@ def _outer(params: dict[str, torch.nn.Parameter], transport: Any, every: int) ->
     return OuterSync(params, outer_optimizer=sgd, transport=transport, sync_every=every)
 
 
-def _train(outer: OuterSync, rounds: int, step_s: float, log: Path) -> None:
+def _train(
+    outer: OuterSync, rounds: int, step_s: float, log: Path, elastic: ElasticOuter | None = None
+) -> None:
     times: list[float] = []
     with log.open("a") as f:
         while outer.outer_steps < rounds:
@@ -63,6 +65,8 @@ def _train(outer: OuterSync, rounds: int, step_s: float, log: Path) -> None:
                     p.add_(1e-3)
             time.sleep(step_s)
             report = outer.on_inner_step()
+            if report is not None and elastic is not None:
+                report = elastic.settle() or report  # a round adopted while healed
             if report is not None:
                 times.append(report.transport_s)
                 row = {"t": time.time(), "applied": report.applied, "s": report.transport_s}
@@ -87,8 +91,9 @@ def elastic_island(
     )
     outer = _outer(params, membership, every=1)
     holder.append(ElasticOuter([outer]))
+    holder[0].connect(membership.adoption)
     holder[0].join_round()
-    _train(outer, rounds, step_s, Path(out) / f"{name}.jsonl")
+    _train(outer, rounds, step_s, Path(out) / f"{name}.jsonl", holder[0])
     totals = membership.totals
     Path(out, f"{name}.heal.json").write_text(
         json.dumps({"bytes": totals.heal_bytes, "s": totals.heal_time_s})

@@ -90,6 +90,7 @@ def island(args: argparse.Namespace) -> None:
     outer = OuterSync(params, outer_optimizer=sgd, transport=membership, sync_every=args.every)
     membership.agree_on(swarm_settings(SwarmConfig(sync_every=args.every), outer.outer_optimizer))
     holder.append(ElasticOuter([outer]))
+    holder[0].connect(membership.adoption)
     seed = int(hashlib.sha256(args.island.encode()).hexdigest()[:8], 16)
     stop_file, last_round = out / "stop", None
     with (out / f"{args.island}.jsonl").open("a") as log:
@@ -111,6 +112,7 @@ def island(args: argparse.Namespace) -> None:
             time.sleep(args.step_s)
             report = outer.on_inner_step()
             if report is not None:
+                report = holder[0].settle() or report  # a round adopted while healed
                 record(report.applied, joined=False)
                 if stop_file.exists():
                     last_round = int(stop_file.read_text())

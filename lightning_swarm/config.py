@@ -137,7 +137,10 @@ class SwarmConfig:
         membership: ``"static"`` (one torch.distributed world, every island in every round) or
             ``"torchft"`` (each launch is one island; islands meet through a lighthouse and
             may fail, restart and join; docs/elastic.md). Checked with the options below by
-            ``lightning_swarm.membership.elastic_options``.
+            ``lightning_swarm.membership.elastic_options``: with ``"torchft"``, fragments,
+            ``sync_delay``, ``merge_alpha`` and ``quantize`` (with error feedback) work, each
+            fragment's round being a torchft round of its own; ``transport="swarm"`` is
+            refused.
         lighthouse: torchft only: the lighthouse's address, e.g. ``http://host:29510``.
         island_id: torchft only: this island's name, unique among live islands.
         min_islands: torchft only: a round commits only with at least this many islands.

@@ -9,8 +9,9 @@ Which step counts. Lightning's ``global_step`` stays the island's own count of i
 restarted island starts it at 0 again, and logs, ``every_n_train_steps`` checkpoints and the
 island's own LR schedulers follow it. The swarm's clock is its committed rounds, which a joiner
 receives when healed. ``max_steps`` is read on that clock: the fit ends after the round that
-brings the swarm to ``ceil(max_steps / sync_every)`` committed rounds, on every island at the
-same round, so the islands still in the swarm end holding the same global model (each sets
+brings the swarm to ``ceil(max_steps / sync_every) * num_fragments`` committed rounds (each
+fragment syncs once every ``sync_every`` steps), on every island at the same round, so the
+islands still in the swarm end holding the same global model (each sets
 its parameters to the anchors of that round: with ``merge_alpha > 0`` the round left a mix).
 Lightning's own ``max_steps`` limit is lifted for that: an island whose rounds were abandoned
 has run more inner steps than the swarm's clock shows and must not stop before the others.
@@ -30,6 +31,7 @@ from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from lightning_swarm.outer.build import codec_of
 from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
 
@@ -66,6 +68,8 @@ class ElasticIsland:
             load_fn=lambda state: self._elastic_outer.install(state),
             island_group=island_group,
             bucket_numel=bucket_numel,
+            codec=codec_of(self.config),
+            background=self.config.sync_delay > 0,
         )
         return self.membership
 
@@ -80,15 +84,18 @@ class ElasticIsland:
                 f"membership='torchft' supports one optimizer, this module has "
                 f"{len(outer_syncs)}; use membership='static' for several."
             )
+        membership = self.membership
+        assert membership is not None, "the membership is built before the outer loop"
         self._outer = ElasticOuter(outer_syncs)
-        assert self.membership is not None, "the membership is built before the outer loop"
+        self._outer.connect(membership.adoption)
         # Islands whose rounds would mean different things are refused in the round header.
-        self.membership.agree_on(swarm_settings(self.config, outer_syncs[0].outer_optimizer))
+        membership.agree_on(swarm_settings(self.config, outer_syncs[0].outer_optimizer))
 
     def join(self, trainer: pl.Trainer) -> dict[str, float]:
         """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""
         if trainer.max_steps > 0:
-            self._target_rounds = math.ceil(trainer.max_steps / self.sync_every)
+            per_sync = self.config.num_fragments  # each fragment syncs once per sync_every
+            self._target_rounds = math.ceil(trainer.max_steps / self.sync_every) * per_sync
             trainer.fit_loop.epoch_loop.max_steps = -1
         report = self._elastic_outer.join_round()[0]
         return self.after_round(trainer, {"swarm/outer_steps": float(report.outer_steps)})
@@ -98,6 +105,11 @@ class ElasticIsland:
         assert self.membership is not None
         totals = self.membership.totals
         out = dict(metrics)
+        # The swarm's round this island adopted (healed, or out of step): applied here, on
+        # the training thread, after its own round was resolved.
+        adopted = self._elastic_outer.settle()
+        if adopted is not None:
+            out["swarm/outer_steps"] = float(adopted.outer_steps)
         out["swarm/islands_in_round"] = float(totals.islands_in_round)
         out["swarm/rounds_abandoned"] = float(totals.rounds_abandoned)
         out["swarm/heal_bytes"] = float(totals.heal_bytes)

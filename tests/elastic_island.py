@@ -19,13 +19,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lightning_swarm.algorithm.codecs import codec_for
+from lightning_swarm.algorithm.fragments import build_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.outer import OuterSync
+from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.join import ElasticOuter
+from lightning_swarm.outer.worker import SyncWorker
 from tests.elastic_faults import fault_hook
 
 
@@ -50,6 +53,10 @@ def main() -> None:
     parser.add_argument("--min-islands", type=int, default=2)
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
     parser.add_argument("--round-timeout", type=float, default=10.0)
+    parser.add_argument("--fragments", type=int, default=1, help="num_fragments")
+    parser.add_argument("--delay", type=int, default=0, help="sync_delay")
+    parser.add_argument("--alpha", type=float, default=0.0, help="merge_alpha")
+    parser.add_argument("--quantize", default="none", help="int8 / int4 (with error feedback)")
     parser.add_argument(
         "--stop-file", default=None, help="when it exists, it holds the round to stop after"
     )
@@ -57,6 +64,15 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Linear(args.width, 2))
+    config = SwarmConfig(
+        sync_every=args.every,
+        num_fragments=args.fragments,
+        sync_delay=args.delay,
+        merge_alpha=args.alpha,
+        quantize=args.quantize,
+    )
+    codec = codec_for(args.quantize)
+    worker = SyncWorker() if args.delay > 0 else None
     params = dict(model.named_parameters())
     outer_holder: list[ElasticOuter] = []
     membership = None
@@ -75,6 +91,7 @@ def main() -> None:
             layout=model_layout(params),
             state_fn=lambda: outer_holder[0].state(),
             load_fn=lambda state: outer_holder[0].install(state),
+            codec=codec,
         )
         outer = OuterSync(
             params,
@@ -83,12 +100,19 @@ def main() -> None:
             ),
             transport=membership,
             sync_every=args.every,
+            streaming=StreamingOptions(
+                fragments=build_fragments(list(params), args.fragments),
+                sync_delay=args.delay,
+                merge_alpha=args.alpha,
+                codec=codec,
+                error_feedback=codec is not None,
+                worker=worker,
+            ),
         )
         membership.on_phase = fault_hook(args.fault, out, args.island)
-        membership.agree_on(
-            swarm_settings(SwarmConfig(sync_every=args.every), outer.outer_optimizer)
-        )
+        membership.agree_on(swarm_settings(config, outer.outer_optimizer))
         elastic = ElasticOuter([outer])
+        elastic.connect(membership.adoption)
         outer_holder.append(elastic)
 
         def record(report: object, joined: bool) -> None:
@@ -102,6 +126,8 @@ def main() -> None:
                 "heals": membership.totals.heals,  # type: ignore[union-attr]
                 "heal_bytes": membership.totals.heal_bytes,  # type: ignore[union-attr]
                 "anchors": digest(outer.anchors),
+                "residuals": digest(outer.residuals),
+                "bytes_sent": report.bytes_sent,  # type: ignore[attr-defined]
                 "params": digest({k: v.detach() for k, v in params.items()}),
             }
             log.write(json.dumps(line) + "\n")
@@ -121,9 +147,14 @@ def main() -> None:
             time.sleep(args.step_s)
             report = outer.on_inner_step()
             if report is not None:
+                # A round of the swarm this island adopted (healed) is applied here.
+                report = elastic.settle() or report
                 record(report, joined=False)
                 if args.stop_file and Path(args.stop_file).exists():
                     last_round = min(args.rounds, int(Path(args.stop_file).read_text()))
+        # The swarm's last round merged one fragment (with merge_alpha, a mix): every island
+        # lands on the anchors, as the Lightning glue does.
+        elastic.land_on_anchors()
         save_file(
             {
                 **{f"anchor.{k}": v for k, v in outer.anchors.items()},
@@ -137,6 +168,8 @@ def main() -> None:
     finally:
         if membership is not None:
             membership.close()
+        if worker is not None:
+            worker.close()
     sys.exit(0)
 
 

@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--fragments", type=int, default=1, help="num_fragments")
+    parser.add_argument("--delay", type=int, default=0, help="sync_delay")
+    parser.add_argument("--quantize", default="none", help="int8 / int4, with error feedback")
     args = parser.parse_args()
     out = Path(args.out)
     seed = sum(args.island.encode())
@@ -189,6 +192,10 @@ def main() -> None:
         quorum_timeout_s=args.quorum_timeout,
         round_timeout_s=5.0,
         merge_alpha=args.merge_alpha,
+        num_fragments=args.fragments,
+        sync_delay=args.delay,
+        quantize=args.quantize,
+        error_feedback=args.quantize != "none",
         outer_optimizer=functools.partial(
             torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True
         ),

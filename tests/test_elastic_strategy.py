@@ -337,3 +337,44 @@ def test_lightning_islands_on_cuda(tmp_path: Path) -> None:
     assert max(r["swarm/islands_in_round"] for r in _rounds(tmp_path, "a")) == 2
     a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
     assert all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.timeout(400)
+def test_lightning_streaming_int8_joiner_of_two_ranks_ends_equal(tmp_path: Path) -> None:
+    """Streaming DiLoCo under torchft through Lightning: 2 fragments, sync_delay 1 (rounds on
+    the sync worker), int8 with error feedback, merge_alpha 0.5. A new island d of two ranks
+    joins mid-stream: healed and adopting the swarm's fragment round on both its ranks, it
+    holds a's anchors after its first round; every island stops at the same committed round
+    (ceil(max_steps / sync_every) * num_fragments) and a, b and both ranks of d end bitwise
+    equal; bytes moved are counted."""
+    fast = tmp_path / "fast"
+    opts = ["--max-steps", "400", "--every", "8", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts += ["--fragments", "2", "--delay", "1", "--quantize", "int8", "--merge-alpha", "0.5"]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "a")) >= 4, 90, "a's fourth round")
+            procs["d"] = start_island(
+                tmp_path, address, "d", *opts, "--devices", "2", script=SCRIPT
+            )
+            started.append(procs["d"])
+            wait_for(lambda: len(_rounds(tmp_path, "d")) >= 4, 150, "d to join and commit")
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 150, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    finals = [load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a.rank0", "b.rank0")]
+    finals += [load_file(str(tmp_path / f"d.rank{r}.safetensors")) for r in (0, 1)]
+    for other in finals[1:]:
+        assert all(finals[0][k].equal(other[k]) for k in finals[0])
+    a_rounds = _rounds(tmp_path, "a")
+    assert a_rounds[-1]["swarm/outer_steps"] == 400 // 8 * 2
+    assert a_rounds[-1]["swarm/bytes_sent"] > 0
+    a_anchors = _anchors_by_outer_step(tmp_path, "a")
+    for rank in (0, 1):
+        joined = next(r for r in _rounds(tmp_path, "d") if r["rank"] == rank)
+        assert joined["swarm/heal_bytes"] > 0, joined
+        assert a_anchors[joined["swarm/outer_steps"]] == {joined["anchors"]}, joined

@@ -248,6 +248,12 @@ def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
     island, swarm = outer_sync(1.0), outer_sync(5.0)
     with torch.no_grad():
         island.params["w"].add_(torch.tensor([0.5, -0.25, 0.0]))  # its progress since anchors
-    ElasticOuter([island]).install(ElasticOuter([swarm]).state())
+    elastic = ElasticOuter([island])
+    elastic.install(ElasticOuter([swarm]).state())
+    # Kept, not installed: a heal arrives on the exchange's thread (the worker when
+    # sync_delay > 0) while the training thread steps; it is installed by settle.
+    assert island.anchors["w"].equal(torch.full((3,), 1.0))
+    assert island.params["w"].detach().equal(torch.tensor([1.5, 0.75, 1.0]))
+    assert elastic.settle() is None
     assert island.anchors["w"].equal(torch.full((3,), 5.0))
     assert island.params["w"].detach().equal(torch.tensor([5.5, 4.75, 5.0]))

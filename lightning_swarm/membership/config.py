@@ -2,17 +2,17 @@
 
 ``elastic_options`` returns ``None`` for the static membership (nothing to build; a
 ``lighthouse`` or ``island_id`` given with it is refused, since the launch would train alone) and an
-``ElasticConfig`` for torchft, after refusing the options that do not work with it yet: the
-swarm transport, quantized pseudo-gradients and Streaming DiLoCo (fragments, delayed rounds).
-Their rounds span several exchanges or steps, while a torchft round is one quorum, one mean and
-one commit; each refusal names the option and the fix.
+``ElasticConfig`` for torchft, after refusing the one option that does not work with it: the
+swarm transport (its rounds span several exchanges and a spool, while a torchft round is one
+quorum, one mean and one commit); the refusal names the option and the fix. Quantized
+pseudo-gradients and Streaming DiLoCo (fragments, ``sync_delay``, ``merge_alpha``) work: each
+fragment's round is a torchft round of its own (``docs/elastic.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_swarm.algorithm.codecs import NO_CODEC
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.static import check_membership
 
@@ -81,18 +81,14 @@ def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
     if check_membership(config.membership) == "static":
         _refuse_torchft_only_options(config)
         return None
-    refused = {
-        "transport": (config.transport != "allreduce", "transport=allreduce"),
-        "quantize": (config.quantize != NO_CODEC, f"quantize={NO_CODEC}"),
-        "num_fragments": (config.num_fragments != 1, "num_fragments=1"),
-        "sync_delay": (config.sync_delay != 0, "sync_delay=0"),
-    }
-    for option, (bad, fix) in refused.items():
-        if bad:
-            raise ValueError(
-                f"membership='torchft' does not support {option}={getattr(config, option)!r} "
-                f"yet; use {fix} with elastic islands, or membership='static'."
-            )
+    if config.transport != "allreduce":
+        raise ValueError(
+            f"membership='torchft' does not support transport={config.transport!r}: the "
+            "rotating aggregator's rounds span several exchanges and a spool, while a torchft "
+            "round is one quorum, one mean and one commit. Use transport='allreduce' with "
+            "elastic islands (quantize, fragments and sync_delay work with it), or "
+            "membership='static'."
+        )
     return ElasticConfig(
         lighthouse=config.lighthouse or "",
         island_id=config.island_id or "",

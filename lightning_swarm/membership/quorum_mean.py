@@ -7,6 +7,10 @@ participating islands, zeroes the share of an island being healed, and records a
 dead peer) for the commit gate instead of raising, so a failed bucket leaves garbage that the
 abandoned round never applies. Tensors may live on any device (copies cross it); the bucket is
 the only extra memory.
+
+Bytes: gloo all-reduces a bucket with a ring over the quorum's group, so a rank sends (and
+receives) ``2 (n - 1) / n`` of it (``transport.allreduce.ring_allreduce_bytes``); a bucket
+whose all-reduce failed moved nothing worth counting and counts 0.
 """
 
 from __future__ import annotations
@@ -16,9 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 
-def bucketed_mean(manager: Any, tensors: list[Tensor], bucket_numel: int) -> None:
-    """Overwrite ``tensors`` in place with their mean over the quorum (see the module)."""
+
+def bucketed_mean(
+    manager: Any, tensors: list[Tensor], bucket_numel: int, group_size: int = 1
+) -> int:
+    """Overwrite ``tensors`` in place with their mean over the quorum (see the module);
+    returns the bytes this island sent (= received) in a ring over ``group_size`` islands."""
+    moved = 0
     total = sum(t.numel() for t in tensors)
     flat = torch.empty(min(bucket_numel, max(total, 1)))
     pieces: list[tuple[Tensor, int]] = []
@@ -31,13 +41,19 @@ def bucketed_mean(manager: Any, tensors: list[Tensor], bucket_numel: int) -> Non
             pieces.append((view[pos : pos + n], fill))
             fill, pos = fill + n, pos + n
             if fill == flat.numel():
-                _reduce_bucket(manager, flat[:fill], pieces)
+                moved += _reduce_bucket(manager, flat[:fill], pieces, group_size)
                 pieces, fill = [], 0
     if fill:
-        _reduce_bucket(manager, flat[:fill], pieces)
+        moved += _reduce_bucket(manager, flat[:fill], pieces, group_size)
+    return moved
 
 
-def _reduce_bucket(manager: Any, bucket: Tensor, pieces: list[tuple[Tensor, int]]) -> None:
+def _reduce_bucket(
+    manager: Any, bucket: Tensor, pieces: list[tuple[Tensor, int]], group_size: int
+) -> int:
     manager.allreduce(bucket).wait()
     for piece, offset in pieces:
         piece.copy_(bucket[offset : offset + piece.numel()])
+    if manager.errored():
+        return 0
+    return ring_allreduce_bytes(bucket.numel() * bucket.element_size(), group_size)

@@ -120,6 +120,10 @@ class HeaderRow:
     finite: int  # 0 when its pseudo-gradient holds NaN or inf
     settings: int  # hash of its encoded settings
     settings_len: int  # length of its encoded settings
+    # Its place in its schedule (``adopt.RoundPlace``): fragment, sent after, applies at.
+    fragment: int = 0
+    send_step: int = 0
+    apply_step: int = 0
 
     def tensor(self) -> Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64)

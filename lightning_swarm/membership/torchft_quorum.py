@@ -13,8 +13,10 @@ islands is decided anew every round by torchft's Lighthouse. One round, on the i
    A duplicate ``island_id``, a model or DiLoCo settings that differ, or a pseudo-gradient with
    NaN or inf makes every member abandon the round before any pseudo-gradient moves; the
    offending island raises and leaves;
-3. the mean over the participating islands (``Manager.allreduce``, bucketed); an island being
-   healed contributes zeros and is not counted;
+3. the mean over the participating islands (``Manager.allreduce``, bucketed; with a codec the
+   quantized reduce-scatter of ``quorum_coded``); an island being healed contributes zeros
+   and is not counted. With fragments, an island being healed averages the swarm's fragment,
+   not its own, and adopts the swarm's round (``adopt``; ``adoption.take`` hands it over);
 4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
    fail, so they vote no and the round is abandoned (anchors unchanged, local progress kept for
    the next round). A survivor that voted differently is behind by one commit at the next quorum
@@ -29,9 +31,10 @@ first is healed to the first island's anchors and no outer step is taken (``appl
 
 Islands of several ranks: only the island's rank 0 talks to torchft (one Manager per island,
 replica group size 1). The island's other ranks follow over the island's own process group: rank
-0 broadcasts the round's outcome, a healed state and the averaged tensors. Every rank of the
-island therefore sees the same outcome and the same errors. The cross-island bytes are those of
-one rank per island; the island's fast fabric carries the fan-out.
+0 broadcasts the round's outcome, a healed state, an adopted round and the averaged tensors.
+Every rank of the island therefore sees the same outcome and the same errors. With rounds on a
+background worker (``background``) the fan-out gets a gloo group of its own. The cross-island
+bytes are those of one rank per island; the island's fast fabric carries the fan-out.
 
 Ownership: the Manager, its TCPStore and its process group belong to this object until
 ``close``. Healed state is handed to ``load_fn`` (the outer loop), which adopts its tensors.
@@ -52,6 +55,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.membership.adopt import RoundAdoption
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     LighthouseUnreachableError,
@@ -66,6 +71,7 @@ from lightning_swarm.membership.quorum import (
     quorum_retries_for,
     request_quorum,
 )
+from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
@@ -124,6 +130,10 @@ class TorchftMembership:
         island_group: the island's process group (``None``: the default group when one
             exists, else an island of one rank).
         bucket_numel: float32 elements per all-reduce bucket.
+        codec: quantize the mean (``quorum_coded``); ``None`` averages float32.
+        background: rounds run on a worker thread while the training thread's DDP uses the
+            island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
+            own, since two threads' collectives on one group interleave differently per rank.
 
     Raises:
         LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
@@ -138,13 +148,19 @@ class TorchftMembership:
         load_fn: LoadFn,
         island_group: dist.ProcessGroup | None = None,
         bucket_numel: int = 8 << 20,
+        codec: Codec | None = None,
+        background: bool = False,
     ) -> None:
         self.config = config
         self.layout = dict(layout)
         self.bucket_numel = bucket_numel
+        self.codec = codec
+        # Streaming DiLoCo: which round this island averages, its own or the swarm's.
+        self.adoption = RoundAdoption()
+        self.last_round_bytes = 0
         self.totals = MembershipTotals()
         self._state_fn, self._load_fn = state_fn, load_fn
-        self._fanout = IslandFanout(island_group)
+        self._fanout = IslandFanout(island_group, side_group=True if background else None)
         self._short_since: float | None = None
         self._settings: Settings = {}
         self._row = HeaderRow(
@@ -164,6 +180,7 @@ class TorchftMembership:
         self._last_commit_at = time.monotonic()
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
+        self._rows: list[HeaderRow] = []  # the last round header's
         error = None
         if self._fanout.is_leader:
             self._watch = SuspensionWatch()
@@ -261,6 +278,7 @@ class TorchftMembership:
                 error = err
         self._fanout.share_error(error)
         outcome = self._fanout.share_outcome(outcome, list(tensors.values()))
+        self.adoption.share(self._fanout)
         if outcome.healed is not None:
             self._load_fn(outcome.healed)
             self.totals.heals += 1
@@ -269,9 +287,13 @@ class TorchftMembership:
         self.totals.islands_in_round = outcome.participants
         self.totals.rounds_committed += int(outcome.committed)
         self.totals.rounds_abandoned += int(not outcome.committed)
+        moved = self.last_round_bytes if self._fanout.is_leader else 0
         return RoundStats(
+            bytes_sent=moved,
+            bytes_received=moved,
             wall_s=time.perf_counter() - start,
-            applied=outcome.committed and not outcome.genesis,
+            # An island that adopted the swarm's round drops its own (``adoption.take``).
+            applied=outcome.committed and not outcome.genesis and self.adoption.adopted is None,
         )
 
     def _lead_round(self, tensors: list[Tensor]) -> RoundOutcome:
@@ -283,16 +305,24 @@ class TorchftMembership:
         healing = not manager.is_participating()
         genesis = manager.current_step() == 0
         self._phase("header")
+        self.adoption.mark(self._row)
         conflict = self._check_round_header(healing, all_finite(tensors))
         participants = manager.num_participants()
+        averaged = None if conflict else self.adoption.contribution(self._rows, self._row, tensors)
+        if averaged is None and not conflict:
+            manager.report_error(MembershipError("the islands were at different fragments"))
+            conflict = True
+        averaged = tensors if averaged is None else averaged
+        self.last_round_bytes = 0
         if not conflict:
             self._phase("mean")
-            self._allreduce(tensors)
+            self._allreduce(averaged)
         self._phase("commit")
         committed = self._commit_gate()
         self._watch_min_islands(participants, committed)
         if committed:
             self._last_commit_at = time.monotonic()
+        self.adoption.conclude(averaged, committed and not genesis and not conflict)
         outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
         if self._healed is not None:
             outcome.healed = self._healed
@@ -329,6 +359,7 @@ class TorchftMembership:
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
             return True
+        self._rows = rows
         verdict = judge(rows, self._row)
         self._quorum_watch.see(rows)
         if verdict in _REFUSALS:
@@ -365,7 +396,14 @@ class TorchftMembership:
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
         """The mean over participating islands, bucketed, written back in place."""
-        bucketed_mean(self._manager, tensors, self.bucket_numel)
+        if self.codec is not None:
+            self.last_round_bytes = coded_quorum_mean(
+                self._manager, self._pg, tensors, self.codec, self.bucket_numel
+            )
+        else:
+            self.last_round_bytes = bucketed_mean(
+                self._manager, tensors, self.bucket_numel, self._pg.size()
+            )
 
     def _watch_min_islands(self, participants: int, committed: bool) -> None:
         short = participants < self.config.min_islands and not committed

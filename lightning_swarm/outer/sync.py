@@ -238,15 +238,16 @@ class OuterSync:
         s.ended_at = s.inner_steps
         return reports
 
-    def round_now(self) -> SyncReport:
-        """One round now, outside the inner-step schedule: an elastic island's first round.
+    def round_now(self, fragment: int = 0) -> SyncReport:
+        """One round of ``fragment`` now, outside the inner-step schedule: an elastic island's
+        first round.
 
         Raises:
-            ValueError: with several fragments or a round in flight (elastic runs have neither).
+            ValueError: with a round in flight (an elastic island has none at its start).
         """
-        if len(self.state.fragments) != 1 or self.state.in_flight is not None:
-            raise ValueError("a round outside the schedule needs one fragment and none in flight")
-        return self.engine.round(0)
+        if self.state.in_flight is not None:
+            raise ValueError("a round outside the schedule needs none in flight")
+        return self.engine.round(fragment)
 
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""

@@ -89,11 +89,15 @@ class TwoPhaseRound:
             deltas = {name: pseudo_gradient(anchors[name], params[name]) for name in names}
         rnd = RoundInFlight(fragment, self.state.inner_steps, deltas)
         round_index = self.state.outer_steps
+        # In flight from here on: the transport may ask which round it is exchanging (an
+        # elastic membership puts the round's place in its header; ``outer/join.py``).
+        self.state.in_flight = rnd
         if inline:
             try:
                 rnd.result = self._exchange(deltas, round_index)
             except Exception as err:
                 if self.state.shard is None:
+                    self.state.in_flight = None
                     raise
                 rnd.error = err  # the island agrees on it at the apply, then raises
         else:
@@ -101,7 +105,6 @@ class TwoPhaseRound:
             assert worker is not None
             rnd.future = worker.submit(lambda: self._exchange(deltas, round_index))
         rnd.send_blocked_s = time.perf_counter() - start
-        self.state.in_flight = rnd
 
     @torch.no_grad()
     def _exchange(self, deltas: dict[str, Tensor], round_index: int) -> Exchanged:

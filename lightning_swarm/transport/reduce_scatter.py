@@ -41,7 +41,7 @@ gathered means (one encoded bucket) and one decoded share at a time.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -52,27 +52,15 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import agree_finite_direct
+from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
 from lightning_swarm.transport.pieces import (
     Piece,
     check_coded_options,
-    decode_flat,
-    encode_flat,
-    encode_pieces,
-    encoded_nbytes,
     flat_views,
-    numel_of,
     plan_coded_buckets,
-    plan_shares,
-    write_flat,
 )
 
-
-def reduce_scatter_bytes(share_nbytes: Sequence[int], island_index: int) -> int:
-    """Bytes one rank sends (and receives) for one bucket whose shares encode to
-    ``share_nbytes``: every other share out (and its own share's n - 1 contributions in), then
-    its encoded mean to n - 1 islands (and every other share's mean in)."""
-    others = sum(share_nbytes) - share_nbytes[island_index]
-    return others + (len(share_nbytes) - 1) * share_nbytes[island_index]
+__all__ = ["ReduceScatterTransport", "reduce_scatter_bytes"]
 
 
 class ReduceScatterTransport:
@@ -139,44 +127,18 @@ class ReduceScatterTransport:
         stats.wall_s = time.perf_counter() - start
         return stats
 
-    @torch.no_grad()
     def _average_bucket(self, flats: list[Tensor], bucket: list[Piece]) -> int:
         """Average one bucket in place; returns the bytes this rank sent (= received)."""
-        shares = plan_shares(bucket, self.num_islands, self.codec.block_size)
-        sizes = [encoded_nbytes(self.codec, share) for share in shares]
-        own = shares[self.island_index]
-        with record_function(labels.SCATTER_SHARES):
-            payload = torch.cat(
-                [encode_pieces(self.codec, flats, share, self.device) for share in shares]
-            )
-            contributions = self._exchange(payload, sizes, [sizes[self.island_index]] * len(sizes))
-            del payload
-        with record_function(labels.REDUCE_SHARE):
-            mean = self._encoded_mean(contributions, own)
-            del contributions
-        with record_function(labels.GATHER_MEANS):
-            means = self._exchange(
-                mean.repeat(self.num_islands), [mean.numel()] * len(sizes), sizes
-            )
-            del mean
-        offset = 0
-        for share, size in zip(shares, sizes, strict=True):
-            # Every island decodes the same bytes, its own share's included: bitwise equal.
-            write_flat(flats, share, decode_flat(self.codec, means[offset : offset + size], share))
-            offset += size
-        return reduce_scatter_bytes(sizes, self.island_index)
-
-    def _encoded_mean(self, contributions: Tensor, own: list[Piece]) -> Tensor:
-        """The encoded mean of this island's share from the n islands' encoded contributions
-        (back to back, island order 0 .. n - 1)."""
-        if not own:
-            return torch.empty(0, dtype=torch.uint8, device=self.device)
-        size = contributions.numel() // self.num_islands
-        total = torch.zeros(numel_of(own), dtype=torch.float32, device=self.device)
-        for island in range(self.num_islands):  # fixed order: the same float sum everywhere
-            raw = contributions[island * size : (island + 1) * size]
-            total.add_(decode_flat(self.codec, raw, own))
-        return encode_flat(self.codec, total.div_(self.num_islands), own)
+        return coded_bucket_mean(
+            flats,
+            bucket,
+            codec=self.codec,
+            num_islands=self.num_islands,
+            island_index=self.island_index,
+            divisor=self.num_islands,
+            exchange=self._exchange,
+            device=self.device,
+        )
 
     def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         """``send`` cut into ``send_sizes`` goes to islands 0 .. n - 1; returns what islands

@@ -1,0 +1,68 @@
+"""The quantized mean of a round's pseudo-gradients over the quorum, flat in islands.
+
+The static path's quantized reduce-scatter and all-gather (``transport/coded_mean.py``, cut by
+``transport/pieces.py``) run here over the quorum's torchft ``ProcessGroupGloo``. That group
+has no reduce-scatter (torchft raises for it) but forwards ``alltoall_base`` to gloo, which
+is all the exchange needs. The island's place in the exchange is its rank in the quorum's
+group; every member of the quorum owns a share, the island being healed too.
+
+As ``Manager.allreduce`` does for the float32 mean, an island being healed contributes zeros
+and the owners divide by ``manager.num_participants()``, not the group's size. Every island
+decodes the same encoded mean, so the anchors stay bitwise equal on every island.
+
+A failed exchange (a member died) is reported to the manager (``report_error``), which makes
+the commit gate vote no; the tensors then hold garbage that the abandoned round never applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.distributed_c10d import AllToAllOptions
+
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.coded_mean import coded_bucket_mean
+from lightning_swarm.transport.pieces import plan_coded_buckets
+
+
+def coded_quorum_mean(
+    manager: Any, pg: Any, tensors: list[Tensor], codec: Codec, bucket_numel: int
+) -> int:
+    """Overwrite ``tensors`` (flat-viewable float32 CPU) with their quantized mean over the
+    quorum; returns the bytes this island sent (= received), 0 when the exchange failed."""
+    # torchft 0.2.0: the wrapper's own rank() is that of a placeholder; its gloo parent's
+    # is this island's place in the quorum (the order of the round header's rows, too).
+    num_islands, island_index = pg.size(), pg.parent.rank()
+    divisor = max(manager.num_participants(), 1)
+    flats = [t.view(-1) for t in tensors]
+    if not manager.is_participating():
+        for flat in flats:
+            flat.zero_()
+
+    def exchange(send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
+        if num_islands == 1:
+            return send
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        pg.alltoall_base(received, send, recv_sizes, send_sizes, AllToAllOptions()).wait()
+        return received
+
+    moved = 0
+    try:
+        numels = [f.numel() for f in flats]
+        for bucket in plan_coded_buckets(numels, bucket_numel, codec.block_size):
+            moved += coded_bucket_mean(
+                flats,
+                bucket,
+                codec=codec,
+                num_islands=num_islands,
+                island_index=island_index,
+                divisor=divisor,
+                exchange=exchange,
+                device=torch.device("cpu"),
+            )
+    except Exception as err:  # a dead peer: the commit gate turns this into a "no"
+        manager.report_error(err)
+        return 0
+    return moved
