@@ -155,14 +155,16 @@ def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_pa
 
     venv = _fresh_venv(tmp_path)
     python = venv / "bin" / "python"
+    # Without PYTHONPATH: a checkout on it (PYTHONPATH=. from the repository root) with a
+    # lightning_swarm.egg-info left by an earlier build made pip take the wheel as installed.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run_group(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
          "--no-index", "-q", str(wheel)],
-        check=True, timeout=STEP_TIMEOUT_S,
+        env=env, check=True, timeout=STEP_TIMEOUT_S,
     )  # fmt: skip
     user = tmp_path / "elsewhere"  # a folder of a user's own, not the repository
     user.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = run_group(
         [str(python), "-c", "import lightning_swarm; print(lightning_swarm.__file__)"],
         cwd=user, env=env, check=True, timeout=STEP_TIMEOUT_S,
