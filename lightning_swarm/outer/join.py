@@ -7,6 +7,13 @@ without a round in flight (elastic runs have none between rounds).
 A heal keeps the island's own progress (``install``): ``local <- anchor_new + (local -
 anchor_old)``, also for an island healed in the middle of a run.
 
+Sharded islands (``shard_outer``, each rank owns a share: ``outer/shard.py``) hand over and
+install per rank: rank r's state holds only its share's anchors and outer state, with the
+share's position, island size and names, and it is installed only by rank r of an island whose
+shares are the same (refused otherwise). Each rank applies the catch-up to its own names; then
+the island gathers every parameter from its owner (``after_island_heal``, collective over the
+island, on every rank once any rank was healed), as after every round.
+
 A joiner's first round runs at once, outside the inner-step schedule (``join_round``): the live
 islands are at their own round; the joiner is healed inside it, contributes nothing, and applies
 the same averaged pseudo-gradient, so its anchors equal theirs after that round. Its parameters
@@ -23,7 +30,7 @@ adopted by them. The progress kept for the catch-up lives only during ``join_rou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,12 +47,15 @@ class ElasticOuter:
         self.healed = False
 
     def state(self) -> dict[str, Any]:
-        """The global state a joiner needs, one entry per optimizer (tensors are not copied)."""
+        """The global state a joiner needs, one entry per optimizer (tensors are not copied);
+        sharded, this rank's share of it."""
         states = []
         for outer in self.outer_syncs:
             state = outer.state_dict()
             if state.pop("pending") is not None:
                 raise ValueError("an elastic island cannot hand over a round in flight")
+            if outer.shard is not None:
+                state["share"] = [outer.shard.position, outer.shard.size]
             states.append(state)
         return {"outer": states}
 
@@ -65,25 +75,32 @@ class ElasticOuter:
                 f"{len(self.outer_syncs)}; start it with the swarm's model and optimizers"
             )
         for outer, saved in zip(self.outer_syncs, states, strict=True):
-            own = {n: p.float() - outer.anchors[n].float() for n, p in outer.params.items()}
+            check_share(outer, saved)
+            own = _progress(outer)
             outer.load_state_dict({**saved, "pending": None})
-            for name, param in outer.params.items():
-                param.copy_(outer.anchors[name].float() + own[name])
+            for name in outer.owned:
+                outer.params[name].copy_(outer.anchors[name].float() + own[name])
+        self.healed = True
+
+    def after_island_heal(self) -> None:
+        """Some rank of this island was healed this round: every rank gathers the parameters
+        from their owners (collective over the island; nothing to do unsharded)."""
+        for outer in self.outer_syncs:
+            if outer.shard is not None:
+                outer.shard.gather(list(outer.params), outer.params)
         self.healed = True
 
     @torch.no_grad()
     def join_round(self) -> list[SyncReport]:
         """Each optimizer's first elastic round, now (see the module docstring)."""
-        progress = [
-            {name: p.float() - outer.anchors[name].float() for name, p in outer.params.items()}
-            for outer in self.outer_syncs
-        ]
+        progress = [_progress(outer) for outer in self.outer_syncs]
         self.healed = False
         reports = [outer.round_now() for outer in self.outer_syncs]
         if self.healed:
             for outer, own in zip(self.outer_syncs, progress, strict=True):
-                for name, param in outer.params.items():
-                    param.copy_(outer.anchors[name].float() + own[name])
+                for name in outer.owned:
+                    outer.params[name].copy_(outer.anchors[name].float() + own[name])
+            self.after_island_heal()
         return reports
 
     @torch.no_grad()
@@ -96,5 +113,37 @@ class ElasticOuter:
         does.
         """
         for outer in self.outer_syncs:
-            for name, param in outer.params.items():
-                param.copy_(outer.anchors[name])
+            for name in outer.owned:
+                outer.params[name].copy_(outer.anchors[name])
+            if outer.shard is not None:
+                outer.shard.gather(list(outer.params), outer.params)
+
+
+def _progress(outer: OuterSync) -> dict[str, torch.Tensor]:
+    """``local - anchor`` of each name this rank owns (float32 copies)."""
+    return {name: outer.params[name].float() - outer.anchors[name].float() for name in outer.owned}
+
+
+def check_share(outer: OuterSync, saved: Mapping[str, Any]) -> None:
+    """Refuse a healing state that is not this rank's share (another position, island size or
+    set of names): the shares of every island of a swarm must be the same.
+
+    Raises:
+        ValueError: naming both shares.
+    """
+    shard = outer.shard
+    mine = None if shard is None else [shard.position, shard.size]
+    theirs = saved.get("share")
+    theirs = None if theirs is None else [int(v) for v in theirs]
+    names = saved.get("param_names", list(saved["anchors"]))
+    if theirs != mine or (shard is not None and list(names) != outer.owned):
+        raise ValueError(
+            f"a healing peer sent the share {_share_text(theirs)} with {len(names)} "
+            f"tensor(s), but this rank holds the share {_share_text(mine)} with "
+            f"{len(outer.owned)}: islands of a swarm must split the outer state alike (the same "
+            "number of ranks per island and shard_outer on every island)."
+        )
+
+
+def _share_text(share: list[int] | None) -> str:
+    return "'whole outer state'" if share is None else f"'position {share[0]} of {share[1]}'"

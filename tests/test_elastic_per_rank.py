@@ -1,0 +1,171 @@
+"""Elastic islands of several ranks that share the outer state (``shard_outer``): every rank
+exchanges its own share with a torchft Manager of its own (docs/elastic.md, "Islands of
+several ranks"). Lightning islands as processes (tests/elastic_lightning_island.py), each of two
+ranks, with a model whose two shares are exactly half of it (``--width 0``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from lightning_swarm.transport.allreduce import ring_allreduce_bytes
+from tests.elastic_utils import finish, lighthouse, start_island, wait_for
+from tests.test_elastic_strategy import SCRIPT, _kill_all, _rounds
+
+pytest.importorskip("torchft")
+
+# Two Linear(8, 8) layers in float32: 2 x (64 + 8) x 4 bytes; each share holds one of each.
+PAYLOAD_BYTES = 2 * (64 + 8) * 4
+SHARE_BYTES = PAYLOAD_BYTES // 2
+OPTS = ["--devices", "2", "--width", "0", "--every", "4"]
+
+
+def _by_rank(out: Path, island: str, rank: int) -> list[dict[str, Any]]:
+    return [r for r in _rounds(out, island) if r["rank"] == rank]
+
+
+def _bytes_per_round(rows: list[dict[str, Any]]) -> list[float]:
+    """What each round added to ``swarm/bytes_sent`` (the join round logs no bytes)."""
+    sent = [r["swarm/bytes_sent"] for r in rows if "swarm/bytes_sent" in r]
+    return [b - a for a, b in zip([0.0, *sent], sent, strict=False)]
+
+
+def _assert_equal(out: Path, names: list[str]) -> None:
+    states = {name: load_file(str(out / f"{name}.safetensors")) for name in names}
+    reference = states.pop(names[0])
+    for name, state in states.items():
+        for key, value in reference.items():
+            assert value.equal(state[key]), f"{name}: {key} differs from {names[0]}'s"
+
+
+@pytest.mark.timeout(400)
+def test_two_rank_islands_each_rank_sends_half_and_they_end_equal(tmp_path: Path) -> None:
+    """Two islands of two ranks: every rank's cross-island bytes per round are those of its
+    half of the payload (a ring all-reduce over two islands moves its own size), never the
+    whole payload (rank 0 exchanging for the island did), and all four ranks end equal."""
+    opts = [*OPTS, "--max-steps", "24", "--step-s", "0.02"]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            for name, proc in procs.items():
+                assert finish(proc, 300, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for name in "ab":
+        for rank in (0, 1):
+            rows = _by_rank(tmp_path, name, rank)
+            assert rows[-1]["swarm/outer_steps"] == 6, (name, rank, rows[-1])
+            per_round = _bytes_per_round(rows)
+            assert per_round and set(per_round) == {ring_allreduce_bytes(SHARE_BYTES, 2)}, (
+                name,
+                rank,
+                per_round,
+            )
+            assert ring_allreduce_bytes(SHARE_BYTES, 2) == PAYLOAD_BYTES / 2
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores: six Lightning processes
+@pytest.mark.timeout(600)
+def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(tmp_path: Path) -> None:
+    """a and b (two ranks each) train; c (two ranks) joins the running swarm: each of its
+    ranks is healed with its own share (heal bytes of about half the anchors and momentum),
+    holds a's anchors after its first round, sits on them (a new island), and every rank of
+    every island ends equal."""
+    fast = tmp_path / "fast"
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_by_rank(tmp_path, "a", 0)) >= 3, 180, "a's third round")
+            procs["c"] = start_island(tmp_path, address, "c", *opts, script=SCRIPT)
+            started.append(procs["c"])
+            wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 2, 180, "c's rounds")
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for rank in (0, 1):
+        a_anchors = {r["swarm/outer_steps"]: r["anchors"] for r in _by_rank(tmp_path, "a", rank)}
+        joined = _by_rank(tmp_path, "c", rank)[0]
+        assert joined["swarm/outer_steps"] >= 3  # healed into the running swarm
+        # Its own share: anchors + Nesterov momentum of half the model (and a small header).
+        assert 2 * SHARE_BYTES <= joined["swarm/heal_bytes"] < 2 * PAYLOAD_BYTES
+        # Rank r's anchors (its share) are a's rank r's of that round.
+        assert joined["anchors"] == a_anchors[joined["swarm/outer_steps"]]
+        snap = load_file(str(tmp_path / f"c.join.rank{rank}.safetensors"))
+        for key in (k for k in snap if k.startswith("anchor.")):
+            assert snap[key].equal(snap["param." + key[7:]]), (rank, key)
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "abc" for r in (0, 1)])
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores: six Lightning processes
+@pytest.mark.timeout(600)
+def test_one_rank_of_an_island_killed_inside_a_round(tmp_path: Path) -> None:
+    """Three islands of two ranks; rank 1 of c stalls inside a round's mean (its peers wait on
+    it) and is SIGKILLed there: a and b abandon that round on both ranks, commit again without
+    c, and all four of their ranks end equal; c's other rank leaves with an error."""
+    fast, stall = tmp_path / "fast", tmp_path / "stall"
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        try:
+            procs = {
+                n: start_island(
+                    tmp_path,
+                    address,
+                    n,
+                    *opts,
+                    "--stall-file",
+                    str(stall),
+                    "--stall-rank",
+                    "1",
+                    script=SCRIPT,
+                )
+                if n == "c"
+                else start_island(tmp_path, address, n, *opts, script=SCRIPT)
+                for n in "abc"
+            }
+            started += procs.values()
+            wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 3, 240, "c's third round")
+            stall.write_text("")
+            wait_for((tmp_path / "c.stalled").exists, 60, "c's rank 1 to stall inside a round")
+            stalled_at = (tmp_path / "c.stalled").stat().st_mtime
+            os.kill(int((tmp_path / "c.pid.rank1").read_text()), signal.SIGKILL)
+            killed_at = time.time()
+            assert finish(procs.pop("c"), 120, tmp_path, "c") != 0
+            wait_for(
+                lambda: any(
+                    r["t"] > killed_at and r["swarm/islands_in_round"] == 2
+                    for r in _by_rank(tmp_path, "a", 1)
+                ),
+                120,
+                "a round of a and b without c",
+            )
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for name in "ab":
+        for rank in (0, 1):
+            rows = _by_rank(tmp_path, name, rank)
+            before = [r for r in rows if r["t"] < stalled_at][-1]
+            first = next(r for r in rows if r["t"] > stalled_at)
+            assert first["swarm/islands_in_round"] == 3, (name, rank, first)
+            assert first["swarm/rounds_abandoned"] == before["swarm/rounds_abandoned"] + 1
+            assert first["swarm/outer_steps"] == before["swarm/outer_steps"]
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
