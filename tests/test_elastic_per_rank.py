@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
@@ -75,8 +76,7 @@ def test_two_rank_islands_each_rank_sends_half_and_they_end_equal(tmp_path: Path
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
 
 
-@pytest.mark.slow  # ~2 min on 2 busy cores: six Lightning processes
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600)  # ~35 s on 2 busy cores: six Lightning processes
 def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(tmp_path: Path) -> None:
     """a and b (two ranks each) train; c (two ranks) joins the running swarm: each of its
     ranks is healed with its own share (heal bytes of about half the anchors and momentum),
@@ -112,41 +112,45 @@ def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(tmp_path: Path)
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "abc" for r in (0, 1)])
 
 
-@pytest.mark.slow  # ~2 min on 2 busy cores: six Lightning processes
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.slow  # ~40 s each on 2 busy cores: six Lightning processes
 @pytest.mark.timeout(600)
-def test_one_rank_of_an_island_killed_inside_a_round(tmp_path: Path) -> None:
-    """Three islands of two ranks; rank 1 of c stalls inside a round's mean (its peers wait on
-    it) and is SIGKILLed there: a and b abandon that round on both ranks, commit again without
-    c, and all four of their ranks end equal; c's other rank leaves with an error."""
+@pytest.mark.parametrize("victim", [1, 0])
+def test_one_rank_of_an_island_killed_inside_a_round(tmp_path: Path, victim: int) -> None:
+    """Three islands of two ranks; one rank of c stalls inside a round's mean (its peers wait
+    on it) and is SIGKILLed there: a and b abandon that round on both ranks, commit again
+    without c, and all four of their ranks end equal; c's other rank leaves too."""
     fast, stall = tmp_path / "fast", tmp_path / "stall"
     opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    faults = ["--stall-file", str(stall), "--stall-rank", str(victim)]
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse(heartbeat_timeout_ms=1500) as address:
         try:
             procs = {
                 n: start_island(
-                    tmp_path,
-                    address,
-                    n,
-                    *opts,
-                    "--stall-file",
-                    str(stall),
-                    "--stall-rank",
-                    "1",
-                    script=SCRIPT,
+                    tmp_path, address, n, *opts, *(faults if n == "c" else ()), script=SCRIPT
                 )
-                if n == "c"
-                else start_island(tmp_path, address, n, *opts, script=SCRIPT)
                 for n in "abc"
             }
             started += procs.values()
             wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 3, 240, "c's third round")
             stall.write_text("")
-            wait_for((tmp_path / "c.stalled").exists, 60, "c's rank 1 to stall inside a round")
+            wait_for((tmp_path / "c.stalled").exists, 60, "c's rank to stall inside a round")
             stalled_at = (tmp_path / "c.stalled").stat().st_mtime
-            os.kill(int((tmp_path / "c.pid.rank1").read_text()), signal.SIGKILL)
+            pids = [int((tmp_path / f"c.pid.rank{r}").read_text()) for r in (0, 1)]
+            os.kill(pids[victim], signal.SIGKILL)
             killed_at = time.time()
-            assert finish(procs.pop("c"), 120, tmp_path, "c") != 0
+            # The island's other rank leaves as well (its island group broke).
+            wait_for(lambda: not any(_alive(pid) for pid in pids), 120, "c's ranks to end")
             wait_for(
                 lambda: any(
                     r["t"] > killed_at and r["swarm/islands_in_round"] == 2
@@ -156,6 +160,7 @@ def test_one_rank_of_an_island_killed_inside_a_round(tmp_path: Path) -> None:
                 "a round of a and b without c",
             )
             fast.write_text("")
+            procs.pop("c").wait()
             for name, proc in procs.items():
                 assert finish(proc, 240, tmp_path, name) == 0, name
         finally:
@@ -169,3 +174,57 @@ def test_one_rank_of_an_island_killed_inside_a_round(tmp_path: Path) -> None:
             assert first["swarm/rounds_abandoned"] == before["swarm/rounds_abandoned"] + 1
             assert first["swarm/outer_steps"] == before["swarm/outer_steps"]
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
+
+
+@pytest.mark.timeout(600)  # ~40 s on 2 busy cores
+def test_a_sharded_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Path) -> None:
+    """c (two ranks) checkpoints at step 6: each rank writes its own share of the anchors and
+    outer state. c is killed, resumes from that checkpoint while a goes on, is healed share by
+    share with its own progress since the checkpointed anchors kept, and a and c end equal."""
+    fast, ckpt = tmp_path / "fast", tmp_path / "c.ckpt"
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        try:
+            a = start_island(tmp_path, address, "a", *opts, script=SCRIPT)
+            c = start_island(tmp_path, address, "c", *opts, "--checkpoint-at", "6", script=SCRIPT)
+            started += [a, c]
+            wait_for(ckpt.exists, 180, "c's checkpoint at step 6")
+            wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 4, 120, "c's later rounds")
+            for pid in [int((tmp_path / f"c.pid.rank{r}").read_text()) for r in (0, 1)]:
+                os.kill(pid, signal.SIGKILL)
+            c.wait()
+            os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
+            # Alone, a cannot commit (min_islands=2): c's resume must land in a running swarm.
+            c = start_island(tmp_path, address, "c", *opts, "--resume", str(ckpt), script=SCRIPT)
+            started.append(c)
+            wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 2, 180, "resumed c's rounds")
+            fast.write_text("")
+            for name, proc in (("a", a), ("c", c)):
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    shares = sorted(p.name for p in tmp_path.glob("c.ckpt.swarm/*/anchors-rank-*.pt"))
+    assert shares == ["anchors-rank-00000.pt", "anchors-rank-00001.pt"], shares
+    for rank in (0, 1):
+        before = load_file(str(tmp_path / f"c.prejoin.rank{rank}.safetensors"))
+        joined = load_file(str(tmp_path / f"c.join.rank{rank}.safetensors"))
+        first = _by_rank(tmp_path, "c", rank)[0]
+        assert first["swarm/heal_bytes"] > 0
+        a_anchors = {r["swarm/outer_steps"]: r["anchors"] for r in _by_rank(tmp_path, "a", rank)}
+        assert first["anchors"] == a_anchors[first["swarm/outer_steps"]]
+        names = [k[6:] for k in before if k.startswith("param.")]
+        owned = [n for n in names if "anchor." + n in before]
+        assert owned and len(owned) < len(names)  # each rank holds its share's anchors only
+        # Every parameter: the swarm's anchors plus c's progress since its saved anchors. Each
+        # rank computes its own names; the other rank's arrive through the island's gather.
+        other = load_file(str(tmp_path / f"c.prejoin.rank{1 - rank}.safetensors"))
+        other_joined = load_file(str(tmp_path / f"c.join.rank{1 - rank}.safetensors"))
+        for name in names:
+            own_before, own_joined = (before, joined) if name in owned else (other, other_joined)
+            progress = own_before["param." + name] - own_before["anchor." + name]
+            assert progress.abs().max() > 0  # c had moved on from its anchors
+            torch.testing.assert_close(
+                joined["param." + name] - own_joined["anchor." + name], progress, rtol=0, atol=1e-6
+            )
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ac" for r in (0, 1)])
