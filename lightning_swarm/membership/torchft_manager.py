@@ -34,7 +34,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_swarm.membership.config import ElasticConfig
-from lightning_swarm.membership.errors import LighthouseUnreachableError
+from lightning_swarm.membership.errors import LighthouseUnreachableError, MembershipError
+from lightning_swarm.membership.fanout import IslandFanout
 from lightning_swarm.membership.quorum import QuorumIdentity, quorum_retries_for
 
 
@@ -73,6 +74,62 @@ class RankManager:
     pg: Any
     heal_transport: Any
     identity: QuorumIdentity
+    store: IslandStore
+
+
+def start_island_managers(
+    config: ElasticConfig,
+    fanout: IslandFanout,
+    *,
+    per_rank: bool,
+    load_fn: Callable[[Any], None],
+    state_fn: Callable[[], Any],
+    on_phase: Callable[[str], None],
+) -> RankManager | None:
+    """This rank's Manager: position 0's (which hosts the island's store) first, then, per
+    rank, every other position's. ``None`` on a rank that does not talk to torchft (fan-out).
+
+    Collective over the island (``fanout``).
+
+    Raises:
+        LighthouseUnreachableError: on every rank of the island, when a position could not
+            reach the lighthouse (or position 0's manager server).
+    """
+    world_size = fanout.size if per_rank else 1
+    parts, error = None, None
+    if fanout.is_leader:
+        try:
+            store = IslandStore.host_here()
+            parts = start_manager(
+                config,
+                store,
+                rank=0,
+                world_size=world_size,
+                load_fn=load_fn,
+                state_fn=state_fn,
+                on_phase=on_phase,
+            )
+        except MembershipError as err:
+            error = err
+    fanout.share_error(error)
+    if not per_rank:
+        return parts
+    address = fanout.share_text(parts.store.address() if parts is not None else "")
+    if not fanout.is_leader:
+        try:
+            parts = start_manager(
+                config,
+                IslandStore.parse(address),
+                rank=fanout.position,
+                world_size=world_size,
+                load_fn=load_fn,
+                state_fn=state_fn,
+                on_phase=on_phase,
+            )
+        except MembershipError as err:
+            error = err
+    fanout.agree_round(error, committed=True, healed=False)
+    return parts
 
 
 def start_manager(
@@ -140,4 +197,4 @@ def start_manager(
         ) from err
     identity = QuorumIdentity(manager)
     holder.append(identity)
-    return RankManager(manager, pg, heal_transport, identity)
+    return RankManager(manager, pg, heal_transport, identity, store)

@@ -66,11 +66,10 @@ from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     MembershipError,
     ModelMismatchError,
-    QuorumTimeoutError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.quorum import request_quorum
+from lightning_swarm.membership.quorum import ShortRounds, request_quorum
 from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
@@ -88,12 +87,7 @@ from lightning_swarm.membership.round_header import (
     settings_tensor,
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
-from lightning_swarm.membership.torchft_manager import (
-    IslandStore,
-    RankManager,
-    seconds,
-    start_manager,
-)
+from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
@@ -167,7 +161,7 @@ class TorchftMembership:
         self.per_rank = per_rank and self._fanout.size > 1
         # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
         self.exchanges = self.per_rank or self._fanout.is_leader
-        self._short_since: float | None = None
+        self._short_rounds = ShortRounds(config)
         self._settings: Settings = {}
         self._row = HeaderRow(
             island=island_hash(config.island_id),
@@ -195,44 +189,19 @@ class TorchftMembership:
 
     def _start_managers(self) -> None:
         """This rank's Manager, if it talks to torchft; rank 0's first (collective)."""
-        error = None
-        store = None
-        if self._fanout.is_leader:
-            self._watch = SuspensionWatch()
-            try:
-                store = IslandStore.host_here()
-                self._adopt(self._start_manager(store))
-            except MembershipError as err:
-                self._watch.close()  # the fan-out below still needs the island's group
-                error = err
-        self._fanout.share_error(error)
-        if not self.per_rank:
-            return
-        address = self._fanout.share_text(store.address() if store is not None else "")
-        error = None
-        if not self._fanout.is_leader:
-            self._watch = SuspensionWatch()
-            try:
-                self._adopt(self._start_manager(IslandStore.parse(address)))
-            except MembershipError as err:
-                error = err
-        self._fanout.agree_round(error, committed=True, healed=False)
-
-    def _start_manager(self, store: IslandStore) -> RankManager:
-        self._store = store
-        return start_manager(
+        parts = start_island_managers(
             self.config,
-            store,
-            rank=self._fanout.position if self.per_rank else 0,
-            world_size=self._fanout.size if self.per_rank else 1,
+            self._fanout,
+            per_rank=self.per_rank,
             load_fn=self._load_healed,
             state_fn=self._state_for_peer,
             on_phase=self._phase,
         )
-
-    def _adopt(self, parts: RankManager) -> None:
-        self._manager, self._pg = parts.manager, parts.pg
-        self.heal_transport, self._identity = parts.heal_transport, parts.identity
+        if parts is not None:
+            self._parts = parts  # keeps the island's store alive on its rank 0
+            self._manager, self._pg = parts.manager, parts.pg
+            self.heal_transport, self._identity = parts.heal_transport, parts.identity
+            self._watch = SuspensionWatch()
 
     def agree_on(self, settings: Settings) -> None:
         """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
@@ -335,7 +304,7 @@ class TorchftMembership:
             self._round_bytes = ring_allreduce_bytes(payload, self._pg.size())
         self._phase("commit")
         committed = self._commit_gate()
-        self._watch_min_islands(participants, committed)
+        self._short_rounds.see(participants, committed)
         if committed:
             self._last_commit_at = time.monotonic()
         outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
@@ -412,20 +381,6 @@ class TorchftMembership:
     def _allreduce(self, tensors: list[Tensor]) -> None:
         """The mean over participating islands, bucketed, written back in place."""
         bucketed_mean(self._manager, tensors, self.bucket_numel)
-
-    def _watch_min_islands(self, participants: int, committed: bool) -> None:
-        short = participants < self.config.min_islands and not committed
-        if not short:
-            self._short_since = None
-            return
-        now = time.monotonic()
-        self._short_since = self._short_since or now
-        if now - self._short_since > self.config.quorum_timeout_s:
-            raise QuorumTimeoutError(
-                f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
-                f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
-                f"{self.config.min_islands}; start more islands or lower min_islands."
-            )
 
     def close(self) -> None:
         """Leave the swarm: stop heartbeats and the manager. Idempotent."""

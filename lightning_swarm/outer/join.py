@@ -34,8 +34,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_swarm.outer.reports import SyncReport
+from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync import OuterSync
 
 
@@ -88,6 +90,7 @@ class ElasticOuter:
         for outer in self.outer_syncs:
             if outer.shard is not None:
                 outer.shard.gather(list(outer.params), outer.params)
+                _agree_counters(outer, outer.shard)
         self.healed = True
 
     @torch.no_grad()
@@ -117,6 +120,23 @@ class ElasticOuter:
                 outer.params[name].copy_(outer.anchors[name])
             if outer.shard is not None:
                 outer.shard.gather(list(outer.params), outer.params)
+
+
+def _agree_counters(outer: OuterSync, shard: IslandShard) -> None:
+    """Position 0's inner-step counters on every rank of the island (collective).
+
+    torchft may heal each rank from another live island, and islands at the same committed
+    round can differ in inner steps (one abandoned a round another never took part in): the
+    shares of one island must count alike, as their checkpoint files are merged by them.
+    """
+    s = outer.state
+    ended = -1 if s.ended_at is None else s.ended_at
+    values = [s.inner_steps, *(-1 if v is None else v for v in s.synced_at), ended]
+    counters = torch.tensor(values, dtype=torch.int64, device=shard.device)
+    dist.broadcast(counters, group=shard.group, group_src=0)
+    inner, *synced, ended = (int(v) for v in counters.tolist())
+    s.inner_steps, s.ended_at = inner, None if ended < 0 else ended
+    s.synced_at = [None if v < 0 else v for v in synced]
 
 
 def _progress(outer: OuterSync) -> dict[str, torch.Tensor]:
