@@ -228,3 +228,34 @@ def test_a_sharded_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Pa
                 joined["param." + name] - own_joined["anchor." + name], progress, rtol=0, atol=1e-6
             )
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ac" for r in (0, 1)])
+
+
+@pytest.mark.timeout(400)  # ~30 s on 2 busy cores
+def test_an_island_that_splits_the_outer_state_otherwise_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """a and b are islands of one rank; y has two ranks sharing the outer state. Its rank 1 has
+    no peers in the swarm at all (no other island has a rank 1): y is refused on both ranks,
+    naming the setting, while a and b go on and end equal."""
+    fast = tmp_path / "fast"
+    opts = ["--width", "0", "--every", "4", "--max-steps", "400", "--step-s", "0.1"]
+    opts += ["--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_rounds(tmp_path, "a")) >= 2, 120, "a's second round")
+            other = start_island(tmp_path, address, "y", *opts, "--devices", "2", script=SCRIPT)
+            started.append(other)
+            assert finish(other, 120, tmp_path, "y") != 0
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 120, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for rank in (0, 1):
+        error = (tmp_path / f"y.error.{rank}").read_text()
+        assert error.startswith("SettingsMismatchError: island 'y' was refused"), (rank, error)
+        assert "outer_shares is 2 here but 1 in the swarm" in error, (rank, error)
+    _assert_equal(tmp_path, ["a.rank0", "b.rank0"])
