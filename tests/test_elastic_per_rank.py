@@ -258,4 +258,5 @@ def test_an_island_that_splits_the_outer_state_otherwise_is_refused_on_every_ran
         error = (tmp_path / f"y.error.{rank}").read_text()
         assert error.startswith("SettingsMismatchError: island 'y' was refused"), (rank, error)
         assert "outer_shares is 2 here but 1 in the swarm" in error, (rank, error)
+        assert "or set shard_outer=False on every island" in error
     _assert_equal(tmp_path, ["a.rank0", "b.rank0"])

@@ -141,3 +141,15 @@ def _agree(rank: int, world: int, out: Path) -> None:
 def test_the_ranks_of_an_island_end_a_round_alike(tmp_path: Path) -> None:
     run_ranks(_agree, 2, tmp_path, timeout_s=30)
     assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
+
+
+def test_an_island_that_splits_the_outer_state_otherwise_is_told_how_to_fix_it() -> None:
+    from lightning_swarm.membership.errors import SettingsMismatchError
+    from lightning_swarm.membership.round_header import Verdict, refusal
+
+    error = refusal(Verdict.SETTINGS, "y", 1, 1, {"outer_shares": 2}, {"outer_shares": 1})
+    assert isinstance(error, SettingsMismatchError)
+    assert "outer_shares is 2 here but 1 in the swarm" in str(error)
+    assert "give every island the same number of ranks, or set shard_outer=False" in str(error)
+    other = refusal(Verdict.SETTINGS, "y", 1, 1, {"sync_every": 2}, {"sync_every": 4})
+    assert "shard_outer" not in str(other)  # the hint only where the shares differ
