@@ -153,3 +153,62 @@ def test_an_island_that_splits_the_outer_state_otherwise_is_told_how_to_fix_it()
     assert "give every island the same number of ranks, or set shard_outer=False" in str(error)
     other = refusal(Verdict.SETTINGS, "y", 1, 1, {"sync_every": 2}, {"sync_every": 4})
     assert "shard_outer" not in str(other)  # the hint only where the shares differ
+
+
+class _Recording(_NoExchange):
+    """Records what each round handed it; ``every_rank_in_round`` as an elastic island's."""
+
+    def __init__(self, every_rank: bool) -> None:
+        self.every_rank_in_round = every_rank
+        self.calls: list[list[str]] = []
+
+    def average(self, tensors: object, *, round_index: int) -> RoundStats:
+        self.calls.append(sorted(tensors))  # type: ignore[call-overload]
+        return super().average(tensors, round_index=round_index)
+
+
+def _empty_share(rank: int, world: int, out: Path) -> None:
+    """Two fragments of one tensor each over two ranks: each rank's share of the other's
+    fragment is empty. A transport whose round needs every rank (one torchft Manager per rank
+    waits for all of them) still gets that rank's round, with nothing in it."""
+    from lightning_swarm.outer.reports import StreamingOptions
+
+    for every_rank in (True, False):
+        params = {n: torch.nn.Parameter(torch.ones(3)) for n in ("w", "v")}
+        shard = IslandShard(dist.group.WORLD, rank, 2, {"w": 0, "v": 1}, 1 << 20)
+        transport = _Recording(every_rank)
+        outer = OuterSync(
+            params,
+            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7),
+            transport=transport,
+            sync_every=2,
+            shard=shard,
+            streaming=StreamingOptions(fragments=[["w"], ["v"]]),
+        )
+        outer.engine.round(0)
+        expected = [["w"]] if rank == 0 else ([[]] if every_rank else [])
+        assert transport.calls == expected, (rank, every_rank, transport.calls)
+    (out / f"rank{rank}").write_text("ok")
+
+
+def test_a_rank_with_an_empty_share_still_takes_part_in_an_elastic_round(tmp_path: Path) -> None:
+    run_ranks(_empty_share, 2, tmp_path, timeout_s=30)
+    assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
+
+
+def _delayed(rank: int, world: int, out: Path) -> None:
+    from lightning_swarm.config import SwarmConfig
+    from lightning_swarm.elastic import ElasticIsland
+    from lightning_swarm.membership.config import ElasticConfig
+
+    options = ElasticConfig(lighthouse="http://127.0.0.1:1", island_id="a")
+    island = ElasticIsland(options, SwarmConfig(sync_delay=1))
+    with pytest.raises(ValueError, match="sync_delay=1 with shard_outer=True on an elastic"):
+        island.build_membership(torch.nn.Linear(2, 2), None, 1 << 20)
+    (out / f"rank{rank}").write_text("ok")
+
+
+def test_a_delayed_round_on_a_sharded_elastic_island_is_refused(tmp_path: Path) -> None:
+    """Its round would end with collectives over the island's group from the worker thread."""
+    run_ranks(_delayed, 2, tmp_path, timeout_s=30)
+    assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}

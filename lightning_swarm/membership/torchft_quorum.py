@@ -93,7 +93,8 @@ from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
 PhaseHook = Callable[[str, int], None]
-"""Called with (phase, round) as each phase of a round starts on the island's rank 0: quorum,
+"""Called with (phase, round) as each phase of a round starts on each rank that talks to
+torchft (the island's rank 0, or every rank per rank): quorum,
 pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
 For failure injection in tests: it may kill or stop the process at a chosen moment."""
 StateFn = Callable[[], dict[str, Any]]
@@ -159,6 +160,9 @@ class TorchftMembership:
         self._island_healed_fn = island_healed_fn
         self._fanout = IslandFanout(island_group)
         self.per_rank = per_rank and self._fanout.size > 1
+        # Per rank, the quorum and the vote wait for every rank of the island: each rank takes
+        # part in every round, an empty share too (the outer loop reads this).
+        self.every_rank_in_round = self.per_rank
         # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
         self.exchanges = self.per_rank or self._fanout.is_leader
         self._short_rounds = ShortRounds(config)
