@@ -18,7 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
-from tests.elastic_utils import finish, lighthouse, start_island, wait_for
+from tests.dist_utils import free_port
+from tests.elastic_utils import (
+    finish,
+    lighthouse,
+    logged,
+    start_island,
+    start_lighthouse,
+    wait_for,
+)
 from tests.test_elastic_strategy import SCRIPT, _kill_all, _rounds
 
 pytest.importorskip("torchft")
@@ -260,3 +268,49 @@ def test_an_island_that_splits_the_outer_state_otherwise_is_refused_on_every_ran
         assert "outer_shares is 2 here but 1 in the swarm" in error, (rank, error)
         assert "or set shard_outer=False on every island" in error
     _assert_equal(tmp_path, ["a.rank0", "b.rank0"])
+
+
+@pytest.mark.slow  # ~40 s on 2 busy cores
+@pytest.mark.timeout(600)
+def test_two_rank_islands_go_on_when_the_lighthouse_restarts(tmp_path: Path) -> None:
+    """SIGKILL the lighthouse mid-run and restart it on its port once both islands' manager
+    servers failed to reach it: every rank of both islands commits rounds again (each rank's
+    group set up anew for the new lighthouse's quorum) and all four end equal."""
+    fast, port = tmp_path / "fast", free_port()
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    first = start_lighthouse(port, tmp_path / "lighthouse.log")
+    started: list[subprocess.Popen[Any]] = [first]
+    try:
+        address = f"http://127.0.0.1:{port}"
+        procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+        started += procs.values()
+        wait_for(lambda: len(_by_rank(tmp_path, "a", 1)) >= 3, 180, "a's third round")
+        first.kill()
+        first.wait()
+        killed_at = time.time()
+        for name in "ab":
+            wait_for(
+                lambda n=name: logged(tmp_path, n, "lighthouse quorum failed"),
+                60,
+                f"{name}'s quorum request to fail",
+            )
+        started.append(start_lighthouse(port, tmp_path / "lighthouse.log"))
+        for name in "ab":
+            for rank in (0, 1):
+                wait_for(
+                    lambda n=name, r=rank: any(
+                        row["t"] > killed_at for row in _by_rank(tmp_path, n, r)
+                    ),
+                    120,
+                    f"{name}'s rank {rank} round after the restart",
+                )
+        fast.write_text("")
+        for name, proc in procs.items():
+            assert finish(proc, 240, tmp_path, name) == 0, name
+    finally:
+        _kill_all(started)
+    for name in "ab":
+        for rank in (0, 1):
+            after = [r for r in _by_rank(tmp_path, name, rank) if r["t"] > killed_at]
+            assert after and after[-1]["swarm/outer_steps"] > after[0]["swarm/outer_steps"]
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
