@@ -34,7 +34,7 @@ from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode
 
 @dataclass
 class RoundOutcome:
-    """One round as the island's rank 0 saw it."""
+    """One round as the rank that ran it saw it (the island's rank 0, or each rank per rank)."""
 
     committed: bool = False
     genesis: bool = False
@@ -45,7 +45,8 @@ class RoundOutcome:
 
 
 class IslandFanout:
-    """Collective hand-over from the island's rank 0 (see the module docstring)."""
+    """The membership's collectives over one island: rank 0's fan-out, the ranks' agreements
+    (see the module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup | None, side_group: bool | None = None) -> None:
         """``side_group``: create a gloo group beside ``group``; ``None`` decides by its backend
