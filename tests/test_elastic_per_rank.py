@@ -315,3 +315,32 @@ def test_two_rank_islands_go_on_when_the_lighthouse_restarts(tmp_path: Path) -> 
             after = [r for r in _by_rank(tmp_path, name, rank) if r["t"] > killed_at]
             assert after and after[-1]["swarm/outer_steps"] > after[0]["swarm/outer_steps"]
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
+
+
+@pytest.mark.timeout(400)  # ~35 s on 2 busy cores
+def test_a_two_rank_joiner_with_another_model_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """a and b: two ranks each. w: two ranks, a last layer of another shape. Each of w's ranks
+    is healed with its share and refused, naming the parameter that differs (rank r of every
+    island judges the same rows); a and b abandon that round, go on and end equal."""
+    fast = tmp_path / "fast"
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
+            started += procs.values()
+            wait_for(lambda: len(_by_rank(tmp_path, "a", 1)) >= 2, 180, "a's second round")
+            wide = [*opts, "--width", "8"]  # Linear(8, 8), Linear(8, 1): not Linear(8, 8) twice
+            other = start_island(tmp_path, address, "w", *wide, script=SCRIPT)
+            started.append(other)
+            assert finish(other, 120, tmp_path, "w") != 0
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 180, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for rank in (0, 1):
+        error = (tmp_path / f"w.error.{rank}").read_text()
+        assert error.startswith("ModelMismatchError: island 'w' was refused"), (rank, error)
+        assert "net.1.weight is (1, 8) float32 here but (8, 8) float32 in the swarm" in error
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
