@@ -212,3 +212,28 @@ def test_a_delayed_round_on_a_sharded_elastic_island_is_refused(tmp_path: Path) 
     """Its round would end with collectives over the island's group from the worker thread."""
     run_ranks(_delayed, 2, tmp_path, timeout_s=30)
     assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
+
+
+def _counters(rank: int, world: int, out: Path) -> None:
+    """torchft may heal rank 0 and rank 1 of one island from two live islands whose inner-step
+    counts differ: after the heal both ranks count like position 0 and hold every parameter."""
+    params = {n: torch.nn.Parameter(torch.full((2,), float(rank))) for n in ("w", "v")}
+    shard = IslandShard(dist.group.WORLD, rank, 2, {"w": 0, "v": 1}, 1 << 20)
+    outer = OuterSync(
+        params,
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7),
+        transport=_NoExchange(),
+        sync_every=2,
+        shard=shard,
+    )
+    outer.state.inner_steps = 40 if rank == 0 else 44  # from two different sources
+    outer.state.synced_at = [40 if rank == 0 else 44]
+    ElasticOuter([outer]).after_island_heal()
+    assert (outer.inner_steps, outer.state.synced_at) == (40, [40])
+    assert params["w"].detach().equal(torch.zeros(2)) and params["v"].detach().equal(torch.ones(2))
+    (out / f"rank{rank}").write_text("ok")
+
+
+def test_after_a_heal_the_shares_of_an_island_count_alike(tmp_path: Path) -> None:
+    run_ranks(_counters, 2, tmp_path, timeout_s=30)
+    assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
