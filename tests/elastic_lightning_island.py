@@ -13,6 +13,8 @@ Fault injection for the tests (test-only monkeypatches, nothing in the library):
 others wait on it in the round's all-reduce) and writes ``<island>.stalled``; the test kills it
 there (``--stall-rank R``: only rank R stalls, and writes ``<island>.stalled``; every rank
 writes its process id to ``<island>.pid.rank<r>`` when training starts).
+``--fault PHASE:ROUND:ACTION`` (``tests/elastic_faults.py``) with ``--fault-rank R``: rank R's
+membership kills or stops its own process as that phase of that round starts.
 ``--stall-in-heal``: the island stalls while being healed, after the healing peer's
 header arrived and before its tensors do, and writes ``<island>.stalled``.
 """
@@ -37,6 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.membership import heal
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from tests.elastic_faults import fault_hook
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -93,6 +96,20 @@ class Snapshots(pl.Callback):
         rank = trainer.global_rank
         snapshot(strategy, self.out / f"{self.island}.prejoin.rank{rank}.safetensors")
         (self.out / f"{self.island}.pid.rank{rank}").write_text(str(os.getpid()))
+
+
+class Faults(pl.Callback):
+    """Installs ``tests/elastic_faults.py``'s hook on one rank's membership (built at setup)."""
+
+    def __init__(self, faults: list[str], rank: int, out: Path, island: str) -> None:
+        self.faults, self.rank, self.out, self.island = faults, rank, out, island
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy) and strategy._elastic is not None
+        membership = strategy._elastic.membership
+        if trainer.global_rank == self.rank and membership is not None:
+            membership.on_phase = fault_hook(self.faults, self.out, self.island)
 
 
 class CheckpointAt(pl.Callback):
@@ -174,6 +191,8 @@ def main() -> None:
     parser.add_argument("--fast-file", default=None, help="steps are fast once it exists")
     parser.add_argument("--stall-file", default=None, help="see the module docstring")
     parser.add_argument("--stall-rank", type=int, default=None, help="see the module docstring")
+    parser.add_argument("--fault", action="append", default=[], help="see the module docstring")
+    parser.add_argument("--fault-rank", type=int, default=0, help="see the module docstring")
     parser.add_argument("--stall-in-heal", action="store_true", help="see the module docstring")
     parser.add_argument(
         "--no-shard-outer", action="store_true", help="rank 0 exchanges, the island fans out"
@@ -209,6 +228,8 @@ def main() -> None:
     join_file = str(out / f"{args.island}.join.rank{{rank}}.safetensors")
     recorder = Recorder(out / f"{args.island}.jsonl", strategy, join_file)
     callbacks: list[pl.Callback] = [Snapshots(out, args.island)]
+    if args.fault:
+        callbacks.append(Faults(args.fault, args.fault_rank, out, args.island))
     if args.checkpoint_at:
         callbacks.append(CheckpointAt(args.checkpoint_at, out / f"{args.island}.ckpt"))
     trainer = pl.Trainer(

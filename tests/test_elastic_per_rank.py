@@ -344,3 +344,52 @@ def test_a_two_rank_joiner_with_another_model_is_refused_on_every_rank(tmp_path:
         assert error.startswith("ModelMismatchError: island 'w' was refused"), (rank, error)
         assert "net.1.weight is (1, 8) float32 here but (8, 8) float32 in the swarm" in error
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
+
+
+@pytest.mark.slow  # ~40 s each on 2 busy cores
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase", ["quorum", "header", "commit"])
+def test_rank_1_of_an_island_dies_at_each_phase_of_a_round(tmp_path: Path, phase: str) -> None:
+    """Three islands of two ranks; rank 1 of c SIGKILLs itself as a phase of its fourth round
+    starts (``tests/elastic_faults.py``): a and b abandon at most that round, commit again
+    without c, and all four of their ranks end equal; both of c's processes end."""
+    fast = tmp_path / "fast"
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    fault = ["--fault", f"{phase}:3:kill", "--fault-rank", "1"]
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        try:
+            procs = {
+                n: start_island(
+                    tmp_path, address, n, *opts, *(fault if n == "c" else ()), script=SCRIPT
+                )
+                for n in "abc"
+            }
+            started += procs.values()
+            wait_for((tmp_path / "c.kill").exists, 240, f"c's rank 1 to die at {phase}")
+            killed_at = time.time()
+            pids = [int((tmp_path / f"c.pid.rank{r}").read_text()) for r in (0, 1)]
+            wait_for(lambda: not any(_alive(pid) for pid in pids), 120, "c's ranks to end")
+            for name in "ab":
+                for rank in (0, 1):
+                    wait_for(
+                        lambda n=name, r=rank: any(
+                            row["t"] > killed_at and row["swarm/islands_in_round"] == 2
+                            for row in _by_rank(tmp_path, n, r)
+                        ),
+                        120,
+                        f"{name}'s rank {rank} round without c",
+                    )
+            fast.write_text("")
+            procs.pop("c").wait()
+            for name, proc in procs.items():
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for name in "ab":
+        for rank in (0, 1):
+            rows = _by_rank(tmp_path, name, rank)
+            # An island that was still starting up when c died had abandoned none before.
+            before = [r["swarm/rounds_abandoned"] for r in rows if r["t"] < killed_at] or [0.0]
+            assert rows[-1]["swarm/rounds_abandoned"] <= before[-1] + 1, (name, rank)
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
