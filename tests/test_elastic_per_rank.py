@@ -393,3 +393,74 @@ def test_rank_1_of_an_island_dies_at_each_phase_of_a_round(tmp_path: Path, phase
             before = [r["swarm/rounds_abandoned"] for r in rows if r["t"] < killed_at] or [0.0]
             assert rows[-1]["swarm/rounds_abandoned"] <= before[-1] + 1, (name, rank)
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
+
+
+@pytest.mark.slow  # ~45 s each on 2 busy cores
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase", ["heal_recv", "heal_send"])
+def test_rank_1_dies_while_a_two_rank_joiner_is_healed(tmp_path: Path, phase: str) -> None:
+    """a and b (two ranks each) train; c (two ranks) joins. heal_recv: c's rank 1 dies as its
+    share arrives; heal_send: rank 1 of whichever of a and b heals c dies as it sends. The
+    islands left abandon that round (and, min_islands being 2, any round whose other island is
+    being healed), go on and end equal (c too, when it lived)."""
+    fast = tmp_path / "fast"
+    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    # From round 2 on: at genesis (round 0) a and b heal each other's shares too.
+    fault = [
+        "--fault",
+        f"{phase}:{'*' if phase == 'heal_recv' else '2+'}:kill",
+        "--fault-rank",
+        "1",
+    ]
+    victims = "c" if phase == "heal_recv" else "ab"
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse(heartbeat_timeout_ms=1500) as address:
+        try:
+            procs = {
+                n: start_island(
+                    tmp_path, address, n, *opts, *(fault if n in "ab" else ()), script=SCRIPT
+                )
+                if victims == "ab"
+                else start_island(tmp_path, address, n, *opts, script=SCRIPT)
+                for n in "ab"
+            }
+            started += procs.values()
+            wait_for(lambda: len(_by_rank(tmp_path, "a", 1)) >= 3, 180, "a's third round")
+            extra = fault if victims == "c" else []
+            procs["c"] = start_island(tmp_path, address, "c", *opts, *extra, script=SCRIPT)
+            started.append(procs["c"])
+            markers = [tmp_path / f"{n}.kill" for n in victims]
+            wait_for(lambda: any(m.exists() for m in markers), 180, f"a death at {phase}")
+            dead = next(m.name[0] for m in markers if m.exists())
+            killed_at = time.time()
+            pids = [int((tmp_path / f"{dead}.pid.rank{r}").read_text()) for r in (0, 1)]
+            wait_for(lambda: not any(_alive(pid) for pid in pids), 120, f"{dead}'s ranks to end")
+            procs.pop(dead).wait()
+            live = sorted(procs)
+            for name in live:
+                wait_for(
+                    lambda n=name: any(
+                        row["t"] > killed_at and row["swarm/islands_in_round"] == len(live)
+                        for row in _by_rank(tmp_path, n, 1)
+                    ),
+                    120,
+                    f"{name}'s round after the death",
+                )
+            fast.write_text("")
+            for name, proc in procs.items():
+                assert finish(proc, 240, tmp_path, name) == 0, name
+        finally:
+            _kill_all(started)
+    for name in live:
+        for rank in (0, 1):
+            rows = _by_rank(tmp_path, name, rank)
+            after = [(r["swarm/rounds_abandoned"], r) for r in rows if r["t"] > killed_at]
+            before = [r["swarm/rounds_abandoned"] for r in rows if r["t"] < killed_at] or [0.0]
+            # The round of the death is abandoned; so is a round whose only other island is
+            # being healed (fewer participants than min_islands=2), and no other.
+            seen = before[-1]
+            for index, (abandoned, row) in enumerate(after):
+                if abandoned > seen and index > 0:
+                    assert row["swarm/islands_in_round"] < 2, (name, rank, row)
+                seen = abandoned
+    _assert_equal(tmp_path, [f"{n}.rank{r}" for n in live for r in (0, 1)])
