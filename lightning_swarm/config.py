@@ -151,6 +151,9 @@ class SwarmConfig:
             across islands; the island then gathers the new parameters over its own group
             (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy. No effect
             with ``island_parallel="fsdp"``: there each rank's share is its own model shard.
+            With ``membership="torchft"`` the island is the launch's world (k ranks): each rank
+            then exchanges its share with a torchft Manager of its own, and every island of the
+            swarm must split the outer state alike (the same k; ``False`` means 1).
         island_parallel: how an island's ranks split the work: ``"ddp"`` (every rank holds the
             whole model, gradients averaged over the island's group) or ``"fsdp"`` (the module's
             ``configure_model`` shards it over the island's own ``(data_parallel,

@@ -1,7 +1,13 @@
 """Lightning glue of elastic islands (``SwarmStrategy(membership="torchft")``).
 
 Each launch is one island: its ranks (``devices x num_nodes``) are its world and DDP runs over
-all of them. ``ElasticIsland`` builds the island's ``TorchftMembership`` (the transport of its
+all of them. With ``shard_outer`` (the default) and several ranks, each rank owns a share of the
+outer state and exchanges it across islands itself (``per_rank``: a torchft Manager per rank,
+payload / k per rank); with ``shard_outer=False`` the island's rank 0 exchanges the whole
+payload and fans the round out to the other ranks. Islands of one swarm must split the outer
+state alike: the number of shares is one of the settings the round header compares.
+
+``ElasticIsland`` builds the island's ``TorchftMembership`` (the transport of its
 outer loop), runs the island's first round when training starts (a joiner is healed there), adds
 the ``swarm/*`` membership metrics to each round's and decides when the fit ends.
 
@@ -44,6 +50,7 @@ class ElasticIsland:
         self.config = config
         self.sync_every = config.sync_every
         self.membership: TorchftMembership | None = None
+        self.outer_shares = 1  # ranks that share the outer state (1: rank 0 exchanges all)
         self._outer: ElasticOuter | None = None
         self._target_rounds: int | None = None
 
@@ -57,10 +64,26 @@ class ElasticIsland:
             )
         return world_size
 
+    @staticmethod
+    def shares_outer_state(config: SwarmConfig, world_size: int) -> bool:
+        """Whether each rank of the island owns a share and exchanges it itself."""
+        return config.shard_outer and world_size > 1 and config.island_parallel == "ddp"
+
     def build_membership(
         self, module: Module, island_group: dist.ProcessGroup | None, bucket_numel: int
     ) -> TorchftMembership:
         params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
+        world = dist.get_world_size(island_group) if dist.is_initialized() else 1
+        per_rank = self.shares_outer_state(self.config, world)
+        if per_rank and self.config.sync_delay > 0:
+            # A delayed exchange runs in the worker thread, beside DDP on the island's group.
+            raise ValueError(
+                f"sync_delay={self.config.sync_delay} with shard_outer=True on an elastic island "
+                f"of {world} ranks is not supported yet: each rank's round ends with collectives "
+                "over the island's group, which the worker thread cannot share with training; "
+                "set shard_outer=False (rank 0 exchanges for the island) or sync_delay=0."
+            )
+        self.outer_shares = world if per_rank else 1
         self.membership = TorchftMembership(
             self.options,
             layout=model_layout(params),
@@ -70,6 +93,8 @@ class ElasticIsland:
             bucket_numel=bucket_numel,
             codec=codec_of(self.config),
             background=self.config.sync_delay > 0,
+            per_rank=per_rank,
+            island_healed_fn=lambda: self._elastic_outer.note_island_heal(),
         )
         return self.membership
 
@@ -89,7 +114,8 @@ class ElasticIsland:
         self._outer = ElasticOuter(outer_syncs)
         self._outer.connect(membership.adoption)
         # Islands whose rounds would mean different things are refused in the round header.
-        membership.agree_on(swarm_settings(self.config, outer_syncs[0].outer_optimizer))
+        settings = swarm_settings(self.config, outer_syncs[0].outer_optimizer)
+        membership.agree_on({**settings, "outer_shares": self.outer_shares})
 
     def join(self, trainer: pl.Trainer) -> dict[str, float]:
         """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""

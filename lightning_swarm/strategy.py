@@ -214,8 +214,8 @@ class SwarmStrategy(IslandDDPStrategy):
             device=self.root_device,
             defer_anchors=defer_anchors,
             totals=self.totals,
-            # Elastic islands exchange through their rank 0 only (membership fans out), and a
-            # model-sharded rank's share is its own shard: no shares of the outer state.
+            # Elastic islands share the outer state only when each rank exchanges its own share
+            # (membership per rank); a model-sharded rank's share is its own shard.
             island_group=self.groups.island if self._shares_outer_state else None,
             island_position=self.topology.local_index,
         )
@@ -226,7 +226,9 @@ class SwarmStrategy(IslandDDPStrategy):
 
     @property
     def _shares_outer_state(self) -> bool:
-        return self._elastic is None and not self.config.model_sharded
+        if self._elastic is not None:
+            return self._elastic.outer_shares > 1
+        return not self.config.model_sharded
 
     # -- checkpoints ---------------------------------------------------------------------
     def _resume_host(self) -> TrainingView:

@@ -11,7 +11,11 @@ after it (``<island>.join.rank<r>.safetensors``), so a test can check healing an
 Fault injection for the tests (test-only monkeypatches, nothing in the library):
 ``--stall-file F``: once F exists, the island's next round stalls after its quorum formed (the
 others wait on it in the round's all-reduce) and writes ``<island>.stalled``; the test kills it
-there. ``--stall-in-heal``: the island stalls while being healed, after the healing peer's
+there (``--stall-rank R``: only rank R stalls, and writes ``<island>.stalled``; every rank
+writes its process id to ``<island>.pid.rank<r>`` when training starts).
+``--fault PHASE:ROUND:ACTION`` (``tests/elastic_faults.py``) with ``--fault-rank R``: rank R's
+membership kills or stops its own process as that phase of that round starts.
+``--stall-in-heal``: the island stalls while being healed, after the healing peer's
 header arrived and before its tensors do, and writes ``<island>.stalled``.
 """
 
@@ -35,6 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.membership import heal
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from tests.elastic_faults import fault_hook
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -63,7 +68,8 @@ def inject_faults(args: argparse.Namespace, out: Path) -> None:
         allreduce = TorchftMembership._allreduce
 
         def stalling_allreduce(self: TorchftMembership, tensors: list[torch.Tensor]) -> None:
-            if Path(args.stall_file).exists():
+            rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if Path(args.stall_file).exists() and args.stall_rank in (None, rank):
                 stall(marker)
             allreduce(self, tensors)
 
@@ -87,9 +93,23 @@ class Snapshots(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, SwarmStrategy)
-        snapshot(
-            strategy, self.out / f"{self.island}.prejoin.rank{trainer.global_rank}.safetensors"
-        )
+        rank = trainer.global_rank
+        snapshot(strategy, self.out / f"{self.island}.prejoin.rank{rank}.safetensors")
+        (self.out / f"{self.island}.pid.rank{rank}").write_text(str(os.getpid()))
+
+
+class Faults(pl.Callback):
+    """Installs ``tests/elastic_faults.py``'s hook on one rank's membership (built at setup)."""
+
+    def __init__(self, faults: list[str], rank: int, out: Path, island: str) -> None:
+        self.faults, self.rank, self.out, self.island = faults, rank, out, island
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy) and strategy._elastic is not None
+        membership = strategy._elastic.membership
+        if trainer.global_rank == self.rank and membership is not None:
+            membership.on_phase = fault_hook(self.faults, self.out, self.island)
 
 
 class CheckpointAt(pl.Callback):
@@ -104,10 +124,15 @@ class CheckpointAt(pl.Callback):
 
 
 class Regression(pl.LightningModule):
+    """``width`` hidden units and one output; ``width=0``: two 8 x 8 layers whose outputs are
+    averaged (equal tensors, so that two shares of the outer state hold exactly half each)."""
+
     def __init__(self, width: int, step_s: float, fast_file: str | None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, width or 8), torch.nn.Linear(width or 8, 1 if width else 8)
+        )
         self.step_s = step_s
         self.fast_file = Path(fast_file) if fast_file else None
 
@@ -116,7 +141,7 @@ class Regression(pl.LightningModule):
         fast = self.fast_file is not None and self.fast_file.exists()
         time.sleep(0.002 if fast else self.step_s)
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        return torch.nn.functional.mse_loss(self.net(x).mean(dim=1, keepdim=True), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -165,7 +190,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--fast-file", default=None, help="steps are fast once it exists")
     parser.add_argument("--stall-file", default=None, help="see the module docstring")
+    parser.add_argument("--stall-rank", type=int, default=None, help="see the module docstring")
+    parser.add_argument("--fault", action="append", default=[], help="see the module docstring")
+    parser.add_argument("--fault-rank", type=int, default=0, help="see the module docstring")
     parser.add_argument("--stall-in-heal", action="store_true", help="see the module docstring")
+    parser.add_argument(
+        "--no-shard-outer", action="store_true", help="rank 0 exchanges, the island fans out"
+    )
     parser.add_argument("--checkpoint-at", type=int, default=0, help="save <island>.ckpt there")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from (ckpt_path)")
     parser.add_argument("--merge-alpha", type=float, default=0.0)
@@ -196,6 +227,7 @@ def main() -> None:
         sync_delay=args.delay,
         quantize=args.quantize,
         error_feedback=args.quantize != "none",
+        shard_outer=not args.no_shard_outer,
         outer_optimizer=functools.partial(
             torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True
         ),
@@ -203,6 +235,8 @@ def main() -> None:
     join_file = str(out / f"{args.island}.join.rank{{rank}}.safetensors")
     recorder = Recorder(out / f"{args.island}.jsonl", strategy, join_file)
     callbacks: list[pl.Callback] = [Snapshots(out, args.island)]
+    if args.fault:
+        callbacks.append(Faults(args.fault, args.fault_rank, out, args.island))
     if args.checkpoint_at:
         callbacks.append(CheckpointAt(args.checkpoint_at, out / f"{args.island}.ckpt"))
     trainer = pl.Trainer(

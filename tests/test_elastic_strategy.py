@@ -91,7 +91,10 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             procs["c"].wait()
             killed_at = time.time()
             os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
-            restarted = start_island(tmp_path, address, "c", *opts, "--devices", "2", script=SCRIPT)
+            # Two ranks beside one-rank islands: rank 0 exchanges for c (shard_outer=False).
+            restarted = start_island(
+                tmp_path, address, "c", *opts, "--devices", "2", "--no-shard-outer", script=SCRIPT
+            )
             joiner = start_island(tmp_path, address, "d", *opts, script=SCRIPT)
             started += [restarted, joiner]
             for name in "cd":

@@ -1,14 +1,22 @@
-"""How an island's rank 0 hands a round's outcome to the island's other ranks.
+"""The membership's collectives inside one island: rank 0's fan-out, and the ranks' agreements.
 
-Only rank 0 of an island talks to torchft. Its other ranks hold the same parameters and anchors
-(DDP inside the island), so they need exactly what rank 0 learnt: an error, whether the round
-committed, the averaged tensors, and a healed state. ``IslandFanout`` broadcasts these over a
-gloo group of the island's ranks, with tensors on the CPU. In an island whose own group is NCCL
-(GPUs), it creates that gloo group beside it (``dist.new_group`` is collective over the whole
-world: with ``membership="torchft"`` the world is the island, so every rank creates it, in the
-same place) and destroys it in ``close``; a tensor on an accelerator travels through a CPU copy.
-With an island of one rank every call is a no-op that returns its input. Every rank of the
-island must make the same calls in the same order; all of them are collective over the group.
+Fan-out (an island whose outer state is not shared out, ``shard_outer=False``): only rank 0 of
+the island talks to torchft. Its other ranks hold the same parameters and anchors (DDP inside
+the island), so they need exactly what rank 0 learnt: an error, whether the round committed,
+the averaged tensors, and a healed state. ``IslandFanout`` broadcasts these over a gloo group
+of the island's ranks, with tensors on the CPU.
+
+Agreements (an island whose ranks each own a share, every rank with a torchft Manager of its
+own): each rank learns its own round; ``all_true``, ``agree_round`` and ``share_text`` make the
+ranks end it alike: one finiteness verdict before the round, one error (the lowest failing
+rank's, raised on every rank), one commit verdict, and whether any rank was healed.
+
+The group: gloo, with tensors on the CPU. In an island whose own group is NCCL (GPUs),
+``IslandFanout`` creates a gloo group beside it (``dist.new_group`` is collective over the
+whole world: with ``membership="torchft"`` the world is the island, so every rank creates it,
+in the same place) and destroys it in ``close``; a tensor on an accelerator travels through a
+CPU copy. With an island of one rank every call is a no-op that returns its input. Every rank
+of the island must make the same calls in the same order; all of them are collective.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode
 
 @dataclass
 class RoundOutcome:
-    """One round as the island's rank 0 saw it."""
+    """One round as the rank that ran it saw it (the island's rank 0, or each rank per rank)."""
 
     committed: bool = False
     genesis: bool = False
@@ -37,7 +45,8 @@ class RoundOutcome:
 
 
 class IslandFanout:
-    """Collective hand-over from the island's rank 0 (see the module docstring)."""
+    """The membership's collectives over one island: rank 0's fan-out, the ranks' agreements
+    (see the module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup | None, side_group: bool | None = None) -> None:
         """``side_group``: create a gloo group beside ``group``; ``None`` decides by its backend
@@ -46,6 +55,7 @@ class IslandFanout:
         self.size, rank = 1, 0
         if dist.is_available() and dist.is_initialized():
             self.size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.position = rank
         self.is_leader = rank == 0
         self._src = dist.get_global_rank(group, 0) if group is not None and self.size > 1 else 0
         self._created: dist.ProcessGroup | None = None
@@ -93,6 +103,52 @@ class IslandFanout:
                 self._share_bytes(message, length)
         if error is not None:
             raise error
+
+    def share_text(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank of the island (e.g. its store address)."""
+        if self.size == 1:
+            return text
+        data = text.encode() if self.is_leader else b""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        self._broadcast(length)
+        return self._share_bytes(data, int(length.item())).decode()
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank of the island (collective)."""
+        if self.size == 1:
+            return flag
+        value = torch.tensor([0 if flag else 1], dtype=torch.int64)
+        dist.all_reduce(value, group=self.group)
+        return int(value.item()) == 0
+
+    def agree_round(
+        self, error: MembershipError | None, committed: bool, healed: bool
+    ) -> tuple[bool, bool]:
+        """End a round alike on every rank of an island whose ranks each ran it.
+
+        Returns (every rank committed, some rank was healed). Raises the error of the lowest
+        rank that has one, on every rank (collective).
+        """
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return committed, healed
+        message = str(error).encode() if error is not None else b""
+        code = kind_code(error) if error is not None else 0
+        mine = torch.tensor([code, len(message), int(committed), int(healed)], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(rows, mine, group=self.group)
+        failed = [(i, r) for i, r in enumerate(rows) if int(r[0]) != 0]
+        if failed:
+            position, row = failed[0]
+            text = torch.empty(int(row[1]), dtype=torch.uint8)
+            if position == self.position:
+                text = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+            if text.numel():
+                src = position if self.group is None else dist.get_global_rank(self.group, position)
+                dist.broadcast(text, src=src, group=self.group)
+            raise KINDS[int(row[0])](text.numpy().tobytes().decode())
+        return all(bool(r[2]) for r in rows), any(bool(r[3]) for r in rows)
 
     def share_outcome(self, outcome: RoundOutcome, tensors: list[Tensor]) -> RoundOutcome:
         """Rank 0's outcome on every rank, with its averaged ``tensors`` and healed state."""

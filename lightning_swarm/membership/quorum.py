@@ -160,3 +160,29 @@ class QuorumIdentity:
     def set_up(self) -> None:
         """The pending quorum's group is set up (a failed set-up is retried next round)."""
         self._current = self._pending
+
+
+class ShortRounds:
+    """Raises once rounds keep falling short of ``min_islands`` for ``quorum_timeout_s``."""
+
+    def __init__(self, config: ElasticConfig) -> None:
+        self.config = config
+        self._short_since: float | None = None
+
+    def see(self, participants: int, committed: bool) -> None:
+        """One round's islands and vote.
+
+        Raises:
+            QuorumTimeoutError: every round of the last ``quorum_timeout_s`` fell short.
+        """
+        if participants >= self.config.min_islands or committed:
+            self._short_since = None
+            return
+        now = time.monotonic()
+        self._short_since = self._short_since or now
+        if now - self._short_since > self.config.quorum_timeout_s:
+            raise QuorumTimeoutError(
+                f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
+                f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
+                f"{self.config.min_islands}; start more islands or lower min_islands."
+            )

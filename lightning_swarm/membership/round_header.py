@@ -224,8 +224,16 @@ def refusal(
             f"the swarm's ({swarm_model:x}). Start it with the model the swarm trains."
         )
     assert verdict is Verdict.SETTINGS, verdict
+    swarm = swarm_settings or {}
+    shares = ""
+    if own_settings.get("outer_shares") != swarm.get("outer_shares"):
+        shares = (
+            " outer_shares is how many ranks share an island's outer state: its ranks with "
+            "shard_outer=True, else 1; give every island the same number of ranks, or set "
+            "shard_outer=False on every island."
+        )
     return SettingsMismatchError(
         f"island {name!r} was refused: its DiLoCo settings differ from the swarm's: "
-        f"{describe_settings_difference(own_settings, swarm_settings or {})}. Start it with the "
-        "swarm's settings (every island of a swarm must use the same ones)."
+        f"{describe_settings_difference(own_settings, swarm)}. Start it with the "
+        f"swarm's settings (every island of a swarm must use the same ones).{shares}"
     )

@@ -29,22 +29,33 @@ A test can inject failures at each phase through ``on_phase`` (``PhaseHook``).
 The very first quorum of a swarm (torchft step 0) is the genesis round: every island except the
 first is healed to the first island's anchors and no outer step is taken (``applied`` false).
 
-Islands of several ranks: only the island's rank 0 talks to torchft (one Manager per island,
-replica group size 1). The island's other ranks follow over the island's own process group: rank
-0 broadcasts the round's outcome, a healed state, an adopted round and the averaged tensors.
-Every rank of the island therefore sees the same outcome and the same errors. With rounds on a
-background worker (``background``) the fan-out gets a gloo group of its own. The cross-island
-bytes are those of one rank per island; the island's fast fabric carries the fan-out.
+Islands of several ranks, two ways (``per_rank``):
 
-Ownership: the Manager, its TCPStore and its process group belong to this object until
-``close``. Healed state is handed to ``load_fn`` (the outer loop), which adopts its tensors.
+- fan-out (``per_rank=False``, an island whose ranks all hold the whole outer state): only the
+  island's rank 0 talks to torchft (one Manager per island, replica group of size 1). The
+  other ranks follow over the island's own group: rank 0 broadcasts the round's outcome, a
+  healed state, an adopted round and the averaged tensors (``IslandFanout``). With rounds on
+  a background worker (``background``) the fan-out gets a gloo group of its own. The
+  cross-island bytes are those of one rank per island; the island's fast fabric carries the
+  fan-out.
+- per rank (``per_rank=True``, ``shard_outer``: each rank owns a share of the anchors): every
+  rank runs the round above with a Manager of its own (``torchft_manager``: position 0 hosts
+  the island's manager server and store; the quorum and the commit vote are island-wide), over
+  a process group that connects the same rank of every island, so it moves only its share:
+  payload / k per rank. The header rows of an island's ranks are identical (one finiteness
+  verdict agreed before the round, one join time and nonce from rank 0), so the ranks of an
+  island reach the same verdict; the island then agrees on one error (raised on every rank),
+  one commit verdict and whether any rank was healed (``IslandFanout.agree_round``). Each
+  rank is healed with its own share, from the same rank of a live island.
+
+Ownership: on each rank that talks to torchft, its Manager and process group belong to this
+object until ``close``; the island's TCPStore is hosted by its rank 0 (``IslandStore``).
+Healed state is handed to ``load_fn`` (the outer loop), which adopts its tensors.
 """
 
 from __future__ import annotations
 
-import datetime
 import secrets
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,18 +70,12 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.membership.adopt import RoundAdoption
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
-    LighthouseUnreachableError,
     MembershipError,
     ModelMismatchError,
-    QuorumTimeoutError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.quorum import (
-    QuorumIdentity,
-    quorum_retries_for,
-    request_quorum,
-)
+from lightning_swarm.membership.quorum import ShortRounds, request_quorum
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
@@ -89,20 +94,24 @@ from lightning_swarm.membership.round_header import (
     settings_tensor,
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
+from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.checks import all_finite
 
 PhaseHook = Callable[[str, int], None]
-"""Called with (phase, round) as each phase of a round starts on the island's rank 0: quorum,
+"""Called with (phase, round) as each phase of a round starts on each rank that talks to
+torchft (the island's rank 0, or every rank per rank): quorum,
 pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
 For failure injection in tests: it may kill or stop the process at a chosen moment."""
 StateFn = Callable[[], dict[str, Any]]
 LoadFn = Callable[[dict[str, Any]], None]
+HealedFn = Callable[[], None]
 
 
 @dataclass
 class MembershipTotals:
-    """What this island saw of the swarm (identical on every rank of the island)."""
+    """What this island saw of the swarm (identical on every rank of the island, except the
+    heal figures of a per-rank island: each rank's own share)."""
 
     islands_in_round: int = 0
     rounds_committed: int = 0
@@ -115,18 +124,16 @@ class MembershipTotals:
 _REFUSALS = (Verdict.DIVERGED, Verdict.DUPLICATE, Verdict.MODEL, Verdict.SETTINGS)
 
 
-def _seconds(value: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=value)
-
-
 class TorchftMembership:
     """Averages pseudo-gradients over this round's quorum of islands; see the module docstring.
 
     Args:
         config: lighthouse, island id, minimum islands and timeouts.
         layout: this island's model layout (``membership.layout.model_layout``).
-        state_fn: returns the global state a joiner needs (anchors, outer state, counters).
-        load_fn: installs such a state (called on every rank of a healed island).
+        state_fn: returns the global state a joiner needs (anchors, outer state, counters);
+            per rank: this rank's share of it.
+        load_fn: installs such a state (fan-out: on every rank of a healed island; per rank:
+            on each rank whose share was healed).
         island_group: the island's process group (``None``: the default group when one
             exists, else an island of one rank).
         bucket_numel: float32 elements per all-reduce bucket.
@@ -134,6 +141,10 @@ class TorchftMembership:
         background: rounds run on a worker thread while the training thread's DDP uses the
             island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
             own, since two threads' collectives on one group interleave differently per rank.
+        per_rank: every rank of the island exchanges its own share with a Manager of its own
+            (see the module docstring); ``False``: rank 0 exchanges and fans out.
+        island_healed_fn: called on every rank of the island after a round in which any of
+            its ranks was healed (after ``load_fn``), e.g. to have the healed shares gathered.
 
     Raises:
         LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
@@ -150,6 +161,8 @@ class TorchftMembership:
         bucket_numel: int = 8 << 20,
         codec: Codec | None = None,
         background: bool = False,
+        per_rank: bool = False,
+        island_healed_fn: HealedFn | None = None,
     ) -> None:
         self.config = config
         self.layout = dict(layout)
@@ -160,8 +173,15 @@ class TorchftMembership:
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
         self._state_fn, self._load_fn = state_fn, load_fn
+        self._island_healed_fn = island_healed_fn
         self._fanout = IslandFanout(island_group, side_group=True if background else None)
-        self._short_since: float | None = None
+        self.per_rank = per_rank and self._fanout.size > 1
+        # Per rank, the quorum and the vote wait for every rank of the island: each rank takes
+        # part in every round, an empty share too (the outer loop reads this).
+        self.every_rank_in_round = self.per_rank
+        # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
+        self.exchanges = self.per_rank or self._fanout.is_leader
+        self._short_rounds = ShortRounds(config)
         self._settings: Settings = {}
         self._row = HeaderRow(
             island=island_hash(config.island_id),
@@ -173,6 +193,9 @@ class TorchftMembership:
             settings=settings_hash(encode_settings({})),
             settings_len=len(encode_settings({})),
         )
+        if self.per_rank:  # the island's ranks send identical rows: rank 0's identity
+            ident = self._fanout.share_text(f"{self._row.joined_ns}:{self._row.nonce}")
+            self._row.joined_ns, self._row.nonce = (int(v) for v in ident.split(":"))
         self._manager: Any = None
         self.on_phase: PhaseHook | None = None
         self._watch: SuspensionWatch | None = None
@@ -181,66 +204,24 @@ class TorchftMembership:
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
         self._rows: list[HeaderRow] = []  # the last round header's
-        error = None
-        if self._fanout.is_leader:
-            self._watch = SuspensionWatch()
-            try:
-                self._start_manager()
-            except MembershipError as err:
-                self._watch.close()  # the fan-out below still needs the island's group
-                error = err
-        self._fanout.share_error(error)
+        self._island_healed = False
+        self._start_managers()
 
-    def _start_manager(self) -> None:
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
-
-        from lightning_swarm.membership.heal import TensorHealTransport
-
-        config = self.config
-        host = socket.gethostname()
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self._pg = ProcessGroupGloo(timeout=_seconds(config.round_timeout_s))
-        configure = self._pg.configure
-
-        def configure_after_hook(store_addr: str, *args: Any, **kwargs: Any) -> None:
-            # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
-            self._phase("pg_setup")
-            configure(self._identity.store_prefix(store_addr), *args, **kwargs)
-            self._identity.set_up()
-
-        self._pg.configure = configure_after_hook
-        self.heal_transport = TensorHealTransport(
-            self._pg, _seconds(config.round_timeout_s), on_phase=self._phase
+    def _start_managers(self) -> None:
+        """This rank's Manager, if it talks to torchft; rank 0's first (collective)."""
+        parts = start_island_managers(
+            self.config,
+            self._fanout,
+            per_rank=self.per_rank,
+            load_fn=self._load_healed,
+            state_fn=self._state_for_peer,
+            on_phase=self._phase,
         )
-        try:
-            self._manager = Manager(
-                pg=self._pg,
-                load_state_dict=self._load_healed,
-                state_dict=self._state_for_peer,
-                min_replica_size=config.min_islands,
-                use_async_quorum=True,
-                timeout=_seconds(config.round_timeout_s),
-                quorum_timeout=_seconds(config.quorum_timeout_s),
-                connect_timeout=_seconds(config.connect_timeout_s),
-                rank=0,
-                world_size=1,
-                store_addr=host,
-                store_port=self._store.port,
-                lighthouse_addr=config.lighthouse,
-                replica_id=config.island_id,
-                checkpoint_transport=self.heal_transport,
-                init_sync=True,
-                quorum_retries=quorum_retries_for(config.quorum_timeout_s),
-            )
-        except RuntimeError as err:
-            raise LighthouseUnreachableError(
-                f"island {config.island_id!r} could not reach the lighthouse at "
-                f"{config.lighthouse} within connect_timeout_s={config.connect_timeout_s}: "
-                f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
-                "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
-            ) from err
-        self._identity = QuorumIdentity(self._manager)
+        if parts is not None:
+            self._parts = parts  # keeps the island's store alive on its rank 0
+            self._manager, self._pg = parts.manager, parts.pg
+            self.heal_transport, self._identity = parts.heal_transport, parts.identity
+            self._watch = SuspensionWatch()
 
     def agree_on(self, settings: Settings) -> None:
         """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
@@ -270,24 +251,21 @@ class TorchftMembership:
         for t in tensors.values():
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError("TorchftMembership averages contiguous float32 tensors only")
-        outcome, error = RoundOutcome(), None
-        if self._fanout.is_leader:
-            try:
-                outcome = self._lead_round(list(tensors.values()))
-            except MembershipError as err:
-                error = err
-        self._fanout.share_error(error)
-        outcome = self._fanout.share_outcome(outcome, list(tensors.values()))
-        self.adoption.share(self._fanout)
+        if self.per_rank:
+            outcome = self._rank_round(list(tensors.values()))
+        else:
+            outcome = self._fanned_round(list(tensors.values()))
         if outcome.healed is not None:
             self._load_fn(outcome.healed)
             self.totals.heals += 1
             self.totals.heal_bytes += outcome.heal_bytes
             self.totals.heal_time_s += outcome.heal_s
+        if self._island_healed and self._island_healed_fn is not None:
+            self._island_healed_fn()
         self.totals.islands_in_round = outcome.participants
         self.totals.rounds_committed += int(outcome.committed)
         self.totals.rounds_abandoned += int(not outcome.committed)
-        moved = self.last_round_bytes if self._fanout.is_leader else 0
+        moved = self.last_round_bytes if self.exchanges else 0
         return RoundStats(
             bytes_sent=moved,
             bytes_received=moved,
@@ -296,7 +274,44 @@ class TorchftMembership:
             applied=outcome.committed and not outcome.genesis and self.adoption.adopted is None,
         )
 
-    def _lead_round(self, tensors: list[Tensor]) -> RoundOutcome:
+    def _fanned_round(self, tensors: list[Tensor]) -> RoundOutcome:
+        """Rank 0 runs the round; the island's other ranks receive its outcome."""
+        outcome, error = RoundOutcome(), None
+        if self._fanout.is_leader:
+            try:
+                outcome = self._lead_round(tensors, all_finite(tensors))
+            except MembershipError as err:
+                error = err
+        self._fanout.share_error(error)
+        outcome = self._fanout.share_outcome(outcome, tensors)
+        self.adoption.share(self._fanout)
+        self._island_healed = outcome.healed is not None
+        return outcome
+
+    def _rank_round(self, tensors: list[Tensor]) -> RoundOutcome:
+        """Every rank runs the round with its share; the island ends it alike."""
+        # Agreed before anything can fail, so that every rank's collectives stay matched.
+        finite = self._fanout.all_true(all_finite(tensors))
+        outcome, error = RoundOutcome(), None
+        try:
+            outcome = self._lead_round(tensors, finite)
+        except MembershipError as err:
+            error = err
+        except Exception:  # e.g. position 0's manager server went away
+            # This rank's round failed (abandoned, as torchft's own errors are); the island
+            # learns any refusal from the agreement below, which every rank must reach.
+            outcome = RoundOutcome()
+        outcome.committed, self._island_healed = self._fanout.agree_round(
+            error, outcome.committed, outcome.healed is not None
+        )
+        adopted = self.adoption.adopted
+        if adopted is not None and adopted.applied and not outcome.committed:
+            # Another rank's share failed: the island applies none of the swarm's round.
+            adopted.applied, adopted.deltas = False, {}
+        return outcome
+
+    def _lead_round(self, tensors: list[Tensor], finite: bool) -> RoundOutcome:
+        """The round as this rank sees it: quorum, header, mean, vote (no island collective)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
@@ -306,7 +321,7 @@ class TorchftMembership:
         genesis = manager.current_step() == 0
         self._phase("header")
         self.adoption.mark(self._row)
-        conflict = self._check_round_header(healing, all_finite(tensors))
+        conflict = self._check_round_header(healing, finite)
         participants = manager.num_participants()
         averaged = None if conflict else self.adoption.contribution(self._rows, self._row, tensors)
         if averaged is None and not conflict:
@@ -319,7 +334,7 @@ class TorchftMembership:
             self._allreduce(averaged)
         self._phase("commit")
         committed = self._commit_gate()
-        self._watch_min_islands(participants, committed)
+        self._short_rounds.see(participants, committed)
         if committed:
             self._last_commit_at = time.monotonic()
         self.adoption.conclude(averaged, committed and not genesis and not conflict)
@@ -334,7 +349,7 @@ class TorchftMembership:
         """torchft's vote; a timeout of the vote itself (this island was suspended across it)
         counts as an abandoned round: the next quorum heals the island if the others went on."""
         try:
-            return bool(self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s)))
+            return bool(self._manager.should_commit(timeout=seconds(self.config.round_timeout_s)))
         except TimeoutError:
             return False
 
@@ -361,7 +376,8 @@ class TorchftMembership:
             return True
         self._rows = rows
         verdict = judge(rows, self._row)
-        self._quorum_watch.see(rows)
+        if self._fanout.is_leader:  # one warning per island
+            self._quorum_watch.see(rows)
         if verdict in _REFUSALS:
             self._refuse(verdict, rows, healing, swarm_settings)
         if verdict is Verdict.ABANDON:
@@ -390,7 +406,7 @@ class TorchftMembership:
             self._manager.shutdown(wait=False)
         if verdict is Verdict.MODEL and healing:
             # The healed layout names the difference (raised by _load_healed in the vote).
-            self._manager.should_commit(timeout=_seconds(self.config.round_timeout_s))
+            self._manager.should_commit(timeout=seconds(self.config.round_timeout_s))
         model = rows[reference_index(rows)].model
         raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
 
@@ -403,20 +419,6 @@ class TorchftMembership:
         else:
             self.last_round_bytes = bucketed_mean(
                 self._manager, tensors, self.bucket_numel, self._pg.size()
-            )
-
-    def _watch_min_islands(self, participants: int, committed: bool) -> None:
-        short = participants < self.config.min_islands and not committed
-        if not short:
-            self._short_since = None
-            return
-        now = time.monotonic()
-        self._short_since = self._short_since or now
-        if now - self._short_since > self.config.quorum_timeout_s:
-            raise QuorumTimeoutError(
-                f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
-                f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
-                f"{self.config.min_islands}; start more islands or lower min_islands."
             )
 
     def close(self) -> None:

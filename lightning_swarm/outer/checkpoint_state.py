@@ -130,7 +130,8 @@ class SyncCheckpoint:
                 saved round in flight does not fit this run's schedule.
         """
         anchors: Mapping[str, Tensor] = state["anchors"]
-        self._install_anchors(anchors)
+        # A healing peer's share (outer/join.py) holds the anchors of this rank's names only.
+        self._install_anchors(anchors, whole=state.get("share") is None)
         s = self.state
         s.outer_optimizer = s.outer_optimizer_factory(list(s.anchors.values()))
         saved_names = state.get("param_names") or list(anchors)
@@ -148,9 +149,12 @@ class SyncCheckpoint:
         s.ended_at = None if ended is None else int(ended)
         s.in_flight = self._restore_round(state.get("pending"))
 
-    def _install_anchors(self, anchors: Mapping[str, Tensor]) -> None:
-        """Check every parameter's saved anchor, then adopt (or convert) the owned ones."""
-        for name, p in self.state.params.items():
+    def _install_anchors(self, anchors: Mapping[str, Tensor], *, whole: bool = True) -> None:
+        """Check every parameter's saved anchor (``whole``, else the owned names' only), then
+        adopt (or convert) the owned ones."""
+        names = self.state.params if whole else self.state.owned
+        for name in names:
+            p = self.state.params[name]
             if name not in anchors or tuple(anchors[name].shape) != tuple(p.shape):
                 found = tuple(anchors[name].shape) if name in anchors else "no anchor"
                 raise ValueError(

@@ -16,6 +16,13 @@ was resolved: ``local <- anchor_new + (local - anchor_old)`` (the island keeps i
 also when healed in the middle of a run), takes the swarm's clock and applies the swarm's
 round (``AdoptedRound``).
 
+Sharded islands (``shard_outer``, each rank owns a share: ``outer/shard.py``) hand over and
+install per rank: rank r's state holds only its share's anchors and outer state, with the
+share's position, island size and names, and it is installed only by rank r of an island whose
+shares are the same (refused otherwise). Each rank applies the catch-up to its own names; then
+the island gathers every parameter from its owner (``after_island_heal``, collective over the
+island, on every rank once any rank was healed), as after every round.
+
 A joiner's first round runs at once, outside the inner-step schedule (``join_round``): the live
 islands are at their own round; the joiner is healed inside it, contributes nothing, and applies
 the same averaged pseudo-gradient, so its anchors equal theirs after that round. Its parameters
@@ -33,14 +40,16 @@ only during ``join_round``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_swarm.algorithm import global_norm
 from lightning_swarm.membership.adopt import AdoptedRound, RoundAdoption, RoundPlace
 from lightning_swarm.outer.reports import SyncReport
+from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight
 from lightning_swarm.outer.two_phase import TwoPhaseRound
@@ -64,6 +73,7 @@ class ElasticOuter:
         self.take_adopted = take_adopted
         self.healed = False
         self._kept: dict[str, Any] | None = None
+        self._island_healed = False  # a rank of the island was healed: settle gathers
         self._joining = False
 
     def connect(self, adoption: RoundAdoption) -> None:
@@ -88,7 +98,8 @@ class ElasticOuter:
         return RoundPlace(rnd.fragment, rnd.send_step, rnd.send_step + delay)
 
     def state(self) -> dict[str, Any]:
-        """The global state a joiner needs, one entry per optimizer (tensors are not copied).
+        """The global state a joiner needs, one entry per optimizer (tensors are not copied);
+        sharded, this rank's share of it, with the share's position, island size and names.
 
         Called by torchft on the quorum's thread while this island's round is being exchanged:
         anchors and outer state do not move until that round's apply, which waits for it.
@@ -98,17 +109,19 @@ class ElasticOuter:
         for outer in self.outer_syncs:
             s = outer.state
             rnd = s.in_flight
-            states.append(
-                {
-                    "anchors": dict(s.anchors),
-                    "outer_optimizer": s.outer_optimizer.state_dict(),
-                    "inner_steps": s.inner_steps if rnd is None else rnd.send_step,
-                    "outer_steps": s.outer_steps,
-                    "fragment_rounds": list(s.fragment_rounds),
-                    "synced_at": list(s.synced_at),
-                    "ended_at": s.ended_at,
-                }
-            )
+            state: dict[str, Any] = {
+                "anchors": dict(s.anchors),
+                "outer_optimizer": s.outer_optimizer.state_dict(),
+                "inner_steps": s.inner_steps if rnd is None else rnd.send_step,
+                "outer_steps": s.outer_steps,
+                "fragment_rounds": list(s.fragment_rounds),
+                "synced_at": list(s.synced_at),
+                "ended_at": s.ended_at,
+            }
+            if s.shard is not None:
+                state["share"] = [s.shard.position, s.shard.size]
+                state["param_names"] = list(s.owned)
+            states.append(state)
         return {"outer": states}
 
     def install(self, state: dict[str, Any]) -> None:
@@ -133,6 +146,9 @@ class ElasticOuter:
         adopted = self.take_adopted() if self.take_adopted is not None else None
         if self._kept is not None:
             self._install_kept()
+        if self._island_healed:
+            self._island_healed = False
+            self.after_island_heal()
         if adopted is None:
             return None
         outer = self.outer_syncs[0]
@@ -162,12 +178,29 @@ class ElasticOuter:
         assert self._kept is not None
         states, self._kept = self._kept["outer"], None
         for outer, saved in zip(self.outer_syncs, states, strict=True):
-            own = {n: p.float() - outer.anchors[n].float() for n, p in outer.params.items()}
+            check_share(outer, saved)
+            own = _progress(outer)
             # The clock is set by the adopted round; none is in flight at a settle.
             outer.load_state_dict({**saved, "inner_steps": 0, "pending": None})
             outer.state.inner_steps = int(saved["inner_steps"])
-            for name, param in outer.params.items():
-                param.copy_(outer.anchors[name].float() + own[name])
+            for name in outer.owned:
+                outer.params[name].copy_(outer.anchors[name].float() + own[name])
+        self.healed = True
+
+    def note_island_heal(self) -> None:
+        """Some rank of this island was healed in the round just exchanged (called on every
+        rank of the island alike, on the exchange's thread): ``settle`` gathers the healed
+        shares after installing them."""
+        self._island_healed = True
+        self.healed = True
+
+    def after_island_heal(self) -> None:
+        """Some rank of this island was healed this round: every rank gathers the parameters
+        from their owners (collective over the island; nothing to do unsharded)."""
+        for outer in self.outer_syncs:
+            if outer.shard is not None:
+                outer.shard.gather(list(outer.params), outer.params)
+                _agree_counters(outer, outer.shard)
         self.healed = True
 
     @torch.no_grad()
@@ -179,10 +212,7 @@ class ElasticOuter:
         """
         for outer in self.outer_syncs:
             outer.engine.apply_in_flight()
-        progress = [
-            {name: p.float() - outer.anchors[name].float() for name, p in outer.params.items()}
-            for outer in self.outer_syncs
-        ]
+        progress = [_progress(outer) for outer in self.outer_syncs]
         self.healed = False
         self._joining = True
         try:
@@ -194,8 +224,9 @@ class ElasticOuter:
             reports = [adopted]
         if self.healed:
             for outer, own in zip(self.outer_syncs, progress, strict=True):
-                for name, param in outer.params.items():
-                    param.copy_(outer.anchors[name].float() + own[name])
+                for name in outer.owned:
+                    outer.params[name].copy_(outer.anchors[name].float() + own[name])
+            self.after_island_heal()
         return reports
 
     @torch.no_grad()
@@ -208,10 +239,61 @@ class ElasticOuter:
         does.
         """
         for outer in self.outer_syncs:
-            for name, param in outer.params.items():
-                param.copy_(outer.anchors[name])
+            for name in outer.owned:
+                outer.params[name].copy_(outer.anchors[name])
+            if outer.shard is not None:
+                outer.shard.gather(list(outer.params), outer.params)
 
 
 def fragment_shapes(outer: OuterSync) -> list[dict[str, tuple[int, ...]]]:
-    """Each fragment's parameter shapes, in fragment order (what a healed island averages)."""
-    return [{name: tuple(outer.params[name].shape) for name in names} for names in outer.fragments]
+    """The shapes of each fragment's names this rank owns, in fragment order (what a healed
+    island averages; sharded, a rank exchanges its own names only)."""
+    owned = outer.state.owned_fragments
+    return [{name: tuple(outer.params[name].shape) for name in names} for names in owned]
+
+
+def _agree_counters(outer: OuterSync, shard: IslandShard) -> None:
+    """Position 0's inner-step counters on every rank of the island (collective).
+
+    torchft may heal each rank from another live island, and islands at the same committed
+    round can differ in inner steps (one abandoned a round another never took part in): the
+    shares of one island must count alike, as their checkpoint files are merged by them.
+    """
+    s = outer.state
+    ended = -1 if s.ended_at is None else s.ended_at
+    values = [s.inner_steps, *(-1 if v is None else v for v in s.synced_at), ended]
+    counters = torch.tensor(values, dtype=torch.int64, device=shard.device)
+    dist.broadcast(counters, group=shard.group, group_src=0)
+    inner, *synced, ended = (int(v) for v in counters.tolist())
+    s.inner_steps, s.ended_at = inner, None if ended < 0 else ended
+    s.synced_at = [None if v < 0 else v for v in synced]
+
+
+def _progress(outer: OuterSync) -> dict[str, torch.Tensor]:
+    """``local - anchor`` of each name this rank owns (float32 copies)."""
+    return {name: outer.params[name].float() - outer.anchors[name].float() for name in outer.owned}
+
+
+def check_share(outer: OuterSync, saved: Mapping[str, Any]) -> None:
+    """Refuse a healing state that is not this rank's share (another position, island size or
+    set of names): the shares of every island of a swarm must be the same.
+
+    Raises:
+        ValueError: naming both shares.
+    """
+    shard = outer.shard
+    mine = None if shard is None else [shard.position, shard.size]
+    theirs = saved.get("share")
+    theirs = None if theirs is None else [int(v) for v in theirs]
+    names = saved.get("param_names", list(saved["anchors"]))
+    if theirs != mine or (shard is not None and list(names) != outer.owned):
+        raise ValueError(
+            f"a healing peer sent the share {_share_text(theirs)} with {len(names)} "
+            f"tensor(s), but this rank holds the share {_share_text(mine)} with "
+            f"{len(outer.owned)}: islands of a swarm must split the outer state alike (the same "
+            "number of ranks per island and shard_outer on every island)."
+        )
+
+
+def _share_text(share: list[int] | None) -> str:
+    return "'whole outer state'" if share is None else f"'position {share[0]} of {share[1]}'"

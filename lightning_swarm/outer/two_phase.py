@@ -113,7 +113,9 @@ class TwoPhaseRound:
         Overwrites ``deltas`` with the average. The residuals of a skipped round are restored:
         its whole pseudo-gradient re-enters the next round anyway (anchors and locals stay).
         """
-        if not deltas:  # this rank's share of the fragment is empty: nothing to exchange
+        # This rank's share of the fragment is empty: nothing to exchange, unless the
+        # transport's round needs every rank of the island (elastic islands, one Manager a rank).
+        if not deltas and not getattr(self.state.transport, "every_rank_in_round", False):
             return Exchanged(RoundStats(applied=True), 0.0)
         previous = self._feed_back_errors(deltas)
         try:

@@ -1,0 +1,200 @@
+"""One rank's torchft Manager: its process group, heal transport and quorum identity.
+
+torchft calls the ranks of one island a replica group. Each rank that exchanges pseudo-gradients
+across islands has a ``Manager`` of its own, built by ``start_manager`` with its position in the
+island (``rank``) and the island's size (``world_size``):
+
+- ``world_size=1``: the island exchanges through its rank 0 only (``IslandFanout`` hands the
+  round to its other ranks); rank 0 builds the one Manager of its island.
+- ``world_size=k``: every rank of the island owns a share of the outer state and exchanges it
+  itself. torchft's own design: the Manager at position 0 hosts the island's manager server
+  (the one client of the lighthouse, heartbeats included), every Manager of the island asks it
+  for the quorum and votes through it, so the commit vote is island-wide; rank r's process
+  group connects rank r of every island of the quorum, and a joiner's rank r is healed from
+  rank r of a live island.
+
+``IslandStore`` is the island's rendezvous for that: a ``TCPStore`` hosted by position 0, where
+the manager server publishes its address for the other positions. Other islands set their
+process groups up in the store of the quorum's first up-to-date island, under a prefix of
+their own per quorum membership and rank (``QuorumIdentity``).
+
+Ownership: the returned ``RankManager`` holds the Manager, its process group and its heal
+transport; ``TorchftMembership.close`` shuts the Manager down. The island's ``IslandStore``
+lives as long as the membership (position 0 owns the server).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.errors import LighthouseUnreachableError, MembershipError
+from lightning_swarm.membership.fanout import IslandFanout
+from lightning_swarm.membership.quorum import QuorumIdentity, quorum_retries_for
+
+
+def seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+@dataclass
+class IslandStore:
+    """Where the island's Managers meet: ``host:port`` of a TCPStore hosted by position 0."""
+
+    host: str
+    port: int
+    server: dist.TCPStore | None = None  # the hosting position's own handle, kept alive
+
+    @classmethod
+    def host_here(cls) -> IslandStore:
+        host = socket.gethostname()
+        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return cls(host, server.port, server)
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, address: str) -> IslandStore:
+        host, _, port = address.rpartition(":")
+        return cls(host, int(port))
+
+
+@dataclass
+class RankManager:
+    """One rank's Manager and what it was built with."""
+
+    manager: Any
+    pg: Any
+    heal_transport: Any
+    identity: QuorumIdentity
+    store: IslandStore
+
+
+def start_island_managers(
+    config: ElasticConfig,
+    fanout: IslandFanout,
+    *,
+    per_rank: bool,
+    load_fn: Callable[[Any], None],
+    state_fn: Callable[[], Any],
+    on_phase: Callable[[str], None],
+) -> RankManager | None:
+    """This rank's Manager: position 0's (which hosts the island's store) first, then, per
+    rank, every other position's. ``None`` on a rank that does not talk to torchft (fan-out).
+
+    Collective over the island (``fanout``).
+
+    Raises:
+        LighthouseUnreachableError: on every rank of the island, when a position could not
+            reach the lighthouse (or position 0's manager server).
+    """
+    world_size = fanout.size if per_rank else 1
+    parts, error = None, None
+    if fanout.is_leader:
+        try:
+            store = IslandStore.host_here()
+            parts = start_manager(
+                config,
+                store,
+                rank=0,
+                world_size=world_size,
+                load_fn=load_fn,
+                state_fn=state_fn,
+                on_phase=on_phase,
+            )
+        except MembershipError as err:
+            error = err
+    fanout.share_error(error)
+    if not per_rank:
+        return parts
+    address = fanout.share_text(parts.store.address() if parts is not None else "")
+    if not fanout.is_leader:
+        try:
+            parts = start_manager(
+                config,
+                IslandStore.parse(address),
+                rank=fanout.position,
+                world_size=world_size,
+                load_fn=load_fn,
+                state_fn=state_fn,
+                on_phase=on_phase,
+            )
+        except MembershipError as err:
+            error = err
+    fanout.agree_round(error, committed=True, healed=False)
+    return parts
+
+
+def start_manager(
+    config: ElasticConfig,
+    store: IslandStore,
+    *,
+    rank: int,
+    world_size: int,
+    load_fn: Callable[[Any], None],
+    state_fn: Callable[[], Any],
+    on_phase: Callable[[str], None],
+) -> RankManager:
+    """Build the Manager of position ``rank`` of an island of ``world_size`` ranks.
+
+    Position 0 must be built first: it starts the manager server that the others find in the
+    store. Collective with nothing; talks to the lighthouse at position 0 only.
+
+    Raises:
+        LighthouseUnreachableError: the lighthouse (or position 0's manager server) did not
+            answer within ``config.connect_timeout_s``.
+    """
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from lightning_swarm.membership.heal import TensorHealTransport
+
+    pg = ProcessGroupGloo(timeout=seconds(config.round_timeout_s))
+    configure = pg.configure
+    holder: list[QuorumIdentity] = []
+
+    def configure_after_hook(store_addr: str, *args: Any, **kwargs: Any) -> None:
+        # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
+        on_phase("pg_setup")
+        configure(holder[0].store_prefix(store_addr), *args, **kwargs)
+        holder[0].set_up()
+
+    pg.configure = configure_after_hook
+    heal_transport = TensorHealTransport(pg, seconds(config.round_timeout_s), on_phase=on_phase)
+    try:
+        manager = Manager(
+            pg=pg,
+            load_state_dict=load_fn,
+            state_dict=state_fn,
+            min_replica_size=config.min_islands,
+            use_async_quorum=True,
+            timeout=seconds(config.round_timeout_s),
+            quorum_timeout=seconds(config.quorum_timeout_s),
+            connect_timeout=seconds(config.connect_timeout_s),
+            rank=rank,
+            world_size=world_size,
+            store_addr=store.host,
+            store_port=store.port,
+            lighthouse_addr=config.lighthouse,
+            replica_id=config.island_id,
+            checkpoint_transport=heal_transport,
+            init_sync=True,
+            quorum_retries=quorum_retries_for(config.quorum_timeout_s),
+        )
+    except RuntimeError as err:
+        raise LighthouseUnreachableError(
+            f"island {config.island_id!r} could not reach the lighthouse at "
+            f"{config.lighthouse} within connect_timeout_s={config.connect_timeout_s}: "
+            f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
+            "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
+        ) from err
+    identity = QuorumIdentity(manager)
+    holder.append(identity)
+    return RankManager(manager, pg, heal_transport, identity, store)
