@@ -133,9 +133,10 @@ class ElasticIsland:
         out = dict(metrics)
         # The swarm's round this island adopted (healed, or out of step): applied here, on
         # the training thread, after its own round was resolved.
-        adopted = self._elastic_outer.settle()
-        if adopted is not None:
-            out["swarm/outer_steps"] = float(adopted.outer_steps)
+        self._elastic_outer.settle()
+        # The swarm's clock after any heal or adopted round (a heal in an abandoned round
+        # installs the swarm's counters without a report of its own).
+        out["swarm/outer_steps"] = float(self._elastic_outer.outer_syncs[0].outer_steps)
         out["swarm/islands_in_round"] = float(totals.islands_in_round)
         out["swarm/rounds_abandoned"] = float(totals.rounds_abandoned)
         out["swarm/heal_bytes"] = float(totals.heal_bytes)

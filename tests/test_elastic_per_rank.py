@@ -85,13 +85,19 @@ def test_two_rank_islands_each_rank_sends_half_and_they_end_equal(tmp_path: Path
 
 
 @pytest.mark.timeout(600)  # ~35 s on 2 busy cores: six Lightning processes
-def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "streaming", [[], ["--fragments", "2", "--quantize", "int8"]], ids=["plain", "int8_fragments"]
+)
+def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(
+    tmp_path: Path, streaming: list[str]
+) -> None:
     """a and b (two ranks each) train; c (two ranks) joins the running swarm: each of its
     ranks is healed with its own share (half the anchors and momentum),
     holds a's anchors after its first round, sits on them (a new island), and every rank of
-    every island ends equal."""
+    every island ends equal. With two fragments and int8, each rank of c averages zeros of its
+    own names of the swarm's fragment and adopts that round share by share."""
     fast = tmp_path / "fast"
-    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts = [*OPTS, *streaming, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse() as address:
         try:

@@ -108,10 +108,15 @@ def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(
         stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 4))
         _finish_all({"a": procs["a"], "b": procs["b"], "d": joiner}, tmp_path, 120)
     _assert_equal(tmp_path, "abd")
-    a_log = rounds(tmp_path, "a")
-    abandoned = [r for r in a_log if not r["applied"] and not r["joined"]]
-    # The round c died in had all three (earlier quorums may have formed before c came).
-    assert any(r["islands"] == 3 for r in abandoned), abandoned
+    # The survivors in the round c died in abandoned it. Which survivors were in it depends on
+    # when each started: b and c may have met before a came (a then joined later, healed).
+    abandoned = [
+        (name, r)
+        for name in "ab"
+        for r in rounds(tmp_path, name)
+        if not r["applied"] and not r["joined"] and float(r["t"]) <= killed_at + 30
+    ]
+    assert abandoned, "no survivor abandoned the round c died in"
     heal = [r for r in rounds(tmp_path, "d") if r["joined"]][-1]
     assert heal["heals"] >= 1 and heal["applied"], heal
     assert heal["anchors"] == anchors_by_round(tmp_path, "a")[heal["outer_steps"]]
