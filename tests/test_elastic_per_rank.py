@@ -86,7 +86,12 @@ def test_two_rank_islands_each_rank_sends_half_and_they_end_equal(tmp_path: Path
 
 @pytest.mark.timeout(600)  # ~35 s on 2 busy cores: six Lightning processes
 @pytest.mark.parametrize(
-    "streaming", [[], ["--fragments", "2", "--quantize", "int8"]], ids=["plain", "int8_fragments"]
+    "streaming",
+    [
+        # The plain heal is also covered by the resume test below; kept for -m slow.
+        pytest.param([], id="plain", marks=pytest.mark.slow),
+        pytest.param(["--fragments", "2", "--quantize", "int8"], id="int8_fragments"),
+    ],
 )
 def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(
     tmp_path: Path, streaming: list[str]
@@ -245,6 +250,7 @@ def test_a_sharded_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Pa
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ac" for r in (0, 1)])
 
 
+@pytest.mark.slow  # ~22 s on a quiet machine; the refusal's wording: test_elastic_shares.py
 @pytest.mark.timeout(400)  # ~30 s on 2 busy cores
 def test_an_island_that_splits_the_outer_state_otherwise_is_refused_on_every_rank(
     tmp_path: Path,
@@ -323,6 +329,7 @@ def test_two_rank_islands_go_on_when_the_lighthouse_restarts(tmp_path: Path) -> 
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
 
 
+@pytest.mark.slow  # ~19 s on a quiet machine; one-rank refusals: test_elastic_strategy.py
 @pytest.mark.timeout(400)  # ~35 s on 2 busy cores
 def test_a_two_rank_joiner_with_another_model_is_refused_on_every_rank(tmp_path: Path) -> None:
     """a and b: two ranks each. w: two ranks, a last layer of another shape. Each of w's ranks

@@ -262,6 +262,7 @@ def test_a_frozen_island_is_healed_and_rejoins(tmp_path: Path, phase: str) -> No
         assert all(final["a"][k].equal(final[name][k]) for k in final["a"]), name
 
 
+@pytest.mark.slow  # ~20 s on a quiet machine (it waits out a quorum timeout)
 @pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 60 + 60 + 30)
 def test_a_frozen_island_continued_after_the_swarm_ended_says_so(tmp_path: Path) -> None:
     """c stops itself inside a round; a and b finish and exit; continued, c stops with an error
