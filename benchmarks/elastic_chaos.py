@@ -23,6 +23,8 @@ kill or a lighthouse restart to the survivors' next committed round, and whether
 end equal.
 
 Run: .venv/bin/python benchmarks/elastic_chaos.py --minutes 10 [--seed 0] [--results out.json]
+[--streaming] (``--streaming``: every island runs Streaming DiLoCo, 2 fragments, ``sync_delay``
+1, int8 with error feedback).
 """
 
 from __future__ import annotations
@@ -47,13 +49,17 @@ from typing import Any
 
 import torch
 
+from lightning_swarm.algorithm.codecs import codec_for
+from lightning_swarm.algorithm.fragments import build_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.join import ElasticOuter
+from lightning_swarm.outer.reports import StreamingOptions
 from lightning_swarm.outer.sync import OuterSync
+from lightning_swarm.outer.worker import SyncWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 QUORUM_TIMEOUT_S = 30.0
@@ -74,6 +80,16 @@ def island(args: argparse.Namespace) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     params = dict(model.named_parameters())
     out, holder = Path(args.out), list[ElasticOuter]()
+    # --streaming: Streaming DiLoCo (2 fragments, sync_delay 1, int8 with error feedback).
+    config = SwarmConfig(sync_every=args.every)
+    if args.streaming:
+        config = SwarmConfig(
+            sync_every=args.every,
+            num_fragments=2,
+            sync_delay=1,
+            quantize="int8",
+            error_feedback=True,
+        )
     membership = TorchftMembership(
         ElasticConfig(
             args.lighthouse,
@@ -85,10 +101,23 @@ def island(args: argparse.Namespace) -> None:
         layout=model_layout(params),
         state_fn=lambda: holder[0].state(),
         load_fn=lambda state: holder[0].install(state),
+        codec=codec_for(config.quantize),
     )
     sgd = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-    outer = OuterSync(params, outer_optimizer=sgd, transport=membership, sync_every=args.every)
-    membership.agree_on(swarm_settings(SwarmConfig(sync_every=args.every), outer.outer_optimizer))
+    outer = OuterSync(
+        params,
+        outer_optimizer=sgd,
+        transport=membership,
+        sync_every=args.every,
+        streaming=StreamingOptions(
+            fragments=build_fragments(list(params), config.num_fragments),
+            sync_delay=config.sync_delay,
+            codec=codec_for(config.quantize),
+            error_feedback=config.error_feedback,
+            worker=SyncWorker() if config.sync_delay > 0 else None,
+        ),
+    )
+    membership.agree_on(swarm_settings(config, outer.outer_optimizer))
     holder.append(ElasticOuter([outer]))
     holder[0].connect(membership.adoption)
     seed = int(hashlib.sha256(args.island.encode()).hexdigest()[:8], 16)
@@ -116,6 +145,9 @@ def island(args: argparse.Namespace) -> None:
                 record(report.applied, joined=False)
                 if stop_file.exists():
                     last_round = int(stop_file.read_text())
+    # With fragments the other fragment's parameters hold local progress: compare the global
+    # model, as an elastic fit ends (land_on_anchors); no round is in flight after an apply.
+    holder[0].land_on_anchors()
     final = {"anchors": _digest(outer.anchors), "params": _digest(params)}
     (out / f"{args.island}.final.json").write_text(json.dumps(final))
     membership.close()
@@ -129,6 +161,7 @@ class Swarm:
     port: int
     every: int
     step_s: float
+    streaming: bool = False
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     killed: set[int] = field(default_factory=set)  # pids the controller killed
     crashes: list[str] = field(default_factory=list)
@@ -148,7 +181,7 @@ class Swarm:
     def start(self, name: str) -> None:
         cmd = [sys.executable, __file__, "--island", name, "--out", str(self.out)]
         cmd += ["--lighthouse", f"http://127.0.0.1:{self.port}", "--every", str(self.every)]
-        cmd += ["--step-s", str(self.step_s)]
+        cmd += ["--step-s", str(self.step_s)] + (["--streaming"] if self.streaming else [])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         with (self.out / f"{name}.stderr").open("ab") as err:
             self.procs[name] = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=env)
@@ -233,12 +266,14 @@ def _finish(swarm: Swarm) -> dict[str, dict[str, str]]:
     return {n: json.loads((swarm.out / f"{n}.final.json").read_text()) for n in finishers}
 
 
-def chaos(minutes: float, seed: int, event_s: float, settle_s: float, out: Path) -> dict[str, Any]:
+def chaos(
+    minutes: float, seed: int, event_s: float, settle_s: float, out: Path, streaming: bool = False
+) -> dict[str, Any]:
     rng = random.Random(seed)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    swarm = Swarm(out, port, every=4, step_s=0.05)
+    swarm = Swarm(out, port, every=4, step_s=0.05, streaming=streaming)
     swarm.start_lighthouse()
     for name in "abcd":
         swarm.start(name)
@@ -311,6 +346,11 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=20.0)
     parser.add_argument("--results", default=None, help="write the figures as JSON here")
     parser.add_argument("--keep", default=None, help="keep the islands' logs in this directory")
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="Streaming DiLoCo: 2 fragments, sync_delay 1, int8 with error feedback",
+    )
     parser.add_argument("--island", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--lighthouse", default=None, help=argparse.SUPPRESS)
@@ -323,7 +363,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.keep or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        results = chaos(args.minutes, args.seed, args.event_s, args.settle_s, out)
+        results = chaos(
+            args.minutes, args.seed, args.event_s, args.settle_s, out, streaming=args.streaming
+        )
     print(json.dumps(results, indent=2))
     if args.results:
         Path(args.results).write_text(json.dumps(results, indent=2))
