@@ -50,7 +50,8 @@ Islands of several ranks, two ways (``per_rank``):
 
 Ownership: on each rank that talks to torchft, its Manager and process group belong to this
 object until ``close``; the island's TCPStore is hosted by its rank 0 (``IslandStore``).
-Healed state is handed to ``load_fn`` (the outer loop), which adopts its tensors.
+Healed state is handed to ``load_fn`` (the outer loop), which keeps it until its training
+thread installs it (``outer.join.ElasticOuter.settle``).
 """
 
 from __future__ import annotations
