@@ -1,0 +1,89 @@
+"""Checks of ``TorchftMembership`` inside one process, each run in a fresh interpreter by
+``tests/test_membership_torchft.py`` (``python -m tests.torchft_in_process CHECK TMP_DIR``).
+
+A torchft Manager leaves torchft's timeout and watchdog threads running in its process for
+good, so these checks stay out of the test session's own process, which later forks ranks.
+Exit status 0 when the check holds; an assertion error (with its message) otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_swarm.membership import (
+    LighthouseUnreachableError,
+    MembershipError,
+    QuorumTimeoutError,
+)
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.model_fingerprint import model_layout
+from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from tests.dist_utils import free_port
+from tests.elastic_utils import lighthouse, start_lighthouse
+
+
+def _membership(address: str, **options: float) -> TorchftMembership:
+    params = {"w": torch.zeros(3)}
+    config = ElasticConfig(lighthouse=address, island_id="solo", **options)  # type: ignore[arg-type]
+    return TorchftMembership(
+        config, layout=model_layout(params), state_fn=dict, load_fn=lambda _: None
+    )
+
+
+def lighthouse_down(tmp: Path) -> None:
+    """No lighthouse at the address: named within the connect timeout."""
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnreachableError, match="could not reach the lighthouse at"):
+        _membership(f"http://127.0.0.1:{free_port()}", connect_timeout_s=1.0)
+    assert time.monotonic() - start < 10
+
+
+def too_few_islands(tmp: Path) -> None:
+    """One island where the lighthouse wants two: QuorumTimeoutError after the timeout."""
+    with lighthouse(min_islands=2) as address:
+        membership = _membership(address, quorum_timeout_s=1.0)
+        try:
+            with pytest.raises(QuorumTimeoutError, match="quorum_timeout_s=1.0"):
+                membership.average({"w": torch.zeros(3)}, round_index=0)
+        finally:
+            membership.close()
+
+
+def lighthouse_gone(tmp: Path) -> None:
+    """The lighthouse dies and stays dead: the island stops after quorum_timeout_s with an
+    error that names the lighthouse, not a shortage of islands."""
+    port = free_port()
+    server = start_lighthouse(port, tmp / "lighthouse.log", min_islands=1)
+    address = f"http://127.0.0.1:{port}"
+    membership = _membership(address, min_islands=1, quorum_timeout_s=2.0)
+    try:
+        assert membership.average({"w": torch.zeros(3)}, round_index=0) is not None
+        server.kill()
+        server.wait()
+        with pytest.raises(MembershipError) as caught:
+            membership.average({"w": torch.zeros(3)}, round_index=1)
+    finally:
+        membership.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "LighthouseLostError", message
+    assert f"the lighthouse at {address} stopped answering" in message
+    assert "quorum_timeout_s=2.0" in message and "restart it on the same address" in message
+
+
+CHECKS: dict[str, Callable[[Path], None]] = {
+    "lighthouse_down": lighthouse_down,
+    "too_few_islands": too_few_islands,
+    "lighthouse_gone": lighthouse_gone,
+}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]](Path(sys.argv[2]))
