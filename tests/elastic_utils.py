@@ -133,3 +133,24 @@ def logged(out: Path, island: str, text: str) -> bool:
     """Whether ``text`` appears in the island's stderr (torchft's own log lines go there)."""
     path = out / f"{island}.stderr"
     return path.exists() and text in path.read_text(errors="replace")
+
+
+@contextmanager
+def reaped(procs: list[subprocess.Popen[Any]]) -> Iterator[None]:
+    """Kill every island the test started and has not seen exit, however the test ends (a
+    failed assertion, a timeout), so that no island outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def finish_all(procs: dict[str, subprocess.Popen[bytes]], out: Path, timeout_s: float) -> None:
+    """Every island exits 0 within one shared ``timeout_s`` (they stop together)."""
+    deadline = time.monotonic() + timeout_s
+    for name, proc in procs.items():
+        left = max(1.0, deadline - time.monotonic())
+        assert finish(proc, left, out, name) == 0, (out / f"{name}.stderr").read_text()[-3000:]

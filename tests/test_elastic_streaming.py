@@ -7,41 +7,30 @@ commit gate). The finishers must end bitwise equal: anchors and parameters.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.elastic_utils import anchors_by_round, finish, lighthouse, rounds, start_island, wait_for
+from tests.elastic_utils import (
+    anchors_by_round,
+    finish,
+    finish_all,
+    lighthouse,
+    reaped,
+    rounds,
+    start_island,
+    wait_for,
+)
 
 pytest.importorskip("torchft")
 
 STREAM = ["--fragments", "2", "--delay", "1", "--quantize", "int8", "--every", "4"]
 TIMEOUTS = ["--quorum-timeout", "20", "--round-timeout", "5"]
-
-
-@contextlib.contextmanager
-def _reaped(procs: list[subprocess.Popen[Any]]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def _finish_all(procs: dict[str, subprocess.Popen[bytes]], out: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for name, proc in procs.items():
-        left = max(1.0, deadline - time.monotonic())
-        assert finish(proc, left, out, name) == 0, (out / f"{name}.stderr").read_text()[-3000:]
 
 
 def _assert_equal(out: Path, names: str) -> None:
@@ -57,11 +46,11 @@ def test_streaming_int8_islands_end_bitwise_equal(tmp_path: Path) -> None:
     """Three islands, 2 fragments, sync_delay 1, int8 + error feedback, merge_alpha 0.5: every
     fragment's round commits, bytes move, residuals are kept, and the islands end equal."""
     started: list[subprocess.Popen[bytes]] = []
-    with lighthouse(min_islands=3) as address, _reaped(started):
+    with lighthouse(min_islands=3) as address, reaped(started):
         opts = [*STREAM, "--alpha", "0.5", *TIMEOUTS, "--rounds", "8", "--step-s", "0.02"]
         procs = {n: start_island(tmp_path, address, n, *opts, "--min-islands", "3") for n in "abc"}
         started.extend(procs.values())
-        _finish_all(procs, tmp_path, 200)
+        finish_all(procs, tmp_path, 200)
     _assert_equal(tmp_path, "abc")
     for name in "abc":
         log = [r for r in rounds(tmp_path, name) if not r["joined"]]
@@ -92,7 +81,7 @@ def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(
     fragment round in flight, holds a's anchors after it, and a, b and d end bitwise equal.
     With ``quantize="none"`` the same runs over torchft's float32 all-reduce."""
     started: list[subprocess.Popen[bytes]] = []
-    with lighthouse(heartbeat_timeout_ms=1500) as address, _reaped(started):
+    with lighthouse(heartbeat_timeout_ms=1500) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = [*STREAM, *TIMEOUTS, "--rounds", "10000", "--step-s", "0.03"]
         opts += ["--stop-file", str(stop), "--quantize", quantize]
@@ -110,7 +99,7 @@ def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(
         started.append(joiner)
         wait_for(lambda: len(rounds(tmp_path, "d")) >= 4, 90, "d to join and commit")
         stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 4))
-        _finish_all({"a": procs["a"], "b": procs["b"], "d": joiner}, tmp_path, 120)
+        finish_all({"a": procs["a"], "b": procs["b"], "d": joiner}, tmp_path, 120)
     _assert_equal(tmp_path, "abd")
     # The survivors in the round c died in abandoned it. Which survivors were in it depends on
     # when each started: b and c may have met before a came (a then joined later, healed).
@@ -133,7 +122,7 @@ def test_a_frozen_island_with_a_fragment_round_in_flight_is_healed(tmp_path: Pat
     healed at another fragment of the swarm's schedule, adopts the swarm's round, commits
     again, and a, b and c end bitwise equal."""
     started: list[subprocess.Popen[bytes]] = []
-    with lighthouse(heartbeat_timeout_ms=1500) as address, _reaped(started):
+    with lighthouse(heartbeat_timeout_ms=1500) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = [*STREAM, *TIMEOUTS, "--rounds", "10000", "--step-s", "0.03"]
         opts += ["--stop-file", str(stop)]
@@ -159,7 +148,7 @@ def test_a_frozen_island_with_a_fragment_round_in_flight_is_healed(tmp_path: Pat
             "c to be healed and commit again",
         )
         stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 4))
-        _finish_all(procs, tmp_path, 90)
+        finish_all(procs, tmp_path, 90)
     _assert_equal(tmp_path, "abc")
     c_log = rounds(tmp_path, "c")
     after = [r for r in c_log if float(r["t"]) > continued_at]

@@ -6,12 +6,10 @@ outer round every 3 inner steps through ``TorchftMembership``, one JSON line per
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,10 @@ from tests.elastic_utils import (
     ROOT,
     anchors_by_round,
     finish,
+    finish_all,
     lighthouse,
     logged,
+    reaped,
     rounds,
     start_island,
     start_lighthouse,
@@ -53,27 +53,6 @@ def _opts(rounds_: int, step_s: float = 0.03, stop_file: Path | None = None) -> 
     ]
 
 
-@contextlib.contextmanager
-def _reaped(procs: list[subprocess.Popen[Any]]) -> Iterator[None]:
-    """Kill every island the test started and has not seen exit, however the test ends (a
-    failed assertion, a timeout), so that no island outlives it."""
-    try:
-        yield
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def _finish_all(procs: dict[str, subprocess.Popen[bytes]], out: Path, timeout_s: float) -> None:
-    """Every island exits 0 within one shared ``timeout_s`` (they stop together)."""
-    deadline = time.monotonic() + timeout_s
-    for name, proc in procs.items():
-        left = max(1.0, deadline - time.monotonic())
-        assert finish(proc, left, out, name) == 0, (out / f"{name}.stderr").read_text()[-2000:]
-
-
 def _committed_after(out: Path, island: str, t: float) -> list[dict[str, object]]:
     return [r for r in rounds(out, island) if r["applied"] and float(r["t"]) > t]  # type: ignore[arg-type]
 
@@ -84,7 +63,7 @@ def test_kill_restart_and_join(tmp_path: Path) -> None:
     """SIGKILL c mid-run: a and b commit again within quorum timeout + a round and end equal;
     c restarted and a new island d heal and hold the others' anchors after their first round."""
     started: list[subprocess.Popen[bytes]] = []
-    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {name: start_island(tmp_path, address, name, *opts) for name in "abc"}
@@ -104,7 +83,7 @@ def test_kill_restart_and_join(tmp_path: Path) -> None:
         for name in "cd":  # both healed into the running swarm, then a last few rounds
             wait_for(lambda n=name: len(rounds(tmp_path, n)) >= 6, 90, f"{name} to rejoin")
         stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 5))
-        _finish_all({"a": procs["a"], "b": procs["b"], "c": restarted, "d": joiner}, tmp_path, 120)
+        finish_all({"a": procs["a"], "b": procs["b"], "c": restarted, "d": joiner}, tmp_path, 120)
 
     final = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name in "abcd"}
     for name in "bcd":
@@ -127,7 +106,7 @@ def test_kill_restart_and_join(tmp_path: Path) -> None:
 def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
     """A second island 'a' and an island with another model are refused; a and b go on."""
     started: list[subprocess.Popen[bytes]] = []
-    with lighthouse() as address, _reaped(started):
+    with lighthouse() as address, reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {name: start_island(tmp_path, address, name, *opts) for name in "ab"}
@@ -140,7 +119,7 @@ def test_refusals_of_duplicate_id_and_other_model(tmp_path: Path) -> None:
         assert finish(twin, 90, tmp_path / "twin", "a") != 0
         assert finish(wide, 90, tmp_path, "w") != 0
         stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 3))
-        _finish_all(procs, tmp_path, 60)
+        finish_all(procs, tmp_path, 60)
     twin_error = (tmp_path / "twin" / "a.error").read_text()
     assert "DuplicateIslandError" in twin_error and "island_id 'a' is already taken" in twin_error
     wide_error = (tmp_path / "w.error").read_text()
@@ -155,7 +134,7 @@ def test_islands_with_other_diloco_settings_are_refused(tmp_path: Path) -> None:
     """An island with another sync_every and one with another outer learning rate are refused
     in their first round, naming the setting and both values; a abandons that round, goes on."""
     started: list[subprocess.Popen[Any]] = []
-    with lighthouse(min_islands=1) as address, _reaped(started):
+    with lighthouse(min_islands=1) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = [*_opts(10_000, step_s=0.05, stop_file=stop), "--min-islands", "1"]
         a = start_island(tmp_path, address, "a", *opts)
@@ -195,7 +174,7 @@ def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) 
     heal_send, whichever of a and b heals c dies while sending): the survivors commit rounds
     again and end bitwise equal."""
     started: list[subprocess.Popen[Any]] = []
-    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         healer_fault = ["--fault", "heal_send:1+:kill"] if phase == "heal_send" else []
@@ -218,7 +197,7 @@ def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) 
                 f"{name}'s rounds after {dead} died in {phase}",
             )
         stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
-        _finish_all(procs, tmp_path, 60)
+        finish_all(procs, tmp_path, 60)
     assert (tmp_path / f"{dead}.kill").read_text().startswith(phase)
     final = {n: load_file(str(tmp_path / f"{n}.safetensors")) for n in procs}
     first, *others = final.values()
@@ -232,7 +211,7 @@ def test_a_frozen_island_is_healed_and_rejoins(tmp_path: Path, phase: str) -> No
     """c stops itself (SIGSTOP) at one phase of a round; a and b go on without it; continued,
     c takes its expired round as abandoned, is healed, commits again, and all end equal."""
     started: list[subprocess.Popen[Any]] = []
-    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {n: start_island(tmp_path, address, n, *opts) for n in "ab"}
@@ -258,7 +237,7 @@ def test_a_frozen_island_is_healed_and_rejoins(tmp_path: Path, phase: str) -> No
             "c to be healed and commit again",
         )
         stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
-        _finish_all(procs, tmp_path, 60)
+        finish_all(procs, tmp_path, 60)
     final = {n: load_file(str(tmp_path / f"{n}.safetensors")) for n in "abc"}
     for name in "bc":
         assert all(final["a"][k].equal(final[name][k]) for k in final["a"]), name
@@ -270,7 +249,7 @@ def test_a_frozen_island_continued_after_the_swarm_ended_says_so(tmp_path: Path)
     """c stops itself inside a round; a and b finish and exit; continued, c stops with an error
     saying the swarm ended or went on without it, not that more islands should be started."""
     started: list[subprocess.Popen[Any]] = []
-    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, _reaped(started):
+    with lighthouse(heartbeat_timeout_ms=int(HEARTBEAT_S * 1000)) as address, reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {n: start_island(tmp_path, address, n, *opts) for n in "ab"}
@@ -287,7 +266,7 @@ def test_a_frozen_island_continued_after_the_swarm_ended_says_so(tmp_path: Path)
             "b's round without c",
         )
         stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
-        _finish_all(procs, tmp_path, 60)
+        finish_all(procs, tmp_path, 60)
         frozen.send_signal(signal.SIGCONT)
         assert finish(frozen, 60, tmp_path, "c") != 0
     error = (tmp_path / "c.error").read_text()
@@ -304,7 +283,7 @@ def test_a_lighthouse_with_torchfts_short_join_timeout_is_named(tmp_path: Path) 
     server = LighthouseServer(bind="[::]:0", min_replicas=2)  # torchft's own defaults
     started: list[subprocess.Popen[Any]] = []
     try:
-        with _reaped(started):
+        with reaped(started):
             stop = tmp_path / "stop"
             opts = _opts(10_000, step_s=0.05, stop_file=stop)
             procs = {n: start_island(tmp_path, server.address(), n, *opts) for n in "ab"}
@@ -317,7 +296,7 @@ def test_a_lighthouse_with_torchfts_short_join_timeout_is_named(tmp_path: Path) 
                 "a warning about the join timeout",
             )
             stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
-            _finish_all(procs, tmp_path, 60)
+            finish_all(procs, tmp_path, 60)
     finally:
         server.shutdown()
     text = (tmp_path / "a.stderr").read_text() + (tmp_path / "b.stderr").read_text()
@@ -359,7 +338,7 @@ def test_islands_go_on_when_the_lighthouse_restarts_on_its_address(tmp_path: Pat
     address = f"http://127.0.0.1:{port}"
     first = start_lighthouse(port, tmp_path / "lighthouse.log")
     started: list[subprocess.Popen[Any]] = [first]
-    with _reaped(started):
+    with reaped(started):
         stop = tmp_path / "stop"
         opts = _opts(10_000, step_s=0.05, stop_file=stop)
         procs = {name: start_island(tmp_path, address, name, *opts) for name in "ab"}
@@ -383,7 +362,7 @@ def test_islands_go_on_when_the_lighthouse_restarts_on_its_address(tmp_path: Pat
                     f"{name}'s round after the restart",
                 )
             stop.write_text(str(rounds(tmp_path, "a")[-1]["outer_steps"] + 2))
-            _finish_all(procs, tmp_path, 60)
+            finish_all(procs, tmp_path, 60)
         finally:
             second.kill()
             second.wait()
