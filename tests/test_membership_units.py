@@ -257,3 +257,40 @@ def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
     assert elastic.settle() is None
     assert island.anchors["w"].equal(torch.full((3,), 5.0))
     assert island.params["w"].detach().equal(torch.tensor([5.5, 4.75, 5.0]))
+
+
+def test_every_quorum_sets_a_group_up_under_a_prefix_of_its_own() -> None:
+    """A restarted lighthouse hands out the id and members of an earlier quorum again: the
+    group is set up anew for every quorum (the decision must not rest on what one island still
+    holds), and the store prefix differs once any member committed since."""
+    from types import SimpleNamespace
+
+    from lightning_swarm.membership.quorum import QuorumIdentity, count_failed_vote
+
+    handed_out: list[SimpleNamespace] = []
+
+    class Client:
+        def _quorum(self, **_: object) -> SimpleNamespace:
+            return handed_out.pop(0)
+
+    manager = SimpleNamespace(_client=Client(), _quorum_id=7, _commit_failures=0)
+    identity = QuorumIdentity(manager)
+
+    def quorum(quorum_id: int, members: list[str], max_step: int) -> str:
+        handed_out.append(
+            SimpleNamespace(quorum_id=quorum_id, replica_ids=members, max_step=max_step)
+        )
+        manager._quorum_id = quorum_id  # what torchft keeps from the group it set up last
+        manager._client._quorum()
+        assert manager._quorum_id == -1, "torchft must set the group up for this quorum"
+        return identity.store_prefix("host:1")
+
+    first = quorum(1, ["a", "b", "c"], 10)
+    assert first.startswith("host:1/")
+    after_a_commit = quorum(1, ["a", "b", "c"], 11)  # the first lighthouse, one round later
+    other_members = quorum(1, ["a", "b"], 11)
+    restarted = quorum(1, ["a", "b", "c"], 11)  # a new lighthouse counts ids from 1 again
+    assert len({first, after_a_commit, other_members}) == 3
+    assert restarted == after_a_commit  # the same name on every member; set up anew all the same
+    count_failed_vote(manager)
+    assert manager._commit_failures == 1  # the next request reports it: the lighthouse bumps the id

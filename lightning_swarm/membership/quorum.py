@@ -29,6 +29,7 @@ import hashlib
 import math
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -121,17 +122,31 @@ def quorum_error(config: ElasticConfig, away_s: float) -> MembershipError:
 
 
 class QuorumIdentity:
-    """Sets a quorum's process group up anew whenever its membership is new to this island.
+    """Sets a process group up for every quorum, under a store prefix no earlier set-up used.
 
-    torchft sets the process group up again only when the lighthouse's quorum id changes, under
-    the store prefix ``torchft/<quorum id>``. A restarted lighthouse counts its ids from the
-    start again, so a quorum after a restart can carry the id of an older one with other
-    members: measured in the chaos benchmark, two islands kept the group of the old quorum
-    (four members) for a new one of two and waited out the round timeout. This wrapper of the
-    Manager's client names each quorum by its id and its members, forces a new set-up when that
-    name differs from the one the current group was built for, and appends the name to the
-    store prefix, so no two memberships share rendezvous keys. Every member of a quorum gets
-    the same id and members, so all of them decide alike.
+    torchft keeps a quorum's process group for as long as the lighthouse hands out the same
+    quorum id, under the store prefix ``torchft/<quorum id>``. Two facts break that rule:
+
+    - a restarted lighthouse counts its ids from the start again, so one id can name two
+      different quorums (measured in the chaos benchmark: two islands kept the group of an
+      earlier quorum 1 of four members for a new quorum 1 of two and waited out the round
+      timeout);
+    - whether an island still holds a usable group is its own, local knowledge: after a
+      lighthouse restart handed out the id and members of an earlier quorum again, the islands
+      that still held that quorum's group kept it while the others set one up anew, and those
+      read the addresses the first ones had published under the same prefix and hung in
+      gloo's connect (seed 2 of the chaos benchmark).
+
+    So the decision must come from the quorum alone, which every member receives alike: this
+    wrapper of the Manager's client has torchft set the group up anew for every quorum, under a
+    prefix named by the quorum's id, its members and its ``max_step`` (the most rounds any
+    member committed). Within one lighthouse's life that name is new for every quorum: a round
+    that commits anywhere raises ``max_step``, and one that commits nowhere is reported as a
+    commit failure (``count_failed_vote``), on which the lighthouse raises the id. Across a
+    restart, a name repeats only if no island committed since the earlier quorum of the same
+    id and members; that set-up then fails within the round timeout, is reported, and the next
+    quorum has a new id. The cost is one group set-up per round (a few milliseconds for gloo on
+    a LAN; measured in docs/elastic.md), small beside a DiLoCo round of hundreds of steps.
     """
 
     def __init__(self, manager: Any) -> None:
@@ -139,27 +154,33 @@ class QuorumIdentity:
         self._client = manager._client
         manager._client = self  # torchft 0.2.0: the quorum result is only visible here
         self._pending: str | None = None
-        self._current: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         result = self._client._quorum(*args, **kwargs)
-        members = ",".join(result.replica_ids)
-        name = hashlib.sha256(f"{result.quorum_id}/{members}".encode()).hexdigest()[:16]
-        if name != self._current:
-            self._manager._quorum_id = -1  # torchft then sets the group up for this quorum
-        self._pending = name
+        self._pending = quorum_name(result.quorum_id, result.replica_ids, result.max_step)
+        self._manager._quorum_id = -1  # torchft then sets the group up for this quorum
         return result
 
     def store_prefix(self, store_addr: str) -> str:
         """The store address for setting up the pending quorum's group."""
         return f"{store_addr}/{self._pending}"
 
-    def set_up(self) -> None:
-        """The pending quorum's group is set up (a failed set-up is retried next round)."""
-        self._current = self._pending
+
+def quorum_name(quorum_id: int, replica_ids: Sequence[str], max_step: int) -> str:
+    """A quorum's name: the same on every member, new for every quorum of one lighthouse."""
+    members = ",".join(replica_ids)
+    return hashlib.sha256(f"{quorum_id}/{members}/{max_step}".encode()).hexdigest()[:16]
+
+
+def count_failed_vote(manager: Any) -> None:
+    """Count a round that ended without torchft's vote (the vote timed out, or the island's
+    manager server went away) as torchft counts a "no": the island's next quorum request then
+    reports a commit failure, and the lighthouse gives that quorum a new id, so no member
+    reuses the rendezvous prefix of a round that failed."""
+    manager._commit_failures += 1  # torchft 0.2.0 counts only votes that returned
 
 
 class ShortRounds:

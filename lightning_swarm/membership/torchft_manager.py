@@ -16,7 +16,7 @@ island (``rank``) and the island's size (``world_size``):
 ``IslandStore`` is the island's rendezvous for that: a ``TCPStore`` hosted by position 0, where
 the manager server publishes its address for the other positions. Other islands set their
 process groups up in the store of the quorum's first up-to-date island, under a prefix of
-their own per quorum membership and rank (``QuorumIdentity``).
+their own per quorum and rank (``QuorumIdentity``: a new group for every quorum).
 
 Ownership: the returned ``RankManager`` holds the Manager, its process group and its heal
 transport; ``TorchftMembership.close`` shuts the Manager down. The island's ``IslandStore``
@@ -164,7 +164,6 @@ def start_manager(
         # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
         on_phase("pg_setup")
         configure(holder[0].store_prefix(store_addr), *args, **kwargs)
-        holder[0].set_up()
 
     pg.configure = configure_after_hook
     heal_transport = TensorHealTransport(pg, seconds(config.round_timeout_s), on_phase=on_phase)

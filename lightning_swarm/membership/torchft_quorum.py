@@ -6,8 +6,8 @@ islands is decided anew every round by torchft's Lighthouse. One round, on the i
 1. quorum (``quorum.request_quorum``): ``Manager.start_quorum``; a joiner (new, restarted, or
    an island that missed a commit) is healed here from a live island: anchors, outer optimizer
    state and counters, over the quorum's process group (``TensorHealTransport``, no pickle). A
-   lighthouse restarted within ``quorum_timeout_s`` is asked again; each new membership gets a
-   process group of its own (``QuorumIdentity``); an island back from a suspension asks anew;
+   lighthouse restarted within ``quorum_timeout_s`` is asked again; every quorum gets a process
+   group of its own (``QuorumIdentity``); an island back from a suspension asks anew;
 2. round header (``round_header``): a tiny all-gather of one row per island (island id hash,
    model fingerprint, healing, join time, nonce, finite, settings hash) over the quorum's group.
    A duplicate ``island_id``, a model or DiLoCo settings that differ, or a pseudo-gradient with
@@ -76,7 +76,7 @@ from lightning_swarm.membership.errors import (
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.quorum import ShortRounds, request_quorum
+from lightning_swarm.membership.quorum import ShortRounds, count_failed_vote, request_quorum
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
@@ -301,6 +301,7 @@ class TorchftMembership:
         except Exception:  # e.g. position 0's manager server went away
             # This rank's round failed (abandoned, as torchft's own errors are); the island
             # learns any refusal from the agreement below, which every rank must reach.
+            count_failed_vote(self._manager)
             outcome = RoundOutcome()
         outcome.committed, self._island_healed = self._fanout.agree_round(
             error, outcome.committed, outcome.healed is not None
@@ -352,6 +353,7 @@ class TorchftMembership:
         try:
             return bool(self._manager.should_commit(timeout=seconds(self.config.round_timeout_s)))
         except TimeoutError:
+            count_failed_vote(self._manager)
             return False
 
     def _phase(self, name: str) -> None:
