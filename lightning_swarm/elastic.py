@@ -75,14 +75,6 @@ class ElasticIsland:
         params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
         world = dist.get_world_size(island_group) if dist.is_initialized() else 1
         per_rank = self.shares_outer_state(self.config, world)
-        if per_rank and self.config.sync_delay > 0:
-            # A delayed exchange runs in the worker thread, beside DDP on the island's group.
-            raise ValueError(
-                f"sync_delay={self.config.sync_delay} with shard_outer=True on an elastic island "
-                f"of {world} ranks is not supported yet: each rank's round ends with collectives "
-                "over the island's group, which the worker thread cannot share with training; "
-                "set shard_outer=False (rank 0 exchanges for the island) or sync_delay=0."
-            )
         self.outer_shares = world if per_rank else 1
         self.membership = TorchftMembership(
             self.options,

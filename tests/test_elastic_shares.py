@@ -205,24 +205,6 @@ def test_a_rank_with_an_empty_share_still_takes_part_in_an_elastic_round(tmp_pat
     assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
 
 
-def _delayed(rank: int, world: int, out: Path) -> None:
-    from lightning_swarm.config import SwarmConfig
-    from lightning_swarm.elastic import ElasticIsland
-    from lightning_swarm.membership.config import ElasticConfig
-
-    options = ElasticConfig(lighthouse="http://127.0.0.1:1", island_id="a")
-    island = ElasticIsland(options, SwarmConfig(sync_delay=1))
-    with pytest.raises(ValueError, match="sync_delay=1 with shard_outer=True on an elastic"):
-        island.build_membership(torch.nn.Linear(2, 2), None, 1 << 20)
-    (out / f"rank{rank}").write_text("ok")
-
-
-def test_a_delayed_round_on_a_sharded_elastic_island_is_refused(tmp_path: Path) -> None:
-    """Its round would end with collectives over the island's group from the worker thread."""
-    run_ranks(_delayed, 2, tmp_path, timeout_s=30)
-    assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
-
-
 def _counters(rank: int, world: int, out: Path) -> None:
     """torchft may heal rank 0 and rank 1 of one island from two live islands whose inner-step
     counts differ: after the heal both ranks count like position 0 and hold every parameter."""

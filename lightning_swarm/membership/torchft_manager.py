@@ -152,20 +152,17 @@ def start_manager(
             answer within ``config.connect_timeout_s``.
     """
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
     from lightning_swarm.membership.heal import TensorHealTransport
+    from lightning_swarm.membership.quorum_group import QuorumGroup
 
-    pg = ProcessGroupGloo(timeout=seconds(config.round_timeout_s))
-    configure = pg.configure
     holder: list[QuorumIdentity] = []
-
-    def configure_after_hook(store_addr: str, *args: Any, **kwargs: Any) -> None:
-        # Runs in torchft's quorum thread, as the process group of a new quorum is set up.
-        on_phase("pg_setup")
-        configure(holder[0].store_prefix(store_addr), *args, **kwargs)
-
-    pg.configure = configure_after_hook
+    # Set up in torchft's quorum thread for every quorum, under the quorum's own prefix.
+    pg = QuorumGroup(
+        seconds(config.round_timeout_s),
+        prefix=lambda store_addr: holder[0].store_prefix(store_addr),
+        on_setup=lambda: on_phase("pg_setup"),
+    )
     heal_transport = TensorHealTransport(pg, seconds(config.round_timeout_s), on_phase=on_phase)
     try:
         manager = Manager(

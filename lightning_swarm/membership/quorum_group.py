@@ -1,0 +1,89 @@
+"""The quorum's process group: torchft's reconfigurable gloo group, set up once per quorum over
+a kept store connection.
+
+``QuorumIdentity`` has torchft set the group up for every quorum. torchft's own
+``ProcessGroupGloo.configure`` opens a new ``TCPStore`` client for every set-up, and on this
+machine (torch 2.13, loopback) about one ``TCPStore`` client in 50 hangs in its connect until
+the timeout (measured: 1 to 4 of 200 clients, against a server in another process, legacy or
+libuv alike; 2000 plain socket connects never did). With a new client every round, the
+two-rank joiner test of three islands saw 10 to 16 failed set-ups per island and took 162 s
+instead of 30 s. ``QuorumGroup`` keeps one client per store address and sets every group up
+on a ``PrefixStore`` of it, so a set-up costs gloo's rendezvous and connects, not a new store
+connection.
+
+Ownership: the kept clients belong to the group; a client whose set-up failed is dropped (the
+store's island may be gone) and the next set-up on that address connects anew. At most
+``KEPT_STORES`` addresses are kept: the quorum's store moves only when its first island changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torchft.process_group import ProcessGroupGloo
+
+KEPT_STORES = 4
+
+
+class QuorumGroup(ProcessGroupGloo):
+    """torchft's gloo group; ``configure`` sets it up on a kept store connection.
+
+    ``prefix`` maps the store address torchft asks for (``host:port/torchft/<id>/<rank>``) to the
+    one to use (``QuorumIdentity.store_prefix``); ``on_setup`` runs first (a test's fault hook).
+    """
+
+    def __init__(
+        self,
+        timeout: datetime.timedelta,
+        prefix: Callable[[str], str],
+        on_setup: Callable[[], None],
+    ) -> None:
+        super().__init__(timeout=timeout)
+        self._prefix = prefix
+        self._on_setup = on_setup
+        self._stores: OrderedDict[str, dist.TCPStore] = OrderedDict()
+
+    def _store(self, address: str) -> dist.TCPStore:
+        store = self._stores.pop(address, None)
+        if store is None:
+            host, _, port = address.rpartition(":")
+            store = dist.TCPStore(
+                host.strip("[]"),
+                int(port),
+                is_master=False,
+                wait_for_workers=False,
+                timeout=self._timeout,
+            )
+        self._stores[address] = store  # the most recent last
+        while len(self._stores) > KEPT_STORES:
+            self._stores.popitem(last=False)
+        return store
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
+        """What torchft 0.2.0's ``ProcessGroupWrapper.configure`` does for gloo, but on a kept
+        store client (runs in torchft's quorum thread)."""
+        self._on_setup()
+        self._replica_id, self._quorum_id = replica_id, quorum_id
+        self._group_rank, self._group_world_size = group_rank, group_world_size
+        self._rank, self._global_ranks = rank, global_ranks
+        self.abort(errored=False)
+        address, _, prefix = self._prefix(store_addr).partition("/")
+        try:
+            store = dist.PrefixStore(prefix, self._store(address))
+            self._pg = self._create_pg(store, rank, world_size)
+        except Exception:
+            self._stores.pop(address, None)  # maybe broken: connect anew next time
+            raise
