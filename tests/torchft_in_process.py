@@ -79,10 +79,43 @@ def lighthouse_gone(tmp: Path) -> None:
     assert "quorum_timeout_s=2.0" in message and "restart it on the same address" in message
 
 
+def group_per_quorum(tmp: Path) -> None:
+    """``QuorumGroup``: every quorum's group is set up on one kept connection to its store and
+    works; a set-up whose store is gone raises and drops the connection."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_swarm.membership.quorum_group import QuorumGroup
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{server.port}"
+    setups: list[str] = []
+    group = QuorumGroup(
+        datetime.timedelta(seconds=2),
+        prefix=lambda store_addr: f"{store_addr}/q{len(setups)}",
+        on_setup=lambda: setups.append("pg_setup"),
+    )
+    kept = []
+    for quorum_id in (1, 2, 3):
+        group.configure(f"{address}/torchft/{quorum_id}/0", "solo", 0, 1, quorum_id, 0, 1)
+        value = torch.ones(2)
+        group.allreduce([value], dist.AllreduceOptions()).wait()
+        assert value.tolist() == [1.0, 1.0]
+        kept.append(group._stores[address])
+    assert setups == ["pg_setup"] * 3
+    assert kept[0] is kept[1] is kept[2], "one store connection for every set-up"
+    gone = f"127.0.0.1:{free_port()}"
+    with pytest.raises(Exception):  # noqa: B017 - torch's connect error, whatever its class
+        group.configure(f"{gone}/torchft/4/0", "solo", 0, 1, 4, 0, 1)
+    assert gone not in group._stores and address in group._stores
+
+
 CHECKS: dict[str, Callable[[Path], None]] = {
     "lighthouse_down": lighthouse_down,
     "too_few_islands": too_few_islands,
     "lighthouse_gone": lighthouse_gone,
+    "group_per_quorum": group_per_quorum,
 }
 
 if __name__ == "__main__":

@@ -145,8 +145,9 @@ class QuorumIdentity:
     commit failure (``count_failed_vote``), on which the lighthouse raises the id. Across a
     restart, a name repeats only if no island committed since the earlier quorum of the same
     id and members; that set-up then fails within the round timeout, is reported, and the next
-    quorum has a new id. The cost is one group set-up per round (a few milliseconds for gloo on
-    a LAN; measured in docs/elastic.md), small beside a DiLoCo round of hundreds of steps.
+    quorum has a new id. The cost is one group set-up per round (about 16 ms for two islands on
+    loopback here, docs/elastic.md; ``QuorumGroup`` keeps the store connection), small beside a
+    DiLoCo round of hundreds of inner steps.
     """
 
     def __init__(self, manager: Any) -> None:
