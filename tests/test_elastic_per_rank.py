@@ -149,13 +149,24 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow  # ~40 s each on 2 busy cores: six Lightning processes
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("victim", [1, 0])
-def test_one_rank_of_an_island_killed_inside_a_round(tmp_path: Path, victim: int) -> None:
+@pytest.mark.parametrize(
+    ("victim", "streaming"),
+    [
+        pytest.param(1, [], id="rank1"),
+        pytest.param(0, [], id="rank0"),
+        pytest.param(1, ["--fragments", "2", "--quantize", "int8"], id="rank1_int8_fragments"),
+    ],
+)
+def test_one_rank_of_an_island_killed_inside_a_round(
+    tmp_path: Path, victim: int, streaming: list[str]
+) -> None:
     """Three islands of two ranks; one rank of c stalls inside a round's mean (its peers wait
     on it) and is SIGKILLed there: a and b abandon that round on both ranks, commit again
-    without c, and all four of their ranks end equal; c's other rank leaves too."""
+    without c, and all four of their ranks end equal; c's other rank leaves too. With two
+    fragments and int8 the round is one fragment's, and its abandon leaves that fragment's
+    anchors and residuals as they were."""
     fast, stall = tmp_path / "fast", tmp_path / "stall"
-    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts = [*OPTS, *streaming, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
     faults = ["--stall-file", str(stall), "--stall-rank", str(victim)]
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse(heartbeat_timeout_ms=1500) as address:

@@ -257,6 +257,8 @@ def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
         assert all(final[0][k].equal(state[k]) for k in final[0])
 
 
+@pytest.mark.slow  # ~12 s; in the suite: the streaming joiner ends equal with merge_alpha 0.5,
+# and test_membership_torchft.py refuses other settings by name
 @pytest.mark.timeout(300)
 def test_lightning_merge_alpha_ends_equal_and_other_settings_are_refused(tmp_path: Path) -> None:
     """With merge_alpha=0.5 the islands still end bitwise equal (on the global model); an
@@ -359,8 +361,8 @@ def test_lightning_streaming_int8_joiner_of_two_ranks_ends_equal(tmp_path: Path)
             procs = {n: start_island(tmp_path, address, n, *opts, script=SCRIPT) for n in "ab"}
             started += procs.values()
             wait_for(lambda: len(_rounds(tmp_path, "a")) >= 4, 90, "a's fourth round")
-            # Rank 0 exchanges for d (a and b are islands of one rank, and a sharded island
-            # of two ranks refuses sync_delay > 0: docs/elastic.md).
+            # Rank 0 exchanges for d and fans out (the fan-out path; a sharded two-rank
+            # joiner with sync_delay > 0: test_elastic_per_rank.py, delayed).
             procs["d"] = start_island(
                 tmp_path, address, "d", *opts, "--devices", "2", "--no-shard-outer", script=SCRIPT
             )

@@ -167,7 +167,11 @@ def test_islands_with_other_diloco_settings_are_refused(tmp_path: Path) -> None:
 _DEATHS = ["quorum", "pg_setup", "header", "mean", "commit", "heal_recv", "heal_send"]
 
 
-@pytest.mark.parametrize("phase", _DEATHS)
+@pytest.mark.parametrize(
+    "phase",
+    # A healer's death: heal_recv (the joiner's) stays in the suite, for its time.
+    [pytest.param(p, marks=pytest.mark.slow) if p == "heal_send" else p for p in _DEATHS],
+)
 @pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 60 + 30)
 def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) -> None:
     """a and b train; c joins and is SIGKILLed at the start of one phase of a round (for
@@ -205,7 +209,11 @@ def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) 
         assert all(first[k].equal(state[k]) for k in first)
 
 
-@pytest.mark.parametrize("phase", ["quorum", "mean", "commit"])  # mean: a round in flight
+@pytest.mark.parametrize(
+    "phase",
+    # mean: a round in flight; commit runs in -m slow, for the suite's time.
+    ["quorum", "mean", pytest.param("commit", marks=pytest.mark.slow)],
+)
 @pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 90 + 60 + 30)
 def test_a_frozen_island_is_healed_and_rejoins(tmp_path: Path, phase: str) -> None:
     """c stops itself (SIGSTOP) at one phase of a round; a and b go on without it; continued,

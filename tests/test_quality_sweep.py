@@ -23,6 +23,7 @@ from lightning_swarm.strategy import SwarmStrategy  # noqa: E402
 TINY = ["model.n_layer=1", "model.n_embd=32", "data.max_bytes=300000", "data.val_batches=2"]
 
 
+@pytest.mark.slow  # ~24 s: a benchmark's end-to-end run; its pieces are tested below
 @pytest.mark.timeout(600)
 def test_smoke_sweep_records_gap_plot_and_resumes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
