@@ -386,3 +386,58 @@ def test_a_lighthouse_gone_for_the_quorum_timeout_is_named(tmp_path: Path) -> No
     """The lighthouse dies and stays dead: the island stops after quorum_timeout_s with an
     error that names the lighthouse, not a shortage of islands."""
     _in_a_fresh_process("lighthouse_gone", tmp_path)
+
+
+@pytest.mark.slow  # ~60 s: three lighthouse lives, one after the other
+@pytest.mark.timeout(60 + 60 + 2 * 60 + 60 + 60)
+def test_a_restarted_lighthouse_repeating_an_earlier_quorum_does_not_split_the_swarm(
+    tmp_path: Path,
+) -> None:
+    """The seed-2 chaos failure, made deterministic. A first lighthouse (min 3) gives quorum 1
+    to a, b and c; c is stopped; a second lighthouse (min 2) gives quorum 1 to a and b, who
+    commit rounds; a third (min 3), with c continued, gives quorum 1 to a, b and c again. c
+    still holds the group of the first quorum 1 and a and b do not: deciding from what each
+    holds, c kept its group while a and b set one up under the same prefix as before, and the
+    round failed. Decided from the quorum alone, a's first round after the third start
+    commits, c is healed, and all three end equal."""
+    port = free_port()
+    address = f"http://127.0.0.1:{port}"
+    log = tmp_path / "lighthouse.log"
+    lives: list[subprocess.Popen[Any]] = [start_lighthouse(port, log, min_islands=3)]
+    started: list[subprocess.Popen[Any]] = list(lives)
+    with reaped(started):
+        stop = tmp_path / "stop"
+        opts = _opts(10_000, step_s=0.05, stop_file=stop)
+        procs = {name: start_island(tmp_path, address, name, *opts) for name in "abc"}
+        started.extend(procs.values())
+        for name in "abc":
+            wait_for(lambda n=name: len(_committed_after(tmp_path, n, 0)) >= 2, 60, f"{name}")
+        procs["c"].send_signal(signal.SIGSTOP)
+        lives[-1].kill()
+        lives[-1].wait()
+        lives.append(start_lighthouse(port, log, min_islands=2))
+        started.append(lives[-1])
+        second_at = time.time()
+        for name in "ab":
+            wait_for(
+                lambda n=name: len(_committed_after(tmp_path, n, second_at)) >= 2,
+                60,
+                f"{name}'s rounds without c",
+            )
+        lives[-1].kill()
+        lives[-1].wait()
+        procs["c"].send_signal(signal.SIGCONT)
+        lives.append(start_lighthouse(port, log, min_islands=3))
+        started.append(lives[-1])
+        third_at = time.time()
+        wait_for(lambda: len(_committed_after(tmp_path, "c", third_at)) >= 2, 2 * 60, "c's rounds")
+        stop.write_text(str(max(r["outer_steps"] for r in rounds(tmp_path, "a")) + 2))
+        finish_all(procs, tmp_path, 60)
+    first = next(r for r in rounds(tmp_path, "a") if float(r["t"]) > third_at)
+    assert first["applied"] and first["islands"] == 3, first
+    c_rows = rounds(tmp_path, "c")
+    heals_before = max(r["heals"] for r in c_rows if float(r["t"]) < third_at)
+    assert max(r["heals"] for r in c_rows) > heals_before  # healed after the third start
+    final = {n: load_file(str(tmp_path / f"{n}.safetensors")) for n in "abc"}
+    for name in "bc":
+        assert all(final["a"][k].equal(final[name][k]) for k in final["a"]), name

@@ -81,7 +81,8 @@ def lighthouse_gone(tmp: Path) -> None:
 
 def group_per_quorum(tmp: Path) -> None:
     """``QuorumGroup``: every quorum's group is set up on one kept connection to its store and
-    works; a set-up whose store is gone raises and drops the connection."""
+    works, with the round timeout for its collectives; a set-up whose store is gone raises and
+    drops the connection."""
     import datetime
 
     import torch.distributed as dist
@@ -103,6 +104,9 @@ def group_per_quorum(tmp: Path) -> None:
         group.allreduce([value], dist.AllreduceOptions()).wait()
         assert value.tolist() == [1.0, 1.0]
         kept.append(group._stores[address])
+        # Its collectives wait the whole round timeout (the connects got a fifth of it).
+        backend = group._pg._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == datetime.timedelta(seconds=2)
     assert setups == ["pg_setup"] * 3
     assert kept[0] is kept[1] is kept[2], "one store connection for every set-up"
     gone = f"127.0.0.1:{free_port()}"

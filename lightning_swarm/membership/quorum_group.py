@@ -22,10 +22,13 @@ import datetime
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo
 
 KEPT_STORES = 4
+CONNECT_WAITS = 5
+"""gloo's first connects wait this many times the group's timeout (``Pair::waitUntilConnected``)."""
 
 
 class QuorumGroup(ProcessGroupGloo):
@@ -81,9 +84,20 @@ class QuorumGroup(ProcessGroupGloo):
         self._rank, self._global_ranks = rank, global_ranks
         self.abort(errored=False)
         address, _, prefix = self._prefix(store_addr).partition("/")
+        collective_timeout: datetime.timedelta = self._timeout  # type: ignore[has-type]
         try:
+            # The rendezvous waits on the store for up to the round timeout.
             store = dist.PrefixStore(prefix, self._store(address))
-            self._pg = self._create_pg(store, rank, world_size)
+            # gloo waits five times its timeout for a group's first connects, all of it when a
+            # peer froze right after publishing its address (50 s at round_timeout_s=10, seen
+            # in the chaos benchmark), so the connects get a fifth of the round timeout and the
+            # collectives the whole of it back.
+            self._timeout = collective_timeout / CONNECT_WAITS
+            pg = self._create_pg(store, rank, world_size)
         except Exception:
             self._stores.pop(address, None)  # maybe broken: connect anew next time
             raise
+        finally:
+            self._timeout = collective_timeout
+        pg._get_backend(torch.device("cpu"))._set_default_timeout(collective_timeout)
+        self._pg = pg
