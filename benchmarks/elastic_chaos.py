@@ -253,7 +253,7 @@ def _event(swarm: Swarm, rng: random.Random, kind: str, victim: str, event_s: fl
 def _finish(swarm: Swarm) -> dict[str, dict[str, str]]:
     """Stop every running island at one round a little ahead; their final digests."""
     finishers = sorted(swarm.procs)
-    last = max(r["outer_steps"] for n in finishers for r in swarm.rows(n))
+    last = max((r["outer_steps"] for n in finishers for r in swarm.rows(n)), default=0)
     (swarm.out / "stop").write_text(str(last + 5))
     deadline = time.monotonic() + 120
     for name in finishers:
@@ -263,7 +263,9 @@ def _finish(swarm: Swarm) -> dict[str, dict[str, str]]:
     assert swarm.lighthouse is not None
     swarm.lighthouse.kill()
     swarm.lighthouse.wait()
-    return {n: json.loads((swarm.out / f"{n}.final.json").read_text()) for n in finishers}
+    finals = {n: swarm.out / f"{n}.final.json" for n in finishers}
+    # An island that crashed at the end is in swarm.crashes and has no final digests.
+    return {n: json.loads(path.read_text()) for n, path in finals.items() if path.exists()}
 
 
 def chaos(
