@@ -144,10 +144,11 @@ class QuorumIdentity:
     that commits anywhere raises ``max_step``, and one that commits nowhere is reported as a
     commit failure (``count_failed_vote``), on which the lighthouse raises the id. Across a
     restart, a name repeats only if no island committed since the earlier quorum of the same
-    id and members; that set-up then fails within the round timeout, is reported, and the next
-    quorum has a new id. The cost is one group set-up per round (about 16 ms for two islands on
-    loopback here, docs/elastic.md; ``QuorumGroup`` keeps the store connection), small beside a
-    DiLoCo round of hundreds of inner steps.
+    id and members; that set-up then fails within about twice the round timeout (its
+    rendezvous waits up to it on the store, its connects up to it in gloo: ``QuorumGroup``), is
+    reported, and the next quorum has a new id. The cost is one group set-up per round (about
+    18 ms for two islands on loopback here, docs/elastic.md), small beside a DiLoCo round of
+    hundreds of inner steps.
     """
 
     def __init__(self, manager: Any) -> None:
