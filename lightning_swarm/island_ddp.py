@@ -251,6 +251,35 @@ class IslandDDPStrategy(DDPStrategy):
         super().configure_ddp()
 
     @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's ``reduce``; with no group given, during training, over the island only
+        (``SwarmGroups.between_rounds``).
+
+        That is a ``self.log(..., sync_dist=True)`` in ``training_step``: over the world it
+        would cross islands at every inner step. Its value is then the island's mean. Validation
+        and every other stage keep the world.
+        """
+        if group is None and self._between_rounds():
+            if self.groups.between_rounds is None:
+                return tensor  # an island of one rank: nothing to reduce with
+            group = self.groups.between_rounds
+        return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Checkpoint and stopping decisions are the whole swarm's, in training too: the world.
+        flag = torch.tensor(int(decision), device=self.root_device)
+        total = super().reduce(flag, group=dist.group.WORLD, reduce_op="sum")
+        return bool(total == self.world_size) if all else bool(total)
+
+    def _between_rounds(self) -> bool:
+        """True during the training stage of a swarm of several islands."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        islands = self._topology.num_islands if self._topology is not None else 1
+        return islands > 1 and trainer is not None and trainer.training
+
+    @override
     def _register_ddp_hooks(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             super()._register_ddp_hooks()

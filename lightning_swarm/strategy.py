@@ -45,6 +45,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.between_rounds import IslandSigterm, warn_of_world_collectives
 from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file, save_failure
 from lightning_swarm.config import (
     SwarmConfig,
@@ -144,6 +145,7 @@ class SwarmStrategy(IslandDDPStrategy):
             **kwargs,
         )
         self._loop: OuterLoop | None = None
+        self._sigterm: IslandSigterm | None = None
         self.totals = SwarmTotals()
 
     @classmethod
@@ -187,6 +189,12 @@ class SwarmStrategy(IslandDDPStrategy):
             # A pending swarm resume installs anchors later: build placeholders, not copies.
             resuming = trainer.ckpt_path is not None
             self._build_outer_loop(defer_anchors=self.checkpointer.defer_anchors(resuming=resuming))
+            if self._elastic is None and self.topology.num_islands > 1:
+                # Lightning's per-batch SIGTERM broadcast would cross islands at every step.
+                island = self.groups.between_rounds
+                self._sigterm = IslandSigterm(trainer, island, self.root_device)
+                self._sigterm.install()
+                warn_of_world_collectives(trainer)
 
     def _build_outer_loop(self, *, defer_anchors: bool) -> None:
         module = self.lightning_module
@@ -362,6 +370,8 @@ class SwarmStrategy(IslandDDPStrategy):
                 trainer = self.lightning_module.trainer if self.lightning_module else None
                 if metrics is not None and self._elastic is not None and trainer is not None:
                     metrics = self._elastic.after_round(trainer, metrics)
+                if metrics is not None and self._sigterm is not None:
+                    self._sigterm.on_round()  # the islands learn of a SIGTERM at rounds only
                 # global_step counts this step only once optimizer_step has returned.
                 self._log_round(metrics, steps_pending=1)
                 self._end_of_fit_round(manual=False)
@@ -390,6 +400,8 @@ class SwarmStrategy(IslandDDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._sigterm is not None:
+            self._sigterm.close()
         # A fit that ended where fit_end could not foresee it (EarlyStopping, max_time).
         if self._loop is not None and self._sync_at_end:
             self._log_round(self._loop.finish(), steps_pending=0)
@@ -409,4 +421,5 @@ class SwarmStrategy(IslandDDPStrategy):
         # transport use the peer group.
         if self._loop is not None:
             self._loop.close()
+        self._sigterm = None  # after a failed fit its agreement is not waited for
         super().teardown()

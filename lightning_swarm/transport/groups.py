@@ -33,12 +33,18 @@ class SwarmGroups:
         peers: this rank's peer group across islands (the transport's group); ``None`` when there
             is a single island, or the default group when every rank is its own island (unless
             ``build_groups`` was asked for a dedicated one).
+        between_rounds: this rank's island again, in a group of its own, for the training
+            thread's small messages between rounds (Lightning's SIGTERM agreement, a
+            ``sync_dist`` log in ``training_step``); no round and no worker thread uses it, so
+            their collectives never interleave. ``None`` unless there are several islands of
+            several ranks.
         created: groups created here, destroyed by ``destroy``.
     """
 
     island: dist.ProcessGroup | None
     peers: dist.ProcessGroup | None
     created: list[dist.ProcessGroup]
+    between_rounds: dist.ProcessGroup | None = None
 
     def destroy(self) -> None:
         for group in self.created:
@@ -63,9 +69,8 @@ def build_groups(
     ``peer_backend`` (e.g. ``"gloo"`` in an NCCL world) also gives the peer group a group of
     its own, with that backend. ``island_backend`` overrides ``backend`` for the island
     groups (model-sharded islands, whose island group serves the outer round only and must
-    carry the swarm transport's CPU agreement: ``peer_backend``).
-    its own, with that backend. ``timeout`` bounds every collective of the new groups
-    (``None``: torch's default, not the world's).
+    carry the swarm transport's CPU agreement: ``peer_backend``). ``timeout`` bounds every
+    collective of the new groups (``None``: torch's default, not the world's).
     """
     if peer_backend is not None:
         dedicated_peers = True
@@ -91,7 +96,14 @@ def build_groups(
                 if local == topology.local_index:
                     peers = _member(group)
                     created.append(peers)
-    return SwarmGroups(island=island, peers=peers, created=created)
+    between_rounds: dist.ProcessGroup | None = None
+    if topology.island_size > 1 and topology.num_islands > 1:
+        for index in range(topology.num_islands):
+            group = dist.new_group(topology.island_ranks(index), backend=backend, timeout=timeout)
+            if index == topology.island_index:
+                between_rounds = _member(group)
+                created.append(between_rounds)
+    return SwarmGroups(island=island, peers=peers, created=created, between_rounds=between_rounds)
 
 
 def _member(group: object) -> dist.ProcessGroup:
