@@ -2,15 +2,16 @@
 
 Two islands of one rank each run the README's main job over loopback (torchrun, one "node" per
 island), with no round inside the measured steps (``sync_every`` above ``max_steps``; the
-end-of-fit round is left out of the figures). Island 1 runs once at full speed and once inside
-a cgroup (v1 ``cpu``) capped at ``--quota`` of one core. The figure is island 0's median inner
-step in each case, and their ratio: 1.0 means the slow island does not reach the fast one at
-all between rounds.
+end-of-fit round is left out of the figures). The slow island (``--slow-island``, 0 by default:
+global rank 0, the rank Lightning's per-batch broadcast is sent from) runs once at full speed
+and once inside a cgroup (v1 ``cpu``) capped at ``--quota`` of one core. The figure is the
+other (fast) island's median inner step in each case, and their ratio: 1.0 means the slow
+island does not reach the fast one at all between rounds.
 
 Needs root (the cgroup) and ``torchrun``; the cgroup is removed at the end, even on failure.
 
 Usage:
-    sudo .venv/bin/python benchmarks/slow_island.py [--steps 60] [--quota 0.4]
+    sudo .venv/bin/python benchmarks/slow_island.py [--steps 60] [--quota 0.4] [--slow-island 0]
         [--checkout DIR]   # run another checkout of the library, e.g. a git worktree of main
 
 Results are printed as JSON; docs/launch.md quotes them with this command.
@@ -82,8 +83,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_pair(checkout: Path, steps: int, slow: Path | None, out: Path) -> list[list[float]]:
-    """Both islands' per-step times; island 1 inside cgroup ``slow`` when given."""
+def run_pair(
+    checkout: Path, steps: int, slow: Path | None, slow_island: int, out: Path
+) -> list[list[float]]:
+    """Both islands' per-step times; island ``slow_island`` inside cgroup ``slow`` if given."""
+    out.mkdir(parents=True)
     port = _free_port()
     env = {
         **os.environ,
@@ -119,7 +123,7 @@ def run_pair(checkout: Path, steps: int, slow: Path | None, out: Path) -> list[l
             *overrides,
             f"hydra.run.dir={run_dir}",
         ]
-        if node == 1 and slow is not None:
+        if node == slow_island and slow is not None:
             # Enter the cgroup first, then become the launcher: every rank it starts is capped.
             script = f'echo $$ > {slow / "cgroup.procs"} && exec "$@"'
             launch = ["sh", "-c", script, "sh", *launch]
@@ -136,25 +140,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--quota", type=float, default=0.4, help="slow island's share of a core")
+    parser.add_argument("--slow-island", type=int, choices=(0, 1), default=0)
     parser.add_argument("--checkout", type=Path, default=ROOT)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="slow_island_"))
     try:
-        even = run_pair(args.checkout, args.steps, None, work / "even")
+        slow = args.slow_island
+        even = run_pair(args.checkout, args.steps, None, slow, work / "even")
         with cpu_cgroup(args.quota) as group:
-            uneven = run_pair(args.checkout, args.steps, group, work / "uneven")
+            uneven = run_pair(args.checkout, args.steps, group, slow, work / "uneven")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # The first steps warm up and the last one holds the end-of-fit round: leave them out.
-    fast_even = statistics.median(even[0][5:-1])
-    fast_uneven = statistics.median(uneven[0][5:-1])
+    fast = 1 - slow
+    fast_even = statistics.median(even[fast][5:-1])
+    fast_uneven = statistics.median(uneven[fast][5:-1])
     result = {
         "checkout": str(args.checkout),
         "steps": args.steps,
         "slow_quota": args.quota,
+        "slow_island": slow,
         "fast_island_median_step_s_beside_even": round(fast_even, 4),
         "fast_island_median_step_s_beside_slow": round(fast_uneven, 4),
-        "slow_island_median_step_s": round(statistics.median(uneven[1][5:-1]), 4),
+        "slow_island_median_step_s": round(statistics.median(uneven[slow][5:-1]), 4),
         "ratio": round(fast_uneven / fast_even, 2),
     }
     print(json.dumps(result, indent=2))
