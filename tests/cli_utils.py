@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.dist_utils import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = [
@@ -99,3 +101,41 @@ def swarm_train(
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "lightning_swarm.cli.app", *overrides, f"hydra.run.dir={run_dir}"]
     return run_in(run_dir, cmd, timeout)
+
+
+def run_rank_processes(
+    module: str, args: list[str], world: int, timeout_s: float, *, wait_for: int | None = None
+) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
+    """Run ``python -m <module> <args>`` once per rank, the rank in the environment.
+
+    Lightning then starts no processes of its own, so each rank's exit status and output are its
+    own. Waits up to ``timeout_s`` for the first ``wait_for`` ranks (all by default), then kills
+    every rank still running. Returns the processes and the ``(stdout, stderr)`` of those waited
+    for.
+    """
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = tree_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [sys.executable, "-m", module, *args]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=timeout_s) for p in procs[:wait_for]]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGKILL)
+            p.communicate()
+    return procs, outputs

@@ -8,12 +8,8 @@ real SIGTERM to one rank of a four-rank run.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,9 +23,8 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.between_rounds import warn_of_world_collectives
-from tests.cli_utils import ROOT, tree_env
+from tests.cli_utils import run_rank_processes
 from tests.collective_probe import CollectiveProbe
-from tests.dist_utils import free_port
 from tests.helpers import QUIET, TinyRegressor, regression_data
 from tests.sigterm_rank import STOP_STEP, SYNC_EVERY, WORLD
 
@@ -93,31 +88,7 @@ def test_no_collective_crosses_islands_between_rounds(
 
 
 def test_a_sigterm_on_one_rank_stops_every_island_after_the_next_round(tmp_path: Path) -> None:
-    port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = tree_env(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [sys.executable, "-m", "tests.sigterm_rank", str(tmp_path)]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGKILL)
-            p.communicate()
+    procs, outputs = run_rank_processes("tests.sigterm_rank", [str(tmp_path)], WORLD, 100)
     next_round = (STOP_STEP // SYNC_EVERY + 1) * SYNC_EVERY
     finals = []
     for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
