@@ -164,7 +164,7 @@ def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any], where: str) -> No
             )
 
 
-# -- editing saved checkpoints (damage, old formats) ---------------------------------------------
+# -- editing saved checkpoints (damage) ---------------------------------------------------------
 def swarm_dir(ckpt: Path) -> Path:
     """The save directory a Lightning checkpoint names."""
     record = torch.load(ckpt, weights_only=True)["swarm"]
@@ -181,16 +181,6 @@ def edit_record(
     if reseal_it:
         reseal(checkpoint["swarm"])
     torch.save(checkpoint, ckpt)
-
-
-def as_format_1(ckpt: Path) -> None:
-    """Make ``ckpt`` look as format 1 wrote it: no checksums, no options."""
-
-    def edit(record: dict[str, Any]) -> None:
-        record["format"] = 1
-        del record["files"], record["options"]
-
-    edit_record(ckpt, edit)
 
 
 def record_file_again(ckpt: Path, name: str) -> None:

@@ -2,7 +2,9 @@
 
 - the swarm record's fields are sealed by a checksum: an edited counter is refused;
 - the record is cross-checked against Lightning's loop state (global step, optimizer steps);
-- a truncated or unreadable ``.ckpt`` is refused with its name.
+- a truncated or unreadable ``.ckpt`` is refused with its name;
+- a record of any format but 3 is refused (issue 28: one bit, format 3 -> 2, once skipped the
+  record's checksum, and a flipped round count resumed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.records import RecordError
 from tests.resume_utils import edit_record, fit_here, load_ranks
 
 _AUTO = "epoch_loop.automatic_optimization.optim_progress"
@@ -50,6 +53,27 @@ def test_a_flipped_outer_step_count_in_the_record_is_refused(saved: Path, tmp_pa
     with pytest.raises(SwarmCheckpointError, match=r"was changed after it was written") as info:
         fit_here(tmp_path / "out", max_steps=6, ckpt_path=ckpt)
     assert str(ckpt) in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_record_set_to_format_2_with_a_flipped_round_is_refused(
+    saved: Path, tmp_path: Path
+) -> None:
+    """Format 2 had no record checksum: a record claiming it must not skip the seal."""
+    ckpt = _copy(saved, tmp_path)
+
+    def downgrade(record: dict[str, Any]) -> None:
+        assert record["format"] == 3
+        record["format"] = 2  # one bit: 0b11 -> 0b10
+        record["outer_steps"] = [record["outer_steps"][0] + 1]  # a round that never happened
+
+    edit_record(ckpt, downgrade, reseal_it=False)
+    with pytest.raises(RecordError) as info:
+        fit_here(tmp_path / "out", max_steps=6, ckpt_path=ckpt)
+    message = str(info.value)
+    assert f"the swarm record of {ckpt} is of format 2" in message
+    assert "this lightning_swarm reads format 3 only" in message
+    assert "resume with the lightning_swarm version that wrote it, or start fresh" in message
     assert not (tmp_path / "out").exists()
 
 

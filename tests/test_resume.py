@@ -19,14 +19,10 @@ from lightning_swarm import SwarmStrategy
 from lightning_swarm.callbacks.resume import SwarmResume
 from lightning_swarm.resume.files import ANCHORS_FILE, MMAP_ENV, swarm_root
 from tests.resume_utils import (
-    as_format_1,
     assert_bitwise_equal,
     fit,
-    fit_here,
-    flip_bit_in_tensor_data,
     load_ranks,
     record_file_again,
-    swarm_dir,
 )
 
 MAX_STEPS = 8
@@ -120,32 +116,6 @@ def test_legacy_anchor_file_resumes_exactly(full_run_1: Path, tmp_path: Path) ->
     resumed = _resume_and_compare(root, tmp_path, 4, devices=2, island_size=1)
     assert "legacy format read eagerly" in resumed[0]["summary"]
     assert "checksums verified" in resumed[0]["summary"]
-
-
-def test_format_1_checkpoint_resumes_exactly_unverified(full_run_1: Path, tmp_path: Path) -> None:
-    """Checkpoints written before checksums existed still resume, bitwise."""
-    import shutil
-
-    root = tmp_path / "copy"
-    shutil.copytree(full_run_1 / "ckpts", root / "ckpts")
-    shutil.copytree(full_run_1 / "out", root / "out")
-    as_format_1(_ckpt(root, 4))
-    resumed = _resume_and_compare(root, tmp_path, 4, devices=2, island_size=1)
-    for rank in range(2):
-        assert "unverified" in resumed[rank]["summary"]
-
-
-def test_format_1_checkpoint_warns_that_it_cannot_be_verified(tmp_path: Path) -> None:
-    fit_here(tmp_path / "full", max_steps=2, ckpt_dir=tmp_path / "ckpts")
-    ckpt = tmp_path / "ckpts" / "step=2.ckpt"
-    as_format_1(ckpt)
-    flip_bit_in_tensor_data(swarm_dir(ckpt) / "island-00000.pt")  # nothing can catch it now
-    with pytest.warns(UserWarning) as caught:
-        fit_here(tmp_path / "resumed", max_steps=3, ckpt_path=ckpt)
-    mine = [str(w.message) for w in caught if "checksums" in str(w.message)]
-    assert len(mine) == 1, mine
-    assert f"{ckpt} predates swarm file checksums (format 1)" in mine[0]
-    assert "cannot be verified" in mine[0]
 
 
 def test_plain_checkpoint_starts_fresh_anchors_from_its_weights(

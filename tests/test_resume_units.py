@@ -36,7 +36,7 @@ from lightning_swarm.resume.files import (
     warn_legacy,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
-from lightning_swarm.resume.records import SwarmRecord
+from lightning_swarm.resume.records import OptionsRecord, RecordError, SwarmRecord
 from lightning_swarm.resume.save import begin_save, discard_save
 from lightning_swarm.transport.base import RoundStats
 
@@ -420,7 +420,13 @@ def test_anchor_config_forms() -> None:
 
 # -- checkpointer -----------------------------------------------------------------------------
 _RECORD = SwarmRecord(
-    save_id="abc", fingerprint={}, anchor_dtype=None, outer_steps=[1], inner_steps=[3]
+    save_id="abc",
+    fingerprint={},
+    anchor_dtype=None,
+    outer_steps=[1],
+    inner_steps=[3],
+    files={},
+    options=OptionsRecord(values=SwarmConfig().resume_options()),
 ).to_dict()
 
 
@@ -440,12 +446,43 @@ def test_a_new_fit_forgets_a_checkpoint_captured_by_an_earlier_one() -> None:
     assert not checkpointer.pending
 
 
-def test_unknown_swarm_record_format_is_rejected() -> None:
-    with pytest.raises(
-        SwarmCheckpointError,
-        match=r"is not lightning_swarm state of format \[1, 2, 3\] \(found 99\)",
-    ):
-        SwarmCheckpointer().capture("/tmp/x.ckpt", {"swarm": {"format": 99}}, rank=0)
+@pytest.mark.parametrize(
+    ("found", "said"),
+    [
+        (1, "is of format 1"),
+        (2, "is of format 2"),
+        (99, "is of format 99"),
+        ("3", "is of format '3'"),
+        (True, "is of format True"),
+        (None, "has no format number"),
+    ],
+)
+def test_a_swarm_record_of_another_format_is_refused(found: object, said: str) -> None:
+    """Only format 3 is read; the message names what was found and the two ways out."""
+    record = {**_RECORD, "format": found}
+    if found is None:
+        del record["format"]
+    with pytest.raises(RecordError) as info:
+        SwarmCheckpointer().capture("/tmp/x.ckpt", {"swarm": record}, rank=0)
+    assert str(info.value) == (
+        f"the swarm record of /tmp/x.ckpt {said}, but this lightning_swarm reads format 3 only "
+        "(the formats before it were never released and are no longer read). To use it, "
+        "resume with the lightning_swarm version that wrote it, or start fresh (fit without "
+        "ckpt_path)."
+    )
+
+
+def test_a_swarm_record_that_is_not_a_dict_is_refused() -> None:
+    with pytest.raises(RecordError, match=r"x.ckpt is a list, not a lightning_swarm record, but"):
+        SwarmCheckpointer().capture("/tmp/x.ckpt", {"swarm": [3]}, rank=0)
+
+
+def test_the_record_of_format_3_is_captured_and_sealed() -> None:
+    checkpointer = SwarmCheckpointer()
+    checkpointer.capture("/tmp/x.ckpt", {"swarm": _RECORD}, rank=0)
+    assert checkpointer.pending
+    with pytest.raises(RecordError, match="was changed after it was written"):
+        checkpointer.capture("/tmp/x.ckpt", {"swarm": {**_RECORD, "outer_steps": [2]}}, rank=0)
 
 
 # -- mapped restore: anonymous memory -----------------------------------------------------------

@@ -116,7 +116,8 @@ class SwarmCheckpointer:
             newest = newest_source(comm, own, main)
             loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
             if comm.rank == 0:
-                self._warn(host, main, own, loaded)
+                residuals = any(s.get("residuals") for s in loaded.island.outer_island)
+                _warn_changed_options(host, main, residuals_saved=residuals)
             warn_legacy(loaded.legacy)
             stale = install(host, loaded)
         finally:
@@ -133,17 +134,8 @@ class SwarmCheckpointer:
             )
         finally:
             self._pending = None
-        saved = main.record.options
-        if host.collectives.rank == 0 and saved is not None:
-            lines = describe_changes(
-                saved, host.options, inner_steps=main.record.inner_steps, residuals_saved=residuals
-            )
-            if lines:
-                warnings.warn(
-                    "resuming with options other than the checkpoint's; the run is no longer an "
-                    "exact continuation: " + "; ".join(lines) + ".",
-                    stacklevel=3,
-                )
+        if host.collectives.rank == 0:
+            _warn_changed_options(host, main, residuals_saved=residuals)
         rounds, steps = main.record.outer_steps, main.record.inner_steps
         self.summary = (
             f"island {host.topology.island_index}, position {host.topology.local_index}: "
@@ -151,33 +143,6 @@ class SwarmCheckpointer:
             f"({how})"
         )
         log.info("swarm resume: %s", self.summary)
-
-    def _warn(self, host: TrainingView, main: Source, own: Source, loaded: Loaded) -> None:
-        """Rank 0's one warning of what makes this resume inexact or unverified."""
-        lines: list[str] = []
-        saved = main.record.options
-        if saved is not None:
-            residuals = any(s.get("residuals") for s in loaded.island.outer_island)
-            lines += describe_changes(
-                saved,
-                host.options,
-                inner_steps=main.record.inner_steps,
-                residuals_saved=residuals,
-            )
-        if lines:
-            warnings.warn(
-                "resuming with options other than the checkpoint's; the run is no longer an "
-                "exact continuation: " + "; ".join(lines) + ".",
-                stacklevel=3,
-            )
-        old = sorted({str(s.ckpt_path) for s in (main, own) if s.record.files is None})
-        if old:
-            warnings.warn(
-                f"{', '.join(old)} predates swarm file checksums (format 1): its swarm files "
-                "cannot be verified and were loaded as they are. Save a new checkpoint to "
-                "get checksums.",
-                stacklevel=3,
-            )
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
         """Write the swarm files and put the record in ``checkpoint`` (collective)."""
@@ -201,6 +166,22 @@ class SwarmCheckpointer:
         remove_swarm_state(filepath)
 
 
+def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: bool) -> None:
+    """Rank 0's one warning of the changed options that make this resume inexact."""
+    lines = describe_changes(
+        main.record.options,
+        host.options,
+        inner_steps=main.record.inner_steps,
+        residuals_saved=residuals_saved,
+    )
+    if lines:
+        warnings.warn(
+            "resuming with options other than the checkpoint's; the run is no longer an "
+            "exact continuation: " + "; ".join(lines) + ".",
+            stacklevel=3,
+        )
+
+
 def _summary(
     host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
 ) -> str:
@@ -208,7 +189,7 @@ def _summary(
     size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
     rounds, steps = own.record.outer_steps, own.record.inner_steps
     legacy = ", legacy format read eagerly" if loaded.legacy else ""
-    verified = "checksums verified" if host.anchors.verify and main.record.files else "unverified"
+    verified = "checksums verified" if host.anchors.verify else "unverified"
     caught = (
         f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
         if stale

@@ -54,7 +54,7 @@ def checkpoint_problem(path: Path) -> str | None:
 
 def _swarm_files_problem(path: Path, record: SwarmRecord) -> str | None:
     directory = swarm_root(path) / record.save_id
-    for name, expected in sorted((record.files or {}).items()):
+    for name, expected in sorted(record.files.items()):
         file = directory / name
         if not file.is_file():
             return f"swarm file {file} is missing"

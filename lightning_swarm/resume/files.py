@@ -83,10 +83,8 @@ def anchor_shard_file_name(position: int) -> str:
     return f"anchors-rank-{position:05d}.pt"
 
 
-def anchor_shard_names(files: Mapping[str, Any] | None) -> list[str]:
+def anchor_shard_names(files: Mapping[str, Any]) -> list[str]:
     """The anchor shard files a save's record lists, in position order (none unsharded)."""
-    if files is None:
-        return []
     return sorted(n for n in files if n.startswith("anchors-rank-") and n.endswith(".pt"))
 
 

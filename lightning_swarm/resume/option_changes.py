@@ -21,7 +21,7 @@ from lightning_swarm.resume.records import OptionsRecord
 
 def refuse_unusable(saved: OptionsRecord, current: OptionsRecord) -> None:
     """Raise ``SwarmCheckpointError`` when the saved outer state cannot serve this run."""
-    if saved.outer_optimizer and saved.outer_optimizer != current.outer_optimizer:
+    if saved.outer_optimizer != current.outer_optimizer:
         raise SwarmCheckpointError(
             f"outer optimizer {_one(saved.outer_optimizer)} -> {_one(current.outer_optimizer)}: "
             "the checkpoint's outer optimizer state belongs to the optimizer that wrote it and "
@@ -40,8 +40,6 @@ def describe_changes(
     """One line per changed option: ``name old -> new: what follows``."""
     lines: list[str] = []
     for name in RESUME_OPTIONS:
-        if name not in saved.values:
-            continue  # a record older than the option: nothing to compare against
         old, new = saved[name], current[name]
         if old != new:
             effect = _effect(name, saved, current, inner_steps, residuals_saved)

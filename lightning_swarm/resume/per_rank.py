@@ -197,8 +197,7 @@ def _load(
             "yet; resume every island from ckpt_path."
         )
     compare_fingerprints(main.record.fingerprint, mesh_fingerprint(host))
-    if main.record.options is not None:
-        refuse_unusable(main.record.options, host.options)
+    refuse_unusable(main.record.options, host.options)
     topology = host.topology
     island_name = island_rank_file_name(topology.island_index, topology.local_index)
     anchor_name = anchor_shard_file_name(topology.local_index)
@@ -218,7 +217,7 @@ def _load(
 def _read(host: TrainingView, source: Source, name: str, use_mmap: bool) -> dict[str, Any]:
     """One of this rank's files, checked against the record (size; checksum with verify)."""
     path = source.directory / name
-    files = source.record.files or {}
+    files = source.record.files
     if name not in files:
         raise SwarmCheckpointError(
             f"{source.ckpt_path} records no file {name}; the save is incomplete or was written "

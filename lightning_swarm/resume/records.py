@@ -17,10 +17,12 @@ back by ``from_dict`` here, never by string keys elsewhere:
 The ``OuterSync`` state dicts stay the outer loop's own format; ``outer_anchors`` and
 ``pending_fragment`` are the only places that look inside them.
 
-Format history: 1 had no checksums and no options (still readable, unverified); 2 adds both;
-3 adds Lightning's counters at the save (``global_step``, ``optimizer_steps``, cross-checked
-against the Lightning file's loop state on resume) and a checksum over the record's own fields
-(``record_checksum``), so an edited record, a flipped counter included, is refused.
+One format is read: ``FORMAT_VERSION`` (3). Every payload carries it, and a payload of any other
+format (the unreleased formats 1 and 2, a missing or garbage number) is refused, naming what was
+found. A ``SwarmRecord`` holds the size and checksum of every swarm file, the options, Lightning's
+counters at the save (``global_step``, ``optimizer_steps``, cross-checked against the Lightning
+file's loop state on resume) and a checksum over its own fields (``record_checksum``), the
+format number included: an edited record, a flipped counter or format included, is refused.
 Imports torch only.
 """
 
@@ -40,24 +42,33 @@ from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
 
 FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
 DIGEST_ALGORITHM = "xxh3_128"
 _CHECKSUM = "checksum"
 
 
 class RecordError(SwarmCheckpointError):
-    """A payload is not a swarm record of a readable format (the caller names the file)."""
+    """A payload is not a swarm record of the readable format (the caller names the file)."""
 
 
 def check_format(payload: object, what: str) -> dict[str, Any]:
-    """``payload`` as a dict if it is a swarm record of a readable format."""
-    if not isinstance(payload, dict) or payload.get("format") not in READABLE_FORMATS:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise RecordError(
-            f"{what} is not lightning_swarm state of format {list(READABLE_FORMATS)} (found "
-            f"{found!r}); resume with the lightning_swarm version that wrote it."
-        )
-    return payload
+    """``payload`` as a dict if it is a swarm record of format ``FORMAT_VERSION``.
+
+    Raises:
+        RecordError: naming what was found (another format, none, or not a record at all).
+    """
+    if isinstance(payload, dict):
+        found = payload.get("format")
+        # type() and not isinstance(): True, 3.0 or "3" are not the format number 3.
+        if type(found) is int and found == FORMAT_VERSION:
+            return payload
+        state = "has no format number" if found is None else f"is of format {found!r}"
+    else:
+        state = f"is a {type(payload).__name__}, not a lightning_swarm record"
+    raise RecordError(
+        f"{what} {state}, but this lightning_swarm reads format {FORMAT_VERSION} only (the "
+        "formats before it were never released and are no longer read). To use it, resume with "
+        "the lightning_swarm version that wrote it, or start fresh (fit without ckpt_path)."
+    )
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class OptionsRecord:
     declared once on ``SwarmConfig``); ``outer_optimizer`` is each outer optimizer's class name
     and ``outer_hyperparameters`` its first param group's plain-valued entries (lr, momentum,
     ...), one per optimizer. On disk the values sit at the top level of the dict, beside the two
-    lists, so records written before this type existed read back the same.
+    lists.
     """
 
     values: dict[str, Any]
@@ -103,9 +114,9 @@ class OptionsRecord:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptionsRecord:
         return cls(
-            values={name: data[name] for name in RESUME_OPTIONS if name in data},
-            outer_optimizer=list(data.get("outer_optimizer", [])),
-            outer_hyperparameters=list(data.get("outer_hyperparameters", [])),
+            values={name: data[name] for name in RESUME_OPTIONS},
+            outer_optimizer=list(data["outer_optimizer"]),
+            outer_hyperparameters=list(data["outer_hyperparameters"]),
         )
 
 
@@ -113,7 +124,8 @@ class OptionsRecord:
 class SwarmRecord:
     """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it.
 
-    ``files`` and ``options`` are ``None`` for format 1 (no checksums were written).
+    ``global_step`` and ``optimizer_steps`` are ``None`` where the Lightning checkpoint had no
+    such counter (then they are not compared on resume).
     """
 
     save_id: str
@@ -121,58 +133,50 @@ class SwarmRecord:
     anchor_dtype: str | None
     outer_steps: list[int]
     inner_steps: list[int]
-    files: dict[str, FileDigest] | None = None
-    options: OptionsRecord | None = None
+    files: dict[str, FileDigest]
+    options: OptionsRecord
     global_step: int | None = None
     optimizer_steps: int | None = None
-    format: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as saved; from format 3 on, sealed by ``record_checksum``."""
+        """The record as saved, sealed by ``record_checksum``."""
         body = self._body()
-        if self.format >= 3:
-            body[_CHECKSUM] = record_checksum(body)
+        body[_CHECKSUM] = record_checksum(body)
         return body
 
     def _body(self) -> dict[str, Any]:
         return {
-            "format": self.format,
+            "format": FORMAT_VERSION,
             "save_id": self.save_id,
             "fingerprint": self.fingerprint,
             "anchor_dtype": self.anchor_dtype,
             "outer_steps": list(self.outer_steps),
             "inner_steps": list(self.inner_steps),
-            "files": None
-            if self.files is None
-            else {name: d.to_dict() for name, d in self.files.items()},
-            "options": None if self.options is None else self.options.to_dict(),
+            "files": {name: d.to_dict() for name, d in self.files.items()},
+            "options": self.options.to_dict(),
             "global_step": self.global_step,
             "optimizer_steps": self.optimizer_steps,
         }
 
     @classmethod
     def from_dict(cls, payload: object, what: str) -> SwarmRecord:
-        """Parse a saved record; from format 3 on its checksum must match its fields.
+        """Parse a saved record; its checksum must match its fields.
 
         Raises:
-            RecordError: an unknown format, or a record changed after it was written.
+            RecordError: another format than ``FORMAT_VERSION``, or a record changed after it
+                was written.
         """
         data = check_format(payload, what)
-        if int(data["format"]) >= 3:
-            check_seal(data, what)
-        files, options = data.get("files"), data.get("options")
-        steps = data.get("global_step"), data.get("optimizer_steps")
+        check_seal(data, what)
+        steps = data["global_step"], data["optimizer_steps"]
         return cls(
-            format=int(data["format"]),
             save_id=str(data["save_id"]),
             fingerprint=dict(data["fingerprint"]),
-            anchor_dtype=data.get("anchor_dtype"),
+            anchor_dtype=data["anchor_dtype"],
             outer_steps=[int(s) for s in data["outer_steps"]],
             inner_steps=[int(s) for s in data["inner_steps"]],
-            files=None
-            if files is None
-            else {str(n): FileDigest.from_dict(d) for n, d in files.items()},
-            options=None if options is None else OptionsRecord.from_dict(options),
+            files={str(n): FileDigest.from_dict(d) for n, d in data["files"].items()},
+            options=OptionsRecord.from_dict(data["options"]),
             global_step=None if steps[0] is None else int(steps[0]),
             optimizer_steps=None if steps[1] is None else int(steps[1]),
         )
@@ -198,9 +202,8 @@ def check_seal(data: Mapping[str, Any], what: str) -> None:
 
 
 def reseal(data: dict[str, Any]) -> None:
-    """Recompute the checksum of a record edited on purpose (format 3 on; for tools, tests)."""
-    if int(data.get("format", 0)) >= 3:
-        data[_CHECKSUM] = record_checksum(data)
+    """Recompute the checksum of a record edited on purpose (for tools, tests)."""
+    data[_CHECKSUM] = record_checksum(data)
 
 
 @dataclass(frozen=True)

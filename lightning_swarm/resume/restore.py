@@ -97,8 +97,7 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
     """This island's source after checking ``main`` against this run (collective-free)."""
     check_island_paths(island_paths, host.topology.num_islands)
     compare_fingerprints(main.record.fingerprint, current_fingerprint(host))
-    if main.record.options is not None:
-        refuse_unusable(main.record.options, host.options)
+    refuse_unusable(main.record.options, host.options)
     island = host.topology.island_index
     if island not in island_paths:
         return main
@@ -143,14 +142,13 @@ def load_sources(
     def read(source: Source, name: str) -> dict[str, Any]:
         path = source.directory / name
         files = source.record.files
-        if files is not None:
-            if name not in files:
-                raise SwarmCheckpointError(
-                    f"{source.ckpt_path} records no file {name}; the save is incomplete or the "
-                    "directory was mixed up. Resume from another checkpoint."
-                )
-            if path.is_file():
-                check_file(path, files[name], verify=verify)
+        if name not in files:
+            raise SwarmCheckpointError(
+                f"{source.ckpt_path} records no file {name}; the save is incomplete or the "
+                "directory was mixed up. Resume from another checkpoint."
+            )
+        if path.is_file():
+            check_file(path, files[name], verify=verify)
         payload, was_legacy = load_swarm_file(path, mmap=use_mmap)
         if was_legacy:
             legacy.append(path)
