@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.errors import CollectiveTimeoutError, SwarmError
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
@@ -313,10 +313,6 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
             f"SwarmStrategy got unknown option(s) {unknown}; use SwarmStrategy's own options, "
             "DDPStrategy's, or DistributedDataParallel keywords such as find_unused_parameters."
         )
-
-
-class CollectiveTimeoutError(SwarmError, RuntimeError):
-    """A collective waited ``timeout_s`` for a rank that never came (stopped, hung or dead)."""
 
 
 def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:

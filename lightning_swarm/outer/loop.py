@@ -35,12 +35,13 @@ from torch.optim import Optimizer
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.errors import SyncWorkerError
 from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
-from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
+from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport import Transport, ring_allreduce_bytes
 
 default_outer_optimizer: OuterOptimizerFactory = functools.partial(
