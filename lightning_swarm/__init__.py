@@ -1,9 +1,9 @@
 """lightning_swarm: DiLoCo-style training across islands as a PyTorch Lightning strategy.
 
-The public names: the strategy, its callbacks, and the errors a user catches.
+The public names: the strategy, its callbacks, and every error a user can act on (each a
+``SwarmError``; ``tests/test_packaging.py`` checks that none is left out).
 ``import lightning_swarm`` registers ``Trainer(strategy="swarm")`` (and ``"swarm_spawn"``,
-``"swarm_fsdp"``); a
-second import, or a registry that already holds the name, is left alone.
+``"swarm_fsdp"``); a second import, or a registry that already holds the name, is left alone.
 
 No module below this one imports the package root or the strategy from a lower layer
 (``tests/test_layering.py``), so the import order here is free.
@@ -13,20 +13,56 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_swarm.callbacks import HostMemoryCensus, SwarmResume
 from lightning_swarm.config import SwarmConfig
-from lightning_swarm.errors import SwarmCheckpointError, SwarmError
-from lightning_swarm.outer import SyncWorkerError
+from lightning_swarm.errors import (
+    CollectiveTimeoutError,
+    DiskFullError,
+    SwarmCheckpointError,
+    SwarmConfigError,
+    SwarmConfigTypeError,
+    SwarmError,
+)
+from lightning_swarm.membership.errors import (
+    DivergedIslandError,
+    DuplicateIslandError,
+    LighthouseLostError,
+    LighthouseUnreachableError,
+    MembershipError,
+    ModelMismatchError,
+    QuorumTimeoutError,
+    SettingsMismatchError,
+    SwarmGoneError,
+)
+from lightning_swarm.outer.errors import ShareFailedError, SyncWorkerError
 from lightning_swarm.strategy import SwarmStrategy
-from lightning_swarm.transport.aggregator.rotating import SwarmRoundError
-from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+from lightning_swarm.transport.errors import (
+    NonFinitePseudoGradientError,
+    SpoolError,
+    SwarmRoundError,
+)
 
 SwarmStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "CollectiveTimeoutError",
+    "DiskFullError",
+    "DivergedIslandError",
+    "DuplicateIslandError",
     "HostMemoryCensus",
+    "LighthouseLostError",
+    "LighthouseUnreachableError",
+    "MembershipError",
+    "ModelMismatchError",
     "NonFinitePseudoGradientError",
+    "QuorumTimeoutError",
+    "SettingsMismatchError",
+    "ShareFailedError",
+    "SpoolError",
     "SwarmCheckpointError",
     "SwarmConfig",
+    "SwarmConfigError",
+    "SwarmConfigTypeError",
     "SwarmError",
+    "SwarmGoneError",
     "SwarmResume",
     "SwarmRoundError",
     "SwarmStrategy",

@@ -29,8 +29,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.resume.atomic import DiskFullError, atomic_save, is_disk_full
+from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
+from lightning_swarm.resume.atomic import atomic_save, is_disk_full
 
 _T = TypeVar("_T")
 

@@ -3,8 +3,11 @@
 ``SwarmConfig`` is the single source of truth for every strategy option other than the outer
 optimizer factory (a callable, not data). ``SwarmStrategy`` builds one from its keyword
 arguments, and the Hydra schema (``lightning_swarm.cli.schema``) subclasses it, so YAML keys
-equal the field names here. Validation runs in ``__post_init__``: a bad value raises ``ValueError``
-naming the option and the fix before any process group or tensor exists.
+equal the field names here. Validation runs in ``__post_init__``: a bad value raises
+``SwarmConfigError`` (a ``SwarmError`` and a ``ValueError``; ``SwarmConfigTypeError``, a
+``TypeError``, for a value of the wrong kind) naming the option and the fix before any process
+group or tensor exists. The validators it calls, in the layers that own each option, raise the
+same two classes.
 
 Imports neither torch.distributed nor lightning.
 """
@@ -25,6 +28,7 @@ from lightning_swarm.algorithm.fragments import (
     as_layout,
     check_positive_int,
 )
+from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.transport.config import (
     MIN_BUCKET_MB,
     TRANSPORTS,
@@ -65,11 +69,11 @@ def parse_dtype(value: str | torch.dtype | None, *, option: str) -> torch.dtype 
     """Turn ``"bfloat16"`` / ``torch.bfloat16`` / ``None`` into a floating torch dtype."""
     if value is None or isinstance(value, torch.dtype):
         if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise ValueError(f"{option} must be a floating dtype, got {value}.")
+            raise SwarmConfigError(f"{option} must be a floating dtype, got {value}.")
         return value
     key = str(value).removeprefix("torch.").lower()
     if key not in _DTYPES:
-        raise ValueError(
+        raise SwarmConfigError(
             f"{option}={value!r} is not a supported dtype; use one of "
             f"{sorted(set(_DTYPES))} or null for float32."
         )
@@ -96,7 +100,7 @@ class AnchorConfig:
         for name in ("mmap", "verify"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"anchors.{name} must be true or false, got {value!r}.")
+                raise SwarmConfigError(f"anchors.{name} must be true or false, got {value!r}.")
 
 
 MembershipName = Literal["static", "torchft"]
@@ -208,7 +212,7 @@ class SwarmConfig:
         check_transport(self.transport)
         _check_anchor_device(self.anchor_device)
         if not isinstance(self.sync_at_end, bool):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"sync_at_end must be true or false, got {self.sync_at_end!r}; true (default) "
                 "ends fit with every island holding the global model."
             )
@@ -283,14 +287,14 @@ RESUME_OPTIONS: tuple[str, ...] = (
 def _check_shard_outer(config: SwarmConfig) -> None:
     """``shard_outer`` is a bool, and refused with the options a share cannot serve."""
     if not isinstance(config.shard_outer, bool):
-        raise ValueError(
+        raise SwarmConfigError(
             f"shard_outer must be true or false, got {config.shard_outer!r}; true (default) "
             "splits the outer state among an island's ranks."
         )
     if not config.sharded:
         return
     if config.transport == "swarm" and config.swarm.max_norm is not None:
-        raise ValueError(
+        raise SwarmConfigError(
             "shard_outer=True with island_size > 1 cannot apply swarm.max_norm: each rank "
             "exchanges only its share, so the norm of an island's whole pseudo-gradient is "
             "never seen in one place; set shard_outer=False to bound contributions by norm, "
@@ -301,7 +305,7 @@ def _check_shard_outer(config: SwarmConfig) -> None:
 def check_island_parallel(config: SwarmConfig) -> None:
     """``island_parallel`` and ``tensor_parallel_size``, and what model-sharded islands refuse."""
     if config.island_parallel not in ISLAND_PARALLEL:
-        raise ValueError(
+        raise SwarmConfigError(
             f"island_parallel={config.island_parallel!r} is not one of {list(ISLAND_PARALLEL)}; "
             "use 'ddp' (every rank holds the model) or 'fsdp' (configure_model shards it)."
         )
@@ -309,13 +313,13 @@ def check_island_parallel(config: SwarmConfig) -> None:
         "tensor_parallel_size", config.tensor_parallel_size, "1 = no tensor parallel"
     )
     if config.tensor_parallel_size > 1 and not config.model_sharded:
-        raise ValueError(
+        raise SwarmConfigError(
             f"tensor_parallel_size={config.tensor_parallel_size} needs island_parallel='fsdp' "
             "(a DDP island has no tensor-parallel mesh); set island_parallel='fsdp' or "
             "tensor_parallel_size=1."
         )
     if config.island_size % config.tensor_parallel_size != 0:
-        raise ValueError(
+        raise SwarmConfigError(
             f"tensor_parallel_size={config.tensor_parallel_size} does not divide "
             f"island_size={config.island_size}; an island is data_parallel x tensor_parallel "
             "ranks, so choose a divisor of island_size."
@@ -325,7 +329,7 @@ def check_island_parallel(config: SwarmConfig) -> None:
     refusals = _fsdp_refusals(config)
     if refusals:
         option, reason = refusals[0]
-        raise ValueError(f"{option} cannot be combined with island_parallel='fsdp': {reason}")
+        raise SwarmConfigError(f"{option} cannot be combined with island_parallel='fsdp': {reason}")
 
 
 def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
@@ -356,7 +360,7 @@ FROZEN_PARAMS: tuple[str, ...] = get_args(FrozenParams)
 def check_frozen_params(value: object) -> None:
     """``frozen_params`` is one of ``FROZEN_PARAMS``."""
     if value not in FROZEN_PARAMS:
-        raise ValueError(
+        raise SwarmConfigError(
             f"frozen_params={value!r} is not known; use 'exclude' (frozen parameters get no "
             "anchor and are never exchanged) or 'sync' (they are kept in the outer loop, so "
             "they can be unfrozen mid-run)."
@@ -367,7 +371,7 @@ def _check_timeout(timeout_s: object) -> None:
     """A finite number of seconds above zero."""
     ok = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
     if not ok or not 0 < float(timeout_s) < float("inf"):  # type: ignore[arg-type]
-        raise ValueError(
+        raise SwarmConfigError(
             f"timeout_s={timeout_s!r} must be a finite number of seconds above 0, e.g. "
             "timeout_s=600 (a stopped rank then ends the run after 10 minutes)."
         )
@@ -378,14 +382,14 @@ def _check_anchor_device(anchor_device: str) -> None:
     try:
         device = torch.device(anchor_device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(
+        raise SwarmConfigError(
             f"anchor_device={anchor_device!r} is not a torch device; use 'cpu' "
             "(recommended) or an accelerator such as 'cuda'."
         ) from err
     backend = getattr(torch, device.type, None) if device.type != "cpu" else None
     is_available = getattr(backend, "is_available", None)
     if callable(is_available) and not is_available():
-        raise ValueError(
+        raise SwarmConfigError(
             f"anchor_device={anchor_device!r}, but this torch build finds no {device.type} "
             f"device (torch.{device.type}.is_available() is False); use anchor_device='cpu' "
             f"(the default), or run where torch can use a {device.type} device."
@@ -414,9 +418,11 @@ def _nested_config(cls: type[_Nested], value: object, *, option: str, example: s
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(items) - known)
         if unknown:
-            raise ValueError(f"{option} has unknown keys {unknown}; known keys: {sorted(known)}.")
+            raise SwarmConfigError(
+                f"{option} has unknown keys {unknown}; known keys: {sorted(known)}."
+            )
         return cls(**items)
-    raise TypeError(
+    raise SwarmConfigTypeError(
         f"{option} must be a dict such as {example} or an instance of {cls.__name__}, got "
         f"{type(value).__name__}."
     )
@@ -441,7 +447,9 @@ def check_streaming(config: SwarmConfig) -> None:
     config.fragment_layout = as_layout(config.fragment_layout, config.num_fragments)
     Codec(config.quantize, config.quantize_block_size)
     if not isinstance(config.error_feedback, bool):
-        raise ValueError(f"error_feedback must be true or false, got {config.error_feedback!r}.")
+        raise SwarmConfigError(
+            f"error_feedback must be true or false, got {config.error_feedback!r}."
+        )
     if config.error_feedback and config.quantize == NO_CODEC:
         warnings.warn(
             "error_feedback has no effect with quantize='none' (nothing is lost to carry over); "

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_swarm.config import SwarmConfig
+from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
@@ -58,7 +59,7 @@ class ElasticIsland:
     def island_size(requested: int, world_size: int) -> int:
         """The island is the launch's whole world (``island_size`` 1, the default, means it)."""
         if requested not in (1, world_size):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"island_size={requested} with membership='torchft': each launch is one island "
                 f"of all its {world_size} ranks; leave island_size at 1 (or set {world_size})."
             )
@@ -97,7 +98,7 @@ class ElasticIsland:
 
     def attach(self, outer_syncs: Sequence[OuterSync]) -> None:
         if len(outer_syncs) != 1:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"membership='torchft' supports one optimizer, this module has "
                 f"{len(outer_syncs)}; use membership='static' for several."
             )

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.errors import CollectiveTimeoutError, SwarmConfigError, SwarmError
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
@@ -73,7 +73,7 @@ class IslandDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if "process_group" in kwargs:
-            raise ValueError(
+            raise SwarmConfigError(
                 "process_group cannot be passed to SwarmStrategy: DDP runs over each island's "
                 "own group, which the strategy creates; set island_size instead."
             )
@@ -309,14 +309,10 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
     accepted -= {"self", "module", "device_ids", "process_group"}
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
-        raise ValueError(
+        raise SwarmConfigError(
             f"SwarmStrategy got unknown option(s) {unknown}; use SwarmStrategy's own options, "
             "DDPStrategy's, or DistributedDataParallel keywords such as find_unused_parameters."
         )
-
-
-class CollectiveTimeoutError(SwarmError, RuntimeError):
-    """A collective waited ``timeout_s`` for a rank that never came (stopped, hung or dead)."""
 
 
 def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
@@ -329,11 +325,11 @@ def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
     if timeout is None:
         return timeout_s
     if not isinstance(timeout, datetime.timedelta):
-        raise ValueError(
+        raise SwarmConfigError(
             f"timeout={timeout!r} must be a datetime.timedelta; prefer timeout_s=<seconds>."
         )
     if timeout_s not in (1800.0, timeout.total_seconds()):
-        raise ValueError(
+        raise SwarmConfigError(
             f"timeout={timeout} and timeout_s={timeout_s} disagree; give timeout_s only."
         )
     return timeout.total_seconds()

@@ -52,6 +52,7 @@ from lightning_swarm.config import (
     dtype_name,
 )
 from lightning_swarm.elastic import ElasticIsland
+from lightning_swarm.errors import SwarmConfigTypeError
 from lightning_swarm.fit_end import fit_ends_after_step
 from lightning_swarm.island_ddp import (
     IslandDDPStrategy,
@@ -89,7 +90,7 @@ def config_with(config: SwarmConfig | None, options: dict[str, Any]) -> SwarmCon
     if config is None:
         return SwarmConfig(**options)
     if not isinstance(config, SwarmConfig):
-        raise TypeError(
+        raise SwarmConfigTypeError(
             f"SwarmStrategy's first argument is a SwarmConfig, got {type(config).__name__}; "
             "pass options by name, e.g. SwarmStrategy(sync_every=100)."
         )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_swarm.errors import SwarmConfigError
+
 
 @dataclass(frozen=True)
 class IslandTopology:
@@ -33,12 +35,12 @@ class IslandTopology:
 
     def __post_init__(self) -> None:
         if self.island_size < 1:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"island_size must be a positive integer, got {self.island_size}; "
                 "set it to the number of ranks that sync every step (1 = every rank is an island)."
             )
         if self.world_size % self.island_size != 0:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"island_size={self.island_size} does not divide the world size "
                 f"{self.world_size} (devices x num_nodes); {self._divisor_hint()}"
             )

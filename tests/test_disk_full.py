@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lightning_swarm.cli.preflight import resolve_ckpt_path
-from lightning_swarm.resume.atomic import DiskFullError, atomic_save
+from lightning_swarm.errors import DiskFullError
+from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.files import swarm_root
 from tests.disk_full import fail_writes, leftovers
 from tests.resume_utils import StepDataModel, fit, fit_here, load_ranks

@@ -16,7 +16,7 @@ from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.bucketed import BucketedRound, Segment, plan_buckets
 from lightning_swarm.outer.bucketed_engine import BucketedEngine
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
 
 SHAPES = [(4, 3), (11,), (2, 2, 5), (1,)]

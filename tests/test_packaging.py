@@ -18,9 +18,13 @@ from tests.cli_utils import ROOT, RUN_TIMEOUT_S, TINY, run_group, tree_env
 STEP_TIMEOUT_S = 60.0
 
 PUBLIC = [
+    "CollectiveTimeoutError",
+    "DiskFullError",
     "HostMemoryCensus",
+    "MembershipError",
     "NonFinitePseudoGradientError",
     "SwarmCheckpointError",
+    "SwarmConfigError",
     "SwarmResume",
     "SwarmRoundError",
     "SwarmStrategy",
@@ -31,16 +35,25 @@ PUBLIC = [
 def test_public_names_are_the_classes_where_they_live() -> None:
     import lightning_swarm
     from lightning_swarm.callbacks import HostMemoryCensus, SwarmResume
-    from lightning_swarm.errors import SwarmCheckpointError
-    from lightning_swarm.outer import SyncWorkerError
+    from lightning_swarm.errors import (
+        CollectiveTimeoutError,
+        DiskFullError,
+        SwarmCheckpointError,
+        SwarmConfigError,
+    )
+    from lightning_swarm.membership.errors import MembershipError
+    from lightning_swarm.outer.errors import SyncWorkerError
     from lightning_swarm.strategy import SwarmStrategy
-    from lightning_swarm.transport.aggregator.rotating import SwarmRoundError
-    from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+    from lightning_swarm.transport.errors import NonFinitePseudoGradientError, SwarmRoundError
 
     where = {
+        "CollectiveTimeoutError": CollectiveTimeoutError,
+        "DiskFullError": DiskFullError,
         "HostMemoryCensus": HostMemoryCensus,
+        "MembershipError": MembershipError,
         "NonFinitePseudoGradientError": NonFinitePseudoGradientError,
         "SwarmCheckpointError": SwarmCheckpointError,
+        "SwarmConfigError": SwarmConfigError,
         "SwarmResume": SwarmResume,
         "SwarmRoundError": SwarmRoundError,
         "SwarmStrategy": SwarmStrategy,
@@ -53,13 +66,23 @@ def test_public_names_are_the_classes_where_they_live() -> None:
         assert issubclass(getattr(lightning_swarm, name), Exception) == name.endswith("Error")
 
 
-def test_every_error_the_package_defines_has_the_one_root() -> None:
+# Errors a user never meets under their own name: each is a refinement of an exported error,
+# caught by it and handled inside the package.
+INTERNAL_ERRORS = {
+    # SwarmCheckpointError subclasses; a resume that fails on any rank raises a plain
+    # SwarmCheckpointError on every rank naming the cause, so users catch that.
+    "lightning_swarm.resume.errors.RecordError",
+    "lightning_swarm.resume.errors.IntegrityError",
+}
+
+
+def _defined_errors() -> list[type[BaseException]]:
+    """Every exception class defined in the package (all modules imported)."""
     import importlib
     import inspect
     import pkgutil
 
     import lightning_swarm
-    from lightning_swarm.errors import SwarmError
 
     defined = []
     for info in pkgutil.walk_packages(lightning_swarm.__path__, "lightning_swarm."):
@@ -69,13 +92,66 @@ def test_every_error_the_package_defines_has_the_one_root() -> None:
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == info.name and issubclass(cls, BaseException):
                 defined.append(cls)
-    assert len(defined) >= 14  # the walk found the package's errors
-    orphans = [f"{c.__module__}.{c.__qualname__}" for c in defined if not issubclass(c, SwarmError)]
+    assert len(defined) >= 20  # the walk found the package's errors
+    return defined
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def test_every_error_the_package_defines_has_the_one_root() -> None:
+    import lightning_swarm
+    from lightning_swarm.errors import SwarmError
+
+    orphans = [_qualname(c) for c in _defined_errors() if not issubclass(c, SwarmError)]
     assert not orphans, f"errors outside the SwarmError root: {orphans}"
     assert lightning_swarm.SwarmError is SwarmError
     # Callers that catch the builtin bases keep working.
     assert issubclass(lightning_swarm.SwarmCheckpointError, ValueError)
+    assert issubclass(lightning_swarm.SwarmConfigError, ValueError)
+    assert issubclass(lightning_swarm.SwarmConfigTypeError, TypeError)
     assert issubclass(lightning_swarm.SwarmRoundError, RuntimeError)
+    assert issubclass(lightning_swarm.DiskFullError, OSError)
+
+
+def test_errors_are_declared_in_errors_modules() -> None:
+    # One place per layer: the package's errors.py or the layer's own.
+    elsewhere = [
+        _qualname(c) for c in _defined_errors() if c.__module__.rpartition(".")[2] != "errors"
+    ]
+    assert not elsewhere, f"declare these in an errors.py: {elsewhere}"
+
+
+def test_every_error_is_exported_or_listed_as_internal() -> None:
+    import lightning_swarm
+
+    defined = {_qualname(c): c for c in _defined_errors()}
+    assert set(defined) >= INTERNAL_ERRORS, "INTERNAL_ERRORS names a class that does not exist"
+    exported = {getattr(lightning_swarm, name) for name in lightning_swarm.__all__}
+    missing = [q for q, c in defined.items() if c not in exported and q not in INTERNAL_ERRORS]
+    assert not missing, f"export these from lightning_swarm or list them as internal: {missing}"
+    internal_but_exported = [q for q in INTERNAL_ERRORS if defined[q] in exported]
+    assert not internal_but_exported, f"internal errors exported: {internal_but_exported}"
+
+
+def test_a_bad_option_is_a_swarm_error_and_a_value_error() -> None:
+    import lightning_swarm
+
+    with pytest.raises(lightning_swarm.SwarmConfigError) as info:
+        lightning_swarm.SwarmStrategy(sync_every=0)
+    assert isinstance(info.value, lightning_swarm.SwarmError)
+    assert isinstance(info.value, ValueError)
+    assert str(info.value) == (
+        "sync_every must be a positive integer, got 0; e.g. sync_every=100 (DiLoCo's H)."
+    )
+    with pytest.raises(lightning_swarm.SwarmConfigTypeError) as type_info:
+        lightning_swarm.SwarmConfig(swarm=[1])  # type: ignore[arg-type]
+    assert isinstance(type_info.value, TypeError)
+    assert str(type_info.value) == (
+        "swarm must be a dict such as {'offload': False} or an instance of "
+        "SwarmTransportConfig, got list."
+    )
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
+from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import (
     MMAP_ENV,
     atomic_save,
@@ -530,7 +531,7 @@ def _outer_state() -> dict[str, object]:
 
 # -- integrity ----------------------------------------------------------------------------------
 def test_file_digest_reads_in_chunks_and_sees_one_flipped_bit(tmp_path: Path) -> None:
-    from lightning_swarm.resume.integrity import IntegrityError, check_file, file_digest
+    from lightning_swarm.resume.integrity import check_file, file_digest
 
     path = tmp_path / "anchors.pt"
     path.write_bytes(os.urandom(3 * 1000 + 7))

@@ -15,11 +15,12 @@ import torch
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import AggregatorTransport, SwarmTransportConfig, build_transport
-from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, SwarmRoundError
+from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome
 from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.shards import plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.errors import SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 from lightning_swarm.transport.pieces import Piece
 from tests.dist_utils import run_ranks

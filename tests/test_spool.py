@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lightning_swarm.transport.aggregator.spool import Spool, SpoolError, filesystem_type
+from lightning_swarm.transport.aggregator.spool import Spool, filesystem_type
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
 
 WAIT_S = 20.0  # bound on every event wait: a hang fails the test instead of blocking the suite

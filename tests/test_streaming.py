@@ -19,7 +19,8 @@ from torch import Tensor
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.outer import OuterSync, StreamingOptions, SyncWorker, SyncWorkerError
+from lightning_swarm.outer import OuterSync, StreamingOptions, SyncWorker
+from lightning_swarm.outer.errors import SyncWorkerError
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.quantized import QuantizedTransport

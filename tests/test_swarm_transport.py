@@ -19,12 +19,9 @@ from lightning_swarm.algorithm import robust
 from lightning_swarm.config import SwarmConfig, SwarmTransportConfig
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.aggregator.rotating import (
-    AggregatorOutcome,
-    AggregatorTransport,
-    SwarmRoundError,
-)
-from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
+from lightning_swarm.transport.aggregator.rotating import AggregatorOutcome, AggregatorTransport
+from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.errors import SpoolError, SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data

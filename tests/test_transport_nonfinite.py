@@ -9,7 +9,7 @@ import torch
 
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.checks import NonFinitePseudoGradientError
+from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 from tests.dist_utils import run_ranks

@@ -42,6 +42,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from lightning_swarm.errors import SwarmConfigError
+
 # The option value; in code, "no codec" is ``None`` (``codec_for``).
 NO_CODEC: Literal["none"] = "none"
 CodecName = Literal["none", "bf16", "int8", "int4"]
@@ -103,13 +105,15 @@ class Codec:
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
-            raise ValueError(f"quantize={self.name!r} is not a codec; choose one of {CODECS}.")
+            raise SwarmConfigError(
+                f"quantize={self.name!r} is not a codec; choose one of {CODECS}."
+            )
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"block_size must be a positive integer, got {self.block_size!r}; e.g. 128."
             )
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}; e.g. 128.")
+            raise SwarmConfigError(f"block_size must be >= 1, got {self.block_size}; e.g. 128.")
 
     def encode(self, x: Tensor) -> Encoded:
         """Encode a flat (1-D) float32 tensor; see the module docstring for the error bound.

@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_swarm.errors import SwarmConfigError
+
 LAYOUTS = ("strided", "sequential")
 
 FragmentLayout = str | Sequence[Sequence[str]]
@@ -92,7 +94,7 @@ def as_layout(layout: object, num_fragments: int) -> str | list[list[str]]:
     """
     if isinstance(layout, str):
         if layout not in LAYOUTS:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"fragment_layout={layout!r} is not known; use one of {list(LAYOUTS)} or a "
                 "list of num_fragments lists of module names."
             )
@@ -103,12 +105,12 @@ def as_layout(layout: object, num_fragments: int) -> str | list[list[str]]:
         groups = []
     if groups and all(isinstance(n, str) for g in groups for n in g):
         if len(groups) != num_fragments:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"fragment_layout lists {len(groups)} fragment(s) but num_fragments="
                 f"{num_fragments}; give exactly one list of module names per fragment."
             )
         return groups
-    raise ValueError(
+    raise SwarmConfigError(
         f"fragment_layout must be 'strided', 'sequential' or a list of lists of module names "
         f"(one list per fragment), got {layout!r}; e.g. [['blocks.0', 'blocks.2'], ['blocks.1']]."
     )
@@ -120,7 +122,7 @@ def _by_layers(names: Sequence[str], num_fragments: int, layout: str) -> list[li
         layers.setdefault(layer_of(name), len(layers))
     num_layers = len(layers)
     if num_layers < num_fragments:
-        raise ValueError(
+        raise SwarmConfigError(
             f"num_fragments={num_fragments} but the model has only {num_layers} layer(s) "
             f"({', '.join(list(layers)[:8])}{', ...' if num_layers > 8 else ''}), so a fragment "
             f"would be empty; set num_fragments <= {num_layers}, or pass fragment_layout as "
@@ -143,26 +145,26 @@ def _explicit(names: Sequence[str], groups: list[list[str]]) -> list[list[str]]:
     owner: dict[str, int] = {}
     for f, modules in enumerate(groups):
         if not modules:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"fragment_layout[{f}] is empty; every fragment needs at least one module name."
             )
         for module in modules:
             matched = [n for n in names if n == module or n.startswith(module + ".")]
             if not matched:
-                raise ValueError(
+                raise SwarmConfigError(
                     f"fragment_layout[{f}] names {module!r}, which matches no trained parameter; "
                     f"use module names such as {names[0].rsplit('.', 1)[0]!r}."
                 )
             for name in matched:
                 if name in owner and owner[name] != f:
-                    raise ValueError(
+                    raise SwarmConfigError(
                         f"parameter {name!r} is in fragment_layout[{owner[name]}] and "
                         f"fragment_layout[{f}]; each parameter must be in exactly one fragment."
                     )
                 owner[name] = f
     missing = [n for n in names if n not in owner]
     if missing:
-        raise ValueError(
+        raise SwarmConfigError(
             f"fragment_layout leaves {len(missing)} trained parameter(s) out, e.g. "
             f"{missing[:3]}; add their modules to one of the fragments."
         )
@@ -222,7 +224,7 @@ class FragmentSchedule:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
         check_positive_int("num_fragments", self.num_fragments, "1 syncs the whole model at once")
         if self.sync_every % self.num_fragments:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"sync_every={self.sync_every} is not divisible by num_fragments="
                 f"{self.num_fragments}; fragments are staggered by sync_every / num_fragments "
                 "inner steps, so choose a sync_every that is a multiple of num_fragments."
@@ -233,14 +235,14 @@ class FragmentSchedule:
             or not isinstance(self.sync_delay, int)
             or not 0 <= self.sync_delay < interval
         ):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"sync_delay={self.sync_delay!r} must be an integer with 0 <= sync_delay < "
                 f"sync_every / num_fragments = {interval}, so a fragment is applied before the "
                 "next one is sent; lower sync_delay or num_fragments."
             )
         alpha = self.merge_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"merge_alpha={alpha!r} must lie in [0, 1]: 0 takes the global parameters on "
                 "arrival (DiLoCo), 1 keeps the local ones."
             )
@@ -289,7 +291,7 @@ def check_positive_int(option: str, value: object, hint: str) -> None:
     The one positive-integer rule of the package (``SwarmConfig`` calls it for its counts).
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option} must be a positive integer, got {value!r}; {hint}.")
+        raise SwarmConfigError(f"{option} must be a positive integer, got {value!r}; {hint}.")
 
 
 def _check_step(step: int) -> None:

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_swarm.errors import SwarmConfigError
+
 AGGREGATIONS = ("mean", "weighted_mean", "median", "trimmed_mean")
 
 
@@ -39,7 +41,9 @@ def check_aggregation(rule: object, *, option: str = "aggregation") -> None:
         ValueError: ``rule`` is not one of ``AGGREGATIONS``.
     """
     if rule not in AGGREGATIONS:
-        raise ValueError(f"{option}={rule!r} is not known; choose one of {list(AGGREGATIONS)}.")
+        raise SwarmConfigError(
+            f"{option}={rule!r} is not known; choose one of {list(AGGREGATIONS)}."
+        )
 
 
 def check_weights(weights: object, *, option: str = "weights") -> list[float]:
@@ -58,7 +62,7 @@ def check_weights(weights: object, *, option: str = "weights") -> list[float]:
         or not all(_is_weight(w) for w in values)
         or sum(values) <= 0
     ):
-        raise ValueError(
+        raise SwarmConfigError(
             f"{option} must be a list of finite non-negative numbers that do not all equal 0, "
             f"got {weights!r}; e.g. [2, 1] when island 0 sees twice the samples of island 1."
         )

@@ -41,6 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.memory.allocator import CounterClassifier, byte_counters, counter_metrics
 from lightning_swarm.memory.procfs import ProcReader, file_backed_overlap
 from lightning_swarm.memory.report import SwarmMemoryReport
@@ -65,9 +66,11 @@ def cuda_allocator_stats() -> dict[str, Mapping[str, Any]]:
 
 def _check_count(name: str, value: object, minimum: int, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}")
+        raise SwarmConfigTypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}; {fix}"
+        )
     if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}; {fix}")
+        raise SwarmConfigError(f"{name}={value} must be >= {minimum}; {fix}")
     return value
 
 
@@ -106,7 +109,7 @@ class HostMemoryCensus(Callback):
             "use e.g. 500, or 0 to read smaps_rollup only at the start and end of fit.",
         )
         if not isinstance(all_ranks, bool):
-            raise TypeError(
+            raise SwarmConfigTypeError(
                 f"all_ranks must be True or False, got {all_ranks!r}; use False to sample on "
                 "global rank 0 only."
             )

@@ -22,6 +22,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator,
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import Container, OmegaConf
 
+from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.resume.complete import checkpoint_problem
 from lightning_swarm.topology import IslandTopology
 
@@ -65,7 +66,7 @@ def check_accelerator(accelerator: str) -> str:
         if found:
             return found[0]
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise ValueError(
+        raise SwarmConfigError(
             f"trainer.accelerator={accelerator!r}, but no GPU was found on this machine (torch "
             f"{torch.__version__}, {build}, sees no CUDA or MPS device). Train on the CPU with "
             "trainer=cpu, or run where a GPU and a CUDA build of torch are installed."
@@ -92,7 +93,7 @@ def resolve_devices(accelerator: str, devices: Any) -> int:
         hint = "a count of processes > 0, e.g. trainer.devices=2"
         if name != "cpu":
             hint += ", a list of GPU indices, -1 (every GPU) or auto"
-        raise ValueError(
+        raise SwarmConfigError(
             f"trainer.devices={devices!r} is not valid on the {name} accelerator: give {hint}."
         ) from err
 
@@ -103,7 +104,7 @@ def check_islands(accelerator: str, devices: Any, num_nodes: int, island_size: i
     try:
         IslandTopology(world_size=per_node * num_nodes, island_size=island_size, global_rank=0)
     except ValueError as err:
-        raise ValueError(
+        raise SwarmConfigError(
             f"strategy.{err} Here trainer.devices={devices!r} means {per_node} process(es) per "
             f"node on the {check_accelerator(accelerator)} accelerator, and "
             f"trainer.num_nodes={num_nodes}."
@@ -129,12 +130,12 @@ def check_ckpt_file(ckpt_path: str | None) -> str | None:
         return ckpt_path
     path = Path(ckpt_path)
     if path.is_dir():
-        raise ValueError(
+        raise SwarmConfigError(
             f"ckpt_path={ckpt_path} is a folder; give one checkpoint file in it (e.g. "
             f"{path / 'last.ckpt'}), or ckpt_path=last run_dir={ckpt_path} for the newest one."
         )
     if not path.exists():
-        raise ValueError(
+        raise SwarmConfigError(
             f"ckpt_path={ckpt_path} does not exist; check the path (relative paths start at "
             f"{Path.cwd()}), or use ckpt_path=last with run_dir=<the run directory>."
         )
@@ -160,14 +161,14 @@ def resolve_ckpt_path(
     if run_dir is not None:
         places = [Path(run_dir)]
         if not places[0].is_dir():
-            raise ValueError(
+            raise SwarmConfigError(
                 f"ckpt_path=last: run_dir={run_dir!r} is not a folder; give the run directory "
                 "of the run to resume (e.g. run_dir=outputs/2026-12-01/10-00-00)."
             )
     else:
         places = checkpoint_dirs(callbacks)
         if not places:
-            raise ValueError(
+            raise SwarmConfigError(
                 "ckpt_path=last needs a place to look: add run_dir=<the run directory of the "
                 "run to resume>, or train with a ModelCheckpoint that has a dirpath "
                 "(callbacks=checkpoint)."
@@ -175,7 +176,7 @@ def resolve_ckpt_path(
     found = [p for place in places if place.is_dir() for p in place.rglob("*.ckpt") if p.is_file()]
     if not found:
         where = ", ".join(str(p) for p in places)
-        raise ValueError(
+        raise SwarmConfigError(
             f"ckpt_path=last found no *.ckpt file under {where}; check the folder, or train "
             "with callbacks=checkpoint to write checkpoints there."
         )
@@ -206,7 +207,7 @@ def newest_complete(found: list[Path]) -> Path:
                 )
             return path
         skipped.append(f"{path} ({problem})")
-    raise ValueError(
+    raise SwarmConfigError(
         "ckpt_path=last found no complete checkpoint: " + "; ".join(skipped) + ". Give an "
         "intact checkpoint as ckpt_path=<file>, or start without ckpt_path."
     )

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 from torchmetrics.text import Perplexity
 
+from lightning_swarm.errors import SwarmConfigError
+
 # The demo's default sizes, quoted by the error a non-positive size raises.
 DEFAULT_SIZES = {"block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
 
@@ -54,12 +56,14 @@ class GPT(nn.Module):
         for name, value in sizes.items():
             # A GPT of no blocks (n_layer=0) would train its embeddings alone and exit 0.
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
+                raise SwarmConfigError(
                     f"model.{name}={value!r} must be a positive integer; e.g. model.{name}="
                     f"{DEFAULT_SIZES[name]} (the default)."
                 )
         if n_embd % n_head != 0:
-            raise ValueError(f"model.n_embd={n_embd} must be divisible by model.n_head={n_head}")
+            raise SwarmConfigError(
+                f"model.n_embd={n_embd} must be divisible by model.n_head={n_head}"
+            )
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)

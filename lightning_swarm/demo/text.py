@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_swarm.errors import SwarmConfigError
+
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
@@ -54,7 +56,7 @@ def read_corpus(root: Path, max_bytes: int, val_every: int) -> tuple[bytes, byte
     train = b"".join(data for held, data in files if not held)
     val = b"".join(data for held, data in files if held)
     if not train or not val:
-        raise ValueError(
+        raise SwarmConfigError(
             f"corpus under {root} gave {len(train)} training and {len(val)} validation bytes; "
             "raise data.max_bytes or point data.corpus_dir at a larger folder of .py files."
         )
@@ -101,7 +103,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         super().__init__()
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if value < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {value}")
+                raise SwarmConfigError(f"data.{name} must be >= 1, got {value}")
         self.block_size = block_size
         self.batch_size = batch_size
         self.max_bytes = max_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_swarm.config import SwarmConfig
+from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.static import check_membership
 
 
@@ -41,23 +42,25 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
-            raise ValueError(
+            raise SwarmConfigError(
                 "membership='torchft' needs lighthouse='http://host:port' (the address "
                 "`swarm-lighthouse` prints)."
             )
         if not isinstance(self.island_id, str) or not self.island_id or ":" in self.island_id:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"island_id must be a non-empty name without ':', got {self.island_id!r}; give "
                 "each launch its own, e.g. island_id=a."
             )
         if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int):
-            raise ValueError(f"min_islands must be an integer >= 1, got {self.min_islands!r}")
+            raise SwarmConfigError(f"min_islands must be an integer >= 1, got {self.min_islands!r}")
         if self.min_islands < 1:
-            raise ValueError(f"min_islands must be >= 1, got {self.min_islands}")
+            raise SwarmConfigError(f"min_islands must be >= 1, got {self.min_islands}")
         for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+                raise SwarmConfigError(
+                    f"{name} must be a positive number of seconds, got {value!r}"
+                )
 
 
 def _refuse_torchft_only_options(config: SwarmConfig) -> None:
@@ -65,7 +68,7 @@ def _refuse_torchft_only_options(config: SwarmConfig) -> None:
     for option in ("lighthouse", "island_id"):
         value = getattr(config, option)
         if value is not None:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"{option}={value!r} is used only with membership='torchft', but membership="
                 f"'static': this launch would train alone, ignoring it. Set membership='torchft' "
                 f"to join the swarm at the lighthouse, or drop {option}."
@@ -82,7 +85,7 @@ def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
         _refuse_torchft_only_options(config)
         return None
     if config.transport != "allreduce":
-        raise ValueError(
+        raise SwarmConfigError(
             f"membership='torchft' does not support transport={config.transport!r}: the "
             "rotating aggregator's rounds span several exchanges and a spool, while a torchft "
             "round is one quorum, one mean and one commit. Use transport='allreduce' with "

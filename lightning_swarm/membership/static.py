@@ -8,13 +8,15 @@ every island, as in any torch.distributed job; ``membership="torchft"`` is the e
 
 from __future__ import annotations
 
+from lightning_swarm.errors import SwarmConfigError
+
 MEMBERSHIPS = ("static", "torchft")
 
 
 def check_membership(name: object) -> str:
     """``name`` if it is a known membership; ``ValueError`` naming the choices otherwise."""
     if name not in MEMBERSHIPS:
-        raise ValueError(
+        raise SwarmConfigError(
             f"membership must be one of {list(MEMBERSHIPS)}, got {name!r}; 'static' is one "
             "torch.distributed world, 'torchft' lets islands fail, restart and join through a "
             "lighthouse (pip install 'lightning-swarm[elastic]')."

@@ -21,7 +21,7 @@ from lightning_swarm.outer.loop import (
 )
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.sync import OuterSync
-from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
+from lightning_swarm.outer.worker import SyncWorker
 
 __all__ = [
     "OuterLoop",
@@ -31,7 +31,6 @@ __all__ = [
     "SwarmTotals",
     "SyncReport",
     "SyncWorker",
-    "SyncWorkerError",
     "as_outer_optimizer",
     "default_outer_optimizer",
 ]

@@ -34,13 +34,15 @@ from torch.optim import Optimizer
 
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
+from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.outer.build import codec_of
+from lightning_swarm.outer.errors import SyncWorkerError
 from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
-from lightning_swarm.outer.worker import SyncWorker, SyncWorkerError
+from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport import Transport, ring_allreduce_bytes
 
 default_outer_optimizer: OuterOptimizerFactory = functools.partial(
@@ -53,7 +55,7 @@ def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
     if factory is None:
         return default_outer_optimizer
     if not callable(factory):
-        raise ValueError(
+        raise SwarmConfigError(
             f"outer_optimizer must be a callable returning an optimizer, got "
             f"{type(factory).__name__}; pass e.g. "
             "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
@@ -90,7 +92,7 @@ def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> Non
         named = [k for k in keywords if spoken[k] in reason.lower() or k in reason]
         named = named or list(keywords)
         given = ", ".join(f"{option}.{k}={keywords[k]!r}" for k in named) or option
-        raise ValueError(
+        raise SwarmConfigError(
             f"{given} is refused by the outer optimizer: {reason}. Give a value it accepts "
             f"(e.g. {option}.lr=0.7)."
         ) from err
@@ -213,7 +215,7 @@ class OuterLoop:
         if size == 1:
             return None
         if len(params) < size:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"shard_outer=True splits each optimizer's tensors among the {size} ranks of an "
                 f"island, but optimizer {index} trains only {len(params)} tensor(s); set "
                 "shard_outer=False (or use a smaller island_size)."

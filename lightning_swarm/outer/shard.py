@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.outer.errors import ShareFailedError
 
 
 def partition_by_bytes(
@@ -63,10 +63,6 @@ def partition_by_bytes(
             load[shard] += sizes[names[i]]
             total[shard] += sizes[names[i]]
     return owner
-
-
-class ShareFailedError(SwarmError, RuntimeError):
-    """Raised on the ranks of an island whose other share of a round failed."""
 
 
 @dataclass(frozen=True)

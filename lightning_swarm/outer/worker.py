@@ -25,13 +25,9 @@ from typing import TypeVar
 
 import torch
 
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.outer.errors import SyncWorkerError
 
 _T = TypeVar("_T")
-
-
-class SyncWorkerError(SwarmError, RuntimeError):
-    """An exchange failed in the background worker; raised in the training thread."""
 
 
 class SyncWorker:

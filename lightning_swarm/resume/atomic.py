@@ -26,28 +26,9 @@ from typing import IO, Any
 
 import torch
 
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.errors import DiskFullError
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-class DiskFullError(SwarmError, OSError):
-    """No space left on the device a checkpoint file was being written to.
-
-    The message names the file, the bytes it needs and the bytes free; ``errno`` is ENOSPC and
-    ``filename`` the file, as for the ``OSError`` the operating system raised.
-    """
-
-    def __init__(self, message: str, filename: str | None = None) -> None:
-        super().__init__(errno.ENOSPC, message, filename)
-
-    def __str__(self) -> str:
-        # OSError's own form would add "[Errno 28]" and repeat the file the message names.
-        return str(self.strerror)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Crosses process boundaries (spawned ranks) with its message intact.
-        return (type(self), (self.strerror, self.filename))
 
 
 def _open_for_write(path: Path) -> IO[bytes]:

@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.resume.atomic import DiskFullError, atomic_save
+from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
+from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,

@@ -16,11 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.errors import SwarmError
-
-
-class NonFinitePseudoGradientError(SwarmError, ValueError):
-    """Some island's pseudo-gradient holds NaN or inf; the round was not run anywhere."""
+from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:

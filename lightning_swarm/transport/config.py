@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
+from lightning_swarm.errors import SwarmConfigError
 
 # The transports by option value; "swarm" is the aggregator transport (transport/aggregator/).
 TransportName = Literal["allreduce", "swarm"]
@@ -46,12 +47,12 @@ def check_block_mb(option: str, value: object, *, floor: float, default: float) 
         ValueError: naming ``option``, the floor and ``default`` as the fix.
     """
     if not is_number(value):
-        raise ValueError(
+        raise SwarmConfigError(
             f"{option} must be a finite number of MiB, got {value!r}; e.g. {option}={default:g}."
         )
     assert isinstance(value, (int, float))
     if value < floor:
-        raise ValueError(
+        raise SwarmConfigError(
             f"{option}={value!r} is below the floor of {floor:g} MiB: every block costs a "
             f"message and a loop turn, so tiny blocks make each sync many times slower "
             f"(docs/swarm_transport.md); use {option}={default:g} (the default) or at least "
@@ -61,7 +62,9 @@ def check_block_mb(option: str, value: object, *, floor: float, default: float) 
 
 def check_transport(name: object) -> None:
     if name not in TRANSPORTS:
-        raise ValueError(f"transport={name!r} is not known; choose one of {list(TRANSPORTS)}.")
+        raise SwarmConfigError(
+            f"transport={name!r} is not known; choose one of {list(TRANSPORTS)}."
+        )
 
 
 @dataclass(kw_only=True)
@@ -106,11 +109,11 @@ class SwarmTransportConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, bool):
-            raise ValueError(f"swarm.offload must be true or false, got {self.offload!r}.")
+            raise SwarmConfigError(f"swarm.offload must be true or false, got {self.offload!r}.")
         self._check_spool_dir()
         check_aggregation(self.aggregation, option="swarm.aggregation")
         if not is_number(self.trim_ratio) or not 0.0 <= self.trim_ratio < 0.5:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"swarm.trim_ratio must lie in [0, 0.5), got {self.trim_ratio!r}; e.g. 0.1."
             )
         if (
@@ -118,22 +121,22 @@ class SwarmTransportConfig:
             or not isinstance(self.min_contributions, int)
             or self.min_contributions < 1
         ):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"swarm.min_contributions must be a positive integer, got "
                 f"{self.min_contributions!r}; 1 applies any round."
             )
         if self.max_norm is not None and (not is_number(self.max_norm) or self.max_norm <= 0):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"swarm.max_norm must be a positive number or null, got {self.max_norm!r}."
             )
         check_block_mb("swarm.chunk_mb", self.chunk_mb, floor=MIN_CHUNK_MB, default=4.0)
         if not is_number(self.cleanup_timeout_s) or self.cleanup_timeout_s <= 0:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"swarm.cleanup_timeout_s must be a positive number, got "
                 f"{self.cleanup_timeout_s!r}; e.g. 60."
             )
         if self.aggregator not in AGGREGATORS:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"swarm.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}; "
                 "'sharded' spreads each round's aggregation over every island."
             )
@@ -143,7 +146,7 @@ class SwarmTransportConfig:
         if self.spool_dir is None:
             return
         if not isinstance(self.spool_dir, (str, Path)) or not str(self.spool_dir):
-            raise ValueError(
+            raise SwarmConfigError(
                 f"swarm.spool_dir must be a directory path (a string) or null for TMPDIR, got "
                 f"{self.spool_dir!r}; e.g. swarm.spool_dir=/local/scratch/spool."
             )
@@ -151,7 +154,7 @@ class SwarmTransportConfig:
 
     def _check_weights(self) -> None:
         if self.aggregation == "weighted_mean" and self.island_weights is None:
-            raise ValueError(
+            raise SwarmConfigError(
                 "swarm.aggregation='weighted_mean' needs swarm.island_weights, one weight per "
                 "island (e.g. [2, 1] when island 0 sees twice the samples of island 1)."
             )

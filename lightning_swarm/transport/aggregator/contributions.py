@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.robust import aggregate
-from lightning_swarm.transport.aggregator.spool import Spool, SpoolError, SpoolReader, SpoolWriter
+from lightning_swarm.transport.aggregator.spool import Spool, SpoolReader, SpoolWriter
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink
 from lightning_swarm.transport.aggregator.round_status import Descriptor
-from lightning_swarm.transport.aggregator.spool import SpoolError
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
 
 TAG_DESCRIPTOR, TAG_DESCRIPTION, TAG_CHUNK, TAG_STATUS, TAG_RESULT = 51, 52, 53, 54, 55

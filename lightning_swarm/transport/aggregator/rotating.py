@@ -79,7 +79,6 @@ from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
     RoundStatus,
-    SwarmRoundError,
     Verdict,
     bad_layout_message,
     peer_failure_message,
@@ -88,11 +87,12 @@ from lightning_swarm.transport.aggregator.round_status import (
 from lightning_swarm.transport.aggregator.rounds import AggregationRule, Aggregator, AggregatorRound
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.errors import SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AggregatorOutcome", "AggregatorTransport", "RoundReport", "SwarmRoundError", "Verdict"]
+__all__ = ["AggregatorOutcome", "AggregatorTransport", "RoundReport", "Verdict"]
 
 
 class AggregatorTransport:

@@ -21,8 +21,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_swarm.errors import SwarmError
-
 _WIRE_DTYPE = torch.int64
 _FIELD_BYTES = torch.empty((), dtype=_WIRE_DTYPE).element_size()
 
@@ -55,11 +53,6 @@ _VERDICT_TEXT = {
     Verdict.ABOVE_NORM: "norm above max_norm",
     Verdict.BAD_LAYOUT: "payload layout differs from the aggregator's",
 }
-
-
-class SwarmRoundError(SwarmError, RuntimeError):
-    """A swarm round failed on the aggregator (spool trouble or an error while validating or
-    aggregating); anchors must stay unchanged."""
 
 
 @dataclass

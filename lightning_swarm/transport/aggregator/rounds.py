@@ -43,11 +43,11 @@ from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
     RoundStatus,
-    SwarmRoundError,
     Verdict,
 )
-from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
+from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.errors import SpoolError, SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 
 log = logging.getLogger(

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink
-from lightning_swarm.transport.aggregator.spool import SpoolError
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, pack_chunk, unpack_chunk
 
 

@@ -24,10 +24,10 @@ from torch import Tensor
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
-    SwarmRoundError,
     skip_message,
 )
 from lightning_swarm.transport.aggregator.rounds import AggregationRule
+from lightning_swarm.transport.errors import SwarmRoundError
 
 log = logging.getLogger("lightning_swarm.transport.aggregator.sharded")
 

@@ -81,8 +81,9 @@ from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
 from lightning_swarm.transport.aggregator.shard_verdicts import raise_if_failed, read_verdicts
 from lightning_swarm.transport.aggregator.shards import Shard, plan_shards
-from lightning_swarm.transport.aggregator.spool import Spool, SpoolError
+from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
 log = logging.getLogger(__name__)

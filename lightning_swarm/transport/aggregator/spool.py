@@ -44,12 +44,12 @@ from pathlib import Path
 
 from lightning_swarm.transport.aggregator.spool_files import (
     Lease,
-    SpoolError,
     SpoolReader,
     SpoolWriter,
     WriteAt,
     partial_path,
 )
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout
 
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -307,7 +307,6 @@ class Spool:
 __all__ = [
     "Lease",
     "Spool",
-    "SpoolError",
     "SpoolReader",
     "SpoolWriter",
     "filesystem_type",

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout
 
 WriteAt = Callable[[int, memoryview, int], int]  # os.pwrite's signature: (fd, data, offset)
@@ -53,10 +53,6 @@ class Lease(Protocol):
 
     def release(self) -> None:
         """Drop the hold; the spool may delete the file once no lease remains. Call once."""
-
-
-class SpoolError(SwarmError, RuntimeError):
-    """A spool file could not be written or read; the round cannot use it."""
 
 
 def _describe_os_error(err: OSError, what: str, root: Path) -> str:

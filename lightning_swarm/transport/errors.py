@@ -1,0 +1,21 @@
+"""Errors of the transport layer: a round that could not average the islands' pseudo-gradients.
+
+Each is a ``SwarmError`` and keeps the builtin base callers already catch.
+"""
+
+from __future__ import annotations
+
+from lightning_swarm.errors import SwarmError
+
+
+class NonFinitePseudoGradientError(SwarmError, ValueError):
+    """Some island's pseudo-gradient holds NaN or inf; the round was not run anywhere."""
+
+
+class SwarmRoundError(SwarmError, RuntimeError):
+    """A swarm round failed on the aggregator (spool trouble or an error while validating or
+    aggregating); anchors must stay unchanged."""
+
+
+class SpoolError(SwarmError, RuntimeError):
+    """A spool file could not be written or read; the round cannot use it."""
