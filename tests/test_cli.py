@@ -18,9 +18,9 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.cli.app import CONF_DIR, Run, build
+from lightning_swarm.cli.app import CONF_DIR, THREADS_NOTE, Run, build
 from lightning_swarm.cli.summary import format_summary
-from tests.cli_utils import run_in
+from tests.cli_utils import RUN_TIMEOUT_S, run_group, tree_env
 from tests.helpers import QUIET, TinyRegressor, regression_data
 
 
@@ -161,8 +161,12 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
     ]
     # Below pytest-timeout's 120 s (about 25 s here): a stuck run fails with TimeoutExpired
     # naming the command instead of being killed by the plugin without it; its ranks die too.
-    done = run_in(tmp_path, cmd)
+    # Without OMP_NUM_THREADS, as a user starts it: the CLI picks one thread per rank.
+    env = {k: v for k, v in tree_env().items() if k != "OMP_NUM_THREADS"}
+    done = run_group(cmd, cwd=tmp_path, env=env, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The CLI's own setting is said once, in the run header (rank 1 inherits it silently).
+    assert (done.stdout + done.stderr).count(THREADS_NOTE) == 1, done.stderr[-3000:]
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert "DDP / swarm traffic ratio                3.0x" in done.stdout
