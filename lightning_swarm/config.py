@@ -36,9 +36,9 @@ from lightning_swarm.transport.config import (
 
 __all__ = [
     "ISLAND_PARALLEL",
-    "TRANSPORTS",
     "ISLAND_SETTINGS",
     "RESUME_OPTIONS",
+    "TRANSPORTS",
     "AnchorConfig",
     "SwarmConfig",
     "SwarmTransportConfig",
