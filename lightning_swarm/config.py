@@ -40,10 +40,13 @@ from lightning_swarm.transport.config import (
 
 __all__ = [
     "ISLAND_PARALLEL",
+    "ISLAND_SETTINGS",
+    "RESUME_OPTIONS",
     "TRANSPORTS",
     "AnchorConfig",
     "SwarmConfig",
     "SwarmTransportConfig",
+    "must_match",
     "parse_dtype",
 ]
 
@@ -106,10 +109,26 @@ class AnchorConfig:
 MembershipName = Literal["static", "torchft"]
 FrozenParams = Literal["exclude", "sync"]
 
+# Where an option must match (field metadata, so a new option is marked next to its
+# declaration and nowhere else): "resume" compares it between a checkpoint and the resuming run,
+# "islands" between the islands of an elastic swarm. ``must_match`` lists each site's fields.
+MustMatchSite = Literal["resume", "islands"]
+_MUST_MATCH = "must_match"
+
+
+def _must_match(*sites: MustMatchSite) -> dict[str, tuple[MustMatchSite, ...]]:
+    """Field metadata marking an option as one that must match at ``sites``."""
+    return {_MUST_MATCH: sites}
+
 
 @dataclass(kw_only=True)
 class SwarmConfig:
     """Options of ``SwarmStrategy`` that are plain data.
+
+    Each field's default here is the only one: the Hydra schema and ``conf/strategy/*.yaml``
+    state only what a preset changes. Field metadata marks the options that must match between
+    a checkpoint and the resuming run (``"resume"``) or between the islands of an elastic swarm
+    (``"islands"``); ``must_match`` lists them.
 
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
@@ -124,13 +143,16 @@ class SwarmConfig:
             (at least ``MIN_BUCKET_MB``: smaller buckets only make syncs slower).
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
         swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted);
-            setting them with ``transport="allreduce"`` has no effect and warns.
+            setting them with ``transport="allreduce"`` has no effect and warns
+            (docs/swarm_transport.md).
         num_fragments: Streaming DiLoCo's F: the trained parameters split into F fragments
-            that sync on staggered schedules (fragment f at offset f x sync_every / F).
+            that sync on staggered schedules (fragment f at offset f x sync_every / F);
+            ``sync_every`` must be a multiple of F.
         fragment_layout: ``"strided"`` (layer i -> fragment i mod F), ``"sequential"`` or
             explicit lists of module names, one list per fragment (checked at setup).
         sync_delay: tau, inner steps between sending a fragment's pseudo-gradient and applying
-            the averaged result; the exchange runs in a background thread meanwhile.
+            the averaged result; the exchange runs in a background thread meanwhile
+            (``0 <= sync_delay < sync_every / num_fragments``).
         merge_alpha: on arrival, ``local <- (1 - alpha) x global + alpha x local``.
         quantize: codec of the exchanged pseudo-gradients: none, bf16, int8 or int4.
         quantize_block_size: elements sharing one absmax scale (int8 / int4).
@@ -145,7 +167,8 @@ class SwarmConfig:
             ``sync_delay``, ``merge_alpha`` and ``quantize`` (with error feedback) work, each
             fragment's round being a torchft round of its own; ``transport="swarm"`` is
             refused.
-        lighthouse: torchft only: the lighthouse's address, e.g. ``http://host:29510``.
+        lighthouse: torchft only: the lighthouse's address, as ``swarm-lighthouse`` prints it,
+            e.g. ``http://host:29510``.
         island_id: torchft only: this island's name, unique among live islands.
         min_islands: torchft only: a round commits only with at least this many islands.
         quorum_timeout_s: torchft only: how long a round waits for enough islands.
@@ -166,7 +189,6 @@ class SwarmConfig:
         tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island's
             ``tensor_parallel`` mesh dimension; ``island_size / tensor_parallel_size`` ranks form
             its ``data_parallel`` dimension.
-            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy.
         frozen_params: what the outer loop does with parameters an optimizer holds that have
             ``requires_grad=False`` at setup: ``"exclude"`` (they cannot change while frozen:
             no anchor, never exchanged; unfreezing one later is refused at that step) or
@@ -178,21 +200,23 @@ class SwarmConfig:
             after this many seconds instead of blocking it (torch's default is 30 minutes).
     """
 
-    sync_every: int = 100
-    island_size: int = 1
-    transport: TransportName = "allreduce"
+    sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))
+    island_size: int = field(default=1, metadata=_must_match("resume"))
+    transport: TransportName = field(default="allreduce", metadata=_must_match("resume"))
     anchor_device: str = "cpu"
-    anchor_dtype: str | None = None
+    anchor_dtype: str | None = field(default=None, metadata=_must_match("resume", "islands"))
     bucket_mb: float = 32.0
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
     swarm: SwarmTransportConfig = field(default_factory=SwarmTransportConfig)
-    num_fragments: int = 1
-    fragment_layout: FragmentLayout = "strided"
-    sync_delay: int = 0
-    merge_alpha: float = 0.0
-    quantize: CodecName = NO_CODEC
-    quantize_block_size: int = 128
-    error_feedback: bool = False
+    num_fragments: int = field(default=1, metadata=_must_match("resume", "islands"))
+    fragment_layout: FragmentLayout = field(
+        default="strided", metadata=_must_match("resume", "islands")
+    )
+    sync_delay: int = field(default=0, metadata=_must_match("resume", "islands"))
+    merge_alpha: float = field(default=0.0, metadata=_must_match("resume", "islands"))
+    quantize: CodecName = field(default=NO_CODEC, metadata=_must_match("resume", "islands"))
+    quantize_block_size: int = field(default=128, metadata=_must_match("resume", "islands"))
+    error_feedback: bool = field(default=False, metadata=_must_match("resume", "islands"))
     sync_at_end: bool = True
     membership: MembershipName = "static"
     lighthouse: str | None = None
@@ -267,21 +291,23 @@ class SwarmConfig:
         return max(1, int(self.bucket_mb * 2**20) // 4)
 
 
+def must_match(site: MustMatchSite) -> tuple[str, ...]:
+    """The ``SwarmConfig`` fields marked must-match for ``site``, in declaration order.
+
+    Args:
+        site: ``"resume"`` (a checkpoint records the option and a resume names each change,
+            ``lightning_swarm.resume.option_changes``) or ``"islands"`` (every island of an
+            elastic swarm must hold the same value; ``round_header.swarm_settings``).
+    """
+    return tuple(f.name for f in fields(SwarmConfig) if site in f.metadata.get(_MUST_MATCH, ()))
+
+
 # The fields that shape the outer loop's saved state: a checkpoint records them and a resume
 # names every one that changed (lightning_swarm.resume.option_changes says what follows).
-RESUME_OPTIONS: tuple[str, ...] = (
-    "sync_every",
-    "num_fragments",
-    "fragment_layout",
-    "sync_delay",
-    "merge_alpha",
-    "quantize",
-    "quantize_block_size",
-    "transport",
-    "error_feedback",
-    "anchor_dtype",
-    "island_size",
-)
+RESUME_OPTIONS: tuple[str, ...] = must_match("resume")
+# The settings that make two islands' rounds mean the same thing; the round header refuses an
+# island whose values differ (with the outer optimizer's, lightning_swarm.membership).
+ISLAND_SETTINGS: tuple[str, ...] = must_match("islands")
 
 
 def _check_shard_outer(config: SwarmConfig) -> None:

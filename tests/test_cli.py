@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 import warnings
@@ -17,10 +18,10 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_swarm import SwarmStrategy
-from lightning_swarm.cli.app import CONF_DIR, Run, build
+from lightning_swarm import SwarmConfig, SwarmStrategy
+from lightning_swarm.cli.app import CONF_DIR, THREADS_NOTE, Run, build
 from lightning_swarm.cli.summary import format_summary
-from tests.cli_utils import run_in
+from tests.cli_utils import RUN_TIMEOUT_S, run_group, tree_env
 from tests.helpers import QUIET, TinyRegressor, regression_data
 
 
@@ -161,8 +162,12 @@ def test_main_job_runs_end_to_end(tmp_path: Path) -> None:
     ]
     # Below pytest-timeout's 120 s (about 25 s here): a stuck run fails with TimeoutExpired
     # naming the command instead of being killed by the plugin without it; its ranks die too.
-    done = run_in(tmp_path, cmd)
+    # Without OMP_NUM_THREADS, as a user starts it: the CLI picks one thread per rank.
+    env = {k: v for k, v in tree_env().items() if k != "OMP_NUM_THREADS"}
+    done = run_group(cmd, cwd=tmp_path, env=env, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The CLI's own setting is said once, in the run header (rank 1 inherits it silently).
+    assert (done.stdout + done.stderr).count(THREADS_NOTE) == 1, done.stderr[-3000:]
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert "DDP / swarm traffic ratio                3.0x" in done.stdout
@@ -312,3 +317,66 @@ def test_swarm_small_is_the_paper_preset_with_plain_averaging(compose) -> None:
     assert isinstance(optimizer, torch.optim.SGD)
     group = optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (1.0, 0.0, False)
+
+
+def _restated_defaults(values: object, defaults: object, where: str) -> list[str]:
+    """Each key of a preset's ``values`` (nested mappings too) that equals its default."""
+    if not isinstance(values, dict):
+        return [where] if values == defaults else []
+    if dataclasses.is_dataclass(defaults):
+        defaults = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(defaults)}
+    assert isinstance(defaults, dict), (where, defaults)
+    return [
+        name
+        for key, value in values.items()
+        if key in defaults
+        for name in _restated_defaults(value, defaults[key], f"{where}.{key}")
+    ]
+
+
+def _swarm_presets() -> list[str]:
+    """The strategy files built on the SwarmStrategy schema (not ddp.yaml's DDPStrategy)."""
+    return [
+        name
+        for name in _options("strategy")
+        if "_target_" not in OmegaConf.load(CONF_DIR / "strategy" / f"{name}.yaml")
+    ]
+
+
+@pytest.mark.parametrize("preset", _swarm_presets())
+def test_strategy_presets_state_only_what_they_change(preset: str) -> None:
+    """A preset's SwarmStrategy keys each differ from the schema's default (``SwarmConfig``'s,
+    and the outer optimizer's): a restated default is a second copy that can drift."""
+    from lightning_swarm.cli.schema import SwarmStrategyConf
+
+    values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "strategy" / f"{preset}.yaml"))
+    assert isinstance(values, dict)
+    schema = SwarmStrategyConf()
+    defaults = {f.name: getattr(schema, f.name) for f in dataclasses.fields(schema)}
+    swarm_fields = {f.name for f in dataclasses.fields(SwarmConfig)}
+    assert swarm_fields <= set(defaults)  # the schema holds SwarmConfig's defaults
+    data = {k: v for k, v in values.items() if k != "defaults"}
+    assert _restated_defaults(data, defaults, preset) == []
+
+
+@pytest.mark.parametrize(
+    ("preset", "changes"),
+    [
+        (None, {"sync_every": 50}),
+        ("swarm", {"sync_every": 50}),
+        ("swarm_small", {"sync_every": 50}),
+        ("swarm_fsdp", {"sync_every": 50, "island_parallel": "fsdp", "island_size": 2}),
+        ("no_sync", {"sync_every": 1_000_000_000, "sync_at_end": False}),
+    ],
+)
+def test_strategy_presets_compose_to_their_swarm_config(
+    compose, preset: str | None, changes: dict[str, object]
+) -> None:
+    """What each preset (and the main job's default command line) builds: ``SwarmConfig``'s
+    defaults with the preset's changes, whatever the YAML files restate or leave out."""
+    cfg = compose(*([f"strategy={preset}"] if preset else []))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. FSDP islands of a CPU run; not the point here
+        strategy = hydra.utils.instantiate(cfg.strategy, _convert_="all")
+    assert isinstance(strategy, SwarmStrategy)
+    assert strategy.config == SwarmConfig(**changes)  # type: ignore[arg-type]

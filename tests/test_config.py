@@ -142,3 +142,45 @@ def test_strategy_takes_a_config_and_any_field_by_name() -> None:
         SwarmStrategy(base, sync_every=3)
     with pytest.raises(TypeError, match=r"pass options by name, e.g. SwarmStrategy\(sync_every"):
         SwarmStrategy(100)  # type: ignore[arg-type]
+
+
+def test_must_match_lists_derive_from_field_metadata() -> None:
+    """The options a resume compares and the settings islands must share are the fields marked
+    on ``SwarmConfig``: the same sets the hand-written lists held before, in declaration order."""
+    from dataclasses import fields
+
+    from lightning_swarm.config import ISLAND_SETTINGS, RESUME_OPTIONS, must_match
+    from lightning_swarm.membership.round_header import swarm_settings
+
+    resume_before = (
+        "sync_every",
+        "num_fragments",
+        "fragment_layout",
+        "sync_delay",
+        "merge_alpha",
+        "quantize",
+        "quantize_block_size",
+        "transport",
+        "error_feedback",
+        "anchor_dtype",
+        "island_size",
+    )
+    islands_before = (
+        "sync_every",
+        "num_fragments",
+        "fragment_layout",
+        "sync_delay",
+        "merge_alpha",
+        "quantize",
+        "quantize_block_size",
+        "error_feedback",
+        "anchor_dtype",
+    )
+    names = [f.name for f in fields(SwarmConfig)]
+    for derived, before in ((RESUME_OPTIONS, resume_before), (ISLAND_SETTINGS, islands_before)):
+        assert sorted(derived) == sorted(before)
+        assert list(derived) == [name for name in names if name in before]
+    assert must_match("resume") == RESUME_OPTIONS and must_match("islands") == ISLAND_SETTINGS
+    # The round header sends exactly these, beside the outer optimizer's class and settings.
+    settings = swarm_settings(SwarmConfig(), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    assert {k for k in settings if not k.startswith("outer_optimizer")} == set(islands_before)

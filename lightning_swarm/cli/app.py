@@ -30,6 +30,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
 from lightning_swarm.callbacks import HostMemoryCensus
@@ -162,6 +163,12 @@ def _hydra_main(cfg: DictConfig) -> None:
     run(cfg, run_dir=Path(HydraConfig.get().runtime.output_dir))
 
 
+THREADS_NOTE = (
+    "swarm-train set OMP_NUM_THREADS=1 and torch.set_num_threads(1): one intra-op thread per "
+    "rank (set OMP_NUM_THREADS to choose another number)"
+)
+
+
 def main() -> None:
     # Each rank of the CPU default launcher re-runs this command; keep torch to one intra-op
     # thread per rank unless the user said otherwise, so N ranks do not fight over N cores.
@@ -171,6 +178,9 @@ def main() -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+        # A setting the CLI changes on its own is said in the run header, beside Lightning's
+        # (global rank 0 only; launched ranks inherit the variable and say nothing).
+        rank_zero_info(THREADS_NOTE)
     _hydra_main()
 
 

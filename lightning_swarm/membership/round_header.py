@@ -8,9 +8,10 @@ of them abandon a round together, and only the island at fault raises:
 - two live islands with one ``island_id`` (the later one leaves, ``DuplicateIslandError``);
 - a model whose layout differs from the swarm's (``ModelMismatchError``);
 - DiLoCo settings that differ from the swarm's (``SettingsMismatchError``): the settings that
-  make two islands' rounds mean the same thing (``swarm_settings``: sync_every, fragments and
-  their layout, sync_delay, merge_alpha, quantization, error feedback, the anchors' dtype, the
-  outer optimizer's class and hyper-parameters).
+  make two islands' rounds mean the same thing (``swarm_settings``: the ``SwarmConfig`` fields
+  marked ``"islands"``, ``config.ISLAND_SETTINGS``: sync_every, fragments and their layout,
+  sync_delay, merge_alpha, quantization, error feedback, the anchors' dtype; and the outer
+  optimizer's class and hyper-parameters).
 
 The swarm's reference is the first member that is not being healed (the islands already in the
 swarm), else the first member. The row carries only a hash of the settings; when the hashes
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.config import ISLAND_SETTINGS, SwarmConfig
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
     DuplicateIslandError,
@@ -75,20 +76,7 @@ def optimizer_settings(
 
 def swarm_settings(config: SwarmConfig, outer_optimizer: torch.optim.Optimizer) -> Settings:
     """The settings every island of one swarm must share (see the module docstring)."""
-    settings: Settings = {
-        name: _json_value(getattr(config, name))
-        for name in (
-            "sync_every",
-            "num_fragments",
-            "fragment_layout",
-            "sync_delay",
-            "merge_alpha",
-            "quantize",
-            "quantize_block_size",
-            "error_feedback",
-            "anchor_dtype",
-        )
-    }
+    settings: Settings = {name: _json_value(getattr(config, name)) for name in ISLAND_SETTINGS}
     settings.update(optimizer_settings(outer_optimizer))
     return settings
 
