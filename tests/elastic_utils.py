@@ -20,7 +20,7 @@ def lighthouse(
     min_islands: int = 2, heartbeat_timeout_ms: int = 1500, join_timeout_ms: int = 1000
 ) -> Iterator[str]:
     """A torchft lighthouse on a free port; yields its address."""
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
         bind="[::]:0",

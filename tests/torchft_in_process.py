@@ -105,7 +105,7 @@ def group_per_quorum(tmp: Path) -> None:
         assert value.tolist() == [1.0, 1.0]
         kept.append(group._stores[address])
         # Its collectives wait the whole round timeout (the connects got a fifth of it).
-        backend = group._pg._get_backend(torch.device("cpu"))
+        backend = group.parent._get_backend(torch.device("cpu"))
         assert backend.options._timeout == datetime.timedelta(seconds=2)
     assert setups == ["pg_setup"] * 3
     assert kept[0] is kept[1] is kept[2], "one store connection for every set-up"

@@ -1,6 +1,6 @@
 """``swarm-lighthouse``: torchft's Lighthouse, where elastic islands meet.
 
-A thin command over ``torchft._torchft.LighthouseServer``: it binds the port, prints the address
+A thin command over ``torchft.coordination.LighthouseServer``: it binds the port, prints the address
 islands pass as ``strategy.lighthouse``, and serves until interrupted. ``--min-islands`` is the
 number of islands a round's quorum needs; ``--join-timeout-ms`` how long a quorum waits for a
 live island that has not asked to join yet (keep it above the time of one round: a shorter one
@@ -40,7 +40,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
     except ImportError:
         sys.exit("swarm-lighthouse needs torchft: pip install 'lightning-swarm[elastic]'")
     try:

@@ -11,7 +11,7 @@ torchft 0.2.0, measured on this machine:
   ``quorum_retries_for`` asks again about every ``RETRY_SPACING_S``, so a lighthouse restarted
   on its address within ``quorum_timeout_s`` is found again and the swarm goes on.
 - A failed quorum stays in the Manager's future and its next ``start_quorum`` raises it again;
-  ``_forget_failed_quorum`` clears it so that the island can ask anew.
+  ``torchft_private.forget_failed_quorum`` clears it so that the island can ask anew.
 - A process stopped with SIGSTOP (or starved) keeps its monotonic clock running, so its
   request times out the moment it continues. When ``SuspensionWatch`` saw the island away
   during a request, the swarm went on without it: it asks again with a whole
@@ -41,6 +41,12 @@ from lightning_swarm.membership.errors import (
     SwarmGoneError,
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
+from lightning_swarm.membership.torchft_private import (
+    count_commit_failure,
+    forget_failed_quorum,
+    set_up_group_for_this_quorum,
+    tap_quorums,
+)
 
 RETRY_SPACING_S = 1.0
 """How often the manager server asks a lighthouse that did not answer, roughly."""
@@ -61,11 +67,6 @@ def lighthouse_answers(address: str, timeout_s: float = 2.0) -> bool:
             return True
     except OSError:
         return False
-
-
-def _forget_failed_quorum(manager: Any) -> None:
-    # torchft 0.2.0 keeps the failed future and re-raises it from the next start_quorum.
-    manager._quorum_future = None
 
 
 def request_quorum(
@@ -90,7 +91,7 @@ def request_quorum(
             manager.wait_quorum()
             return
         except TimeoutError as err:
-            _forget_failed_quorum(manager)
+            forget_failed_quorum(manager)
             if watch.away_since(asked):  # away while asking: the request is stale, ask anew
                 deadline = time.monotonic() + config.quorum_timeout_s
                 continue
@@ -138,11 +139,12 @@ class QuorumIdentity:
       gloo's connect (seed 2 of the chaos benchmark).
 
     So the decision must come from the quorum alone, which every member receives alike: this
-    wrapper of the Manager's client has torchft set the group up anew for every quorum, under a
-    prefix named by the quorum's id, its members and its ``max_step`` (the most rounds any
-    member committed). Within one lighthouse's life that name is new for every quorum: a round
-    that commits anywhere raises ``max_step``, and one that commits nowhere is reported as a
-    commit failure (``count_failed_vote``), on which the lighthouse raises the id. Across a
+    class sees each quorum on its way to the Manager (``torchft_private.tap_quorums``) and has
+    torchft set the group up anew for every quorum, under a prefix named by the quorum's id,
+    its members and its ``max_step`` (the most rounds any member committed). Within one
+    lighthouse's life that name is new for every quorum: a round that commits anywhere raises
+    ``max_step``, and one that commits nowhere is reported as a commit failure
+    (``count_failed_vote``), on which the lighthouse raises the id. Across a
     restart, a name repeats only if no island committed since the earlier quorum of the same
     id and members; that set-up then fails within about twice the round timeout (its
     rendezvous waits up to it on the store, its connects up to it in gloo: ``QuorumGroup``), is
@@ -153,18 +155,12 @@ class QuorumIdentity:
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
-        self._client = manager._client
-        manager._client = self  # torchft 0.2.0: the quorum result is only visible here
         self._pending: str | None = None
+        tap_quorums(manager, self._see)  # the quorum is visible only on its way to torchft
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._client._quorum(*args, **kwargs)
-        self._pending = quorum_name(result.quorum_id, result.replica_ids, result.max_step)
-        self._manager._quorum_id = -1  # torchft then sets the group up for this quorum
-        return result
+    def _see(self, quorum: Any) -> None:
+        self._pending = quorum_name(quorum.quorum_id, quorum.replica_ids, quorum.max_step)
+        set_up_group_for_this_quorum(self._manager)
 
     def store_prefix(self, store_addr: str) -> str:
         """The store address for setting up the pending quorum's group."""
@@ -182,7 +178,7 @@ def count_failed_vote(manager: Any) -> None:
     manager server went away) as torchft counts a "no": the island's next quorum request then
     reports a commit failure, and the lighthouse gives that quorum a new id, so no member
     reuses the rendezvous prefix of a round that failed."""
-    manager._commit_failures += 1  # torchft 0.2.0 counts only votes that returned
+    count_commit_failure(manager)
 
 
 class ShortRounds:

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.membership.torchft_private import quorum_rank
 from lightning_swarm.transport.coded_mean import coded_bucket_mean
 from lightning_swarm.transport.pieces import plan_coded_buckets
 
@@ -32,9 +33,8 @@ def coded_quorum_mean(
 ) -> int:
     """Overwrite ``tensors`` (flat-viewable float32 CPU) with their quantized mean over the
     quorum; returns the bytes this island sent (= received), 0 when the exchange failed."""
-    # torchft 0.2.0: the wrapper's own rank() is that of a placeholder; its gloo parent's
-    # is this island's place in the quorum (the order of the round header's rows, too).
-    num_islands, island_index = pg.size(), pg.parent.rank()
+    # The island's place in the quorum is the order of the round header's rows, too.
+    num_islands, island_index = pg.size(), quorum_rank(pg)
     divisor = max(manager.num_participants(), 1)
     flats = [t.view(-1) for t in tensors]
     if not manager.is_participating():

@@ -22,9 +22,15 @@ import datetime
 from collections import OrderedDict
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo
+
+from lightning_swarm.membership.torchft_private import (
+    create_gloo_group,
+    install_group,
+    record_group_args,
+    set_collective_timeout,
+)
 
 KEPT_STORES = 4
 CONNECT_WAITS = 5
@@ -36,6 +42,8 @@ class QuorumGroup(ProcessGroupGloo):
 
     ``prefix`` maps the store address torchft asks for (``host:port/torchft/<id>/<rank>``) to the
     one to use (``QuorumIdentity.store_prefix``); ``on_setup`` runs first (a test's fault hook).
+    The group's private fields are written through ``torchft_private``. ``timeout`` bounds its
+    collectives and store connects, a fifth of it gloo's first connects.
     """
 
     def __init__(
@@ -45,6 +53,7 @@ class QuorumGroup(ProcessGroupGloo):
         on_setup: Callable[[], None],
     ) -> None:
         super().__init__(timeout=timeout)
+        self._round_timeout = timeout
         self._prefix = prefix
         self._on_setup = on_setup
         self._stores: OrderedDict[str, dist.TCPStore] = OrderedDict()
@@ -58,7 +67,7 @@ class QuorumGroup(ProcessGroupGloo):
                 int(port),
                 is_master=False,
                 wait_for_workers=False,
-                timeout=self._timeout,
+                timeout=self._round_timeout,
             )
         self._stores[address] = store  # the most recent last
         while len(self._stores) > KEPT_STORES:
@@ -79,12 +88,17 @@ class QuorumGroup(ProcessGroupGloo):
         """What torchft 0.2.0's ``ProcessGroupWrapper.configure`` does for gloo, but on a kept
         store client (runs in torchft's quorum thread)."""
         self._on_setup()
-        self._replica_id, self._quorum_id = replica_id, quorum_id
-        self._group_rank, self._group_world_size = group_rank, group_world_size
-        self._rank, self._global_ranks = rank, global_ranks
+        record_group_args(
+            self,
+            replica_id=replica_id,
+            rank=rank,
+            quorum_id=quorum_id,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            global_ranks=global_ranks,
+        )
         self.abort(errored=False)
         address, _, prefix = self._prefix(store_addr).partition("/")
-        collective_timeout: datetime.timedelta = self._timeout  # type: ignore[has-type]
         try:
             # The rendezvous waits on the store for up to the round timeout.
             store = dist.PrefixStore(prefix, self._store(address))
@@ -92,12 +106,16 @@ class QuorumGroup(ProcessGroupGloo):
             # peer froze right after publishing its address (50 s at round_timeout_s=10, seen
             # in the chaos benchmark), so the connects get a fifth of the round timeout and the
             # collectives the whole of it back.
-            self._timeout = collective_timeout / CONNECT_WAITS
-            pg = self._create_pg(store, rank, world_size)
+            pg = create_gloo_group(
+                self,
+                store,
+                rank,
+                world_size,
+                connect_timeout=self._round_timeout / CONNECT_WAITS,
+                collective_timeout=self._round_timeout,
+            )
         except Exception:
             self._stores.pop(address, None)  # maybe broken: connect anew next time
             raise
-        finally:
-            self._timeout = collective_timeout
-        pg._get_backend(torch.device("cpu"))._set_default_timeout(collective_timeout)
-        self._pg = pg
+        set_collective_timeout(pg, self._round_timeout)
+        install_group(self, pg)

@@ -37,6 +37,7 @@ from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import LighthouseUnreachableError, MembershipError
 from lightning_swarm.membership.fanout import IslandFanout
 from lightning_swarm.membership.quorum import QuorumIdentity, quorum_retries_for
+from lightning_swarm.membership.torchft_private import check_torchft
 
 
 def seconds(value: float) -> datetime.timedelta:
@@ -150,7 +151,9 @@ def start_manager(
     Raises:
         LighthouseUnreachableError: the lighthouse (or position 0's manager server) did not
             answer within ``config.connect_timeout_s``.
+        TorchftVersionError: the installed torchft lacks a private name this package uses.
     """
+    check_torchft()  # before any thread of torchft's runs: an upgrade fails here, by name
     from torchft.manager import Manager
 
     from lightning_swarm.membership.heal import TensorHealTransport
