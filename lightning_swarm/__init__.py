@@ -31,6 +31,7 @@ from lightning_swarm.membership.errors import (
     QuorumTimeoutError,
     SettingsMismatchError,
     SwarmGoneError,
+    TorchftVersionError,
 )
 from lightning_swarm.outer.errors import ShareFailedError, SyncWorkerError
 from lightning_swarm.strategy import SwarmStrategy
@@ -67,5 +68,6 @@ __all__ = [
     "SwarmRoundError",
     "SwarmStrategy",
     "SyncWorkerError",
+    "TorchftVersionError",
 ]
 __version__ = "0.1.0"

@@ -125,7 +125,12 @@ def test_every_option_is_declared_once_on_swarm_config() -> None:
     extras = {"_target_", "outer_optimizer", "start_method", "process_group_backend"}
     assert [f.name for f in fields(SwarmStrategyConf) if f.name not in extras] == names
     assert set(RESUME_OPTIONS) <= set(names)
-    record = OptionsRecord.from_dict(SwarmConfig(sync_every=7).resume_options())
+    saved = {
+        **SwarmConfig(sync_every=7).resume_options(),
+        "outer_optimizer": ["SGD"],
+        "outer_hyperparameters": [{"lr": 0.7}],
+    }
+    record = OptionsRecord.from_dict(saved)
     assert record["sync_every"] == 7 and set(record.values) == set(RESUME_OPTIONS)
 
 

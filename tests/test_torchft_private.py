@@ -23,10 +23,10 @@ import torchft.coordination
 from torchft.manager import Manager, WorldSizeMode
 from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 
+from lightning_swarm.membership.errors import TorchftVersionError
 from lightning_swarm.membership.torchft_private import (
     CLASS_NAMES,
     TORCHFT_VERSION,
-    TorchftVersionError,
     check_torchft,
     count_commit_failure,
     create_gloo_group,

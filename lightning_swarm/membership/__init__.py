@@ -22,6 +22,7 @@ from lightning_swarm.membership.errors import (
     QuorumTimeoutError,
     SettingsMismatchError,
     SwarmGoneError,
+    TorchftVersionError,
 )
 from lightning_swarm.membership.static import MEMBERSHIPS, check_membership
 
@@ -36,6 +37,7 @@ __all__ = [
     "QuorumTimeoutError",
     "SettingsMismatchError",
     "SwarmGoneError",
+    "TorchftVersionError",
     "check_membership",
     "elastic_options",
 ]

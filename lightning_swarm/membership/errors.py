@@ -58,3 +58,8 @@ KINDS: dict[int, type[MembershipError]] = {
 
 def kind_code(err: MembershipError) -> int:
     return next(code for code, cls in KINDS.items() if type(err) is cls)
+
+
+class TorchftVersionError(MembershipError):
+    """The installed torchft lacks a private name lightning_swarm relies on
+    (``membership/torchft_private.py``); the message names it and the fix."""

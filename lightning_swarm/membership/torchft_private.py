@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.errors import SwarmError
+from lightning_swarm.membership.errors import TorchftVersionError
 
 TORCHFT_VERSION = "0.2.0"
 """The torchft release whose private names this module was written against."""
@@ -43,10 +43,6 @@ CLASS_NAMES: tuple[tuple[str, str, str], ...] = (
 
 MANAGER = "torchft.manager.Manager"
 GROUP = "torchft.process_group.ProcessGroupWrapper"
-
-
-class TorchftVersionError(SwarmError, RuntimeError):
-    """The installed torchft lacks a private name lightning_swarm relies on."""
 
 
 def _installed_version() -> str:
