@@ -1,39 +1,14 @@
 """What Lightning sends between outer rounds, kept inside the island (Lightning glue).
 
-In a static swarm nothing may cross islands between rounds: over a slow link every cross-site
-message costs a round trip, and a slow island would pace every step of the fast ones. Lightning
-2.6 sends such messages in three places; each is handled here or by the strategy:
+In a static swarm nothing may cross islands between rounds: each cross-site message costs a round
+trip, and a slow island would pace every step of the fast ones. ``IslandSigterm`` replaces
+Lightning's per-batch SIGTERM broadcast over the world: the island agrees at every batch, the
+islands agree once per round, and every rank stops at the same batch after the next round, with
+the anchors equal everywhere (a scheduler's grace period must cover ``sync_every`` inner steps).
+Time-based decisions (``max_time``, ``train_time_interval``) cannot be confined;
+``warn_of_world_collectives`` says so and names the step-counted alternatives.
 
-- SIGTERM. Lightning shares a SIGTERM flag over the world at every training batch (the epoch
-  loop's ``_broadcast_sigterm_tensor``) and again from its signal handler. ``IslandSigterm``
-  replaces both, on one trainer, for one fit:
-  - the signal handler only notes the signal (and forwards it to the processes Lightning
-    launched, as Lightning's does);
-  - at every batch the ranks of an island agree, over a group of the island's that nothing else
-    uses (``SwarmGroups.between_rounds``), whether any of them was signalled (an island of one
-    rank sends nothing at all);
-  - at every outer round the islands agree, over the world, whether any island was signalled.
-    The agreement starts once the round has applied and is waited on at the next batch, so it
-    adds no wait to the round;
-  - only when that agreement says so is ``trainer.received_sigterm`` set, on every rank at the
-    same batch, and ``SIGTERMException`` raised there, as Lightning's own check would.
-  A signal therefore stops every island together after the next round (or at the end of the
-  fit), with the anchors the same everywhere; a scheduler's grace period must cover up to
-  ``sync_every`` inner steps.
-- ``self.log(..., sync_dist=True)`` in ``training_step``: the strategy's ``reduce`` averages
-  over the island during training (``IslandDDPStrategy.reduce``); validation keeps the world.
-- Time-based decisions: ``Trainer(max_time=...)`` and ``ModelCheckpoint(train_time_interval=...)``
-  broadcast rank 0's clock over the world at every batch so that all ranks decide alike. They
-  cannot be confined without islands deciding differently, so ``warn_of_world_collectives`` says
-  so at setup and names the step-counted alternatives.
-
-Checkpoints, validation and Lightning's set-up barriers still use the world; they are not on
-the inner step's path. Under ``membership="torchft"`` each launch is one island, so none of this
-applies there.
-
-Lightning's private names used here (``_signal_connector``, its ``_sigterm_notifier_fn`` and
-``received_sigterm``, ``fit_loop.epoch_loop._broadcast_sigterm_tensor``, ``Timer._interval`` and
-``_duration``, ``ModelCheckpoint._train_time_interval``) are read in this module only;
+Lightning's private names used here are read in this module only, and
 ``tests/test_between_rounds.py`` names each, so an upgrade that moves one fails there.
 """
 

@@ -1,30 +1,14 @@
 """``SwarmStrategy``: DiLoCo across islands as a Lightning strategy.
 
-Glue only: Lightning's hooks wired to the outer loop (``lightning_swarm.outer.OuterLoop``: the
-anchors, rounds, worker, totals and byte figures). The base adds the island groups and DDP
-(``island_ddp.IslandDDPStrategy``); Lightning's checkpoint hooks are here and hand the swarm
-state to a ``SwarmCheckpointer`` (``lightning_swarm.resume``, no Lightning). The DiLoCo math
-lives in ``lightning_swarm.algorithm``, elastic membership in ``elastic`` / ``membership``.
+Glue only: Lightning's hooks wired to the outer loop (``lightning_swarm.outer.OuterLoop``); the
+island groups and DDP come from ``island_ddp.IslandDDPStrategy``, the swarm checkpoint from a
+``SwarmCheckpointer`` (``lightning_swarm.resume``); a run is walked in ``docs/strategy.md``.
 
-Lifecycle inside ``Trainer.fit``:
-1. ``setup_distributed`` and ``configure_ddp``: groups, rank 0's weights everywhere, DDP over
-   each island's own group (with ``membership="torchft"`` the launch is one island).
-2. ``setup``: the transport is built and an ``OuterLoop`` takes a copy of every optimizer's
-   trained parameters as its anchors (placeholders when a resume will install them).
-3. ``optimizer_step``: after each real inner step (never a gradient-accumulation micro-batch)
-   the outer loop counts it and syncs every ``sync_every`` steps; the round's metrics go
-   straight to the loggers under ``swarm/``. After the fit's last inner step, with
-   ``sync_at_end``, one last round puts the global model on every island before Lightning's
-   final checkpoints; ``on_train_end`` catches ends nobody could foresee at that step.
-4. ``teardown``: the outer loop closed (worker joined, transport closed), then the groups.
-
-Checkpoints, inside ``Trainer.fit(ckpt_path=...)``: ``load_checkpoint`` captures the swarm record
-before setup (so the outer loop builds placeholder anchors), ``setup`` runs, then
-``load_optimizer_state_dict`` (after Lightning loaded rank 0's optimizer state) restores every
-island's own state, before any sanity check or training step. On save the swarm files are written
-first and the Lightning file last (``AtomicCheckpointIO``: temporary file in its folder, fsync,
-rename), so a crash in between leaves the previous checkpoint intact; a save that fails on any
-rank (a full disk: ``DiskFullError``) removes its files and raises on every rank.
+On resume, ``load_checkpoint`` captures the swarm record before ``setup`` (so the outer loop
+builds placeholder anchors) and ``load_optimizer_state_dict`` restores every island's own state
+before any training step. On save the swarm files are written first and the Lightning file last,
+so a crash in between leaves the previous checkpoint intact; a save that fails on any rank
+removes its files and raises on every rank.
 """
 
 from __future__ import annotations

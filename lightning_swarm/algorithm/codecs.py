@@ -1,37 +1,17 @@
 """Payload codecs: how a float32 pseudo-gradient is shrunk before it crosses a slow link.
 
-A codec turns a flat float32 tensor into an ``Encoded`` payload (plain tensors: ``data`` and
-per-block ``scales``) and back. Codecs are pure torch and run unchanged on CPU and CUDA; there is
-no device-specific kernel and no fallback path, so a run quantizes the same way everywhere.
+A codec turns a flat float32 tensor into an ``Encoded`` payload (``data`` and per-block
+``scales``) and back, in pure torch, so a run quantizes the same way on CPU and CUDA.
+``none`` is exact; ``bf16`` rounds to nearest even; ``int8`` / ``int4`` round symmetrically with
+one float32 absmax scale per block of ``block_size`` elements, so an element's error is at most
+half a step, ``absmax / (2 * qmax)``, plus float32 rounding of the scalings.
 
-Codecs (``CODECS``):
-- ``none``: the float32 values themselves (4 bytes per element). Exact.
-- ``bf16``: round-to-nearest-even to bfloat16 (2 bytes per element). bfloat16 keeps float32's
-  exponent range and 8 significant bits, so ``|x - x'| <= 2**-8 * |x|`` for normal values and
-  ``<= 2**-134`` (half the smallest bfloat16 subnormal) below that.
-- ``int8`` / ``int4``: symmetric round-to-nearest with one float32 absmax scale per block of
-  ``block_size`` consecutive elements. With ``q = round(x / absmax * qmax)`` (``qmax`` 127 for
-  int8, 7 for int4, i.e. 255 and 15 levels) and ``x' = q / qmax * absmax``, every element's
-  error is at most half a quantisation step:
+Blocks start at element 0, so a slice starting at a multiple of ``block_size`` quantizes as it
+would inside the whole tensor: transports rely on that to cut buckets. Non-finite input raises
+``ValueError``, because one inf scale would turn a block into NaN on every island.
 
-      |x - x'| <= absmax / (2 * qmax)      (int8: absmax / 254, int4: absmax / 14)
-
-  plus float32 rounding of the two scalings (a few ulp of absmax: ``tolerance`` adds
-  ``2**-21 * absmax`` and the subnormal spacing ``2**-149``). The largest element of each block
-  is exact up to that rounding, and a block of zeros decodes to exact zeros. int4 stores
-  ``q + 8`` (1 .. 15) in nibbles, two elements per byte, the earlier element in the low nibble;
-  an odd element count pads the last high nibble with the code for zero.
-
-Blocks are laid over the flat tensor from element 0, so encoding a slice that starts at a
-multiple of ``block_size`` quantizes its elements exactly as encoding the whole tensor would.
-Transports rely on that to cut a tensor into buckets without changing its quantization.
-
-Non-finite input (NaN, +-inf) raises ``ValueError``: a scale of inf would turn a whole block into
-NaN on every island, and a diverged island should stop the run rather than poison the anchors.
-
-Error feedback (``with_error_feedback``): the caller keeps a residual per tensor, adds it to the
-next round's input and stores what the codec lost this round. The residual belongs to the caller
-(one per island and tensor, like an optimizer state); this module keeps no state.
+Error-feedback residuals (``with_error_feedback``) belong to the caller, one per island and
+tensor; this module keeps no state.
 """
 
 from __future__ import annotations

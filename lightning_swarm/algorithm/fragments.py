@@ -1,36 +1,14 @@
 """Streaming DiLoCo fragments (arXiv 2501.18512): which parameters sync together, and when.
 
-Layout. The trained parameters are split into ``num_fragments`` disjoint fragments, each of
-which syncs on its own schedule. The unit of the split is a *layer*:
+The parameters are split into ``num_fragments`` disjoint fragments by *layer*: the name prefix up
+to the first numeric component (``blocks.3.attn.weight`` -> ``blocks.3``), else the owning module.
+``"strided"`` puts layer ``i`` in fragment ``i mod F``; ``"sequential"`` cuts contiguous chunks;
+an explicit layout names the modules of each fragment.
 
-- a parameter whose dotted name has a numeric component belongs to the layer named by the prefix
-  up to and including the first such component: ``blocks.3.attn.weight`` -> ``blocks.3``,
-  ``transformer.h.11.mlp.c_fc.bias`` -> ``transformer.h.11`` (the repeated blocks of a
-  ``ModuleList`` / ``Sequential``);
-- any other parameter belongs to its owning module: ``transformer.wte.weight`` ->
-  ``transformer.wte``; a parameter of the root module is a layer of its own.
-
-Layers are numbered in order of first appearance in the given names (``named_parameters``
-order, i.e. definition order). ``"strided"`` (the default) puts layer ``i`` into fragment
-``i mod F``, so each fragment holds layers from the whole depth; ``"sequential"`` cuts the layer
-list into ``F`` contiguous chunks whose sizes differ by at most one (earlier chunks larger).
-An explicit layout is a list of ``F`` lists of module names; a parameter belongs to the fragment
-naming it or one of its parent modules
-(a bare string stands for a list of one name).
-
-Schedule. Steps are 1-based counts of completed inner steps, counted after the inner optimizer
-step, exactly like ``OuterSync.inner_steps``. Fragment ``f`` sends its pseudo-gradient at every
-step ``s >= 1`` with ``(s - offset_f) % sync_every == 0``, ``offset_f = f * sync_every / F``, and
-applies the averaged result at ``s + sync_delay``. So fragment 0 first sends at ``sync_every``
-(one fragment and no delay is plain DiLoCo, step for step), while fragment ``f > 0`` first sends
-after only ``offset_f`` steps; from then on every fragment sends every ``sync_every`` steps.
-
-Because ``0 <= sync_delay < sync_every / F``, at most one fragment is ever in flight: fragment
-``f`` has applied before fragment ``f + 1`` sends. At a step where a fragment both sends and
-applies (``sync_delay == 0``) the send comes first; with a positive delay no step both sends one
-fragment and applies another.
-
-Pure Python: this module touches no tensors.
+Steps count completed inner steps, as ``OuterSync.inner_steps`` does. Fragment ``f`` sends when
+``(s - f * sync_every / F) % sync_every == 0`` and applies at ``s + sync_delay``; one fragment and
+no delay is plain DiLoCo. Since ``sync_delay < sync_every / F``, at most one fragment is in flight.
+Pure Python: no tensors.
 """
 
 from __future__ import annotations

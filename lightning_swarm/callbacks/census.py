@@ -1,32 +1,8 @@
 """``HostMemoryCensus``: a per-step snapshot of host memory, logged under ``census/``.
 
-The census exists to tell a leak from a sawtooth on long runs. Each key names its source:
-
-- every ``every_n_steps`` optimizer steps, the constant-cost readings of
-  ``lightning_swarm.memory.HostSampler.sample_fast`` (``status/...``, ``meminfo/...``, or the
-  ``psutil/...`` / ``rusage/...`` stand-in where /proc is unreadable);
-- every ``smaps_every_n_steps`` steps and at the start and end of fit, the page-walking
-  ``smaps_rollup/...`` readings with the seconds they took (``smaps_rollup/read_s``), and how many
-  anchor bytes live in file-backed mappings (``swarm/anchor_file_backed_bytes``, from
-  ``/proc/self/maps``);
-- under a strategy whose ``memory_report`` is a ``SwarmMemoryReport``
-  (``lightning_swarm.memory.report``; ``SwarmStrategy``'s outer loop is one), its resident
-  state: ``swarm/anchor_bytes``, ``swarm/outer_state_bytes`` and, where the transport spools (a
-  running count, read every census step), ``swarm/spool_bytes``. Anchor and outer-state sizes
-  change only at outer syncs, so they are recomputed when the report's ``memory_key`` changes
-  or on the slow cadence and logged from that cache, which keeps the per-step cost independent
-  of the number of parameters;
-- where CUDA is initialised, the device and pinned-host allocators' byte counters
-  (``cuda_device/...``, ``cuda_host/...``), each with ``current``, ``freed``, ``peak`` and
-  ``gauge`` (see ``lightning_swarm.memory.allocator``).
-
-Metrics go straight to ``logger.log_metrics(..., step=trainer.global_step)``, not through
-``self.log``, so ``log_every_n_steps`` cannot drop them. By default only global rank 0 samples
-and logs; with ``all_ranks=True`` every rank samples, rank 0 gathers the samples (one
-``gather_object`` per census step, a synchronisation point) and logs them as
-``census/rank<r>/...``. At the end of fit the summary (peak RSS, peak anonymous memory, slope of
-anonymous memory in bytes per step) is logged under ``census/summary/...`` and printed.
-
+It tells a leak from a sawtooth on long runs (keys and cadences: ``docs/census.md``). Metrics go
+straight to ``logger.log_metrics`` so ``log_every_n_steps`` cannot drop them. With
+``all_ranks=True`` rank 0 gathers every rank's sample, a synchronisation point per census step.
 The callback holds no tensors: it reads anchor addresses and sizes, never keeps references.
 """
 

@@ -1,57 +1,20 @@
 """Elastic membership on torchft: a quorum per outer round, a commit gate, healing.
 
-``TorchftMembership`` is a ``Transport`` (``average(tensors, round_index=...)``) whose set of
-islands is decided anew every round by torchft's Lighthouse. One round, on the island's rank 0:
+``TorchftMembership`` is a ``Transport`` whose islands are decided anew every round by torchft's
+Lighthouse. A round is: quorum (a joiner is healed from a live island), a round header that
+refuses a duplicate island, a different model or settings, or a non-finite pseudo-gradient before
+any tensor moves, the mean over the participating islands, and the commit gate. A failure
+anywhere in the round abandons it on the survivors (anchors unchanged, local progress kept); only
+the header's refusals and a quorum that never comes raise. The first quorum (genesis) heals every
+island to the first island's anchors and applies no step.
 
-1. quorum (``quorum.request_quorum``): ``Manager.start_quorum``; a joiner (new, restarted, or
-   an island that missed a commit) is healed here from a live island: anchors, outer optimizer
-   state and counters, over the quorum's process group (``TensorHealTransport``, no pickle). A
-   lighthouse restarted within ``quorum_timeout_s`` is asked again; every quorum gets a process
-   group of its own (``QuorumIdentity``); an island back from a suspension asks anew;
-2. round header (``round_header``): a tiny all-gather of one row per island (island id hash,
-   model fingerprint, healing, join time, nonce, finite, settings hash) over the quorum's group.
-   A duplicate ``island_id``, a model or DiLoCo settings that differ, or a pseudo-gradient with
-   NaN or inf makes every member abandon the round before any pseudo-gradient moves; the
-   offending island raises and leaves;
-3. the mean over the participating islands (``Manager.allreduce``, bucketed; with a codec the
-   quantized reduce-scatter of ``quorum_coded``); an island being healed contributes zeros
-   and is not counted. With fragments, an island being healed averages the swarm's fragment,
-   not its own, and adopts the swarm's round (``adopt``; ``adoption.take`` hands it over);
-4. the commit gate (``Manager.should_commit``): a failed member makes the survivors' collectives
-   fail, so they vote no and the round is abandoned (anchors unchanged, local progress kept for
-   the next round). A survivor that voted differently is behind by one commit at the next quorum
-   and torchft heals it from the others, so the swarm converges on one history.
-   A failure anywhere in the round, the set-up of the quorum's group included, abandons the
-   round on the survivors; only the refusals of step 2 and a quorum that never comes raise.
+An island of several ranks either fans out from its rank 0 (``per_rank=False``, ``IslandFanout``)
+or runs one Manager per rank over its share (``per_rank=True``, ``shard_outer``); the ranks of an
+island then agree on one error, one commit verdict and whether any rank was healed.
 
-A test can inject failures at each phase through ``on_phase`` (``PhaseHook``).
-
-The very first quorum of a swarm (torchft step 0) is the genesis round: every island except the
-first is healed to the first island's anchors and no outer step is taken (``applied`` false).
-
-Islands of several ranks, two ways (``per_rank``):
-
-- fan-out (``per_rank=False``, an island whose ranks all hold the whole outer state): only the
-  island's rank 0 talks to torchft (one Manager per island, replica group of size 1). The
-  other ranks follow over the island's own group: rank 0 broadcasts the round's outcome, a
-  healed state, an adopted round and the averaged tensors (``IslandFanout``). With rounds on
-  a background worker (``background``) the fan-out gets a gloo group of its own. The
-  cross-island bytes are those of one rank per island; the island's fast fabric carries the
-  fan-out.
-- per rank (``per_rank=True``, ``shard_outer``: each rank owns a share of the anchors): every
-  rank runs the round above with a Manager of its own (``torchft_manager``: position 0 hosts
-  the island's manager server and store; the quorum and the commit vote are island-wide), over
-  a process group that connects the same rank of every island, so it moves only its share:
-  payload / k per rank. The header rows of an island's ranks are identical (one finiteness
-  verdict agreed before the round, one join time and nonce from rank 0), so the ranks of an
-  island reach the same verdict; the island then agrees on one error (raised on every rank),
-  one commit verdict and whether any rank was healed (``IslandFanout.agree_round``). Each
-  rank is healed with its own share, from the same rank of a live island.
-
-Ownership: on each rank that talks to torchft, its Manager and process group belong to this
-object until ``close``; the island's TCPStore is hosted by its rank 0 (``IslandStore``).
-Healed state is handed to ``load_fn`` (the outer loop), which keeps it until its training
-thread installs it (``outer.join.ElasticOuter.settle``).
+Ownership: each Manager and its process group belong to this object until ``close``; the
+island's TCPStore is hosted by its rank 0. Healed state goes to ``load_fn`` (the outer loop),
+which keeps it until the training thread installs it (``outer.join.ElasticOuter.settle``).
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """The outer loop's side of elastic membership: what a joiner receives and how it installs it.
 
-A live island hands a joiner its global state: per optimizer, the anchors, the outer optimizer
-state and the counters (``state``). With ``sync_delay > 0`` the live island has a round in
-flight while it heals a joiner: that round is the very round of the quorum, so the joiner
-takes the anchors as they were before it and applies the same averaged pseudo-gradient as the
-live island (the membership's adopted round, ``membership/adopt.py``); the live island's
-round in flight is not handed over. Error-feedback residuals are not handed over either: they
-are an island's own quantization error; a healed island keeps its own, a new one starts at
-zero (a peer's residuals would re-send that peer's error).
+A live island hands a joiner, per optimizer, its anchors, outer optimizer state and counters; a
+round in flight is not handed over, nor error-feedback residuals (an island's own quantization
+error). A heal arrives on the exchange's thread, so ``install`` only keeps it and ``settle``
+installs it on the training thread: ``local <- anchor_new + (local - anchor_old)``, so an island
+keeps its progress. Sharded islands install per rank, only into an island with the same shares.
 
-A heal arrives on the thread that runs the exchange, the background worker when
-``sync_delay > 0``, while the training thread steps the inner optimizer. So ``install`` only
-keeps the state; ``settle`` installs it on the training thread, after the island's own round
-was resolved: ``local <- anchor_new + (local - anchor_old)`` (the island keeps its progress,
-also when healed in the middle of a run), takes the swarm's clock and applies the swarm's
-round (``AdoptedRound``).
+A joiner's first round (``join_round``) runs at once: it contributes nothing and applies the same
+averaged pseudo-gradient, so its anchors equal the live islands' afterwards. An elastic fit ends
+on a committed round with every parameter on its anchor (``land_on_anchors``).
 
-Sharded islands (``shard_outer``, each rank owns a share: ``outer/shard.py``) hand over and
-install per rank: rank r's state holds only its share's anchors and outer state, with the
-share's position, island size and names, and it is installed only by rank r of an island whose
-shares are the same (refused otherwise). Each rank applies the catch-up to its own names; then
-the island gathers every parameter from its owner (``after_island_heal``, collective over the
-island, on every rank once any rank was healed), as after every round.
-
-A joiner's first round runs at once, outside the inner-step schedule (``join_round``): the live
-islands are at their own round; the joiner is healed inside it, contributes nothing, and applies
-the same averaged pseudo-gradient, so its anchors equal theirs after that round. Its parameters
-then get the catch-up ``local <- global_new + (local - anchor_old)``: a new island, whose
-parameters equal its own anchors, lands exactly on the global model; an island resumed from its
-own older checkpoint keeps the progress it made since its anchors.
-
-An elastic fit ends on a committed round, the same on every island, with every parameter set to
-its anchor (``land_on_anchors``), so that islands end equal whatever ``merge_alpha`` is.
-
-Ownership: ``ElasticOuter`` borrows the outer loop's ``OuterSync`` objects; installed tensors are
-adopted by them. A kept heal lives until ``settle``; the progress kept for the catch-up lives
-only during ``join_round``.
+Ownership: ``ElasticOuter`` borrows the outer loop's ``OuterSync`` objects, which adopt installed
+tensors. A kept heal lives until ``settle``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """The streamed round's CUDA path: parameters on the GPU, anchors and outer state in host memory.
 
-The default placement keeps the anchors and the outer optimizer's state off the GPU to save its
-memory. A streamed round then stages them through the GPU one bucket at a time:
-- ``pin_round_memory`` moves the anchors and their float state into pinned host memory once,
-  the first time such a round runs (mapped anchors therefore stay file-backed until then), so
-  that the copies can run asynchronously;
-- ``CudaStaging.run`` copies bucket k + 1's anchors and state in on one side stream while
-  bucket k is formed, reduced (NCCL, on the current stream), stepped and merged, and copies
-  bucket k's new anchors and state out on another side stream. Two slots of device buffers
-  alternate, ordered by CUDA events: a slot is refilled only after its previous bucket was
-  copied out (``free``), computed only after it was filled (``loaded``), copied out only after
-  it was computed (``computed``).
+``pin_round_memory`` moves the anchors and their state into pinned host memory once, at the first
+such round. ``CudaStaging.run`` copies bucket k + 1 in on one side stream while bucket k is
+reduced and stepped, and bucket k out on another; two slots of device buffers alternate, ordered
+by CUDA events (``free`` -> ``loaded`` -> ``computed``).
 
-Ownership: ``CudaStaging`` (handed to a ``BucketedRound`` by ``OuterSync``) owns its slots and
-side streams from the first round until ``close``; each ``Slot``'s device buffers hold one
-bucket between its copy in and its copy out. The pinned host anchors and state belong to the
-``OuterSync`` and its optimizer, which ``pin_round_memory`` switches over in place (fresh state
-is allocated pinned, ``allocate_state``). When ``run`` returns, the host anchors and state are
-complete.
-
-Memory budget. The round's extra GPU memory is two slots of (anchor, state), the pseudo-gradient
-buffer and the step's temporaries, all sized by the staged bucket, whatever the model size. To
-keep that working set within ``BUDGET_BUCKETS`` transport buckets (``bucket_mb`` of float32), the
-staged bucket is smaller than the transport's: ``staged_bucket_numel`` divides the budget by the
-device bytes one element costs (``device_bytes_per_element``). With float32 anchors that is the
-whole bucket for SGD without momentum (12 bytes an element), 3/5 of it for SGD with momentum
-(20) and 3/7 for Adam (28). The exchange then runs on the smaller buckets; its sums are element-
-wise, so the mean is the same (bitwise with two islands; NCCL may sum three or more in another
-order for another message size).
+Ownership: ``CudaStaging`` owns its slots and side streams until ``close``; the pinned host
+anchors and state belong to the ``OuterSync`` and its optimizer. When ``run`` returns they are
+complete. The extra GPU memory is bounded by ``BUDGET_BUCKETS`` transport buckets whatever the
+model size (``staged_bucket_numel``; the arithmetic is in ``docs/performance.md``).
 """
 
 from __future__ import annotations

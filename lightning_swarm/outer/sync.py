@@ -1,38 +1,15 @@
 """The outer state of one inner optimizer's parameters, and the coordinator of its rounds.
 
-``OuterSync`` ties the DiLoCo math (``lightning_swarm.algorithm``) to a ``Transport``. It knows
-nothing of Lightning: the ``OuterLoop`` calls ``on_inner_step`` after every real inner optimizer
-step and gets a ``SyncReport`` back when a round was applied.
+``OuterSync`` ties the DiLoCo math (``lightning_swarm.algorithm``) to a ``Transport`` and knows
+nothing of Lightning: the ``OuterLoop`` calls ``on_inner_step`` after every real inner step and
+gets a ``SyncReport`` back when a round was applied. Its state is one ``SyncState``; the round
+engine is ``BucketedEngine`` where ``bucketed_kind`` allows it, else ``TwoPhaseRound``; the
+checkpoint side is ``SyncCheckpoint``.
 
-Members. ``OuterSync`` holds its state and two members that work on it: the round engine and
-the checkpoint state. The state (``SyncState``, ``outer/sync_state.py``) is one record of every
-field the rounds read and write, documented there. The engine is chosen when the sync is built
-and again when a resume installs new anchors (the only event that changes the choice):
-- ``BucketedEngine`` (``outer/bucketed_engine.py``, the default): one bucketed pass that forms,
-  averages, steps and merges a fragment's tensors bucket by bucket, with no full-size
-  temporary, when ``bucketed_kind`` allows it (all-reduce transport, no delay, SGD/Adam(W)
-  outer optimizer, installed contiguous anchors);
-- ``TwoPhaseRound`` (``outer/two_phase.py``) otherwise: a send after step ``s`` and an apply
-  after step ``s + sync_delay``, the exchange in the ``SyncWorker`` thread while training
-  continues when the delay is positive; also every round with ``stream=False``.
-Both forms are bitwise equal where both apply. ``SyncCheckpoint`` (``outer/checkpoint_state.py``)
-saves and restores the state.
-
-Rounds (Streaming DiLoCo, arXiv 2501.18512). The parameters are split into fragments, each
-syncing on a ``FragmentSchedule``; one fragment, no delay and no codec is plain DiLoCo,
-operation for operation.
-
-The end of fit (``finish``). Between rounds every island holds its own local weights. ``finish``
-applies a round in flight early, then runs one inline round of every fragment whose locals
-may differ from its anchors (steps since its last applied round, or a merge with
-``merge_alpha > 0``), merging with alpha 0: afterwards every island holds the anchors, bit for
-bit (unless the transport skipped that round). Which fragments run depends only on counters
-that are identical everywhere, so every rank runs the same collectives. ``ended_at`` records the
-step, so a round the schedule would still apply later (training went on, or a resume from a
-checkpoint written after ``finish``) is not applied twice.
-
-Ownership and lifetime: see ``SyncState``. The bucketed engine's reused buffers
-(``BucketedRound``) live as long as this object.
+``finish`` ends a fit with every island on the anchors, bit for bit: it applies a round in flight
+and runs one inline round of every fragment whose locals may differ. Which fragments run depends
+only on counters equal everywhere, so every rank runs the same collectives; ``ended_at`` keeps a
+round from being applied twice. Ownership and lifetimes: see ``SyncState``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,15 @@
 """The swarm part of a checkpoint on disk: file layout, atomic writes, mapped reads.
 
-A Lightning checkpoint file holds one rank's view (global rank 0's model and inner optimizer),
-and Lightning writes it on rank 0 only. A DiLoCo run needs more: the anchors and outer optimizer
-state (global, identical on every island) and each island's own local parameters and inner
-optimizer state (different on every island between syncs). That state lives in a directory next
-to the checkpoint file, one sub-directory per save::
+Beside Lightning's file ``model.ckpt`` (whose ``ckpt["swarm"]`` record names the save and holds
+each file's size and checksum) lies ``model.ckpt.swarm/<save_id>/`` with ``anchors.pt`` and one
+``island-NNNNN.pt`` per island. A separate directory, because ``torch.save`` to a path streams
+tensors without a second host copy, island files are written by one rank per island, and
+``torch.load(mmap=True)`` needs a local path.
 
-    model.ckpt                          Lightning's file; ckpt["swarm"] is the small record
-                                        (names the save; size + checksum of every file below)
-    model.ckpt.swarm/<save_id>/anchors.pt       anchors + outer optimizer state + counters
-    model.ckpt.swarm/<save_id>/island-00001.pt  island 1: module state + inner optimizer state
-
-Why a separate directory and not keys inside the Lightning dict:
-- Lightning serialises its dict into an in-memory buffer before writing, so anchors inside it
-  would cost their full size again in host memory on every save; ``torch.save`` to a path
-  streams each tensor's bytes straight to the file.
-- Island files are written by one rank per island; Lightning's rank-0-only write would lose them.
-- ``torch.load(mmap=True)`` needs a local path (Lightning opens its file through fsspec).
-
-Invariants:
-- Every file is written to a temporary name in its own directory and renamed into place
-  (``lightning_swarm.resume.atomic``; the strategy's checkpoint IO writes the Lightning file
-  the same way, last), and the Lightning file names its ``save_id``: a crash mid-save leaves the
-  previous checkpoint and the directory it names intact; stale directories are pruned only after
-  the new Lightning file is in place. Renaming also means a file is never rewritten in place, so
-  a mapping of an older save keeps seeing its own bytes.
-- A mapped tensor borrows pages of its file; the mapping lives as long as the tensor (torch keeps
-  it alive), and unlinking the file does not invalidate it. Writing to a mapped tensor turns the
-  written pages into private anonymous memory; untouched pages stay file-backed.
-- Everything saved is tensors, numbers, strings and plain containers: loadable with
-  ``weights_only=True``. Island files also hold the user's module state (``get_extra_state()``
-  included) and optimizer states; an object outside torch's allowlist there saves fine but is
-  refused on load, and the error names its type and the fix (not "corrupt").
-
-What each file holds is typed in ``lightning_swarm.resume.records`` (with the format version);
-saving and restoring are ``lightning_swarm.resume``. This module imports torch only (no
-lightning, no torch.distributed).
+Invariants: every file is written under a temporary name and renamed into place, the Lightning
+file last, so a crash mid-save leaves the previous checkpoint whole and a mapped file is never
+rewritten. A mapped tensor keeps its mapping alive, even after unlink. Everything saved loads with
+``weights_only=True``; a foreign object is refused by type, not called corrupt. Imports torch only.
 """
 
 from __future__ import annotations

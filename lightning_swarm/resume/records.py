@@ -1,29 +1,13 @@
 """Typed records of a swarm checkpoint: what each owner hands over, and the format version.
 
-A save writes three kinds of payload, each a plain dict on disk (tensors, numbers, strings and
-plain containers, so ``torch.load(weights_only=True)`` reads it) built by ``to_dict`` and read
-back by ``from_dict`` here, never by string keys elsewhere:
+Each payload is a plain dict (``weights_only`` loadable) built by ``to_dict`` and read by
+``from_dict`` here, never by string keys elsewhere: ``SwarmRecord`` (in the Lightning file,
+written last), ``AnchorsRecord`` (global state; one per rank of island 0 when sharded, joined by
+``merge_shards`` so a resume may re-shard) and ``IslandRecord`` (one island's own state).
 
-- ``SwarmRecord``: the small record in the Lightning file (``ckpt["swarm"]``), written last. It
-  names the save directory, holds the layout fingerprint, the options that shaped the outer
-  loop, and the size and checksum of every swarm file of the save.
-- ``AnchorsRecord`` (``anchors.pt``): every ``OuterSync.state_dict()``; global state. A
-  sharded outer loop (``shard_outer``) writes one per rank of island 0 instead
-  (``anchors-rank-NNNNN.pt``, that rank's share); ``merge_shards`` joins them by name, so a
-  resume takes whatever share it owns now (a re-shard onto any island size).
-- ``IslandRecord`` (``island-NNNNN.pt``): one island's module state, inner optimizer states,
-  running totals and ``OuterSync.island_state_dict()``s.
-
-The ``OuterSync`` state dicts stay the outer loop's own format; ``outer_anchors`` and
-``pending_fragment`` are the only places that look inside them.
-
-One format is read: ``FORMAT_VERSION`` (3). Every payload carries it, and a payload of any other
-format (the unreleased formats 1 and 2, a missing or garbage number) is refused, naming what was
-found. A ``SwarmRecord`` holds the size and checksum of every swarm file, the options, Lightning's
-counters at the save (``global_step``, ``optimizer_steps``, cross-checked against the Lightning
-file's loop state on resume) and a checksum over its own fields (``record_checksum``), the
-format number included: an edited record, a flipped counter or format included, is refused.
-Imports torch only.
+One format is read, ``FORMAT_VERSION``; any other is refused, naming what was found. A
+``SwarmRecord`` is sealed by ``record_checksum`` over its fields, so an edited record is refused.
+``outer_anchors`` and ``pending_fragment`` are the only readers inside ``OuterSync`` state dicts.
 """
 
 from __future__ import annotations
