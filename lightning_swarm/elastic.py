@@ -1,26 +1,14 @@
 """Lightning glue of elastic islands (``SwarmStrategy(membership="torchft")``).
 
-Each launch is one island: its ranks (``devices x num_nodes``) are its world and DDP runs over
-all of them. With ``shard_outer`` (the default) and several ranks, each rank owns a share of the
-outer state and exchanges it across islands itself (``per_rank``: a torchft Manager per rank,
-payload / k per rank); with ``shard_outer=False`` the island's rank 0 exchanges the whole
-payload and fans the round out to the other ranks. Islands of one swarm must split the outer
-state alike: the number of shares is one of the settings the round header compares.
+Each launch is one island: its ranks are its world and DDP runs over all of them. ``ElasticIsland``
+builds the island's ``TorchftMembership``, runs the first round when training starts (a joiner is
+healed there), adds the ``swarm/*`` membership metrics and decides when the fit ends.
 
-``ElasticIsland`` builds the island's ``TorchftMembership`` (the transport of its
-outer loop), runs the island's first round when training starts (a joiner is healed there), adds
-the ``swarm/*`` membership metrics to each round's and decides when the fit ends.
-
-Which step counts. Lightning's ``global_step`` stays the island's own count of inner steps: a
-restarted island starts it at 0 again, and logs, ``every_n_train_steps`` checkpoints and the
-island's own LR schedulers follow it. The swarm's clock is its committed rounds, which a joiner
-receives when healed. ``max_steps`` is read on that clock: the fit ends after the round that
-brings the swarm to ``ceil(max_steps / sync_every) * num_fragments`` committed rounds (each
-fragment syncs once every ``sync_every`` steps), on every island at the same round, so the
-islands still in the swarm end holding the same global model (each sets
-its parameters to the anchors of that round: with ``merge_alpha > 0`` the round left a mix).
-Lightning's own ``max_steps`` limit is lifted for that: an island whose rounds were abandoned
-has run more inner steps than the swarm's clock shows and must not stop before the others.
+Two clocks: Lightning's ``global_step`` stays the island's own inner-step count (logs, checkpoint
+cadence, LR schedulers); the swarm's clock is its committed rounds. The fit ends, on every island
+at the same round, after ``ceil(max_steps / sync_every) * num_fragments`` committed rounds, with
+every parameter on the anchors; Lightning's own ``max_steps`` is lifted because an island whose
+rounds were abandoned has run more inner steps than the swarm's clock shows.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Model-sharded islands: Lightning's ``configure_model`` convention inside each island (glue).
 
-With ``island_parallel="fsdp"`` an island does not wrap the module in DDP. Each island gets a
-device mesh of its own, ``(data_parallel, tensor_parallel)`` (``transport.groups.IslandMesh``),
-exposed to the module as ``self.device_mesh`` exactly as Lightning's ``ModelParallelStrategy``
-does, so a module written for that strategy runs unchanged: its ``configure_model`` calls
-``fully_shard`` / ``parallelize_module`` over ``self.device_mesh["data_parallel"]`` /
-``["tensor_parallel"]``, and each rank then holds only its shard of every parameter.
+With ``island_parallel="fsdp"`` each island gets its own ``(data_parallel, tensor_parallel)``
+mesh, exposed as ``self.device_mesh`` as in ``ModelParallelStrategy``, so such a module runs
+unchanged. The mesh never spans islands. Every island starts from island 0's shards
+(``align_islands``, over the peer groups), so no rank gathers the full model. Fork and spawn
+launchers send back no weights (``ShardedResultsLauncher``): trained weights are in the
+checkpoints.
 
-Invariants:
-- The mesh never spans islands: islands stay independent between outer rounds.
-- Every island starts from island 0's shards (``align_islands``): rank at position ``p`` of
-  every island receives the shards of position ``p`` of island 0 over its peer group, so no
-  rank ever gathers the full model. Plain (unsharded) tensors come from global rank 0.
-- Data: ``islands x data_parallel`` replicas; the ranks of one tensor-parallel group read the
-  same batch (``sampler_kwargs``).
-
-Fork and spawn launchers: Lightning's sends rank 0's state dict back to the main process, which
-would load one rank's shards into the unsharded module there. ``ShardedResultsLauncher`` sends
-everything else but no weights (and says so); trained weights are in the checkpoints.
-
-Lifetime: built in the strategy's ``setup_distributed`` (collective), destroyed in ``teardown``
-with the groups it created (never the island's own group, which the strategy owns).
+Lifetime: built in ``setup_distributed`` (collective), destroyed in ``teardown`` with the groups
+it created, never the island's own group (the strategy owns that).
 """
 
 from __future__ import annotations

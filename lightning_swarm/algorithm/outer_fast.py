@@ -1,27 +1,15 @@
 """Functional outer steps over flat slices, for the outer optimizers people use.
 
-A bucketed outer round (``lightning_swarm.outer.bucketed``) steps the anchors one bucket at a time,
-so it cannot call ``optimizer.step()`` (which steps every parameter that has a gradient). For
-``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay, maximize) and ``torch.optim.Adam``
-/ ``AdamW`` this module repeats torch's own single-tensor update on any flat slice of an anchor,
-reading the hyper-parameters from the optimizer's ``param_groups`` and keeping the state in
-torch's own format (``state[p]["momentum_buffer"]``; ``state[p]["step"]``, ``"exp_avg"``,
-``"exp_avg_sq"``), so that a checkpoint written by one path loads into the other and the slow
-path (``optimizer.step()``) can take over at any round.
-
-Exactness: the operations are torch's single-tensor ones, in the same order, with the same
-Python-scalar coefficients. They are element-wise, so applying them to a slice of a tensor gives
-the same bits as applying them to the whole tensor (checked in tests/test_outer_fast.py against
-``torch.optim`` for SGD with Nesterov and for AdamW over several steps).
-
-Anything else (another optimizer class or a subclass, ``fused``, ``capturable``,
-``differentiable``, ``amsgrad``, tensor-valued hyper-parameters) is not handled here:
+A bucketed round steps the anchors one bucket at a time, so it cannot call ``optimizer.step()``.
+For ``torch.optim.SGD`` and ``Adam`` / ``AdamW`` this module repeats torch's single-tensor update
+on a flat slice, with the same operations in the same order, and keeps the state in torch's own
+format, so a checkpoint of either path loads into the other and either may take over at any
+round. The operations are element-wise, so a slice gets the same bits as the whole tensor.
+Anything else (another class, ``fused``, ``capturable``, ``amsgrad``, tensor hyper-parameters):
 ``fast_outer_kind`` returns ``None`` and the caller keeps ``optimizer.step()``.
 
-Ownership: the slices passed in are views the caller owns; the functions write the anchor and
-state slices in place. The gradient slice is scratch: it is overwritten with intermediate
-values (torch's temporaries, computed in place with the same operations and the same bits), so
-a step allocates nothing but a negated copy under ``maximize``.
+Ownership: the caller owns the slices; anchor and state slices are written in place, and the
+gradient slice is scratch (overwritten with intermediates).
 """
 
 from __future__ import annotations

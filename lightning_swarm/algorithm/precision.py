@@ -1,24 +1,14 @@
 """Outer steps on low-precision anchors, done in float32.
 
-Stored anchors may be bfloat16 (``anchor_dtype``) to halve their resident memory. Stepping a
-torch optimizer directly on them would do the update in bfloat16 and round it to the nearest
-representable value: an outer update smaller than half a bfloat16 step (about 0.2% of the
-weight) would vanish every round, and since the islands are reset to the anchors after each
-round, training would silently stall.
+Stepping a torch optimizer on bfloat16 anchors would round every update to bfloat16, and an
+update under half a step would vanish every round: training would silently stall. So the step
+runs on float32 working copies with float32 optimizer state, and the result is written back with
+stochastic rounding (unbiased, so small updates add up). The noise comes from a generator the
+caller seeds with a value every island shares, so all ranks store identical anchors and a resume
+repeats it. float16 anchors round to nearest; float32 anchors skip this path.
 
-So the outer step runs on float32 working copies, with the outer optimizer's state (e.g.
-momentum) kept in float32, and the result is written back to the stored anchors with
-*stochastic rounding*: each value rounds up or down with probabilities proportional to its
-distance from the two neighbours, so the stored anchor is unbiased and small updates add up
-over rounds instead of vanishing. The rounding noise comes from a generator seeded by the
-caller with a value every island shares (the outer-step count), so all ranks store bitwise
-identical anchors and a resumed run repeats the same noise.
-
-float16 anchors are written back with round-to-nearest (its 10-bit mantissa loses less; no
-stochastic variant is implemented). Float32 anchors take none of this path.
-
-Ownership: the float32 working copies live only during ``float32_outer_step``; the optimizer's
-state tensors are owned by the optimizer and stay float32 between rounds.
+Ownership: the working copies live only during ``float32_outer_step``; the optimizer owns its
+state, which stays float32 between rounds.
 """
 
 from __future__ import annotations

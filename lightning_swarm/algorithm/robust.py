@@ -1,24 +1,11 @@
 """Aggregation rules over islands' contributions to ONE parameter (or one block of it).
 
-Every function takes a sequence of same-shaped tensors, one per accepted island in island order,
-and returns a new tensor of that shape; the inputs are never modified. The swarm transport calls
-them block by block (a slice of one parameter from each island), so the memory they use is
-``len(tensors)`` x one block, never islands x model.
-
-Results are computed elementwise with a fixed order of operations (island order for sums, a
-sorting network of elementwise minimum / maximum for order statistics, ``torch.sort`` past 32
-contributions), so applying a rule to a whole tensor or to consecutive slices of it gives
-bitwise identical results: blocking is invisible in the output.
-
-Rules:
-- ``mean``: the plain average.
-- ``weighted_mean``: sum of ``w_i * x_i`` divided by the sum of the weights used.
-- ``median``: coordinate-wise median; with an even count the mean of the two middle values
-  (numpy's convention, not torch.median's lower median).
-- ``trimmed_mean``: per coordinate, drop the ``floor(trim_ratio * n)`` smallest and as many
-  largest values, average the rest (scipy.stats.trim_mean's convention).
-
-Lower-precision inputs are accumulated in float32 and cast back to their dtype.
+Each rule takes same-shaped tensors, one per accepted island in island order, and returns a new
+tensor; inputs are never modified. Work is element-wise in a fixed order, so a rule applied to
+consecutive slices gives the bits it gives the whole tensor: blocking is invisible, and memory is
+islands x one block. ``median`` of an even count is the mean of the middle two (numpy's
+convention); ``trimmed_mean`` drops ``floor(trim_ratio * n)`` values at each end (scipy's).
+Lower-precision inputs accumulate in float32.
 """
 
 from __future__ import annotations

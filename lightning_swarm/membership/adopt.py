@@ -1,26 +1,14 @@
 """Which round a member of a quorum averages: its own, or the swarm's (Streaming DiLoCo).
 
-With fragments, each elastic round syncs one fragment, and the round's collectives only line
-up when every member averages the same fragment's tensors. Members that trained together are
-in step (their schedules count the same inner steps), but an island being healed is not: a
-joiner at its first round, or an island back from a stop that missed rounds, may be at another
-fragment or another step. So the round header carries each member's place (``RoundPlace``:
-fragment, the inner step it was sent after and the one it applies at), and every member decides
-from the header alone (``plan_round``), the same way everywhere:
+A round's collectives line up only when every member averages the same fragment, and an island
+being healed may be elsewhere in its schedule. So every member decides from the round header
+alone (``plan_round``), alike everywhere: the swarm's place is the reference's; an island being
+healed averages zeros for that fragment and adopts the swarm's round (its own dropped, residuals
+restored), so its anchors end equal; a live member out of step makes everyone abandon the round
+and takes the swarm's clock.
 
-- the swarm's place is the reference's (``round_header.reference_index``: the first member not
-  being healed);
-- an island being healed averages zeros for the swarm's fragment (it is not counted) and
-  *adopts* the swarm's round: after the round its own round is dropped (not applied, its
-  error-feedback residuals restored), it takes the healed state and the swarm's clock, and
-  applies the swarm's averaged fragment as the others do, so its anchors end bitwise equal;
-- a member not being healed whose fragment differs from the swarm's (no heal will align it:
-  it has the swarm's committed rounds) makes every member abandon the round, and it adopts the
-  swarm's clock without applying anything, so the next round lines up.
-
-``AdoptedRound`` is what the outer loop receives to finish that on its training thread;
-``RoundAdoption`` applies the rule round after round for one island. Nothing in this module
-talks to the network except ``share_adopted`` (the island's fan-out).
+``AdoptedRound`` is finished by the outer loop on its training thread. Only ``share_adopted``
+talks to the network.
 """
 
 from __future__ import annotations

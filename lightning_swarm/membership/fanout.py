@@ -1,22 +1,13 @@
 """The membership's collectives inside one island: rank 0's fan-out, and the ranks' agreements.
 
-Fan-out (an island whose outer state is not shared out, ``shard_outer=False``): only rank 0 of
-the island talks to torchft. Its other ranks hold the same parameters and anchors (DDP inside
-the island), so they need exactly what rank 0 learnt: an error, whether the round committed,
-the averaged tensors, and a healed state. ``IslandFanout`` broadcasts these over a gloo group
-of the island's ranks, with tensors on the CPU.
+``IslandFanout`` (``shard_outer=False``): only rank 0 talks to torchft, and broadcasts to the
+island what it learnt (an error, the commit verdict, the averaged tensors, a healed state). With
+per-rank Managers, ``all_true``, ``agree_round`` and ``share_text`` make the ranks end a round
+alike (one error, the lowest failing rank's; one commit verdict).
 
-Agreements (an island whose ranks each own a share, every rank with a torchft Manager of its
-own): each rank learns its own round; ``all_true``, ``agree_round`` and ``share_text`` make the
-ranks end it alike: one finiteness verdict before the round, one error (the lowest failing
-rank's, raised on every rank), one commit verdict, and whether any rank was healed.
-
-The group: gloo, with tensors on the CPU. In an island whose own group is NCCL (GPUs),
-``IslandFanout`` creates a gloo group beside it (``dist.new_group`` is collective over the
-whole world: with ``membership="torchft"`` the world is the island, so every rank creates it,
-in the same place) and destroys it in ``close``; a tensor on an accelerator travels through a
-CPU copy. With an island of one rank every call is a no-op that returns its input. Every rank
-of the island must make the same calls in the same order; all of them are collective.
+The group is gloo, tensors travel through the CPU; beside an NCCL island group it is created
+here and destroyed in ``close``. Every call is collective over the island, in the same order on
+every rank; with one rank it returns its input.
 """
 
 from __future__ import annotations

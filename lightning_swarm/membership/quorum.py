@@ -1,25 +1,14 @@
 """Asking the lighthouse for a round's quorum, and saying why none came.
 
-``request_quorum`` is the first phase of every elastic round. It rests on these facts about
-torchft 0.2.0, measured on this machine:
+Why the retries and resets: torchft's manager server asks the lighthouse again only
+``quorum_retries`` times, so ``quorum_retries_for`` spaces retries about ``RETRY_SPACING_S``
+apart to find a lighthouse restarted within ``quorum_timeout_s``; a failed quorum stays in the
+Manager's future until ``torchft_private.forget_failed_quorum`` clears it; and an island back from
+a suspension (``SuspensionWatch``) asks again with a whole timeout, because its clock ran on while
+it was stopped.
 
-- The island's manager server forwards a quorum request to the lighthouse; when that fails (the
-  lighthouse is down) it asks again only ``quorum_retries`` times, reconnecting in between and
-  spacing the attempts ``timeout / (quorum_retries + 1)`` apart (at least 0.1 s). Without
-  retries the island's request then hangs until its timeout, and a lighthouse restarted
-  meanwhile never hears from it: a lighthouse restart ended every island.
-  ``quorum_retries_for`` asks again about every ``RETRY_SPACING_S``, so a lighthouse restarted
-  on its address within ``quorum_timeout_s`` is found again and the swarm goes on.
-- A failed quorum stays in the Manager's future and its next ``start_quorum`` raises it again;
-  ``torchft_private.forget_failed_quorum`` clears it so that the island can ask anew.
-- A process stopped with SIGSTOP (or starved) keeps its monotonic clock running, so its
-  request times out the moment it continues. When ``SuspensionWatch`` saw the island away
-  during a request, the swarm went on without it: it asks again with a whole
-  ``quorum_timeout_s`` (it is behind, and that quorum heals it) instead of giving up at once.
-
-Invariant: every way out of ``request_quorum`` other than a quorum is a ``MembershipError``
-whose message says which of three things happened: the lighthouse is gone, too few islands
-came, or the island came back from a suspension to find no swarm.
+Invariant: every way out other than a quorum is a ``MembershipError`` saying which happened: the
+lighthouse is gone, too few islands came, or the island came back to find no swarm.
 """
 
 from __future__ import annotations

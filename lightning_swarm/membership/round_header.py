@@ -1,23 +1,12 @@
 """The round header: what each member of a quorum tells the others before a pseudo-gradient moves.
 
-Every elastic round all-gathers one small int64 row per island over the quorum's process group
-(``HeaderRow``). From the rows alone every member reaches the same verdict (``judge``), so all
-of them abandon a round together, and only the island at fault raises:
-
-- a pseudo-gradient with NaN or inf (its island leaves, ``DivergedIslandError``);
-- two live islands with one ``island_id`` (the later one leaves, ``DuplicateIslandError``);
-- a model whose layout differs from the swarm's (``ModelMismatchError``);
-- DiLoCo settings that differ from the swarm's (``SettingsMismatchError``): the settings that
-  make two islands' rounds mean the same thing (``swarm_settings``: the ``SwarmConfig`` fields
-  marked ``"islands"``, ``config.ISLAND_SETTINGS``: sync_every, fragments and their layout,
-  sync_delay, merge_alpha, quantization, error feedback, the anchors' dtype; and the outer
-  optimizer's class and hyper-parameters).
-
-The swarm's reference is the first member that is not being healed (the islands already in the
-swarm), else the first member. The row carries only a hash of the settings; when the hashes
-disagree, every member (the decision is the same everywhere) exchanges the settings themselves
-(``settings_tensor``) so that the refused island names each setting that differs and both
-values. Nothing in this module talks to the network.
+Each round all-gathers one int64 row per island (``HeaderRow``); from the rows alone every member
+reaches the same verdict (``judge``), so all abandon a round together and only the island at fault
+raises: a non-finite pseudo-gradient, a duplicate ``island_id``, a different model layout, or
+different settings (``swarm_settings``: ``config.ISLAND_SETTINGS`` and the outer optimizer). The
+reference is the first member not being healed. Rows carry a hash of the settings; when hashes
+differ the settings themselves are exchanged, so the error names each difference. Nothing here
+talks to the network.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """One rank's torchft Manager: its process group, heal transport and quorum identity.
 
-torchft calls the ranks of one island a replica group. Each rank that exchanges pseudo-gradients
-across islands has a ``Manager`` of its own, built by ``start_manager`` with its position in the
-island (``rank``) and the island's size (``world_size``):
+``start_manager`` builds a ``Manager`` for a position in the island (``rank``) of an island of
+``world_size``. With one Manager per island (``world_size=1``) rank 0 fans out. With one per rank,
+position 0 hosts the island's manager server (the lighthouse's one client), every position asks
+it for the quorum and votes through it, and rank r's process group joins rank r of every island.
+``IslandStore`` is the island's ``TCPStore`` on position 0; ``QuorumIdentity`` gives every quorum
+and rank a group of its own.
 
-- ``world_size=1``: the island exchanges through its rank 0 only (``IslandFanout`` hands the
-  round to its other ranks); rank 0 builds the one Manager of its island.
-- ``world_size=k``: every rank of the island owns a share of the outer state and exchanges it
-  itself. torchft's own design: the Manager at position 0 hosts the island's manager server
-  (the one client of the lighthouse, heartbeats included), every Manager of the island asks it
-  for the quorum and votes through it, so the commit vote is island-wide; rank r's process
-  group connects rank r of every island of the quorum, and a joiner's rank r is healed from
-  rank r of a live island.
-
-``IslandStore`` is the island's rendezvous for that: a ``TCPStore`` hosted by position 0, where
-the manager server publishes its address for the other positions. Other islands set their
-process groups up in the store of the quorum's first up-to-date island, under a prefix of
-their own per quorum and rank (``QuorumIdentity``: a new group for every quorum).
-
-Ownership: the returned ``RankManager`` holds the Manager, its process group and its heal
-transport; ``TorchftMembership.close`` shuts the Manager down. The island's ``IslandStore``
-lives as long as the membership (position 0 owns the server).
+Ownership: ``RankManager`` holds the Manager, its process group and heal transport;
+``TorchftMembership.close`` shuts it down. The ``IslandStore`` lives as long as the membership.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Allocator byte counters, told apart as gauges or running totals.
 
-torch's caching allocators (``torch.cuda.memory_stats`` for device memory,
-``torch.cuda.host_memory_stats`` for pinned host memory) report each statistic as four numbers:
-``current``, ``peak``, ``allocated`` (all increases ever) and ``freed`` (all decreases ever), so
-``current == allocated - freed``. A statistic whose ``freed`` moves is a *gauge*: it goes up and
-down with what is held. One whose ``freed`` never moves while ``current`` climbs behaves as a
-*running total*: its ``current`` only ever rises, and read as a gauge it shows a leak that is not
-there (the pinned allocator's ``active_bytes`` has been seen doing exactly this). Subtracting a
-running total from a gauge goes negative and stays there, so never mix the two.
+torch's caching allocators report ``current``, ``peak``, ``allocated`` and ``freed`` per
+statistic. A counter whose ``freed`` moves is a gauge; one whose ``freed`` never moves while
+``current`` climbs is a running total, which read as a gauge shows a leak that is not there. Never
+subtract one kind from the other. ``CounterClassifier`` decides per counter from the history it
+has seen and leaves it unclassified until something happened.
 
-This module works on the flat snapshot dicts those functions return (``"stem.current"`` keys,
-device stats with a pool segment such as ``"allocated_bytes.all.current"``); it imports no torch,
-so recorded snapshots test it. Only byte counters are kept, and for device stats only the
-``all`` pool (``small_pool``/``large_pool`` are a split of it).
-
-Classification needs history: ``CounterClassifier`` remembers, per counter, the ``freed`` value
-first seen, and calls a counter a gauge once ``freed`` has moved from it or was already nonzero
-(a decrease happened before we looked), a running total while ``freed`` sits at zero and
-``current`` is positive, and leaves it unclassified while nothing has happened.
+Works on the flat snapshot dicts (byte counters only; device stats of the ``all`` pool) and
+imports no torch, so recorded snapshots test it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Reading host memory from Linux procfs, as text in and integers (bytes) out.
 
-Every parser here takes the *text* of a procfs file, so a recorded file tests exactly like a
-live one. ``ProcReader`` is the only code that touches the file system; its ``root`` can be
-pointed at a directory of recorded files, or at a path that does not exist to play a machine
-without a readable /proc.
+Parsers take a file's text, so recorded files test like live ones; ``ProcReader`` alone touches
+the file system (``root`` may point at recorded files, or nowhere to play a machine without
+/proc). ``status`` and ``meminfo`` cost the same at any size; ``smaps_rollup`` walks page tables
+and grows with resident memory (figures in ``docs/census.md``), hence two cadences.
 
-Cost model (why two cadences exist):
-- ``/proc/self/status`` and ``/proc/meminfo`` are formatted from counters the kernel already
-  keeps: constant cost, tens of microseconds, at any resident size.
-- ``/proc/self/smaps_rollup`` and ``/proc/self/smaps`` walk this process's page tables: their
-  cost grows with resident memory (measured here around 8.5 ms per resident GiB).
-- ``/proc/self/maps`` lists mappings without touching page tables: its cost grows with the
-  number of mappings, not with resident size.
-
-Invariants:
-- Sizes in procfs are printed in kB (KiB); every value returned here is in bytes.
-- A field absent from the text is absent from the result, never zero.
-- Each read opens the file afresh: a descriptor of ``/proc/self/...`` kept across a ``fork``
-  would go on describing the parent.
+Invariants: values are bytes (procfs prints kB); an absent field is absent, never zero; each read
+opens the file afresh, since a descriptor kept across ``fork`` would describe the parent.
 """
 
 from __future__ import annotations

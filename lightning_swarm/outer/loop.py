@@ -1,23 +1,13 @@
 """``OuterLoop``: every optimizer's outer state, the round worker, the totals and the figures.
 
-The Lightning glue builds one ``OuterLoop`` per fit, at setup, from the optimizers Lightning
-built, and calls ``on_inner_step`` after each real inner optimizer step; everything between that
-call and the transport happens here and in ``OuterSync``. It never imports lightning.
+Built once per fit from Lightning's optimizers; ``on_inner_step`` is called after each real inner
+step. It never imports lightning.
 
-Ownership and lifetime:
-- ``outer_syncs``: one ``OuterSync`` per optimizer that trains floating parameters, in optimizer
-  order; they own the anchors and outer optimizer state. Built at construction, kept after
-  ``close`` so that figures and counters can still be read once fit is over.
-- ``transport``: handed in at construction and owned from then on; ``close`` closes it.
-- the ``SyncWorker`` (only when ``sync_delay > 0``): created here, drained and joined by
-  ``close``, which must run before the caller destroys the process groups the worker uses.
-- ``totals``: running sums of this rank's rounds over all optimizers. The caller may hand in
-  the instance to update (a resume restores its fields).
-- The live parameters stay the LightningModule's; rounds overwrite or mix into them in place.
-  A DTensor parameter (FSDP2 / tensor parallel inside an island) is handed to its ``OuterSync``
-  as its local shard (``local_shard``): a view of the parameter's own storage, so that an
-  in-place write reaches the module. The view lives as long as the loop; it stays valid because
-  FSDP2 steps and all-gathers from that same storage (checked by ``tests/test_fsdp_islands.py``).
+Ownership: ``outer_syncs`` (one per optimizer with floating parameters) own the anchors and outer
+state and outlive ``close`` for reading. The transport is owned from construction and closed by
+``close``, as is the ``SyncWorker``; ``close`` must run before the process groups are destroyed.
+Parameters stay the module's, written in place; a DTensor parameter is handed over as its local
+shard, a view of its own storage that stays valid because FSDP2 steps from that storage.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """``SyncState``: everything one ``OuterSync``'s rounds read and write, in one record.
 
-``OuterSync`` (``outer/sync.py``) builds one ``SyncState`` and hands it to its members: the
-round engine it chose (``TwoPhaseRound`` or ``BucketedEngine``) and its checkpoint state
-(``SyncCheckpoint``). Each member reads and writes these fields and nothing else, so the fields
-are annotated and documented once, here.
+The round engine and ``SyncCheckpoint`` read and write these fields and nothing else.
 
-Ownership and lifetime:
-- ``params`` are the model's live parameters, owned by the LightningModule; an applied round
-  overwrites (or mixes into) them in place. ``params`` and ``fragments`` name every trained
-  parameter, also when sharded.
-- ``anchors`` are owned here: one tensor per ``owned`` name, on ``anchor_device`` in
-  ``anchor_dtype``, never aliased to a parameter; they hold the pure global model (no alpha
-  mixing). The outer optimizer is built over them and owns its state (on the same device).
-- Sharded (``shard``): only the ``owned`` names have anchors, outer state, pseudo-gradients and
-  residuals on this rank; counters are island-wide (the shares agree every round).
-- ``residuals`` (error feedback) are per-island state, like the inner optimizer's; anchors,
-  outer state, counters and a round in flight are global.
-- ``in_flight`` is the one round between its send and its apply (two-phase rounds only).
+Ownership: ``params`` are the module's, written in place by an applied round. ``anchors`` are
+owned here (one per ``owned`` name, never aliased to a parameter, the pure global model), and the
+outer optimizer over them owns its state. Sharded, only ``owned`` names have anchors, state and
+residuals on this rank; counters are island-wide. ``residuals`` are per-island; anchors, outer
+state, counters and ``in_flight`` (a two-phase round between send and apply) are global.
 """
 
 from __future__ import annotations

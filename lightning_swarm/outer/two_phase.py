@@ -1,26 +1,13 @@
 """The two-phase outer round: send a fragment's pseudo-gradients, apply their average later.
 
-``send`` (after the inner step where the schedule names fragment ``f``) forms the
-pseudo-gradients ``anchor - local`` of the names this rank owns, applies error feedback and
-starts ``transport.average``: inline when ``sync_delay == 0``, else as a job on the
-``SyncWorker`` while training continues. ``apply`` (``sync_delay`` steps later) waits for the
-average, steps the outer optimizer on that fragment's anchors, merges them into the locals and,
-sharded, gathers the new parameters to the whole island. ``OuterSync`` builds this engine
-whenever the bucketed one (``outer/bucketed_engine.py``) cannot serve it: a sync delay, a codec,
-a transport without a bucket mean, an outer optimizer without a functional step, anchors still
-awaiting a resume, or ``stream=False``.
+``send`` forms ``anchor - local`` for the owned names, applies error feedback and starts
+``transport.average``, inline or on the ``SyncWorker`` when ``sync_delay > 0``. ``apply``, later,
+waits for it, steps the anchors, merges them into the locals and, sharded, gathers the island.
+Used whenever the bucketed engine cannot serve.
 
-Ownership and lifetime:
-- A ``RoundInFlight`` lives from its send to its apply; at most one exists per ``OuterSync``
-  (the schedule applies fragment f before fragment f + 1 sends). Its ``deltas`` are full-size
-  float32 pseudo-gradients that the exchange overwrites in place with the average; they are
-  dropped at the apply.
-- Until the worker's future resolves, the round's ``deltas`` and the fragment's error-feedback
-  ``residuals`` belong to the worker thread; the training thread touches them only after
-  ``result`` returned.
-- A failed or skipped exchange restores the residuals it replaced: the round happened nowhere,
-  so its feedback did not either.
-- ``Exchanged`` holds no tensors: only the transport's stats and the averaged norm.
+Ownership: a ``RoundInFlight`` lives from send to apply, at most one per ``OuterSync``. Until the
+worker's future resolves, its ``deltas`` and the fragment's residuals belong to the worker
+thread. A failed or skipped exchange restores the residuals: the round happened nowhere.
 """
 
 from __future__ import annotations

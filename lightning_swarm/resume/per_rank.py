@@ -1,27 +1,13 @@
 """Per-rank swarm files for model-sharded islands (``island_parallel="fsdp"``).
 
-Under FSDP2 / tensor-parallel islands no rank holds an island's whole model, so the island file
-of a DDP save (one per island, written by its first rank) would keep one shard. Here every rank
-writes its own state, and island 0's ranks write the anchors, each its own shard::
+No rank holds a whole model, so every rank writes ``island-IIIII-rank-PPPPP.pt`` (its shards and
+inner state) and island 0's ranks write ``anchors-rank-PPPPP.pt``. Not
+``torch.distributed.checkpoint``: it deduplicates items by (FQN, offset) across its group, and
+every island has the same ones, so it would keep one island. Tensors are saved as ``to_local()``.
 
-    <save_id>/island-IIIII-rank-PPPPP.pt  island I, position P: its module shards and inner
-                                          optimizer state (plain local tensors), totals and
-                                          error-feedback residuals (``IslandRecord``)
-    <save_id>/anchors-rank-PPPPP.pt       shard P's anchors and outer optimizer state
-                                          (``AnchorsRecord``); the same in every island
-
-``torch.distributed.checkpoint`` is not used: it deduplicates write items with the same (FQN,
-offset) across its process group, and every island has the same FQNs and offsets, so a save over
-the world would silently keep one island's shards. Tensors are saved as ``to_local()`` copies,
-never DTensors (a weights-only load of a DTensor carries mesh state).
-
-Invariants:
-- A rank writes, reads and checksums only its own two files: restore I/O does not grow with the
-  number of ranks. Anchors are mapped (``torch.load(mmap=True)``) as in a DDP save.
-- The record's fingerprint holds global shapes and the island mesh (``data_parallel`` x
-  ``tensor_parallel``), so it is the same on every rank; a resume onto another mesh or island
-  count is refused naming both layouts (files hold local shards: no re-sharding yet).
-- Restore installs nothing unless every rank checked its files (``restore.attempt``).
+Invariants: a rank reads and writes only its own files; the fingerprint holds global shapes and
+the mesh, so another mesh is refused naming both; restore installs nothing unless every rank
+checked its files (``restore.attempt``).
 """
 
 from __future__ import annotations

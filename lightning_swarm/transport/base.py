@@ -1,23 +1,14 @@
 """The transport contract: "average these pseudo-gradients across islands".
 
-A transport is the only component that moves pseudo-gradients between islands. The strategy
-hands it one named set of float32 tensors per round (the pseudo-gradients of one fragment of one
-optimizer's parameters: all of them without Streaming DiLoCo) and reads them back averaged over
-islands. How it gets
-there is the transport's business: a bucketed all-reduce, or a rotating aggregator that spools
-peers' payloads to disk, validates them and broadcasts the result.
-
-Contract of ``Transport.average``:
-- ``tensors`` are contiguous float32 tensors owned by the caller, in the same order and with the
-  same names and shapes on every rank of the peer group. They are overwritten in place.
-- On return with ``RoundStats.applied`` true, every rank of the peer group holds the identical
-  mean (equal weights per island unless the transport says otherwise).
-- With ``applied`` false the round was skipped cleanly (e.g. too few valid contributions): the
-  tensors' contents are unspecified and the caller must leave its anchors unchanged.
-- Collective: every rank of the peer group calls it with the same ``round_index``.
-- A pseudo-gradient with NaN or inf on some island: the all-reduce transports raise
-  ``NonFinitePseudoGradientError`` on every rank before anything moves (a mean would poison
-  every island); the swarm transport rejects that island's contribution and aggregates the rest.
+The transport is the only component that moves pseudo-gradients between islands. Contract of
+``Transport.average``:
+- ``tensors`` are contiguous float32, owned by the caller, with the same names, order and shapes
+  on every rank of the peer group; they are overwritten in place.
+- With ``RoundStats.applied`` true every rank holds the identical mean; with it false the round
+  was skipped, the contents are unspecified and the caller leaves its anchors unchanged.
+- Collective: every rank calls it with the same ``round_index``.
+- A non-finite pseudo-gradient: all-reduce transports raise ``NonFinitePseudoGradientError`` on
+  every rank before anything moves; the swarm transport drops that island's contribution.
 """
 
 from __future__ import annotations
