@@ -1,20 +1,11 @@
 """``AtomicCheckpointIO``: Lightning's checkpoint file written in place, atomically (glue).
 
-Lightning's ``TorchCheckpointIO`` serialises the whole dict into memory and lets fsspec write
-it to a temporary file in the system's temporary folder, then moves it over the checkpoint: on
-another filesystem that move is a copy, and a full disk mid-copy leaves a truncated ``.ckpt``
-under the real name, which ``ckpt_path=last`` would then pick. Here the file goes through
-``lightning_swarm.resume.atomic.atomic_save`` (temporary file in the checkpoint's own folder,
-fsync, rename): the old file or the complete new one, never a part, and a full disk raises
-``DiskFullError`` naming the file and the bytes it needs.
-
-``SwarmStrategy`` uses it unless the user gave a checkpoint IO of their own
-(``Trainer(plugins=[...])``), which is kept as it is. Remote paths (``s3://...``) and
-``storage_options`` go to ``TorchCheckpointIO`` unchanged; loading is ``TorchCheckpointIO``'s.
-
-Also here, for the strategy's checkpoint hooks: ``save_failure`` (what the other ranks learn
-when global rank 0 could not write the file) and ``read_lightning_file`` (a truncated or
-damaged ``.ckpt`` refused with its name, not torch's bare ``Invalid argument``).
+Lightning's ``TorchCheckpointIO`` writes to the system's temporary folder and moves the file
+over the checkpoint; across filesystems that move is a copy, and a full disk leaves a truncated
+``.ckpt`` under the real name. Here the file goes through ``resume.atomic.atomic_save``: the old
+file or the whole new one, and a full disk raises ``DiskFullError``. A user's own checkpoint IO
+is kept; remote paths and loading are ``TorchCheckpointIO``'s. ``save_failure`` and
+``read_lightning_file`` serve the strategy's checkpoint hooks.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """``IslandDDPStrategy``: Lightning's DDP confined to each island (Lightning glue).
 
-The base of ``SwarmStrategy``: it splits the world into islands (``IslandTopology``), creates
-the island and peer process groups, starts every rank from global rank 0's weights and wraps
-the module in DDP over its island's group only. Nothing here crosses islands after that first
-broadcast; the outer loop does, in ``lightning_swarm.strategy``.
-
-With ``island_parallel="fsdp"`` there is no DDP wrapper: an ``IslandFSDP`` member
-(``lightning_swarm.island_fsdp``) gives the module its island's device mesh for
-``configure_model``, checks the module sharded itself, aligns the islands shard by shard and
-splits the data over ``islands x data_parallel`` replicas.
+The base of ``SwarmStrategy``: it splits the world into islands, creates the island and peer
+groups, starts every rank from global rank 0's weights and wraps the module in DDP over its
+island only; nothing here crosses islands after that broadcast. With ``island_parallel="fsdp"``
+an ``IslandFSDP`` member takes DDP's place.
 
 Lifetime of the groups: created in ``setup_distributed``, destroyed at the very end of
-``teardown``, after Lightning unwrapped the module (its DDP reducer is bound to the island
-group) and after a subclass closed whatever used the peer group.
+``teardown``, after Lightning unwrapped the module (its DDP reducer is bound to the island group)
+and after a subclass closed whatever used the peer group.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The Hydra app: compose a run from the package's ``conf/`` and train it.
 
-``swarm-train trainer.devices=4 strategy.sync_every=50 strategy.island_size=2`` (or
-``python -m lightning_swarm.cli ...``) reads ``conf/train.yaml`` (``conf_dir``: the checkout's
-copy, shipped inside an installed wheel) and its groups (trainer, strategy, model, data,
-callbacks, logger), validates the options before any process starts (``cli.preflight``), trains,
-and on global rank 0 prints a summary and writes ``summary.json`` and ``loss.png`` into the run
-directory.
-
-Every ``instantiate`` converts OmegaConf containers to plain Python (``_convert_="all"``) and
-the module's and datamodule's hyper-parameters are made plain once more before fit, so no
-OmegaConf object reaches a checkpoint (Lightning's weights-only load refuses them).
-
-The strategy's structured config is ``cli.schema``; pre-launch checks are ``cli.preflight``;
-the printed summary is ``cli.summary``.
+``swarm-train`` reads ``conf/train.yaml`` and its groups, validates the options before any
+process starts (``cli.preflight``), trains, and on global rank 0 writes ``summary.json`` and
+``loss.png``. Every ``instantiate`` converts OmegaConf containers to plain Python, and the
+module's hyper-parameters are made plain again before fit, so no OmegaConf object reaches a
+checkpoint (Lightning's weights-only load refuses them).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The quantized mean of a round's pseudo-gradients over the quorum, flat in islands.
 
-The static path's quantized reduce-scatter and all-gather (``transport/coded_mean.py``, cut by
-``transport/pieces.py``) run here over the quorum's torchft ``ProcessGroupGloo``. That group
-has no reduce-scatter (torchft raises for it) but forwards ``alltoall_base`` to gloo, which
-is all the exchange needs. The island's place in the exchange is its rank in the quorum's
-group; every member of the quorum owns a share, the island being healed too.
-
-As ``Manager.allreduce`` does for the float32 mean, an island being healed contributes zeros
-and the owners divide by ``manager.num_participants()``, not the group's size. Every island
-decodes the same encoded mean, so the anchors stay bitwise equal on every island.
-
-A failed exchange (a member died) is reported to the manager (``report_error``), which makes
-the commit gate vote no; the tensors then hold garbage that the abandoned round never applies.
+The static path's quantized reduce-scatter runs here over the quorum's torchft gloo group, which
+lacks reduce-scatter but forwards ``alltoall_base``. Every member owns a share, an island being
+healed too; it contributes zeros and the owners divide by ``manager.num_participants()``. Every
+island decodes the same encoded mean, so anchors stay bitwise equal. A failed exchange is
+reported to the manager, so the commit gate votes no and the garbage is never applied.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The quorum's process group: torchft's reconfigurable gloo group, set up once per quorum over
 a kept store connection.
 
-``QuorumIdentity`` has torchft set the group up for every quorum. torchft's own
-``ProcessGroupGloo.configure`` opens a new ``TCPStore`` client for every set-up, and on this
-machine (torch 2.13, loopback) about one ``TCPStore`` client in 50 hangs in its connect until
-the timeout (measured: 1 to 4 of 200 clients, against a server in another process, legacy or
-libuv alike; 2000 plain socket connects never did). With a new client every round, the
-two-rank joiner test of three islands saw 10 to 16 failed set-ups per island and took 162 s
-instead of 30 s. ``QuorumGroup`` keeps one client per store address and sets every group up
-on a ``PrefixStore`` of it, so a set-up costs gloo's rendezvous and connects, not a new store
-connection.
+torchft's ``ProcessGroupGloo.configure`` opens a new ``TCPStore`` client per set-up, and such
+connects sometimes hang until the timeout (``docs/elastic.md``). ``QuorumGroup`` keeps one client
+per store address and sets every group up on a ``PrefixStore`` of it.
 
-Ownership: the kept clients belong to the group; a client whose set-up failed is dropped (the
-store's island may be gone) and the next set-up on that address connects anew. At most
-``KEPT_STORES`` addresses are kept: the quorum's store moves only when its first island changes.
+Ownership: the kept clients belong to the group; a client whose set-up failed is dropped and the
+next set-up connects anew. At most ``KEPT_STORES`` addresses are kept.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Noticing quorums that leave live islands out: a lighthouse whose join timeout is too short.
 
-torchft's lighthouse forms a quorum once ``--min-islands`` islands asked for one and its join
-timeout has run out for the earliest of them. DiLoCo islands ask once per round, each when its
-inner steps are done, so a join timeout shorter than the spread of those moments (torchft's own
-``LighthouseServer`` defaults to 100 ms) forms quorums without islands that are alive and about
-to ask. Measured here with it: an island stepping at 0.12 s against two at 0.05 s was left out
-of every quorum, healed each time, and never committed a round.
-
-``QuorumWatch`` reads each round header's members, (island id hash, nonce): a member that was
-in one round, missing from a later one, and back with the same nonce was alive all along (a
-restarted island has a new nonce). After ``returns_to_warn`` such returns it warns once, naming
-the setting and the fix. A single return can be a suspended island coming back, so one is not
-enough.
+A lighthouse forms a quorum once its join timeout ran out for the earliest asker, so a timeout
+shorter than the spread of the islands' round ends leaves live islands out (``docs/elastic.md``).
+``QuorumWatch`` reads each header's (island id hash, nonce): a member missing from one round and
+back with the same nonce was alive all along. After ``returns_to_warn`` such returns it warns
+once, naming the fix; one return alone may be a suspended island.
 """
 
 from __future__ import annotations

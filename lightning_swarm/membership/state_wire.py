@@ -1,17 +1,9 @@
 """A state tree on the wire without pickle: a JSON header plus raw tensor bytes.
 
-Healing moves a live island's anchors, outer optimizer state and counters to a joiner, and an
-island's rank 0 hands the same state to its other ranks. Neither path may unpickle bytes that
-came from a peer, so a state tree (nested dicts with str or int keys, lists, tuples, tensors and
-plain scalars) is split into:
-
-- a JSON header describing the tree, each tensor by dtype and shape, and
-- the tensors' raw bytes, in header order, as contiguous ``uint8`` views.
-
-``decode_tree`` rebuilds the tree from a header and received byte tensors; anything the header
-names that is not in this closed vocabulary raises ``ValueError``. The encoded byte tensors
-alias the caller's tensors (when already contiguous): they are valid only while the caller's
-state is left untouched, i.e. for the duration of one send.
+Healing must not unpickle a peer's bytes, so a tree of dicts, lists, tuples, tensors and plain
+scalars becomes a JSON header (each tensor by dtype and shape) and the tensors' bytes as
+``uint8`` views. ``decode_tree`` refuses anything outside that vocabulary with ``ValueError``.
+The byte tensors alias the caller's contiguous tensors: valid only for the duration of one send.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Every private name of torchft (and of torch's gloo group under it) that elastic membership
 reads or writes, in one place.
 
-torchft 0.2.0's public API (``Manager``, ``torchft.coordination``, ``ProcessGroupGloo``) serves
-everything else; for the needs below it has no public way, so each is one small function here
-whose docstring names the private attribute, why no public API serves and what breaks if
-torchft changes it. ``tests/test_torchft_private.py`` has one test per name.
-
-Contract: a private name missing from the installed torchft raises ``TorchftVersionError``
-naming it, the torchft version this module was written for and the fix, never an
-``AttributeError`` deep inside a round. Class attributes are checked by ``check_torchft``
-(before the first Manager is built); instance attributes are checked when used, before they
-are written (an assignment to a renamed attribute would otherwise succeed and do nothing).
-
-torchft is imported only inside these functions: this module is imported with the package,
-and torchft is an optional extra.
+Each need torchft's public API does not serve is one small function whose docstring names the
+private attribute and why; ``tests/test_torchft_private.py`` has one test per name. A missing name
+raises ``TorchftVersionError`` naming it and the fix, never an ``AttributeError`` inside a round:
+class attributes are checked by ``check_torchft``, instance attributes before they are written.
+torchft, an optional extra, is imported only inside these functions.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Host-memory samples on two cadences, a psutil stand-in, and the end-of-run summary.
 
-``HostSampler.sample_fast`` reads only constant-cost sources (``/proc/self/status``,
-``/proc/meminfo``) and is meant for every step; ``HostSampler.sample_slow`` reads the
-page-walking ``/proc/self/smaps_rollup`` and times itself, for a rare cadence. Keys are
-``"<source>/<field>_bytes"`` so every number says where it came from.
-
-Where a procfs file cannot be read (no /proc, a locked-down container), the sampler falls back,
-per source, to psutil for what psutil can measure without walking page tables (this process's
-RSS, the node's available memory) and to ``resource.getrusage`` for the peak RSS. What neither
-can measure (anonymous memory, dirty private pages) is absent from the sample, never zero.
-
-``RunSummary`` folds samples into peak RSS, peak anonymous memory and the least-squares slope of
-anonymous memory against the step, in constant memory: it keeps exact integer sums, not the
-series, so a million-step run costs the same as a ten-step one and the slope does not lose
-precision to float cancellation.
+``sample_fast`` reads constant-cost sources, for every step; ``sample_slow`` walks page tables
+and times itself. Keys are ``"<source>/<field>_bytes"``. Without procfs, psutil and
+``getrusage`` stand in; what they cannot measure is absent, never zero. ``RunSummary`` keeps
+exact integer sums, not the series: constant memory, and a slope free of float cancellation.
 """
 
 from __future__ import annotations

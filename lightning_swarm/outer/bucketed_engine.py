@@ -1,16 +1,10 @@
 """The bucketed round engine of one ``OuterSync``: each due round in one pass over its buckets.
 
-``BucketedEngine`` runs a fragment's whole round (no delay) through ``BucketedRound``
-(``outer/bucketed.py``): pseudo-gradient, mean, outer step and merge bucket by bucket, with no
-full-size temporary. ``OuterSync`` builds it, instead of the two-phase engine, when
-``bucketed_kind`` says the round can take this form: the transport offers a bucket mean
-(all-reduce), ``sync_delay == 0``, the anchors are installed, every anchor and parameter is
-contiguous and the outer optimizer has a functional step (SGD, Adam, AdamW). The choice is made
-when the sync is built and again when a resume installs new anchors and a new outer optimizer:
-nothing else changes those conditions, so it is never re-made per round.
-
-It reads and writes the sync's ``SyncState`` only; its reused buffers (inside ``BucketedRound``)
-live as long as the engine.
+``BucketedEngine`` runs a fragment's round through ``BucketedRound`` with no full-size
+temporary. ``bucketed_kind`` allows it for a bucket-mean transport, no delay, installed contiguous
+anchors and an outer optimizer with a functional step; those conditions change only when a
+resume installs anchors, so the choice is never re-made per round. It touches only the sync's
+``SyncState``; its reused buffers live as long as the engine.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """An ``OuterSync``'s checkpoint state: what a save holds and how a resume installs it.
 
-Two kinds of state, saved to different files:
-- global (``state_dict``): the anchors, the outer optimizer's state, the counters and a round in
-  flight (its averaged result, identical on every island, so a resumed run applies it at the
-  same step as an uninterrupted one). Tensors stay on the anchor device; the dict aliases the
-  live anchors, so the caller must write it out before the next round moves them.
-- per island (``island_state_dict``): the error-feedback residuals, like the inner
-  optimizer's state. Sharded with error feedback this is collective over the island.
-
-``load_state_dict`` adopts the given anchor tensors when they already have this object's anchor
-device and dtype (memory-mapped anchors stay file-backed until a round writes them) and
-rebuilds the outer optimizer over them; sharded, it keeps only the owned names, selecting the
-optimizer's positional state by the saved ``param_names``. A saved round in flight must be the
-one this run's schedule expects, or the resume is refused.
+``state_dict`` is global: anchors, outer state, counters and a round in flight (its averaged
+result, so a resume applies it at the same step). It aliases the live anchors: write it out
+before the next round. ``island_state_dict`` holds the residuals (collective over the island when
+sharded). ``load_state_dict`` adopts anchors already on the right device and dtype (mapped ones
+stay file-backed), keeps only owned names when sharded, and refuses a round in flight the
+schedule does not expect.
 """
 
 from __future__ import annotations

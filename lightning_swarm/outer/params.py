@@ -1,17 +1,9 @@
 """Which of an optimizer's parameters the outer loop holds, and the checks that keep it so.
 
-The outer loop holds an anchor of every floating parameter an optimizer trains, by module name,
-in a rank-independent order (``trained_params``). A parameter with ``requires_grad=False`` at
-setup cannot change while it stays frozen: torch's optimizers skip a parameter without a
-gradient, and every island starts from global rank 0's weights. With
-``frozen_params="exclude"`` (the default) such a parameter gets no anchor and is never
-exchanged, which saves its anchor memory and its bytes in every round.
-
-Invariant: a left-out parameter never trains. ``ParameterWatch.check`` runs before each inner
-step, before anything has moved; a left-out parameter that was unfrozen since setup (e.g. by a
-fine-tuning schedule) is refused there with the fix (``frozen_params="sync"`` keeps frozen
-parameters in the outer loop, so that they can be unfrozen and synced later). An optimizer that
-gains or loses parameters after setup (``add_param_group``) is refused the same way.
+Every floating parameter an optimizer trains gets an anchor, in a rank-independent order. With
+``frozen_params="exclude"`` a parameter frozen at setup gets none and is never exchanged: it
+cannot change while frozen. Invariant: a left-out parameter never trains; ``ParameterWatch.check``
+refuses, before each inner step, one unfrozen since setup or a changed param group, with the fix.
 """
 
 from __future__ import annotations

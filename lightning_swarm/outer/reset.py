@@ -1,20 +1,9 @@
 """Restarting an island whose contribution was rejected for NaN or inf (swarm transport).
 
-The swarm transport leaves a non-finite contribution out of the mean and still sends the
-round's result to its island, so the island's parameters get the new anchors back at the merge.
-Its inner optimizer state does not: AdamW's moments hold NaN and turn every later step NaN, and
-the island would be rejected in every round to come, training for nothing. ``reset_island``
-therefore, after such a round (applied, or skipped for too few contributions: then the
-anchors it restarts from are the unchanged ones):
-
-- overwrites every parameter of the island with the anchors (all fragments; sharded, each rank
-  writes its own share and the island gathers the rest), whatever ``merge_alpha`` mixed in;
-- forgets the island's error-feedback residuals and clears its inner optimizer's state (the
-  optimizer starts again as at step 0, with its hyper-parameters and schedule unchanged);
-- warns, once per reset.
-
-Sharded, the ranks of an island exchange different shares and may see different verdicts; they
-agree first (a max over the island's group), so the whole island resets or none of it does.
+The island gets the anchors back at the merge, but its inner optimizer state stays NaN and would
+poison every later step. ``reset_island`` overwrites every parameter with the anchors, forgets the
+residuals, clears the inner optimizer's state (hyper-parameters and schedule kept) and warns.
+Sharded, the island agrees first, so it resets whole or not at all.
 """
 
 from __future__ import annotations

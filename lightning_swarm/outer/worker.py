@@ -1,20 +1,10 @@
 """One background thread that runs outer-sync exchanges while training continues.
 
-Streaming DiLoCo hides communication behind inner steps: a fragment's pseudo-gradient is sent
-after inner step ``s`` and its average is needed only after step ``s + sync_delay``. The
-exchange (error feedback, encoding, collectives, decoding) runs here in between; gloo and NCCL
-release the GIL while they wait on the wire, so the training thread keeps computing.
-
-Invariants:
-- One worker thread per strategy, jobs run in submission order. Every rank submits the same
-  jobs in the same order, so collectives match across ranks without further coordination.
-- While a job runs, only this thread touches the transport and its process group. That group
-  must not be one the training thread also uses (Lightning's barriers and broadcasts run on the
-  default group): ``build_groups(..., dedicated_peers=True)`` gives the transport its own.
-- The tensors a job reads and writes belong to the job until its future resolves; the caller
-  touches them only after ``wait``.
-- ``close`` waits for the running job and joins the thread; call it before destroying the
-  process groups the jobs use.
+Invariants: one thread per strategy, jobs in submission order; every rank submits the same jobs
+in the same order, so collectives match. While a job runs only this thread touches the transport
+and its group, which must not be one the training thread uses (``dedicated_peers=True``). A job's
+tensors belong to it until its future resolves. ``close`` joins the thread; call it before the
+process groups are destroyed.
 """
 
 from __future__ import annotations

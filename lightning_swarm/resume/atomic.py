@@ -1,18 +1,10 @@
 """Writing one checkpoint file all at once or not at all, and saying so when the disk is full.
 
-``atomic_save`` is the only way this package writes a checkpoint file, the swarm files and
-(through the strategy's checkpoint IO) Lightning's own file alike:
-
-1. ``torch.save`` streams the object into ``.<name>.tmp-<pid>`` in the file's own directory
-   (the same filesystem, so the rename below is atomic);
-2. the file is flushed and fsynced, then renamed over ``<name>``, then the directory is fsynced;
-3. on any failure the temporary file is removed and ``<name>`` is left as it was: a reader
-   sees the old file or the complete new one, never a part.
-
-A full disk is reported as ``DiskFullError`` naming the file, the bytes it needs and the bytes
-free. torch's zip writer hides the cause (it raises ``unexpected pos 403968 vs 403860`` without
-an errno), so every write goes through ``_CountingWriter``, which remembers the ``OSError`` the
-operating system gave. Imports torch only.
+``atomic_save`` is the only way this package writes a checkpoint file: a temporary file in the
+same directory, fsync, rename, fsync of the directory; on failure the temporary is removed, so a
+reader sees the old file or the whole new one. A full disk raises ``DiskFullError`` with the
+bytes needed and free; ``_CountingWriter`` keeps the ``OSError`` that torch's zip writer hides.
+Imports torch only.
 """
 
 from __future__ import annotations

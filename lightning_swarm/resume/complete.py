@@ -1,17 +1,9 @@
 """Whether a checkpoint on disk is complete enough to resume from, without loading it.
 
-``ckpt_path=last`` (the CLI) must never choose a checkpoint a resume would refuse or, worse,
-half-use: a ``.ckpt`` cut short by a full disk, one whose swarm files are missing or damaged,
-one whose record was edited. ``checkpoint_problem`` says what is wrong with one, or ``None``:
-
-1. the Lightning file is a whole zip archive whose members all match their CRC-32 (torch's
-   format; ``zipfile`` reads each member once);
-2. it loads (mapped, weights only), and its swarm record, if any, passes its own checksum and
-   agrees with Lightning's counters (``loop_state``);
-3. every swarm file the record lists exists with the recorded size and XXH3-128 checksum.
-
-It reads every byte of the checkpoint once (the page cache then serves the resume). Imports
-torch only.
+``ckpt_path=last`` must never choose a checkpoint a resume would refuse or half-use.
+``checkpoint_problem`` says what is wrong, or ``None``: a zip member failing its CRC, a swarm
+record failing its checksum or Lightning's counters, a swarm file missing or with another size or
+checksum. Imports torch only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Integrity of swarm files: sizes and checksums as written, and finite values as loaded.
 
-Checksum: XXH3-128 (the ``xxhash`` package). It costs about as much as reading the file, less
-than half the time of ``zlib.crc32`` and a fraction of sha1's or blake2b's
-(``benchmarks/hash_speed.py``; figures and command in docs/resume.md), and its 128 bits make
-an accidental match out of the question.
-
-Every file is hashed in fixed-size chunks through one reusable buffer: memory stays at one
-chunk whatever the file size, and nothing read here is kept (a mapped ``torch.load`` of the same
-file afterwards finds its pages in the page cache, still file-backed).
-
-The finiteness scan takes the min and max of each chunk (no temporaries); on mapped anchors it
-only reads pages, which keeps them file-backed.
+The checksum is XXH3-128 (why: ``docs/resume.md``). Files are hashed in chunks through one reused
+buffer, so memory stays at one chunk and nothing is kept; the finiteness scan only reads, so
+mapped anchors stay file-backed.
 """
 
 from __future__ import annotations

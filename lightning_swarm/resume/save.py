@@ -1,19 +1,10 @@
 """Saving a swarm checkpoint: every island's file, the anchors, then the record that names them.
 
-Collective (every rank calls ``save_swarm_state``, in the same order):
-1. global rank 0 draws the ``save_id``, claims it (``files.claim_save``: another process
-   pruning the same folder leaves it alone), removes ``<name>.swarm`` directories whose
-   ``<name>`` was never written (saves that crashed before their Lightning file) and
-   broadcasts the id;
-2. each island's first rank writes ``island-NNNNN.pt`` (``IslandRecord``); global rank 0 writes
-   ``anchors.pt`` (``AnchorsRecord``), or, with a sharded outer loop, every rank of island 0
-   writes its share as ``anchors-rank-NNNNN.pt`` (NNNNN = its position in the island; the
-   other islands hold the same shares); each writer hashes what it wrote;
-3. the sizes and checksums, or each writer's failure, are gathered, so every rank holds the
-   same ``SwarmRecord`` or raises the same error; after a failure (a full disk:
-   ``DiskFullError``) every file of this save is removed, and the previous save is untouched;
-4. barrier; the caller writes the Lightning file holding the record (last), then prunes older
-   save directories. Layout and atomicity: ``lightning_swarm.resume.files``.
+Collective, in the same order on every rank: rank 0 draws and claims the ``save_id`` and removes
+directories whose Lightning file was never written; each island's first rank writes its island
+file and rank 0 (or, sharded, every rank of island 0) the anchors; the sizes and checksums, or
+each writer's failure, are gathered, so every rank holds the same ``SwarmRecord`` or raises the
+same error, and a failed save removes its files. The caller then writes the Lightning file, last.
 """
 
 from __future__ import annotations

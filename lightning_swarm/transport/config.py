@@ -1,17 +1,8 @@
 """The transport's options as plain data, validated where they are made.
 
-``SwarmTransportConfig`` (``swarm:`` in YAML) lives here, beside the transport it configures;
-``lightning_swarm.config`` re-exports it inside ``SwarmConfig``. ``TRANSPORTS`` names the
-transports ``factory.build_transport`` builds, and ``check_block_mb`` is the one check of a
-block size in MiB (``bucket_mb``, ``swarm.chunk_mb``).
-
-Floors on block sizes come from ``benchmarks/block_size_cost.py`` (docs/swarm_transport.md):
-every block pays a fixed cost (a message round trip, a loop turn, a positional write), so a
-sync slows about as payload / block once blocks shrink below ~1 MiB. An all-reduce bucket holds
-no more than one bucket of memory whatever its size, so nothing is gained below 1 MiB; a swarm
-chunk also bounds the aggregator's memory (two chunks per peer), so it may go down to 256 KiB.
-
-Imports neither torch.distributed nor lightning.
+``SwarmTransportConfig`` lives beside the transport it configures; ``TRANSPORTS`` names what
+``factory.build_transport`` builds; ``check_block_mb`` is the one check of a block size (the
+floors' reasons: ``docs/swarm_transport.md``). Imports neither torch.distributed nor lightning.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Build the transport a run's options name: the one place that knows every transport class.
 
-``build_transport`` turns the plain options (``transport``, the codec, ``bucket_mb`` as
-elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``ReduceScatterTransport``
-(any codec: a quantized reduce-scatter + all-gather), an ``AggregatorTransport`` (rotating) or a
-``ShardedAggregatorTransport`` (``swarm.aggregator="sharded"``) over a peer group the caller
-built. The gather-based ``QuantizedTransport`` is not built here: it stays for
-comparison (``benchmarks/scaling.py``). ``peer_backend`` says which backend that peer group
-needs, so the caller can build it before the transport: the swarm transport's
-payloads, status messages and spool live on the CPU, so in an NCCL world its point-to-point
-traffic runs on a gloo group created beside the NCCL groups (``groups.build_groups``).
-
-The caller owns the groups and must ``close`` the transport before destroying them.
+``build_transport`` turns the plain options into an all-reduce, a reduce-scatter (any codec) or
+an aggregator transport (``swarm.aggregator``) over a peer group the caller built;
+``peer_backend`` says which backend that group needs (the aggregators work on the CPU, so a gloo
+group beside NCCL). The caller owns the groups and must ``close`` the transport before them.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The layout of one round's payload: names, shapes and dtypes, in order, and their bytes.
 
-A payload is the concatenation of its tensors' raw bytes in layout order. The same byte stream
-is three things at once, which is what lets the swarm transport stream without copies of whole
-models:
-- on the wire, it is cut into fixed-size chunks (``chunk_pieces`` says which tensor bytes fall
-  into chunk ``k``; ``pack_chunk`` / ``unpack_chunk`` copy them);
-- on disk, it is the data section of a safetensors file whose header ``safetensors_header``
-  computes ahead from the layout alone, so a receiver can size the file up front and write
-  chunk ``k`` at ``header + k * chunk_bytes`` as it arrives;
-- in memory (offload off), it is one flat uint8 buffer viewed per tensor.
-
-Spool files declare every tensor flattened to one dimension (the true shapes travel in the wire
-description, ``to_json``), so a reader can take any element range of a tensor with
-``get_slice``: aggregation then works in blocks of bounded size however large one parameter is.
-
-Peer descriptions are untrusted input: ``from_json`` validates them and raises ``ValueError``.
+A payload is its tensors' raw bytes in layout order, and that one stream is the wire's chunks
+(``chunk_pieces``), a safetensors file's data section whose header is known ahead
+(``safetensors_header``, so chunk ``k`` lands at a fixed offset), and a flat buffer in memory.
+Spool files declare every tensor flat, so ``get_slice`` takes any element range. Peer
+descriptions are untrusted: ``from_json`` validates them and raises ``ValueError``.
 """
 
 from __future__ import annotations
