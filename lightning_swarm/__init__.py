@@ -1,12 +1,8 @@
 """lightning_swarm: DiLoCo-style training across islands as a PyTorch Lightning strategy.
 
-The public names: the strategy, its callbacks, and every error a user can act on (each a
-``SwarmError``; ``tests/test_packaging.py`` checks that none is left out).
-``import lightning_swarm`` registers ``Trainer(strategy="swarm")`` (and ``"swarm_spawn"``,
-``"swarm_fsdp"``); a second import, or a registry that already holds the name, is left alone.
-
-No module below this one imports the package root or the strategy from a lower layer
-(``tests/test_layering.py``), so the import order here is free.
+Exports the strategy, its callbacks and every error a user can act on (each a ``SwarmError``).
+Importing registers ``Trainer(strategy="swarm")``, ``"swarm_spawn"`` and ``"swarm_fsdp"``; a name
+already registered is left alone.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

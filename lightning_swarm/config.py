@@ -1,15 +1,10 @@
 """Typed, self-validating configuration of the swarm strategy.
 
-``SwarmConfig`` is the single source of truth for every strategy option other than the outer
-optimizer factory (a callable, not data). ``SwarmStrategy`` builds one from its keyword
-arguments, and the Hydra schema (``lightning_swarm.cli.schema``) subclasses it, so YAML keys
-equal the field names here. Validation runs in ``__post_init__``: a bad value raises
-``SwarmConfigError`` (a ``SwarmError`` and a ``ValueError``; ``SwarmConfigTypeError``, a
-``TypeError``, for a value of the wrong kind) naming the option and the fix before any process
-group or tensor exists. The validators it calls, in the layers that own each option, raise the
-same two classes.
-
-Imports neither torch.distributed nor lightning.
+``SwarmConfig`` declares every strategy option but the outer optimizer factory; the strategy's
+keywords and the Hydra schema derive from it, so YAML keys equal its fields. ``__post_init__``
+raises ``SwarmConfigError`` (a ``ValueError``) or ``SwarmConfigTypeError`` (a ``TypeError``),
+naming the option and the fix, before any group or tensor exists. Imports neither
+torch.distributed nor lightning.
 """
 
 from __future__ import annotations

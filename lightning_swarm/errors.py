@@ -1,15 +1,8 @@
 """The root of every error lightning_swarm raises on purpose, and the errors several layers raise.
 
-Catch ``SwarmError`` to catch any of them. Each concrete class keeps the builtin base callers
-already catch (``ValueError`` for a bad option or input, ``RuntimeError`` for a failed round,
-``OSError`` for a full disk), so existing ``except ValueError`` code keeps working.
-
-Where an error is declared: here when more than one layer raises it (a bad option is refused by
-every layer that owns one; a checkpoint is refused by the resume layer and the strategy's
-checkpoint IO) or when the glue layer (the strategy and its helpers) raises it; otherwise in the
-``errors.py`` of the one layer that raises it (``transport``, ``membership``, ``resume``,
-``outer``). The package root exports every error a user can act on. This module imports only the
-standard library, so every layer may import it.
+Catch ``SwarmError`` to catch any of them; each class also keeps the builtin base callers already
+catch (``ValueError``, ``RuntimeError``, ``OSError``). An error raised by one layer only is
+declared in that layer's ``errors.py``. Imports only the standard library.
 """
 
 from __future__ import annotations

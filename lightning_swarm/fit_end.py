@@ -1,15 +1,10 @@
 """When does ``Trainer.fit`` end? Read from Lightning's loop state (Lightning glue).
 
-The strategy runs the end-of-fit outer round right after the last inner optimizer step, before
-Lightning's final checkpoints (``ModelCheckpoint`` saves in ``on_train_batch_end``,
-``on_train_epoch_end`` and ``on_validation_end``, all before ``Strategy.on_train_end``). This
-module says whether the step just taken is that last one. Every input is identical on every
-rank (step counts, batch counts, and ``should_stop``, which Lightning's own stopping callbacks
-reduce across ranks), so every rank reaches the same answer and runs the same collectives.
-
-Ends it cannot foresee (``EarlyStopping`` or ``max_time`` deciding after the step) are caught by
-the strategy's ``on_train_end`` fallback: then the module the user gets back holds the global
-model, but checkpoints written at that last step do not.
+The end-of-fit round must run after the last inner step and before Lightning's final checkpoints.
+Every input here is identical on every rank, so every rank reaches the same answer and runs the
+same collectives. Ends it cannot foresee (``EarlyStopping``, ``max_time``) are caught by the
+strategy's ``on_train_end``: the returned module holds the global model, that step's checkpoints
+do not.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Catch-up: rebase an island that resumes from an older round onto the newest anchors.
 
-An island whose saved state is from round r_old while its peers' is from r_new > r_old holds
-``local`` = its own anchor at r_old plus the progress of its inner steps since. Throwing that
-progress away (local <- global_new) wastes the island's work; keeping ``local`` as is would drag
-the newest anchors back towards round r_old at the next sync. Catch-up keeps the progress and
-moves its base::
-
-    local <- global_new + (local - anchor_old)
-
-Computed in float32 whatever the parameter and anchor dtypes (as the pseudo-gradient is), then
-stored in ``local``'s dtype. Pure torch; no argument is modified except ``local``.
+``local <- global_new + (local - anchor_old)`` keeps the island's progress since its old anchor
+without dragging the new anchors back towards the old round. Computed in float32, stored in
+``local``'s dtype; only ``local`` is modified.
 """
 
 from __future__ import annotations

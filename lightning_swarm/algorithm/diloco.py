@@ -1,13 +1,9 @@
 """DiLoCo's outer update (arXiv 2311.08105), as small functions over tensors.
 
-Vocabulary: the *anchor* is the global parameter as of the last outer sync; *local* is the
-island's parameter after its inner steps; the *pseudo-gradient* is ``anchor - local``. With that
-sign an outer optimizer that *descends* along the pseudo-gradient moves the anchor towards the
-islands' average: outer SGD with lr=1 and no momentum lands exactly on the mean of the locals.
-
-Ownership: every function here returns new tensors or mutates only the arguments it names.
-Pseudo-gradients are computed in float32 regardless of the parameter or anchor dtype, so that
-bfloat16 anchors do not lose the (small) difference between two nearby bfloat16 values.
+The *anchor* is the global parameter as of the last outer sync, *local* the island's parameter
+after its inner steps, the *pseudo-gradient* ``anchor - local``: outer SGD with lr=1 lands on the
+mean of the locals. Functions return new tensors or mutate only the arguments they name.
+Pseudo-gradients are float32 whatever the dtypes, so bfloat16 anchors keep small differences.
 """
 
 from __future__ import annotations

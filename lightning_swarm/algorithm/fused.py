@@ -1,15 +1,11 @@
 """One-pass pseudo-gradients: ``anchor - local`` in float32 into a reused buffer, with its norm.
 
-The round's first pass reads each anchor and each local parameter once and writes the float32
-difference straight into a slice of a caller-owned flat buffer (a transport bucket), so no
-full-size pseudo-gradient is allocated per round. The sum of squares of what was written is
-accumulated in float32, per bucket, from the same buffer while it is hot: there are no float64
-copies and no separate finiteness pass, because a non-finite sum of squares means a non-finite
-value (or, with float32 accumulation, a magnitude beyond 1.8e19, which is divergence anyway).
+Each anchor and local is read once and the difference written into a slice of a caller-owned
+flat buffer, so no full-size pseudo-gradient is allocated. The float32 sum of squares doubles as
+the finiteness check (a non-finite sum means a non-finite value or divergence).
 
-Ownership: ``out`` belongs to the caller and is overwritten; ``anchor`` and ``local`` are only
-read. The returned scalar is a new 0-d float32 tensor on ``out``'s device (no host sync here, so
-a GPU caller can keep its streams busy).
+Ownership: ``out`` is the caller's and is overwritten; ``anchor`` and ``local`` are only read. The
+norm is a new 0-d tensor on ``out``'s device, with no host sync.
 """
 
 from __future__ import annotations

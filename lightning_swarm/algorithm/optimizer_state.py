@@ -1,14 +1,9 @@
 """Outer optimizer state by parameter name: merge shards and select a share (re-sharding).
 
-A torch optimizer's ``state_dict`` keys its per-parameter state by position in its param
-groups. A sharded outer loop builds each rank's outer optimizer over the anchors that rank
-owns, in its own order, so a saved state is meaningful only together with its list of names.
-These helpers convert between the two: ``merge_by_name`` joins several shards' states into one
-over the concatenated names, ``select_by_name`` cuts out the state of given names, in their
-order. Both keep the tensors as they are (no copies), so mapped tensors stay file-backed.
-
-Only single-group optimizers can be re-sharded (the outer optimizer is built over one list of
-anchors); hyperparameters come from the first shard, which every shard shares.
+A torch optimizer keys its state by position, so a sharded state means something only with its
+names. ``merge_by_name`` joins shards over the concatenated names; ``select_by_name`` cuts out
+given names in their order. Tensors are not copied (mapped ones stay file-backed). Single-group
+optimizers only; hyper-parameters come from the first shard.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``SwarmResume``: the Lightning face of exact resume (a thin adapter).
 
-Saving and restoring belong to the strategy (``SwarmStrategy`` holds a
-``lightning_swarm.resume.SwarmCheckpointer`` and calls it from its checkpoint hooks), so a plain
-``trainer.fit(ckpt_path=...)`` resumes exactly without this callback. Add it to restore some
-islands from other, older checkpoints (a rejoining island), or to read ``summary``.
-
-This module imports the Lightning-free ``lightning_swarm.resume`` and never the strategy: it
-reaches the checkpointer through ``trainer.strategy.checkpointer``. Its own ``state_dict`` is
-empty (Lightning deep-copies callback state on load; mapped tensors must not be there).
+The strategy saves and restores by itself; add this callback to restore some islands from other,
+older checkpoints, or to read ``summary``. It reaches the checkpointer through
+``trainer.strategy.checkpointer``, never importing the strategy. Its own ``state_dict`` is empty:
+Lightning deep-copies callback state on load, and mapped tensors must not be there.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """What the Hydra app settles before any process starts: accelerator, devices, checkpoint path.
 
-Each function turns a composed option into the concrete value Lightning will use, or raises a
-``ValueError`` that names the option and the fix, in the launching process, instead of once per
-rank after the launch (or, for ``ckpt_path=last``, instead of Lightning's silent fresh start).
-
-Also the guard that keeps OmegaConf containers out of checkpoints: Lightning's weights-only load
-refuses a checkpoint that pickled a ``ListConfig`` or ``DictConfig``, so every value that can
-reach one (hyper-parameters saved by ``save_hyperparameters``) is turned into plain Python here.
-Lightning glue: imports lightning, holds no state.
+Each function turns a composed option into the value Lightning will use, or raises a
+``ValueError`` naming the option and the fix, once, before the launch. Also keeps OmegaConf
+containers out of checkpoints, which Lightning's weights-only load refuses.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """A small GPT-style byte-level language model, the main job's LightningModule.
 
-Pre-norm transformer blocks (``blocks.<i>``) with causal self-attention; parameter names keep the
-layer index so fragment layouts can stride over layers. Validation reports cross-entropy and
-perplexity (torchmetrics), averaged over all ranks.
-
-Under ``strategy=swarm_fsdp`` (``island_parallel="fsdp"``) ``configure_model`` shards each block,
-then the rest of the transformer, over the island's ``data_parallel`` mesh (FSDP2); under DDP
-islands it does nothing. The parameter names are the same either way.
+Blocks are named ``blocks.<i>`` so fragment layouts can stride over layers. Under
+``island_parallel="fsdp"`` ``configure_model`` shards each block, then the rest, over the
+island's ``data_parallel`` mesh; parameter names are the same either way.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The main job's picture: train and validation loss against step, outer rounds marked.
 
-``LossHistory`` is a callback that records, on global rank 0 only, the loss each training step
-returned (island 0's first rank: islands differ between rounds, so this is one island's view),
-the ``val_loss`` Lightning holds after each validation, and the steps at which the strategy's
-outer-step counter moved (a round finished there). The lists live as long as the callback and
-grow by one float per step (read from the device in batches, not every step). ``write_loss_png``
-draws them with matplotlib, an optional extra: without it, it returns a one-line message saying
-how to get the plot and writes nothing.
+``LossHistory`` records on global rank 0 only (island 0's view) one float per step, for as long
+as the callback lives. ``write_loss_png`` needs matplotlib, an optional extra; without it, it
+writes nothing and returns a line saying how to get the plot.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Membership: which islands take part in an outer round.
 
-- ``static``: every island of the one torch.distributed world, every round (the default).
-- ``torchft``: islands are separate launches that meet through torchft's Lighthouse; each round
-  takes a quorum of the live islands, averages over it, and commits or abandons the round on
-  every survivor alike; joiners are healed from a live island (``TorchftMembership``).
-
-This layer sits below the outer loop and above the transports; it never imports Lightning.
-torchft is imported only when ``membership="torchft"`` is used (the ``elastic`` extra).
+``static``: every island of the one world, every round. ``torchft``: separate launches meet at a
+Lighthouse; each round takes a quorum, averages over it and commits or abandons alike on every
+survivor (``TorchftMembership``). Below the outer loop, above the transports; never imports
+Lightning. torchft is imported only when used.
 """
 
 from __future__ import annotations

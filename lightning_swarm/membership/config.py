@@ -1,12 +1,8 @@
 """Which membership a ``SwarmConfig`` asks for, and torchft's options, checked before launch.
 
-``elastic_options`` returns ``None`` for the static membership (nothing to build; a
-``lighthouse`` or ``island_id`` given with it is refused, since the launch would train alone) and an
-``ElasticConfig`` for torchft, after refusing the one option that does not work with it: the
-swarm transport (its rounds span several exchanges and a spool, while a torchft round is one
-quorum, one mean and one commit); the refusal names the option and the fix. Quantized
-pseudo-gradients and Streaming DiLoCo (fragments, ``sync_delay``, ``merge_alpha``) work: each
-fragment's round is a torchft round of its own (``docs/elastic.md``).
+``elastic_options`` returns ``None`` for the static membership (refusing a ``lighthouse`` or
+``island_id`` given with it) and an ``ElasticConfig`` for torchft, after refusing the swarm
+transport, whose multi-exchange rounds do not fit a torchft round; refusals name the fix.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Healing over the process group: torchft's checkpoint transport, without pickle.
 
-torchft heals a joining island by calling ``send_checkpoint`` on a live island and
-``recv_checkpoint`` on the joiner, over the quorum's process group. torchft's own ``PGTransport``
-pickles its metadata, and its HTTP transport ships ``torch.save`` bytes; neither may reach a
-process that must never unpickle a peer's bytes. ``TensorHealTransport`` sends a JSON header
-(``state_wire``) and then the raw tensor bytes, tag by tag.
-
-Lifetime: the sender's tensors are read while the sender's training thread waits for the
-quorum, so the state is not mutated during the send. Received tensors are fresh CPU tensors
-owned by the caller. ``last_heal_bytes`` and ``last_heal_s`` describe the latest receive.
+torchft's own heal transports pickle or ship ``torch.save`` bytes; ``TensorHealTransport`` sends a
+JSON header (``state_wire``) and raw tensor bytes instead. The sender's state is read while its
+training thread waits for the quorum, so it does not change during the send; received tensors are
+fresh CPU tensors owned by the caller.
 """
 
 from __future__ import annotations

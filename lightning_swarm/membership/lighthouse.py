@@ -1,12 +1,8 @@
 """``swarm-lighthouse``: torchft's Lighthouse, where elastic islands meet.
 
-A thin command over ``torchft.coordination.LighthouseServer``: it binds the port, prints the address
-islands pass as ``strategy.lighthouse``, and serves until interrupted. ``--min-islands`` is the
-number of islands a round's quorum needs; ``--join-timeout-ms`` how long a quorum waits for a
-live island that has not asked to join yet (keep it above the time of one round: a shorter one
-lets a quorum form without a live island, and an island healed in a quorum of too few
-participants never commits); ``--heartbeat-timeout-ms`` how soon a silent island counts as gone
-(the time a survivor waits after a peer dies).
+A thin command over ``torchft.coordination.LighthouseServer`` that prints the address islands
+pass as ``strategy.lighthouse``. Keep ``--join-timeout-ms`` above one round's time: a shorter one
+forms quorums without live islands (``docs/elastic.md``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Noticing that this process was away: stopped (SIGSTOP), or starved of the CPU for seconds.
 
-A stopped process keeps its monotonic clock running, so on SIGCONT every timeout it was waiting
-on has expired at once, and the swarm has gone on without it. An island must then take its
-pending quorum or round as abandoned and ask again (it is behind, and the next quorum heals it),
-and, if no swarm is left, say so. ``SuspensionWatch`` tells it whether that happened: a daemon
-thread ticks every ``tick_s``; a tick that comes ``gap_s`` late means every thread of the
-process was held that long, and the gap is recorded with the moment it ended.
-
-Lifetime: the thread runs from construction to ``close`` (idempotent); it holds no tensors.
+A stopped process's monotonic clock runs on, so on SIGCONT every timeout has expired and the swarm
+went on without it; the island must ask again rather than give up. ``SuspensionWatch``'s daemon
+thread ticks every ``tick_s`` and records a tick ``gap_s`` late. The thread runs until ``close``
+(idempotent) and holds no tensors.
 """
 
 from __future__ import annotations
