@@ -1,11 +1,9 @@
 """Profiler labels of a round, one namespace per layer, defined once.
 
-Every phase of an outer round is wrapped in ``torch.profiler.record_function`` with one of these
-names, so that a user's trace shows where a sync goes. The namespace says which layer labelled
-it: ``lightning_swarm::outer::*`` (the outer loop's phases), ``lightning_swarm::transport::*``
-(a collective) and ``lightning_swarm::aggregator::*`` (the rotating aggregator's steps). No label
-is ever opened inside itself: the outer loop's ``exchange`` wraps a transport's own label.
-Logger metrics keep their ``swarm/`` names; these are trace labels only. Imports nothing.
+Every phase of an outer round runs under ``torch.profiler.record_function`` with one of these
+names: ``lightning_swarm::outer::*`` (the outer loop), ``lightning_swarm::transport::*`` (a
+collective) and ``lightning_swarm::aggregator::*`` (the aggregator transports). No label is
+opened inside itself. These are trace labels only; logger metrics keep their ``swarm/`` names.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ SCATTER_SHARES = _TRANSPORT + "scatter_shares"
 REDUCE_SHARE = _TRANSPORT + "reduce_share"
 GATHER_MEANS = _TRANSPORT + "gather_means"
 
-# The rotating aggregator (lightning_swarm.transport.aggregator): its round and its steps.
+# The aggregator transports (lightning_swarm.transport.aggregator): their rounds and steps.
 AGGREGATOR_ROUND = _AGGREGATOR + "round"
 SHARDED_ROUND = _AGGREGATOR + "sharded_round"  # every island aggregates its own shard
 SEND = _AGGREGATOR + "send"

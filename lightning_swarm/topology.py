@@ -1,15 +1,10 @@
 """Islands: how the world's ranks are grouped.
 
-An island is a contiguous block of ``island_size`` global ranks that averages gradients every
-inner step (DDP over the island's own process group). Ranks with the same position inside their
-island form a *peer group* across islands; that group is the one the transport averages
-pseudo-gradients over. Every rank of an island holds the same parameters, so each peer group
-carries the same payload in parallel: no extra hop through an island leader is needed.
-
-Contiguous blocks mean that with ``island_size`` equal to the devices per node, one island is
-one node (or one cluster), which is what the slow-link topology of DiLoCo asks for.
-
-This module is plain arithmetic: it imports neither torch nor lightning.
+An island is a contiguous block of ``island_size`` global ranks (DDP over its own group), so with
+``island_size`` equal to devices per node an island is a node. Ranks at the same position in
+every island form a *peer group*, over which the transport averages; every rank of an island
+holds the same parameters, so the peer groups carry the payload in parallel, with no leader hop.
+Plain arithmetic: imports neither torch nor lightning.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The Hydra schema of ``SwarmStrategy``, registered in Hydra's ConfigStore.
 
-``register_configs()`` stores ``SwarmStrategyConf`` (``SwarmConfig``'s fields plus the outer
-optimizer and launch options) under group ``strategy`` as ``swarm_schema``, so a YAML file that
-lists it in its defaults gets type checks and unknown-key errors, and a user's own Hydra app can
-reuse it. The fields are declared once, on ``SwarmConfig``, and derived here; the schema only
-adds what is not data.
+``register_configs()`` stores ``SwarmStrategyConf`` under group ``strategy`` as ``swarm_schema``,
+so YAML gets type checks and unknown-key errors. Its fields derive from ``SwarmConfig``; the
+schema only adds the outer optimizer and launch options.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The main job's corpus: the Python standard library's own source files.
 
-Every machine that runs Python has them, so the main job trains on real text with no download.
-Bytes are the tokens (vocabulary of 256), which keeps the tokenizer out of the picture.
-
-Split: whole files go to validation when a stable hash of their relative path falls in the
-held-out bucket, so no validation text ever appears in training, and the split is the same on
-every rank and every machine with the same Python version.
+Present wherever Python runs, so there is nothing to download; bytes are the tokens. Whole files
+go to validation by a stable hash of their relative path, so the split is the same on every rank
+and machine with the same Python version.
 """
 
 from __future__ import annotations

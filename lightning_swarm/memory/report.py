@@ -1,10 +1,8 @@
 """``SwarmMemoryReport``: what a swarm run tells the host-memory census about its own state.
 
-A small protocol instead of an import: the census (Lightning glue) reads these figures from
-whatever the strategy exposes as ``memory_report``, and never imports the strategy or reaches
-into its private state. ``lightning_swarm.outer.OuterLoop`` implements it. Stdlib only.
-
-Every method is cheap except where noted; none keeps a reference to a tensor.
+A protocol instead of an import: the census reads these figures from the strategy's
+``memory_report`` (``OuterLoop`` implements it) without reaching into private state. No method
+keeps a reference to a tensor. Stdlib only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The transport a ``SwarmConfig`` asks for, over this rank's peer group (never lightning).
 
-The strategy calls ``transport_for`` once per fit, at setup, and hands the result to the
-``OuterLoop``, which owns it from then on and closes it. The transport classes themselves are
-known only to ``lightning_swarm.transport.factory``; this module maps the strategy's options
-onto it. ``algorithm.codecs.codec_for`` is the one place that turns ``quantize`` into a codec
-(``None`` for ``"none"``); ``codec_of`` maps the options onto it, for the transport and for
-error feedback alike.
+``transport_for`` runs once per fit, at setup; the ``OuterLoop`` owns and closes what it returns.
+Transport classes are known only to ``transport.factory``; ``codec_of`` maps the options onto
+``algorithm.codecs.codec_for``, for the transport and error feedback alike.
 """
 
 from __future__ import annotations

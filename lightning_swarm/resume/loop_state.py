@@ -1,13 +1,9 @@
 """Lightning's own counters in a checkpoint dict, and their cross-check with the swarm record.
 
-A resume takes the step from Lightning's loop state (``global_step`` is rebuilt from the
-optimizer-step progress) and the rounds and anchors from the swarm files. If the two disagree,
-the run continues from a step the anchors were not saved at, silently. The save therefore
-writes Lightning's counters into the (checksummed) swarm record, and a resume compares them
-with the Lightning file's, refusing a mismatch with both values.
-
-The keys are Lightning's checkpoint layout (plain dicts: no lightning import here). Counters
-that a checkpoint lacks are ``None`` and not compared.
+A resume takes the step from Lightning's loop state and the anchors from the swarm files; if they
+disagreed the run would silently continue from a step the anchors were not saved at. So the save
+writes Lightning's counters into the checksummed swarm record and a resume refuses a mismatch,
+naming both. Counters a checkpoint lacks are ``None`` and not compared. No lightning import.
 """
 
 from __future__ import annotations

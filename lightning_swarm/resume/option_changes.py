@@ -1,12 +1,8 @@
 """Options changed between the saving and the resuming run: what still works, and what follows.
 
-An exact resume is exact only with the options that wrote the checkpoint. Some changes leave the
-saved state usable with a known consequence (a shifted schedule, residuals dropped, a dtype
-conversion): ``describe_changes`` names each with its old and new value and what follows, and the
-caller warns once. Others make the saved state unusable: ``refuse_unusable`` raises.
-
-Layout changes (island count, parameters, fragments, and for Streaming DiLoCo ``sync_every`` and
-``sync_delay``) are refused earlier by the fingerprint (``lightning_swarm.resume.files``).
+``describe_changes`` names each change that leaves the saved state usable, with its old and new
+value and the consequence, for the caller to warn once; ``refuse_unusable`` raises for the rest.
+Layout changes are refused earlier, by the layout fingerprint (``resume/fingerprint.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What save and restore need from the training side: a small protocol, no Lightning.
 
-``SwarmStrategy`` builds one ``TrainingView`` per save or restore from its own state; nothing
-here imports the strategy or Lightning. ``outer_syncs`` are the strategy's ``OuterSync``
-objects, typed by the methods this package calls on them.
-
-The collectives are callables so that the same code serves the static torch.distributed world
+``SwarmStrategy`` builds one ``TrainingView`` per save or restore; nothing here imports the
+strategy or Lightning. Its collectives are callables, so the same code serves a distributed world
 and a single process; each must be called on every rank in the same order.
 """
 

@@ -1,11 +1,9 @@
 """Agreement on whether every island's pseudo-gradient is finite, before any payload moves.
 
-A diverged island (NaN or inf in its pseudo-gradient) must not poison the anchors of every
-island through a mean, and must not leave its peers blocked in a collective while it alone
-raises. One tiny exchange of a flag per round lets every rank of the peer group raise the same
-clear error, naming the islands at fault, before any payload is exchanged: an all-gather
-(``agree_finite``, a ring of n - 1 steps), or an all-to-all of one byte per peer
-(``agree_finite_direct``, one step, for the transports whose latency is otherwise flat in n).
+A diverged island must neither poison every anchor through a mean nor leave its peers blocked
+while it alone raises. One tiny exchange of a flag per round (``agree_finite``, an all-gather;
+``agree_finite_direct``, one byte per peer in one step) lets every rank raise the same error,
+naming the islands at fault.
 """
 
 from __future__ import annotations

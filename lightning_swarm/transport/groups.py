@@ -1,15 +1,10 @@
 """Process groups for islands and peer groups, built from an ``IslandTopology``.
 
 ``torch.distributed.new_group`` is collective over the whole world: every rank must create every
-group, in the same order, even the groups it is not a member of. This module is the one place
-that does so, so the order cannot drift between ranks.
-
-The peer group may use another backend than the island groups (``peer_backend``): in an NCCL
-world the swarm transport's CPU traffic runs on a gloo peer group created beside the NCCL
-groups (``factory.peer_backend`` says when).
-
-Model-sharded islands (``island_parallel="fsdp"``) also get a device mesh of their own
-(``build_island_mesh``), built from groups created here in the same fixed order.
+group in the same order, even those it is not in. This is the one place that does so, so the
+order cannot drift. The peer group may use another backend than the island groups
+(``peer_backend``); an FSDP island's device mesh (``build_island_mesh``) is built from groups
+created here.
 """
 
 from __future__ import annotations
