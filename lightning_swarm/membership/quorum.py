@@ -114,32 +114,17 @@ def quorum_error(config: ElasticConfig, away_s: float) -> MembershipError:
 class QuorumIdentity:
     """Sets a process group up for every quorum, under a store prefix no earlier set-up used.
 
-    torchft keeps a quorum's process group for as long as the lighthouse hands out the same
-    quorum id, under the store prefix ``torchft/<quorum id>``. Two facts break that rule:
-
-    - a restarted lighthouse counts its ids from the start again, so one id can name two
-      different quorums (measured in the chaos benchmark: two islands kept the group of an
-      earlier quorum 1 of four members for a new quorum 1 of two and waited out the round
-      timeout);
-    - whether an island still holds a usable group is its own, local knowledge: after a
-      lighthouse restart handed out the id and members of an earlier quorum again, the islands
-      that still held that quorum's group kept it while the others set one up anew, and those
-      read the addresses the first ones had published under the same prefix and hung in
-      gloo's connect (seed 2 of the chaos benchmark).
-
-    So the decision must come from the quorum alone, which every member receives alike: this
-    class sees each quorum on its way to the Manager (``torchft_private.tap_quorums``) and has
-    torchft set the group up anew for every quorum, under a prefix named by the quorum's id,
-    its members and its ``max_step`` (the most rounds any member committed). Within one
-    lighthouse's life that name is new for every quorum: a round that commits anywhere raises
-    ``max_step``, and one that commits nowhere is reported as a commit failure
-    (``count_failed_vote``), on which the lighthouse raises the id. Across a
-    restart, a name repeats only if no island committed since the earlier quorum of the same
-    id and members; that set-up then fails within about twice the round timeout (its
-    rendezvous waits up to it on the store, its connects up to it in gloo: ``QuorumGroup``), is
-    reported, and the next quorum has a new id. The cost is one group set-up per round (about
-    18 ms for two islands on loopback here, docs/elastic.md), small beside a DiLoCo round of
-    hundreds of inner steps.
+    torchft keeps a quorum's group while the lighthouse hands out the same quorum id, but a
+    restarted lighthouse counts ids from the start again, and whether an island still holds a
+    usable group is its own knowledge: islands then decide differently and hang
+    (``docs/elastic.md``). So the decision comes from the quorum alone, which every member
+    receives alike: this class sees each quorum on its way to the Manager
+    (``torchft_private.tap_quorums``) and has torchft set the group up anew, under a prefix named
+    by the quorum's id, members and ``max_step``. Within one lighthouse's life that name is new
+    for every quorum (a committed round raises ``max_step``; one committed nowhere is reported
+    by ``count_failed_vote``, on which the lighthouse raises the id). Across a restart a repeated
+    name fails its set-up within about twice the round timeout, is reported, and the next quorum
+    has a new id. The price is one group set-up per round.
     """
 
     def __init__(self, manager: Any) -> None:
