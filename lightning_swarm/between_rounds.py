@@ -1,15 +1,12 @@
 """What Lightning sends between outer rounds, kept inside the island (Lightning glue).
 
-In a static swarm nothing may cross islands between rounds: each cross-site message costs a round
-trip, and a slow island would pace every step of the fast ones. ``IslandSigterm`` replaces
-Lightning's per-batch SIGTERM broadcast over the world: the island agrees at every batch, the
-islands agree once per round, and every rank stops at the same batch after the next round, with
-the anchors equal everywhere (a scheduler's grace period must cover ``sync_every`` inner steps).
-Time-based decisions (``max_time``, ``train_time_interval``) cannot be confined;
-``warn_of_world_collectives`` says so and names the step-counted alternatives.
-
-Lightning's private names used here are read in this module only, and
-``tests/test_between_rounds.py`` names each, so an upgrade that moves one fails there.
+Between rounds nothing may cross islands: each message costs a slow round trip and would let a
+slow island pace the others. ``IslandSigterm`` replaces Lightning's per-batch SIGTERM broadcast:
+the island agrees every batch, the islands once per round, and every rank stops at the same batch
+after the next round (a grace period must cover ``sync_every`` steps). ``max_time`` and
+``train_time_interval`` cannot be confined; ``warn_of_world_collectives`` names alternatives.
+The Lightning private names read here are read nowhere else, each tested in
+``tests/test_between_rounds.py``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Lightning glue of elastic islands (``SwarmStrategy(membership="torchft")``).
 
-Each launch is one island: its ranks are its world and DDP runs over all of them. ``ElasticIsland``
-builds the island's ``TorchftMembership``, runs the first round when training starts (a joiner is
-healed there), adds the ``swarm/*`` membership metrics and decides when the fit ends.
-
-Two clocks: Lightning's ``global_step`` stays the island's own inner-step count (logs, checkpoint
-cadence, LR schedulers); the swarm's clock is its committed rounds. The fit ends, on every island
-at the same round, after ``ceil(max_steps / sync_every) * num_fragments`` committed rounds, with
-every parameter on the anchors; Lightning's own ``max_steps`` is lifted because an island whose
-rounds were abandoned has run more inner steps than the swarm's clock shows.
+Each launch is one island. ``ElasticIsland`` builds its ``TorchftMembership``, runs the first
+round at the start of training (a joiner is healed there), logs the membership metrics and ends
+the fit. Two clocks: ``global_step`` is the island's own inner steps (logs, checkpoint cadence,
+schedulers); the swarm's is its committed rounds. Every island ends after the same round,
+``ceil(max_steps / sync_every) * num_fragments``, on the anchors; Lightning's ``max_steps`` is
+lifted, since an island with abandoned rounds has run more steps than the swarm's clock shows.
 """
 
 from __future__ import annotations

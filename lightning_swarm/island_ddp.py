@@ -1,13 +1,9 @@
 """``IslandDDPStrategy``: Lightning's DDP confined to each island (Lightning glue).
 
-The base of ``SwarmStrategy``: it splits the world into islands, creates the island and peer
-groups, starts every rank from global rank 0's weights and wraps the module in DDP over its
-island only; nothing here crosses islands after that broadcast. With ``island_parallel="fsdp"``
-an ``IslandFSDP`` member takes DDP's place.
-
-Lifetime of the groups: created in ``setup_distributed``, destroyed at the very end of
-``teardown``, after Lightning unwrapped the module (its DDP reducer is bound to the island group)
-and after a subclass closed whatever used the peer group.
+It splits the world into islands, creates the island and peer groups, starts every rank from
+rank 0's weights and wraps the module in DDP over its island (or an ``IslandFSDP`` member does).
+Groups are created in ``setup_distributed`` and destroyed at the very end of ``teardown``, after
+the DDP reducer bound to them is gone and a subclass closed what used the peer group.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Model-sharded islands: Lightning's ``configure_model`` convention inside each island (glue).
 
-With ``island_parallel="fsdp"`` each island gets its own ``(data_parallel, tensor_parallel)``
-mesh, exposed as ``self.device_mesh`` as in ``ModelParallelStrategy``, so such a module runs
-unchanged. The mesh never spans islands. Every island starts from island 0's shards
-(``align_islands``, over the peer groups), so no rank gathers the full model. Fork and spawn
-launchers send back no weights (``ShardedResultsLauncher``): trained weights are in the
-checkpoints.
-
-Lifetime: built in ``setup_distributed`` (collective), destroyed in ``teardown`` with the groups
-it created, never the island's own group (the strategy owns that).
+With ``island_parallel="fsdp"`` each island gets its own ``(data_parallel, tensor_parallel)`` mesh
+as ``self.device_mesh``, as in ``ModelParallelStrategy``; the mesh never spans islands. Every
+island starts from island 0's shards (``align_islands``), so no rank gathers the full model.
+Spawned launchers send back no weights (``ShardedResultsLauncher``). Built in
+``setup_distributed`` (collective), destroyed in ``teardown`` with the groups it created, never
+the island's own group.
 """
 
 from __future__ import annotations

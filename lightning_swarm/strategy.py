@@ -1,14 +1,11 @@
 """``SwarmStrategy``: DiLoCo across islands as a Lightning strategy.
 
-Glue only: Lightning's hooks wired to the outer loop (``lightning_swarm.outer.OuterLoop``); the
-island groups and DDP come from ``island_ddp.IslandDDPStrategy``, the swarm checkpoint from a
-``SwarmCheckpointer`` (``lightning_swarm.resume``); a run is walked in ``docs/strategy.md``.
-
-On resume, ``load_checkpoint`` captures the swarm record before ``setup`` (so the outer loop
-builds placeholder anchors) and ``load_optimizer_state_dict`` restores every island's own state
-before any training step. On save the swarm files are written first and the Lightning file last,
-so a crash in between leaves the previous checkpoint intact; a save that fails on any rank
-removes its files and raises on every rank.
+Glue only: Lightning's hooks wired to the ``OuterLoop``; groups and DDP come from
+``IslandDDPStrategy``, the checkpoint from a ``SwarmCheckpointer`` (a run: ``docs/strategy.md``).
+A resume captures the swarm record in ``load_checkpoint`` (placeholder anchors at ``setup``) and
+restores each island in ``load_optimizer_state_dict``, before any step. A save writes the swarm
+files first and the Lightning file last; one that fails on any rank removes its files and raises
+on every rank.
 """
 
 from __future__ import annotations

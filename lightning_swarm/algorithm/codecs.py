@@ -1,17 +1,12 @@
 """Payload codecs: how a float32 pseudo-gradient is shrunk before it crosses a slow link.
 
-A codec turns a flat float32 tensor into an ``Encoded`` payload (``data`` and per-block
-``scales``) and back, in pure torch, so a run quantizes the same way on CPU and CUDA.
-``none`` is exact; ``bf16`` rounds to nearest even; ``int8`` / ``int4`` round symmetrically with
-one float32 absmax scale per block of ``block_size`` elements, so an element's error is at most
-half a step, ``absmax / (2 * qmax)``, plus float32 rounding of the scalings.
-
-Blocks start at element 0, so a slice starting at a multiple of ``block_size`` quantizes as it
-would inside the whole tensor: transports rely on that to cut buckets. Non-finite input raises
-``ValueError``, because one inf scale would turn a block into NaN on every island.
-
-Error-feedback residuals (``with_error_feedback``) belong to the caller, one per island and
-tensor; this module keeps no state.
+A codec turns a flat float32 tensor into an ``Encoded`` payload (``data``, per-block ``scales``)
+and back, in pure torch, the same on CPU and CUDA. ``none`` is exact, ``bf16`` rounds to nearest
+even, ``int8`` / ``int4`` round with one absmax scale per ``block_size`` elements (error at most
+``absmax / (2 * qmax)`` plus float32 rounding). Blocks start at element 0, so a slice starting on
+a block boundary quantizes as inside the whole tensor: transports cut buckets on that. Non-finite
+input raises ``ValueError``: one inf scale would turn a block into NaN on every island.
+Error-feedback residuals belong to the caller; this module keeps no state.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Streaming DiLoCo fragments (arXiv 2501.18512): which parameters sync together, and when.
 
-The parameters are split into ``num_fragments`` disjoint fragments by *layer*: the name prefix up
-to the first numeric component (``blocks.3.attn.weight`` -> ``blocks.3``), else the owning module.
-``"strided"`` puts layer ``i`` in fragment ``i mod F``; ``"sequential"`` cuts contiguous chunks;
-an explicit layout names the modules of each fragment.
-
-Steps count completed inner steps, as ``OuterSync.inner_steps`` does. Fragment ``f`` sends when
-``(s - f * sync_every / F) % sync_every == 0`` and applies at ``s + sync_delay``; one fragment and
-no delay is plain DiLoCo. Since ``sync_delay < sync_every / F``, at most one fragment is in flight.
-Pure Python: no tensors.
+Fragments split parameters by *layer*: the name up to its first numeric component
+(``blocks.3.attn.weight`` -> ``blocks.3``), else the owning module; ``"strided"`` puts layer ``i``
+in fragment ``i mod F``, ``"sequential"`` cuts contiguous chunks, or a layout names them. Steps
+count completed inner steps; fragment ``f`` sends when ``(s - f * sync_every / F) % sync_every``
+is 0 and applies ``sync_delay`` later, so one fragment and no delay is plain DiLoCo, and since
+``sync_delay < sync_every / F`` at most one fragment is in flight. Pure Python.
 """
 
 from __future__ import annotations

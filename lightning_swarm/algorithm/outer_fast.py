@@ -1,15 +1,10 @@
 """Functional outer steps over flat slices, for the outer optimizers people use.
 
-A bucketed round steps the anchors one bucket at a time, so it cannot call ``optimizer.step()``.
-For ``torch.optim.SGD`` and ``Adam`` / ``AdamW`` this module repeats torch's single-tensor update
-on a flat slice, with the same operations in the same order, and keeps the state in torch's own
-format, so a checkpoint of either path loads into the other and either may take over at any
-round. The operations are element-wise, so a slice gets the same bits as the whole tensor.
-Anything else (another class, ``fused``, ``capturable``, ``amsgrad``, tensor hyper-parameters):
-``fast_outer_kind`` returns ``None`` and the caller keeps ``optimizer.step()``.
-
-Ownership: the caller owns the slices; anchor and state slices are written in place, and the
-gradient slice is scratch (overwritten with intermediates).
+A bucketed round cannot call ``optimizer.step()``, so for ``SGD`` and ``Adam`` / ``AdamW`` this
+module repeats torch's single-tensor update on a flat slice, same operations in the same order,
+with state in torch's format: either path may take over at any round or checkpoint, and a slice
+gets the bits of the whole tensor. Anything else: ``fast_outer_kind`` returns ``None``. The caller
+owns the slices; anchor and state slices are written in place, the gradient slice is scratch.
 """
 
 from __future__ import annotations

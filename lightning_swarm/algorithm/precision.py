@@ -1,14 +1,10 @@
 """Outer steps on low-precision anchors, done in float32.
 
-Stepping a torch optimizer on bfloat16 anchors would round every update to bfloat16, and an
-update under half a step would vanish every round: training would silently stall. So the step
-runs on float32 working copies with float32 optimizer state, and the result is written back with
-stochastic rounding (unbiased, so small updates add up). The noise comes from a generator the
-caller seeds with a value every island shares, so all ranks store identical anchors and a resume
-repeats it. float16 anchors round to nearest; float32 anchors skip this path.
-
-Ownership: the working copies live only during ``float32_outer_step``; the optimizer owns its
-state, which stays float32 between rounds.
+On bfloat16 anchors an update under half a step would round away every round and training would
+stall. So the step runs on float32 copies with float32 state, and is written back with stochastic
+rounding (unbiased). The caller seeds the noise with a value all islands share, so every rank
+stores identical anchors and a resume repeats it. float16 rounds to nearest; float32 skips this.
+The working copies live only during ``float32_outer_step``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Which round a member of a quorum averages: its own, or the swarm's (Streaming DiLoCo).
 
-A round's collectives line up only when every member averages the same fragment, and an island
-being healed may be elsewhere in its schedule. So every member decides from the round header
-alone (``plan_round``), alike everywhere: the swarm's place is the reference's; an island being
-healed averages zeros for that fragment and adopts the swarm's round (its own dropped, residuals
-restored), so its anchors end equal; a live member out of step makes everyone abandon the round
-and takes the swarm's clock.
-
-``AdoptedRound`` is finished by the outer loop on its training thread. Only ``share_adopted``
-talks to the network.
+Collectives line up only when every member averages the same fragment, and a healed island may be
+elsewhere in its schedule. Every member decides from the round header alone (``plan_round``):
+an island being healed averages zeros and adopts the swarm's round (its own dropped, residuals
+restored); a live member out of step makes everyone abandon the round and takes the swarm's
+clock. The outer loop finishes an ``AdoptedRound`` on its training thread; only
+``share_adopted`` talks to the network.
 """
 
 from __future__ import annotations

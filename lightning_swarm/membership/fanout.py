@@ -1,13 +1,10 @@
 """The membership's collectives inside one island: rank 0's fan-out, and the ranks' agreements.
 
-``IslandFanout`` (``shard_outer=False``): only rank 0 talks to torchft, and broadcasts to the
-island what it learnt (an error, the commit verdict, the averaged tensors, a healed state). With
-per-rank Managers, ``all_true``, ``agree_round`` and ``share_text`` make the ranks end a round
-alike (one error, the lowest failing rank's; one commit verdict).
-
-The group is gloo, tensors travel through the CPU; beside an NCCL island group it is created
-here and destroyed in ``close``. Every call is collective over the island, in the same order on
-every rank; with one rank it returns its input.
+``IslandFanout`` broadcasts what rank 0 learnt from torchft (error, commit verdict, averaged
+tensors, healed state); with a Manager per rank, ``all_true``, ``agree_round`` and
+``share_text`` make the ranks end a round alike. The group is gloo, created beside an NCCL
+island group and destroyed in ``close``. Every call is collective over the island; with one
+rank it returns its input.
 """
 
 from __future__ import annotations

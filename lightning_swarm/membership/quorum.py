@@ -1,14 +1,11 @@
 """Asking the lighthouse for a round's quorum, and saying why none came.
 
-Why the retries and resets: torchft's manager server asks the lighthouse again only
-``quorum_retries`` times, so ``quorum_retries_for`` spaces retries about ``RETRY_SPACING_S``
-apart to find a lighthouse restarted within ``quorum_timeout_s``; a failed quorum stays in the
-Manager's future until ``torchft_private.forget_failed_quorum`` clears it; and an island back from
-a suspension (``SuspensionWatch``) asks again with a whole timeout, because its clock ran on while
-it was stopped.
-
-Invariant: every way out other than a quorum is a ``MembershipError`` saying which happened: the
-lighthouse is gone, too few islands came, or the island came back to find no swarm.
+torchft asks a lost lighthouse again only ``quorum_retries`` times, so ``quorum_retries_for``
+spaces retries ``RETRY_SPACING_S`` apart to find one restarted within ``quorum_timeout_s``; a
+failed quorum is cleared from the Manager (``forget_failed_quorum``) so the island can ask anew;
+an island back from a suspension asks again with a whole timeout. Every way out other than a
+quorum is a ``MembershipError`` saying which: the lighthouse is gone, too few islands came, or
+the island came back to find no swarm.
 """
 
 from __future__ import annotations

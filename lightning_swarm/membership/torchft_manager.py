@@ -1,14 +1,10 @@
 """One rank's torchft Manager: its process group, heal transport and quorum identity.
 
-``start_manager`` builds a ``Manager`` for a position in the island (``rank``) of an island of
-``world_size``. With one Manager per island (``world_size=1``) rank 0 fans out. With one per rank,
-position 0 hosts the island's manager server (the lighthouse's one client), every position asks
-it for the quorum and votes through it, and rank r's process group joins rank r of every island.
-``IslandStore`` is the island's ``TCPStore`` on position 0; ``QuorumIdentity`` gives every quorum
-and rank a group of its own.
-
-Ownership: ``RankManager`` holds the Manager, its process group and heal transport;
-``TorchftMembership.close`` shuts it down. The ``IslandStore`` lives as long as the membership.
+``start_manager`` builds a rank's ``Manager``. With one per island, rank 0 fans out; with one per
+rank, position 0 hosts the island's manager server (the lighthouse's one client) through which
+every position asks for the quorum and votes, and rank r's group joins rank r of every island.
+``IslandStore`` is the island's ``TCPStore`` on position 0. ``RankManager`` holds the Manager, its
+group and heal transport until ``TorchftMembership.close``.
 """
 
 from __future__ import annotations

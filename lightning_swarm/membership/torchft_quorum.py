@@ -1,20 +1,15 @@
 """Elastic membership on torchft: a quorum per outer round, a commit gate, healing.
 
-``TorchftMembership`` is a ``Transport`` whose islands are decided anew every round by torchft's
-Lighthouse. A round is: quorum (a joiner is healed from a live island), a round header that
-refuses a duplicate island, a different model or settings, or a non-finite pseudo-gradient before
-any tensor moves, the mean over the participating islands, and the commit gate. A failure
-anywhere in the round abandons it on the survivors (anchors unchanged, local progress kept); only
-the header's refusals and a quorum that never comes raise. The first quorum (genesis) heals every
-island to the first island's anchors and applies no step.
+``TorchftMembership`` is a ``Transport`` whose islands torchft's Lighthouse decides every round:
+quorum (a joiner is healed from a live island), round header (refusals before any tensor moves),
+the mean over the participating islands, then the commit gate. A failure anywhere abandons the
+round on the survivors (anchors unchanged, local progress kept); only the header's refusals and
+a quorum that never comes raise. The genesis quorum heals every island to the first one's anchors.
+An island of several ranks fans out from rank 0 (``per_rank=False``) or runs a Manager per rank
+over its share (``per_rank=True``), and its ranks agree on one outcome.
 
-An island of several ranks either fans out from its rank 0 (``per_rank=False``, ``IslandFanout``)
-or runs one Manager per rank over its share (``per_rank=True``, ``shard_outer``); the ranks of an
-island then agree on one error, one commit verdict and whether any rank was healed.
-
-Ownership: each Manager and its process group belong to this object until ``close``; the
-island's TCPStore is hosted by its rank 0. Healed state goes to ``load_fn`` (the outer loop),
-which keeps it until the training thread installs it (``outer.join.ElasticOuter.settle``).
+Ownership: Managers and their groups belong to this object until ``close``. Healed state goes to
+``load_fn``, which keeps it until the training thread installs it (``ElasticOuter.settle``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Allocator byte counters, told apart as gauges or running totals.
 
-torch's caching allocators report ``current``, ``peak``, ``allocated`` and ``freed`` per
-statistic. A counter whose ``freed`` moves is a gauge; one whose ``freed`` never moves while
-``current`` climbs is a running total, which read as a gauge shows a leak that is not there. Never
-subtract one kind from the other. ``CounterClassifier`` decides per counter from the history it
-has seen and leaves it unclassified until something happened.
-
-Works on the flat snapshot dicts (byte counters only; device stats of the ``all`` pool) and
-imports no torch, so recorded snapshots test it.
+A counter whose ``freed`` moves is a gauge; one whose ``freed`` never moves while ``current``
+climbs is a running total, and read as a gauge it shows a leak that is not there; never subtract
+one kind from the other. ``CounterClassifier`` decides from what it has seen. Works on flat
+snapshot dicts and imports no torch, so recorded snapshots test it.
 """
 
 from __future__ import annotations

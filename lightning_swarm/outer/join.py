@@ -1,17 +1,14 @@
 """The outer loop's side of elastic membership: what a joiner receives and how it installs it.
 
-A live island hands a joiner, per optimizer, its anchors, outer optimizer state and counters; a
-round in flight is not handed over, nor error-feedback residuals (an island's own quantization
-error). A heal arrives on the exchange's thread, so ``install`` only keeps it and ``settle``
-installs it on the training thread: ``local <- anchor_new + (local - anchor_old)``, so an island
-keeps its progress. Sharded islands install per rank, only into an island with the same shares.
+A joiner receives anchors, outer optimizer state and counters, never a round in flight nor
+residuals (an island's own quantization error). A heal arrives on the exchange's thread:
+``install`` keeps it, ``settle`` installs it on the training thread as
+``local <- anchor_new + (local - anchor_old)``, keeping the island's progress. A joiner's first
+round (``join_round``) contributes nothing and applies the swarm's mean, so its anchors equal the
+others'. An elastic fit ends with every parameter on its anchor (``land_on_anchors``).
 
-A joiner's first round (``join_round``) runs at once: it contributes nothing and applies the same
-averaged pseudo-gradient, so its anchors equal the live islands' afterwards. An elastic fit ends
-on a committed round with every parameter on its anchor (``land_on_anchors``).
-
-Ownership: ``ElasticOuter`` borrows the outer loop's ``OuterSync`` objects, which adopt installed
-tensors. A kept heal lives until ``settle``.
+Ownership: ``ElasticOuter`` borrows the loop's ``OuterSync`` objects, which adopt installed
+tensors; a kept heal lives until ``settle``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``OuterLoop``: every optimizer's outer state, the round worker, the totals and the figures.
 
-Built once per fit from Lightning's optimizers; ``on_inner_step`` is called after each real inner
-step. It never imports lightning.
-
-Ownership: ``outer_syncs`` (one per optimizer with floating parameters) own the anchors and outer
-state and outlive ``close`` for reading. The transport is owned from construction and closed by
-``close``, as is the ``SyncWorker``; ``close`` must run before the process groups are destroyed.
-Parameters stay the module's, written in place; a DTensor parameter is handed over as its local
-shard, a view of its own storage that stays valid because FSDP2 steps from that storage.
+Built once per fit from Lightning's optimizers, without importing lightning. It owns one
+``OuterSync`` per optimizer (readable after ``close``), the transport and the ``SyncWorker``, both
+closed by ``close``, which must run before the process groups are destroyed. Parameters stay the
+module's, written in place; a DTensor is handed over as its local shard, a view of its storage.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The streamed round's CUDA path: parameters on the GPU, anchors and outer state in host memory.
 
-``pin_round_memory`` moves the anchors and their state into pinned host memory once, at the first
-such round. ``CudaStaging.run`` copies bucket k + 1 in on one side stream while bucket k is
-reduced and stepped, and bucket k out on another; two slots of device buffers alternate, ordered
-by CUDA events (``free`` -> ``loaded`` -> ``computed``).
-
-Ownership: ``CudaStaging`` owns its slots and side streams until ``close``; the pinned host
-anchors and state belong to the ``OuterSync`` and its optimizer. When ``run`` returns they are
-complete. The extra GPU memory is bounded by ``BUDGET_BUCKETS`` transport buckets whatever the
-model size (``staged_bucket_numel``; the arithmetic is in ``docs/performance.md``).
+``pin_round_memory`` pins the anchors and their state once, at the first such round.
+``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed, and
+bucket k out on another once computed; two slots alternate, ordered by CUDA events (``free``,
+``loaded``, ``computed``). It owns its slots and streams until ``close``; host anchors and state
+stay the ``OuterSync``'s and are complete when ``run`` returns. Extra GPU memory stays within
+``BUDGET_BUCKETS`` transport buckets (``staged_bucket_numel``; ``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The outer state of one inner optimizer's parameters, and the coordinator of its rounds.
 
-``OuterSync`` ties the DiLoCo math (``lightning_swarm.algorithm``) to a ``Transport`` and knows
-nothing of Lightning: the ``OuterLoop`` calls ``on_inner_step`` after every real inner step and
-gets a ``SyncReport`` back when a round was applied. Its state is one ``SyncState``; the round
-engine is ``BucketedEngine`` where ``bucketed_kind`` allows it, else ``TwoPhaseRound``; the
-checkpoint side is ``SyncCheckpoint``.
-
-``finish`` ends a fit with every island on the anchors, bit for bit: it applies a round in flight
-and runs one inline round of every fragment whose locals may differ. Which fragments run depends
-only on counters equal everywhere, so every rank runs the same collectives; ``ended_at`` keeps a
-round from being applied twice. Ownership and lifetimes: see ``SyncState``.
+``OuterSync`` ties the DiLoCo math to a ``Transport`` without Lightning: ``on_inner_step`` after
+every real inner step, a ``SyncReport`` back when a round applied. Its state is one ``SyncState``
+(ownership documented there); its engine is ``BucketedEngine`` where ``bucketed_kind`` allows,
+else ``TwoPhaseRound``; ``SyncCheckpoint`` saves it. ``finish`` leaves every island on the
+anchors, bit for bit; which fragments it runs depends only on counters equal everywhere, so every
+rank runs the same collectives, and ``ended_at`` keeps a round from applying twice.
 """
 
 from __future__ import annotations

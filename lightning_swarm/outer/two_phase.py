@@ -1,13 +1,10 @@
 """The two-phase outer round: send a fragment's pseudo-gradients, apply their average later.
 
-``send`` forms ``anchor - local`` for the owned names, applies error feedback and starts
-``transport.average``, inline or on the ``SyncWorker`` when ``sync_delay > 0``. ``apply``, later,
-waits for it, steps the anchors, merges them into the locals and, sharded, gathers the island.
-Used whenever the bucketed engine cannot serve.
-
-Ownership: a ``RoundInFlight`` lives from send to apply, at most one per ``OuterSync``. Until the
-worker's future resolves, its ``deltas`` and the fragment's residuals belong to the worker
-thread. A failed or skipped exchange restores the residuals: the round happened nowhere.
+``send`` forms ``anchor - local``, applies error feedback and starts the exchange (on the
+``SyncWorker`` when ``sync_delay > 0``); ``apply`` waits, steps, merges and, sharded, gathers.
+A ``RoundInFlight`` lives from send to apply, at most one per ``OuterSync``; until the worker's
+future resolves its deltas and residuals belong to the worker thread. A failed or skipped
+exchange restores the residuals: the round happened nowhere.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The swarm part of a checkpoint on disk: file layout, atomic writes, mapped reads.
 
-Beside Lightning's file ``model.ckpt`` (whose ``ckpt["swarm"]`` record names the save and holds
-each file's size and checksum) lies ``model.ckpt.swarm/<save_id>/`` with ``anchors.pt`` and one
-``island-NNNNN.pt`` per island. A separate directory, because ``torch.save`` to a path streams
-tensors without a second host copy, island files are written by one rank per island, and
-``torch.load(mmap=True)`` needs a local path.
-
-Invariants: every file is written under a temporary name and renamed into place, the Lightning
-file last, so a crash mid-save leaves the previous checkpoint whole and a mapped file is never
-rewritten. A mapped tensor keeps its mapping alive, even after unlink. Everything saved loads with
-``weights_only=True``; a foreign object is refused by type, not called corrupt. Imports torch only.
+Beside ``model.ckpt`` (whose ``ckpt["swarm"]`` record names the save and each file's size and
+checksum) lies ``model.ckpt.swarm/<save_id>/`` with ``anchors.pt`` and one ``island-NNNNN.pt`` per
+island: ``torch.save`` to a path streams without a second host copy, each island writes its own,
+and ``torch.load(mmap=True)`` needs a local path. Every file is renamed into place, the Lightning
+file last, so a crash leaves the previous checkpoint whole and a mapped file is never rewritten.
+A mapped tensor keeps its mapping alive. Everything loads with ``weights_only=True``; a foreign
+object is refused by type. Imports torch only.
 """
 
 from __future__ import annotations

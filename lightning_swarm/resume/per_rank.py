@@ -1,13 +1,9 @@
 """Per-rank swarm files for model-sharded islands (``island_parallel="fsdp"``).
 
-No rank holds a whole model, so every rank writes ``island-IIIII-rank-PPPPP.pt`` (its shards and
-inner state) and island 0's ranks write ``anchors-rank-PPPPP.pt``. Not
-``torch.distributed.checkpoint``: it deduplicates items by (FQN, offset) across its group, and
-every island has the same ones, so it would keep one island. Tensors are saved as ``to_local()``.
-
-Invariants: a rank reads and writes only its own files; the fingerprint holds global shapes and
-the mesh, so another mesh is refused naming both; restore installs nothing unless every rank
-checked its files (``restore.attempt``).
+Every rank writes ``island-IIIII-rank-PPPPP.pt``, and island 0's ranks ``anchors-rank-PPPPP.pt``,
+as ``to_local()`` tensors. Not ``torch.distributed.checkpoint``: it deduplicates (FQN, offset)
+across its group and would keep one island. A rank touches only its own files; another mesh is
+refused naming both; nothing is installed unless every rank checked its files.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Typed records of a swarm checkpoint: what each owner hands over, and the format version.
 
-Each payload is a plain dict (``weights_only`` loadable) built by ``to_dict`` and read by
-``from_dict`` here, never by string keys elsewhere: ``SwarmRecord`` (in the Lightning file,
-written last), ``AnchorsRecord`` (global state; one per rank of island 0 when sharded, joined by
-``merge_shards`` so a resume may re-shard) and ``IslandRecord`` (one island's own state).
-
-One format is read, ``FORMAT_VERSION``; any other is refused, naming what was found. A
-``SwarmRecord`` is sealed by ``record_checksum`` over its fields, so an edited record is refused.
-``outer_anchors`` and ``pending_fragment`` are the only readers inside ``OuterSync`` state dicts.
+Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here only:
+``SwarmRecord`` (in the Lightning file, sealed by ``record_checksum``), ``AnchorsRecord`` (global;
+per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
+``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
+``outer_anchors`` and ``pending_fragment`` alone look inside ``OuterSync`` state dicts.
 """
 
 from __future__ import annotations
