@@ -255,7 +255,10 @@ def _as_blocks(x: Tensor, block_size: int) -> Tensor:
 
 
 def _pack_int4(codes: Tensor) -> Tensor:
-    """Pack codes in [0, 15] two per byte: element 2k in the low nibble, 2k+1 in the high one."""
+    """Pack codes in [0, 15] two per byte: element 2k in the low nibble, 2k+1 in the high one.
+
+    An odd count pads the last high nibble with the code for zero.
+    """
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_full((1,), _INT4_ZERO_CODE)])
     pairs = codes.reshape(-1, 2)

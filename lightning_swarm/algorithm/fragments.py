@@ -37,7 +37,9 @@ def build_fragments(
     Args:
         names: trained parameter names in a fixed order (identical on every rank).
         num_fragments: F, the number of fragments.
-        layout: ``"strided"``, ``"sequential"`` or ``F`` lists of module names.
+        layout: ``"strided"``, ``"sequential"`` (contiguous chunks whose sizes differ by at most
+            one, earlier chunks larger) or ``F`` lists of module names (a parameter belongs to
+            the fragment naming it or one of its parent modules).
 
     Returns:
         ``F`` non-empty lists of names; together they hold every name exactly once, each list
