@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.memory import ProcReader
@@ -168,7 +169,7 @@ def test_catch_up_rejects_mismatched_shapes() -> None:
 def _fp(num_islands: int = 2, fragments: object = None, **shapes: tuple[int, ...]) -> dict:
     shapes = shapes or {"w": (4, 3), "b": (3,)}
     params = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    return layout_fingerprint(num_islands, [params], fragments)
+    return layout_fingerprint(num_islands, [model_layout(params)], fragments)
 
 
 def test_matching_fingerprints_pass() -> None:

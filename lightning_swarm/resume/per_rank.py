@@ -78,10 +78,7 @@ def shards_of(host: TrainingView) -> ModelShards:
 def mesh_fingerprint(host: TrainingView) -> dict[str, Any]:
     """``current_fingerprint`` with global shapes (equal on every rank) and the island mesh."""
     shards = shards_of(host)
-    fingerprint = current_fingerprint(host)
-    fingerprint["params"] = [
-        [[name, list(shards.global_shapes[name])] for name in o.params] for o in host.outer_syncs
-    ]
+    fingerprint = current_fingerprint(host, shards.global_shapes)
     fingerprint[MESH_KEY] = dict(shards.mesh)
     return fingerprint
 
