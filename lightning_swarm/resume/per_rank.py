@@ -56,8 +56,7 @@ from lightning_swarm.resume.records import (
 from lightning_swarm.resume.restore import (
     Source,
     attempt,
-    check_anchor_sets,
-    check_round_in_flight,
+    check_outer_states,
     optimizer_to_device,
 )
 from lightning_swarm.resume.save import begin_save, current_fingerprint
@@ -201,8 +200,7 @@ def _load(
     island = IslandRecord.from_dict(_read(host, main, island_name, use_mmap), island_name)
     anchors = AnchorsRecord.from_dict(_read(host, main, anchor_name, use_mmap), anchor_name)
     path = main.directory / anchor_name
-    check_anchor_sets(host, anchors, str(path))
-    check_round_in_flight(host, anchors, str(path))
+    check_outer_states(host, anchors, str(path))
     _check_module(host, island, main.directory / island_name)
     if host.anchors.verify:
         for state in anchors.outer:
@@ -265,7 +263,7 @@ def _install(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -
         optimizer_to_device(optimizer, host.device)
         _shard_optimizer_state(optimizer)
     for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
-        outer.load_state_dict(outer_state)
+        outer.load_checked_state_dict(outer_state)  # checked by ``_load``
     for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
         outer.load_island_state_dict(island_state)
     island.totals.install(host.totals)

@@ -14,8 +14,8 @@ back by ``from_dict`` here, never by string keys elsewhere:
 - ``IslandRecord`` (``island-NNNNN.pt``): one island's module state, inner optimizer states,
   running totals and ``OuterSync.island_state_dict()``s.
 
-The ``OuterSync`` state dicts stay the outer loop's own format; ``outer_anchors`` and
-``pending_fragment`` are the only places that look inside them.
+The ``OuterSync`` state dicts stay the outer loop's own format (``OuterSync.check_state_dict``
+checks them); ``outer_anchors`` is the only place here that looks inside them.
 
 One format is read: ``FORMAT_VERSION`` (3). Every payload carries it, and a payload of any other
 format (the unreleased formats 1 and 2, a missing or garbage number) is refused, naming what was
@@ -341,12 +341,6 @@ def outer_anchors(state: Mapping[str, Any]) -> Mapping[str, Tensor]:
     """The anchors held by one ``OuterSync.state_dict()``."""
     anchors: Mapping[str, Tensor] = state["anchors"]
     return anchors
-
-
-def pending_fragment(state: Mapping[str, Any]) -> int | None:
-    """The fragment in flight in one ``OuterSync.state_dict()`` (``None`` if none)."""
-    pending = state.get("pending")
-    return None if pending is None else int(pending["fragment"])
 
 
 def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:
