@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.membership.config import ElasticConfig
-from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync

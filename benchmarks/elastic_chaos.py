@@ -51,9 +51,9 @@ import torch
 
 from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.algorithm.fragments import build_fragments
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
-from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.join import ElasticOuter

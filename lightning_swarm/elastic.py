@@ -17,10 +17,10 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from torch.nn import Module
 
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.config import ElasticConfig
-from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.build import codec_of

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_swarm.config import SwarmConfig
-from lightning_swarm.membership import check_membership
-from lightning_swarm.membership.config import ElasticConfig, elastic_options
-from lightning_swarm.membership.lighthouse import parse_args
-from lightning_swarm.membership.model_fingerprint import (
+from lightning_swarm.algorithm.model_layout import (
     describe_difference,
     fingerprint,
     model_layout,
 )
+from lightning_swarm.config import SwarmConfig
+from lightning_swarm.membership import check_membership
+from lightning_swarm.membership.config import ElasticConfig, elastic_options
+from lightning_swarm.membership.lighthouse import parse_args
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
 
 

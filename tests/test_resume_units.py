@@ -12,6 +12,8 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -19,10 +21,12 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
+from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import (
@@ -37,8 +41,10 @@ from lightning_swarm.resume.files import (
     warn_legacy,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
-from lightning_swarm.resume.records import OptionsRecord, RecordError, SwarmRecord
+from lightning_swarm.resume.records import AnchorsRecord, OptionsRecord, RecordError, SwarmRecord
+from lightning_swarm.resume.restore import check_outer_states
 from lightning_swarm.resume.save import begin_save, discard_save
+from lightning_swarm.resume.training_view import TrainingView
 from lightning_swarm.transport.base import RoundStats
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -136,8 +142,59 @@ def test_outer_load_rejects_wrong_anchor_shape() -> None:
     state = outer.state_dict()
     state["anchors"] = {**state["anchors"], "w": torch.zeros(3, 4)}
     twin = _outer(params, defer_anchors=True)
-    with pytest.raises(ValueError, match=r"saved anchors do not fit parameter 'w'.*\(3, 4\)"):
+    with pytest.raises(ValueError, match=r"parameter 'w' \(shape \(4, 3\)\) has shape \(3, 4\)"):
         twin.load_state_dict(state)
+
+
+def _host(*outers: OuterSync) -> TrainingView:
+    return SimpleNamespace(outer_syncs=list(outers))  # type: ignore[return-value]
+
+
+def _anchors_record(*states: dict[str, Any]) -> AnchorsRecord:
+    return AnchorsRecord(save_id="s", outer=list(states))
+
+
+def test_resume_check_names_the_file_and_each_refusal() -> None:
+    outer, params = _trained_outer()
+    twin = _outer(params, defer_anchors=True)
+    state = outer.state_dict()
+    check_outer_states(_host(twin), _anchors_record(state), "/x/anchors.pt")  # fits
+    no_b = {**state, "anchors": {"w": state["anchors"]["w"]}}
+    with pytest.raises(
+        SwarmCheckpointError, match=r"^/x/anchors.pt: parameter 'b' \(shape \(3,\)\) has no anchor"
+    ):
+        check_outer_states(_host(twin), _anchors_record(no_b), "/x/anchors.pt")
+    in_flight = {**state, "pending": {"fragment": 0}}
+    with pytest.raises(
+        SwarmCheckpointError,
+        match=r"^/x/anchors.pt: the checkpoint has fragment 0 in flight at inner step 5 but this "
+        r"run's schedule expects None",
+    ):
+        check_outer_states(_host(twin), _anchors_record(in_flight), "/x/anchors.pt")
+    # The catch-up's older anchors: only their shapes matter.
+    check_outer_states(_host(twin), _anchors_record(in_flight), "/x/a.pt", anchors_only=True)
+    with pytest.raises(SwarmCheckpointError, match=r"^/x/a.pt \(optimizer 1\): parameter 'b'"):
+        check_outer_states(_host(twin, twin), _anchors_record(state, no_b), "/x/a.pt")
+    with pytest.raises(SwarmCheckpointError, match="/x/a.pt holds 1 anchor sets for 2 optimizers"):
+        check_outer_states(_host(twin, twin), _anchors_record(state), "/x/a.pt")
+
+
+def test_load_checks_once_and_a_checked_install_checks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    outer, params = _trained_outer()
+    calls: list[int] = []
+    check = SyncCheckpoint.check_state_dict
+
+    def counted(self: SyncCheckpoint, state: Mapping[str, Any]) -> None:
+        calls.append(1)
+        check(self, state)
+
+    monkeypatch.setattr(SyncCheckpoint, "check_state_dict", counted)
+    _outer(params, defer_anchors=True).load_state_dict(outer.state_dict())
+    assert len(calls) == 1
+    _outer(params, defer_anchors=True).load_checked_state_dict(outer.state_dict())
+    assert len(calls) == 1
 
 
 # -- catch-up ---------------------------------------------------------------------------------
@@ -168,7 +225,7 @@ def test_catch_up_rejects_mismatched_shapes() -> None:
 def _fp(num_islands: int = 2, fragments: object = None, **shapes: tuple[int, ...]) -> dict:
     shapes = shapes or {"w": (4, 3), "b": (3,)}
     params = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    return layout_fingerprint(num_islands, [params], fragments)
+    return layout_fingerprint(num_islands, [model_layout(params)], fragments)
 
 
 def test_matching_fingerprints_pass() -> None:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.membership import (
     LighthouseUnreachableError,
     MembershipError,
     QuorumTimeoutError,
 )
 from lightning_swarm.membership.config import ElasticConfig
-from lightning_swarm.membership.model_fingerprint import model_layout
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from tests.dist_utils import free_port
 from tests.elastic_utils import lighthouse, start_lighthouse

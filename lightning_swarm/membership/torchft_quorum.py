@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
 from lightning_swarm.membership.adopt import RoundAdoption
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
@@ -33,7 +34,6 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
-from lightning_swarm.membership.model_fingerprint import Layout, describe_difference, fingerprint
 from lightning_swarm.membership.quorum import ShortRounds, count_failed_vote, request_quorum
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.quorum_mean import bucketed_mean
@@ -88,7 +88,7 @@ class TorchftMembership:
 
     Args:
         config: lighthouse, island id, minimum islands and timeouts.
-        layout: this island's model layout (``membership.layout.model_layout``).
+        layout: this island's model layout (``algorithm.model_layout.model_layout``).
         state_fn: returns the global state a joiner needs (anchors, outer state, counters);
             per rank: this rank's share of it.
         load_fn: installs such a state (fan-out: on every rank of a healed island; per rank:

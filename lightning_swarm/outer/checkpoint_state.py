@@ -3,14 +3,15 @@
 ``state_dict`` is global: anchors, outer state, counters and a round in flight (its averaged
 result, so a resume applies it at the same step). It aliases the live anchors: write it out
 before the next round. ``island_state_dict`` holds the residuals (collective over the island when
-sharded). ``load_state_dict`` adopts anchors already on the right device and dtype (mapped ones
-stay file-backed), keeps only owned names when sharded, and refuses a round in flight the
-schedule does not expect.
+sharded). ``check_state_dict`` is the one check of a saved state (anchor shapes; a round in
+flight must be the one the schedule expects), run on every rank before anything is installed;
+``load_checked_state_dict`` then adopts anchors already on the right device and dtype (mapped
+ones stay file-backed) and keeps only owned names when sharded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
 from lightning_swarm.outer.two_phase import TwoPhaseRound
 from lightning_swarm.transport.base import RoundStats
@@ -110,21 +112,60 @@ class SyncCheckpoint:
             if name in owned
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install anchors, outer optimizer state, counters and a round in flight.
-
-        The given anchor tensors are adopted, not copied, when they already have this object's
-        anchor device and dtype: memory-mapped anchors stay file-backed until a sync writes
-        them. Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors).
-        The outer optimizer is rebuilt over the new anchors, then given the saved state.
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse a saved state that ``load_checked_state_dict`` cannot install as saved.
 
         Raises:
-            ValueError: a parameter has no anchor, or an anchor of the wrong shape; or the
-                saved round in flight does not fit this run's schedule.
+            SwarmCheckpointError: a parameter has no anchor, or an anchor of another shape; or
+                the saved round in flight is not the one this run's schedule expects.
+        """
+        # A healing peer's share (outer/join.py) holds the anchors of this rank's names only.
+        whole = state.get("share") is None
+        self.check_anchors(state["anchors"], names=self.state.params if whole else None)
+        self._check_round(state)
+
+    def check_anchors(
+        self, anchors: Mapping[str, Tensor], names: Iterable[str] | None = None
+    ) -> None:
+        """Refuse saved anchors unless each of ``names`` (default: the owned ones) has one of
+        its parameter's shape."""
+        for name in self.state.owned if names is None else names:
+            p = self.state.params[name]
+            anchor = anchors.get(name)
+            if anchor is None or tuple(anchor.shape) != tuple(p.shape):
+                found = "no anchor" if anchor is None else f"shape {tuple(anchor.shape)}"
+                raise SwarmCheckpointError(
+                    f"parameter {name!r} (shape {tuple(p.shape)}) has {found}; the saved "
+                    "anchors are damaged or from another model. Resume with the model the "
+                    "checkpoint was written by, or from another checkpoint."
+                )
+
+    def _check_round(self, state: Mapping[str, Any]) -> None:
+        step, ended = int(state["inner_steps"]), state.get("ended_at")
+        expected = None
+        if step:
+            # Rounds sent by the end-of-fit round's step were applied by it.
+            expected = self.state.schedule.in_flight(step, sent_after=int(ended or 0))
+        pending = state.get("pending")
+        found = None if pending is None else int(pending["fragment"])
+        if found != expected:
+            raise SwarmCheckpointError(
+                f"the checkpoint has fragment {found} in flight at inner step {step} "
+                f"but this run's schedule expects {expected}; resume with the sync_every, "
+                "num_fragments and sync_delay the checkpoint was written with."
+            )
+
+    def load_checked_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install anchors, outer optimizer state, counters and a round in flight.
+
+        ``state`` must have passed ``check_state_dict`` (nothing is checked again). The given
+        anchor tensors are adopted, not copied, when they already have this object's anchor
+        device and dtype: memory-mapped anchors stay file-backed until a sync writes them.
+        Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors). The
+        outer optimizer is rebuilt over the new anchors, then given the saved state.
         """
         anchors: Mapping[str, Tensor] = state["anchors"]
-        # A healing peer's share (outer/join.py) holds the anchors of this rank's names only.
-        self._install_anchors(anchors, whole=state.get("share") is None)
+        self._install_anchors(anchors)
         s = self.state
         s.outer_optimizer = s.outer_optimizer_factory(list(s.anchors.values()))
         saved_names = state.get("param_names") or list(anchors)
@@ -142,18 +183,8 @@ class SyncCheckpoint:
         s.ended_at = None if ended is None else int(ended)
         s.in_flight = self._restore_round(state.get("pending"))
 
-    def _install_anchors(self, anchors: Mapping[str, Tensor], *, whole: bool = True) -> None:
-        """Check every parameter's saved anchor (``whole``, else the owned names' only), then
-        adopt (or convert) the owned ones."""
-        names = self.state.params if whole else self.state.owned
-        for name in names:
-            p = self.state.params[name]
-            if name not in anchors or tuple(anchors[name].shape) != tuple(p.shape):
-                found = tuple(anchors[name].shape) if name in anchors else "no anchor"
-                raise ValueError(
-                    f"saved anchors do not fit parameter {name!r} (shape {tuple(p.shape)}, "
-                    f"saved {found}); resume with the model the checkpoint was written by."
-                )
+    def _install_anchors(self, anchors: Mapping[str, Tensor]) -> None:
+        """Adopt (or convert) the owned names' checked anchors."""
         self.state.anchors = {
             name: anchors[name].to(device=self.state.anchor_device, dtype=self.state.anchor_dtype)
             for name in self.state.owned
@@ -161,16 +192,6 @@ class SyncCheckpoint:
         self.state.placeholders = False
 
     def _restore_round(self, pending: Mapping[str, Any] | None) -> RoundInFlight | None:
-        expected, step = None, self.state.inner_steps
-        if step:
-            expected = self.state.schedule.in_flight(step, sent_after=self.state.ended_at or 0)
-        found = None if pending is None else int(pending["fragment"])
-        if found != expected:
-            raise ValueError(
-                f"the checkpoint has fragment {found} in flight at inner step {step} "
-                f"but this run's schedule expects {expected}; resume with the sync_every, "
-                "num_fragments and sync_delay the checkpoint was written with."
-            )
         if pending is None:
             return None
         stats = RoundStats(

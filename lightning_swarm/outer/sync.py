@@ -252,10 +252,23 @@ class OuterSync:
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
         self.checkpoint.load_island_state_dict(state)
 
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse a saved state this sync cannot install (``SyncCheckpoint.check_state_dict``)."""
+        self.checkpoint.check_state_dict(state)
+
+    def check_anchors(self, anchors: Mapping[str, Tensor]) -> None:
+        """Refuse saved anchors unless every parameter has one of its shape."""
+        self.checkpoint.check_anchors(anchors, names=self.params)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install a saved state (``SyncCheckpoint.load_state_dict``); new anchors and a new
-        outer optimizer may change which engine serves the rounds, so it is chosen again."""
-        self.checkpoint.load_state_dict(state)
+        """Check a saved state, then install it (``load_checked_state_dict``)."""
+        self.checkpoint.check_state_dict(state)
+        self.load_checked_state_dict(state)
+
+    def load_checked_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install a state that passed ``check_state_dict``; new anchors and a new outer
+        optimizer may change which engine serves the rounds, so it is chosen again."""
+        self.checkpoint.load_checked_state_dict(state)
         self.engine = self._choose_engine()
 
 

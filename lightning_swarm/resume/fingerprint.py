@@ -1,8 +1,9 @@
-"""The layout fingerprint: what must match between the run that saved and the one resuming.
+"""The checkpoint's fingerprint: what must match between the run that saved and the one resuming.
 
 A fingerprint is plain data (island count, parameter names and shapes per optimizer, the
 fragment layout and schedule), stored in the checkpoint's swarm record and compared on resume
-before any tensor is read. Imports torch only.
+before any tensor is read. The names and shapes come from the model's layout
+(``algorithm.model_layout``); its dtypes are not recorded, so a resume may change precision.
 """
 
 from __future__ import annotations
@@ -10,25 +11,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import Tensor
-
+from lightning_swarm.algorithm.model_layout import Layout
 from lightning_swarm.errors import SwarmCheckpointError
 
 
 def layout_fingerprint(
     num_islands: int,
-    params_per_optimizer: Sequence[Mapping[str, Tensor]],
+    layouts: Sequence[Layout],
     fragments: Any = None,
 ) -> dict[str, Any]:
     """What must match between the saving and the resuming run.
 
-    ``fragments`` is Streaming DiLoCo's layout and schedule (``None`` for plain DiLoCo: one
-    fragment, no delay); it is compared as plain data.
+    ``layouts`` holds each optimizer's parameters (``model_layout``); ``fragments`` is Streaming
+    DiLoCo's layout and schedule (``None`` for plain DiLoCo: one fragment, no delay); it is
+    compared as plain data.
     """
     return {
         "num_islands": int(num_islands),
+        # Every record's stored form, [[name, shape], ...] per optimizer: no dtypes.
         "params": [
-            [[name, list(p.shape)] for name, p in params.items()] for params in params_per_optimizer
+            [[name, list(entry.shape)] for name, entry in layout.items()] for layout in layouts
         ],
         "fragments": fragments,
     }

@@ -38,8 +38,7 @@ from lightning_swarm.resume.records import (
 from lightning_swarm.resume.restore import (
     Source,
     attempt,
-    check_anchor_sets,
-    check_round_in_flight,
+    check_outer_states,
     optimizer_to_device,
 )
 from lightning_swarm.resume.save import begin_save, current_fingerprint
@@ -60,10 +59,7 @@ def shards_of(host: TrainingView) -> ModelShards:
 def mesh_fingerprint(host: TrainingView) -> dict[str, Any]:
     """``current_fingerprint`` with global shapes (equal on every rank) and the island mesh."""
     shards = shards_of(host)
-    fingerprint = current_fingerprint(host)
-    fingerprint["params"] = [
-        [[name, list(shards.global_shapes[name])] for name in o.params] for o in host.outer_syncs
-    ]
+    fingerprint = current_fingerprint(host, shards.global_shapes)
     fingerprint[MESH_KEY] = dict(shards.mesh)
     return fingerprint
 
@@ -186,8 +182,7 @@ def _load(
     island = IslandRecord.from_dict(_read(host, main, island_name, use_mmap), island_name)
     anchors = AnchorsRecord.from_dict(_read(host, main, anchor_name, use_mmap), anchor_name)
     path = main.directory / anchor_name
-    check_anchor_sets(host, anchors, str(path))
-    check_round_in_flight(host, anchors, str(path))
+    check_outer_states(host, anchors, str(path))
     _check_module(host, island, main.directory / island_name)
     if host.anchors.verify:
         for state in anchors.outer:
@@ -250,7 +245,7 @@ def _install(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -
         optimizer_to_device(optimizer, host.device)
         _shard_optimizer_state(optimizer)
     for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
-        outer.load_state_dict(outer_state)
+        outer.load_checked_state_dict(outer_state)  # checked by ``_load``
     for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
         outer.load_island_state_dict(island_state)
     island.totals.install(host.totals)

@@ -4,7 +4,8 @@ Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here onl
 ``SwarmRecord`` (in the Lightning file, sealed by ``record_checksum``), ``AnchorsRecord`` (global;
 per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
 ``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
-``outer_anchors`` and ``pending_fragment`` alone look inside ``OuterSync`` state dicts.
+``outer_anchors`` alone looks inside ``OuterSync`` state dicts (``OuterSync.check_state_dict``
+checks them).
 """
 
 from __future__ import annotations
@@ -322,12 +323,6 @@ def outer_anchors(state: Mapping[str, Any]) -> Mapping[str, Tensor]:
     """The anchors held by one ``OuterSync.state_dict()``."""
     anchors: Mapping[str, Tensor] = state["anchors"]
     return anchors
-
-
-def pending_fragment(state: Mapping[str, Any]) -> int | None:
-    """The fragment in flight in one ``OuterSync.state_dict()`` (``None`` if none)."""
-    pending = state.get("pending")
-    return None if pending is None else int(pending["fragment"])
 
 
 def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:

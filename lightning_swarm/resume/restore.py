@@ -8,17 +8,18 @@ same order of collectives, failures included:
 2. every rank agrees on the newest outer round among the islands' sources (catch-up target);
 3. files: each file this rank reads is checked against the size and checksum its record holds
    (one chunked read, ``integrity``), loaded (mapped by default), and validated: island index,
-   module entries and shapes, optimizer count, anchors of every parameter's shape (once per
-   save), finite anchors (per file, so an error names the shard) and island parameters. A
-   sharded save's shards are merged by name on every rank: a catch-up needs every anchor;
-   ``OuterSync.load_state_dict`` then keeps this rank's share;
+   module entries and shapes, optimizer count, anchors of every parameter's shape and the
+   round in flight (``OuterSync.check_state_dict``, once per save), finite anchors (per file,
+   so an error names the shard) and island parameters. A sharded save's shards are merged by
+   name on every rank: a catch-up needs every anchor; ``OuterSync.load_checked_state_dict``
+   then keeps this rank's share;
 4. the ranks exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError``
    on every rank, and nothing has been installed;
 5. install: module state, catch-up where the island is behind, inner optimizer states, outer
    state, residuals, totals.
 
-Mapped anchors are adopted by ``OuterSync.load_state_dict``; the old anchors of a catch-up are
-dropped right after it.
+Mapped anchors are adopted by ``OuterSync.load_checked_state_dict``; the old anchors of a
+catch-up are dropped right after it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_swarm.algorithm.catchup import catch_up_
-from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
@@ -51,7 +51,6 @@ from lightning_swarm.resume.records import (
     SwarmRecord,
     merge_shards,
     outer_anchors,
-    pending_fragment,
 )
 from lightning_swarm.resume.save import current_fingerprint
 from lightning_swarm.resume.training_view import Collectives, TrainingView
@@ -228,50 +227,32 @@ def validate(
             f"island {index}'s file holds {len(island.optimizers)} optimizer states, this run "
             f"has {len(host.optimizers)} optimizers; use the same configure_optimizers."
         )
-    anchor_sets = [(loaded.own_anchors, own_anchors)]
     if loaded.newest is not loaded.own_anchors:
-        anchor_sets.append((loaded.newest, newest_anchors))
-    for record, where in anchor_sets:
-        check_anchor_sets(host, record, where)
-    check_round_in_flight(host, loaded.newest, newest_anchors)
+        # Only the anchors of the island's own, older save are used (by the catch-up).
+        check_outer_states(host, loaded.own_anchors, own_anchors, anchors_only=True)
+    check_outer_states(host, loaded.newest, newest_anchors)
 
 
-def check_anchor_sets(host: TrainingView, record: AnchorsRecord, path: str) -> None:
-    if len(record.outer) != len(host.outer_syncs):
+def check_outer_states(
+    host: TrainingView, record: AnchorsRecord, path: str, *, anchors_only: bool = False
+) -> None:
+    """Each saved outer state against its sync (``OuterSync.check_state_dict``: anchor shapes
+    and the round in flight), or only its anchors; an error names ``path``."""
+    syncs = host.outer_syncs
+    if len(record.outer) != len(syncs):
         raise SwarmCheckpointError(
-            f"{path} holds {len(record.outer)} anchor sets for {len(host.outer_syncs)} "
+            f"{path} holds {len(record.outer)} anchor sets for {len(syncs)} "
             "optimizers; resume from another checkpoint."
         )
-    for outer, state in zip(host.outer_syncs, record.outer, strict=True):
-        anchors = outer_anchors(state)
-        for name, p in outer.params.items():
-            anchor = anchors.get(name)
-            if anchor is None or tuple(anchor.shape) != tuple(p.shape):
-                found = "no anchor" if anchor is None else f"shape {tuple(anchor.shape)}"
-                raise SwarmCheckpointError(
-                    f"{path}: parameter {name!r} (shape {tuple(p.shape)}) has {found}; the "
-                    "file is damaged or from another model. Resume from another checkpoint."
-                )
-
-
-def check_round_in_flight(host: TrainingView, record: AnchorsRecord, path: str) -> None:
-    """A saved round in flight must be one this run's schedule applies (else refuse now)."""
-    options = host.options
-    for index, state in enumerate(record.outer):
-        step = int(state["inner_steps"])
-        schedule = FragmentSchedule(
-            sync_every=options["sync_every"],
-            num_fragments=options["num_fragments"],
-            sync_delay=options["sync_delay"],
-        )
-        expected = schedule.in_flight(step) if step else None
-        found = pending_fragment(state)
-        if found != expected:
-            raise SwarmCheckpointError(
-                f"{path}: optimizer {index} has fragment {found} in flight at inner step {step} "
-                f"but this run's schedule expects {expected}; resume with the sync_every, "
-                "num_fragments and sync_delay the checkpoint was written with."
-            )
+    for index, (outer, state) in enumerate(zip(syncs, record.outer, strict=True)):
+        try:
+            if anchors_only:
+                outer.check_anchors(outer_anchors(state))
+            else:
+                outer.check_state_dict(state)
+        except SwarmCheckpointError as err:
+            where = path if len(syncs) == 1 else f"{path} (optimizer {index})"
+            raise SwarmCheckpointError(f"{where}: {err}") from err
 
 
 def install(host: TrainingView, loaded: Loaded) -> list[int]:
@@ -292,7 +273,7 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
         optimizer.load_state_dict(state)
         optimizer_to_device(optimizer, host.device)
     for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
-        outer.load_state_dict(outer_state)
+        outer.load_checked_state_dict(outer_state)  # checked by ``validate``
     for outer, island_state in zip(host.outer_syncs, loaded.island.outer_island, strict=False):
         outer.load_island_state_dict(island_state)
     loaded.island.totals.install(host.totals)

@@ -13,9 +13,11 @@ import contextlib
 import logging
 import shutil
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
 from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.files import (
@@ -43,8 +45,12 @@ from lightning_swarm.resume.training_view import TrainingView
 log = logging.getLogger("lightning_swarm")
 
 
-def current_fingerprint(host: TrainingView) -> dict[str, Any]:
+def current_fingerprint(
+    host: TrainingView, global_shapes: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """The layout a resume must match (see ``resume.fingerprint.layout_fingerprint``).
+
+    ``global_shapes`` describes model-sharded parameters by their whole shapes.
 
     Streaming DiLoCo adds its fragments and schedule: a round in flight is applied at
     ``send_step + sync_delay`` to the fragment it was sent for, so a resume needs the same
@@ -58,9 +64,8 @@ def current_fingerprint(host: TrainingView) -> dict[str, Any]:
             "sync_delay": options["sync_delay"],
             "layout": [o.fragments for o in host.outer_syncs],
         }
-    return layout_fingerprint(
-        host.topology.num_islands, [o.params for o in host.outer_syncs], fragments
-    )
+    layouts = [model_layout(o.params, global_shapes) for o in host.outer_syncs]
+    return layout_fingerprint(host.topology.num_islands, layouts, fragments)
 
 
 def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:

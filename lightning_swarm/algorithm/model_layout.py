@@ -1,0 +1,78 @@
+"""A model's layout: each parameter's name, shape and dtype, and the fingerprint of it.
+
+The one description of "the same model" in the package. Two uses, each comparing what it needs:
+
+- a checkpoint records each optimizer's names and shapes (``resume.fingerprint``) and refuses a
+  resume whose layout differs; dtypes are left out there, since a resume may change precision;
+- an elastic island sends ``fingerprint(layout)`` in every round's header, and the layout itself
+  with a heal, so that a joiner whose model differs (dtypes included) is refused, naming the
+  parameters that differ (``membership.torchft_quorum``).
+
+A layout is plain data (str, int, tuple) so that it crosses the heal wire unchanged. Model-sharded
+parameters are described by their global shapes (``global_shapes``), equal on every rank.
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class ParamLayout(NamedTuple):
+    """One parameter's shape and dtype name (``"float32"``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.shape} {self.dtype}"
+
+
+Layout = dict[str, ParamLayout]
+"""Parameter name -> shape and dtype, in the model's order, e.g. ``{"fc.weight": ((4, 8),
+"float32")}``."""
+
+
+def model_layout(
+    params: Mapping[str, Tensor], global_shapes: Mapping[str, Sequence[int]] | None = None
+) -> Layout:
+    """The layout of ``params``; ``global_shapes`` replaces the shapes of local shards."""
+    shapes = global_shapes or {}
+    return {
+        name: ParamLayout(
+            tuple(int(s) for s in shapes.get(name, p.shape)),
+            str(p.dtype).removeprefix("torch."),
+        )
+        for name, p in params.items()
+    }
+
+
+def fingerprint(layout: Mapping[str, ParamLayout]) -> int:
+    """A 63-bit hash of ``layout``, independent of the parameters' order."""
+    text = json.dumps(sorted((name, str(ParamLayout(*entry))) for name, entry in layout.items()))
+    digest = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def describe_difference(
+    own: Mapping[str, ParamLayout], swarm: Mapping[str, ParamLayout], limit: int = 3
+) -> str:
+    """The first differences between this island's layout and the swarm's, in words."""
+    mine = {name: ParamLayout(*entry) for name, entry in own.items()}
+    theirs = {name: ParamLayout(*entry) for name, entry in swarm.items()}
+    notes = [
+        f"{name} is {mine[name]} here but {theirs[name]} in the swarm"
+        for name in mine
+        if name in theirs and mine[name] != theirs[name]
+    ]
+    notes += [f"{name} exists only here" for name in mine if name not in theirs]
+    notes += [f"{name} exists only in the swarm" for name in theirs if name not in mine]
+    if not notes:
+        return "the layouts agree; the parameter order differs"
+    more = f" (and {len(notes) - limit} more)" if len(notes) > limit else ""
+    return "; ".join(notes[:limit]) + more
