@@ -364,14 +364,6 @@ def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
                 "use membership='static'.",
             )
         )
-    if config.transport == "swarm" and config.swarm.aggregator == "sharded":
-        refusals.append(
-            (
-                "swarm.aggregator='sharded'",
-                "its aggregators do not agree on one verdict per model-sharded island yet; use "
-                "swarm.aggregator='rotating' (the default).",
-            )
-        )
     return refusals
 
 

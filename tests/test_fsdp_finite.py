@@ -67,7 +67,7 @@ def test_a_nan_in_one_shard_stops_every_rank(tmp_path: Path, quantize: str) -> N
         assert "the pseudo-gradient of island(s) [0] holds NaN or inf" in outcome, (rank, outcome)
 
 
-def _swarm_round(rank: int, world: int, max_norm: float, out: Path) -> None:
+def _swarm_round(rank: int, world: int, max_norm: float, aggregator: str, out: Path) -> None:
     """Island 1's shards each stay under ``max_norm`` while the island as a whole exceeds 1.0."""
     topology = IslandTopology(world_size=world, island_size=2, global_rank=rank)
     groups = build_groups(topology)
@@ -76,7 +76,7 @@ def _swarm_round(rank: int, world: int, max_norm: float, out: Path) -> None:
         island_parallel="fsdp",
         sync_every=1,
         transport="swarm",
-        swarm=SwarmTransportConfig(offload=False, max_norm=max_norm),
+        swarm=SwarmTransportConfig(offload=False, max_norm=max_norm, aggregator=aggregator),
     )
     shard = torch.nn.Parameter(torch.full((3 - topology.local_index,), 0.5))
     optimizer = torch.optim.SGD([shard], lr=0.1)
@@ -110,13 +110,14 @@ def _swarm_round(rank: int, world: int, max_norm: float, out: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("aggregator", ["rotating", "sharded"])
 @pytest.mark.parametrize(("max_norm", "expected"), [(1.0, 0.6), (2.0, 0.8)])
 def test_swarm_max_norm_bounds_the_island_norm(
-    tmp_path: Path, max_norm: float, expected: float
+    tmp_path: Path, max_norm: float, expected: float, aggregator: str
 ) -> None:
     """max_norm=1.0 rejects island 1 in both shards' rounds (anchor 0.5 + 0.1: island 0
     alone); max_norm=2.0 accepts both (0.5 + mean(0.1, 0.5))."""
-    run_ranks(_swarm_round, 4, max_norm, tmp_path, timeout_s=60)
+    run_ranks(_swarm_round, 4, max_norm, aggregator, tmp_path, timeout_s=60)
     for rank in range(4):
         info = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         want = torch.full((3 - rank % 2,), expected)

@@ -98,15 +98,6 @@ def test_fsdp_bytes_sent_per_round_are_the_shard(ddp_and_fsdp: tuple[list, list]
             {"island_parallel": "fsdp", "membership": "torchft", "lighthouse": "http://h:1"},
             "membership='torchft'",
         ),
-        (
-            {
-                "island_parallel": "fsdp",
-                "island_size": 2,
-                "transport": "swarm",
-                "swarm": {"aggregator": "sharded"},
-            },
-            "swarm.aggregator='sharded'",
-        ),
     ],
 )
 def test_refusals_name_the_option(options: dict, names: str) -> None:
@@ -173,9 +164,19 @@ def test_module_that_does_not_shard_is_refused(tmp_path: Path, module: type, mes
         ({"transport": "swarm"}, 1e-6),
         # a bound every island stays under: the island-wide norm is formed, nothing rejected
         ({"transport": "swarm", "swarm": {"max_norm": 100.0, "offload": False}}, 1e-6),
+        # every island owns 1/n of each shard; the peer groups agree on one verdict per island
+        ({"transport": "swarm", "swarm": {"aggregator": "sharded"}}, 1e-6),
+        ({"transport": "swarm", "swarm": {"aggregator": "sharded", "max_norm": 100.0}}, 1e-6),
         ({"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "merge_alpha": 0.5}, 1e-6),
     ],
-    ids=["int8_error_feedback", "swarm_transport", "swarm_max_norm", "fragments_delay_alpha"],
+    ids=[
+        "int8_error_feedback",
+        "swarm_transport",
+        "swarm_max_norm",
+        "swarm_sharded",
+        "swarm_sharded_max_norm",
+        "fragments_delay_alpha",
+    ],
 )
 def test_fsdp_outer_features_on_shards(tmp_path: Path, options: dict, atol: float) -> None:
     common = {"island_size": 2, "sync_every": SYNC_EVERY, **options}

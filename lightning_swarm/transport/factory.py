@@ -72,13 +72,12 @@ def build_transport(
     """
     check_transport(transport)
     if transport == "swarm" and swarm.aggregator == "sharded":
-        # SwarmConfig refuses it on model-sharded islands: it has no island-wide verdict yet.
-        assert island_group is None, "swarm.aggregator='sharded' with island_parallel='fsdp'"
         return ShardedAggregatorTransport(
             group,
             num_islands=num_islands,
             island_index=island_index,
             codec=codec,
+            island_group=island_group,
             **swarm.transport_kwargs(),
         )
     if transport == "swarm":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -200,35 +201,23 @@ def _blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
     return [(s, min(block_numel, spec.numel - s)) for s in range(0, spec.numel, block_numel)]
 
 
-def check_values(
-    contribution: Contribution, layout: PayloadLayout, *, max_norm: float | None, block_numel: int
-) -> str | None:
-    """Why ``contribution`` must not count (non-finite values, norm above bound), or ``None``."""
-    sum_sq = 0.0
-    for spec in layout.specs:
-        if not spec.dtype.is_floating_point:
-            continue
-        scratch = torch.empty(min(block_numel, spec.numel), dtype=spec.dtype)
-        for start, n in _blocks(spec, block_numel):
-            block = scratch[:n]
-            contribution.read_into(spec, start, block)
-            if not all_finite(block):
-                return f"non-finite values (NaN or Inf) in tensor {spec.name!r}"
-            if max_norm is not None:
-                sum_sq += float(block.double().square().sum())
-    if max_norm is not None and math.sqrt(sum_sq) > max_norm:
-        return f"L2 norm {math.sqrt(sum_sq):.6g} exceeds max_norm={max_norm:g}"
-    return None
+@dataclass(frozen=True)
+class Measure:
+    """What one pass over a contribution found: whether every floating value is finite, the
+    float64 sum of their squares (0.0 when not asked for, or once a value is not finite), and
+    the first tensor holding a non-finite value."""
+
+    finite: bool
+    sum_sq: float
+    bad_tensor: str | None = None
 
 
-def finite_and_sum_sq(
-    contribution: Contribution, layout: PayloadLayout, block_numel: int, *, sum_sq: bool = True
-) -> tuple[bool, float]:
-    """Whether every floating value of ``contribution`` is finite, and (if so and ``sum_sq``)
-    the float64 sum of their squares, read one block at a time as ``check_values`` reads them.
-    A sharded round adds the sums of every shard to judge ``max_norm`` on the whole
-    contribution; without ``max_norm`` it passes ``sum_sq=False`` and gets 0.0 (the float64
-    squares cost half a validation pass)."""
+def measure(
+    contribution: Contribution, layout: PayloadLayout, *, block_numel: int, sum_sq: bool = True
+) -> Measure:
+    """One validation pass over ``contribution``, one block at a time (the only one: every
+    verdict, whole or per shard, is read from it). Without ``max_norm`` callers pass
+    ``sum_sq=False``: the float64 squares cost half a validation pass."""
     total = 0.0
     for spec in layout.specs:
         if not spec.dtype.is_floating_point:
@@ -238,10 +227,22 @@ def finite_and_sum_sq(
             block = scratch[:n]
             contribution.read_into(spec, start, block)
             if not all_finite(block):
-                return False, 0.0
+                return Measure(False, 0.0, spec.name)
             if sum_sq:
                 total += float(block.double().square().sum())
-    return True, total
+    return Measure(True, total)
+
+
+def check_values(
+    contribution: Contribution, layout: PayloadLayout, *, max_norm: float | None, block_numel: int
+) -> str | None:
+    """Why ``contribution`` must not count (non-finite values, norm above bound), or ``None``."""
+    found = measure(contribution, layout, block_numel=block_numel, sum_sq=max_norm is not None)
+    if not found.finite:
+        return f"non-finite values (NaN or Inf) in tensor {found.bad_tensor!r}"
+    if max_norm is not None and math.sqrt(found.sum_sq) > max_norm:
+        return f"L2 norm {math.sqrt(found.sum_sq):.6g} exceeds max_norm={max_norm:g}"
+    return None
 
 
 def aggregate_into(

@@ -24,30 +24,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.transport.aggregator.contributions import Contribution, all_finite
-from lightning_swarm.transport.payload import PayloadLayout
-
-# (every shard arrived and is finite, the island's L2 norm)
+# (every shard arrived and is finite, the sum of squares of its values)
 IslandMeasure = tuple[bool, float]
-
-
-def measure(
-    contribution: Contribution, layout: PayloadLayout, *, block_numel: int
-) -> IslandMeasure:
-    """Whether this shard's contribution is finite, and its sum of squares (float64 per block)."""
-    sum_sq = 0.0
-    for spec in layout.specs:
-        if not spec.dtype.is_floating_point:
-            continue
-        scratch = torch.empty(min(block_numel, spec.numel), dtype=spec.dtype)
-        for start in range(0, spec.numel, block_numel):
-            n = min(block_numel, spec.numel - start)
-            block = scratch[:n]
-            contribution.read_into(spec, start, block)
-            if not all_finite(block):
-                return False, 0.0
-            sum_sq += float(block.double().square().sum())
-    return True, sum_sq
 
 
 def agree(
@@ -73,3 +51,22 @@ def agree(
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     islands = [(bool(flags[i] == 1.0), math.sqrt(float(sums[i]))) for i in range(num_islands)]
     return bool(flags[num_islands] == 1.0), islands
+
+
+def island_all(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:
+    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``): the sharded
+    aggregator's peer groups take every decision of a round together, so no shard of an island
+    moves unless all do. ``None`` (an island of one rank per peer group) returns ``flags``."""
+    if group is None:
+        return flags
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v == 1.0) for v in t]
+
+
+def elsewhere_message(round_index: int, what: str) -> str:
+    """What a rank raises when another peer group of its model-sharded island failed."""
+    return (
+        f"swarm round {round_index}: {what} in another shard's peer group of this model-sharded "
+        "island (its ranks' logs say why). Anchors are unchanged."
+    )

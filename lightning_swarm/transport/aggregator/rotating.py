@@ -72,9 +72,9 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.links import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+from lightning_swarm.transport.aggregator.owners import SwarmAggregatorBase
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
@@ -84,7 +84,7 @@ from lightning_swarm.transport.aggregator.round_status import (
     peer_failure_message,
     skip_message,
 )
-from lightning_swarm.transport.aggregator.rounds import AggregationRule, Aggregator, AggregatorRound
+from lightning_swarm.transport.aggregator.rounds import Aggregator, AggregatorRound
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.errors import SwarmRoundError
@@ -95,7 +95,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AggregatorOutcome", "AggregatorTransport", "RoundReport", "Verdict"]
 
 
-class AggregatorTransport:
+class AggregatorTransport(SwarmAggregatorBase):
     """Rotating-aggregator transport; see the module docstring.
 
     Args:
@@ -146,49 +146,33 @@ class AggregatorTransport:
         spool: Spool | None = None,
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        _check_topology(num_islands, island_index, min_contributions, chunk_bytes)
-        check_aggregation(aggregation)
-        if island_weights is not None:
-            island_weights = check_weights(island_weights, option="island_weights")
-        if aggregation == "weighted_mean" and (
-            island_weights is None or len(island_weights) != num_islands
-        ):
-            raise ValueError(
-                f"aggregation='weighted_mean' needs island_weights with one weight per island "
-                f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
-            )
-        self.group, self.num_islands, self.island_index = group, num_islands, island_index
-        self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
-        self.device = torch.device(device)
-        self.rule = AggregationRule(
-            aggregation, trim_ratio, min_contributions, max_norm, island_weights
+        super().__init__(
+            group,
+            num_islands=num_islands,
+            island_index=island_index,
+            offload=offload,
+            spool_dir=spool_dir,
+            aggregation=aggregation,
+            trim_ratio=trim_ratio,
+            min_contributions=min_contributions,
+            max_norm=max_norm,
+            island_weights=island_weights,
+            chunk_bytes=chunk_bytes,
+            cleanup_timeout_s=cleanup_timeout_s,
+            codec=codec,
+            spool=spool,
         )
-        self._spool = spool
-        if self._spool is None and offload and num_islands > 1:
-            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self.device = torch.device(device)
         self._ranks = _global_ranks(group, num_islands)
         self._link = Link(group, self.device)
         self._aggregator = Aggregator(
             self._link, self._ranks, island_index, self.rule, self._spool, chunk_bytes, island_group
         )
-        self._sequence = 0  # average() calls so far: names spool rounds uniquely
-        self.last_round: RoundReport | None = None
 
     # -- public ----------------------------------------------------------------------------
     def aggregator_of(self, round_index: int) -> int:
         """The island that aggregates round ``round_index`` (round-robin)."""
         return round_index % self.num_islands
-
-    def spool_bytes(self) -> int:
-        """Bytes the spool currently holds on disk (0 without offload)."""
-        return self._spool.disk_bytes if self._spool is not None else 0
-
-    def peak_spool_bytes(self) -> int:
-        return self._spool.peak_disk_bytes if self._spool is not None else 0
-
-    @property
-    def spool(self) -> Spool | None:
-        return self._spool
 
     @record_function(labels.AGGREGATOR_ROUND)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
@@ -201,15 +185,11 @@ class AggregatorTransport:
             layout=layout,
             coded=CodedPayload(layout, self.codec) if self.codec is not None else None,
             targets=list(tensors.values()),
-            round_id=self._sequence,
+            round_id=self._begin(report),
         )
-        self._sequence += 1
-        self.last_round = report
         if self.num_islands == 1:
             stats = RoundStats()
-            report.accepted = [0]
-            if rnd.coded is not None:
-                rnd.coded.roundtrip_into(rnd.targets)
+            self._alone(report, rnd.coded, rnd.targets)
         elif report.aggregator == self.island_index:
             stats = self._aggregator.run(rnd)
             if report.outcome == AggregatorOutcome.SKIPPED:
@@ -220,11 +200,6 @@ class AggregatorTransport:
         stats.non_finite_islands = tuple(report.non_finite)
         stats.rejected_own = self.island_index in report.non_finite
         return stats
-
-    def close(self) -> None:
-        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
-        if self._spool is not None:
-            self._spool.close()
 
     # -- a peer's round --------------------------------------------------------------------
     def _contribute(self, rnd: AggregatorRound) -> RoundStats:
@@ -280,17 +255,3 @@ def _global_ranks(group: dist.ProcessGroup | None, num_islands: int) -> list[int
     if num_islands == 1 or group is None or group is dist.group.WORLD:
         return list(range(num_islands))
     return [dist.get_global_rank(group, i) for i in range(num_islands)]
-
-
-def _check_topology(
-    num_islands: int, island_index: int, min_contributions: int, chunk: int
-) -> None:
-    if not 0 <= island_index < num_islands:
-        raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
-    if not 1 <= min_contributions <= num_islands:
-        raise ValueError(
-            f"min_contributions={min_contributions} must lie in 1..{num_islands} (the number of "
-            "islands); a larger value would skip every round"
-        )
-    if chunk < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk}; e.g. 4 MiB per chunk")

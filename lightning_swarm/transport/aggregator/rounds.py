@@ -35,10 +35,12 @@ from lightning_swarm.transport.aggregator.contributions import (
     aggregate_into,
     check_values,
     finish_sinks,
+    measure,
     open_sinks,
 )
-from lightning_swarm.transport.aggregator.island_verdicts import agree, measure
+from lightning_swarm.transport.aggregator.island_verdicts import agree
 from lightning_swarm.transport.aggregator.links import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
+from lightning_swarm.transport.aggregator.owners import AggregationRule
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
@@ -53,23 +55,6 @@ from lightning_swarm.transport.payload import PayloadLayout
 log = logging.getLogger(
     "lightning_swarm.transport.aggregator.rotating"
 )  # one logger for the whole round
-
-
-@dataclass(frozen=True)
-class AggregationRule:
-    """The validated rule options of the swarm transport (see ``AggregatorTransport``)."""
-
-    aggregation: str
-    trim_ratio: float
-    min_contributions: int
-    max_norm: float | None
-    island_weights: list[float] | None
-
-    def zero_weight(self, accepted: list[int]) -> bool:
-        """``weighted_mean`` over accepted islands whose weights are all 0: nothing to average."""
-        if self.aggregation != "weighted_mean" or self.island_weights is None:
-            return False
-        return sum(self.island_weights[i] for i in accepted) <= 0
 
 
 @dataclass
@@ -271,9 +256,10 @@ class Aggregator:
         """Why each island's contribution must not count, agreed over the island's shards
         (``island_verdicts``); None when another shard's aggregator failed."""
         assert self.island_group is not None
-        measures = {
-            i: measure(c, rnd.layout, block_numel=block_numel) for i, c in contributions.items()
-        }
+        measures = {}
+        for i, c in contributions.items():
+            found = measure(c, rnd.layout, block_numel=block_numel)
+            measures[i] = (found.finite, found.sum_sq)
         rnd.agreed = True
         validated, islands = agree(measures, self.num_islands, self.island_group)
         if not validated:

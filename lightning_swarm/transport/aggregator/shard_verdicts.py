@@ -19,14 +19,16 @@ from __future__ import annotations
 import logging
 import warnings
 
+import torch.distributed as dist
 from torch import Tensor
 
+from lightning_swarm.transport.aggregator.island_verdicts import agree, elsewhere_message
+from lightning_swarm.transport.aggregator.owners import AggregationRule
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
     skip_message,
 )
-from lightning_swarm.transport.aggregator.rounds import AggregationRule
 from lightning_swarm.transport.errors import SwarmRoundError
 
 log = logging.getLogger("lightning_swarm.transport.aggregator.sharded")
@@ -38,29 +40,42 @@ def read_verdicts(
     report: RoundReport,
     island_index: int,
     failure: Exception | None,
+    island_group: dist.ProcessGroup | None = None,
 ) -> AggregatorOutcome:
-    """Fill ``report`` (accepted, rejected, outcome) from ``table`` (one row per owner:
-    ``[spool held, finite per island..., sum of squares per island...]``); ``failure`` is this
-    island's own spool error, named in the message.
+    """Fill ``report`` (accepted, rejected, non_finite, outcome) from ``table`` (one row per
+    owner: ``[spool held, finite per island..., sum of squares per island...]``); ``failure``
+    is this island's own spool error, named in the message. With ``island_group`` (a
+    model-sharded island) the peer groups' findings are combined over the island first
+    (``island_verdicts.agree``): one verdict per island, ``max_norm`` on the island's norm.
 
     Raises:
         SwarmRoundError: some owner's spool failed (the outcome is ``SPOOL_FAILED``).
     """
     n = table.shape[0]
     failed = [j for j in range(n) if table[j, 0] == 0.0]
-    if failed:
+    finite = [not bool((table[:, 1 + i] == 0.0).any()) for i in range(n)]
+    norms = [float(table[:, 1 + n + i].sum().sqrt()) for i in range(n)]
+    validated = True
+    if island_group is not None:
+        found = (
+            None if failed else {i: (finite[i], float(table[:, 1 + n + i].sum())) for i in range(n)}
+        )
+        validated, islands = agree(found, n, island_group)
+        finite, norms = [f for f, _ in islands], [norm for _, norm in islands]
+    if failed or not validated:
         report.outcome = AggregatorOutcome.SPOOL_FAILED
+        if not failed:
+            raise SwarmRoundError(elsewhere_message(report.round_index, "the spool failed"))
         raise SwarmRoundError(
             f"swarm round {report.round_index}: the spool failed on island(s) {failed} "
             f"({failure if failure is not None else 'see their logs'}). Anchors are unchanged."
         )
     for island in range(n):
-        if bool((table[:, 1 + island] == 0.0).any()):
+        if not finite[island]:
             report.rejected[island] = "non-finite values (NaN or Inf)"
-        elif rule.max_norm is not None:
-            norm = float(table[:, 1 + n + island].sum().sqrt())
-            if norm > rule.max_norm:
-                report.rejected[island] = f"L2 norm {norm:.6g} exceeds max_norm"
+            report.non_finite.append(island)
+        elif rule.max_norm is not None and norms[island] > rule.max_norm:
+            report.rejected[island] = f"L2 norm {norms[island]:.6g} exceeds max_norm"
         if island not in report.rejected:
             report.accepted.append(island)
         elif island == island_index:
@@ -75,13 +90,18 @@ def read_verdicts(
     return report.outcome
 
 
-def raise_if_failed(report: RoundReport, error: Exception | None, failed: list[int]) -> None:
+def raise_if_failed(
+    report: RoundReport, error: Exception | None, failed: list[int], island_ok: bool = True
+) -> None:
     """After the islands shared whether their aggregation succeeded (``failed`` lists those
-    that did not): the island whose own raised re-raises it; every other raises
-    ``SwarmRoundError`` naming them. Nothing when every island succeeded."""
-    if not failed:
+    that did not; ``island_ok``: every peer group of a model-sharded island succeeded): the
+    island whose own raised re-raises it; every other raises ``SwarmRoundError`` naming them.
+    Nothing when every island succeeded."""
+    if not failed and island_ok:
         return
     report.outcome = AggregatorOutcome.ERROR
+    if not failed:
+        raise SwarmRoundError(elsewhere_message(report.round_index, "aggregation failed"))
     if error is not None:
         raise error
     raise SwarmRoundError(

@@ -35,6 +35,12 @@ validation and rules:
    are bitwise the rotating transport's: the same operations on the same values in the same
    order, per element.
 
+Model-sharded islands (``island_group``): each peer group (one shard position) runs this round
+on its ranks' local shards, and every decision of the round (the layout check, summing or
+spooling, the verdicts, success) is ANDed over the island's group (``island_verdicts``): an
+island's contribution counts only if every shard of it is finite, ``max_norm`` bounds the
+island's norm over all its shards, and no shard moves unless every peer group applies.
+
 A spool that fails on any owner, or an exception while an owner aggregates (or sums), makes
 every rank raise ``SwarmRoundError`` after the collectives of the round completed (anchors
 unchanged); the owner whose aggregation raised re-raises its own exception. Any exception while
@@ -64,7 +70,6 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
@@ -72,11 +77,12 @@ from lightning_swarm.transport.aggregator.contributions import (
     Sink,
     aggregate_into,
     finish_sinks,
-    finite_and_sum_sq,
+    measure,
     open_sinks,
 )
+from lightning_swarm.transport.aggregator.island_verdicts import elsewhere_message, island_all
+from lightning_swarm.transport.aggregator.owners import SwarmAggregatorBase
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, RoundReport
-from lightning_swarm.transport.aggregator.rounds import AggregationRule
 from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
 from lightning_swarm.transport.aggregator.shard_verdicts import raise_if_failed, read_verdicts
@@ -89,7 +95,7 @@ from lightning_swarm.transport.payload import PayloadLayout, byte_view
 log = logging.getLogger(__name__)
 
 
-class ShardedAggregatorTransport:
+class ShardedAggregatorTransport(SwarmAggregatorBase):
     """Sharded swarm transport; see the module docstring. Takes the rotating transport's
     arguments (``AggregatorTransport``) and honours them the same way."""
 
@@ -110,47 +116,26 @@ class ShardedAggregatorTransport:
         cleanup_timeout_s: float = 60.0,
         codec: Codec | None = None,
         spool: Spool | None = None,
+        island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not 0 <= island_index < num_islands:
-            raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
-        if not 1 <= min_contributions <= num_islands:
-            raise ValueError(
-                f"min_contributions={min_contributions} must lie in 1..{num_islands} (the "
-                "number of islands); a larger value would skip every round"
-            )
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}; e.g. 4 MiB per chunk")
-        check_aggregation(aggregation)
-        if island_weights is not None:
-            island_weights = check_weights(island_weights, option="island_weights")
-        if aggregation == "weighted_mean" and (
-            island_weights is None or len(island_weights) != num_islands
-        ):
-            raise ValueError(
-                f"aggregation='weighted_mean' needs island_weights with one weight per island "
-                f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
-            )
-        self.group, self.num_islands, self.island_index = group, num_islands, island_index
-        self.chunk_bytes, self.codec = chunk_bytes, codec
-        self.rule = AggregationRule(
-            aggregation, trim_ratio, min_contributions, max_norm, island_weights
+        super().__init__(
+            group,
+            num_islands=num_islands,
+            island_index=island_index,
+            offload=offload,
+            spool_dir=spool_dir,
+            aggregation=aggregation,
+            trim_ratio=trim_ratio,
+            min_contributions=min_contributions,
+            max_norm=max_norm,
+            island_weights=island_weights,
+            chunk_bytes=chunk_bytes,
+            cleanup_timeout_s=cleanup_timeout_s,
+            codec=codec,
+            spool=spool,
         )
-        self._spool = spool
-        if self._spool is None and offload and num_islands > 1:
-            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self.island_group = island_group
         self._streams = ShardStreams(group, island_index, num_islands, chunk_bytes)
-        self._sequence = 0  # average() calls so far: names spool rounds uniquely
-        self.last_round: RoundReport | None = None
-
-    @property
-    def spool(self) -> Spool | None:
-        return self._spool
-
-    def spool_bytes(self) -> int:
-        return self._spool.disk_bytes if self._spool is not None else 0
-
-    def peak_spool_bytes(self) -> int:
-        return self._spool.peak_disk_bytes if self._spool is not None else 0
 
     @record_function(labels.SHARDED_ROUND)
     def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
@@ -159,18 +144,20 @@ class ShardedAggregatorTransport:
         layout = PayloadLayout.from_tensors(tensors)
         targets = list(tensors.values())
         report = RoundReport(round_index, self.island_index)
-        self.last_round = report
-        round_id = self._sequence
-        self._sequence += 1
+        round_id = self._begin(report)
         if self.num_islands == 1:
-            report.accepted = [0]
-            if self.codec is not None:
-                CodedPayload(layout, self.codec).roundtrip_into(targets)
+            self._alone(report, CodedPayload(layout, self.codec) if self.codec else None, targets)
             return RoundStats(wall_s=time.perf_counter() - start)
         stats = RoundStats()
         align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
         shards = plan_shards(layout, self.num_islands, align)
-        stats.bytes_sent = stats.bytes_received = self._agree_layout(shards)
+        # Decided on the whole layout, which every island agreed on: a shard's own dtypes
+        # could send two islands different ways, and their collectives would not match.
+        fold = self.codec is None and folds(
+            layout, self.rule.aggregation, self.rule.max_norm, self.chunk_bytes
+        )
+        stats.bytes_sent = stats.bytes_received = self._agree_layout(shards, round_index)
+        (fold,) = island_all([fold], self.island_group)  # every peer group the same way
         coded = [CodedPayload(s.layout, self.codec) if self.codec else None for s in shards]
         wires = [c.wire if c is not None else s.layout for c, s in zip(coded, shards, strict=True)]
         mine = shards[self.island_index]
@@ -178,13 +165,7 @@ class ShardedAggregatorTransport:
         contributions: dict[int, Contribution] = {}
         sinks: dict[int, Sink] = {}
         try:
-            settled = False
-            # Decided on the whole layout, which every island agreed on above: a shard's own
-            # dtypes could send two islands different ways, and their collectives would not match.
-            if self.codec is None and folds(
-                layout, self.rule.aggregation, self.rule.max_norm, self.chunk_bytes
-            ):
-                settled = self._fold_round(report, targets, shards, own, stats)
+            settled = fold and self._fold_round(report, targets, shards, own, stats)
             if not settled:
                 self._spooled_round(
                     report, targets, shards, coded, wires, own, round_id, sinks, contributions,
@@ -205,12 +186,9 @@ class ShardedAggregatorTransport:
                 self._spool.release_round(round_id)
         stats.applied = report.outcome == AggregatorOutcome.APPLIED
         stats.wall_s = time.perf_counter() - start
+        stats.non_finite_islands = tuple(report.non_finite)
+        stats.rejected_own = self.island_index in report.non_finite
         return stats
-
-    def close(self) -> None:
-        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
-        if self._spool is not None:
-            self._spool.close()
 
     # -- the phases ------------------------------------------------------------------------
     def _all_gather(self, row: Tensor) -> list[Tensor]:
@@ -221,13 +199,16 @@ class ShardedAggregatorTransport:
                                group=self.group)  # fmt: skip
         return list(rows)
 
-    def _agree_layout(self, shards: list[Shard]) -> int:
+    def _agree_layout(self, shards: list[Shard], round_index: int) -> int:
         """Raise ``ValueError`` on every rank unless every island cut the same shards and
         runs the same rule in the same chunks (which decide the round's collectives)."""
         blob = b"".join(s.layout.to_json() for s in shards)
         blob += f"{self.codec!r} {self.rule!r} {self.chunk_bytes}".encode()
         crcs = self._all_gather(torch.tensor([zlib.crc32(blob)], dtype=torch.int64))
         odd = [i for i, c in enumerate(crcs) if int(c) != int(crcs[0])]
+        (same,) = island_all([not odd], self.island_group)
+        if not same and not odd:
+            raise ValueError(elsewhere_message(round_index, "the layout or swarm options differ"))
         if odd:
             raise ValueError(
                 f"swarm round: the pseudo-gradient layout (names, shapes, dtypes), codec or "
@@ -263,8 +244,10 @@ class ShardedAggregatorTransport:
         row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
         table = torch.stack(self._all_gather(row))
         _count_all_gather(stats, row, n)
-        raise_if_failed(report, error, [j for j in range(n) if table[j, 0] == 0.0])
-        if not bool((table[:, 1] == 1.0).all()):
+        failed = [j for j in range(n) if table[j, 0] == 0.0]
+        ok, finite = island_all([not failed, bool((table[:, 1] == 1.0).all())], self.island_group)
+        raise_if_failed(report, error, failed, ok)
+        if not finite:
             return False
         report.accepted = list(range(n))
         fold.write_into(own)
@@ -343,14 +326,15 @@ class ShardedAggregatorTransport:
         row[0] = 1.0 if failure is None else 0.0
         if failure is None:
             with record_function(labels.AGGREGATE):
+                squares = self.rule.max_norm is not None
                 for island, c in contributions.items():
-                    finite, sum_sq = finite_and_sum_sq(
-                        c, mine.layout, block_numel, sum_sq=self.rule.max_norm is not None
-                    )
-                    row[1 + island], row[1 + n + island] = float(finite), sum_sq
+                    found = measure(c, mine.layout, block_numel=block_numel, sum_sq=squares)
+                    row[1 + island], row[1 + n + island] = float(found.finite), found.sum_sq
         table = torch.stack(self._all_gather(row))
         _count_all_gather(stats, row, n)
-        return read_verdicts(table, self.rule, report, self.island_index, failure)
+        return read_verdicts(
+            table, self.rule, report, self.island_index, failure, self.island_group
+        )
 
     def _aggregate(
         self,
@@ -387,7 +371,9 @@ class ShardedAggregatorTransport:
         flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
         flags = self._all_gather(flag)
         _count_all_gather(stats, flag, self.num_islands)
-        raise_if_failed(report, error, [j for j, f in enumerate(flags) if int(f) == 0])
+        failed = [j for j, f in enumerate(flags) if int(f) == 0]
+        (ok,) = island_all([not failed], self.island_group)
+        raise_if_failed(report, error, failed, ok)
 
 
 def block_numel_of(coded: CodedPayload | None, chunk_bytes: int) -> int:

@@ -1,0 +1,135 @@
+"""What every swarm aggregator shares, whatever its owner layout: options, rule, spool.
+
+A round's payload is aggregated by its *owners*: one island per round in turn (``rotating``:
+island ``round_index % num_islands`` owns the whole payload) or every island at once, each
+owning 1/n of every tensor (``sharded``). ``SwarmAggregatorBase`` holds what does not depend on
+the layout: the validated options (``AggregationRule``), the run-scoped spool, the round
+numbering that names a round's spool files, and the one-island round.
+
+Ownership: the transport owns its ``Spool`` (created here unless injected) and removes it in
+``close``; a round's files live from its first write to the end of its ``average`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.robust import check_aggregation, check_weights
+from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.round_status import RoundReport
+from lightning_swarm.transport.aggregator.spool import Spool
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """The validated rule options of the swarm transport (see ``AggregatorTransport``)."""
+
+    aggregation: str
+    trim_ratio: float
+    min_contributions: int
+    max_norm: float | None
+    island_weights: list[float] | None
+
+    def zero_weight(self, accepted: list[int]) -> bool:
+        """``weighted_mean`` over accepted islands whose weights are all 0: nothing to average."""
+        if self.aggregation != "weighted_mean" or self.island_weights is None:
+            return False
+        return sum(self.island_weights[i] for i in accepted) <= 0
+
+
+class SwarmAggregatorBase:
+    """Options, spool and bookkeeping of a swarm aggregator; the owner layout is the
+    subclass's. Arguments as ``AggregatorTransport``'s.
+
+    Raises:
+        ValueError: an option is out of range for this topology.
+        SpoolError: the spool root cannot be created.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        island_index: int,
+        offload: bool,
+        spool_dir: str | None,
+        aggregation: str,
+        trim_ratio: float,
+        min_contributions: int,
+        max_norm: float | None,
+        island_weights: Sequence[float] | None,
+        chunk_bytes: int,
+        cleanup_timeout_s: float,
+        codec: Codec | None,
+        spool: Spool | None,
+    ) -> None:
+        _check_topology(num_islands, island_index, min_contributions, chunk_bytes)
+        check_aggregation(aggregation)
+        weights = None
+        if island_weights is not None:
+            weights = check_weights(island_weights, option="island_weights")
+        if aggregation == "weighted_mean" and (weights is None or len(weights) != num_islands):
+            raise ValueError(
+                f"aggregation='weighted_mean' needs island_weights with one weight per island "
+                f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
+            )
+        self.group, self.num_islands, self.island_index = group, num_islands, island_index
+        self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
+        self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
+        self._spool = spool
+        if self._spool is None and offload and num_islands > 1:
+            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self._sequence = 0  # average() calls so far: names spool rounds uniquely
+        self.last_round: RoundReport | None = None
+
+    @property
+    def spool(self) -> Spool | None:
+        return self._spool
+
+    def spool_bytes(self) -> int:
+        """Bytes the spool currently holds on disk (0 without offload)."""
+        return self._spool.disk_bytes if self._spool is not None else 0
+
+    def peak_spool_bytes(self) -> int:
+        return self._spool.peak_disk_bytes if self._spool is not None else 0
+
+    def close(self) -> None:
+        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
+        if self._spool is not None:
+            self._spool.close()
+
+    def _begin(self, report: RoundReport) -> int:
+        """Record ``report`` as the last round; the new round's spool id."""
+        self.last_round = report
+        round_id = self._sequence
+        self._sequence += 1
+        return round_id
+
+    def _alone(
+        self, report: RoundReport, coded: CodedPayload | None, targets: list[Tensor]
+    ) -> None:
+        """The round of a single island: nothing moves; with a codec the tensors become their
+        round trip (what the others would have seen), as with ``QuantizedTransport``."""
+        report.accepted = [0]
+        if coded is not None:
+            coded.roundtrip_into(targets)
+
+
+def _check_topology(
+    num_islands: int, island_index: int, min_contributions: int, chunk: int
+) -> None:
+    if not 0 <= island_index < num_islands:
+        raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
+    if not 1 <= min_contributions <= num_islands:
+        raise ValueError(
+            f"min_contributions={min_contributions} must lie in 1..{num_islands} (the number of "
+            "islands); a larger value would skip every round"
+        )
+    if chunk < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk}; e.g. 4 MiB per chunk")
