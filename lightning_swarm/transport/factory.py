@@ -4,8 +4,7 @@
 elements, the ``swarm`` group) into an ``AllReduceTransport``, a ``ReduceScatterTransport``
 (any codec: a quantized reduce-scatter + all-gather), an ``AggregatorTransport`` (rotating) or a
 ``ShardedAggregatorTransport`` (``swarm.aggregator="sharded"``) over a peer group the caller
-built. The gather-based ``QuantizedTransport`` is not built here: it stays for
-comparison (``benchmarks/scaling.py``). ``peer_backend`` says which backend that peer group
+built. ``peer_backend`` says which backend that peer group
 needs, so the caller can build it before the transport: the swarm transport's
 payloads, status messages and spool live on the CPU, so in an NCCL world its point-to-point
 traffic runs on a gloo group created beside the NCCL groups (``groups.build_groups``).
