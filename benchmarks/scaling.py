@@ -9,7 +9,6 @@ rank's payload, after a barrier:
 - ``fp32 allreduce``: ``AllReduceTransport`` (``quantize="none"``);
 - ``int8 rs`` / ``int4 rs``: ``ReduceScatterTransport``, what ``quantize="int8"`` / ``"int4"``
   builds (block 128);
-- ``int8 gather``: the gather-based ``QuantizedTransport`` it replaces;
 - ``swarm``: ``AggregatorTransport`` (``transport="swarm"``: the rotating aggregator, spool on
   disk, float32, default options);
 - ``swarm sharded``: ``ShardedAggregatorTransport`` (``swarm.aggregator="sharded"``): every
@@ -47,13 +46,12 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import (
     AggregatorTransport,
     AllReduceTransport,
-    QuantizedTransport,
     ReduceScatterTransport,
     Transport,
 )
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 
-METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "int8 gather", "swarm", "swarm sharded")
+METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "swarm", "swarm sharded")
 BLOCK_SIZE = 128
 BUCKET_MB = 32.0  # the strategy's default bucket_mb
 PROBE_BYTES = 16 * 2**20
@@ -78,8 +76,6 @@ def build(method: str, world: int, rank: int, spool_dir: str) -> Transport:
             None, num_islands=world, island_index=rank, spool_dir=spool_dir
         )
     codec = Codec(method.split()[0], BLOCK_SIZE)
-    if method.endswith("gather"):
-        return QuantizedTransport(None, num_islands=world, codec=codec, bucket_numel=bucket_numel)
     return ReduceScatterTransport(
         None, num_islands=world, island_index=rank, codec=codec, bucket_numel=bucket_numel
     )

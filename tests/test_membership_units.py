@@ -19,6 +19,7 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership import check_membership
 from lightning_swarm.membership.config import ElasticConfig, elastic_options
 from lightning_swarm.membership.lighthouse import parse_args
+from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
 
 
@@ -294,3 +295,36 @@ def test_every_quorum_sets_a_group_up_under_a_prefix_of_its_own() -> None:
     assert restarted == after_a_commit  # the same name on every member; set up anew all the same
     count_failed_vote(manager)
     assert manager._commit_failures == 1  # the next request reports it: the lighthouse bumps the id
+
+
+class _HalvingManager:
+    """A quorum of two islands whose other island sends zeros: the mean halves each bucket."""
+
+    def __init__(self, errored: bool) -> None:
+        self.buckets: list[list[float]] = []
+        self._errored = errored
+
+    def allreduce(self, bucket: torch.Tensor) -> _HalvingManager:
+        self.buckets.append(bucket.tolist())
+        bucket.div_(2)
+        return self
+
+    def wait(self) -> None:
+        pass
+
+    def errored(self) -> bool:
+        return self._errored
+
+
+@pytest.mark.parametrize("errored", [False, True])
+def test_the_quorum_mean_goes_bucket_by_bucket_and_counts_ring_bytes(errored: bool) -> None:
+    # 5 + 3 elements in buckets of 4: tensor 0 spans two buckets, its tail shares one with
+    # tensor 1, and both buckets are full.
+    tensors = [torch.arange(1.0, 6.0), torch.tensor([[10.0, 20.0, 30.0]])]
+    manager = _HalvingManager(errored)
+    moved = bucketed_mean(manager, tensors, bucket_numel=4, group_size=2)
+    assert manager.buckets == [[1.0, 2.0, 3.0, 4.0], [5.0, 10.0, 20.0, 30.0]]
+    assert torch.equal(tensors[0], torch.arange(1.0, 6.0) / 2)
+    assert torch.equal(tensors[1], torch.tensor([[5.0, 10.0, 15.0]]))
+    # a ring over 2 islands sends half of each 16-byte bucket twice; a failed round counts 0
+    assert moved == (0 if errored else 2 * 16)

@@ -13,9 +13,10 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.outer_fast import fast_outer_kind
 from lightning_swarm.outer import OuterSync, StreamingOptions
-from lightning_swarm.outer.bucketed import BucketedRound, Segment, plan_buckets
+from lightning_swarm.outer.bucketed import BucketedRound
 from lightning_swarm.outer.bucketed_engine import BucketedEngine
 from lightning_swarm.transport import AllReduceTransport
+from lightning_swarm.transport.buckets import numel_of, plan_buckets
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
 
@@ -157,18 +158,6 @@ def _nonfinite_worker(rank: int, world: int, out: str) -> None:
 def test_non_finite_island_is_refused_on_every_rank_before_anything_moves(tmp_path: Path) -> None:
     run_ranks(_nonfinite_worker, 2, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.ok", "1.ok"]
-
-
-def test_plan_buckets_splits_and_packs_like_the_transport() -> None:
-    plan = plan_buckets([3, 12, 1], 5)
-    assert plan == [
-        [Segment(0, 0, 3, 0), Segment(1, 0, 2, 3)],
-        [Segment(1, 2, 7, 0)],
-        [Segment(1, 7, 12, 0)],
-        [Segment(2, 0, 1, 0)],
-    ]
-    with pytest.raises(ValueError, match="bucket_numel must be >= 1"):
-        plan_buckets([3], 0)
 
 
 def test_buffers_are_allocated_once_and_reused() -> None:
@@ -336,7 +325,7 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
     import contextlib
 
     from lightning_swarm.algorithm.outer_fast import ensure_state, groups_by_param
-    from lightning_swarm.outer.bucketed import BucketJob, bucket_fill
+    from lightning_swarm.outer.bucketed import BucketJob
     from lightning_swarm.outer.staging import CudaStaging
 
     monkeypatch.setattr(torch.cuda, "Event", _NoStream)
@@ -366,7 +355,7 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
             assert 1 <= staged_numel < 7  # a slot costs more than the transport bucket
             plan = plan_buckets([p.numel() for p in params.values()], staged_numel)
             if staged:
-                delta = stream._delta_buffer(bucket_fill(plan[0]), job.device)
+                delta = stream._delta_buffer(numel_of(plan[0]), job.device)
                 result = staging.run(job, plan, transport, delta)
             else:
                 result = stream._run_local(job, plan, transport)

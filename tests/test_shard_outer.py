@@ -9,6 +9,7 @@ sharded on every rank; parameters and every owned anchor must agree bitwise.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from lightning_swarm.algorithm.optimizer_state import merge_by_name, select_by_n
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.outer.build import transport_for
-from lightning_swarm.outer.shard import partition_by_bytes
+from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.groups import build_groups
 from tests.dist_utils import run_ranks
@@ -271,3 +272,34 @@ def test_a_failed_share_raises_on_every_rank_of_the_island(tmp_path: Path) -> No
         assert raised[rank].startswith("ShareFailedError: another rank of this island failed")
     for rank in (1, 3):
         assert raised[rank].startswith("NonFinitePseudoGradientError"), raised[rank]
+
+
+def _gather_in_small_buckets(rank: int, world: int, out: Path) -> None:
+    # Buckets of 4: "big" spans three, "b16" starts a run of another dtype, "t" is not
+    # contiguous, and "s" and "c" share a bucket with the tail of "big".
+    shapes = {"big": (11,), "s": (1,), "b16": (3,), "t": (2, 3), "c": (2,)}
+    owner = {"big": 0, "s": 0, "b16": 0, "t": 1, "c": 1}
+    dtypes = {"b16": torch.bfloat16}
+    params = {
+        n: (torch.arange(float(math.prod(s))) + 100 * rank + 10 * i)
+        .to(dtypes.get(n, torch.float32))
+        .reshape(s)
+        for i, (n, s) in enumerate(shapes.items())
+    }
+    params["t"] = params["t"].reshape(3, 2).t()  # same shape, not contiguous
+    expected = {
+        n: (torch.arange(float(math.prod(s))) + 100 * owner[n] + 10 * i)
+        .to(dtypes.get(n, torch.float32))
+        .reshape(s)
+        for i, (n, s) in enumerate(shapes.items())
+    }
+    expected["t"] = expected["t"].reshape(3, 2).t()
+    shard = IslandShard(dist.group.WORLD, rank, world, owner, bucket_numel=4)
+    shard.gather(list(shapes), params)
+    same = all(torch.equal(params[n], expected[n]) for n in shapes)
+    (out / f"rank{rank}.txt").write_text(str(same and not params["t"].is_contiguous()))
+
+
+def test_the_island_gather_splits_large_tensors_and_keeps_dtypes_apart(tmp_path: Path) -> None:
+    run_ranks(_gather_in_small_buckets, 2, tmp_path, timeout_s=30)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["True", "True"]

@@ -23,7 +23,7 @@ from lightning_swarm.outer import OuterSync, StreamingOptions, SyncWorker
 from lightning_swarm.outer.errors import SyncWorkerError
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.quantized import QuantizedTransport
+from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 PLAIN = functools.partial(torch.optim.SGD, lr=1.0)
@@ -202,7 +202,9 @@ def test_fragments_must_cover_parameters_once(fragments: list[list[str]], messag
 
 def test_error_feedback_carries_the_quantization_error() -> None:
     codec = Codec("int4", block_size=4)
-    transport = QuantizedTransport(None, num_islands=1, codec=codec, bucket_numel=64)
+    transport = ReduceScatterTransport(
+        None, num_islands=1, island_index=0, codec=codec, bucket_numel=64
+    )
     params = _params()
     outer = OuterSync(
         params,
@@ -272,7 +274,9 @@ def _run_with_save(save_at: int | None, steps: int = 9) -> tuple[OuterSync, list
         return OuterSync(
             params,
             outer_optimizer=NESTEROV,
-            transport=QuantizedTransport(None, num_islands=1, codec=codec, bucket_numel=64),
+            transport=ReduceScatterTransport(
+                None, num_islands=1, island_index=0, codec=codec, bucket_numel=64
+            ),
             sync_every=4,
             streaming=StreamingOptions(
                 fragments=FRAGMENTS, sync_delay=1, codec=codec, error_feedback=True, worker=worker

@@ -18,7 +18,6 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.aggregator.coded import CodedPayload, encode_marked
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.payload import PayloadLayout
-from lightning_swarm.transport.quantized import QuantizedTransport
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
@@ -64,7 +63,6 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         common: dict[str, Any] = {"num_islands": world, "island_index": rank, "codec": codec}
         offload = AggregatorTransport(None, spool_dir=spool_dir, chunk_bytes=1000, **common)
         memory = AggregatorTransport(None, offload=False, chunk_bytes=333, **common)
-        gather = QuantizedTransport(None, num_islands=world, codec=codec, bucket_numel=512)
         median = AggregatorTransport(None, aggregation="median", spool_dir=spool_dir, **common)
         for r in range(world):  # every island aggregates once
             tensors = _contribution(rank, r)
@@ -75,14 +73,12 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
             # the encoded payload is what travels towards the aggregator, float32 comes back
             upload = DESCRIPTOR_BYTES + len(wire.to_json()) + wire.data_bytes
             download = STATUS_BYTES(world) + layout.data_bytes
-            for transport in (offload, memory, gather):
+            for transport in (offload, memory):
                 tensors = _contribution(rank, r)
                 stats = transport.average(tensors, round_index=r)
                 for k in tensors:
                     assert torch.equal(tensors[k], expected[k]), f"{name} {transport} round {r} {k}"
                 assert stats.applied
-                if transport is gather:
-                    continue
                 assert (
                     isinstance(transport, AggregatorTransport) and _num_accepted(transport) == world
                 )

@@ -10,7 +10,6 @@ import torch
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
-from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 from tests.dist_utils import run_ranks
 
@@ -18,10 +17,6 @@ from tests.dist_utils import run_ranks
 def _worker(rank: int, world: int, out: str, kind: str) -> None:
     if kind == "allreduce":
         transport = AllReduceTransport(None, num_islands=world, bucket_numel=64)
-    elif kind == "int4_gather":
-        transport = QuantizedTransport(
-            None, num_islands=world, codec=Codec("int4", 32), bucket_numel=64
-        )
     else:
         transport = ReduceScatterTransport(
             None, num_islands=world, island_index=rank, codec=Codec("int4", 32), bucket_numel=64
@@ -42,7 +37,7 @@ def _worker(rank: int, world: int, out: str, kind: str) -> None:
     (Path(out) / f"{rank}.txt").write_text(f"{unchanged}\n{message}")
 
 
-@pytest.mark.parametrize("kind", ["allreduce", "int4_gather", "int4"])
+@pytest.mark.parametrize("kind", ["allreduce", "int4"])
 def test_every_rank_names_the_diverged_island(tmp_path: Path, kind: str) -> None:
     run_ranks(_worker, 3, str(tmp_path), kind)
     for rank in range(3):

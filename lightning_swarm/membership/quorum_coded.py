@@ -17,8 +17,8 @@ from torch.distributed.distributed_c10d import AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.membership.torchft_private import quorum_rank
+from lightning_swarm.transport.buckets import plan_buckets
 from lightning_swarm.transport.coded_mean import coded_bucket_mean
-from lightning_swarm.transport.pieces import plan_coded_buckets
 
 
 def coded_quorum_mean(
@@ -44,7 +44,7 @@ def coded_quorum_mean(
     moved = 0
     try:
         numels = [f.numel() for f in flats]
-        for bucket in plan_coded_buckets(numels, bucket_numel, codec.block_size):
+        for bucket in plan_buckets(numels, bucket_numel, codec.block_size):
             moved += coded_bucket_mean(
                 flats,
                 bucket,

@@ -9,14 +9,14 @@ anchors and optimizer state back and merges them into the parameters in place. N
 temporary exists; the sum of squares of the averaged pseudo-gradient is accumulated per bucket
 in float32 for the report.
 
-Buckets are packed exactly as ``AllReduceTransport`` packs them (``plan_buckets``: tensors in
-order, split across bucket boundaries), so the all-reduce sums the same elements in the same
-order and the result is bitwise that of ``OuterSync``'s two-phase round
-(tests/test_outer_stream.py). ``BucketJob`` holds the per-segment work both device paths share;
+Buckets are packed by the one packer the transports use (``transport.buckets.plan_buckets``:
+tensors in order, split across bucket boundaries), so the all-reduce sums the same elements in
+the same order and the result is bitwise that of ``OuterSync``'s two-phase round
+(tests/test_outer_stream.py). ``BucketJob`` holds the per-piece work both device paths share;
 each bucket's phases run under the two-phase round's profiler labels ("swarm/pseudo_gradient",
 "swarm/exchange", "swarm/outer_step", "swarm/merge"), inside the caller's
 "swarm/streamed_round". Buckets touch disjoint elements, so the order in which a bucket's
-segments are stepped or merged does not change a bit.
+pieces are stepped or merged does not change a bit.
 
 Finiteness. A mean would carry one island's NaN into every island's anchors, and a bucket that
 turns out non-finite after earlier buckets were stepped would leave a half-applied round. So
@@ -66,6 +66,7 @@ from lightning_swarm.algorithm.outer_fast import (
     sgd_step_,
 )
 from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
+from lightning_swarm.transport.buckets import Piece, numel_of, placed, plan_buckets
 
 
 @runtime_checkable
@@ -85,40 +86,6 @@ class BucketMean(Protocol):
         """Start averaging the flat float32 ``flat`` across islands in place; the returned
         call waits for it, completes the mean and returns the bytes sent."""
         ...
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Elements ``[start, stop)`` of tensor ``index`` at ``offset`` in its bucket."""
-
-    index: int
-    start: int
-    stop: int
-    offset: int
-
-
-def plan_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[Segment]]:
-    """Pack tensors of ``numels`` into buckets of ``bucket_numel`` in order, splitting them."""
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
-    buckets: list[list[Segment]] = [[]]
-    fill = 0
-    for index, numel in enumerate(numels):
-        pos = 0
-        while pos < numel:
-            if fill == bucket_numel:
-                buckets.append([])
-                fill = 0
-            n = min(numel - pos, bucket_numel - fill)
-            buckets[-1].append(Segment(index, pos, pos + n, fill))
-            pos += n
-            fill += n
-    return [b for b in buckets if b]
-
-
-def bucket_fill(bucket: list[Segment]) -> int:
-    """Elements used in ``bucket`` (its last segment's end)."""
-    return bucket[-1].offset + bucket[-1].stop - bucket[-1].start
 
 
 @dataclass(frozen=True)
@@ -144,12 +111,13 @@ def state_tensors(optimizer: torch.optim.Optimizer, anchor: Tensor, kind: FastKi
     return [state[key] for key in STATE_KEYS[kind] if state.get(key) is not None]
 
 
-SegmentView = Callable[[Segment], Tensor]
-StateView = Callable[[Segment], list[Tensor]]
+# A piece's slice of a bucket-sized buffer, from its offset in the bucket and the piece.
+PieceView = Callable[[int, Piece], Tensor]
+StateView = Callable[[int, Piece], list[Tensor]]
 
 
 class BucketJob:
-    """One round's tensors and options, with the per-segment helpers of both device paths."""
+    """One round's tensors and options, with the per-piece helpers of both device paths."""
 
     def __init__(
         self,
@@ -170,18 +138,18 @@ class BucketJob:
         self.device = params[0].device
         self.total_numel = sum(p.numel() for p in params)
         self.states_per_tensor = [state_tensors(optimizer, a, kind) for a in anchors]
-        # Stochastic rounding of bf16 anchors draws its noise per segment, in order, from one
+        # Stochastic rounding of bf16 anchors draws its noise per piece, in order, from one
         # generator seeded like OuterSync's: on the CPU that is the same stream of numbers as
         # drawing per whole tensor, so the result is bitwise the slow path's.
         self._seed = seed
         self._generator: torch.Generator | None = None
         self.reduce_s = 0.0
 
-    def form(self, bucket: list[Segment], delta: Tensor, anchor_of: SegmentView) -> None:
+    def form(self, bucket: list[Piece], delta: Tensor, anchor_of: PieceView) -> None:
         """Write the bucket's pseudo-gradients ``anchor - local`` (float32) into ``delta``."""
         with record_function(labels.PSEUDO_GRADIENT):
-            for seg in bucket:
-                pseudo_gradient_into(anchor_of(seg), self.param_slice(seg), self.cut(delta, seg))
+            for at, p in placed(bucket):
+                pseudo_gradient_into(anchor_of(at, p), self.param_slice(p), self.cut(delta, at, p))
 
     def reduce(self, reducer: BucketMean, flat: Tensor) -> int:
         return self.finish_reduce(self.start_reduce(reducer, flat))
@@ -201,39 +169,44 @@ class BucketJob:
         return sent
 
     def step_and_merge(
-        self, bucket: list[Segment], delta: Tensor, anchor_of: SegmentView, state_of: StateView
+        self, bucket: list[Piece], delta: Tensor, anchor_of: PieceView, state_of: StateView
     ) -> None:
-        """Step the bucket's anchor segments with its averaged ``delta`` (which the step uses
+        """Step the bucket's anchor pieces with its averaged ``delta`` (which the step uses
         as scratch), then merge the new anchors into the parameters."""
         with record_function(labels.OUTER_STEP):
-            for seg in bucket:
-                self.step(anchor_of(seg), self.cut(delta, seg), state_of(seg), seg)
+            for at, p in placed(bucket):
+                self.step(anchor_of(at, p), self.cut(delta, at, p), state_of(at, p), p)
         with record_function(labels.MERGE):
-            for seg in bucket:
-                self.merge(self.param_slice(seg), anchor_of(seg))
+            for at, p in placed(bucket):
+                self.merge(self.param_slice(p), anchor_of(at, p))
 
-    def param_slice(self, seg: Segment) -> Tensor:
-        return self.params[seg.index].data.view(-1)[seg.start : seg.stop]
+    def param_slice(self, p: Piece) -> Tensor:
+        return self.params[p.tensor_index].data.view(-1)[p.start : p.stop]
 
-    def anchor_slice(self, seg: Segment) -> Tensor:
-        return self.anchors[seg.index].view(-1)[seg.start : seg.stop]
+    def anchor_slice(self, p: Piece) -> Tensor:
+        return self.anchors[p.tensor_index].view(-1)[p.start : p.stop]
+
+    def anchor_at(self, at: int, p: Piece) -> Tensor:
+        """``anchor_slice`` as a ``PieceView`` (anchors stepped in place, not staged)."""
+        return self.anchor_slice(p)
 
     @staticmethod
-    def cut(flat: Tensor, seg: Segment) -> Tensor:
-        return flat[seg.offset : seg.offset + seg.stop - seg.start]
+    def cut(flat: Tensor, at: int, p: Piece) -> Tensor:
+        """The piece's slice of the bucket-sized buffer ``flat``, at its offset ``at``."""
+        return flat[at : at + p.length]
 
-    def state(self, seg: Segment) -> list[Tensor]:
-        return self.states_per_tensor[seg.index]
+    def state(self, p: Piece) -> list[Tensor]:
+        return self.states_per_tensor[p.tensor_index]
 
-    def step(self, anchor: Tensor, grad: Tensor, state: list[Tensor], seg: Segment) -> None:
-        """The functional outer step on one segment (float32 work copy for low precision)."""
+    def step(self, anchor: Tensor, grad: Tensor, state: list[Tensor], p: Piece) -> None:
+        """The functional outer step on one piece (float32 work copy for low precision)."""
         work = anchor if anchor.dtype == torch.float32 else anchor.to(torch.float32)
-        group = self.groups[id(self.anchors[seg.index])]
+        group = self.groups[id(self.anchors[p.tensor_index])]
         if self.kind == "sgd":
             buf = state[0] if state else None
-            sgd_step_(work, grad, buf, group, fresh=self.fresh[seg.index])
+            sgd_step_(work, grad, buf, group, fresh=self.fresh[p.tensor_index])
         else:
-            step = float(self.optimizer.state[self.anchors[seg.index]]["step"].item())
+            step = float(self.optimizer.state[self.anchors[p.tensor_index]]["step"].item())
             adam_step_(work, grad, state[0], state[1], group, step=step)
         if work is anchor:
             return
@@ -261,7 +234,7 @@ class Staging(Protocol):
         ...
 
     def run(
-        self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
+        self, job: BucketJob, plan: list[list[Piece]], reducer: BucketMean, delta: Tensor
     ) -> BucketedResult:
         """The whole round, bucket by bucket, forming each bucket's pseudo-gradient in the
         flat float32 ``delta`` (at least one bucket); the host anchors and state are complete
@@ -346,7 +319,7 @@ class BucketedRound:
             assert self._staging is not None
             staged = self._staging.bucket_numel_for(job, self.bucket_numel)
             plan = plan_buckets(numels, staged)
-            delta = self._delta_buffer(bucket_fill(plan[0]), job.device)
+            delta = self._delta_buffer(numel_of(plan[0]), job.device)
             return self._staging.run(job, plan, reducer, delta)
         return self._run_local(job, plan_buckets(numels, self.bucket_numel), reducer)
 
@@ -356,7 +329,7 @@ class BucketedRound:
         return self._delta
 
     def _run_local(
-        self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean
+        self, job: BucketJob, plan: list[list[Piece]], reducer: BucketMean
     ) -> BucketedResult:
         """Anchors on the parameters' device: step anchor and state views in place.
 
@@ -370,11 +343,11 @@ class BucketedRound:
         deltas = self._delta_buffer(numel * num_buffers, job.device)
         sumsq = torch.zeros((), dtype=torch.float32, device=job.device)
         sent = 0
-        pending: list[tuple[list[Segment], Tensor, Callable[[], int]]] = []
+        pending: list[tuple[list[Piece], Tensor, Callable[[], int]]] = []
         for k, bucket in enumerate(plan):
             start = (k % num_buffers) * numel
-            delta = deltas[start : start + bucket_fill(bucket)]
-            job.form(bucket, delta, job.anchor_slice)
+            delta = deltas[start : start + numel_of(bucket)]
+            job.form(bucket, delta, job.anchor_at)
             pending.append((bucket, delta, job.start_reduce(reducer, delta)))
             if len(pending) > self.in_flight:
                 sent += self._step_local(job, *pending.pop(0), sumsq)
@@ -385,18 +358,18 @@ class BucketedRound:
     @staticmethod
     def _step_local(
         job: BucketJob,
-        bucket: list[Segment],
+        bucket: list[Piece],
         delta: Tensor,
         finish: Callable[[], int],
         sumsq: Tensor,
     ) -> int:
-        """Wait for ``delta``'s mean, then step and merge its segments in place."""
+        """Wait for ``delta``'s mean, then step and merge its pieces in place."""
         sent = job.finish_reduce(finish)
         sumsq += sum_of_squares(delta)
         job.step_and_merge(
             bucket,
             delta,
-            job.anchor_slice,
-            lambda seg: [s.view(-1)[seg.start : seg.stop] for s in job.state(seg)],
+            job.anchor_at,
+            lambda at, p: [s.view(-1)[p.start : p.stop] for s in job.state(p)],
         )
         return sent

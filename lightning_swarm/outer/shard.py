@@ -8,8 +8,10 @@ every island) exchanges exactly that share: per rank, the bytes sent across isla
 and outer-state memory and the outer-step work all drop about k-fold.
 
 After a round the owners hand the new parameters to the rest of their island over the island's
-own group (``IslandShard.gather``: each owner broadcasts its tensors, packed by dtype into
-buckets of at most ``bucket_numel`` elements, two buckets in flight). In DDP every rank of an
+own group (``IslandShard.gather``: each owner broadcasts its tensors, runs of one dtype packed
+into buckets of at most ``bucket_numel`` elements by the one packer,
+``transport.buckets.plan_buckets``, two buckets in flight; a bucket of a single piece travels in
+place). In DDP every rank of an
 island holds the same parameters before the round, so afterwards they are again bitwise
 identical.
 
@@ -23,7 +25,8 @@ them on the island's first rank (``IslandShard.collect``), which writes the isla
 resume takes the residuals of the names it owns.
 
 Ownership: ``IslandShard`` holds the owner map (name -> position) for the whole fit; it owns no
-tensors. The gather's buckets are temporaries (at most two packed buckets at a time).
+tensors. The gather's buckets are temporaries (at most two packed buckets at a time, plus a
+copy of each non-contiguous parameter).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.outer.errors import ShareFailedError
+from lightning_swarm.transport.buckets import Piece, placed, plan_buckets
 
 
 def partition_by_bytes(
@@ -74,7 +78,7 @@ class IslandShard:
         position: this rank's index inside its island (0 .. size - 1).
         size: ranks per island (k).
         owner: name -> position of the rank that owns its anchor, for every trained name.
-        bucket_numel: most elements one gather bucket holds (a larger tensor goes alone).
+        bucket_numel: most elements one gather bucket holds (a larger tensor is split).
         device: where the agreement's small tensor lives (the accelerator under NCCL, which
             reduces device tensors only).
     """
@@ -93,16 +97,22 @@ class IslandShard:
     def gather(self, names: Sequence[str], params: Mapping[str, Tensor]) -> None:
         """Every owner broadcasts its ``names``' parameters to the island (collective)."""
         with record_function(labels.ISLAND_GATHER):
-            in_flight: list[tuple[list[Tensor], Tensor, Any]] = []
+            in_flight: list[tuple[list[Tensor], list[Piece], Tensor, Any]] = []
+            copies: list[tuple[Tensor, Tensor]] = []
             for position in range(self.size):
                 mine = [params[n].data for n in names if self.owner[n] == position]
-                for bucket in _buckets(mine, self.bucket_numel):
-                    # Two buckets in flight: the next one is packed while one travels.
-                    if len(in_flight) == 2:
-                        _finish_broadcast(*in_flight.pop(0))
-                    in_flight.append(_start_broadcast(bucket, self.group, position))
+                runs, run_copies = _flat_runs(mine)
+                copies += run_copies
+                for flats in runs:
+                    for bucket in plan_buckets([f.numel() for f in flats], self.bucket_numel):
+                        # Two buckets in flight: the next one is packed while one travels.
+                        if len(in_flight) == 2:
+                            _finish_broadcast(*in_flight.pop(0))
+                        in_flight.append(_start_broadcast(flats, bucket, self.group, position))
             for item in in_flight:
                 _finish_broadcast(*item)
+            for tensor, flat in copies:  # a non-contiguous parameter received into a copy
+                tensor.copy_(flat.view_as(tensor))
 
     def agree(
         self, applied: bool, norm: float, error: BaseException | None = None
@@ -145,37 +155,42 @@ class IslandShard:
         return {name: t for share in gathered for name, t in share.items()}
 
 
-def _buckets(tensors: list[Tensor], bucket_numel: int) -> list[list[Tensor]]:
-    """Consecutive tensors of one dtype and device, at most ``bucket_numel`` elements each."""
-    buckets: list[list[Tensor]] = []
-    fill = 0
+def _flat_runs(tensors: list[Tensor]) -> tuple[list[list[Tensor]], list[tuple[Tensor, Tensor]]]:
+    """Consecutive tensors of one dtype and device (a bucket holds one kind) as flat tensors,
+    and the (tensor, flat copy) pairs of the non-contiguous ones, to write back afterwards."""
+    runs: list[list[Tensor]] = []
+    copies: list[tuple[Tensor, Tensor]] = []
+    kind: tuple[torch.dtype, torch.device] | None = None
     for t in tensors:
-        head = buckets[-1][0] if buckets else None
-        same = head is not None and head.dtype == t.dtype and head.device == t.device
-        if not same or fill + t.numel() > bucket_numel:
-            buckets.append([])
-            fill = 0
-        buckets[-1].append(t)
-        fill += t.numel()
-    return buckets
+        if (t.dtype, t.device) != kind:
+            runs.append([])
+            kind = (t.dtype, t.device)
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+        if not t.is_contiguous():
+            copies.append((t, flat))
+        runs[-1].append(flat)
+    return runs, copies
 
 
 def _start_broadcast(
-    bucket: list[Tensor], group: dist.ProcessGroup, position: int
-) -> tuple[list[Tensor], Tensor, Any]:
-    """Start broadcasting ``bucket`` from ``position`` (a lone contiguous tensor travels as is)."""
-    if len(bucket) == 1 and bucket[0].is_contiguous():
-        flat = bucket[0]
+    flats: list[Tensor], bucket: list[Piece], group: dist.ProcessGroup, position: int
+) -> tuple[list[Tensor], list[Piece], Tensor, Any]:
+    """Start broadcasting ``bucket`` from ``position`` (a lone piece travels in place)."""
+    if len(bucket) == 1:
+        flat = _piece(flats, bucket[0])
     else:
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-    return bucket, flat, dist.broadcast(flat, group=group, group_src=position, async_op=True)
+        flat = torch.cat([_piece(flats, p) for p in bucket])
+    work = dist.broadcast(flat, group=group, group_src=position, async_op=True)
+    return flats, bucket, flat, work
 
 
-def _finish_broadcast(bucket: list[Tensor], flat: Tensor, work: Any) -> None:
+def _finish_broadcast(flats: list[Tensor], bucket: list[Piece], flat: Tensor, work: Any) -> None:
     work.wait()
-    if len(bucket) == 1 and flat is bucket[0]:
+    if len(bucket) == 1:
         return
-    offset = 0
-    for t in bucket:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+    for at, p in placed(bucket):
+        _piece(flats, p).copy_(flat[at : at + p.length])
+
+
+def _piece(flats: list[Tensor], p: Piece) -> Tensor:
+    return flats[p.tensor_index][p.start : p.stop]

@@ -20,9 +20,8 @@ from lightning_swarm.outer.bucketed import (
     BucketedResult,
     BucketJob,
     BucketMean,
-    Segment,
-    bucket_fill,
 )
+from lightning_swarm.transport.buckets import Piece, numel_of, placed
 
 BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets of float32
 
@@ -143,12 +142,12 @@ class CudaStaging:
         return self.slots
 
     def run(
-        self, job: BucketJob, plan: list[list[Segment]], reducer: BucketMean, delta: Tensor
+        self, job: BucketJob, plan: list[list[Piece]], reducer: BucketMean, delta: Tensor
     ) -> BucketedResult:
         """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
-        slots = self._slots_for(job, bucket_fill(plan[0]))  # a full bucket, or all elements
+        slots = self._slots_for(job, numel_of(plan[0]))  # a full bucket, or all elements
         assert self.streams is not None
         copy_in, copy_out = self.streams
         compute = torch.cuda.current_stream(job.device)
@@ -160,7 +159,7 @@ class CudaStaging:
             if k + 1 < len(plan):  # prefetch the next bucket while this one computes
                 self._copy_in(job, plan[k + 1], slots[(k + 1) % 2], copy_in)
             compute.wait_event(slot.loaded)
-            bucket_delta = delta[: bucket_fill(bucket)]
+            bucket_delta = delta[: numel_of(bucket)]
             sent += self._compute(job, bucket, slot, bucket_delta, reducer, sumsq)
             slot.computed.record(compute)
             self._copy_out(job, bucket, slot, copy_out)
@@ -170,7 +169,7 @@ class CudaStaging:
     @staticmethod
     def _compute(
         job: BucketJob,
-        bucket: list[Segment],
+        bucket: list[Piece],
         slot: Slot,
         delta: Tensor,
         reducer: BucketMean,
@@ -178,11 +177,11 @@ class CudaStaging:
     ) -> int:
         """Form, reduce, step and merge one bucket on the compute stream, from its slot."""
 
-        def anchor_of(seg: Segment) -> Tensor:
-            return job.cut(slot.anchor, seg)
+        def anchor_of(at: int, p: Piece) -> Tensor:
+            return job.cut(slot.anchor, at, p)
 
-        def state_of(seg: Segment) -> list[Tensor]:
-            return [job.cut(t, seg) for t in slot.state]
+        def state_of(at: int, p: Piece) -> list[Tensor]:
+            return [job.cut(t, at, p) for t in slot.state]
 
         job.form(bucket, delta, anchor_of)
         sent = job.reduce(reducer, delta)
@@ -191,21 +190,21 @@ class CudaStaging:
         return sent
 
     @staticmethod
-    def _copy_in(job: BucketJob, bucket: list[Segment], slot: Slot, stream: Any) -> None:
+    def _copy_in(job: BucketJob, bucket: list[Piece], slot: Slot, stream: Any) -> None:
         with torch.cuda.stream(stream):
             stream.wait_event(slot.free)  # the slot's previous bucket has been copied out
-            for seg in bucket:
-                job.cut(slot.anchor, seg).copy_(job.anchor_slice(seg), non_blocking=True)
-                for dev, host in zip(slot.state, job.state(seg), strict=False):
-                    job.cut(dev, seg).copy_(host.view(-1)[seg.start : seg.stop], non_blocking=True)
+            for at, p in placed(bucket):
+                job.cut(slot.anchor, at, p).copy_(job.anchor_slice(p), non_blocking=True)
+                for dev, host in zip(slot.state, job.state(p), strict=False):
+                    job.cut(dev, at, p).copy_(host.view(-1)[p.start : p.stop], non_blocking=True)
             slot.loaded.record(stream)
 
     @staticmethod
-    def _copy_out(job: BucketJob, bucket: list[Segment], slot: Slot, stream: Any) -> None:
+    def _copy_out(job: BucketJob, bucket: list[Piece], slot: Slot, stream: Any) -> None:
         with torch.cuda.stream(stream):
             stream.wait_event(slot.computed)
-            for seg in bucket:
-                job.anchor_slice(seg).copy_(job.cut(slot.anchor, seg), non_blocking=True)
-                for host, dev in zip(job.state(seg), slot.state, strict=False):
-                    host.view(-1)[seg.start : seg.stop].copy_(job.cut(dev, seg), non_blocking=True)
+            for at, p in placed(bucket):
+                job.anchor_slice(p).copy_(job.cut(slot.anchor, at, p), non_blocking=True)
+                for host, dev in zip(job.state(p), slot.state, strict=False):
+                    host.view(-1)[p.start : p.stop].copy_(job.cut(dev, at, p), non_blocking=True)
             slot.free.record(stream)

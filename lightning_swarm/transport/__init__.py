@@ -6,14 +6,12 @@ from lightning_swarm.transport.allreduce import AllReduceTransport, ring_allredu
 from lightning_swarm.transport.base import RoundStats, Transport
 from lightning_swarm.transport.config import TRANSPORTS, SwarmTransportConfig
 from lightning_swarm.transport.factory import build_transport, peer_backend
-from lightning_swarm.transport.quantized import QuantizedTransport
 from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 
 __all__ = [
     "TRANSPORTS",
     "AggregatorTransport",
     "AllReduceTransport",
-    "QuantizedTransport",
     "ReduceScatterTransport",
     "RoundStats",
     "SwarmTransportConfig",

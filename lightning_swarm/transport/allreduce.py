@@ -1,10 +1,10 @@
 """All-reduce transport: the mean across islands through torch.distributed collectives.
 
-Tensors are packed into one reusable bucket of ``bucket_numel`` float32 elements; a bucket is
-all-reduced (sum) over the peer group as soon as it is full, divided by the number of islands
-and unpacked back into the caller's tensors. A tensor larger than a bucket is split across
-several buckets and a partly filled bucket is reduced only over its filled prefix, so the extra
-memory is one bucket, whatever the model size.
+Tensors are packed into buckets of at most ``bucket_numel`` float32 elements by the one packer
+(``transport.buckets.mean_in_buckets``); each bucket is all-reduced (sum) over the peer group,
+divided by the number of islands and unpacked back into the caller's tensors. A tensor larger
+than a bucket is split across several buckets and a partly filled bucket is reduced only over its
+filled prefix, so the extra memory is one bucket, whatever the model size.
 
 The bucket lives on the device the backend needs: CUDA for NCCL (anchors and pseudo-gradients
 stay on the CPU; only one bucket at a time visits the GPU), CPU for gloo.
@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.buckets import check_bucket, mean_in_buckets
 from lightning_swarm.transport.checks import agree_finite, agree_finite_flag
 
 
@@ -58,8 +59,7 @@ class AllReduceTransport:
         device: torch.device | str = "cpu",
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+        check_bucket(bucket_numel)
         self.group = group
         self.island_group = island_group
         self.num_islands = num_islands
@@ -75,7 +75,13 @@ class AllReduceTransport:
                 raise ValueError("AllReduceTransport averages contiguous float32 tensors only")
         agree_finite(tensors.values(), self.group, self.num_islands, self.device, self.island_group)
         if self.num_islands > 1:
-            self._reduce_in_buckets(list(tensors.values()), stats)
+            # The buffer lives only inside this call: between syncs the transport holds no
+            # memory at all.
+            moved = mean_in_buckets(
+                list(tensors.values()), self.bucket_numel, self.mean_, self.device
+            )
+            stats.bytes_sent += moved
+            stats.bytes_received += moved
         stats.wall_s = time.perf_counter() - start
         return stats
 
@@ -112,38 +118,6 @@ class AllReduceTransport:
             return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.num_islands)
 
         return finish
-
-    def _reduce_in_buckets(self, tensors: list[Tensor], stats: RoundStats) -> None:
-        total_numel = sum(t.numel() for t in tensors)
-        # The bucket is allocated per round and released after it: between syncs the transport
-        # holds no memory at all.
-        bucket = torch.empty(min(self.bucket_numel, max(total_numel, 1)), device=self.device)
-        pending: list[tuple[Tensor, int]] = []  # (destination slice, offset in bucket)
-        fill = 0
-        for t in tensors:
-            flat = t.view(-1)
-            pos = 0
-            while pos < flat.numel():
-                n = min(flat.numel() - pos, bucket.numel() - fill)
-                piece = flat[pos : pos + n]
-                bucket[fill : fill + n].copy_(piece)
-                pending.append((piece, fill))
-                fill += n
-                pos += n
-                if fill == bucket.numel():
-                    self._flush(bucket, fill, pending, stats)
-                    pending, fill = [], 0
-        if fill:
-            self._flush(bucket, fill, pending, stats)
-
-    def _flush(
-        self, bucket: Tensor, fill: int, pending: list[tuple[Tensor, int]], stats: RoundStats
-    ) -> None:
-        moved = self.mean_(bucket[:fill])
-        for piece, offset in pending:
-            piece.copy_(bucket[offset : offset + piece.numel()])
-        stats.bytes_sent += moved
-        stats.bytes_received += moved
 
     def close(self) -> None:
         """Nothing to release: the bucket lives only inside ``average``."""

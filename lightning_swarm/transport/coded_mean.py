@@ -24,13 +24,12 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.buckets import Piece, numel_of
 from lightning_swarm.transport.pieces import (
-    Piece,
     decode_flat,
     encode_flat,
     encode_pieces,
     encoded_nbytes,
-    numel_of,
     plan_shares,
     write_flat,
 )

@@ -1,18 +1,16 @@
-"""Where a quantized exchange cuts a payload: buckets, owners' shares, and their encoded bytes.
+"""Where a quantized exchange cuts a bucket: owners' shares, and their encoded bytes.
 
-Pure planning and codec arithmetic (torch only, no torch.distributed): the quantized transports
-(``quantized.py`` gathers, ``reduce_scatter.py`` reduce-scatters) call it with the caller's flat
-float32 tensors and move the bytes themselves.
+Pure planning and codec arithmetic (torch only, no torch.distributed): the coded means
+(``coded_mean.py``) call it with the caller's flat float32 tensors and move the bytes themselves.
 
 Invariants:
-- A ``Piece`` is a run of consecutive elements of one flat tensor that *starts at a multiple of
-  the codec's block size inside that tensor*. Blocks are laid over a tensor from element 0
-  (``algorithm.codecs``), so encoding a piece on its own quantizes each of its elements exactly
-  as encoding the whole tensor would: ``codec.roundtrip(tensor)`` (what error feedback
-  computes) and any cut into pieces agree bit for bit, and so does a result written back piece
-  by piece.
-- ``plan_coded_buckets`` packs tensors, in order, into buckets of at most ``bucket_numel`` elements;
-  ``plan_shares`` cuts one bucket into ``num_islands`` *shares* (the chunks of a reduce-scatter)
+- A ``Piece`` (``transport.buckets``) of a coded exchange *starts at a multiple of the codec's
+  block size inside its tensor* (``plan_buckets(..., block_size)`` makes them so). Blocks are
+  laid over a tensor from element 0 (``algorithm.codecs``), so encoding a piece on its own
+  quantizes each of its elements exactly as encoding the whole tensor would:
+  ``codec.roundtrip(tensor)`` (what error feedback computes) and any cut into pieces agree bit
+  for bit, and so does a result written back piece by piece.
+- ``plan_shares`` cuts one bucket into ``num_islands`` *shares* (the chunks of a reduce-scatter)
   of whole blocks: share j holds blocks ``[j * U // n, (j + 1) * U // n)`` of the bucket's U
   blocks, so shares differ by at most one block and may be empty (fewer blocks than islands).
   Only a tensor's last block can be partial, so shares are balanced in elements too, to within
@@ -25,23 +23,19 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.buckets import Piece, check_bucket
 
 
 def check_coded_options(num_islands: int, codec: Codec, bucket_numel: int) -> None:
     """The options every coded transport needs: islands, and a bucket of whole codec blocks."""
     if num_islands < 1:
         raise ValueError(f"num_islands must be >= 1, got {num_islands}")
-    if bucket_numel < codec.block_size:
-        raise ValueError(
-            f"bucket_numel={bucket_numel} is smaller than one codec block "
-            f"({codec.block_size} elements); raise bucket_mb or lower block_size."
-        )
+    check_bucket(bucket_numel, codec.block_size)
 
 
 def flat_views(tensors: Mapping[str, Tensor], transport: str) -> list[Tensor]:
@@ -58,59 +52,11 @@ def flat_views(tensors: Mapping[str, Tensor], transport: str) -> list[Tensor]:
     return flats
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Elements ``[start, start + length)`` of one flat tensor, carried in one bucket."""
-
-    tensor_index: int
-    start: int
-    length: int
-
-
-def plan_coded_buckets(numels: list[int], bucket_numel: int, block_size: int) -> list[list[Piece]]:
-    """Cut tensors of ``numels`` elements into buckets of at most ``bucket_numel`` elements.
-
-    Pieces start at multiples of ``block_size`` inside their tensor. A tensor larger than a
-    bucket spans several buckets; a bucket that cannot take another whole block is closed
-    under-filled. Each bucket holds at least one element.
-
-    Raises:
-        ValueError: ``bucket_numel`` is smaller than one block.
-    """
-    if bucket_numel < block_size:
-        raise ValueError(
-            f"bucket_numel={bucket_numel} is smaller than one codec block ({block_size} "
-            "elements); raise bucket_mb or lower block_size."
-        )
-    buckets: list[list[Piece]] = []
-    current: list[Piece] = []
-    fill = 0
-    for index, numel in enumerate(numels):
-        pos = 0
-        while pos < numel:
-            space = bucket_numel - fill
-            remaining = numel - pos
-            take = remaining if remaining <= space else (space // block_size) * block_size
-            if take == 0:
-                buckets.append(current)
-                current, fill = [], 0
-                continue
-            current.append(Piece(index, pos, take))
-            fill += take
-            pos += take
-            if fill == bucket_numel:
-                buckets.append(current)
-                current, fill = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> list[list[Piece]]:
     """Cut ``bucket`` into ``num_islands`` shares of whole blocks, in bucket order.
 
     Every piece of ``bucket`` must start on a block boundary of its tensor (as
-    ``plan_coded_buckets`` makes them); so does every piece of every share. Concatenated in
+    ``plan_buckets`` makes them); so does every piece of every share. Concatenated in
     share order, the shares cover the bucket's elements exactly once, in the bucket's order.
 
     Raises:
@@ -134,11 +80,6 @@ def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> l
             first += count
         shares.append(share)
     return shares
-
-
-def numel_of(pieces: Sequence[Piece]) -> int:
-    """Elements in ``pieces``."""
-    return sum(p.length for p in pieces)
 
 
 def encoded_nbytes(codec: Codec, pieces: Sequence[Piece]) -> int:

@@ -1,16 +1,16 @@
 """Quantized reduce-scatter + all-gather: the mean of encoded pseudo-gradients, flat in islands.
 
 An all-reduce cannot sum int8 or int4 codes (each island's block scales differ), and gathering
-every island's payload (``quantized.QuantizedTransport``) costs a rank n - 1 payloads per
-round. Here each of the n islands of the peer group *owns* a share of every bucket, so a rank
-moves about 2 (n - 1) / n encoded payloads, as a ring all-reduce moves 2 (n - 1) / n raw ones:
+every island's payload would cost a rank n - 1 payloads per round. Here each of the n islands
+of the peer group *owns* a share of every bucket, so a rank moves about 2 (n - 1) / n encoded
+payloads, as a ring all-reduce moves 2 (n - 1) / n raw ones:
 
-1. Buckets and shares (``transport.pieces``): the tensors are packed into buckets of at most
-   ``bucket_numel`` elements, and each bucket is cut into n shares of whole codec blocks
-   (share j belongs to island j; any n, shares may be uneven by one block or empty). Every
-   piece starts on a block boundary of its tensor, so each island encodes its pseudo-gradient
-   exactly as ``codec.roundtrip`` of the whole tensor would: error feedback computed by the
-   caller with the same codec stays exact.
+1. Buckets and shares (``transport.buckets``, ``transport.pieces``): the tensors are packed into
+   buckets of at most ``bucket_numel`` elements, and each bucket is cut into n shares of whole
+   codec blocks (share j belongs to island j; any n, shares may be uneven by one block or
+   empty). Every piece starts on a block boundary of its tensor, so each island encodes its
+   pseudo-gradient exactly as ``codec.roundtrip`` of the whole tensor would: error feedback
+   computed by the caller with the same codec stays exact.
 2. Reduce-scatter: each rank encodes every share of its bucket and sends share j to island j
    (``all_to_all_single`` on one uint8 buffer; its own share stays local). The owner decodes
    the n contributions in island order 0 .. n - 1, sums them in float32 and divides by n.
@@ -21,7 +21,7 @@ moves about 2 (n - 1) / n encoded payloads, as a ring all-reduce moves 2 (n - 1)
 
 Result, elementwise: ``decode(encode(mean_i decode(encode(x_i))))``. It does not depend on
 buckets or shares (blocks are the tensors' own), so sharding the outer loop or cutting the model
-into fragments does not change a bit. Error: the gather's ``mean_i`` of each island's codec
+into fragments does not change a bit. Error: ``mean_i`` of each island's codec
 bound, plus one codec bound of the mean (``Codec.error_bound(mean)``). The second encoding's
 error is the same on every island and is not fed back: error feedback stays per island, on
 its own encoding.
@@ -51,14 +51,10 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.buckets import Piece, plan_buckets
 from lightning_swarm.transport.checks import agree_finite_direct
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
-from lightning_swarm.transport.pieces import (
-    Piece,
-    check_coded_options,
-    flat_views,
-    plan_coded_buckets,
-)
+from lightning_swarm.transport.pieces import check_coded_options, flat_views
 
 __all__ = ["ReduceScatterTransport", "reduce_scatter_bytes"]
 
@@ -120,7 +116,7 @@ class ReduceScatterTransport:
         # message step: the exchange's own latency is flat in islands, keep the vote's so too).
         agree_finite_direct(flats, self.group, self.num_islands, self.device, self.island_group)
         numels = [f.numel() for f in flats]
-        for bucket in plan_coded_buckets(numels, self.bucket_numel, self.codec.block_size):
+        for bucket in plan_buckets(numels, self.bucket_numel, self.codec.block_size):
             moved = self._average_bucket(flats, bucket)
             stats.bytes_sent += moved
             stats.bytes_received += moved

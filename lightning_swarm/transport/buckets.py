@@ -1,0 +1,143 @@
+"""The bucket packer: how every exchange cuts a sequence of flat tensors into buckets.
+
+``plan_buckets`` lays tensors, in order, into buckets of at most ``bucket_numel`` elements. A
+bucket is a list of ``Piece``s (runs of consecutive elements of one tensor) that lie back to
+back in the bucket's flat buffer (``placed`` gives each piece's offset there). A tensor larger
+than a bucket is split across several; several small tensors share one. ``mean_in_buckets``
+runs an in-place float32 mean through one reused buffer packed by that plan.
+
+Invariants, which every caller relies on for bitwise reproducibility:
+- The plan depends on the tensors' element counts, ``bucket_numel`` and ``block_size`` only,
+  so every island computes the same plan without a message.
+- Every piece starts at a multiple of ``block_size`` inside its tensor (a codec's blocks are laid
+  over a tensor from element 0, so a piece encodes exactly as the whole tensor would). A bucket
+  that cannot take another whole block of the current tensor is closed under-filled; with
+  ``block_size=1`` every bucket but the last is full.
+- Every element appears in exactly one piece, in tensor order; every bucket holds at least one
+  element; empty tensors contribute no piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + length)`` of flat tensor ``tensor_index``."""
+
+    tensor_index: int
+    start: int
+    length: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+def check_bucket(bucket_numel: int, block_size: int = 1) -> None:
+    """Raise ``ValueError`` unless a bucket of ``bucket_numel`` holds at least one block."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    if bucket_numel < block_size:
+        raise ValueError(
+            f"bucket_numel={bucket_numel} is smaller than one codec block ({block_size} "
+            "elements); raise bucket_mb or lower block_size."
+        )
+
+
+def plan_buckets(
+    numels: Sequence[int], bucket_numel: int, block_size: int = 1
+) -> list[list[Piece]]:
+    """Pack tensors of ``numels`` elements, in order, into buckets of at most ``bucket_numel``.
+
+    Args:
+        numels: element count of each flat tensor (zero allowed).
+        bucket_numel: most elements one bucket holds.
+        block_size: pieces start at multiples of it inside their tensor (a codec's block size;
+            1 for raw float32, which packs every bucket but the last full).
+
+    Returns:
+        The buckets, each a non-empty list of pieces lying back to back; ``[]`` when there is
+        no element.
+
+    Raises:
+        ValueError: ``block_size < 1``, ``bucket_numel < 1``, or ``bucket_numel`` smaller than
+            one block.
+    """
+    check_bucket(bucket_numel, block_size)
+    buckets: list[list[Piece]] = []
+    current: list[Piece] = []
+    fill = 0
+    for index, numel in enumerate(numels):
+        pos = 0
+        while pos < numel:
+            space = bucket_numel - fill
+            remaining = numel - pos
+            # A tensor's tail fits whole; otherwise take only whole blocks, so that the next
+            # piece of this tensor starts on a block boundary too.
+            take = remaining if remaining <= space else (space // block_size) * block_size
+            if take == 0:  # not even one block fits: close the bucket under-filled
+                buckets.append(current)
+                current, fill = [], 0
+                continue
+            current.append(Piece(index, pos, take))
+            fill += take
+            pos += take
+            if fill == bucket_numel:
+                buckets.append(current)
+                current, fill = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def numel_of(pieces: Sequence[Piece]) -> int:
+    """Elements in ``pieces`` (a bucket's fill)."""
+    return sum(p.length for p in pieces)
+
+
+def placed(pieces: Sequence[Piece]) -> Iterator[tuple[int, Piece]]:
+    """Each piece with its offset in the flat buffer that holds ``pieces`` back to back."""
+    offset = 0
+    for piece in pieces:
+        yield offset, piece
+        offset += piece.length
+
+
+def mean_in_buckets(
+    tensors: Sequence[Tensor],
+    bucket_numel: int,
+    mean_: Callable[[Tensor], int],
+    device: torch.device | str = "cpu",
+) -> int:
+    """Overwrite contiguous ``tensors`` in place, bucket by bucket, through one float32 buffer.
+
+    Per bucket of ``plan_buckets(numels, bucket_numel)`` the pieces are copied into the
+    buffer's prefix (on ``device``), ``mean_`` overwrites that prefix in place and returns the
+    bytes it moved, and the result is copied back. The buffer (``min(bucket_numel, total)``
+    elements) is the only extra memory and is released on return.
+
+    Returns:
+        The sum of ``mean_``'s bytes over the buckets.
+    """
+    flats = [t.view(-1) for t in tensors]
+    plan = plan_buckets([f.numel() for f in flats], bucket_numel)
+    if not plan:
+        return 0
+    # The first bucket is the largest (with block_size 1 all but the last are full).
+    buffer = torch.empty(numel_of(plan[0]), dtype=torch.float32, device=device)
+    moved = 0
+    for bucket in plan:
+        for at, p in placed(bucket):
+            buffer[at : at + p.length].copy_(flats[p.tensor_index][p.start : p.stop])
+        moved += mean_(buffer[: numel_of(bucket)])
+        for at, p in placed(bucket):
+            flats[p.tensor_index][p.start : p.stop].copy_(buffer[at : at + p.length])
+    return moved
