@@ -20,6 +20,7 @@ tensors in it, and nothing of a round outlives ``run``.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -30,17 +31,14 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
-    MemoryContribution,
     Sink,
-    aggregate_into,
-    check_values,
     finish_sinks,
     measure,
     open_sinks,
 )
 from lightning_swarm.transport.aggregator.island_verdicts import agree
 from lightning_swarm.transport.aggregator.links import TAG_CHUNK, TAG_RESULT, TAG_STATUS, Link
-from lightning_swarm.transport.aggregator.owners import AggregationRule
+from lightning_swarm.transport.aggregator.owners import AggregationRule, join_own
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
@@ -183,13 +181,9 @@ class Aggregator:
         """
         try:
             with record_function(labels.AGGREGATE):
-                own = rnd.coded.encode(rnd.targets) if rnd.coded else rnd.targets
-                contributions[self.island_index] = MemoryContribution(self.island_index, own)
-                block_numel = max(1, self.chunk_bytes // 4)
-                if rnd.coded is not None:  # read back decoded: the same round trip as peers'
-                    block_numel = rnd.coded.block_numel(self.chunk_bytes)
-                    for island, c in contributions.items():
-                        contributions[island] = rnd.coded.decoded(c)
+                block_numel = join_own(
+                    contributions, self.island_index, rnd.targets, rnd.coded, self.chunk_bytes
+                )
                 return self._validate_and_aggregate(rnd, contributions, verdicts, block_numel)
         except Exception:
             self._abstain(rnd)
@@ -209,73 +203,57 @@ class Aggregator:
         verdicts: dict[int, Verdict],
         block_numel: int,
     ) -> AggregatorOutcome:
-        accepted: list[Contribution] = []
-        problems = (
-            self._island_problems(rnd, contributions, block_numel)
-            if self.island_group is not None
-            else {
-                i: check_values(c, rnd.layout, max_norm=self.rule.max_norm, block_numel=block_numel)
-                for i, c in contributions.items()
-            }
-        )
+        problems = self._problems(rnd, contributions, block_numel)
         if problems is None:  # another shard's aggregator failed: no shard moves
             return AggregatorOutcome.SKIPPED
         for island in sorted(contributions):
-            c = contributions[island]
             problem = problems[island]
             if problem is None:
                 verdicts[island] = Verdict.ACCEPTED
-                accepted.append(c)
+                rnd.report.accepted.append(island)
             else:
                 above = problem.startswith("L2 norm")
                 verdicts[island] = Verdict.ABOVE_NORM if above else Verdict.NON_FINITE
                 self._log_rejection(rnd.report, island, problem)
-        rnd.report.accepted = [c.island for c in accepted]
         rnd.report.non_finite = sorted(i for i, v in verdicts.items() if v == Verdict.NON_FINITE)
-        if len(accepted) < self.rule.min_contributions or self.rule.zero_weight(
-            rnd.report.accepted
-        ):
+        if self.rule.skips(rnd.report.accepted):
             return AggregatorOutcome.SKIPPED
-        weights = None
-        if self.rule.island_weights is not None:
-            weights = [self.rule.island_weights[c.island] for c in accepted]
-        aggregate_into(
-            rnd.targets,
-            accepted,
-            rnd.layout,
-            rule=self.rule.aggregation,
-            weights=weights,
-            trim_ratio=self.rule.trim_ratio,
-            block_numel=block_numel,
+        self.rule.aggregate(
+            rnd.targets, contributions, rnd.report.accepted, rnd.layout, block_numel
         )
         return AggregatorOutcome.APPLIED
 
-    def _island_problems(
+    def _problems(
         self, rnd: AggregatorRound, contributions: dict[int, Contribution], block_numel: int
     ) -> dict[int, str | None] | None:
-        """Why each island's contribution must not count, agreed over the island's shards
-        (``island_verdicts``); None when another shard's aggregator failed."""
-        assert self.island_group is not None
-        measures = {}
-        for i, c in contributions.items():
-            found = measure(c, rnd.layout, block_numel=block_numel)
-            measures[i] = (found.finite, found.sum_sq)
+        """Why each island's contribution must not count (``AggregationRule.problem``). With
+        model-sharded islands, agreed over the island's shards (``island_verdicts``): ``None``
+        when another shard's aggregator failed."""
+        squares = self.rule.max_norm is not None
+        found = {
+            i: measure(c, rnd.layout, block_numel=block_numel, sum_sq=squares)
+            for i, c in contributions.items()
+        }
+        if self.island_group is None:
+            return {
+                i: self.rule.problem(
+                    m.finite, math.sqrt(m.sum_sq), where=f" in tensor {m.bad_tensor!r}"
+                )
+                for i, m in found.items()
+            }
         rnd.agreed = True
+        measures = {i: (m.finite, m.sum_sq) for i, m in found.items()}
         validated, islands = agree(measures, self.num_islands, self.island_group)
         if not validated:
             return None
-        problems: dict[int, str | None] = {}
-        for island in contributions:
-            finite, norm = islands[island]
-            problems[island] = None
-            if not finite:
-                problems[island] = "non-finite values (NaN or Inf) or no payload in some shard"
-            elif self.rule.max_norm is not None and norm > self.rule.max_norm:
-                problems[island] = (
-                    f"L2 norm {norm:.6g} over the island's shards exceeds "
-                    f"max_norm={self.rule.max_norm:g}"
-                )
-        return problems
+        return {
+            i: self.rule.problem(
+                *islands[i],
+                where=" or no payload in some shard",
+                over=" over the island's shards",
+            )
+            for i in contributions
+        }
 
     def _abstain(self, rnd: AggregatorRound) -> None:
         """Join the island's agreement as failed, once, so the other shards do not wait.

@@ -71,20 +71,20 @@ def read_verdicts(
             f"({failure if failure is not None else 'see their logs'}). Anchors are unchanged."
         )
     for island in range(n):
-        if not finite[island]:
-            report.rejected[island] = "non-finite values (NaN or Inf)"
-            report.non_finite.append(island)
-        elif rule.max_norm is not None and norms[island] > rule.max_norm:
-            report.rejected[island] = f"L2 norm {norms[island]:.6g} exceeds max_norm"
-        if island not in report.rejected:
+        problem = rule.problem(finite[island], norms[island])
+        if problem is None:
             report.accepted.append(island)
-        elif island == island_index:
+            continue
+        report.rejected[island] = problem
+        if not finite[island]:
+            report.non_finite.append(island)
+        if island == island_index:
             log.warning(
                 "swarm round %d: this island's contribution was rejected (%s)",
                 report.round_index,
-                report.rejected[island],
+                problem,
             )
-    if len(report.accepted) < rule.min_contributions or rule.zero_weight(report.accepted):
+    if rule.skips(report.accepted):
         report.outcome = AggregatorOutcome.SKIPPED
         warnings.warn(skip_message(report, n, rule.min_contributions), RuntimeWarning, stacklevel=6)
     return report.outcome

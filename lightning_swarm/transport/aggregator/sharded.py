@@ -73,15 +73,13 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
-    MemoryContribution,
     Sink,
-    aggregate_into,
     finish_sinks,
     measure,
     open_sinks,
 )
 from lightning_swarm.transport.aggregator.island_verdicts import elsewhere_message, island_all
-from lightning_swarm.transport.aggregator.owners import SwarmAggregatorBase
+from lightning_swarm.transport.aggregator.owners import SwarmAggregatorBase, join_own
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome, RoundReport
 from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
@@ -269,13 +267,9 @@ class ShardedAggregatorTransport(SwarmAggregatorBase):
         """Every rule: spool the shard's contributions, judge each island, aggregate."""
         failure = self._scatter(targets, shards, coded, wires, round_id, sinks, stats)
         failure = finish_sinks(sinks, contributions, failure)
-        own_coded = coded[self.island_index]
-        encoded = own_coded.encode(own) if own_coded is not None else own
-        contributions[self.island_index] = MemoryContribution(self.island_index, encoded)
-        if own_coded is not None:
-            for island, c in contributions.items():
-                contributions[island] = own_coded.decoded(c)
-        block_numel = block_numel_of(own_coded, self.chunk_bytes)
+        block_numel = join_own(
+            contributions, self.island_index, own, coded[self.island_index], self.chunk_bytes
+        )
         mine = shards[self.island_index]
         outcome = self._judge(report, mine, contributions, failure, block_numel, stats)
         if outcome == AggregatorOutcome.APPLIED:
@@ -350,19 +344,7 @@ class ShardedAggregatorTransport(SwarmAggregatorBase):
         error: Exception | None = None
         try:
             with record_function(labels.AGGREGATE):
-                accepted = [contributions[i] for i in report.accepted]
-                weights = None
-                if self.rule.island_weights is not None:
-                    weights = [self.rule.island_weights[i] for i in report.accepted]
-                aggregate_into(
-                    own,
-                    accepted,
-                    mine.layout,
-                    rule=self.rule.aggregation,
-                    weights=weights,
-                    trim_ratio=self.rule.trim_ratio,
-                    block_numel=block_numel,
-                )
+                self.rule.aggregate(own, contributions, report.accepted, mine.layout, block_numel)
         except Exception as err:
             error = err
             log.exception(
@@ -374,11 +356,6 @@ class ShardedAggregatorTransport(SwarmAggregatorBase):
         failed = [j for j, f in enumerate(flags) if int(f) == 0]
         (ok,) = island_all([not failed], self.island_group)
         raise_if_failed(report, error, failed, ok)
-
-
-def block_numel_of(coded: CodedPayload | None, chunk_bytes: int) -> int:
-    """Elements per validation / aggregation block, as the rotating aggregator uses them."""
-    return coded.block_numel(chunk_bytes) if coded is not None else max(1, chunk_bytes // 4)
 
 
 def _count_all_gather(stats: RoundStats, row: Tensor, num_islands: int) -> None:
