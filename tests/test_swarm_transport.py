@@ -26,9 +26,11 @@ from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
-# int64 fields: outcome, result bytes, result chunk bytes, then one verdict per island
-STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
-DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
+# What every rank sends to (and receives from) each other island besides payloads, float64 /
+# int64 fields: the round's terms (CRC, chunk, 2 stream lengths, description length, 4 rule
+# fields, one weight per island), its verdict row (status, finite and sum of squares per
+# island) and its success flag.
+CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
 def _num_accepted(transport: AggregatorTransport) -> int:
@@ -61,7 +63,7 @@ class _Messages(logging.Handler):
 
 def _capture_log() -> _Messages:
     handler = _Messages()
-    logging.getLogger("lightning_swarm.transport.aggregator.rotating").addHandler(handler)
+    logging.getLogger("lightning_swarm.transport.aggregator").addHandler(handler)
     return handler
 
 
@@ -95,7 +97,6 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         ),
     }
     payload = PayloadLayout.from_tensors(_contribution(0, 0))
-    description = len(payload.to_json())
     for r in range(world):  # every island aggregates once
         for name, (transport, rule, kw) in cases.items():
             tensors = _contribution(rank, r)
@@ -105,14 +106,9 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
                 assert torch.equal(tensors[key], expected[key]), f"{name} round {r} {key}"
             assert stats.applied and _num_accepted(transport) == world
             assert transport.last_round is not None and transport.last_round.aggregator == r
-            if rank == r:
-                assert stats.bytes_received == (world - 1) * (
-                    DESCRIPTOR_BYTES + description + payload.data_bytes
-                )
-                assert stats.bytes_sent == (world - 1) * (STATUS_BYTES(world) + payload.data_bytes)
-            else:
-                assert stats.bytes_sent == DESCRIPTOR_BYTES + description + payload.data_bytes
-                assert stats.bytes_received == STATUS_BYTES(world) + payload.data_bytes
+            # the owner takes in n - 1 payloads and sends n - 1 results; a peer one of each
+            moved = payload.data_bytes * ((world - 1) if rank == r else 1)
+            assert stats.bytes_received == stats.bytes_sent == moved + CONTROL_BYTES(world)
             assert transport.spool_bytes() == 0, "a round's files outlived its aggregation"
         # the reference median / trimmed mean also agree with numpy's
         stacked = np.stack([_contribution(i, r)["w"].numpy() for i in range(world)])

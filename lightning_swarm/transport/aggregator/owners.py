@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -148,6 +149,8 @@ class SwarmAggregatorBase:
         self._spool = spool
         if self._spool is None and offload and num_islands > 1:
             self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
+        self.device = torch.device("cpu")
         self._sequence = 0  # average() calls so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
 
