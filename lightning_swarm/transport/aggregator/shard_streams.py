@@ -1,20 +1,15 @@
-"""The two streams of a sharded swarm round, in chunks, over ``all_to_all_single``.
+"""The two streams of a swarm round, in chunks, over ``all_to_all_single``.
 
-- ``scatter``: shard j of every island's payload to island j. Step k moves chunk k (at most
-  ``chunk_bytes``) of each island's stream for each other island, so every peer's contribution
-  reaches its owner's sink chunk by chunk, in order, and no island holds more than one chunk per
-  peer and direction (one send and one receive buffer of n - 1 chunks, reused by every step). A
-  spool error on one sink turns it into a discard sink (its writer already removed its file);
-  the stream goes on, so no peer blocks, and the first error is returned. ``scatter_steps``
-  is the same stream handing each step's chunks to the caller instead (the sharded mean sums
-  them as they arrive: ``shard_fold``).
-- ``gather``: every owner's result shard to every island, chunk by chunk, unpacked straight into
-  the receiving island's tensors.
+- ``scatter``: shard j of every island's payload to island j; step k moves chunk k of each
+  stream, written into the owner's sink for that peer (``scatter_steps`` hands each step's
+  chunks to the caller instead: ``shard_fold``). Memory: one send and one receive buffer of
+  n - 1 chunks. A spool error turns that sink into a discard sink; the stream goes on, so no
+  peer blocks, and the first error is returned.
+- ``gather``: every owner's result shard to every island, unpacked straight into its tensors.
 
-Every island runs the same number of steps (the round's terms) with the same split sizes (all
-follow from the shards' layouts, which the round has already agreed on), so the collectives
-always match; an island sends nothing to itself, and a *silent* island (one whose layout the
-owner refused) sends and receives nothing. Byte counts are what the steps moved.
+Every island runs the round's number of steps with split sizes that follow from the agreed
+layouts, so the collectives match; a *silent* island (refused for its layout) sends and
+receives nothing. Byte counts are what the steps moved.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The verdicts of a swarm round, read from a table every island holds.
 
-Each owner judged its shard of every island's contribution (with one owner, the others judged
-empty shards); one all-gather of their rows gives every rank the same table, so every rank
-derives the same verdicts and the same outcome with no further message. Column 0 says how each
-owner fared (``JUDGED``, ``SPOOL_FAILED``, ``FAILED``: validation raised); then one column per
-island (its shard was finite on that owner) and one per island (the shard's sum of squares):
-
-- a mismatched island (``terms``) is rejected for its layout;
-- non-finite on any owner rejects the island everywhere;
-- ``max_norm`` compares the norm of the *whole* contribution (the square root of the shards'
-  summed squares) with the bound;
-- fewer accepted islands than ``min_contributions``, or accepted ``weighted_mean`` weights that
-  sum to 0, skip the round on every rank with the same warning.
-
-Torch only; the collectives are the caller's.
+Each owner measured its shard of every contribution; one all-gather of their rows (``[how it
+fared, finite per island..., sum of squares per island...]``) gives every rank the same table,
+so every rank derives the same verdicts and outcome: a mismatched island (``terms``) or one
+non-finite on any owner is rejected; ``max_norm`` bounds the whole contribution's norm; too
+few accepted islands (or zero accepted weights) skip the round with the same warning everywhere.
 """
 
 from __future__ import annotations

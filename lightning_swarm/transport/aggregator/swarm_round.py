@@ -1,24 +1,12 @@
-"""One swarm round, whatever its owners: agree, scatter, judge, aggregate, gather.
+"""One swarm round, whatever its owners: agree (``terms``), scatter (``shard_streams``), judge
+(``shard_verdicts``), aggregate, gather. Island j owns shard j of the payload; the subclass's
+``_shards`` cuts them (rotating: the whole payload to one island; sharded: 1/n each). Walked
+through step by step in ``docs/swarm_transport.md``.
 
-A round's payload is cut into one shard per island; island j *owns* shard j. The owner layout
-is the subclass's (``_shards``): the rotating aggregator gives the whole payload to island
-``round_index % n`` and empty shards to the others, the sharded one 1/n to each. Then, over the
-peer group (group rank = island index), every island runs the same steps:
-
-1. ``terms``: agree on the layout, the rule and the chunk size.
-2. Scatter (``shard_streams``): shard j of every payload to island j, in chunks, encoded with a
-   codec; the owner writes each peer's chunks into its sink (a spool file with ``offload``,
-   memory without). With several owners and ``mean`` / ``weighted_mean`` (no codec or
-   ``max_norm``), owners sum the chunks as they arrive instead (``shard_fold``).
-3. Judge (``shard_verdicts``): each owner measures its shard of every contribution, its own
-   included, one block at a time; one all-gather gives every rank the same verdicts.
-4. Aggregate: each owner runs the rule over the accepted contributions of its shard, in island
-   order, into its own tensors; one all-gather says whether every owner succeeded.
-5. Gather: every owner's result shard to every island, straight into its tensors.
-
-Ownership: the caller owns ``tensors``; the round writes them only in steps 4-5, after every
-island agreed. A round's spool files live from step 2 to the end of ``average``: any exception
-aborts the writers at once (their leases go) and ``Spool.release_round`` removes the files.
+Ownership: the caller owns ``tensors``; the round writes them only once every island's verdicts
+are read (a round that raises may leave them partly written: the caller keeps its anchors). A
+round's spool files live from the scatter to the end of ``average``: any exception aborts the
+writers at once (their leases go) and ``Spool.release_round`` removes the files.
 """
 
 from __future__ import annotations
