@@ -205,6 +205,33 @@ def test_invalid_contributions_are_left_out_or_skip_the_round(tmp_path: Path) ->
     _run(_validation_worker, 4, str(tmp_path))
 
 
+def _owner_terms_worker(rank: int, world: int, spool_dir: str) -> None:
+    # Island 1 runs other options: with the rotating aggregator the owner's rule and chunk size
+    # rule each round, as they always did, on every rank alike.
+    options: dict[str, Any] = {"chunk_bytes": 300, "max_norm": 1e-9} if rank == 1 else {}
+    transport = AggregatorTransport(
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir, **options
+    )
+    tensors = _contribution(rank, 0)
+    stats = transport.average(tensors, round_index=0)  # owner 0: no bound, 4 MiB chunks
+    assert stats.applied and _num_accepted(transport) == world
+    reference = _reference("mean", world, 0)
+    assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
+    tensors = _contribution(rank, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = transport.average(tensors, round_index=1)  # owner 1: every island is too big
+    assert not stats.applied and _num_accepted(transport) == 0
+    assert any("0 of 2 contributions were accepted" in str(w.message) for w in caught)
+    assert all(torch.equal(tensors[k], _contribution(rank, 1)[k]) for k in tensors)
+    transport.close()
+
+
+def test_the_owners_options_rule_its_round(tmp_path: Path) -> None:
+    _run(_owner_terms_worker, 2, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def _anchors_worker(rank: int, world: int, spool_dir: str) -> None:
     transport = AggregatorTransport(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=2
