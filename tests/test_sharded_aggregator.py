@@ -259,13 +259,14 @@ class _BrokenFold(ShardFold):
 
 
 def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation: str) -> None:
-    import lightning_swarm.transport.aggregator.sharded as sharded_module
+    import lightning_swarm.transport.aggregator.owners as owners_module
+    import lightning_swarm.transport.aggregator.swarm_round as round_module
 
     if rank == 0:  # a forked child: the patch dies with it
         if aggregation == "mean":  # summed as the chunks arrive
-            sharded_module.ShardFold = _BrokenFold  # type: ignore[misc]
+            round_module.ShardFold = _BrokenFold  # type: ignore[misc]
         else:
-            sharded_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+            owners_module.aggregate_into = _broken_rule  # type: ignore[assignment]
     transport = ShardedAggregatorTransport(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, aggregation=aggregation
     )

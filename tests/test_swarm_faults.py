@@ -82,14 +82,14 @@ def _rank(
         write_at=slow_write if rank == 0 else os.pwrite,
     )
     if kind == "sharded_mean" and rank == 0:  # a forked child: the patch dies with it
-        import lightning_swarm.transport.aggregator.sharded as sharded_module
+        import lightning_swarm.transport.aggregator.swarm_round as round_module
 
         class SlowFold(ShardFold):
             def add(self, k: int, chunks: Mapping[int, torch.Tensor]) -> None:
                 collect_slowly()
                 super().add(k, chunks)
 
-        sharded_module.ShardFold = SlowFold  # type: ignore[misc]
+        round_module.ShardFold = SlowFold  # type: ignore[misc]
     options: dict[str, Any] = {"spool": spool, "chunk_bytes": 4096}
     if kind == "rotating":
         transport: AggregatorTransport | ShardedAggregatorTransport = AggregatorTransport(

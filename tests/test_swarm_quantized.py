@@ -22,9 +22,9 @@ from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
 BLOCK = 16
-# int64 fields: outcome, result bytes, result chunk bytes, then one verdict per island
-STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
-DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
+# Besides payloads, to and from each other island: the round's terms (9 + n float64), its
+# verdict row (1 + 2n) and its success flag (1): as in test_swarm_transport.py.
+CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
 def _num_accepted(transport: AggregatorTransport) -> int:
@@ -71,8 +71,7 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
             assert all(torch.equal(tensors[k], expected[k]) for k in tensors), f"{name} median"
             expected = _quantized_mean(codec, world, r)
             # the encoded payload is what travels towards the aggregator, float32 comes back
-            upload = DESCRIPTOR_BYTES + len(wire.to_json()) + wire.data_bytes
-            download = STATUS_BYTES(world) + layout.data_bytes
+            upload, download = wire.data_bytes, layout.data_bytes
             for transport in (offload, memory):
                 tensors = _contribution(rank, r)
                 stats = transport.average(tensors, round_index=r)
@@ -82,13 +81,17 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
                 assert (
                     isinstance(transport, AggregatorTransport) and _num_accepted(transport) == world
                 )
+                control = CONTROL_BYTES(world)
                 if rank == r:
                     assert (stats.bytes_sent, stats.bytes_received) == (
-                        (world - 1) * download,
-                        (world - 1) * upload,
+                        (world - 1) * download + control,
+                        (world - 1) * upload + control,
                     )
                 else:
-                    assert (stats.bytes_sent, stats.bytes_received) == (upload, download)
+                    assert (stats.bytes_sent, stats.bytes_received) == (
+                        upload + control,
+                        download + control,
+                    )
             assert offload.spool_bytes() == 0, "a round's files outlived its aggregation"
         # by hand for numels 2100, 33, 1 with 16-element blocks (int4: half a byte, rounded up)
         hand = {"bf16": 2 * 2134, "int8": 2134 + 4 * (132 + 3 + 1), "int4": 1051 + 17 + 4 * 136}

@@ -26,9 +26,11 @@ from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 
-# int64 fields: outcome, result bytes, result chunk bytes, then one verdict per island
-STATUS_BYTES = lambda world: (3 + world) * 8  # noqa: E731
-DESCRIPTOR_BYTES = 3 * 8  # int64 fields: description length, payload bytes, chunk bytes
+# What every rank sends to (and receives from) each other island besides payloads, float64 /
+# int64 fields: the round's terms (CRC, chunk, 2 stream lengths, description length, 4 rule
+# fields, one weight per island), its verdict row (status, finite and sum of squares per
+# island) and its success flag.
+CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
 def _num_accepted(transport: AggregatorTransport) -> int:
@@ -61,7 +63,7 @@ class _Messages(logging.Handler):
 
 def _capture_log() -> _Messages:
     handler = _Messages()
-    logging.getLogger("lightning_swarm.transport.aggregator.rotating").addHandler(handler)
+    logging.getLogger("lightning_swarm.transport.aggregator").addHandler(handler)
     return handler
 
 
@@ -95,7 +97,6 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         ),
     }
     payload = PayloadLayout.from_tensors(_contribution(0, 0))
-    description = len(payload.to_json())
     for r in range(world):  # every island aggregates once
         for name, (transport, rule, kw) in cases.items():
             tensors = _contribution(rank, r)
@@ -105,14 +106,9 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
                 assert torch.equal(tensors[key], expected[key]), f"{name} round {r} {key}"
             assert stats.applied and _num_accepted(transport) == world
             assert transport.last_round is not None and transport.last_round.aggregator == r
-            if rank == r:
-                assert stats.bytes_received == (world - 1) * (
-                    DESCRIPTOR_BYTES + description + payload.data_bytes
-                )
-                assert stats.bytes_sent == (world - 1) * (STATUS_BYTES(world) + payload.data_bytes)
-            else:
-                assert stats.bytes_sent == DESCRIPTOR_BYTES + description + payload.data_bytes
-                assert stats.bytes_received == STATUS_BYTES(world) + payload.data_bytes
+            # the owner takes in n - 1 payloads and sends n - 1 results; a peer one of each
+            moved = payload.data_bytes * ((world - 1) if rank == r else 1)
+            assert stats.bytes_received == stats.bytes_sent == moved + CONTROL_BYTES(world)
             assert transport.spool_bytes() == 0, "a round's files outlived its aggregation"
         # the reference median / trimmed mean also agree with numpy's
         stacked = np.stack([_contribution(i, r)["w"].numpy() for i in range(world)])
@@ -207,6 +203,33 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
 
 def test_invalid_contributions_are_left_out_or_skip_the_round(tmp_path: Path) -> None:
     _run(_validation_worker, 4, str(tmp_path))
+
+
+def _owner_terms_worker(rank: int, world: int, spool_dir: str) -> None:
+    # Island 1 runs other options: with the rotating aggregator the owner's rule and chunk size
+    # rule each round, as they always did, on every rank alike.
+    options: dict[str, Any] = {"chunk_bytes": 300, "max_norm": 1e-9} if rank == 1 else {}
+    transport = AggregatorTransport(
+        None, num_islands=world, island_index=rank, spool_dir=spool_dir, **options
+    )
+    tensors = _contribution(rank, 0)
+    stats = transport.average(tensors, round_index=0)  # owner 0: no bound, 4 MiB chunks
+    assert stats.applied and _num_accepted(transport) == world
+    reference = _reference("mean", world, 0)
+    assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
+    tensors = _contribution(rank, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = transport.average(tensors, round_index=1)  # owner 1: every island is too big
+    assert not stats.applied and _num_accepted(transport) == 0
+    assert any("0 of 2 contributions were accepted" in str(w.message) for w in caught)
+    assert all(torch.equal(tensors[k], _contribution(rank, 1)[k]) for k in tensors)
+    transport.close()
+
+
+def test_the_owners_options_rule_its_round(tmp_path: Path) -> None:
+    _run(_owner_terms_worker, 2, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
 
 
 def _anchors_worker(rank: int, world: int, spool_dir: str) -> None:
@@ -338,7 +361,7 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
 
 
 def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
-    import lightning_swarm.transport.aggregator.rounds as aggregator_module
+    import lightning_swarm.transport.aggregator.owners as aggregator_module
 
     if rank == 0:  # a forked child: the patch dies with it
         aggregator_module.aggregate_into = _broken_rule

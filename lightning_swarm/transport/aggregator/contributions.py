@@ -8,7 +8,7 @@ chunks must still be received so that the peer's sends complete).
 
 A *contribution* is a finished payload that can copy element ranges of its tensors into
 caller-owned blocks: ``MemoryContribution`` (a flat buffer, or the aggregator's own tensors)
-or ``SpooledContribution`` (a leased spool file). ``check_values`` and ``aggregate_into`` read
+or ``SpooledContribution`` (a leased spool file). ``measure`` and ``aggregate_into`` read
 every contribution one block at a time, so their memory is contributions x one block of
 ``block_numel`` elements, never contributions x model. No tensor backed by a spool file leaves
 this module; results are written into the aggregator's own (ordinary, in-memory) tensors.
@@ -231,18 +231,6 @@ def measure(
             if sum_sq:
                 total += float(block.double().square().sum())
     return Measure(True, total)
-
-
-def check_values(
-    contribution: Contribution, layout: PayloadLayout, *, max_norm: float | None, block_numel: int
-) -> str | None:
-    """Why ``contribution`` must not count (non-finite values, norm above bound), or ``None``."""
-    found = measure(contribution, layout, block_numel=block_numel, sum_sq=max_norm is not None)
-    if not found.finite:
-        return f"non-finite values (NaN or Inf) in tensor {found.bad_tensor!r}"
-    if max_norm is not None and math.sqrt(found.sum_sq) > max_norm:
-        return f"L2 norm {math.sqrt(found.sum_sq):.6g} exceeds max_norm={max_norm:g}"
-    return None
 
 
 def aggregate_into(

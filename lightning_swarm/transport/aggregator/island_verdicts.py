@@ -1,19 +1,15 @@
-"""One verdict per model-sharded island, agreed among the aggregators of a round.
+"""One verdict per model-sharded island, agreed over the island's group.
 
 Under ``island_parallel="fsdp"`` every rank of an island holds a different shard, and each
-peer group (one shard position across the islands) runs its own swarm round. The aggregators of
-one round are the ranks of one island (``round_index % num_islands``), one per shard position.
-Judged alone, each would see one shard of every contribution: a NaN in one shard would reject
-that island in one peer group only, and ``max_norm`` would bound a shard's norm instead of
-the island's. Here the aggregators exchange what they measured over their island's group:
+peer group (one shard position across the islands) runs its own swarm round, so each sees one
+shard of every contribution. Every rank then combines its peer group's findings over its
+island's group: a contribution counts only if every shard of it arrived and is finite (a
+``MIN`` of flags); its norm is the island-wide one (the square root of the summed sums of
+squares); a last flag says whether every peer group got as far as validating, so that no shard
+of any island moves unless all do.
 
-- a contribution counts only if every shard of it arrived and is finite (a ``MIN`` of flags);
-- its norm is the island-wide one, the square root of the sum of every shard's sum of squares;
-- a last flag says whether every aggregator got as far as validating. If one failed (spool
-  trouble, an error), the others skip the round, so no shard of any island moves.
-
-Every aggregator of the round must call ``agree`` exactly once, failures included (``None``),
-or the others wait in the collective. Torch only; the group is the caller's.
+Every rank of the island must call ``agree`` exactly once per round, failures included
+(``None``), or the others wait in the collective. Torch only; the group is the caller's.
 """
 
 from __future__ import annotations
@@ -31,14 +27,14 @@ IslandMeasure = tuple[bool, float]
 def agree(
     measures: Mapping[int, IslandMeasure] | None, num_islands: int, group: dist.ProcessGroup
 ) -> tuple[bool, list[IslandMeasure]]:
-    """Combine this aggregator's ``measures`` (island -> finite, sum of squares) with the
+    """Combine this rank's ``measures`` (island -> finite, sum of squares) with the
     other shards' (collective over ``group``).
 
-    ``None`` means this aggregator failed before validating. An island missing from
+    ``None`` means this rank's peer group failed before validating. An island missing from
     ``measures`` (its payload was refused or never arrived) counts as not finite.
 
     Returns:
-        Whether every aggregator validated, and per island (finite everywhere, island norm).
+        Whether every peer group validated, and per island (finite everywhere, island norm).
     """
     flags = torch.zeros(num_islands + 1, dtype=torch.float64)
     sums = torch.zeros(num_islands, dtype=torch.float64)

@@ -12,17 +12,24 @@ Ownership: the transport owns its ``Spool`` (created here unless injected) and r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.contributions import (
+    Contribution,
+    MemoryContribution,
+    aggregate_into,
+)
 from lightning_swarm.transport.aggregator.round_status import RoundReport
 from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.payload import PayloadLayout
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,63 @@ class AggregationRule:
         if self.aggregation != "weighted_mean" or self.island_weights is None:
             return False
         return sum(self.island_weights[i] for i in accepted) <= 0
+
+    def skips(self, accepted: list[int]) -> bool:
+        """Whether a round with these accepted islands is skipped: fewer than
+        ``min_contributions``, or ``zero_weight``."""
+        return len(accepted) < self.min_contributions or self.zero_weight(accepted)
+
+    def problem(self, finite: bool, norm: float, *, where: str = "", over: str = "") -> str | None:
+        """Why a contribution must not count (not every value ``finite``, or its L2 ``norm``
+        above ``max_norm``), or ``None``. ``where`` names what held a non-finite value and
+        ``over`` what the norm spans, for the message."""
+        if not finite:
+            return f"non-finite values (NaN or Inf){where}"
+        if self.max_norm is not None and norm > self.max_norm:
+            return f"L2 norm {norm:.6g}{over} exceeds max_norm={self.max_norm:g}"
+        return None
+
+    def aggregate(
+        self,
+        targets: Sequence[Tensor],
+        contributions: Mapping[int, Contribution],
+        accepted: list[int],
+        layout: PayloadLayout,
+        block_numel: int,
+    ) -> None:
+        """Overwrite ``targets`` with the rule over the ``accepted`` islands' contributions,
+        in island order, block by block (``contributions.aggregate_into``)."""
+        weights = None
+        if self.island_weights is not None:
+            weights = [self.island_weights[i] for i in accepted]
+        aggregate_into(
+            targets,
+            [contributions[i] for i in accepted],
+            layout,
+            rule=self.aggregation,
+            weights=weights,
+            trim_ratio=self.trim_ratio,
+            block_numel=block_numel,
+        )
+
+
+def join_own(
+    contributions: dict[int, Contribution],
+    island: int,
+    own: list[Tensor],
+    coded: CodedPayload | None,
+    chunk_bytes: int,
+) -> int:
+    """Add this island's contribution (``own``, its float tensors: read, not copied) to
+    ``contributions``. With a codec it is encoded first and every contribution is then read
+    back decoded, so the owner's own takes the peers' round trip. Returns the elements per
+    block of validation and aggregation."""
+    contributions[island] = MemoryContribution(island, coded.encode(own) if coded else own)
+    if coded is None:
+        return max(1, chunk_bytes // 4)
+    for i, c in contributions.items():
+        contributions[i] = coded.decoded(c)
+    return coded.block_numel(chunk_bytes)
 
 
 class SwarmAggregatorBase:
@@ -85,6 +149,8 @@ class SwarmAggregatorBase:
         self._spool = spool
         if self._spool is None and offload and num_islands > 1:
             self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
+        self.device = torch.device("cpu")
         self._sequence = 0  # average() calls so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
 

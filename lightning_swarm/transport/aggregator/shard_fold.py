@@ -119,6 +119,7 @@ class ShardFold:
         sources: list[list[Tensor]],
         wires: list[PayloadLayout],
         stats: RoundStats,
+        steps: int,
     ) -> tuple[bool, Exception | None]:
         """Run the scatter (``streams.scatter_steps``), adding every step's chunks, then divide.
 
@@ -126,7 +127,7 @@ class ShardFold:
         stream still runs to its end then, so that no peer blocks in a step this island left.
         """
         error: Exception | None = None
-        for k, chunks in streams.scatter_steps(sources, wires, stats):
+        for k, chunks in streams.scatter_steps(sources, wires, stats, steps):
             if error is None:
                 try:
                     with record_function(labels.AGGREGATE):

@@ -1,19 +1,15 @@
-"""The two streams of a sharded swarm round, in chunks, over ``all_to_all_single``.
+"""The two streams of a swarm round, in chunks, over ``all_to_all_single``.
 
-- ``scatter``: shard j of every island's payload to island j. Step k moves chunk k (at most
-  ``chunk_bytes``) of each island's stream for each other island, so every peer's contribution
-  reaches its owner's sink chunk by chunk, in order, and no island holds more than one chunk per
-  peer and direction (one send and one receive buffer of n - 1 chunks, reused by every step). A
-  spool error on one sink turns it into a discard sink (its writer already removed its file);
-  the stream goes on, so no peer blocks, and the first error is returned. ``scatter_steps``
-  is the same stream handing each step's chunks to the caller instead (the sharded mean sums
-  them as they arrive: ``shard_fold``).
-- ``gather``: every owner's result shard to every island, chunk by chunk, unpacked straight into
-  the receiving island's tensors.
+- ``scatter``: shard j of every island's payload to island j; step k moves chunk k of each
+  stream, written into the owner's sink for that peer (``scatter_steps`` hands each step's
+  chunks to the caller instead: ``shard_fold``). Memory: one send and one receive buffer of
+  n - 1 chunks. A spool error turns that sink into a discard sink; the stream goes on, so no
+  peer blocks, and the first error is returned.
+- ``gather``: every owner's result shard to every island, unpacked straight into its tensors.
 
-Every island runs the same number of steps with the same split sizes (all follow from the
-shards' layouts, which the round has already agreed on), so the collectives always match; an
-island sends nothing to itself. Byte counts are what the steps moved to and from other ranks.
+Every island runs the round's number of steps with split sizes that follow from the agreed
+layouts, so the collectives match; a *silent* island (refused for its layout) sends and
+receives nothing. Byte counts are what the steps moved.
 """
 
 from __future__ import annotations
@@ -39,14 +35,19 @@ class ShardStreams:
     """Chunked all-to-all streams over the peer group (group rank = island index)."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None, island_index: int, num_islands: int, chunk_bytes: int
+        self,
+        group: dist.ProcessGroup | None,
+        island_index: int,
+        num_islands: int,
+        chunk_bytes: int,
+        silent: frozenset[int] = frozenset(),
     ) -> None:
-        self.group, self.me, self.n, self.chunk_bytes = (
-            group,
-            island_index,
-            num_islands,
-            chunk_bytes,
-        )
+        self.group, self.me, self.n = group, island_index, num_islands
+        self.chunk_bytes, self.silent = chunk_bytes, silent
+
+    def _talks(self, peer: int) -> bool:
+        """Whether this island exchanges chunks with ``peer``."""
+        return peer != self.me and peer not in self.silent and self.me not in self.silent
 
     def scatter(
         self,
@@ -54,11 +55,12 @@ class ShardStreams:
         wires: list[PayloadLayout],
         sinks: dict[int, Sink],
         stats: RoundStats,
+        steps: int,
     ) -> SpoolError | None:
         """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j; write what
         each peer i sends for this island's shard (``wires[me]``) into ``sinks[i]``."""
         failure: SpoolError | None = None
-        for k, chunks in self.scatter_steps(sources, wires, stats):
+        for k, chunks in self.scatter_steps(sources, wires, stats, steps):
             for i, chunk in chunks.items():
                 try:
                     sinks[i].write(k * self.chunk_bytes, chunk)
@@ -68,20 +70,23 @@ class ShardStreams:
         return failure
 
     def scatter_steps(
-        self, sources: list[list[Tensor]], wires: list[PayloadLayout], stats: RoundStats
+        self,
+        sources: list[list[Tensor]],
+        wires: list[PayloadLayout],
+        stats: RoundStats,
+        steps: int,
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
         """The scatter, step by step: yields ``(k, {peer: chunk k of its contribution to this
         island's shard})`` (uint8 views of the receive buffer, valid until the next step; no
         entries past the shard's end). The caller must run the generator to its end, or the
         other islands wait in the step it left."""
-        steps = max(w.num_chunks(self.chunk_bytes) for w in wires)
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
         # One send and one receive buffer for the whole stream: buffers allocated per step
         # would pile up in the allocator (measured: RSS grew by several buffers at 8 islands).
         send_buf, recv_buf = self._buffers()
         for k in range(steps):
             send_sizes = [
-                0 if j == self.me else chunk_size(wires[j], k, self.chunk_bytes)
+                chunk_size(wires[j], k, self.chunk_bytes) if self._talks(j) else 0
                 for j in range(self.n)
             ]
             offset = 0
@@ -89,7 +94,7 @@ class ShardStreams:
                 if size:
                     pack_chunk(sources[j], wires[j], k, self.chunk_bytes, send_buf[offset:])
                 offset += size
-            recv_sizes = [0 if i == self.me else size_in[k] for i in range(self.n)]
+            recv_sizes = [size_in[k] if self._talks(i) else 0 for i in range(self.n)]
             received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
             chunks: dict[int, Tensor] = {}
             offset = 0
@@ -100,22 +105,27 @@ class ShardStreams:
             yield k, chunks
 
     def gather(
-        self, views: list[list[Tensor]], layouts: list[PayloadLayout], stats: RoundStats
+        self,
+        views: list[list[Tensor]],
+        layouts: list[PayloadLayout],
+        stats: RoundStats,
+        steps: int,
     ) -> None:
         """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
         island, and unpack every other island's into ``views[i]``."""
         me = self.me
-        steps = max(layout.num_chunks(self.chunk_bytes) for layout in layouts)
+        receivers = sum(self._talks(j) for j in range(self.n))
         send_buf, recv_buf = self._buffers()
         for k in range(steps):
             size_out = chunk_size(layouts[me], k, self.chunk_bytes)
-            if size_out:
+            if size_out and receivers:
                 pack_chunk(views[me], layouts[me], k, self.chunk_bytes, send_buf)
-                for copy in range(1, self.n - 1):  # the same chunk for every other island
+                for copy in range(1, receivers):  # the same chunk for every receiving island
                     send_buf[copy * size_out : (copy + 1) * size_out].copy_(send_buf[:size_out])
-            send_sizes = [0 if j == me else size_out for j in range(self.n)]
+            send_sizes = [size_out if self._talks(j) else 0 for j in range(self.n)]
             recv_sizes = [
-                0 if i == me else chunk_size(layouts[i], k, self.chunk_bytes) for i in range(self.n)
+                chunk_size(layouts[i], k, self.chunk_bytes) if self._talks(i) else 0
+                for i in range(self.n)
             ]
             received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
             offset = 0

@@ -1,17 +1,10 @@
-"""The verdicts of a sharded swarm round, read from a table every island holds.
+"""The verdicts of a swarm round, read from a table every island holds.
 
-Each owner judged one shard of every island's contribution; one all-gather of their rows gives
-every rank the same table, so every rank derives the same verdicts and the same outcome with no
-further message. Column 0 of the table says whether each owner's spool held; then one column
-per island (its shard was finite on that owner) and one per island (the shard's sum of squares):
-
-- non-finite on any owner rejects the island everywhere;
-- ``max_norm`` compares the norm of the *whole* contribution (the square root of the shards'
-  summed squares) with the bound;
-- fewer accepted islands than ``min_contributions``, or accepted ``weighted_mean`` weights that
-  sum to 0, skip the round on every rank with the same warning.
-
-Torch only; the collectives are the caller's.
+Each owner measured its shard of every contribution; one all-gather of their rows (``[how it
+fared, finite per island..., sum of squares per island...]``) gives every rank the same table,
+so every rank derives the same verdicts and outcome: a mismatched island (``terms``) or one
+non-finite on any owner is rejected; ``max_norm`` bounds the whole contribution's norm; too
+few accepted islands (or zero accepted weights) skip the round with the same warning everywhere.
 """
 
 from __future__ import annotations
@@ -27,11 +20,14 @@ from lightning_swarm.transport.aggregator.owners import AggregationRule
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
+    peer_failure_message,
     skip_message,
 )
 from lightning_swarm.transport.errors import SwarmRoundError
 
-log = logging.getLogger("lightning_swarm.transport.aggregator.sharded")
+log = logging.getLogger(__name__)
+
+SPOOL_FAILED, JUDGED, FAILED = 0.0, 1.0, 2.0  # column 0 of an owner's row
 
 
 def read_verdicts(
@@ -39,64 +35,131 @@ def read_verdicts(
     rule: AggregationRule,
     report: RoundReport,
     island_index: int,
-    failure: Exception | None,
+    failure: BaseException | None,
+    *,
+    owner: int | None,
+    mismatched: dict[int, str],
+    where: dict[int, str],
     island_group: dist.ProcessGroup | None = None,
 ) -> AggregatorOutcome:
     """Fill ``report`` (accepted, rejected, non_finite, outcome) from ``table`` (one row per
-    owner: ``[spool held, finite per island..., sum of squares per island...]``); ``failure``
-    is this island's own spool error, named in the message. With ``island_group`` (a
-    model-sharded island) the peer groups' findings are combined over the island first
-    (``island_verdicts.agree``): one verdict per island, ``max_norm`` on the island's norm.
+    owner: ``[how it fared, finite per island..., sum of squares per island...]``).
+    ``failure`` is this island's own error, ``owner`` the round's one owner (``None``: every
+    island owns a shard), ``where`` this island's own finding of where a non-finite value sat.
+    With ``island_group`` (a model-sharded island) the peer groups' findings are combined over
+    the island first (``island_verdicts.agree``): one verdict per island, ``max_norm`` on the
+    island's norm.
 
     Raises:
-        SwarmRoundError: some owner's spool failed (the outcome is ``SPOOL_FAILED``).
+        SwarmRoundError: some owner's spool failed or its validation raised; the owner whose
+            validation raised re-raises its own exception.
     """
     n = table.shape[0]
-    failed = [j for j in range(n) if table[j, 0] == 0.0]
+    failed = [j for j in range(n) if table[j, 0] == SPOOL_FAILED]
+    raised = [j for j in range(n) if table[j, 0] == FAILED]
     finite = [not bool((table[:, 1 + i] == 0.0).any()) for i in range(n)]
     norms = [float(table[:, 1 + n + i].sum().sqrt()) for i in range(n)]
     validated = True
     if island_group is not None:
-        found = (
-            None if failed else {i: (finite[i], float(table[:, 1 + n + i].sum())) for i in range(n)}
-        )
+        found = None
+        if not failed and not raised:
+            found = {i: (finite[i], float(table[:, 1 + n + i].sum())) for i in range(n)}
         validated, islands = agree(found, n, island_group)
         finite, norms = [f for f, _ in islands], [norm for _, norm in islands]
+    if raised:
+        raise_if_failed(report, failure if island_index in raised else None, raised, owner=owner)
+    if not failed and not validated and owner is not None:
+        # One owner: the other peer groups of a model-sharded island whose round failed skip
+        # it (no shard moves); the failing peer group's ranks raise.
+        report.outcome = AggregatorOutcome.SKIPPED
+        message = elsewhere_message(report.round_index, "the round failed")
+        warnings.warn(message, RuntimeWarning, stacklevel=6)
+        return report.outcome
     if failed or not validated:
         report.outcome = AggregatorOutcome.SPOOL_FAILED
-        if not failed:
-            raise SwarmRoundError(elsewhere_message(report.round_index, "the spool failed"))
-        raise SwarmRoundError(
-            f"swarm round {report.round_index}: the spool failed on island(s) {failed} "
-            f"({failure if failure is not None else 'see their logs'}). Anchors are unchanged."
-        )
+        raise _spool_failed(report, failed, failure, owner, island_index)
     for island in range(n):
-        if not finite[island]:
-            report.rejected[island] = "non-finite values (NaN or Inf)"
-            report.non_finite.append(island)
-        elif rule.max_norm is not None and norms[island] > rule.max_norm:
-            report.rejected[island] = f"L2 norm {norms[island]:.6g} exceeds max_norm"
-        if island not in report.rejected:
+        problem = mismatched.get(island)
+        if problem is None:
+            if island_group is None:
+                problem = rule.problem(finite[island], norms[island], where=where.get(island, ""))
+            else:
+                problem = rule.problem(
+                    finite[island],
+                    norms[island],
+                    where=" or no payload in some shard",
+                    over=" over the island's shards",
+                )
+        if problem is None:
             report.accepted.append(island)
-        elif island == island_index:
-            log.warning(
-                "swarm round %d: this island's contribution was rejected (%s)",
-                report.round_index,
-                report.rejected[island],
-            )
-    if len(report.accepted) < rule.min_contributions or rule.zero_weight(report.accepted):
+            continue
+        report.rejected[island] = problem
+        if not finite[island] and island not in mismatched:
+            report.non_finite.append(island)
+        _log_rejection(report, island, island_index, owner, problem)
+    if rule.skips(report.accepted):
         report.outcome = AggregatorOutcome.SKIPPED
         warnings.warn(skip_message(report, n, rule.min_contributions), RuntimeWarning, stacklevel=6)
     return report.outcome
 
 
-def raise_if_failed(
-    report: RoundReport, error: Exception | None, failed: list[int], island_ok: bool = True
+def _log_rejection(
+    report: RoundReport, island: int, island_index: int, owner: int | None, problem: str
 ) -> None:
-    """After the islands shared whether their aggregation succeeded (``failed`` lists those
-    that did not; ``island_ok``: every peer group of a model-sharded island succeeded): the
-    island whose own raised re-raises it; every other raises ``SwarmRoundError`` naming them.
-    Nothing when every island succeeded."""
+    """The owner of a one-owner round logs every rejection; an island, its own."""
+    if owner == island_index:
+        log.warning(
+            "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
+            report.round_index,
+            island,
+            problem,
+        )
+    elif island == island_index:
+        log.warning(
+            "swarm round %d: the aggregator rejected this island's contribution (%s)",
+            report.round_index,
+            problem,
+        )
+
+
+def _spool_failed(
+    report: RoundReport,
+    failed: list[int],
+    failure: BaseException | None,
+    owner: int | None,
+    island_index: int,
+) -> SwarmRoundError:
+    if not failed:
+        return SwarmRoundError(elsewhere_message(report.round_index, "the spool failed"))
+    if owner is not None and island_index == owner:
+        message = (
+            f"swarm round {report.round_index} failed on this aggregator (island {owner}): "
+            f"{failure}. Anchors are unchanged."
+        )
+    elif owner is not None:
+        message = peer_failure_message(report)
+    else:
+        message = (
+            f"swarm round {report.round_index}: the spool failed on island(s) {failed} "
+            f"({failure if failure is not None else 'see their logs'}). Anchors are unchanged."
+        )
+    error = SwarmRoundError(message)
+    error.__cause__ = failure
+    return error
+
+
+def raise_if_failed(
+    report: RoundReport,
+    error: BaseException | None,
+    failed: list[int],
+    island_ok: bool = True,
+    *,
+    owner: int | None,
+) -> None:
+    """After the islands shared whether their validation or aggregation succeeded (``failed``
+    lists those that did not; ``island_ok``: every peer group of a model-sharded island
+    succeeded): the island whose own raised re-raises it; every other raises
+    ``SwarmRoundError`` naming them. Nothing when every island succeeded."""
     if not failed and island_ok:
         return
     report.outcome = AggregatorOutcome.ERROR
@@ -104,6 +167,8 @@ def raise_if_failed(
         raise SwarmRoundError(elsewhere_message(report.round_index, "aggregation failed"))
     if error is not None:
         raise error
+    if owner is not None:
+        raise SwarmRoundError(peer_failure_message(report))
     raise SwarmRoundError(
         f"swarm round {report.round_index}: aggregation failed on island(s) {failed} "
         "(their logs say why). Anchors are unchanged."

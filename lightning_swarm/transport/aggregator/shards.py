@@ -1,4 +1,4 @@
-"""Which part of a round's payload each island aggregates in a sharded swarm round.
+"""Which part of a round's payload each island aggregates (owns) in a swarm round.
 
 Pure planning (torch only). The caller's tensors, in layout order, are cut into ``num_islands``
 *shards* with ``transport.pieces.plan_shares`` over whole tensors: shard j holds a contiguous
@@ -58,3 +58,13 @@ def plan_shards(layout: PayloadLayout, num_islands: int, align: int) -> list[Sha
             )
         shards.append(Shard(island, tuple(pieces), PayloadLayout(entries)))
     return shards
+
+
+def whole_shards(layout: PayloadLayout, num_islands: int, owner: int) -> list[Shard]:
+    """The whole payload to island ``owner`` (its own names and shapes, so its spool files
+    are the payload's), empty shards to the others."""
+    whole = tuple(Piece(spec.index, 0, spec.numel) for spec in layout.specs)
+    empty = PayloadLayout([])
+    return [
+        Shard(j, whole, layout) if j == owner else Shard(j, (), empty) for j in range(num_islands)
+    ]

@@ -1,0 +1,327 @@
+"""One swarm round, whatever its owners: agree (``terms``), scatter (``shard_streams``), judge
+(``shard_verdicts``), aggregate, gather. Island j owns shard j of the payload; the subclass's
+``_shards`` cuts them (rotating: the whole payload to one island; sharded: 1/n each). Walked
+through step by step in ``docs/swarm_transport.md``.
+
+Ownership: the caller owns ``tensors``; the round writes them only once every island's verdicts
+are read (a round that raises may leave them partly written: the caller keeps its anchors). A
+round's spool files live from the scatter to the end of ``average``: any exception aborts the
+writers at once (their leases go) and ``Spool.release_round`` removes the files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.contributions import (
+    Contribution,
+    Sink,
+    finish_sinks,
+    measure,
+    open_sinks,
+)
+from lightning_swarm.transport.aggregator.island_verdicts import island_all
+from lightning_swarm.transport.aggregator.owners import SwarmAggregatorBase, join_own
+from lightning_swarm.transport.aggregator.round_status import (
+    AggregatorOutcome,
+    RoundReport,
+    bad_layout_message,
+)
+from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
+from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
+from lightning_swarm.transport.aggregator.shard_verdicts import (
+    FAILED,
+    JUDGED,
+    SPOOL_FAILED,
+    raise_if_failed,
+    read_verdicts,
+)
+from lightning_swarm.transport.aggregator.shards import Shard
+from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.aggregator.terms import (
+    RoundTerms,
+    agree_owner,
+    agree_shards,
+    all_gather_rows,
+)
+from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.errors import SpoolError
+from lightning_swarm.transport.payload import PayloadLayout, byte_view
+
+log = logging.getLogger(__name__)
+
+
+class _Round:
+    """One ``average`` call's state, handed from phase to phase; nothing outlives the call."""
+
+    def __init__(self, report: RoundReport, targets: list[Tensor], shards: list[Shard]) -> None:
+        self.report, self.targets, self.shards = report, targets, shards
+        self.owner: int | None = None
+        self.terms: RoundTerms
+        self.streams: ShardStreams
+        self.coded: list[CodedPayload | None] = []
+        self.wires: list[PayloadLayout] = []
+        self.sinks: dict[int, Sink] = {}
+        self.contributions: dict[int, Contribution] = {}
+        self.stats = RoundStats()
+
+
+class SwarmAggregator(SwarmAggregatorBase):
+    """A swarm aggregator; the owner layout is the subclass's ``_shards``.
+
+    Args: as ``AggregatorTransport`` (``rotating``).
+    """
+
+    ROUND_LABEL = labels.AGGREGATOR_ROUND
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        island_index: int,
+        offload: bool = True,
+        spool_dir: str | None = None,
+        aggregation: str = "mean",
+        trim_ratio: float = 0.0,
+        min_contributions: int = 1,
+        max_norm: float | None = None,
+        island_weights: Sequence[float] | None = None,
+        chunk_bytes: int = 4 * 2**20,
+        cleanup_timeout_s: float = 60.0,
+        codec: Codec | None = None,
+        spool: Spool | None = None,
+        island_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            group,
+            num_islands=num_islands,
+            island_index=island_index,
+            offload=offload,
+            spool_dir=spool_dir,
+            aggregation=aggregation,
+            trim_ratio=trim_ratio,
+            min_contributions=min_contributions,
+            max_norm=max_norm,
+            island_weights=island_weights,
+            chunk_bytes=chunk_bytes,
+            cleanup_timeout_s=cleanup_timeout_s,
+            codec=codec,
+            spool=spool,
+        )
+        self.island_group = island_group
+
+    def _shards(self, layout: PayloadLayout, round_index: int) -> tuple[list[Shard], int | None]:
+        """The round's shards, one per island, and its one owner (``None``: several)."""
+        raise NotImplementedError
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Aggregate ``tensors`` across islands in place; collective over the peer group.
+
+        Raises:
+            ValueError: this island's layout differs from the owner's (one owner: after the
+                round, on this island only) or from island 0's (several: on every island).
+            SwarmRoundError: a spool or an owner failed; anchors are unchanged.
+        """
+        with record_function(self.ROUND_LABEL):
+            start = time.perf_counter()
+            layout = PayloadLayout.from_tensors(tensors)
+            shards, owner = self._shards(layout, round_index)
+            report = RoundReport(round_index, self.island_index if owner is None else owner)
+            rnd = _Round(report, list(tensors.values()), shards)
+            rnd.owner = owner
+            round_id = self._begin(report)
+            if self.num_islands == 1:
+                coded = CodedPayload(layout, self.codec) if self.codec else None
+                self._alone(report, coded, rnd.targets)
+                return RoundStats(wall_s=time.perf_counter() - start)
+            self._agree(rnd, layout, round_index)
+            try:
+                self._run(rnd, layout, round_id)
+            except BaseException:
+                for sink in rnd.sinks.values():
+                    sink.abort()  # their leases go now: cleanup below does not wait for them
+                raise
+            finally:
+                for c in rnd.contributions.values():
+                    c.close()
+                if self._spool is not None:
+                    self._spool.release_round(round_id)
+            if self.island_index in rnd.terms.mismatched:
+                raise ValueError(bad_layout_message(report))
+            stats = rnd.stats
+            stats.applied = report.outcome == AggregatorOutcome.APPLIED
+            stats.wall_s = time.perf_counter() - start
+            stats.non_finite_islands = tuple(report.non_finite)
+            stats.rejected_own = self.island_index in report.non_finite
+            return stats
+
+    # -- the phases ------------------------------------------------------------------------
+    def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
+        """Step 1: the round's terms, codecs, wire layouts and streams."""
+        for s in rnd.shards:
+            empty = not s.layout.specs
+            rnd.coded.append(
+                CodedPayload(s.layout, self.codec) if self.codec and not empty else None
+            )
+        rnd.wires = [c.wire if c else s.layout for c, s in zip(rnd.coded, rnd.shards, strict=True)]
+        if rnd.owner is None:
+            rnd.terms = agree_shards(
+                self.group, rnd.shards, rnd.wires, self.codec, self.rule, self.chunk_bytes,
+                round_index, self.island_group, rnd.stats,
+            )  # fmt: skip
+        else:
+            rnd.terms = agree_owner(
+                self.group, self.island_index, rnd.owner, layout, rnd.wires[rnd.owner],
+                self.codec, self.rule, self.chunk_bytes, rnd.stats,
+            )  # fmt: skip
+        silent = frozenset(rnd.terms.mismatched)
+        rnd.streams = ShardStreams(
+            self.group, self.island_index, self.num_islands, rnd.terms.chunk_bytes, silent
+        )
+
+    def _run(self, rnd: _Round, layout: PayloadLayout, round_id: int) -> None:
+        """Steps 2-5."""
+        rule, chunk_bytes = rnd.terms.rule, rnd.terms.chunk_bytes
+        # Decided on the whole layout, which every island agreed on: a shard's own dtypes
+        # could send two islands different ways, and their collectives would not match.
+        fold = rnd.owner is None and self.codec is None
+        fold = fold and folds(layout, rule.aggregation, rule.max_norm, chunk_bytes)
+        if rnd.owner is None:
+            (fold,) = island_all([fold], self.island_group)  # every peer group the same way
+        own = rnd.shards[self.island_index].views(rnd.targets)
+        if not (fold and self._fold_round(rnd, own)):
+            self._spooled_round(rnd, own, round_id)
+        if rnd.report.outcome == AggregatorOutcome.APPLIED:
+            with record_function(labels.RECEIVE):
+                views = [[byte_view(v) for v in s.views(rnd.targets)] for s in rnd.shards]
+                layouts = [s.layout for s in rnd.shards]
+                rnd.streams.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
+
+    def _fold_round(self, rnd: _Round, own: list[Tensor]) -> bool:
+        """Sum the shard's contributions as they arrive (``shard_fold``), with no spool. True:
+        every shard was finite, all are accepted and the mean is in ``own``; False: some sum was
+        not, judge island by island (every rank reads the same table and returns the same)."""
+        me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
+        weights = rule.island_weights if rule.aggregation == "weighted_mean" else None
+        mine = rnd.shards[me]
+        fold = ShardFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
+        with record_function(labels.SEND):
+            sources = [[byte_view(t) for t in s.views(rnd.targets)] if j != me else []
+                       for j, s in enumerate(rnd.shards)]  # fmt: skip
+            finite, error = fold.collect(
+                rnd.streams, sources, rnd.wires, rnd.stats, rnd.terms.scatter_steps
+            )
+        if error is not None:
+            log.error("swarm round %d: summing this island's shard failed",
+                      rnd.report.round_index, exc_info=error)  # fmt: skip
+        row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
+        table = all_gather_rows(row, self.group, rnd.stats)
+        failed = [j for j in range(n) if table[j, 0] == 0.0]
+        ok, finite = island_all([not failed, bool((table[:, 1] == 1.0).all())], self.island_group)
+        raise_if_failed(rnd.report, error, failed, ok, owner=None)
+        if not finite:
+            return False
+        rnd.report.accepted = list(range(n))
+        fold.write_into(own)
+        return True
+
+    def _spooled_round(self, rnd: _Round, own: list[Tensor], round_id: int) -> None:
+        """Every rule: spool the shard's contributions, judge each island, aggregate."""
+        failure = self._scatter(rnd, round_id)
+        failure = finish_sinks(rnd.sinks, rnd.contributions, failure)
+        me = self.island_index
+        block_numel = join_own(rnd.contributions, me, own, rnd.coded[me], rnd.terms.chunk_bytes)
+        self._judge(rnd, failure, block_numel)
+        if rnd.report.outcome == AggregatorOutcome.APPLIED:
+            self._aggregate(rnd, own, block_numel)
+
+    def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
+        """Stream shard j of this island's payload to island j, and every peer's contribution
+        to this island's shard into ``rnd.sinks``; returns the first spool error met."""
+        me, wire = self.island_index, rnd.wires[self.island_index]
+        peers = [i for i in range(self.num_islands) if i != me]
+        matched = [i for i in peers if i not in rnd.terms.mismatched]
+        spool = self._spool if wire.specs else None  # an empty shard needs no files
+        failure = open_sinks(
+            rnd.sinks, peers, matched, wire, spool, round_id, remap_bytes=rnd.terms.chunk_bytes
+        )
+        with record_function(labels.SEND):
+            sources: list[list[Tensor]] = []
+            for j, (shard, c) in enumerate(zip(rnd.shards, rnd.coded, strict=True)):
+                views = shard.views(rnd.targets) if j != me else []
+                encoded = c.encode(views) if c is not None and j != me else views
+                sources.append([byte_view(t) for t in encoded])
+            streamed = rnd.streams.scatter(
+                sources, rnd.wires, rnd.sinks, rnd.stats, rnd.terms.scatter_steps
+            )
+        failure = failure or streamed
+        if failure is not None:
+            for sink in rnd.sinks.values():
+                sink.abort()
+        return failure
+
+    def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
+        """Step 3: this owner's row of the verdict table; every rank reads the same verdicts
+        and outcome from the table (``shard_verdicts``)."""
+        n, rule = self.num_islands, rnd.terms.rule
+        mine = rnd.shards[self.island_index]
+        row = torch.zeros(1 + 2 * n, dtype=torch.float64)
+        row[0] = JUDGED if failure is None else SPOOL_FAILED
+        error: BaseException | None = failure
+        where: dict[int, str] = {}
+        for island in range(
+            n
+        ):  # an empty shard holds nothing non-finite; a refused one, no payload
+            row[1 + island] = 0.0 if island in rnd.terms.mismatched else 1.0
+        if failure is None and mine.layout.specs:
+            try:
+                with record_function(labels.AGGREGATE):
+                    squares = rule.max_norm is not None
+                    for island, c in rnd.contributions.items():
+                        found = measure(c, mine.layout, block_numel=block_numel, sum_sq=squares)
+                        row[1 + island], row[1 + n + island] = float(found.finite), found.sum_sq
+                        if not found.finite:
+                            where[island] = f" in tensor {found.bad_tensor!r}"
+            except Exception as err:
+                row[0], error = FAILED, err
+                log.exception("swarm round %d: validating this island's shard failed",
+                              rnd.report.round_index)  # fmt: skip
+        table = all_gather_rows(row, self.group, rnd.stats)
+        read_verdicts(
+            table, rule, rnd.report, self.island_index, error, owner=rnd.owner,
+            mismatched=rnd.terms.mismatched, where=where if rnd.owner is not None else {},
+            island_group=self.island_group,
+        )  # fmt: skip
+
+    def _aggregate(self, rnd: _Round, own: list[Tensor], block_numel: int) -> None:
+        """Step 4: the rule over this island's shard; then every rank learns whether every
+        owner's aggregation succeeded."""
+        error: Exception | None = None
+        mine = rnd.shards[self.island_index]
+        try:
+            if mine.layout.specs:  # an empty shard has nothing to aggregate
+                with record_function(labels.AGGREGATE):
+                    rnd.terms.rule.aggregate(
+                        own, rnd.contributions, rnd.report.accepted, mine.layout, block_numel
+                    )
+        except Exception as err:
+            error = err
+            log.exception(
+                "swarm round %d: aggregating this island's shard failed", rnd.report.round_index
+            )
+        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+        flags = all_gather_rows(flag, self.group, rnd.stats)
+        failed = [j for j, f in enumerate(flags) if int(f) == 0]
+        (ok,) = island_all([not failed], self.island_group)
+        raise_if_failed(rnd.report, error, failed, ok, owner=rnd.owner)
