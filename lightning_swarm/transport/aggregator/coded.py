@@ -1,30 +1,14 @@
-"""Quantized payloads on the swarm transport: the codec's encoding travels and is spooled, its
-decoding is what the aggregator validates and aggregates.
+"""Quantized payloads on the swarm transport: the codec's encoding travels and is spooled; its
+decoding is what the owner validates and aggregates.
 
-A round's *float layout* (the caller's float32 tensors) has a *wire layout* derived from it and
-the codec alone, so every island computes the same one without a message:
-- ``<name>#scales`` for every tensor, in order: the float32 absmax scale of each block (int8 /
-  int4 only);
-- then ``<name>#data`` for every tensor: the codec's data of the flattened tensor in its own
-  dtype (float32 for ``none``, bfloat16, int8, or uint8 nibble pairs for int4), declared flat.
-Scales first keeps every tensor at an offset that is a multiple of its element size (an odd
-int8 tensor before a float32 one would not be), so a buffer can be viewed per tensor.
-Peers stream the wire payload (so bytes on the wire shrink by the codec's ratio) and the
-aggregator spools it unchanged, in a safetensors file of that layout.
-
-``DecodedContribution`` wraps a finished wire contribution (spooled or in memory) and answers
-the float layout's block reads by reading just the matching data bytes and scales and decoding
-them: validation (finite values, ``max_norm``) and aggregation see decoded values, and memory
-stays contributions x one block, as without a codec. Blocks must start at a multiple of
-``align`` (the codec block size, made even for int4 so no byte is split); a block decoded on
-its own equals the same elements of a whole-tensor decode, bit for bit, because decoding is
-elementwise once the block's scales are known.
-
-Non-finite input cannot be encoded by ``Codec.encode``; ``encode_marked`` encodes the finite
-values and marks the rest so that they decode to NaN (the block's scale for int8 / int4, the
-element itself for none / bf16; values beyond bfloat16's range too). Such a contribution then
-reaches the aggregator and is rejected by validation like an uncoded one, instead of one island
-raising while the others wait for its payload.
+The *wire layout* follows from the float layout and the codec alone (every island computes it):
+``<name>#scales`` for every tensor (int8 / int4), then ``<name>#data`` for every tensor, flat in
+the codec's dtype; scales first keeps every tensor at an offset aligned to its element size.
+``DecodedContribution`` answers block reads of the float layout by decoding just that block's
+bytes and scales (blocks start on ``align``, the codec block made even for int4), so memory
+stays contributions x one block and a block decodes bit for bit as in a whole-tensor decode.
+``encode_marked`` encodes non-finite input as values that decode to NaN, so such a
+contribution is rejected by validation like an uncoded one instead of one island raising alone.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The aggregator's side of a round: where each island's contribution lands, and what is done
-with it once complete (validation, blocked aggregation).
+"""Where a peer's payload lands (a *sink*) and how a finished one is read back (a *contribution*).
 
-A *sink* receives one peer's payload chunk by chunk: ``SpoolSink`` writes each chunk straight
-into a preallocated spool file, ``MemorySink`` into one flat in-memory buffer (offload off),
-``DiscardSink`` nowhere (a peer whose layout was rejected, or whose spool write failed: its
-chunks must still be received so that the peer's sends complete).
-
-A *contribution* is a finished payload that can copy element ranges of its tensors into
-caller-owned blocks: ``MemoryContribution`` (a flat buffer, or the aggregator's own tensors)
-or ``SpooledContribution`` (a leased spool file). ``measure`` and ``aggregate_into`` read
-every contribution one block at a time, so their memory is contributions x one block of
-``block_numel`` elements, never contributions x model. No tensor backed by a spool file leaves
-this module; results are written into the aggregator's own (ordinary, in-memory) tensors.
+Sinks: ``SpoolSink`` (a preallocated spool file), ``MemorySink`` (one flat buffer, offload off),
+``DiscardSink`` (a refused peer, whose chunks must still be received). Contributions:
+``MemoryContribution`` and ``SpooledContribution`` (a leased spool file). ``measure`` and
+``aggregate_into`` read one block at a time, so memory is contributions x one block, never
+contributions x model; no file-backed tensor leaves this module.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """One verdict per model-sharded island, agreed over the island's group.
 
-Under ``island_parallel="fsdp"`` every rank of an island holds a different shard, and each
-peer group (one shard position across the islands) runs its own swarm round, so each sees one
-shard of every contribution. Every rank then combines its peer group's findings over its
-island's group: a contribution counts only if every shard of it arrived and is finite (a
-``MIN`` of flags); its norm is the island-wide one (the square root of the summed sums of
-squares); a last flag says whether every peer group got as far as validating, so that no shard
-of any island moves unless all do.
-
-Every rank of the island must call ``agree`` exactly once per round, failures included
-(``None``), or the others wait in the collective. Torch only; the group is the caller's.
+Under FSDP islands each peer group sees one shard of every contribution. A contribution counts
+only if every shard of it arrived and is finite (a ``MIN`` of flags); its norm is the
+island-wide one; a last flag says whether every peer group got as far as validating, so that no
+shard moves unless all do. Every rank calls ``agree`` once per round, failures included.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class SwarmAggregatorBase:
         self, report: RoundReport, coded: CodedPayload | None, targets: list[Tensor]
     ) -> None:
         """The round of a single island: nothing moves; with a codec the tensors become their
-        round trip (what the others would have seen), as with ``QuantizedTransport``."""
+        round trip (what the others would have seen), as on every transport with a codec."""
         report.accepted = [0]
         if coded is not None:
             coded.roundtrip_into(targets)

@@ -1,17 +1,11 @@
-"""Swarm transport (``transport="swarm"``, the default): one aggregator per round, in turn.
+"""The swarm transport's default: one owner per round, in turn.
 
-Round ``r`` is owned by island ``r % num_islands`` (every rank computes it; no message elects
-it): the round of ``swarm_round`` with the whole payload as the owner's shard and empty shards
-elsewhere. Every other island streams its payload to the owner, which spools each peer's to
-disk as it arrives (``offload=True``; memory otherwise), so its memory stays flat in the number
-of peers; it validates and aggregates block by block, in island order, and streams the result
-back. The owner's rule and chunk size rule the round (``terms``). A peer whose layout (or codec)
-differs from the owner's is left out and raises ``ValueError`` on that peer only; the others
-go on. Results do not depend on which island owns the round or on ``offload``.
-
-With a codec, every island (the owner included) encodes its contribution; the owner spools the
-encoded bytes and reads them back decoded, so the mean is ``mean_i decode(encode(x_i))``,
-bitwise ``QuantizedTransport``'s; the result travels back in float32.
+Round ``r`` is owned by island ``r % num_islands`` (no message elects it): ``swarm_round`` with
+the whole payload as the owner's shard. The owner spools every peer's payload as it arrives
+(memory flat in peers), validates and aggregates block by block in island order, and streams
+the result back; its rule and chunk size rule the round (``terms``). A peer whose layout or
+codec differs is left out and raises ``ValueError`` alone. With a codec the mean is
+``mean_i decode(encode(x_i))``; the result travels back in float32.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""The mean of a sharded round, summed while the chunks arrive.
+"""The mean of a round with several owners, summed while the chunks arrive (``mean`` and
+``weighted_mean`` only).
 
-For ``mean`` and ``weighted_mean`` (the rules that need each element's contributions only as a
-running sum), an owner need not spool its shard of every contribution and read it back twice
-(once to validate, once to aggregate): every step of the scatter brings chunk k of every peer's
-contribution at once, so the owner adds them, and its own, in island order into a float32
-accumulator of its shard as they arrive. The operations are the rule's own, element by element
-and in the same order (``algorithm.robust.mean``: copy island 0, add islands 1..n-1, divide by
-n; ``weighted_mean``: multiply then add, divide by the sum of the weights), so the result is
-bitwise the rotating aggregator's whenever every island is accepted.
-
-Validation comes from the sum itself: NaN or inf in any contribution makes that element of the
-sum non-finite (NaN and inf survive every addition, and multiplication by a finite weight,
-0 included), so a finite accumulator proves every island's shard finite. An accumulator that is
-not finite cannot say which island is at fault; the caller then judges the round again through
-the spool, island by island (``sharded.ShardedAggregatorTransport``).
-
-Memory: the accumulator is one shard of float32 (the payload / n), plus one chunk of scratch
-for weighted means; the received chunks are the stream's buffers, used before the next step
-reuses them. Torch only.
+Each scatter step brings chunk k of every contribution; the owner adds them and its own in
+island order into a float32 accumulator of its shard, with the rule's own operations in the
+rule's order (``algorithm.robust``), so the result is bitwise the spooled path's whenever every
+island is accepted. A finite sum proves every contribution finite; a non-finite one cannot name
+the island, so the caller judges the round again through the spool. Memory: one shard of
+float32, plus one chunk for weighted means.
 """
 
 from __future__ import annotations

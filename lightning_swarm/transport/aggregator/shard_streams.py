@@ -1,15 +1,10 @@
-"""The two streams of a swarm round, in chunks, over ``all_to_all_single``.
+"""The two streams of a swarm round, in chunks over ``all_to_all_single``.
 
-- ``scatter``: shard j of every island's payload to island j; step k moves chunk k of each
-  stream, written into the owner's sink for that peer (``scatter_steps`` hands each step's
-  chunks to the caller instead: ``shard_fold``). Memory: one send and one receive buffer of
-  n - 1 chunks. A spool error turns that sink into a discard sink; the stream goes on, so no
-  peer blocks, and the first error is returned.
-- ``gather``: every owner's result shard to every island, unpacked straight into its tensors.
-
-Every island runs the round's number of steps with split sizes that follow from the agreed
-layouts, so the collectives match; a *silent* island (refused for its layout) sends and
-receives nothing. Byte counts are what the steps moved.
+``scatter`` sends shard j of every payload to island j, step k moving chunk k of each stream
+into the owner's sinks (a spool error turns a sink into a discard sink and is returned, so no
+peer blocks); ``gather`` sends every owner's result shard to every island, into its tensors.
+Every island runs the same steps with split sizes that follow from the agreed layouts; a refused
+island sends and receives nothing.
 """
 
 from __future__ import annotations

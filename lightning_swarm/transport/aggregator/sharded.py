@@ -1,16 +1,11 @@
-"""Sharded swarm transport: every island owns 1/n of every payload, so no island's load grows
-with the number of islands.
+"""The swarm transport with every island owning 1/n of every payload (``swarm.aggregator=
+"sharded"``), so no island's load grows with the number of islands.
 
-The round is ``swarm_round``'s; here shard j is a run of elements cut on codec blocks
-(``shards.plan_shards``). Every owner validates and aggregates its shard of every contribution;
-``max_norm`` judges the whole contribution (the shards' sums of squares are all-gathered), and
-results are bitwise the rotating transport's (the same operations, in the same order, per
-element). Unlike the rotating transport, an island whose layout or swarm options differ from
-island 0's makes every island raise ``ValueError``: shard boundaries and collectives follow
-from them. ``mean`` / ``weighted_mean`` without a codec or ``max_norm`` are summed as the chunks
-arrive (``shard_fold``): no spool, unless a non-finite sum makes the round judged again.
-
-Bytes per rank: about 2 (n - 1) / n payloads each way, flat in n (``docs/swarm_transport.md``).
+The round is ``swarm_round``'s with shards cut on codec blocks (``shards``); ``max_norm`` judges
+the whole contribution and results are bitwise the rotating transport's. An island whose layout
+or options differ from island 0's makes every island raise ``ValueError`` (shard boundaries
+follow from them). ``mean`` / ``weighted_mean`` without codec or ``max_norm`` are summed as the
+chunks arrive (``shard_fold``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Which part of a round's payload each island aggregates (owns) in a swarm round.
+"""Which part of a round's payload each island owns (pure planning, torch only).
 
-Pure planning (torch only). The caller's tensors, in layout order, are cut into ``num_islands``
-*shards* with ``transport.pieces.plan_shares`` over whole tensors: shard j holds a contiguous
-run of elements ``[j * U // n, (j + 1) * U // n)`` of the U alignment units, so shards are
-balanced to within one unit and may be empty. A unit is ``align`` elements (the codec's block,
-made even for int4: ``CodedPayload.align``; 1 without a codec), so every shard piece starts on a
-codec block of its tensor: encoding a piece on its own quantizes it exactly as encoding the
-whole tensor would, and error feedback upstream stays exact.
-
-A shard is itself a payload: ``Shard.layout`` names each piece ``"<tensor>[start:stop]"`` as a
-flat tensor of the piece's dtype, so the spool, the codec's wire layout, validation and the
-aggregation rules run on it unchanged. ``Shard.views`` are the caller's elements of the shard as
-flat views (no copy): aggregation writes through them, and the result of another island's shard
-is received straight into them.
+The tensors, in layout order, are cut into ``num_islands`` contiguous runs of alignment units
+(``transport.pieces.plan_shares``): balanced within one unit, possibly empty, every piece
+starting on a codec block so that encoding a piece equals encoding the whole tensor. A
+``Shard`` is itself a payload (``layout`` names each piece ``"<tensor>[start:stop]"``), and its
+``views`` are flat views of the caller's elements, written in place by the round.
 """
 
 from __future__ import annotations

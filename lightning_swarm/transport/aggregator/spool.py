@@ -1,31 +1,16 @@
 """The aggregator's spool: one run-scoped directory of per-peer, per-round safetensors files.
 
-Ownership and lifecycle:
-- ``Spool`` is the single owner of its root directory (mode 0700, created under ``base_dir`` or
-  TMPDIR) and of every file in it (mode 0600). Nothing else creates or deletes files there.
-- A file is written through a ``SpoolWriter`` (``spool_files``): created as
-  ``<name>.partial``, sized up front from the payload layout (``posix_fallocate``, so a full
-  disk is reported before any data arrives), filled chunk by chunk at known offsets, and
-  renamed to its final name only when every byte is in place. A failed or abandoned write
-  removes the partial file.
-- A file is read through a ``SpoolReader``, which copies blocks out of a ``safe_open`` mapping
-  into caller-owned tensors; no tensor backed by the file ever leaves the reader. The mapping is
-  reopened every ``remap_bytes`` so pages already consumed stop counting in this process's RSS.
-- Every writer and reader holds a lease on its file. ``release_round`` refuses new leases for
-  the round, waits (up to ``cleanup_timeout_s``) for the leases in flight, deletes the round's
-  files, and defers deleting any file still leased past the deadline to the moment its last
-  lease is released (with a warning). A reader therefore never meets a vanished file, and no
-  file outlives the spool. ``close`` does the same for every round, then removes the root;
-  a finalizer removes it if ``close`` is never called.
-- Writers and readers reach the spool only through the ``Lease`` it hands them.
-- A root is named ``lightning_swarm-<pid>@<host>-<random>``. A process killed with SIGKILL
-  cannot remove its root, so a new ``Spool`` sweeps its ``base_dir`` first: it removes the
-  roots that name this host, whose pid is no longer alive, and that this user owns (never
-  another user's, never a live process's; roots named by another host are left alone, since
-  ``base_dir`` may be shared).
-
-Errors (disk full, unwritable root, a truncated or corrupt file) raise ``SpoolError`` with what
-happened and what to do; a failed write leaves no file behind.
+Invariants:
+- ``Spool`` alone creates and deletes its root (mode 0700) and every file in it (mode 0600);
+  writers and readers (``spool_files``) reach it only through the ``Lease`` it hands them.
+- ``release_round`` refuses new leases for the round, waits up to ``cleanup_timeout_s`` for
+  those in flight, deletes the round's files and defers any file still leased to its last
+  release: a reader never meets a vanished file and no file outlives the spool. ``close`` does
+  this for every round and removes the root (a finalizer does, if ``close`` is never called).
+- Roots are named ``lightning_swarm-<pid>@<host>-<random>``; a new ``Spool`` removes this
+  user's roots of this host whose process is gone (a SIGKILL leaves them), never others.
+- Errors (disk full, unwritable root, a corrupt file) raise ``SpoolError`` saying what to do; a
+  failed write leaves no file behind.
 """
 
 from __future__ import annotations

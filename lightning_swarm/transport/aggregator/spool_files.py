@@ -1,16 +1,10 @@
 """Spool files: one peer's contribution to one round, written and read under a lease.
 
-``SpoolWriter`` creates ``<name>.partial`` (mode 0600), sizes it from the payload layout with
-``posix_fallocate`` (a full disk is reported before any data arrives), fills it chunk by chunk
-at known offsets and renames it to its final name only when every byte is in place; any error
-removes the partial file. ``SpoolReader`` checks a committed file against the layout (size and
-header) and copies element ranges out of a ``safe_open`` mapping into caller-owned tensors, so
-no file-backed tensor escapes; it drops the mapping every ``remap_bytes`` so pages already
-consumed stop counting in this process's RSS.
-
-Both hold a ``Lease`` on their file from construction to ``commit``/``abort``/``close``: the
-``Spool`` (``spool.py``) hands it out, owns the files and deletes them only when no lease remains.
-A writer or reader touches the spool only through its lease (this module does not know ``Spool``).
+``SpoolWriter`` writes ``<name>.partial`` (mode 0600), sized up front with ``posix_fallocate``
+(a full disk fails before data arrives), and renames it only once every byte is in place; an
+error removes it. ``SpoolReader`` checks the file against the layout and copies element ranges
+out of a ``safe_open`` mapping into caller-owned tensors, remapping every ``remap_bytes``. Both
+hold a ``Lease`` from construction to ``commit`` / ``abort`` / ``close``.
 """
 
 from __future__ import annotations
