@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,24 +41,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_save(checkpoint, target)
 
 
-@dataclass(frozen=True)
-class SaveFailure:
-    """Why global rank 0 could not write the Lightning file (broadcast to every rank)."""
-
-    disk_full: bool
-    message: str
-
-    def error(self, filepath: Any) -> Exception:
-        """The error a rank other than global rank 0 raises for the same failed save."""
-        text = (
-            f"checkpoint {filepath} was not saved (global rank 0: {self.message}); the files "
-            "of this save were removed and the previous checkpoint is untouched."
-        )
-        return DiskFullError(text) if self.disk_full else SwarmCheckpointError(text)
-
-
-def save_failure(error: BaseException) -> SaveFailure:
-    return SaveFailure(is_disk_full(error), f"{type(error).__name__}: {error}")
+def save_failure(error: Exception, filepath: Any, where: str) -> Exception:
+    """The error every rank raises when ``where`` (e.g. ``"global rank 0: "``, or ``""``
+    alone) could not write the Lightning file ``filepath``; ``error`` is its cause."""
+    text = (
+        f"checkpoint {filepath} was not saved ({where}{type(error).__name__}: {error}); the "
+        "files of this save were removed and the previous checkpoint is untouched."
+    )
+    failure = DiskFullError(text) if is_disk_full(error) else SwarmCheckpointError(text)
+    failure.__cause__ = error
+    return failure
 
 
 def read_lightning_file(path: Any, load: Callable[[], _T]) -> _T:

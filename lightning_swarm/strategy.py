@@ -52,6 +52,7 @@ from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
+from lightning_swarm.transport.agree import agree, objects_over
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SwarmConfig))
 
@@ -304,16 +305,15 @@ class SwarmStrategy(IslandDDPStrategy):
         try:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         except Exception as err:  # raised below, on every rank, once the others know
-            error = err
+            where = "" if self.world_size == 1 else f"global rank {self.global_rank}: "
+            error = save_failure(err, filepath, where)
             if self.is_global_zero:
                 # The new swarm files are named by no Lightning file: remove them (before the
                 # other ranks hear of it and fail: a launcher may then end this rank at once).
                 # The previous checkpoint, its file and the save it names, was never touched.
                 self.checkpointer.discard(filepath, save_id)
         # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns which.
-        failure = self.broadcast(None if error is None else save_failure(error))
-        if failure is not None:
-            raise error if error is not None else failure.error(filepath)
+        agree(gather=objects_over(), error=error)
         if self.is_global_zero:
             # Only now does the Lightning file name the new save; older ones can go.
             self.checkpointer.prune(filepath, keep=save_id)

@@ -80,6 +80,22 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank(
     assert leftovers(ckpts) == []
 
 
+def test_a_full_disk_under_the_lightning_file_fails_the_save_alike_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpts = tmp_path / "ckpts"
+    fail_writes(monkeypatch, "ckpts", ".step=2.ckpt.tmp-")  # global rank 0 writes it, last
+    with pytest.raises(Exception, match="no space left on device") as info:
+        fit(tmp_path / "out", devices=2, island_size=1, max_steps=4, ckpt_dir=ckpts)
+    # Whichever rank's error the launcher reports, it is the agreed one, naming global rank 0
+    # (rank 0 used to raise its own error, and only the others this one).
+    assert f"DiskFullError: checkpoint {ckpts / 'step=2.ckpt'} was not saved" in str(info.value)
+    assert "(global rank 0: DiskFullError: no space left on device" in str(info.value)
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["step=1.ckpt"]
+    assert not swarm_root(ckpts / "step=2.ckpt").exists()
+    assert leftovers(ckpts) == []
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
     """An 8 MiB tmpfs at ``tmp_path / "disk"``, or a skip where mounting is not allowed."""

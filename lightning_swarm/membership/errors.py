@@ -42,24 +42,6 @@ class DivergedIslandError(MembershipError):
     """This island's pseudo-gradient holds NaN or inf; it leaves the swarm, the others go on."""
 
 
-KINDS: dict[int, type[MembershipError]] = {
-    1: MembershipError,
-    2: LighthouseUnreachableError,
-    3: QuorumTimeoutError,
-    4: DuplicateIslandError,
-    5: ModelMismatchError,
-    6: DivergedIslandError,
-    7: LighthouseLostError,
-    8: SwarmGoneError,
-    9: SettingsMismatchError,
-}
-"""Wire codes, so that an island's rank 0 can hand its error to the island's other ranks."""
-
-
-def kind_code(err: MembershipError) -> int:
-    return next(code for code, cls in KINDS.items() if type(err) is cls)
-
-
 class TorchftVersionError(MembershipError):
     """The installed torchft lacks a private name lightning_swarm relies on
     (``membership/torchft_private.py``); the message names it and the fix."""

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.membership.errors import KINDS, MembershipError, kind_code
+from lightning_swarm.membership.errors import MembershipError
 from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
+from lightning_swarm.transport.agree import Gather, agree, objects_over
 
 
 @dataclass
@@ -77,20 +78,9 @@ class IslandFanout:
         return buf.numpy().tobytes()
 
     def share_error(self, error: MembershipError | None) -> None:
-        """Raise rank 0's error (or none) on every rank of the island."""
-        if self.size > 1:
-            message = str(error).encode() if error is not None else b""
-            status = torch.tensor(
-                [kind_code(error) if error is not None else 0, len(message)], dtype=torch.int64
-            )
-            self._broadcast(status)
-            code, length = (int(v) for v in status.tolist())
-            if code and not self.is_leader:
-                raise KINDS[code](self._share_bytes(b"", length).decode())
-            if code:
-                self._share_bytes(message, length)
-        if error is not None:
-            raise error
+        """Raise rank 0's error (or none) on every rank of the island (``transport.agree``:
+        an error on another rank is raised alike, the lowest rank's first)."""
+        agree(gather=self._gather(), error=error)
 
     def share_text(self, text: str) -> str:
         """Rank 0's ``text`` on every rank of the island (e.g. its store address)."""
@@ -117,26 +107,12 @@ class IslandFanout:
         Returns (every rank committed, some rank was healed). Raises the error of the lowest
         rank that has one, on every rank (collective).
         """
-        if self.size == 1:
-            if error is not None:
-                raise error
-            return committed, healed
-        message = str(error).encode() if error is not None else b""
-        code = kind_code(error) if error is not None else 0
-        mine = torch.tensor([code, len(message), int(committed), int(healed)], dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(rows, mine, group=self.group)
-        failed = [(i, r) for i, r in enumerate(rows) if int(r[0]) != 0]
-        if failed:
-            position, row = failed[0]
-            text = torch.empty(int(row[1]), dtype=torch.uint8)
-            if position == self.position:
-                text = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-            if text.numel():
-                src = position if self.group is None else dist.get_global_rank(self.group, position)
-                dist.broadcast(text, src=src, group=self.group)
-            raise KINDS[int(row[0])](text.numpy().tobytes().decode())
-        return all(bool(r[2]) for r in rows), any(bool(r[3]) for r in rows)
+        agreed = agree(gather=self._gather(), error=error, values=(committed, healed))
+        return agreed.sums[0] == self.size, agreed.sums[1] > 0
+
+    def _gather(self) -> Gather:
+        """Every rank's outcome over the island's gloo group; with one rank, its own."""
+        return objects_over(self.group) if self.size > 1 else lambda outcome: [outcome]
 
     def share_outcome(self, outcome: RoundOutcome, tensors: list[Tensor]) -> RoundOutcome:
         """Rank 0's outcome on every rank, with its averaged ``tensors`` and healed state."""

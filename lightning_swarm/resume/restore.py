@@ -54,6 +54,7 @@ from lightning_swarm.resume.records import (
 )
 from lightning_swarm.resume.save import current_fingerprint
 from lightning_swarm.resume.training_view import Collectives, TrainingView
+from lightning_swarm.transport.agree import agree
 
 _T = TypeVar("_T")
 
@@ -289,20 +290,20 @@ def optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) 
 
 
 def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
-    """Run ``step`` on every rank; if it failed on any rank, raise on all of them."""
+    """Run ``step`` on every rank; if it failed on any rank, raise on all of them.
+
+    Raises:
+        SwarmCheckpointError: the lowest failing rank's, naming that rank and why.
+    """
     result: _T | None = None
-    error: str | None = None
+    error: SwarmCheckpointError | None = None
     try:
         result = step()
-    except SwarmCheckpointError as err:
-        error = str(err)
     except Exception as err:  # any failure must reach the other ranks, or they would hang
-        error = f"{type(err).__name__}: {err}"
-    errors = comm.all_gather_object(error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        where = "" if len(errors) == 1 else f"rank {rank}: "
-        raise SwarmCheckpointError(f"cannot resume the swarm state: {where}{message}")
+        why = str(err) if isinstance(err, SwarmCheckpointError) else f"{type(err).__name__}: {err}"
+        where = "" if comm.size == 1 else f"rank {comm.rank}: "
+        error = SwarmCheckpointError(f"cannot resume the swarm state: {where}{why}")
+        error.__cause__ = err
+    agree(gather=comm.all_gather_object, error=error)
     assert result is not None
     return result

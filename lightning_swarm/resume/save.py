@@ -3,8 +3,9 @@
 Collective, in the same order on every rank: rank 0 draws and claims the ``save_id`` and removes
 directories whose Lightning file was never written; each island's first rank writes its island
 file and rank 0 (or, sharded, every rank of island 0) the anchors; the sizes and checksums, or
-each writer's failure, are gathered, so every rank holds the same ``SwarmRecord`` or raises the
-same error, and a failed save removes its files. The caller then writes the Lightning file, last.
+each writer's failure, are agreed (``transport.agree``), so every rank holds the same
+``SwarmRecord`` or raises the same error, and a failed save removes its files. The caller then
+writes the Lightning file, last.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lightning_swarm.resume.records import (
     TotalsRecord,
 )
 from lightning_swarm.resume.training_view import TrainingView
+from lightning_swarm.transport.agree import agree
 
 log = logging.getLogger("lightning_swarm")
 
@@ -77,10 +79,9 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
     root = swarm_root(require_local_path(filepath, what="checkpoint path"))
     save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
     directory = root / save_id
-    written, error = _write_own_files(host, directory, save_id)
-    outcomes = comm.all_gather_object((written, error))
-    failed = [(rank, e) for rank, (_, e) in enumerate(outcomes) if e is not None]
-    if failed:
+    written, error = _write_own_files(host, directory, save_id, filepath)
+
+    def remove_this_save() -> None:
         # Every writer is done (the gather waited for all): nothing of this save is kept, and
         # the previous save, which the existing Lightning file names, was never touched.
         for name in written:
@@ -90,9 +91,12 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
         # No rank raises before the files are gone: a launcher that sees one rank fail may
         # end the others at once.
         comm.barrier("swarm_save_failed")
-        raise _save_error(failed, len(outcomes), filepath)
+
+    agreed = agree(
+        gather=comm.all_gather_object, error=error, share=written, before_raise=remove_this_save
+    )
     files: dict[str, FileDigest] = {}
-    for part, _ in outcomes:
+    for part in agreed.shares:
         files.update(part)
     outers = host.outer_syncs
     record = SwarmRecord(
@@ -113,11 +117,11 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
 
 
 def _write_own_files(
-    host: TrainingView, directory: Path, save_id: str
-) -> tuple[dict[str, FileDigest], tuple[bool, str] | None]:
-    """Write the files this rank owns; ``(written, None)`` or ``(written, (disk_full, why))``.
+    host: TrainingView, directory: Path, save_id: str, filepath: Any
+) -> tuple[dict[str, FileDigest], SwarmCheckpointError | DiskFullError | None]:
+    """Write the files this rank owns; ``(written, None)`` or ``(written, the save's error)``.
 
-    Never raises: a rank that failed must still reach the gather, or the others would wait
+    Never raises: a rank that failed must still reach the agreement, or the others would wait
     there for the process group's timeout.
     """
     topology, outers = host.topology, host.outer_syncs
@@ -147,22 +151,25 @@ def _write_own_files(
             anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
             atomic_save(anchors.to_dict(), directory / name)
             written[name] = file_digest(directory / name)
-    except Exception as err:  # reported to every rank by the caller
-        return written, (isinstance(err, DiskFullError), f"{type(err).__name__}: {err}")
+    except Exception as err:  # raised on every rank by the caller's agreement
+        return written, _save_error(err, host.collectives.rank, topology.world_size, filepath)
     return written, None
 
 
 def _save_error(
-    failed: list[tuple[int, tuple[bool, str]]], world: int, filepath: Any
+    err: Exception, rank: int, world: int, filepath: Any
 ) -> SwarmCheckpointError | DiskFullError:
-    """One error, the same on every rank, naming the first rank that failed and why."""
-    rank, (full, why) = failed[0]
+    """The error every rank raises when this rank's write failed, naming the rank and why."""
     where = "" if world == 1 else f"rank {rank}: "
     message = (
-        f"checkpoint {filepath} was not saved ({where}{why}); the files of this save were "
-        "removed and the previous checkpoint is untouched."
+        f"checkpoint {filepath} was not saved ({where}{type(err).__name__}: {err}); the files "
+        "of this save were removed and the previous checkpoint is untouched."
     )
-    return DiskFullError(message) if full else SwarmCheckpointError(message)
+    error = (
+        DiskFullError(message) if isinstance(err, DiskFullError) else SwarmCheckpointError(message)
+    )
+    error.__cause__ = err
+    return error
 
 
 def begin_save(root: Path) -> str:

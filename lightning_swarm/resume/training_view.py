@@ -78,6 +78,7 @@ class Collectives:
     """This rank's view of the world: its rank and the collectives a checkpoint uses."""
 
     rank: int
+    size: int  # ranks in the world
     broadcast: Callable[[Any], Any]  # rank 0's object, on every rank
     barrier: Callable[[str], None]
     all_gather_object: Callable[[Any], list[Any]]  # every rank's object, in rank order
@@ -87,7 +88,8 @@ class Collectives:
         cls, rank: int, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]
     ) -> Collectives:
         """The default process group (or one process when none is initialised)."""
-        return cls(rank, broadcast, barrier, gather_objects)
+        size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return cls(rank, size, broadcast, barrier, gather_objects)
 
 
 def gather_objects(obj: _T) -> list[_T]:

@@ -1,0 +1,185 @@
+"""Agree on a failure across ranks, then raise it on every rank.
+
+One gather brings every rank's outcome (ok or its error, numbers to sum, an object to share) to
+every rank; then every rank raises the lowest failing rank's error (its class and message) or
+returns the same ``Agreement``. A rank that failed must still call ``agree``.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_swarm.errors import SwarmError
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One rank's outcome, as it travels. ``error`` is ``(module, qualname, message)``."""
+
+    ok: bool
+    error: tuple[str, str, str] | None = None
+    values: tuple[float, ...] = ()
+    share: Any = None
+
+
+Gather = Callable[[Outcome], Sequence[Outcome]]
+"""Every rank's ``Outcome`` on every rank, in the group's order (collective)."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed on, the same on each.
+
+    Attributes:
+        all_ok: no rank reported a failure.
+        bad: the positions (in the group) of the ranks that did.
+        sums: the element-wise sums of every rank's ``values``.
+        shares: every rank's ``share``, in the group's order.
+    """
+
+    all_ok: bool
+    bad: tuple[int, ...]
+    sums: tuple[float, ...]
+    shares: tuple[Any, ...]
+
+
+def agree(
+    ok: bool = True,
+    *,
+    gather: Gather,
+    error: Exception | None = None,
+    values: Sequence[float] = (),
+    share: Any = None,
+    before_raise: Callable[[], None] | None = None,
+) -> Agreement:
+    """Agree on every rank's outcome; raise the lowest failing rank's error on every rank.
+
+    Args:
+        ok: this rank's verdict (``False`` when ``error`` is given).
+        gather: the collective (``objects_over``, ``flags_over``, ``flags_direct``, or any
+            callable with the same contract, e.g. a checkpoint's ``all_gather_object``).
+        error: what failed on this rank, if anything.
+        values: numbers to sum across ranks (the same count on every rank).
+        share: an object every rank receives (object gathers only).
+        before_raise: runs on every rank when an error is to be raised, after every rank's
+            outcome is in (e.g. to remove the files of a failed save before a launcher that
+            sees one rank fail ends the others).
+
+    Raises:
+        Exception: the error of the lowest rank that passed one. It keeps its class and
+            message on every rank when the class is a ``SwarmError`` subclass or a builtin
+            exception, and ``cls(message)`` gives back an error of that class and message;
+            otherwise every rank raises a ``SwarmError`` naming the class, the rank and the
+            message (the failing rank chains its own error to it).
+    """
+    wire = None if error is None else _describe(error)
+    outcomes = gather(Outcome(ok and error is None, wire, tuple(float(v) for v in values), share))
+    bad = tuple(i for i, o in enumerate(outcomes) if not o.ok)
+    failed = next(((i, o.error) for i, o in enumerate(outcomes) if o.error is not None), None)
+    if failed is not None:
+        position, described = failed
+        rebuilt = rebuild(described, position)
+        if before_raise is not None:
+            before_raise()
+        if error is not None and _describe(error) == described and type(rebuilt) is type(error):
+            raise error  # this rank's own: its traceback shows where it failed
+        raise rebuilt from error
+    width = len(outcomes[0].values) if outcomes else 0
+    sums = tuple(sum(o.values[k] for o in outcomes) for k in range(width))
+    return Agreement(not bad, bad, sums, tuple(o.share for o in outcomes))
+
+
+def rebuild(described: tuple[str, str, str], position: int) -> Exception:
+    """The error ``described`` names, rebuilt as ``cls(message)`` from the ``SwarmError``
+    subclasses imported here or from ``builtins``; a ``SwarmError`` naming it otherwise."""
+    module, qualname, message = described
+    cls = _known_classes().get((module, qualname))
+    if cls is not None:
+        try:
+            error = cls(message)
+        except Exception:  # a constructor that needs more than a message
+            error = None
+        if error is not None and type(error) is cls and str(error) == message:
+            return error
+    return SwarmError(
+        f"{qualname} on rank {position}: {message} (raised on every rank as SwarmError, since "
+        f"{module}.{qualname} cannot be rebuilt from its message)"
+    )
+
+
+def _describe(error: BaseException) -> tuple[str, str, str]:
+    return (type(error).__module__, type(error).__qualname__, str(error))
+
+
+def _known_classes() -> dict[tuple[str, str], type[Exception]]:
+    known: dict[tuple[str, str], type[Exception]] = {}
+    for name in dir(builtins):
+        value = getattr(builtins, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            known[(value.__module__, value.__qualname__)] = value
+    todo: list[type[Exception]] = [SwarmError]
+    while todo:
+        cls = todo.pop()
+        known[(cls.__module__, cls.__qualname__)] = cls
+        todo.extend(cls.__subclasses__())
+    return known
+
+
+def objects_over(group: dist.ProcessGroup | None = None) -> Gather:
+    """``dist.all_gather_object`` over ``group`` (the default group when ``None``); one
+    process alone when torch.distributed is not initialised. Carries everything."""
+
+    def gather(outcome: Outcome) -> list[Outcome]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [outcome]
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, outcome, group=group)
+        return out
+
+    return gather
+
+
+def flags_over(group: dist.ProcessGroup | None, size: int, device: torch.device) -> Gather:
+    """An all-gather of one float per rank on ``device`` (NCCL groups included): carries
+    ``ok`` only, so errors, values and shares cannot travel. ``size`` ranks; 1: no collective."""
+
+    def gather(outcome: Outcome) -> list[Outcome]:
+        _require_flag_only(outcome)
+        if size <= 1:
+            return [outcome]
+        flag = torch.tensor([1.0 if outcome.ok else 0.0], device=device)
+        flags = [torch.empty_like(flag) for _ in range(size)]
+        dist.all_gather(flags, flag, group=group)
+        return [Outcome(bool(f.item() == 1.0)) for f in flags]
+
+    return gather
+
+
+def flags_direct(group: dist.ProcessGroup | None, size: int, device: torch.device) -> Gather:
+    """``flags_over`` in one step: every rank sends its one-byte flag straight to every other
+    (``all_to_all_single``) instead of around a ring (``size - 1`` steps in sequence), so over
+    long-latency links it costs one message time whatever the number of ranks."""
+
+    def gather(outcome: Outcome) -> list[Outcome]:
+        _require_flag_only(outcome)
+        if size <= 1:
+            return [outcome]
+        mine = torch.full((size,), 1 if outcome.ok else 0, dtype=torch.uint8, device=device)
+        flags = torch.empty_like(mine)
+        dist.all_to_all_single(flags, mine, group=group)
+        return [Outcome(f == 1) for f in flags.tolist()]
+
+    return gather
+
+
+def _require_flag_only(outcome: Outcome) -> None:
+    # A tensor carries no message: an error here would be lost on the other ranks.
+    assert outcome.error is None and not outcome.values and outcome.share is None, (
+        "a flag gather carries ok only; use objects_over for errors, values or shares"
+    )
