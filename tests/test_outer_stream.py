@@ -401,3 +401,45 @@ def test_the_staged_working_set_stays_within_three_transport_buckets(
     assert (staged + 1) * per_element > 3 * bucket * 4 or staged == bucket  # the largest that fits
     with pytest.raises(ValueError, match="bucket_numel and bytes_per_element must be >= 1"):
         staged_bucket_numel(0, per_element)
+
+
+def test_a_failed_streamed_round_keeps_the_old_error_feedback_residuals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """int8 with error feedback streams; a transport failure after some buckets moved leaves
+    the residuals of the last round that happened (the new ones were scratch)."""
+    from lightning_swarm.algorithm.codecs import codec_for
+    from lightning_swarm.transport import ReduceScatterTransport
+
+    codec = codec_for("int8", 4)
+    assert codec is not None
+    transport = ReduceScatterTransport(
+        None, num_islands=1, island_index=0, codec=codec, bucket_numel=8
+    )
+    params = _params(0)
+    outer = OuterSync(
+        params,
+        outer_optimizer=FACTORIES["nesterov"],
+        transport=transport,
+        sync_every=1,
+        streaming=StreamingOptions(codec=codec, error_feedback=True),
+    )
+    assert outer.streams
+    _train(params, 0, 0)
+    outer.on_inner_step()
+    kept = {n: r.clone() for n, r in outer.residuals.items()}
+    assert set(kept) == set(params) and any(r.abs().sum() > 0 for r in kept.values())
+    started = []
+    real_start = transport.start
+
+    def failing_start(bucket: Bucket) -> Any:
+        started.append(bucket)
+        if len(started) == 3:
+            raise RuntimeError("link lost")
+        return real_start(bucket)
+
+    monkeypatch.setattr(transport, "start", failing_start)
+    _train(params, 0, 1)
+    with pytest.raises(RuntimeError, match="link lost"):
+        outer.on_inner_step()
+    assert all(torch.equal(outer.residuals[n], kept[n]) for n in kept)

@@ -12,7 +12,7 @@ owns only its bf16 rounding generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fused import pseudo_gradient_into
 from lightning_swarm.algorithm.outer_fast import FastKind, adam_step_, sgd_step_
 from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
@@ -36,6 +37,9 @@ class StreamedResult:
     bytes_sent: int
     reduce_s: float = 0.0
 
+
+# A streamed round's error feedback: its names, the new residuals (scratch), the codec.
+Feedback = tuple[list[str], dict[str, Tensor], Codec]
 
 # One bucket's mean across islands, in place: (flat, its pieces) -> bytes sent.
 Exchange = Callable[[Tensor, list[Piece]], int]
@@ -146,3 +150,68 @@ class BucketJob:
             local.copy_(incoming)
         else:
             local.lerp_(incoming, 1.0 - self.merge_alpha)
+
+
+def form_fragment(
+    params: Mapping[str, Tensor], anchors: Mapping[str, Tensor], names: Sequence[str]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``anchor - local`` in float32 for ``names``, back to back in one new buffer on the
+    anchors' device; returns the buffer (the caller owns it) and a view of it per name."""
+    device = anchors[names[0]].device if names else torch.device("cpu")
+    flat = torch.empty(sum(params[n].numel() for n in names), device=device)
+    deltas, offset = {}, 0
+    for name in names:
+        param, anchor = params[name], anchors[name]
+        if param.shape != anchor.shape:
+            raise ValueError(
+                f"anchor shape {tuple(anchor.shape)} != local shape {tuple(param.shape)}; "
+                "anchors must be built from the same parameters the optimizer trains."
+            )
+        view = flat[offset : offset + param.numel()].view(param.shape)
+        local = param.detach().to(device=anchor.device, dtype=torch.float32)
+        torch.sub(anchor.to(torch.float32), local, out=view)
+        deltas[name], offset = view, offset + param.numel()
+    return flat, deltas
+
+
+def feed_back_tensors(
+    residuals: dict[str, Tensor], deltas: Mapping[str, Tensor], codec: Codec
+) -> dict[str, Tensor | None]:
+    """Add each residual to its delta (in place) and keep the new quantization error in
+    ``residuals``; returns the residuals it replaced, for ``restore_residuals``."""
+    previous = {name: residuals.get(name) for name in deltas}
+    for name, delta in deltas.items():
+        to_send, new_residual = with_error_feedback(delta, previous[name], codec)
+        delta.copy_(to_send)
+        residuals[name] = new_residual
+    return previous
+
+
+def restore_residuals(residuals: dict[str, Tensor], previous: Mapping[str, Tensor | None]) -> None:
+    """Undo ``feed_back_tensors``: a round that did not happen keeps its old residuals."""
+    for name, old in previous.items():
+        if old is None:
+            residuals.pop(name, None)
+        else:
+            residuals[name] = old
+
+
+def feed_back_pieces(
+    residuals: Mapping[str, Tensor],
+    names: Sequence[str],
+    scratch: dict[str, Tensor],
+    codec: Codec,
+    bucket: list[Piece],
+    delta: Tensor,
+) -> None:
+    """Error feedback on one formed bucket ``delta``, piece by piece (each starts on a codec
+    block of its tensor, so this equals feedback per tensor); the new residuals go to
+    ``scratch``, which the caller installs once the round succeeded."""
+    for at, p in placed(bucket):
+        name = names[p.tensor_index]
+        old = residuals.get(name)
+        piece = delta[at : at + p.length]
+        old_piece = None if old is None else old.view(-1)[p.start : p.stop]
+        to_send, residual = with_error_feedback(piece, old_piece, codec)
+        piece.copy_(to_send)
+        scratch[name].view(-1)[p.start : p.stop].copy_(residual)

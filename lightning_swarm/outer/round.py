@@ -7,15 +7,17 @@ starts the transport per bucket; ``apply`` waits, agrees whether the round appli
 outer optimizer (SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other one
 ``optimizer.step()`` over the fragment) and merges. ``sync_delay`` only decides when ``apply``
 runs. A round takes one of two forms:
-- streamed (``OuterRound.streams``: a pipelined transport, no delay, no error feedback, a
-  per-bucket outer step, contiguous tensors): form, exchange, step and merge run bucket by
-  bucket in one pass, bucket k's mean in flight while k - 1 steps and k + 1 forms; with
-  parameters on CUDA and anchors in host memory the buckets go through ``CudaStaging``.
+- streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step,
+  contiguous tensors): form, error feedback, exchange, step and merge run bucket by bucket in
+  one pass, bucket k's mean in flight while k - 1 steps and k + 1 forms; with parameters on
+  CUDA and anchors in host memory the buckets go through ``CudaStaging`` (without feedback).
 - held: the fragment is formed into one float32 buffer on the training thread, error feedback
   applied per tensor, and its buckets (views of that buffer) go through the transport inline or
   on the ``SyncWorker``; the ``RoundInFlight`` lives until ``apply``.
-A failed or skipped exchange restores the residuals: the round happened nowhere. The engine
-reads and writes only its ``SyncState``; it owns its pipeline buffers and staging until ``close``.
+Error feedback per bucket equals feedback per tensor: each piece starts on a codec block. New
+residuals replace the old only when the exchange succeeded: a failed round happened nowhere.
+The engine reads and writes only its ``SyncState``; it owns its pipeline buffers and staging
+until ``close``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step
-from lightning_swarm.algorithm.codecs import with_error_feedback
+from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.fused import max_abs, sum_of_squares
 from lightning_swarm.algorithm.outer_fast import (
     FastKind,
@@ -38,7 +40,15 @@ from lightning_swarm.algorithm.outer_fast import (
     fast_outer_kind,
     groups_by_param,
 )
-from lightning_swarm.outer.bucket_step import BucketJob, StreamedResult
+from lightning_swarm.outer.bucket_step import (
+    BucketJob,
+    Feedback,
+    StreamedResult,
+    feed_back_pieces,
+    feed_back_tensors,
+    form_fragment,
+    restore_residuals,
+)
 from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
@@ -64,6 +74,8 @@ class OuterRound:
         self.in_flight = 1
         self._delta: Tensor | None = None
         self._reduce_s = 0.0
+        # A streamed round's error feedback: its names and the new residuals (scratch).
+        self._feedback: Feedback | None = None
 
     def kind(self) -> FastKind | None:
         """The per-bucket outer step, or None: one ``optimizer.step()`` over the fragment."""
@@ -76,14 +88,21 @@ class OuterRound:
     def streams(self) -> bool:
         """Whether rounds run as one streamed pass (see the module docstring)."""
         s = self.state
-        feeds_back = s.streaming.error_feedback and s.streaming.codec is not None
+        staged = any(p.device.type == "cuda" for p in s.params.values()) and (
+            s.anchor_device.type == "cpu"
+        )
         return (
             self.transport.pipelined
             and s.schedule.sync_delay == 0
             and not s.placeholders
-            and not feeds_back
+            and not (staged and self._codec() is not None)
             and self.kind() is not None
         )
+
+    def _codec(self) -> Codec | None:
+        """The codec error feedback uses, or None without feedback."""
+        streaming = self.state.streaming
+        return streaming.codec if streaming.error_feedback else None
 
     def close(self) -> None:
         """Release the pipeline buffers and staging (the next round allocates them again)."""
@@ -175,6 +194,10 @@ class OuterRound:
         job = self._job(names, kind, alpha, allocate)
         numels = [p.numel() for p in params]
         self._reduce_s = 0.0
+        codec, self._feedback = self._codec(), None
+        if codec is not None:
+            scratch = {n: torch.empty(s.params[n].shape, device=s.anchor_device) for n in names}
+            self._feedback = (names, scratch, codec)
         if on_cuda:
             staged = max(t.block_size, self.staging.bucket_numel_for(job, t.bucket_numel))
             plan = plan_buckets(numels, staged, t.block_size)
@@ -182,6 +205,9 @@ class OuterRound:
             result = self.staging.run(job, plan, self._exchange_bucket, delta)
         else:
             result = self._pipelined(job, plan_buckets(numels, t.bucket_numel, t.block_size))
+        if self._feedback is not None:  # the round happened: its residuals replace the old
+            s.residuals.update(self._feedback[1])
+            self._feedback = None
         return replace(result, reduce_s=self._reduce_s)
 
     def _pipelined(self, job: BucketJob, plan: list[list[Piece]]) -> StreamedResult:
@@ -197,6 +223,8 @@ class OuterRound:
             start = (k % num_buffers) * numel
             delta = deltas[start : start + numel_of(bucket)]
             job.form(bucket, delta, job.anchor_at)
+            if self._feedback is not None:
+                feed_back_pieces(self.state.residuals, *self._feedback, bucket, delta)
             pending.append((bucket, delta, self._start(delta, bucket)))
             if len(pending) > self.in_flight:
                 sent += self._finish(job, *pending.pop(0), sumsq)
@@ -265,7 +293,7 @@ class OuterRound:
             )
         start = time.perf_counter()
         with record_function(labels.PSEUDO_GRADIENT):
-            flat, deltas = self._form(s.owned_fragments[fragment])
+            flat, deltas = form_fragment(s.params, s.anchors, s.owned_fragments[fragment])
         rnd = RoundInFlight(fragment, s.inner_steps, deltas, flat=flat)
         round_index = s.outer_steps
         # In flight from here on: the transport may ask which round it is exchanging (an
@@ -285,27 +313,6 @@ class OuterRound:
             rnd.future = worker.submit(lambda: self._exchange(flat, deltas, round_index))
         rnd.send_blocked_s = time.perf_counter() - start
 
-    def _form(self, names: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """``anchor - local`` in float32 for ``names``, back to back in one buffer on the anchor
-        device; returns the buffer and a view of it per name."""
-        s = self.state
-        flat = torch.empty(
-            sum(s.params[n].numel() for n in names), dtype=torch.float32, device=s.anchor_device
-        )
-        deltas, offset = {}, 0
-        for name in names:
-            param, anchor = s.params[name], s.anchors[name]
-            if param.shape != anchor.shape:
-                raise ValueError(
-                    f"anchor shape {tuple(anchor.shape)} != local shape {tuple(param.shape)}; "
-                    "anchors must be built from the same parameters the optimizer trains."
-                )
-            view = flat[offset : offset + param.numel()].view(param.shape)
-            local = param.detach().to(device=anchor.device, dtype=torch.float32)
-            torch.sub(anchor.to(torch.float32), local, out=view)
-            deltas[name], offset = view, offset + param.numel()
-        return flat, deltas
-
     @torch.no_grad()
     def _exchange(self, flat: Tensor, deltas: dict[str, Tensor], round_index: int) -> Exchanged:
         """Error feedback, then the buckets through the transport (on the worker when delayed).
@@ -317,16 +324,17 @@ class OuterRound:
         # transport's round needs every rank of the island (elastic islands, one Manager a rank).
         if not deltas and not getattr(self.state.transport, "every_rank_in_round", False):
             return Exchanged(RoundStats(applied=True), 0.0)
-        previous = self._feed_back_errors(deltas)
+        codec, residuals = self._codec(), self.state.residuals
+        previous = {} if codec is None else feed_back_tensors(residuals, deltas, codec)
         try:
             with record_function(labels.EXCHANGE):
                 stats = self._exchange_buckets(flat, deltas, round_index)
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
-            self._restore_residuals(previous)
+            restore_residuals(residuals, previous)
             raise
         if not stats.applied:
-            self._restore_residuals(previous)
+            restore_residuals(residuals, previous)
             return Exchanged(stats, 0.0)
         return Exchanged(stats, global_norm(list(deltas.values())))
 
@@ -357,29 +365,6 @@ class OuterRound:
             bytes_received=stats.bytes_received + sent,
             wall_s=time.perf_counter() - start,
         )
-
-    def _feed_back_errors(self, deltas: dict[str, Tensor]) -> dict[str, Tensor | None]:
-        """Add each residual to its delta (in place) and keep the new quantization error.
-
-        Returns the residuals it replaced (empty without error feedback), to restore them if
-        the round does not happen.
-        """
-        codec = self.state.streaming.codec
-        if not self.state.streaming.error_feedback or codec is None:
-            return {}
-        previous = {name: self.state.residuals.get(name) for name in deltas}
-        for name, delta in deltas.items():
-            to_send, new_residual = with_error_feedback(delta, previous[name], codec)
-            delta.copy_(to_send)
-            self.state.residuals[name] = new_residual
-        return previous
-
-    def _restore_residuals(self, previous: Mapping[str, Tensor | None]) -> None:
-        for name, old in previous.items():
-            if old is None:
-                self.state.residuals.pop(name, None)
-            else:
-                self.state.residuals[name] = old
 
     @torch.no_grad()
     def apply(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
