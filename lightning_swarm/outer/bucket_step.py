@@ -23,7 +23,13 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fused import pseudo_gradient_into
-from lightning_swarm.algorithm.outer_fast import FastKind, adam_step_, sgd_step_
+from lightning_swarm.algorithm.outer_fast import (
+    FastKind,
+    adam_step_,
+    ensure_state,
+    groups_by_param,
+    sgd_step_,
+)
 from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
 from lightning_swarm.transport.buckets import Piece, placed
 
@@ -112,6 +118,10 @@ class BucketJob:
 
     def anchor_slice(self, p: Piece) -> Tensor:
         return self.anchors[p.tensor_index].view(-1)[p.start : p.stop]
+
+    def state_at(self, at: int, p: Piece) -> list[Tensor]:
+        """The piece's slices of its outer state tensors (a ``StateView``, stepped in place)."""
+        return [t.view(-1)[p.start : p.stop] for t in self.state(p)]
 
     def anchor_at(self, at: int, p: Piece) -> Tensor:
         """``anchor_slice`` as a ``PieceView`` (anchors stepped in place, not staged)."""
@@ -215,3 +225,27 @@ def feed_back_pieces(
         to_send, residual = with_error_feedback(piece, old_piece, codec)
         piece.copy_(to_send)
         scratch[name].view(-1)[p.start : p.stop].copy_(residual)
+
+
+def state_beside(anchor: Tensor) -> Tensor:
+    """Fresh float32 outer state on the anchor's device."""
+    return torch.empty(anchor.shape, dtype=torch.float32, device=anchor.device)
+
+
+def start_job(
+    optimizer: torch.optim.Optimizer,
+    pairs: tuple[list[Tensor], list[Tensor]],
+    kind: FastKind,
+    merge_alpha: float,
+    allocate: Callable[[Tensor], Tensor],
+    seed: int,
+) -> BucketJob:
+    """A round's job over ``pairs`` (parameters, anchors): creates missing outer state with
+    ``allocate`` and counts Adam's step. ``seed`` must agree on every island (bf16 noise)."""
+    params, anchors = pairs
+    groups = groups_by_param(optimizer)
+    fresh = [ensure_state(optimizer, a, kind, groups[id(a)], allocate) for a in anchors]
+    if kind == "adam":
+        for anchor in anchors:
+            optimizer.state[anchor]["step"] += 1
+    return BucketJob(params, anchors, optimizer, kind, groups, fresh, merge_alpha, seed)

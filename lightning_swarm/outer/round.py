@@ -22,8 +22,9 @@ until ``close``.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -36,9 +37,7 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.fused import max_abs, sum_of_squares
 from lightning_swarm.algorithm.outer_fast import (
     FastKind,
-    ensure_state,
     fast_outer_kind,
-    groups_by_param,
 )
 from lightning_swarm.outer.bucket_step import (
     BucketJob,
@@ -48,6 +47,8 @@ from lightning_swarm.outer.bucket_step import (
     feed_back_tensors,
     form_fragment,
     restore_residuals,
+    start_job,
+    state_beside,
 )
 from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
@@ -128,26 +129,12 @@ class OuterRound:
             return None
         return self.apply(applying)
 
+    @torch.no_grad()
     def round(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
         """One whole round of ``fragment`` now; ``merge_alpha`` overrides the schedule's."""
-        if self.streams:
-            return self._streamed_round(fragment, merge_alpha)
-        self.send(fragment, inline=True)
-        return self.apply(fragment, merge_alpha=merge_alpha)
-
-    def apply_in_flight(self) -> SyncReport | None:
-        """Apply the round in flight now, if any (the end of fit)."""
-        rnd = self.state.in_flight
-        return None if rnd is None else self.apply(rnd.fragment)
-
-    def drain(self) -> None:
-        """Wait for a round in flight without applying it (before a save or at teardown)."""
-        if self.state.in_flight is not None:
-            wait_exchange(self.state.in_flight)
-
-    # -- the streamed form -------------------------------------------------------------------
-    @torch.no_grad()
-    def _streamed_round(self, fragment: int, merge_alpha: float | None) -> SyncReport:
+        if not self.streams:
+            self.send(fragment, inline=True)
+            return self.apply(fragment, merge_alpha=merge_alpha)
         s = self.state
         assert s.in_flight is None
         alpha = s.schedule.merge_alpha if merge_alpha is None else merge_alpha
@@ -179,6 +166,17 @@ class OuterRound:
             transport_s=result.reduce_s,
         )
 
+    def apply_in_flight(self) -> SyncReport | None:
+        """Apply the round in flight now, if any (the end of fit)."""
+        rnd = self.state.in_flight
+        return None if rnd is None else self.apply(rnd.fragment)
+
+    def drain(self) -> None:
+        """Wait for a round in flight without applying it (before a save or at teardown)."""
+        if self.state.in_flight is not None:
+            wait_exchange(self.state.in_flight)
+
+    # -- the streamed form: one pass ----------------------------------------------------
     def _stream(self, names: list[str], alpha: float) -> StreamedResult:
         """Open, then per bucket: form, start, wait, step, merge (this rank's ``names``)."""
         s, t = self.state, self.transport
@@ -188,10 +186,10 @@ class OuterRound:
             pin_round_memory(s.outer_optimizer, s.anchors)
         finite = bool(torch.isfinite(max_abs(list(params))).item())
         t.open(round_index=s.outer_steps, finite=finite, names=_shapes(s.params, names))
-        allocate = self.staging.allocate_state if on_cuda else _state_beside
+        allocate = self.staging.allocate_state if on_cuda else state_beside
         kind = self.kind()
         assert kind is not None
-        job = self._job(names, kind, alpha, allocate)
+        job = start_job(s.outer_optimizer, self._pairs(names), kind, alpha, allocate, s.outer_steps)
         numels = [p.numel() for p in params]
         self._reduce_s = 0.0
         codec, self._feedback = self._codec(), None
@@ -238,7 +236,7 @@ class OuterRound:
         """Wait for ``delta``'s mean, then step and merge its pieces in place."""
         sent = self._wait(handle)
         sumsq += sum_of_squares(delta)
-        job.step_and_merge(bucket, delta, job.anchor_at, _state_views(job))
+        job.step_and_merge(bucket, delta, job.anchor_at, job.state_at)
         return sent
 
     def _start(self, flat: Tensor, bucket: Sequence[Piece]) -> Handle:
@@ -264,20 +262,9 @@ class OuterRound:
             self._delta = torch.empty(numel, dtype=torch.float32, device=device)
         return self._delta
 
-    def _job(
-        self, names: list[str], kind: FastKind, alpha: float, allocate: Callable[[Tensor], Tensor]
-    ) -> BucketJob:
-        """The round's per-bucket step over ``names``; creates missing outer state."""
-        s = self.state
-        optimizer, anchors = s.outer_optimizer, [s.anchors[n] for n in names]
-        groups = groups_by_param(optimizer)
-        fresh = [ensure_state(optimizer, a, kind, groups[id(a)], allocate) for a in anchors]
-        if kind == "adam":
-            for anchor in anchors:
-                optimizer.state[anchor]["step"] += 1
-        params = [s.params[n] for n in names]
-        # The outer-step count is the same on every island: bf16 noise agrees.
-        return BucketJob(params, anchors, optimizer, kind, groups, fresh, alpha, s.outer_steps)
+    def _pairs(self, names: list[str]) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters and anchors of ``names``, in order."""
+        return [self.state.params[n] for n in names], [self.state.anchors[n] for n in names]
 
     # -- the held form -----------------------------------------------------------------------
     @torch.no_grad()
@@ -310,61 +297,49 @@ class OuterRound:
         else:
             worker = s.streaming.worker
             assert worker is not None
-            rnd.future = worker.submit(lambda: self._exchange(flat, deltas, round_index))
+            rnd.future = worker.submit(functools.partial(self._exchange, flat, deltas, round_index))
         rnd.send_blocked_s = time.perf_counter() - start
 
     @torch.no_grad()
     def _exchange(self, flat: Tensor, deltas: dict[str, Tensor], round_index: int) -> Exchanged:
-        """Error feedback, then the buckets through the transport (on the worker when delayed).
-
-        Overwrites ``flat`` with the average. The residuals of a skipped round are restored:
-        its whole pseudo-gradient re-enters the next round anyway (anchors and locals stay).
-        """
+        """Error feedback, ``open``, every bucket (a pipelined transport keeps two in flight),
+        ``agree`` (on the worker when delayed). Overwrites ``flat`` with the average. The
+        residuals of a skipped or failed round are restored: its whole pseudo-gradient re-enters
+        the next round anyway (anchors and locals stay)."""
+        s, t = self.state, self.transport
         # This rank's share of the fragment is empty: nothing to exchange, unless the
         # transport's round needs every rank of the island (elastic islands, one Manager a rank).
-        if not deltas and not getattr(self.state.transport, "every_rank_in_round", False):
+        if not deltas and not getattr(s.transport, "every_rank_in_round", False):
             return Exchanged(RoundStats(applied=True), 0.0)
-        codec, residuals = self._codec(), self.state.residuals
-        previous = {} if codec is None else feed_back_tensors(residuals, deltas, codec)
+        codec, start, sent = self._codec(), time.perf_counter(), 0
+        previous = {} if codec is None else feed_back_tensors(s.residuals, deltas, codec)
+        plan = plan_buckets([d.numel() for d in deltas.values()], t.bucket_numel, t.block_size)
         try:
             with record_function(labels.EXCHANGE):
-                stats = self._exchange_buckets(flat, deltas, round_index)
+                # A whole-payload transport checks (or drops) contributions itself.
+                finite = not t.pipelined or bool(torch.isfinite(max_abs([flat])).item())
+                t.open(round_index=round_index, finite=finite, names=_shapes(deltas, deltas))
+                handles: list[Handle] = []
+                for bucket, at in zip(plan, _offsets(plan), strict=True):
+                    handles.append(t.start(Bucket(flat[at : at + numel_of(bucket)], _runs(bucket))))
+                    if t.pipelined and len(handles) > self.in_flight:
+                        sent += handles.pop(0).wait()
+                sent += sum(handle.wait() for handle in handles)
+                stats = t.agree()
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
-            restore_residuals(residuals, previous)
+            restore_residuals(s.residuals, previous)
             raise
-        if not stats.applied:
-            restore_residuals(residuals, previous)
-            return Exchanged(stats, 0.0)
-        return Exchanged(stats, global_norm(list(deltas.values())))
-
-    def _exchange_buckets(
-        self, flat: Tensor, deltas: Mapping[str, Tensor], round_index: int
-    ) -> RoundStats:
-        """``open``, every bucket (a pipelined transport keeps two in flight), ``agree``."""
-        t, start = self.transport, time.perf_counter()
-        # A whole-payload transport checks (or drops) contributions itself: spare it the pass.
-        finite = not t.pipelined or bool(torch.isfinite(max_abs([flat])).item())
-        t.open(
-            round_index=round_index, finite=finite, names={n: d.shape for n, d in deltas.items()}
-        )
-        plan = plan_buckets([d.numel() for d in deltas.values()], t.bucket_numel, t.block_size)
-        handles: list[Handle] = []
-        sent, offset = 0, 0
-        for bucket in plan:
-            numel = numel_of(bucket)
-            handles.append(t.start(Bucket(flat[offset : offset + numel], _runs(bucket))))
-            offset += numel
-            if t.pipelined and len(handles) > self.in_flight:
-                sent += handles.pop(0).wait()
-        sent += sum(handle.wait() for handle in handles)
-        stats = t.agree()
-        return replace(
+        stats = replace(
             stats,
             bytes_sent=stats.bytes_sent + sent,
             bytes_received=stats.bytes_received + sent,
             wall_s=time.perf_counter() - start,
         )
+        if not stats.applied:
+            restore_residuals(s.residuals, previous)
+            return Exchanged(stats, 0.0)
+        return Exchanged(stats, global_norm(list(deltas.values())))
 
     @torch.no_grad()
     def apply(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
@@ -407,13 +382,15 @@ class OuterRound:
             flat = rnd.flat
             if flat is None:  # a round restored from a checkpoint: its deltas by name
                 flat = torch.cat([rnd.deltas[n].reshape(-1) for n in names])
-            job = self._job(names, kind, alpha, _state_beside)
+            job = start_job(
+                s.outer_optimizer, self._pairs(names), kind, alpha, state_beside, s.outer_steps
+            )
             numels = [s.params[n].numel() for n in names]
             offset = 0
             for bucket in plan_buckets(numels, self.transport.bucket_numel):
                 numel = numel_of(bucket)
                 delta = flat[offset : offset + numel]
-                job.step_and_merge(bucket, delta, job.anchor_at, _state_views(job))
+                job.step_and_merge(bucket, delta, job.anchor_at, job.state_at)
                 offset += numel
         elif names:
             with record_function(labels.OUTER_STEP):
@@ -454,17 +431,17 @@ def _runs(bucket: Sequence[Piece]) -> tuple[int, ...]:
     return tuple(p.length for p in bucket)
 
 
-def _shapes(params: Mapping[str, Tensor], names: Sequence[str]) -> dict[str, torch.Size]:
+def _offsets(plan: list[list[Piece]]) -> list[int]:
+    """Each bucket's offset in the buffer that holds the plan's buckets back to back."""
+    offsets, at = [], 0
+    for bucket in plan:
+        offsets.append(at)
+        at += numel_of(bucket)
+    return offsets
+
+
+def _shapes(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, torch.Size]:
     return {n: params[n].shape for n in names}
-
-
-def _state_beside(anchor: Tensor) -> Tensor:
-    return torch.empty(anchor.shape, dtype=torch.float32, device=anchor.device)
-
-
-def _state_views(job: BucketJob) -> Callable[[int, Piece], list[Tensor]]:
-    """The pieces' slices of the outer state tensors, stepped in place."""
-    return lambda at, p: [t.view(-1)[p.start : p.stop] for t in job.state(p)]
 
 
 def _applied_by_finish(state: SyncState, send_step: int) -> bool:
