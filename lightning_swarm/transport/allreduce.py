@@ -96,13 +96,17 @@ class AllReduceTransport:
         agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
 
     def start(self, bucket: Bucket) -> Handle:
-        """Start the all-reduce of ``bucket.flat`` (any device the backend reduces); its
-        handle's ``wait`` divides by the islands and returns the bytes sent."""
+        """Start the all-reduce of ``bucket.flat``; its handle's ``wait`` divides by the islands
+        and returns the bytes sent. A host bucket under a device backend (NCCL) is staged
+        through ``device`` and copied back at the wait."""
         if self.num_islands <= 1:
             return Done()
-        work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        flat = bucket.flat
+        if flat.device.type == "cpu" and self.device.type != "cpu":
+            flat = flat.to(self.device)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        return _Mean(work, bucket.flat, self.num_islands)
+        return _Mean(work, flat, bucket.flat, self.num_islands)
 
     def agree(self) -> RoundStats:
         """A round that started every bucket applies (refusals raise at ``open``)."""
@@ -123,9 +127,12 @@ class _Mean:
 
     work: dist.Work
     flat: Tensor
+    out: Tensor  # the caller's bucket (``flat`` itself unless staged)
     num_islands: int
 
     def wait(self) -> int:
         self.work.wait()
         self.flat.div_(self.num_islands)
+        if self.out is not self.flat:
+            self.out.copy_(self.flat)
         return ring_allreduce_bytes(self.flat.numel() * self.flat.element_size(), self.num_islands)
