@@ -5,10 +5,10 @@ CPU mode (default): ``--ranks`` gloo processes (2) on this machine, each holding
 Each repetition moves every rank's parameters by a rank-dependent step (not timed), then times
 one sync of every method in turn (interleaved, so machine noise spreads over all of them):
 
-- ``ours: two-phase`` -- ``OuterSync(stream=False)``: the round other optimizers and transports
-  still take (a full pseudo-gradient, a finiteness pass, the transport's bucketed all-reduce,
-  ``optimizer.step()``, copy); before the streamed round every round was this one, then also
-  with a float64 norm;
+- ``ours: held`` -- ``OuterSync`` over the same all-reduce seen through ``average`` only
+  (``AverageOnly``): the held form that delayed, error-feedback and whole-payload rounds take
+  (the whole fragment's pseudo-gradient in one buffer, the transport's bucketed all-reduce, the
+  outer step per bucket, merge);
 - ``ours: streamed`` -- ``OuterSync`` as the strategy builds it now: one bucketed pass;
 - ``torchft DiLoCo`` -- torchft 0.2.0's ``DiLoCo`` on its own Manager and Lighthouse (per-param
   all-reduce, its default), inner optimizer a no-op so only its sync is timed (the quorum it
@@ -37,17 +37,17 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.transport import AllReduceTransport
+from lightning_swarm.transport import AllReduceTransport, RoundStats, Transport
 
 OUTER_SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
@@ -67,16 +67,30 @@ def move(model: nn.Module, rank: int, rep: int) -> None:
             p.add_(0.001 * (rank + 1) * ((rep + i) % 3 - 1))
 
 
+class AverageOnly:
+    """A transport seen through ``average`` only: the round engine holds its rounds."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        return self.transport.average(tensors, round_index=round_index)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 class Ours:
-    def __init__(self, mib: float, world: int, bucket_numel: int, *, stream: bool) -> None:
+    def __init__(self, mib: float, world: int, bucket_numel: int, *, held: bool) -> None:
         self.model = mlp(mib)
-        transport = AllReduceTransport(None, num_islands=world, bucket_numel=bucket_numel)
+        transport: Transport = AllReduceTransport(
+            None, num_islands=world, bucket_numel=bucket_numel
+        )
         self.outer = OuterSync(
             dict(self.model.named_parameters()),
             outer_optimizer=OUTER_SGD,
-            transport=transport,
+            transport=AverageOnly(transport) if held else transport,
             sync_every=1,
-            stream=stream,
         )
 
     def sync(self) -> None:
@@ -159,8 +173,8 @@ def _rank(rank: int, world: int, port: int, opts: dict[str, Any], out: str) -> N
     )
     mib, bucket = opts["mb"], max(1, int(opts["bucket_mb"] * 2**20) // 4)
     methods: dict[str, Any] = {
-        "ours: two-phase": Ours(mib, world, bucket, stream=False),
-        "ours: streamed": Ours(mib, world, bucket, stream=True),
+        "ours: held": Ours(mib, world, bucket, held=True),
+        "ours: streamed": Ours(mib, world, bucket, held=False),
         "floor: all-reduce + element-wise": Floor(mib, world),
     }
     server = None

@@ -5,7 +5,8 @@ The demo GPT at 24 layers, width 2048, 16 heads, 1024 tokens, byte vocabulary (1
 pure local work, which is what this mode measures. Rows (median of ``reps`` after a warm-up):
 
 - ``inner step``: bf16 autocast, batch 8 x 1024, fused AdamW (foreach on a stand-in);
-- ``ours: two-phase, CPU anchors``: ``OuterSync(stream=False)``, the default anchor device;
+- ``ours: held, CPU anchors``: ``OuterSync`` over ``sync_cost.AverageOnly`` (the held form),
+  the default anchor device;
 - ``ours: streamed, CPU anchors``: ``OuterSync`` as the strategy builds it now (pinned anchors
   and state, buckets through the GPU on side streams), with its extra GPU memory;
 - ``ours: streamed, GPU anchors``: ``anchor_device="cuda"`` (anchors and state on the GPU);
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.sync_cost import AverageOnly
 from lightning_swarm.demo.gpt import GPT
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
@@ -61,16 +63,14 @@ def _move(model: torch.nn.Module) -> None:
             p.add_(1e-4)
 
 
-def _ours(
-    model: torch.nn.Module, anchor_device: torch.device, *, stream: bool
-) -> Callable[[], None]:
+def _ours(model: torch.nn.Module, anchor_device: torch.device, *, held: bool) -> Callable[[], None]:
+    transport = AllReduceTransport(None, num_islands=1, bucket_numel=int(BUCKET_MB * 2**18))
     outer = OuterSync(
         dict(model.named_parameters()),
         outer_optimizer=OUTER_SGD,
-        transport=AllReduceTransport(None, num_islands=1, bucket_numel=int(BUCKET_MB * 2**18)),
+        transport=AverageOnly(transport) if held else transport,
         sync_every=1,
         anchor_device=anchor_device,
-        stream=stream,
     )
 
     def round_() -> None:
@@ -159,9 +159,9 @@ def run_gpu(*, stand_in: bool, reps: int) -> dict[str, Any]:
     gpu = torch.device("cuda") if pin else device
     rows: dict[str, Callable[[], None]] = {
         "inner step": _inner_step(model, device, batch, block),
-        "ours: two-phase, CPU anchors": _ours(model, torch.device("cpu"), stream=False),
-        "ours: streamed, CPU anchors": _ours(model, torch.device("cpu"), stream=True),
-        "ours: streamed, GPU anchors": _ours(model, gpu, stream=True),
+        "ours: held, CPU anchors": _ours(model, torch.device("cpu"), held=True),
+        "ours: streamed, CPU anchors": _ours(model, torch.device("cpu"), held=False),
+        "ours: streamed, GPU anchors": _ours(model, gpu, held=False),
         "torchft-style (pinned CPU backup, GPU outer state)": _torchft_style(model, pin),
         **_copies(model, pin),
     }

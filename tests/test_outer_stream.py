@@ -1,4 +1,5 @@
-"""The bucketed stream-through round (device=cpu) against OuterSync's round, bitwise, over gloo."""
+"""The streamed round (device=cpu) against the reference round of ``algorithm.diloco``, bitwise,
+over gloo: pseudo-gradient, the transport's ``average``, ``outer_step``, ``merge_into_local``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_swarm.algorithm.outer_fast import fast_outer_kind
+from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
+from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer import OuterSync, StreamingOptions
-from lightning_swarm.outer.bucketed import BucketedRound
-from lightning_swarm.outer.bucketed_engine import BucketedEngine
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.buckets import numel_of, plan_buckets
+from lightning_swarm.transport.base import Bucket, BucketTransport
+from lightning_swarm.transport.buckets import Piece, numel_of, plan_buckets
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
 
@@ -42,47 +43,66 @@ def _train(params: dict[str, torch.nn.Parameter], rank: int, step: int) -> None:
             p.add_(torch.randn(p.shape, generator=gen), alpha=0.1)
 
 
+class Reference:
+    """The round of ``algorithm.diloco`` over whole tensors: the independent implementation."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        factory: Callable[[Any], torch.optim.Optimizer],
+        transport: AllReduceTransport,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.params, self.transport = params, transport
+        self.anchors = {n: p.detach().to(dtype=dtype, copy=True) for n, p in params.items()}
+        self.optimizer = factory(list(self.anchors.values()))
+        self.outer_steps = 0
+        self.bytes_sent = 0
+
+    @torch.no_grad()
+    def round(self, names: list[str], alpha: float) -> float:
+        deltas = {n: pseudo_gradient(self.anchors[n], self.params[n]) for n in names}
+        stats = self.transport.average(deltas, round_index=self.outer_steps)
+        self.bytes_sent = stats.bytes_sent
+        norm = float(torch.cat([d.reshape(-1) for d in deltas.values()]).norm())
+        anchors = [self.anchors[n] for n in names]
+        outer_step(self.optimizer, anchors, list(deltas.values()), seed=self.outer_steps)
+        for n in names:
+            merge_into_local(self.params[n].data, self.anchors[n], alpha)
+        self.outer_steps += 1
+        return norm
+
+
 def _compare_worker(
     rank: int, world: int, out: str, opt: str, dtype: torch.dtype, alpha: float, in_flight: int
 ) -> None:
     factory, bucket = FACTORIES[opt], 7  # 7 elements: tensors split over buckets, partial last
-    slow_params, fast_params = _params(0), _params(0)
+    ref_params, fast_params = _params(0), _params(0)
     transport = AllReduceTransport(None, num_islands=world, bucket_numel=bucket)
-    slow = OuterSync(
-        slow_params,
+    ref = Reference(ref_params, factory, transport, dtype)
+    fast = OuterSync(
+        fast_params,
         outer_optimizer=factory,
         transport=transport,
         sync_every=1,
         anchor_dtype=dtype,
         streaming=StreamingOptions(merge_alpha=alpha),
-        stream=False,  # the two-phase round is the reference
     )
-    anchors = [p.detach().to(dtype=dtype, copy=True) for p in fast_params.values()]
-    optimizer = factory(anchors)
-    kind = fast_outer_kind(optimizer)
-    assert kind is not None
-    stream = BucketedRound(bucket, in_flight=in_flight)
+    assert fast.streams
+    fast.engine.in_flight = in_flight
     norms = []
     for step in range(4):
-        _train(slow_params, rank, step)
+        _train(ref_params, rank, step)
         _train(fast_params, rank, step)
-        report = slow.on_inner_step()
+        norm = ref.round(list(ref_params), alpha)
+        report = fast.on_inner_step()
         assert report is not None
-        result = stream.run(
-            params=list(fast_params.values()),
-            anchors=anchors,
-            optimizer=optimizer,
-            kind=kind,
-            reducer=transport,
-            merge_alpha=alpha,
-            seed=step,
-        )
-        assert result.bytes_sent == report.bytes_sent
-        norms.append((report.pseudo_grad_norm, result.norm))
+        assert report.bytes_sent == ref.bytes_sent > 0
+        norms.append((norm, report.pseudo_grad_norm))
     torch.save(
         {
-            "slow": [slow_params, slow.anchors, slow.outer_optimizer.state_dict()],
-            "fast": [fast_params, anchors, optimizer.state_dict()],
+            "slow": [ref_params, ref.anchors, ref.optimizer.state_dict()],
+            "fast": [fast_params, fast.anchors, fast.outer_optimizer.state_dict()],
             "norms": norms,
         },
         Path(out) / f"{rank}.pt",
@@ -99,7 +119,7 @@ def _compare_worker(
         ("adamw", torch.bfloat16, 0.5, 3),
     ],
 )
-def test_stream_round_is_bitwise_the_outer_sync_round(
+def test_stream_round_is_bitwise_the_reference_round(
     tmp_path: Path, opt: str, dtype: torch.dtype, alpha: float, in_flight: int
 ) -> None:
     world = 3  # three summands: the all-reduce order matters, so the buckets must line up
@@ -108,9 +128,9 @@ def test_stream_round_is_bitwise_the_outer_sync_round(
         saved = torch.load(tmp_path / f"{rank}.pt")
         slow_params, slow_anchors, slow_state = saved["slow"]
         fast_params, fast_anchors, fast_state = saved["fast"]
-        for i, name in enumerate(slow_params):
+        for name in slow_params:
             assert torch.equal(slow_params[name], fast_params[name]), (rank, name)
-            assert torch.equal(slow_anchors[name], fast_anchors[i]), (rank, name)
+            assert torch.equal(slow_anchors[name], fast_anchors[name]), (rank, name)
             assert not torch.equal(slow_anchors[name], _params(0)[name].to(dtype))
         for index, values in slow_state["state"].items():
             for key, value in values.items():
@@ -119,39 +139,22 @@ def test_stream_round_is_bitwise_the_outer_sync_round(
             assert new == pytest.approx(old, rel=1e-5)
 
 
-def _sgd_round(
-    stream: BucketedRound,
-    params: dict[str, torch.nn.Parameter],
-    anchors: list[Tensor],
-    optimizer: torch.optim.Optimizer,
-    transport: AllReduceTransport,
-    *,
-    seed: int,
-) -> None:
-    stream.run(
-        params=list(params.values()),
-        anchors=anchors,
-        optimizer=optimizer,
-        kind="sgd",
-        reducer=transport,
-        merge_alpha=0.0,
-        seed=seed,
-    )
-
-
 def _nonfinite_worker(rank: int, world: int, out: str) -> None:
     params = _params(0)
+    outer = OuterSync(
+        params,
+        outer_optimizer=FACTORIES["nesterov"],
+        transport=AllReduceTransport(None, num_islands=world, bucket_numel=7),
+        sync_every=1,
+    )
     if rank == 1:
         with torch.no_grad():
             params["p2"][0, 1, 3] = float("nan")
-    anchors = [p.detach().clone() for p in _params(0).values()]
-    before = [a.clone() for a in anchors]
-    optimizer = FACTORIES["nesterov"](anchors)
-    transport = AllReduceTransport(None, num_islands=world, bucket_numel=7)
+    before = {n: a.clone() for n, a in outer.anchors.items()}
     with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[1\]"):
-        _sgd_round(BucketedRound(7), params, anchors, optimizer, transport, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(anchors, before, strict=True))
-    assert not optimizer.state  # no state was created for a round that did not happen
+        outer.on_inner_step()
+    assert all(torch.equal(outer.anchors[n], before[n]) for n in before)
+    assert not outer.outer_optimizer.state  # no state was created for a round that did not happen
     (Path(out) / f"{rank}.ok").touch()
 
 
@@ -162,46 +165,61 @@ def test_non_finite_island_is_refused_on_every_rank_before_anything_moves(tmp_pa
 
 def test_buffers_are_allocated_once_and_reused() -> None:
     params = _params(0)
-    anchors = [p.detach().clone() for p in params.values()]
-    optimizer = FACTORIES["nesterov"](anchors)
-    transport = AllReduceTransport(None, num_islands=1, bucket_numel=7)
-    stream = BucketedRound(7)
+    outer = OuterSync(
+        params,
+        outer_optimizer=FACTORIES["nesterov"],
+        transport=AllReduceTransport(None, num_islands=1, bucket_numel=7),
+        sync_every=1,
+    )
     held: list[Tensor] = []
     for step in range(3):
         _train(params, 0, step)
-        _sgd_round(stream, params, anchors, optimizer, transport, seed=step)
-        assert stream._delta is not None
-        held.append(stream._delta)
+        outer.on_inner_step()
+        assert outer.engine._delta is not None
+        held.append(outer.engine._delta)
     assert held[0] is held[1] is held[2]
-    assert stream.buffer_bytes() == 2 * 7 * 4  # two buckets, whatever the model size
+    assert outer.engine.buffer_bytes() == 2 * 7 * 4  # two buckets, whatever the model size
 
 
 def _outer_sync_worker(rank: int, world: int, out: str, opt: str) -> None:
-    """OuterSync with and without the streamed round: two fragments, several rounds."""
+    """OuterSync against the reference round: two fragments, several rounds, the end of fit."""
     factories = {**FACTORIES, "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-2)}
-    results = {}
-    for stream in (False, True):
-        params = _params(0)
-        outer = OuterSync(
-            params,
-            outer_optimizer=factories[opt],
-            transport=AllReduceTransport(None, num_islands=world, bucket_numel=7),
-            sync_every=2,
-            streaming=StreamingOptions(fragments=[["p0", "p2"], ["p1", "p3"]]),
-            stream=stream,
-        )
-        # The streamed round is taken exactly where it applies (not for other optimizers).
-        assert (outer.round_kind == "bucketed") == (stream and opt != "rmsprop")
-        for step in range(6):
-            _train(params, rank, step)
-            outer.on_inner_step()
-        assert len(outer.finish()) == 1  # the end-of-fit round of the fragment synced at step 5
-        results[stream] = [params, outer.anchors, outer.state_dict()["outer_optimizer"]]
+    fragments = [["p0", "p2"], ["p1", "p3"]]
+    params, ref_params = _params(0), _params(0)
+    transport = AllReduceTransport(None, num_islands=world, bucket_numel=7)
+    outer = OuterSync(
+        params,
+        outer_optimizer=factories[opt],
+        transport=transport,
+        sync_every=2,
+        streaming=StreamingOptions(fragments=fragments),
+    )
+    # Streamed where a per-bucket step exists; other optimizers hold the fragment.
+    assert outer.streams == (opt != "rmsprop")
+    ref = Reference(ref_params, factories[opt], transport)
+    schedule = FragmentSchedule(sync_every=2, num_fragments=2)
+    synced = [0, 0]
+    for step in range(6):
+        _train(params, rank, step)
+        _train(ref_params, rank, step)
+        outer.on_inner_step()
+        sending = schedule.sends_at(step + 1)
+        if sending is not None:
+            ref.round(fragments[sending], 0.0)
+            synced[sending] = step + 1
+    assert len(outer.finish()) == 1  # the end-of-fit round of the fragment synced at step 5
+    for fragment, at in enumerate(synced):
+        if at != 6:
+            ref.round(fragments[fragment], 0.0)
+    results = {
+        False: [ref_params, ref.anchors, ref.optimizer.state_dict()],
+        True: [params, outer.anchors, outer.state_dict()["outer_optimizer"]],
+    }
     torch.save(results, Path(out) / f"{rank}.pt")
 
 
 @pytest.mark.parametrize("opt", ["nesterov", "adamw", "rmsprop"])
-def test_outer_sync_streamed_rounds_equal_two_phase_rounds(tmp_path: Path, opt: str) -> None:
+def test_outer_sync_rounds_equal_the_reference_rounds(tmp_path: Path, opt: str) -> None:
     run_ranks(_outer_sync_worker, 2, str(tmp_path), opt)
     for rank in range(2):
         saved = torch.load(tmp_path / f"{rank}.pt")
@@ -213,9 +231,12 @@ def test_outer_sync_streamed_rounds_equal_two_phase_rounds(tmp_path: Path, opt: 
             assert torch.equal(old_params[name], new_params[name]), name
             assert torch.equal(old_anchors[name], new_anchors[name]), name
             assert not torch.equal(old_anchors[name], _params(0)[name])
-        for index, values in old_state["state"].items():
-            for key, value in values.items():
-                assert torch.equal(value, new_state["state"][index][key]), (index, key)
+        old_ids = [i for group in old_state["param_groups"] for i in group["params"]]
+        new_ids = [i for group in new_state["param_groups"] for i in group["params"]]
+        assert len(old_ids) == len(new_ids)
+        for old_id, new_id in zip(old_ids, new_ids, strict=True):
+            for key, value in old_state["state"][old_id].items():
+                assert torch.equal(value, new_state["state"][new_id][key]), (old_id, key)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -223,7 +244,7 @@ def test_outer_sync_streamed_rounds_equal_two_phase_rounds(tmp_path: Path, opt: 
 def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) -> None:
     """Parameters on the GPU, anchors on the CPU: pinned anchors and state, side-stream copies.
 
-    The reference is the two-phase round on CPU copies of the same parameters. GPU and CPU
+    The reference is the same round on CPU copies of the same parameters. GPU and CPU
     kernels may round a fused multiply-add differently, so this compares to 1e-6, not bits.
     """
     results = {}
@@ -234,7 +255,6 @@ def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) ->
             outer_optimizer=FACTORIES[opt],
             transport=AllReduceTransport(None, num_islands=1, bucket_numel=7),
             sync_every=1,
-            stream=device == "cuda",
         )
         for step in range(4):
             with torch.no_grad():
@@ -243,8 +263,8 @@ def test_cuda_streamed_round_with_cpu_anchors_matches_the_cpu_round(opt: str) ->
             outer.on_inner_step()
         if device == "cuda":
             assert all(a.is_pinned() for a in outer.anchors.values())
-            assert isinstance(outer.engine, BucketedEngine)
-            assert outer.engine.rounds.buffer_bytes() > 0
+            assert outer.streams
+            assert outer.engine.buffer_bytes() > 0
         results[device] = (
             {n: p.detach().cpu() for n, p in params.items()},
             {n: a.clone() for n, a in outer.anchors.items()},
@@ -260,7 +280,6 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
     transport that stops offering the bucket mean would silently fall back to the slow path."""
     from lightning_swarm.config import SwarmConfig
-    from lightning_swarm.outer.bucketed import BucketMean
     from lightning_swarm.outer.build import transport_for
     from lightning_swarm.outer.loop import default_outer_optimizer
 
@@ -268,31 +287,14 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     transport = transport_for(
         config, None, num_islands=1, island_index=0, device=torch.device("cpu")
     )
-    assert isinstance(transport, BucketMean)
+    assert isinstance(transport, BucketTransport)
     outer = OuterSync(
         _params(0),
         outer_optimizer=default_outer_optimizer,
         transport=transport,
         sync_every=config.sync_every,
     )
-    assert isinstance(outer.engine, BucketedEngine) and outer.engine.kind == "sgd"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_round_without_a_staging_path_is_refused_before_anything_moves() -> None:
-    params = {n: torch.nn.Parameter(p.detach().cuda()) for n, p in _params(0).items()}
-    anchors = [p.detach().cpu() for p in params.values()]
-    optimizer = FACTORIES["nesterov"](anchors)
-    with pytest.raises(ValueError, match="staging=CudaStaging"):
-        _sgd_round(
-            BucketedRound(7),
-            params,
-            anchors,
-            optimizer,
-            AllReduceTransport(None, num_islands=1, bucket_numel=7),
-            seed=0,
-        )
-    assert not optimizer.state  # no outer state was allocated
+    assert outer.streams and outer.engine.kind() == "sgd"
 
 
 def _float32(anchor: Tensor) -> Tensor:
@@ -325,8 +327,7 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
     import contextlib
 
     from lightning_swarm.algorithm.outer_fast import ensure_state, groups_by_param
-    from lightning_swarm.outer.bucketed import BucketJob
-    from lightning_swarm.outer.staging import CudaStaging
+    from lightning_swarm.outer.bucket_step import BucketJob
 
     monkeypatch.setattr(torch.cuda, "Event", _NoStream)
     monkeypatch.setattr(torch.cuda, "Stream", _NoStream)
@@ -339,7 +340,14 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
         params = _params(0)
         anchors = [p.detach().to(dtype=dtype, copy=True) for p in params.values()]
         optimizer = FACTORIES[opt](anchors)
-        stream, staging = BucketedRound(7), CudaStaging()
+        engine = OuterSync(
+            params, outer_optimizer=FACTORIES[opt], transport=transport, sync_every=1
+        ).engine
+        staging = engine.staging
+
+        def exchange(flat: Tensor, bucket: list[Piece]) -> int:
+            return transport.start(Bucket(flat, tuple(p.length for p in bucket))).wait()
+
         for step in range(3):
             _train(params, 0, step)
             groups = groups_by_param(optimizer)
@@ -355,12 +363,12 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
             assert 1 <= staged_numel < 7  # a slot costs more than the transport bucket
             plan = plan_buckets([p.numel() for p in params.values()], staged_numel)
             if staged:
-                delta = stream._delta_buffer(numel_of(plan[0]), job.device)
-                result = staging.run(job, plan, transport, delta)
+                delta = engine._buffer(numel_of(plan[0]), job.device)
+                result = staging.run(job, plan, exchange, delta)
             else:
-                result = stream._run_local(job, plan, transport)
+                result = engine._pipelined(job, plan)
         if staged:  # slots + pseudo-gradient buffer within three float32 transport buckets
-            assert 0 < staging.buffer_bytes() + stream.buffer_bytes() <= 3 * 7 * 4
+            assert 0 < engine.buffer_bytes() <= 3 * 7 * 4
         state = [t for a in anchors for t in optimizer.state[a].values() if t.dim() > 0]
         results.append(([*params.values(), *anchors, *state], result.norm))
     (local, local_norm), (staged_out, staged_norm) = results
@@ -393,3 +401,45 @@ def test_the_staged_working_set_stays_within_three_transport_buckets(
     assert (staged + 1) * per_element > 3 * bucket * 4 or staged == bucket  # the largest that fits
     with pytest.raises(ValueError, match="bucket_numel and bytes_per_element must be >= 1"):
         staged_bucket_numel(0, per_element)
+
+
+def test_a_failed_streamed_round_keeps_the_old_error_feedback_residuals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """int8 with error feedback streams; a transport failure after some buckets moved leaves
+    the residuals of the last round that happened (the new ones were scratch)."""
+    from lightning_swarm.algorithm.codecs import codec_for
+    from lightning_swarm.transport import ReduceScatterTransport
+
+    codec = codec_for("int8", 4)
+    assert codec is not None
+    transport = ReduceScatterTransport(
+        None, num_islands=1, island_index=0, codec=codec, bucket_numel=8
+    )
+    params = _params(0)
+    outer = OuterSync(
+        params,
+        outer_optimizer=FACTORIES["nesterov"],
+        transport=transport,
+        sync_every=1,
+        streaming=StreamingOptions(codec=codec, error_feedback=True),
+    )
+    assert outer.streams
+    _train(params, 0, 0)
+    outer.on_inner_step()
+    kept = {n: r.clone() for n, r in outer.residuals.items()}
+    assert set(kept) == set(params) and any(r.abs().sum() > 0 for r in kept.values())
+    started = []
+    real_start = transport.start
+
+    def failing_start(bucket: Bucket) -> Any:
+        started.append(bucket)
+        if len(started) == 3:
+            raise RuntimeError("link lost")
+        return real_start(bucket)
+
+    monkeypatch.setattr(transport, "start", failing_start)
+    _train(params, 0, 1)
+    with pytest.raises(RuntimeError, match="link lost"):
+        outer.on_inner_step()
+    assert all(torch.equal(outer.residuals[n], kept[n]) for n in kept)

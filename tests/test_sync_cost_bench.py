@@ -20,7 +20,7 @@ def test_cpu_mode_runs_every_method_side_by_side(tmp_path: Path) -> None:
     main(args if torchft else [*args, "--no-torchft"])
     result = json.loads(out.read_text())
     methods = {row["method"] for row in result["rows"]}
-    expected = {"ours: two-phase", "ours: streamed", FLOOR}
+    expected = {"ours: held", "ours: streamed", FLOOR}
     assert methods == (expected | {"torchft 0.2.0 DiLoCo"} if torchft else expected)
     assert all(len(v) == 2 and min(v) > 0 for v in result["times_s"].values())
     assert result["payload_bytes"] > 0.2 * 2**20
@@ -33,4 +33,4 @@ def test_gpu_mode_runs_through_its_cpu_stand_in(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["mode"] == "gpu-stand-in"
     assert "ours: streamed, CPU anchors" in result["times_s"]
-    assert set(result["sync_share_at_100"]) >= {"ours: two-phase, CPU anchors"}
+    assert set(result["sync_share_at_100"]) >= {"ours: held, CPU anchors"}

@@ -20,8 +20,7 @@ from torch import Tensor
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
-from lightning_swarm.outer.two_phase import TwoPhaseRound
+from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
 from lightning_swarm.transport.base import RoundStats
 
 
@@ -39,7 +38,7 @@ class SyncCheckpoint:
     def _wait(self) -> Exchanged | None:
         """The round in flight's exchange result, after waiting for the worker (or None)."""
         rnd = self.state.in_flight
-        return None if rnd is None else TwoPhaseRound.result(rnd)
+        return None if rnd is None else wait_exchange(rnd)
 
     def state_dict(self) -> dict[str, Any]:
         """Anchors, outer optimizer state, counters and a round in flight (global state).

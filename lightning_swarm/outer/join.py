@@ -25,7 +25,6 @@ from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight
-from lightning_swarm.outer.two_phase import TwoPhaseRound
 from lightning_swarm.transport.base import RoundStats
 
 TakeAdopted = Callable[[], AdoptedRound | None]
@@ -130,15 +129,13 @@ class ElasticOuter:
         s.inner_steps = adopted.place.apply_step  # the swarm's clock
         if not adopted.applied:
             return None
-        engine = outer.engine
-        assert isinstance(engine, TwoPhaseRound), "elastic rounds are two-phase"
         s.in_flight = RoundInFlight(
             adopted.place.fragment,
             adopted.place.send_step,
             adopted.deltas,
             result=Exchanged(RoundStats(applied=True), global_norm(list(adopted.deltas.values()))),
         )
-        return engine.apply(adopted.place.fragment)
+        return outer.engine.apply(adopted.place.fragment)
 
     def _install_kept(self) -> None:
         """Adopt the kept state, keeping this island's own progress since its anchors:

@@ -1,5 +1,6 @@
 """The streamed round's CUDA path: parameters on the GPU, anchors and outer state in host memory.
 
+Part of the round engine (``outer/round.py``), which hands it one bucket's ``Exchange``.
 ``pin_round_memory`` pins the anchors and their state once, at the first such round.
 ``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed, and
 bucket k out on another once computed; two slots alternate, ordered by CUDA events (``free``,
@@ -16,11 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.fused import sum_of_squares
-from lightning_swarm.outer.bucketed import (
-    BucketedResult,
-    BucketJob,
-    BucketMean,
-)
+from lightning_swarm.outer.bucket_step import BucketJob, Exchange, StreamedResult
 from lightning_swarm.transport.buckets import Piece, numel_of, placed
 
 BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets of float32
@@ -142,8 +139,8 @@ class CudaStaging:
         return self.slots
 
     def run(
-        self, job: BucketJob, plan: list[list[Piece]], reducer: BucketMean, delta: Tensor
-    ) -> BucketedResult:
+        self, job: BucketJob, plan: list[list[Piece]], exchange: Exchange, delta: Tensor
+    ) -> StreamedResult:
         """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
@@ -160,11 +157,11 @@ class CudaStaging:
                 self._copy_in(job, plan[k + 1], slots[(k + 1) % 2], copy_in)
             compute.wait_event(slot.loaded)
             bucket_delta = delta[: numel_of(bucket)]
-            sent += self._compute(job, bucket, slot, bucket_delta, reducer, sumsq)
+            sent += self._compute(job, bucket, slot, bucket_delta, exchange, sumsq)
             slot.computed.record(compute)
             self._copy_out(job, bucket, slot, copy_out)
         copy_out.synchronize()  # the host anchors and state are complete when run returns
-        return BucketedResult(float(sumsq.sqrt().item()), sent, job.reduce_s)
+        return StreamedResult(float(sumsq.sqrt().item()), sent)
 
     @staticmethod
     def _compute(
@@ -172,7 +169,7 @@ class CudaStaging:
         bucket: list[Piece],
         slot: Slot,
         delta: Tensor,
-        reducer: BucketMean,
+        exchange: Exchange,
         sumsq: Tensor,
     ) -> int:
         """Form, reduce, step and merge one bucket on the compute stream, from its slot."""
@@ -184,7 +181,7 @@ class CudaStaging:
             return [job.cut(t, at, p) for t in slot.state]
 
         job.form(bucket, delta, anchor_of)
-        sent = job.reduce(reducer, delta)
+        sent = exchange(delta, bucket)
         sumsq += sum_of_squares(delta)
         job.step_and_merge(bucket, delta, anchor_of, state_of)
         return sent

@@ -2,8 +2,8 @@
 
 ``OuterSync`` ties the DiLoCo math to a ``Transport`` without Lightning: ``on_inner_step`` after
 every real inner step, a ``SyncReport`` back when a round applied. Its state is one ``SyncState``
-(ownership documented there); its engine is ``BucketedEngine`` where ``bucketed_kind`` allows,
-else ``TwoPhaseRound``; ``SyncCheckpoint`` saves it. ``finish`` leaves every island on the
+(ownership documented there); its one round engine is ``OuterRound`` (``outer/round.py``);
+``SyncCheckpoint`` saves it. ``finish`` leaves every island on the
 anchors, bit for bit; which fragments it runs depends only on counters equal everywhere, so every
 rank runs the same collectives, and ``ended_at`` keeps a round from applying twice.
 """
@@ -18,14 +18,11 @@ from torch import Tensor
 
 from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
-from lightning_swarm.outer.bucketed import BucketedRound, BucketMean
-from lightning_swarm.outer.bucketed_engine import BucketedEngine, bucketed_kind
 from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
+from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
-from lightning_swarm.outer.staging import CudaStaging
 from lightning_swarm.outer.sync_state import SyncState
-from lightning_swarm.outer.two_phase import TwoPhaseRound
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
@@ -43,8 +40,6 @@ class OuterSync:
         anchor_dtype: dtype of the stored anchors.
         defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
         streaming: fragments, delay, merge and error feedback (``StreamingOptions``).
-        stream: run eligible rounds as one bucketed pass (``BucketedEngine``); ``False`` keeps
-            the two-phase round for every round (same bits, slower).
         shard: this rank's share of a sharded island (``lightning_swarm.outer.shard``): only
             the names it owns get anchors, outer state and rounds here; ``None`` owns all.
 
@@ -64,7 +59,6 @@ class OuterSync:
         anchor_dtype: torch.dtype = torch.float32,
         defer_anchors: bool = False,
         streaming: StreamingOptions | None = None,
-        stream: bool = True,
         shard: IslandShard | None = None,
     ) -> None:
         params = dict(params)
@@ -96,26 +90,12 @@ class OuterSync:
             synced_at=[None if defer_anchors else 0] * len(fragments),
         )
         self.checkpoint = SyncCheckpoint(self.state)
-        self._stream = stream
-        # The bucket engine's buffers are reused by every bucketed round of this sync.
-        self._buckets = (
-            BucketedRound(transport.bucket_numel, staging=CudaStaging())
-            if stream and isinstance(transport, BucketMean)
-            else None
-        )
-        self.engine = self._choose_engine()
-
-    def _choose_engine(self) -> BucketedEngine | TwoPhaseRound:
-        """The bucketed engine where the state allows it, else the two-phase one."""
-        kind = bucketed_kind(self.state, allowed=self._buckets is not None)
-        if kind is not None and self._buckets is not None:
-            return BucketedEngine(self.state, kind, self._buckets)
-        return TwoPhaseRound(self.state)
+        self.engine = OuterRound(self.state)
 
     @property
-    def round_kind(self) -> str:
-        """``"bucketed"`` or ``"two_phase"``: the form this sync's rounds take now."""
-        return "bucketed" if isinstance(self.engine, BucketedEngine) else "two_phase"
+    def streams(self) -> bool:
+        """Whether this sync's rounds now run as one streamed pass (``OuterRound.streams``)."""
+        return self.engine.streams
 
     # -- the state, read-only views for the loop, the resume layer and tests ---------------
     @property
@@ -266,10 +246,8 @@ class OuterSync:
         self.load_checked_state_dict(state)
 
     def load_checked_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install a state that passed ``check_state_dict``; new anchors and a new outer
-        optimizer may change which engine serves the rounds, so it is chosen again."""
+        """Install a state that passed ``check_state_dict``."""
         self.checkpoint.load_checked_state_dict(state)
-        self.engine = self._choose_engine()
 
 
 def _build_schedule(
@@ -298,7 +276,7 @@ def _build_anchors(
     A resume replaces the anchors right after setup: copying the weights first would add the
     full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors`` builds
     placeholders that ``load_state_dict`` must replace; a round on placeholders raises (the
-    two-phase engine's ``send``) instead of training on half-loaded state.
+    round engine's ``send``) instead of training on half-loaded state.
     """
     return {
         name: params[name].detach().to(device=placement, dtype=dtype, copy=True) for name in owned

@@ -6,7 +6,7 @@ Ownership: ``params`` are the module's, written in place by an applied round. ``
 owned here (one per ``owned`` name, never aliased to a parameter, the pure global model), and the
 outer optimizer over them owns its state. Sharded, only ``owned`` names have anchors, state and
 residuals on this rank; counters are island-wide. ``residuals`` are per-island; anchors, outer
-state, counters and ``in_flight`` (a two-phase round between send and apply) are global.
+state, counters and ``in_flight`` (a held round between send and apply) are global.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
+import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
 from lightning_swarm.outer.shard import IslandShard
+from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundStats, Transport
 
 
@@ -46,6 +49,7 @@ class RoundInFlight:
     fragment: int
     send_step: int
     deltas: dict[str, Tensor]
+    flat: Tensor | None = None  # the buffer ``deltas`` are views of (None: restored by name)
     send_blocked_s: float = 0.0
     future: Future[Exchanged] | None = None
     result: Exchanged | None = None
@@ -109,3 +113,17 @@ class SyncState:
         self.fragment_rounds[fragment] += 1
         if alpha == 0.0:
             self.synced_at[fragment] = self.inner_steps
+
+
+def wait_exchange(rnd: RoundInFlight) -> Exchanged:
+    """The round's exchange result, waiting for the worker when it is still running."""
+    if rnd.result is None:
+        assert rnd.future is not None
+        with record_function(labels.WAIT):
+            rnd.result = SyncWorker.wait(
+                rnd.future,
+                f"the outer sync of fragment {rnd.fragment} (sent after inner step "
+                f"{rnd.send_step})",
+            )
+        rnd.future = None
+    return rnd.result

@@ -17,7 +17,8 @@ the algorithm moves, not a measurement of the NIC.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.base import Bucket, Done, Handle, RoundStats
 from lightning_swarm.transport.buckets import check_bucket, mean_in_buckets
 from lightning_swarm.transport.checks import agree_finite, agree_finite_flag
 
@@ -85,39 +86,53 @@ class AllReduceTransport:
         stats.wall_s = time.perf_counter() - start
         return stats
 
-    def agree_finite(self, local_finite: bool) -> None:
-        """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite.
+    # The bucket-level contract (``transport.base.BucketTransport``).
+    block_size = 1
+    pipelined = True
 
-        The first half of a streamed round (``lightning_swarm.outer.bucketed``), before any
-        bucket moves; collective over the peer group.
-        """
-        agree_finite_flag(
-            local_finite, self.group, self.num_islands, self.device, self.island_group
-        )
+    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+        """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
+        before any bucket moves; collective over the peer group."""
+        agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
+
+    def start(self, bucket: Bucket) -> Handle:
+        """Start the all-reduce of ``bucket.flat``; its handle's ``wait`` divides by the islands
+        and returns the bytes sent. A host bucket under a device backend (NCCL) is staged
+        through ``device`` and copied back at the wait."""
+        if self.num_islands <= 1:
+            return Done()
+        flat = bucket.flat
+        if flat.device.type == "cpu" and self.device.type != "cpu":
+            flat = flat.to(self.device)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        assert work is not None
+        return _Mean(work, flat, bucket.flat, self.num_islands)
+
+    def agree(self) -> RoundStats:
+        """A round that started every bucket applies (refusals raise at ``open``)."""
+        return RoundStats()
 
     def mean_(self, flat: Tensor) -> int:
-        """Overwrite the flat float32 bucket ``flat`` with its mean across islands, in place.
-
-        Collective. ``flat`` may live on any device the backend reduces (CUDA for NCCL).
-        Returns the bytes this rank sent (and received) for it.
-        """
-        return self.start_mean(flat)()
-
-    def start_mean(self, flat: Tensor) -> Callable[[], int]:
-        """``mean_`` in two halves: start the all-reduce now, and return the call that waits
-        for it, divides and returns the bytes sent. Until that call returns, ``flat`` belongs to
-        the collective. Buckets must be started in the same order on every rank."""
-        if self.num_islands <= 1:
-            return lambda: 0
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-        def finish() -> int:
-            assert work is not None
-            work.wait()
-            flat.div_(self.num_islands)
-            return ring_allreduce_bytes(flat.numel() * flat.element_size(), self.num_islands)
-
-        return finish
+        """Overwrite the flat float32 bucket ``flat`` with its mean across islands, in place
+        (collective); returns the bytes this rank sent (and received) for it."""
+        return self.start(Bucket(flat, (flat.numel(),))).wait()
 
     def close(self) -> None:
         """Nothing to release: the bucket lives only inside ``average``."""
+
+
+@dataclass
+class _Mean:
+    """An all-reduce in flight: until ``wait`` returns, ``flat`` belongs to the collective."""
+
+    work: dist.Work
+    flat: Tensor
+    out: Tensor  # the caller's bucket (``flat`` itself unless staged)
+    num_islands: int
+
+    def wait(self) -> int:
+        self.work.wait()
+        self.flat.div_(self.num_islands)
+        if self.out is not self.flat:
+            self.out.copy_(self.flat)
+        return ring_allreduce_bytes(self.flat.numel() * self.flat.element_size(), self.num_islands)

@@ -1,7 +1,16 @@
-"""The transport contract: "average these pseudo-gradients across islands".
+"""The transport contracts: "average these pseudo-gradients across islands".
 
-The transport is the only component that moves pseudo-gradients between islands. Contract of
-``Transport.average``:
+The transport is the only component that moves pseudo-gradients between islands. The round
+engine drives every transport through the bucket-level ``BucketTransport``: ``open`` (one
+agreement on the finite flag, before anything moves), ``start(bucket) -> Handle`` per bucket in
+the same order on every rank, every handle's ``wait``, then ``agree`` (whether the round
+applies). A ``Bucket``'s ``flat`` belongs to the transport from ``start`` until its handle's
+``wait`` returns; it then holds the mean. ``pipelined`` transports (all-reduce, coded
+reduce-scatter) finish a bucket at its wait; ``WholePayload`` gives the contract to a transport
+that has ``average`` only (the aggregators, the torchft quorum): it averages every collected
+bucket at the first wait, so their buckets must all be started before any wait.
+
+Contract of ``Transport.average``:
 - ``tensors`` are contiguous float32, owned by the caller, with the same names, order and shapes
   on every rank of the peer group; they are overwritten in place.
 - With ``RoundStats.applied`` true every rank holds the identical mean; with it false the round
@@ -14,10 +23,14 @@ The transport is the only component that moves pseudo-gradients between islands.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
+
+# A transport without a bucket size of its own (``WholePayload``) is handed buckets this big.
+WHOLE_PAYLOAD_BUCKET = 1 << 30
 
 
 @dataclass
@@ -54,3 +67,157 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release resources (buffers, spool files). Idempotent."""
         ...
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of a round: contiguous float32 ``flat``, made of ``runs`` (element counts,
+    back to back, each a piece of one tensor that starts on a codec block of that tensor)."""
+
+    flat: Tensor
+    runs: tuple[int, ...]
+
+    def run_views(self) -> list[Tensor]:
+        """``flat`` cut into its runs (views)."""
+        return list(self.flat.split(list(self.runs)))
+
+
+class Handle(Protocol):
+    """A started bucket; ``wait`` completes its mean in place and returns the bytes sent."""
+
+    def wait(self) -> int: ...
+
+
+@dataclass
+class Done:
+    """A handle whose bucket is already complete."""
+
+    sent: int = 0
+
+    def wait(self) -> int:
+        return self.sent
+
+
+@runtime_checkable
+class BucketTransport(Protocol):
+    """The bucket-level contract (see the module docstring).
+
+    Attributes:
+        bucket_numel: most elements of one bucket the engine should start.
+        block_size: buckets are planned on these blocks (a codec's; 1 without one).
+        pipelined: a bucket's mean is final when its handle's ``wait`` returns.
+    """
+
+    @property
+    def bucket_numel(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def pipelined(self) -> bool: ...
+
+    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+        """Start round ``round_index`` over tensors of ``names`` (in order, packed into the
+        buckets). Collective; raises ``NonFinitePseudoGradientError`` on every rank when an
+        island is not ``finite``, where the transport refuses such rounds."""
+        ...
+
+    def start(self, bucket: Bucket) -> Handle: ...
+
+    def agree(self) -> RoundStats:
+        """After every handle waited: whether the round applies, and bytes not yet counted by
+        the handles."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class WholePayload:
+    """``BucketTransport`` over a transport with ``average`` only (not pipelined).
+
+    Buckets are collected; the first ``wait`` (or ``agree``, with no bucket: a rank whose share
+    of the fragment is empty still takes part in an elastic round) averages them in one call,
+    as named tensors laid over the buckets, so the transport sees the names and shapes of a
+    plain ``average`` call and its encoding and rules are unchanged.
+    """
+
+    transport: Transport
+    _round: int = 0
+    _names: dict[str, torch.Size] = field(default_factory=dict)
+    _buckets: list[Bucket] = field(default_factory=list)
+    _stats: RoundStats | None = None
+
+    pipelined = False
+
+    @property
+    def bucket_numel(self) -> int:
+        return int(getattr(self.transport, "bucket_numel", WHOLE_PAYLOAD_BUCKET))
+
+    @property
+    def block_size(self) -> int:
+        codec = getattr(self.transport, "codec", None)
+        return 1 if codec is None else int(codec.block_size)
+
+    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+        # ``finite`` is the transport's own business: it checks (or drops) contributions.
+        self._round, self._names = round_index, dict(names)
+        self._buckets, self._stats = [], None
+
+    def start(self, bucket: Bucket) -> Handle:
+        self._buckets.append(bucket)
+        return self
+
+    def wait(self) -> int:
+        if self._stats is None:
+            self._stats = self._average()
+        return 0
+
+    def agree(self) -> RoundStats:
+        self.wait()
+        assert self._stats is not None
+        stats, self._stats, self._buckets = self._stats, None, []
+        return stats
+
+    def _average(self) -> RoundStats:
+        flats = [b.flat for b in self._buckets]
+        whole = _joined(flats)
+        named: dict[str, Tensor] = {}
+        offset = 0
+        for name, shape in self._names.items():
+            numel = shape.numel()
+            named[name] = whole[offset : offset + numel].view(shape)
+            offset += numel
+        return self.transport.average(named, round_index=self._round)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _joined(flats: list[Tensor]) -> Tensor:
+    """One flat view over ``flats``, which must lie back to back in one storage (as the
+    engine's held rounds lay them)."""
+    if not flats:
+        return torch.empty(0)
+    first = flats[0]
+    total = sum(f.numel() for f in flats)
+    offset = first.storage_offset()
+    for f in flats:
+        if f.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            break
+        if f.storage_offset() != offset:
+            break
+        offset += f.numel()
+    else:
+        return first.new_empty(0).set_(
+            first.untyped_storage(), first.storage_offset(), (total,), (1,)
+        )
+    raise ValueError("WholePayload needs its buckets back to back in one buffer")
+
+
+def bucket_transport(transport: Transport | BucketTransport) -> BucketTransport:
+    """``transport`` itself when it implements the bucket contract, else ``WholePayload``."""
+    if isinstance(transport, BucketTransport):
+        return transport
+    return WholePayload(transport)

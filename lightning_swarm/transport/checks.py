@@ -74,7 +74,18 @@ def agree_finite_direct(
     instead of around a ring), so over long-latency links the vote costs one message time
     whatever the number of islands. With ``island_group`` the island agrees on one verdict
     first (``island_verdict``)."""
-    local = island_verdict(all_finite(tensors), island_group, device)
+    agree_finite_direct_flag(all_finite(tensors), group, num_islands, device, island_group)
+
+
+def agree_finite_direct_flag(
+    local: bool,
+    group: dist.ProcessGroup | None,
+    num_islands: int,
+    device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``agree_finite_direct`` for a verdict the caller already has."""
+    local = island_verdict(local, island_group, device)
     _raise_if_any(agree(local, gather=flags_direct(group, num_islands, device)).bad)
 
 

@@ -50,9 +50,9 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.base import Bucket, Done, Handle, RoundStats
 from lightning_swarm.transport.buckets import Piece, plan_buckets
-from lightning_swarm.transport.checks import agree_finite_direct
+from lightning_swarm.transport.checks import agree_finite_direct, agree_finite_direct_flag
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
 from lightning_swarm.transport.pieces import check_coded_options, flat_views
 
@@ -122,6 +122,32 @@ class ReduceScatterTransport:
             stats.bytes_received += moved
         stats.wall_s = time.perf_counter() - start
         return stats
+
+    # The bucket-level contract (``transport.base.BucketTransport``).
+    pipelined = True
+
+    @property
+    def block_size(self) -> int:
+        return self.codec.block_size
+
+    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+        """Every island agrees on ``finite`` in one message step before any bucket moves
+        (``checks.agree_finite_direct_flag``)."""
+        agree_finite_direct_flag(
+            finite, self.group, self.num_islands, self.device, self.island_group
+        )
+
+    @record_function(labels.REDUCE_SCATTER)
+    def start(self, bucket: Bucket) -> Handle:
+        """Average ``bucket`` in place now (each run encoded on its own blocks, as its tensor's
+        would be); the handle is complete."""
+        runs = bucket.run_views()
+        pieces = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
+        return Done(self._average_bucket(runs, pieces))
+
+    def agree(self) -> RoundStats:
+        """A round that started every bucket applies (refusals raise at ``open``)."""
+        return RoundStats()
 
     def _average_bucket(self, flats: list[Tensor], bucket: list[Piece]) -> int:
         """Average one bucket in place; returns the bytes this rank sent (= received)."""

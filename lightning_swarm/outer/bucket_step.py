@@ -1,0 +1,251 @@
+"""One bucket's outer-step work: form ``anchor - local``, step SGD/Adam(W), merge.
+
+``BucketJob`` holds one round's tensors and options and does the per-piece work the round
+engine (``outer/round.py``) runs per bucket, on any device path: the pieces of a bucket
+(``transport.buckets.Piece``) are cut out of the caller's parameters, anchors and outer state
+through ``PieceView``s, so the CPU path steps views in place and the CUDA path
+(``outer/staging.py``) steps staged slots. Buckets touch disjoint elements, so the order in
+which buckets are stepped or merged does not change a bit; each phase is labelled with the
+profiler's constants. A job lives for one round: it writes the caller's tensors in place and
+owns only its bf16 rounding generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
+from lightning_swarm.algorithm.fused import pseudo_gradient_into
+from lightning_swarm.algorithm.outer_fast import (
+    FastKind,
+    adam_step_,
+    ensure_state,
+    groups_by_param,
+    sgd_step_,
+)
+from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
+from lightning_swarm.transport.buckets import Piece, placed
+
+
+@dataclass(frozen=True)
+class StreamedResult:
+    """A streamed round: the averaged pseudo-gradient's norm, bytes sent (= received) and the
+    host time spent starting and waiting for the bucket means."""
+
+    norm: float
+    bytes_sent: int
+    reduce_s: float = 0.0
+
+
+# A streamed round's error feedback: its names, the new residuals (scratch), the codec.
+Feedback = tuple[list[str], dict[str, Tensor], Codec]
+
+# One bucket's mean across islands, in place: (flat, its pieces) -> bytes sent.
+Exchange = Callable[[Tensor, list[Piece]], int]
+
+STATE_KEYS: dict[FastKind, tuple[str, ...]] = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+}
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, anchor: Tensor, kind: FastKind) -> list[Tensor]:
+    """The anchor's state tensors the functional step reads and writes, in ``STATE_KEYS`` order."""
+    state = optimizer.state.get(anchor, {})
+    return [state[key] for key in STATE_KEYS[kind] if state.get(key) is not None]
+
+
+# A piece's slice of a bucket-sized buffer, from its offset in the bucket and the piece.
+PieceView = Callable[[int, Piece], Tensor]
+StateView = Callable[[int, Piece], list[Tensor]]
+
+
+class BucketJob:
+    """One round's tensors and options, with the per-piece helpers of both device paths."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        anchors: Sequence[Tensor],
+        optimizer: torch.optim.Optimizer,
+        kind: FastKind,
+        groups: dict[int, dict[str, Any]],
+        fresh: list[bool],
+        merge_alpha: float,
+        seed: int,
+    ) -> None:
+        if not 0.0 <= merge_alpha <= 1.0:
+            raise ValueError(f"merge alpha must lie in [0, 1], got {merge_alpha}")
+        self.params, self.anchors, self.optimizer = params, anchors, optimizer
+        self.kind, self.groups, self.fresh = kind, groups, fresh
+        self.merge_alpha = merge_alpha
+        self.device = params[0].device
+        self.total_numel = sum(p.numel() for p in params)
+        self.states_per_tensor = [state_tensors(optimizer, a, kind) for a in anchors]
+        # Stochastic rounding of bf16 anchors draws its noise per piece, in order, from one
+        # generator seeded like OuterSync's: on the CPU that is the same stream of numbers as
+        # drawing per whole tensor, so the result is bitwise the slow path's.
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+
+    def form(self, bucket: list[Piece], delta: Tensor, anchor_of: PieceView) -> None:
+        """Write the bucket's pseudo-gradients ``anchor - local`` (float32) into ``delta``."""
+        with record_function(labels.PSEUDO_GRADIENT):
+            for at, p in placed(bucket):
+                pseudo_gradient_into(anchor_of(at, p), self.param_slice(p), self.cut(delta, at, p))
+
+    def step_and_merge(
+        self, bucket: list[Piece], delta: Tensor, anchor_of: PieceView, state_of: StateView
+    ) -> None:
+        """Step the bucket's anchor pieces with its averaged ``delta`` (which the step uses
+        as scratch), then merge the new anchors into the parameters."""
+        with record_function(labels.OUTER_STEP):
+            for at, p in placed(bucket):
+                self.step(anchor_of(at, p), self.cut(delta, at, p), state_of(at, p), p)
+        with record_function(labels.MERGE):
+            for at, p in placed(bucket):
+                self.merge(self.param_slice(p), anchor_of(at, p))
+
+    def param_slice(self, p: Piece) -> Tensor:
+        return self.params[p.tensor_index].data.view(-1)[p.start : p.stop]
+
+    def anchor_slice(self, p: Piece) -> Tensor:
+        return self.anchors[p.tensor_index].view(-1)[p.start : p.stop]
+
+    def state_at(self, at: int, p: Piece) -> list[Tensor]:
+        """The piece's slices of its outer state tensors (a ``StateView``, stepped in place)."""
+        return [t.view(-1)[p.start : p.stop] for t in self.state(p)]
+
+    def anchor_at(self, at: int, p: Piece) -> Tensor:
+        """``anchor_slice`` as a ``PieceView`` (anchors stepped in place, not staged)."""
+        return self.anchor_slice(p)
+
+    @staticmethod
+    def cut(flat: Tensor, at: int, p: Piece) -> Tensor:
+        """The piece's slice of the bucket-sized buffer ``flat``, at its offset ``at``."""
+        return flat[at : at + p.length]
+
+    def state(self, p: Piece) -> list[Tensor]:
+        return self.states_per_tensor[p.tensor_index]
+
+    def step(self, anchor: Tensor, grad: Tensor, state: list[Tensor], p: Piece) -> None:
+        """The functional outer step on one piece (float32 work copy for low precision)."""
+        work = anchor if anchor.dtype == torch.float32 else anchor.to(torch.float32)
+        group = self.groups[id(self.anchors[p.tensor_index])]
+        if self.kind == "sgd":
+            buf = state[0] if state else None
+            sgd_step_(work, grad, buf, group, fresh=self.fresh[p.tensor_index])
+        else:
+            step = float(self.optimizer.state[self.anchors[p.tensor_index]]["step"].item())
+            adam_step_(work, grad, state[0], state[1], group, step=step)
+        if work is anchor:
+            return
+        if anchor.dtype == torch.bfloat16:
+            if self._generator is None:
+                self._generator = torch.Generator(device=anchor.device).manual_seed(self._seed)
+            anchor.copy_(stochastic_round_to_bf16(work, self._generator))
+        else:
+            anchor.copy_(work)
+
+    def merge(self, local: Tensor, anchor: Tensor) -> None:
+        incoming = anchor.to(device=local.device, dtype=local.dtype)
+        if self.merge_alpha == 0.0:
+            local.copy_(incoming)
+        else:
+            local.lerp_(incoming, 1.0 - self.merge_alpha)
+
+
+def form_fragment(
+    params: Mapping[str, Tensor], anchors: Mapping[str, Tensor], names: Sequence[str]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``anchor - local`` in float32 for ``names``, back to back in one new buffer on the
+    anchors' device; returns the buffer (the caller owns it) and a view of it per name."""
+    device = anchors[names[0]].device if names else torch.device("cpu")
+    flat = torch.empty(sum(params[n].numel() for n in names), device=device)
+    deltas, offset = {}, 0
+    for name in names:
+        param, anchor = params[name], anchors[name]
+        if param.shape != anchor.shape:
+            raise ValueError(
+                f"anchor shape {tuple(anchor.shape)} != local shape {tuple(param.shape)}; "
+                "anchors must be built from the same parameters the optimizer trains."
+            )
+        view = flat[offset : offset + param.numel()].view(param.shape)
+        local = param.detach().to(device=anchor.device, dtype=torch.float32)
+        torch.sub(anchor.to(torch.float32), local, out=view)
+        deltas[name], offset = view, offset + param.numel()
+    return flat, deltas
+
+
+def feed_back_tensors(
+    residuals: dict[str, Tensor], deltas: Mapping[str, Tensor], codec: Codec
+) -> dict[str, Tensor | None]:
+    """Add each residual to its delta (in place) and keep the new quantization error in
+    ``residuals``; returns the residuals it replaced, for ``restore_residuals``."""
+    previous = {name: residuals.get(name) for name in deltas}
+    for name, delta in deltas.items():
+        to_send, new_residual = with_error_feedback(delta, previous[name], codec)
+        delta.copy_(to_send)
+        residuals[name] = new_residual
+    return previous
+
+
+def restore_residuals(residuals: dict[str, Tensor], previous: Mapping[str, Tensor | None]) -> None:
+    """Undo ``feed_back_tensors``: a round that did not happen keeps its old residuals."""
+    for name, old in previous.items():
+        if old is None:
+            residuals.pop(name, None)
+        else:
+            residuals[name] = old
+
+
+def feed_back_pieces(
+    residuals: Mapping[str, Tensor],
+    names: Sequence[str],
+    scratch: dict[str, Tensor],
+    codec: Codec,
+    bucket: list[Piece],
+    delta: Tensor,
+) -> None:
+    """Error feedback on one formed bucket ``delta``, piece by piece (each starts on a codec
+    block of its tensor, so this equals feedback per tensor); the new residuals go to
+    ``scratch``, which the caller installs once the round succeeded."""
+    for at, p in placed(bucket):
+        name = names[p.tensor_index]
+        old = residuals.get(name)
+        piece = delta[at : at + p.length]
+        old_piece = None if old is None else old.view(-1)[p.start : p.stop]
+        to_send, residual = with_error_feedback(piece, old_piece, codec)
+        piece.copy_(to_send)
+        scratch[name].view(-1)[p.start : p.stop].copy_(residual)
+
+
+def state_beside(anchor: Tensor) -> Tensor:
+    """Fresh float32 outer state on the anchor's device."""
+    return torch.empty(anchor.shape, dtype=torch.float32, device=anchor.device)
+
+
+def start_job(
+    optimizer: torch.optim.Optimizer,
+    pairs: tuple[list[Tensor], list[Tensor]],
+    kind: FastKind,
+    merge_alpha: float,
+    allocate: Callable[[Tensor], Tensor],
+    seed: int,
+) -> BucketJob:
+    """A round's job over ``pairs`` (parameters, anchors): creates missing outer state with
+    ``allocate`` and counts Adam's step. ``seed`` must agree on every island (bf16 noise)."""
+    params, anchors = pairs
+    groups = groups_by_param(optimizer)
+    fresh = [ensure_state(optimizer, a, kind, groups[id(a)], allocate) for a in anchors]
+    if kind == "adam":
+        for anchor in anchors:
+            optimizer.state[anchor]["step"] += 1
+    return BucketJob(params, anchors, optimizer, kind, groups, fresh, merge_alpha, seed)

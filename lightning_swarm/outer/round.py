@@ -1,0 +1,449 @@
+"""The outer round of one ``OuterSync``: every round, for every transport and membership.
+
+A round of fragment f plans the fragment's buckets once (``transport.buckets.plan_buckets`` on
+the transport's bucket and block size), forms ``anchor - local`` in float32, opens the round
+(``BucketTransport.open``: every island agrees on the finite flag before anything moves) and
+starts the transport per bucket; ``apply`` waits, agrees whether the round applies, steps the
+outer optimizer (SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other one
+``optimizer.step()`` over the fragment) and merges. ``sync_delay`` only decides when ``apply``
+runs. A round takes one of two forms:
+- streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step,
+  contiguous tensors): form, error feedback, exchange, step and merge run bucket by bucket in
+  one pass, bucket k's mean in flight while k - 1 steps and k + 1 forms; with parameters on
+  CUDA and anchors in host memory the buckets go through ``CudaStaging`` (without feedback).
+- held: the fragment is formed into one float32 buffer on the training thread, error feedback
+  applied per tensor, and its buckets (views of that buffer) go through the transport inline or
+  on the ``SyncWorker``; the ``RoundInFlight`` lives until ``apply``.
+Error feedback per bucket equals feedback per tensor: each piece starts on a codec block. New
+residuals replace the old only when the exchange succeeded: a failed round happened nowhere.
+The engine reads and writes only its ``SyncState``; it owns its pipeline buffers and staging
+until ``close``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step
+from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.fused import max_abs, sum_of_squares
+from lightning_swarm.algorithm.outer_fast import (
+    FastKind,
+    fast_outer_kind,
+)
+from lightning_swarm.outer.bucket_step import (
+    BucketJob,
+    Feedback,
+    StreamedResult,
+    feed_back_pieces,
+    feed_back_tensors,
+    form_fragment,
+    restore_residuals,
+    start_job,
+    state_beside,
+)
+from lightning_swarm.outer.reports import SyncReport
+from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
+from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
+from lightning_swarm.transport.base import Bucket, Handle, RoundStats, bucket_transport
+from lightning_swarm.transport.buckets import Piece, numel_of, plan_buckets
+
+Pending = tuple[list[Piece], Tensor, Handle]
+
+
+class OuterRound:
+    """The round engine (see the module docstring).
+
+    Args:
+        state: the sync's shared state (``SyncState``), owned by the ``OuterSync``.
+    """
+
+    def __init__(self, state: SyncState) -> None:
+        self.state = state
+        self.transport = bucket_transport(state.transport)
+        self.staging = CudaStaging()
+        # Streamed CPU path: bucket means in flight while this thread forms and steps the
+        # neighbouring buckets (two or three measured no better on 2 cores).
+        self.in_flight = 1
+        self._delta: Tensor | None = None
+        self._reduce_s = 0.0
+        # A streamed round's error feedback: its names and the new residuals (scratch).
+        self._feedback: Feedback | None = None
+
+    def kind(self) -> FastKind | None:
+        """The per-bucket outer step, or None: one ``optimizer.step()`` over the fragment."""
+        s = self.state
+        if any(not t.is_contiguous() for t in [*s.anchors.values(), *s.params.values()]):
+            return None
+        return fast_outer_kind(s.outer_optimizer)
+
+    @property
+    def streams(self) -> bool:
+        """Whether rounds run as one streamed pass (see the module docstring)."""
+        s = self.state
+        staged = any(p.device.type == "cuda" for p in s.params.values()) and (
+            s.anchor_device.type == "cpu"
+        )
+        return (
+            self.transport.pipelined
+            and s.schedule.sync_delay == 0
+            and not s.placeholders
+            and not (staged and self._codec() is not None)
+            and self.kind() is not None
+        )
+
+    def _codec(self) -> Codec | None:
+        """The codec error feedback uses, or None without feedback."""
+        streaming = self.state.streaming
+        return streaming.codec if streaming.error_feedback else None
+
+    def close(self) -> None:
+        """Release the pipeline buffers and staging (the next round allocates them again)."""
+        self._delta = None
+        self.staging.close()
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the reused buffers held (pipeline buckets and staging slots)."""
+        own = 0 if self._delta is None else self._delta.numel() * 4
+        return own + self.staging.buffer_bytes()
+
+    # -- the schedule ------------------------------------------------------------------------
+    def step(self, step: int) -> SyncReport | None:
+        """After inner step ``step``: send the fragment the schedule names, apply the one due."""
+        s = self.state
+        sending = s.schedule.sends_at(step)
+        if sending is not None and self.streams:
+            return self.round(sending)
+        if sending is not None:
+            self.send(sending, inline=s.schedule.sync_delay == 0)
+        applying = s.schedule.applies_at(step)
+        if applying is None or _applied_by_finish(s, step - s.schedule.sync_delay):
+            return None
+        return self.apply(applying)
+
+    @torch.no_grad()
+    def round(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
+        """One whole round of ``fragment`` now; ``merge_alpha`` overrides the schedule's."""
+        if not self.streams:
+            self.send(fragment, inline=True)
+            return self.apply(fragment, merge_alpha=merge_alpha)
+        s = self.state
+        assert s.in_flight is None
+        alpha = s.schedule.merge_alpha if merge_alpha is None else merge_alpha
+        start = time.perf_counter()
+        result = StreamedResult(0.0, 0)  # a share with no tensors in this fragment
+        error: BaseException | None = None
+        try:
+            if s.owned_fragments[fragment]:
+                with record_function(labels.BUCKETED_ROUND):
+                    result = self._stream(s.owned_fragments[fragment], alpha)
+        except Exception as err:
+            if s.shard is None:
+                raise
+            error = err  # the island agrees on it first, then every rank raises
+        norm = result.norm
+        if s.shard is not None:
+            _, norm = s.shard.agree(True, result.norm, error)
+            s.shard.gather(s.fragments[fragment], s.params)
+        s.count_applied(fragment, alpha)
+        return SyncReport(
+            outer_steps=s.outer_steps,
+            pseudo_grad_norm=norm,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_sent,
+            wall_s=time.perf_counter() - start,
+            applied=True,
+            fragment=fragment,
+            fragment_rounds=s.fragment_rounds[fragment],
+            transport_s=result.reduce_s,
+        )
+
+    def apply_in_flight(self) -> SyncReport | None:
+        """Apply the round in flight now, if any (the end of fit)."""
+        rnd = self.state.in_flight
+        return None if rnd is None else self.apply(rnd.fragment)
+
+    def drain(self) -> None:
+        """Wait for a round in flight without applying it (before a save or at teardown)."""
+        if self.state.in_flight is not None:
+            wait_exchange(self.state.in_flight)
+
+    # -- the streamed form: one pass ----------------------------------------------------
+    def _stream(self, names: list[str], alpha: float) -> StreamedResult:
+        """Open, then per bucket: form, start, wait, step, merge (this rank's ``names``)."""
+        s, t = self.state, self.transport
+        params = [s.params[n] for n in names]
+        on_cuda = params[0].device.type == "cuda" and s.anchor_device.type == "cpu"
+        if on_cuda:
+            pin_round_memory(s.outer_optimizer, s.anchors)
+        finite = bool(torch.isfinite(max_abs(list(params))).item())
+        t.open(round_index=s.outer_steps, finite=finite, names=_shapes(s.params, names))
+        allocate = self.staging.allocate_state if on_cuda else state_beside
+        kind = self.kind()
+        assert kind is not None
+        job = start_job(s.outer_optimizer, self._pairs(names), kind, alpha, allocate, s.outer_steps)
+        numels = [p.numel() for p in params]
+        self._reduce_s = 0.0
+        codec, self._feedback = self._codec(), None
+        if codec is not None:
+            scratch = {n: torch.empty(s.params[n].shape, device=s.anchor_device) for n in names}
+            self._feedback = (names, scratch, codec)
+        if on_cuda:
+            staged = max(t.block_size, self.staging.bucket_numel_for(job, t.bucket_numel))
+            plan = plan_buckets(numels, staged, t.block_size)
+            delta = self._buffer(numel_of(plan[0]), job.device)
+            result = self.staging.run(job, plan, self._exchange_bucket, delta)
+        else:
+            result = self._pipelined(job, plan_buckets(numels, t.bucket_numel, t.block_size))
+        if self._feedback is not None:  # the round happened: its residuals replace the old
+            s.residuals.update(self._feedback[1])
+            self._feedback = None
+        return replace(result, reduce_s=self._reduce_s)
+
+    def _pipelined(self, job: BucketJob, plan: list[list[Piece]]) -> StreamedResult:
+        """Anchors on the parameters' device: ``in_flight + 1`` reused buckets, stepped in place
+        through views (buckets touch disjoint elements: the order of writes does not matter)."""
+        numel = max(numel_of(bucket) for bucket in plan)
+        num_buffers = min(self.in_flight + 1, len(plan))
+        deltas = self._buffer(numel * num_buffers, job.device)
+        sumsq = torch.zeros((), dtype=torch.float32, device=job.device)
+        sent = 0
+        pending: list[Pending] = []
+        for k, bucket in enumerate(plan):
+            start = (k % num_buffers) * numel
+            delta = deltas[start : start + numel_of(bucket)]
+            job.form(bucket, delta, job.anchor_at)
+            if self._feedback is not None:
+                feed_back_pieces(self.state.residuals, *self._feedback, bucket, delta)
+            pending.append((bucket, delta, self._start(delta, bucket)))
+            if len(pending) > self.in_flight:
+                sent += self._finish(job, *pending.pop(0), sumsq)
+        for item in pending:
+            sent += self._finish(job, *item, sumsq)
+        return StreamedResult(float(sumsq.sqrt().item()), sent)
+
+    def _finish(
+        self, job: BucketJob, bucket: list[Piece], delta: Tensor, handle: Handle, sumsq: Tensor
+    ) -> int:
+        """Wait for ``delta``'s mean, then step and merge its pieces in place."""
+        sent = self._wait(handle)
+        sumsq += sum_of_squares(delta)
+        job.step_and_merge(bucket, delta, job.anchor_at, job.state_at)
+        return sent
+
+    def _start(self, flat: Tensor, bucket: Sequence[Piece]) -> Handle:
+        start = time.perf_counter()
+        with record_function(labels.EXCHANGE):
+            handle = self.transport.start(Bucket(flat, _runs(bucket)))
+        self._reduce_s += time.perf_counter() - start
+        return handle
+
+    def _wait(self, handle: Handle) -> int:
+        start = time.perf_counter()
+        with record_function(labels.EXCHANGE):
+            sent = handle.wait()
+        self._reduce_s += time.perf_counter() - start
+        return sent
+
+    def _exchange_bucket(self, flat: Tensor, bucket: list[Piece]) -> int:
+        """One bucket's mean, in place, now (the staged path's ``Exchange``)."""
+        return self._wait(self._start(flat, bucket))
+
+    def _buffer(self, numel: int, device: torch.device) -> Tensor:
+        if self._delta is None or self._delta.device != device or self._delta.numel() < numel:
+            self._delta = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._delta
+
+    def _pairs(self, names: list[str]) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters and anchors of ``names``, in order."""
+        return [self.state.params[n] for n in names], [self.state.anchors[n] for n in names]
+
+    # -- the held form -----------------------------------------------------------------------
+    @torch.no_grad()
+    def send(self, fragment: int, *, inline: bool) -> None:
+        """Form fragment ``fragment``'s pseudo-gradients and start their exchange."""
+        s = self.state
+        assert s.in_flight is None, "the schedule allows one round in flight at a time"
+        if s.placeholders:
+            raise RuntimeError(
+                "an outer round started while the anchors are still placeholders awaiting a "
+                "resume (defer_anchors=True and load_state_dict was never called); install the "
+                "saved anchors with load_state_dict before the first inner step."
+            )
+        start = time.perf_counter()
+        with record_function(labels.PSEUDO_GRADIENT):
+            flat, deltas = form_fragment(s.params, s.anchors, s.owned_fragments[fragment])
+        rnd = RoundInFlight(fragment, s.inner_steps, deltas, flat=flat)
+        round_index = s.outer_steps
+        # In flight from here on: the transport may ask which round it is exchanging (an
+        # elastic membership puts the round's place in its header; ``outer/join.py``).
+        s.in_flight = rnd
+        if inline:
+            try:
+                rnd.result = self._exchange(flat, deltas, round_index)
+            except Exception as err:
+                if s.shard is None:
+                    s.in_flight = None
+                    raise
+                rnd.error = err  # the island agrees on it at the apply, then raises
+        else:
+            worker = s.streaming.worker
+            assert worker is not None
+            rnd.future = worker.submit(functools.partial(self._exchange, flat, deltas, round_index))
+        rnd.send_blocked_s = time.perf_counter() - start
+
+    @torch.no_grad()
+    def _exchange(self, flat: Tensor, deltas: dict[str, Tensor], round_index: int) -> Exchanged:
+        """Error feedback, ``open``, every bucket (a pipelined transport keeps two in flight),
+        ``agree`` (on the worker when delayed). Overwrites ``flat`` with the average. The
+        residuals of a skipped or failed round are restored: its whole pseudo-gradient re-enters
+        the next round anyway (anchors and locals stay)."""
+        s, t = self.state, self.transport
+        # This rank's share of the fragment is empty: nothing to exchange, unless the
+        # transport's round needs every rank of the island (elastic islands, one Manager a rank).
+        if not deltas and not getattr(s.transport, "every_rank_in_round", False):
+            return Exchanged(RoundStats(applied=True), 0.0)
+        codec, start, sent = self._codec(), time.perf_counter(), 0
+        previous = {} if codec is None else feed_back_tensors(s.residuals, deltas, codec)
+        plan = plan_buckets([d.numel() for d in deltas.values()], t.bucket_numel, t.block_size)
+        try:
+            with record_function(labels.EXCHANGE):
+                # A whole-payload transport checks (or drops) contributions itself.
+                finite = not t.pipelined or bool(torch.isfinite(max_abs([flat])).item())
+                t.open(round_index=round_index, finite=finite, names=_shapes(deltas, deltas))
+                handles: list[Handle] = []
+                for bucket, at in zip(plan, _offsets(plan), strict=True):
+                    handles.append(t.start(Bucket(flat[at : at + numel_of(bucket)], _runs(bucket))))
+                    if t.pipelined and len(handles) > self.in_flight:
+                        sent += handles.pop(0).wait()
+                sent += sum(handle.wait() for handle in handles)
+                stats = t.agree()
+        except BaseException:
+            # The round did not happen anywhere (anchors unchanged): neither did its feedback.
+            restore_residuals(s.residuals, previous)
+            raise
+        stats = replace(
+            stats,
+            bytes_sent=stats.bytes_sent + sent,
+            bytes_received=stats.bytes_received + sent,
+            wall_s=time.perf_counter() - start,
+        )
+        if not stats.applied:
+            restore_residuals(s.residuals, previous)
+            return Exchanged(stats, 0.0)
+        return Exchanged(stats, global_norm(list(deltas.values())))
+
+    @torch.no_grad()
+    def apply(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
+        """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals.
+
+        ``merge_alpha`` overrides the schedule's (``finish`` merges with 0).
+        """
+        s = self.state
+        rnd = s.in_flight
+        assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
+        start = time.perf_counter()
+        result, applied, norm = self._island_result(rnd)
+        s.in_flight = None
+        alpha = s.schedule.merge_alpha if merge_alpha is None else merge_alpha
+        if applied:
+            self._step_and_merge(fragment, rnd, alpha)
+        # A skipped round keeps both anchors and locals: the island's progress is not thrown
+        # away, it simply enters the next round's pseudo-gradient.
+        del rnd.deltas, rnd.flat
+        return SyncReport(
+            outer_steps=s.outer_steps,
+            pseudo_grad_norm=norm,
+            bytes_sent=result.stats.bytes_sent,
+            bytes_received=result.stats.bytes_received,
+            wall_s=rnd.send_blocked_s + time.perf_counter() - start,
+            applied=applied,
+            fragment=fragment,
+            fragment_rounds=s.fragment_rounds[fragment],
+            transport_s=result.stats.wall_s,
+            non_finite_islands=result.stats.non_finite_islands,
+            rejected_own=result.stats.rejected_own,
+        )
+
+    def _step_and_merge(self, fragment: int, rnd: RoundInFlight, alpha: float) -> None:
+        """An applied round: the outer step on the fragment's anchors, the merge, the gather."""
+        s = self.state
+        names = s.owned_fragments[fragment]
+        kind = self.kind()
+        if names and kind is not None:
+            flat = rnd.flat
+            if flat is None:  # a round restored from a checkpoint: its deltas by name
+                flat = torch.cat([rnd.deltas[n].reshape(-1) for n in names])
+            job = start_job(
+                s.outer_optimizer, self._pairs(names), kind, alpha, state_beside, s.outer_steps
+            )
+            numels = [s.params[n].numel() for n in names]
+            offset = 0
+            for bucket in plan_buckets(numels, self.transport.bucket_numel):
+                numel = numel_of(bucket)
+                delta = flat[offset : offset + numel]
+                job.step_and_merge(bucket, delta, job.anchor_at, job.state_at)
+                offset += numel
+        elif names:
+            with record_function(labels.OUTER_STEP):
+                anchors = [s.anchors[n] for n in names]
+                outer_step(
+                    s.outer_optimizer, anchors, [rnd.deltas[n] for n in names], seed=s.outer_steps
+                )
+            with record_function(labels.MERGE):
+                for name in names:
+                    merge_into_local(s.params[name].data, s.anchors[name], alpha)
+        if s.shard is not None:
+            s.shard.gather(s.fragments[fragment], s.params)
+        s.count_applied(fragment, alpha)
+
+    def _island_result(self, rnd: RoundInFlight) -> tuple[Exchanged, bool, float]:
+        """The exchange's result, whether the round applies, and its norm, island-wide.
+
+        Unsharded that is the transport's own verdict. Sharded, every share must agree
+        (``IslandShard.agree``) before any rank steps: a failed share raises on every rank.
+        """
+        s = self.state
+        if s.shard is None:
+            result = wait_exchange(rnd)
+            return result, result.stats.applied, result.norm
+        error: Exception | None = rnd.error
+        result = Exchanged(RoundStats(applied=False), 0.0)
+        if error is None:
+            try:
+                result = wait_exchange(rnd)
+            except Exception as err:
+                error = err
+        own_norm = 0.0 if result.combined else result.norm
+        applied, norm = s.shard.agree(result.stats.applied, own_norm, error)
+        return result, applied, result.norm if result.combined else norm
+
+
+def _runs(bucket: Sequence[Piece]) -> tuple[int, ...]:
+    return tuple(p.length for p in bucket)
+
+
+def _offsets(plan: list[list[Piece]]) -> list[int]:
+    """Each bucket's offset in the buffer that holds the plan's buckets back to back."""
+    offsets, at = [], 0
+    for bucket in plan:
+        offsets.append(at)
+        at += numel_of(bucket)
+    return offsets
+
+
+def _shapes(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, torch.Size]:
+    return {n: params[n].shape for n in names}
+
+
+def _applied_by_finish(state: SyncState, send_step: int) -> bool:
+    """Whether the end-of-fit round already applied a round sent after ``send_step``."""
+    return state.ended_at is not None and send_step <= state.ended_at
