@@ -1,11 +1,8 @@
 """``SwarmStrategy``: DiLoCo across islands as a Lightning strategy.
 
 Glue only: Lightning's hooks wired to the ``OuterLoop``; groups and DDP come from
-``IslandDDPStrategy``, the checkpoint from a ``SwarmCheckpointer`` (a run: ``docs/strategy.md``).
-A resume captures the swarm record in ``load_checkpoint`` (placeholder anchors at ``setup``) and
-restores each island in ``load_optimizer_state_dict``, before any step. A save writes the swarm
-files first and the Lightning file last; one that fails on any rank removes its files and raises
-on every rank.
+``IslandDDPStrategy``, saves and resumes from a ``SwarmCheckpointer`` (the hooks it is called
+from and why: ``resume/checkpointer.py``; a run: ``docs/strategy.md``).
 """
 
 from __future__ import annotations

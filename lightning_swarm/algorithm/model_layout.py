@@ -1,16 +1,12 @@
 """A model's layout: each parameter's name, shape and dtype, and the fingerprint of it.
 
-The one description of "the same model" in the package. Two uses, each comparing what it needs:
-
-- a checkpoint records each optimizer's names and shapes (``resume.fingerprint``) and refuses a
-  resume whose layout differs; dtypes are left out there, since a resume may change precision;
-- an elastic island sends ``fingerprint(layout)`` in every round's header, and the layout itself
-  with a heal, so that a joiner whose model differs (dtypes included) is refused, naming the
-  parameters that differ (``membership.torchft_quorum``).
-
-A layout is plain data (str, int, tuple) so that it crosses the heal wire unchanged. Model-sharded
-parameters are described by their global shapes (``global_shapes``), equal on every rank.
-Imports torch only.
+The one description of "the same model" in the package, used twice: a checkpoint records each
+optimizer's names and shapes (``resume.fingerprint``) and refuses a resume whose layout differs
+(dtypes left out: a resume may change precision); an elastic island sends ``fingerprint(layout)``
+in every round's header and the layout with a heal, so that a joiner whose model differs, dtypes
+included, is refused naming the parameters (``membership.torchft_quorum``). A layout is plain
+data (str, int, tuple), so it crosses the heal wire unchanged; model-sharded parameters are
+described by their global shapes. Imports torch only.
 """
 
 from __future__ import annotations

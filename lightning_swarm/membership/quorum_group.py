@@ -1,12 +1,9 @@
-"""The quorum's process group: torchft's reconfigurable gloo group, set up once per quorum over
-a kept store connection.
+"""The quorum's process group: torchft's gloo group, set up once per quorum on a kept store.
 
 torchft's ``ProcessGroupGloo.configure`` opens a new ``TCPStore`` client per set-up, and such
 connects sometimes hang until the timeout (``docs/elastic.md``). ``QuorumGroup`` keeps one client
-per store address and sets every group up on a ``PrefixStore`` of it.
-
-Ownership: the kept clients belong to the group; a client whose set-up failed is dropped and the
-next set-up connects anew. At most ``KEPT_STORES`` addresses are kept.
+per store address (at most ``KEPT_STORES``) and sets every group up on a ``PrefixStore`` of it; a
+client whose set-up failed is dropped and the next set-up connects anew.
 """
 
 from __future__ import annotations

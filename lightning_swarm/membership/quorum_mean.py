@@ -1,16 +1,10 @@
 """The mean of a round's pseudo-gradients over the quorum, bucket by bucket.
 
-``bucketed_mean`` packs the tensors into one reused float32 CPU bucket of at most
-``bucket_numel`` elements (the one packer, ``transport.buckets.mean_in_buckets``), averages each
-bucket with torchft's ``Manager.allreduce`` and writes the result back into the tensors' own
-storage. ``Manager.allreduce`` averages over the participating islands, zeroes the share of an
-island being healed, and records a failure (a dead peer) for the commit gate instead of raising,
-so a failed bucket leaves garbage that the abandoned round never applies. Tensors may live on
-any device (copies cross it); the bucket is the only extra memory.
-
-Bytes: gloo all-reduces a bucket with a ring over the quorum's group, so a rank sends (and
-receives) ``2 (n - 1) / n`` of it (``transport.allreduce.ring_allreduce_bytes``); a bucket
-whose all-reduce failed moved nothing worth counting and counts 0.
+``bucketed_mean`` packs the tensors into one reused float32 CPU bucket (``mean_in_buckets``), the
+only extra memory, and averages each with torchft's ``Manager.allreduce``. That averages over the
+participants, zeroes a healing island's share and records a failure for the commit gate instead
+of raising: a failed bucket leaves garbage that the abandoned round never applies, and counts 0
+bytes (others a ring's ``2 (n - 1) / n``). Tensors may live on any device.
 """
 
 from __future__ import annotations

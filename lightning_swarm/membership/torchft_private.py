@@ -1,11 +1,10 @@
-"""Every private name of torchft (and of torch's gloo group under it) that elastic membership
-reads or writes, in one place.
+"""Every private name of torchft (and of torch's gloo group) that elastic membership touches.
 
-Each need torchft's public API does not serve is one small function whose docstring names the
-private attribute and why; ``tests/test_torchft_private.py`` has one test per name. A missing name
-raises ``TorchftVersionError`` naming it and the fix, never an ``AttributeError`` inside a round:
-class attributes are checked by ``check_torchft``, instance attributes before they are written.
-torchft, an optional extra, is imported only inside these functions.
+Each is one small function whose docstring names the attribute and why;
+``tests/test_torchft_private.py`` has one test per name. A missing name raises
+``TorchftVersionError`` naming it and the fix, never an ``AttributeError`` inside a round: class
+attributes are checked by ``check_torchft``, instance attributes before they are written. torchft,
+an optional extra, is imported only inside these functions.
 """
 
 from __future__ import annotations

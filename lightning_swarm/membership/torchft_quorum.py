@@ -1,15 +1,14 @@
 """Elastic membership on torchft: a quorum per outer round, a commit gate, healing.
 
 ``TorchftMembership`` is a ``Transport`` whose islands torchft's Lighthouse decides every round:
-quorum (a joiner is healed from a live island), round header (refusals before any tensor moves),
-the mean over the participating islands, then the commit gate. A failure anywhere abandons the
-round on the survivors (anchors unchanged, local progress kept); only the header's refusals and
-a quorum that never comes raise. The genesis quorum heals every island to the first one's anchors.
-An island of several ranks fans out from rank 0 (``per_rank=False``) or runs a Manager per rank
-over its share (``per_rank=True``), and its ranks agree on one outcome.
-
-Ownership: Managers and their groups belong to this object until ``close``. Healed state goes to
-``load_fn``, which keeps it until the training thread installs it (``ElasticOuter.settle``).
+quorum (a joiner is healed from a live island; the genesis quorum heals every island to the
+first one's anchors), round header (refusals before any tensor moves), the mean over the
+participants, then the commit gate. A failure anywhere abandons the round on the survivors
+(anchors unchanged, local progress kept); only the header's refusals and a quorum that never
+comes raise. An island of several ranks fans out from rank 0 (``per_rank=False``) or runs a
+Manager per rank over its share (``per_rank=True``); its ranks agree on one outcome. Managers and
+their groups belong to this object until ``close``; healed state goes to ``load_fn``, which keeps
+it until the training thread installs it (``ElasticOuter.settle``).
 """
 
 from __future__ import annotations

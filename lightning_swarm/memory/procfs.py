@@ -3,10 +3,9 @@
 Parsers take a file's text, so recorded files test like live ones; ``ProcReader`` alone touches
 the file system (``root`` may point at recorded files, or nowhere to play a machine without
 /proc). ``status`` and ``meminfo`` cost the same at any size; ``smaps_rollup`` walks page tables
-and grows with resident memory (figures in ``docs/census.md``), hence two cadences.
-
-Invariants: values are bytes (procfs prints kB); an absent field is absent, never zero; each read
-opens the file afresh, since a descriptor kept across ``fork`` would describe the parent.
+and grows with resident memory (``docs/census.md``), hence two cadences. Values are bytes (procfs
+prints kB); an absent field is absent, never zero; each read opens the file afresh, since a
+descriptor kept across ``fork`` would describe the parent.
 """
 
 from __future__ import annotations

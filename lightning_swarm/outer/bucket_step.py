@@ -1,13 +1,10 @@
 """One bucket's outer-step work: form ``anchor - local``, step SGD/Adam(W), merge.
 
-``BucketJob`` holds one round's tensors and options and does the per-piece work the round
-engine (``outer/round.py``) runs per bucket, on any device path: the pieces of a bucket
-(``transport.buckets.Piece``) are cut out of the caller's parameters, anchors and outer state
-through ``PieceView``s, so the CPU path steps views in place and the CUDA path
-(``outer/staging.py``) steps staged slots. Buckets touch disjoint elements, so the order in
-which buckets are stepped or merged does not change a bit; each phase is labelled with the
-profiler's constants. A job lives for one round: it writes the caller's tensors in place and
-owns only its bf16 rounding generator.
+``BucketJob`` does the per-piece work the round engine runs per bucket, on any device path:
+pieces are cut out of the caller's parameters, anchors and outer state through ``PieceView``s
+(the CPU path steps views in place, ``outer/staging.py`` staged slots). Buckets touch disjoint
+elements, so their order does not change a bit. A job lives for one round: it writes the
+caller's tensors in place and owns only its bf16 rounding generator.
 """
 
 from __future__ import annotations

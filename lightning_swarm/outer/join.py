@@ -2,13 +2,11 @@
 
 A joiner receives anchors, outer optimizer state and counters, never a round in flight nor
 residuals (an island's own quantization error). A heal arrives on the exchange's thread:
-``install`` keeps it, ``settle`` installs it on the training thread as
+``install`` keeps it until ``settle`` installs it on the training thread as
 ``local <- anchor_new + (local - anchor_old)``, keeping the island's progress. A joiner's first
 round (``join_round``) contributes nothing and applies the swarm's mean, so its anchors equal the
 others'. An elastic fit ends with every parameter on its anchor (``land_on_anchors``).
-
-Ownership: ``ElasticOuter`` borrows the loop's ``OuterSync`` objects, which adopt installed
-tensors; a kept heal lives until ``settle``.
+``ElasticOuter`` borrows the loop's ``OuterSync`` objects, which adopt installed tensors.
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
 """The outer round of one ``OuterSync``: every round, for every transport and membership.
 
-A round of fragment f plans the fragment's buckets once (``transport.buckets.plan_buckets`` on
-the transport's bucket and block size), forms ``anchor - local`` in float32, opens the round
-(``BucketTransport.open``: every island agrees on the finite flag before anything moves) and
-starts the transport per bucket; ``apply`` waits, agrees whether the round applies, steps the
-outer optimizer (SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other one
-``optimizer.step()`` over the fragment) and merges. ``sync_delay`` only decides when ``apply``
-runs. A round takes one of two forms:
-- streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step,
-  contiguous tensors): form, error feedback, exchange, step and merge run bucket by bucket in
-  one pass, bucket k's mean in flight while k - 1 steps and k + 1 forms; with parameters on
-  CUDA and anchors in host memory the buckets go through ``CudaStaging`` (without feedback).
-- held: the fragment is formed into one float32 buffer on the training thread, error feedback
-  applied per tensor, and its buckets (views of that buffer) go through the transport inline or
-  on the ``SyncWorker``; the ``RoundInFlight`` lives until ``apply``.
-Error feedback per bucket equals feedback per tensor: each piece starts on a codec block. New
-residuals replace the old only when the exchange succeeded: a failed round happened nowhere.
-The engine reads and writes only its ``SyncState``; it owns its pipeline buffers and staging
-until ``close``.
+A round of fragment f plans its buckets once (``transport.buckets.plan_buckets``), forms
+``anchor - local`` in float32, opens the round (``BucketTransport.open``) and starts the
+transport per bucket; ``apply`` waits, agrees whether the round applies, steps the outer optimizer
+(SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other over the fragment) and
+merges. ``sync_delay`` only decides when ``apply`` runs. Two forms:
+- streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step):
+  form, error feedback, exchange, step and merge run bucket by bucket, bucket k's mean in flight
+  while k - 1 steps and k + 1 forms; CUDA parameters with host anchors go through
+  ``CudaStaging`` (without feedback).
+- held: the fragment is formed into one float32 buffer on the training thread and its buckets go
+  through the transport inline or on the ``SyncWorker``; the ``RoundInFlight`` lives until
+  ``apply``.
+New residuals replace the old only when the exchange succeeded: a failed round happened nowhere.
+The engine reads and writes only its ``SyncState``; it owns its buffers and staging until ``close``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """The sharded outer loop: each rank of an island owns a share of the anchors and outer state.
 
-With ``island_size = k > 1`` and ``shard_outer``, the trained parameters of every fragment are
-split among the island's k ranks by bytes (``partition_by_bytes``: greedy, largest tensor first,
-ties broken by name order; computed identically on every rank from names and shapes only). The
-rank at position ``j`` of every island owns the same names, so its peer group (position ``j`` of
-every island) exchanges exactly that share: per rank, the bytes sent across islands, the anchor
-and outer-state memory and the outer-step work all drop about k-fold.
+With ``island_size = k > 1`` and ``shard_outer``, every fragment's trained parameters are split
+among the island's k ranks by bytes (``partition_by_bytes``, from names and shapes only). Position
+j of every island owns the same names, so its peer group exchanges exactly that share: bytes
+across islands, anchor and outer-state memory and outer-step work all drop about k-fold. After a
+round the owners broadcast their new parameters to the island (``IslandShard.gather``); DDP ranks
+start a round identical, so they end it bitwise identical. The island agrees on whether the round
+applied (a swarm round may skip for one share only; then every share skips) and on the norm
+(``IslandShard.agree``). Each rank keeps its share's residuals; a save collects them on the
+island's first rank (``IslandShard.collect``), a resume takes those of the names it owns.
 
-After a round the owners hand the new parameters to the rest of their island over the island's
-own group (``IslandShard.gather``: each owner broadcasts its tensors, runs of one dtype packed
-into buckets of at most ``bucket_numel`` elements by the one packer,
-``transport.buckets.plan_buckets``, two buckets in flight; a bucket of a single piece travels in
-place). In DDP every rank of an
-island holds the same parameters before the round, so afterwards they are again bitwise
-identical.
-
-Two island-wide agreements keep the shares in step (``IslandShard.agree``): whether the round
-applied (a transport that may skip a round, e.g. the swarm transport, could skip it for one
-share only; then every share skips, as the unsharded round would) and the pseudo-gradient norm
-(the square root of the sum of the shares' squared norms, for the report).
-
-Error feedback works sharded: each rank keeps the residuals of its share, and a save collects
-them on the island's first rank (``IslandShard.collect``), which writes the island's file; a
-resume takes the residuals of the names it owns.
-
-Ownership: ``IslandShard`` holds the owner map (name -> position) for the whole fit; it owns no
-tensors. The gather's buckets are temporaries (at most two packed buckets at a time, plus a
-copy of each non-contiguous parameter).
+Ownership: ``IslandShard`` holds the owner map (name -> position) for the whole fit and owns no
+tensors; the gather's buckets are temporaries (two packed buckets at most, plus a copy of each
+non-contiguous parameter).
 """
 
 from __future__ import annotations
@@ -95,7 +81,11 @@ class IslandShard:
 
     @torch.no_grad()
     def gather(self, names: Sequence[str], params: Mapping[str, Tensor]) -> None:
-        """Every owner broadcasts its ``names``' parameters to the island (collective)."""
+        """Every owner broadcasts its ``names``' parameters to the island (collective).
+
+        Runs of one dtype are packed into buckets of at most ``bucket_numel`` elements by
+        ``transport.buckets.plan_buckets``, two in flight; a one-piece bucket travels in place.
+        """
         with record_function(labels.ISLAND_GATHER):
             in_flight: list[tuple[list[Tensor], list[Piece], Tensor, Any]] = []
             copies: list[tuple[Tensor, Tensor]] = []

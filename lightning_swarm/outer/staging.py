@@ -1,12 +1,11 @@
 """The streamed round's CUDA path: parameters on the GPU, anchors and outer state in host memory.
 
-Part of the round engine (``outer/round.py``), which hands it one bucket's ``Exchange``.
 ``pin_round_memory`` pins the anchors and their state once, at the first such round.
-``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed, and
-bucket k out on another once computed; two slots alternate, ordered by CUDA events (``free``,
-``loaded``, ``computed``). It owns its slots and streams until ``close``; host anchors and state
-stay the ``OuterSync``'s and are complete when ``run`` returns. Extra GPU memory stays within
-``BUDGET_BUCKETS`` transport buckets (``staged_bucket_numel``; ``docs/performance.md``).
+``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed, and bucket
+k out on another once computed; two slots alternate, ordered by CUDA events. It owns its slots
+and streams until ``close``; host anchors and state stay the ``OuterSync``'s and are complete
+when ``run`` returns. Extra GPU memory stays within ``BUDGET_BUCKETS`` transport buckets
+(``staged_bucket_numel``; ``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 ``OuterSync`` ties the DiLoCo math to a ``Transport`` without Lightning: ``on_inner_step`` after
 every real inner step, a ``SyncReport`` back when a round applied. Its state is one ``SyncState``
-(ownership documented there); its one round engine is ``OuterRound`` (``outer/round.py``);
-``SyncCheckpoint`` saves it. ``finish`` leaves every island on the
-anchors, bit for bit; which fragments it runs depends only on counters equal everywhere, so every
-rank runs the same collectives, and ``ended_at`` keeps a round from applying twice.
+(ownership documented there), its round engine ``OuterRound``; ``SyncCheckpoint`` saves it.
+``finish`` leaves every island on the anchors, bit for bit; which fragments it runs depends only
+on counters equal everywhere, so every rank runs the same collectives, and ``ended_at`` keeps a
+round from applying twice.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``SyncState``: everything one ``OuterSync``'s rounds read and write, in one record.
 
-The round engine and ``SyncCheckpoint`` read and write these fields and nothing else.
-
-Ownership: ``params`` are the module's, written in place by an applied round. ``anchors`` are
-owned here (one per ``owned`` name, never aliased to a parameter, the pure global model), and the
-outer optimizer over them owns its state. Sharded, only ``owned`` names have anchors, state and
-residuals on this rank; counters are island-wide. ``residuals`` are per-island; anchors, outer
-state, counters and ``in_flight`` (a held round between send and apply) are global.
+The round engine and ``SyncCheckpoint`` read and write these fields and nothing else. ``params``
+are the module's, written in place by an applied round. ``anchors`` are owned here (one per
+``owned`` name, never aliased to a parameter, the pure global model); the outer optimizer over
+them owns its state. Sharded, only ``owned`` names have anchors, state and residuals on this
+rank. ``residuals`` are per island; everything else (``in_flight``: a held round between send
+and apply) is global.
 """
 
 from __future__ import annotations

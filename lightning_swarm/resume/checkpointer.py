@@ -1,19 +1,13 @@
 """``SwarmCheckpointer``: the strategy's save and restore of swarm state, without Lightning.
 
-The strategy owns one and calls it from its checkpoint hooks:
-
-- ``capture`` from ``load_checkpoint`` (before ``setup``): note the checkpoint being resumed, so
-  that ``setup`` builds memory-less placeholder anchors (``defer_anchors``);
-- ``restore`` from ``load_optimizer_state_dict`` (after ``setup`` and after Lightning loaded rank
-  0's optimizer state, before any sanity check or training step);
-- ``save`` / ``remove`` from ``save_checkpoint`` / ``remove_checkpoint``.
-
-A capture lives until the restore that consumes it, whether that restore succeeds or not, and a
-fit without ``ckpt_path`` forgets one an earlier fit left (``defer_anchors(resuming=False)``):
-a later fit never restores a checkpoint it was not given. ``island_ckpt_paths`` is set by the
-``SwarmResume`` callback, the user's way to restore some islands from older checkpoints.
-
-Mapped tensors are held by the ``OuterSync`` objects only, never here.
+The strategy owns one and calls it from its hooks: ``capture`` from ``load_checkpoint`` (before
+``setup``, which then builds memory-less placeholder anchors), ``restore`` from
+``load_optimizer_state_dict`` (after ``setup`` and Lightning's optimizer load, before any sanity
+check or training step), ``save`` / ``remove`` from ``save_checkpoint`` / ``remove_checkpoint``.
+A capture lives until the restore that consumes it, succeeded or not, and a fit without
+``ckpt_path`` forgets an earlier fit's (``defer_anchors(resuming=False)``): a later fit never
+restores a checkpoint it was not given. ``island_ckpt_paths`` is set by the ``SwarmResume``
+callback. Mapped tensors are held by the ``OuterSync`` objects only, never here.
 """
 
 from __future__ import annotations

@@ -1,25 +1,19 @@
 """Restoring a swarm checkpoint: check everything, agree on every rank, then install.
 
-``SwarmCheckpointer.restore`` (``resume/checkpointer.py``) runs these steps on every rank, in the
-same order of collectives, failures included:
-
-1. sources: ``island_ckpt_paths`` fit the island count; the fingerprint and the options that
+``SwarmCheckpointer.restore`` runs these steps on every rank, in the same order of collectives,
+failures included:
+1. sources: ``island_ckpt_paths`` fit the island count, the fingerprint and the options that
    cannot change (``option_changes.refuse_unusable``) match; this island's source is chosen;
-2. every rank agrees on the newest outer round among the islands' sources (catch-up target);
-3. files: each file this rank reads is checked against the size and checksum its record holds
-   (one chunked read, ``integrity``), loaded (mapped by default), and validated: island index,
-   module entries and shapes, optimizer count, anchors of every parameter's shape and the
-   round in flight (``OuterSync.check_state_dict``, once per save), finite anchors (per file,
-   so an error names the shard) and island parameters. A sharded save's shards are merged by
-   name on every rank: a catch-up needs every anchor; ``OuterSync.load_checked_state_dict``
-   then keeps this rank's share;
-4. the ranks exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError``
-   on every rank, and nothing has been installed;
-5. install: module state, catch-up where the island is behind, inner optimizer states, outer
-   state, residuals, totals.
+2. agree on the newest outer round among the islands' sources (the catch-up target);
+3. check each file this rank reads against its record's size and checksum, load it (mapped by
+   default) and validate it (``OuterSync.check_state_dict``; finite anchors per file, so an error
+   names the shard); a sharded save's shards merge by name, since a catch-up needs every anchor;
+4. exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError`` on every rank
+   before anything is installed;
+5. install module state, catch-up, inner optimizer states, outer state, residuals, totals.
 
-Mapped anchors are adopted by ``OuterSync.load_checked_state_dict``; the old anchors of a
-catch-up are dropped right after it.
+Mapped anchors are adopted by ``OuterSync.load_checked_state_dict``, which keeps this rank's
+share; a catch-up's old anchors are dropped right after it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """All-reduce transport: the mean across islands through torch.distributed collectives.
 
-Tensors are packed into buckets of at most ``bucket_numel`` float32 elements by the one packer
-(``transport.buckets.mean_in_buckets``); each bucket is all-reduced (sum) over the peer group,
-divided by the number of islands and unpacked back into the caller's tensors. A tensor larger
-than a bucket is split across several buckets and a partly filled bucket is reduced only over its
-filled prefix, so the extra memory is one bucket, whatever the model size.
-
-The bucket lives on the device the backend needs: CUDA for NCCL (anchors and pseudo-gradients
-stay on the CPU; only one bucket at a time visits the GPU), CPU for gloo.
-
-Byte accounting follows the ring all-reduce that NCCL and gloo use for large payloads: each rank
-sends and receives ``2 (n - 1) / n`` times the payload for ``n`` islands. These are the bytes
-the algorithm moves, not a measurement of the NIC.
+Tensors are packed into float32 buckets by the one packer (``transport.buckets.mean_in_buckets``),
+each all-reduced (sum) over the peer group and divided by the number of islands; the extra memory
+is one bucket whatever the model size. The bucket lives where the backend needs it: CUDA for NCCL
+(anchors and pseudo-gradients stay on the CPU; one bucket at a time visits the GPU), CPU for gloo.
+Bytes are a ring all-reduce's, ``2 (n - 1) / n`` of the payload per rank: what the algorithm
+moves, not a measurement of the NIC.
 """
 
 from __future__ import annotations

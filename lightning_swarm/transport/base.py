@@ -1,23 +1,19 @@
 """The transport contracts: "average these pseudo-gradients across islands".
 
 The transport is the only component that moves pseudo-gradients between islands. The round
-engine drives every transport through the bucket-level ``BucketTransport``: ``open`` (one
-agreement on the finite flag, before anything moves), ``start(bucket) -> Handle`` per bucket in
-the same order on every rank, every handle's ``wait``, then ``agree`` (whether the round
-applies). A ``Bucket``'s ``flat`` belongs to the transport from ``start`` until its handle's
-``wait`` returns; it then holds the mean. ``pipelined`` transports (all-reduce, coded
-reduce-scatter) finish a bucket at its wait; ``WholePayload`` gives the contract to a transport
-that has ``average`` only (the aggregators, the torchft quorum): it averages every collected
-bucket at the first wait, so their buckets must all be started before any wait.
+engine drives every transport through ``BucketTransport``: ``open`` (one agreement on the finite
+flag, before anything moves), ``start(bucket) -> Handle`` per bucket in the same order on every
+rank, every handle's ``wait``, then ``agree`` (whether the round applies). A ``Bucket``'s ``flat``
+belongs to the transport from ``start`` until its handle's ``wait`` returns; it then holds the
+mean. ``pipelined`` transports finish a bucket at its wait; ``WholePayload`` averages every
+bucket at the first wait, so all its buckets must be started before any wait.
 
-Contract of ``Transport.average``:
-- ``tensors`` are contiguous float32, owned by the caller, with the same names, order and shapes
-  on every rank of the peer group; they are overwritten in place.
-- With ``RoundStats.applied`` true every rank holds the identical mean; with it false the round
-  was skipped, the contents are unspecified and the caller leaves its anchors unchanged.
-- Collective: every rank calls it with the same ``round_index``.
-- A non-finite pseudo-gradient: all-reduce transports raise ``NonFinitePseudoGradientError`` on
-  every rank before anything moves; the swarm transport drops that island's contribution.
+``Transport.average`` (collective, same ``round_index`` everywhere) overwrites the caller's
+contiguous float32 tensors, same names, order and shapes on every rank. With
+``RoundStats.applied`` every rank holds the identical mean; otherwise the round was skipped, the
+contents are unspecified and the caller leaves its anchors unchanged. A non-finite
+pseudo-gradient: all-reduce transports raise ``NonFinitePseudoGradientError`` on every rank
+before anything moves; the swarm transport drops that island's contribution.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The bucket packer: how every exchange cuts a sequence of flat tensors into buckets.
 
-``plan_buckets`` lays tensors, in order, into buckets of at most ``bucket_numel`` elements. A
-bucket is a list of ``Piece``s (runs of consecutive elements of one tensor) that lie back to
-back in the bucket's flat buffer (``placed`` gives each piece's offset there). A tensor larger
-than a bucket is split across several; several small tensors share one. ``mean_in_buckets``
-runs an in-place float32 mean through one reused buffer packed by that plan.
-
-Invariants, which every caller relies on for bitwise reproducibility:
-- The plan depends on the tensors' element counts, ``bucket_numel`` and ``block_size`` only,
-  so every island computes the same plan without a message.
-- Every piece starts at a multiple of ``block_size`` inside its tensor (a codec's blocks are laid
-  over a tensor from element 0, so a piece encodes exactly as the whole tensor would). A bucket
-  that cannot take another whole block of the current tensor is closed under-filled; with
-  ``block_size=1`` every bucket but the last is full.
-- Every element appears in exactly one piece, in tensor order; every bucket holds at least one
-  element; empty tensors contribute no piece.
+A bucket is a list of ``Piece``s (runs of consecutive elements of one tensor) back to back in
+its flat buffer; a tensor larger than a bucket is split, small tensors share one. Invariants
+every caller relies on for bitwise reproducibility:
+- The plan depends on element counts, ``bucket_numel`` and ``block_size`` only, so every island
+  computes the same plan without a message.
+- Every piece starts at a multiple of ``block_size`` inside its tensor, so it encodes exactly as
+  the whole tensor would; a bucket that cannot take another whole block is closed under-filled.
+- Every element appears in exactly one piece, in tensor order; no bucket is empty; empty tensors
+  contribute no piece.
 """
 
 from __future__ import annotations

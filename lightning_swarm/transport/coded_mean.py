@@ -1,17 +1,11 @@
 """One bucket's quantized mean by reduce-scatter and all-gather, over any exchange.
 
-The arithmetic of ``reduce_scatter.py`` (see its docstring for the result, its error and the
-bytes), cut loose from ``torch.distributed`` so that another set of islands can run it: the
-static peer group moves the bytes with ``dist.all_to_all_single``; an elastic quorum moves them
-with torchft's process group (``membership/quorum_coded.py``). The caller hands in an
-``Exchange`` that sends ``send`` cut into ``send_sizes`` to islands 0 .. n - 1 and returns
-what they sent here, back to back in ``recv_sizes``.
-
-Two knobs an elastic quorum needs and the static group does not:
-- ``divisor``: the owner divides the sum of the n contributions by it (the static group by n;
-  a quorum by its participants, since an island being healed sends zeros and is not counted);
-- every island still owns a share and decodes the same encoded mean, so the result stays
-  bitwise equal on every island whatever the divisor.
+The arithmetic of ``reduce_scatter.py`` (result and error: its docstring) without
+``torch.distributed``: the caller hands in an ``Exchange`` (``dist.all_to_all_single`` for the
+static peer group, torchft's process group for an elastic quorum: ``membership/quorum_coded.py``).
+The owner divides the sum by ``divisor``: n for the static group, the participants for a quorum
+(an island being healed sends zeros and is not counted). Every island still decodes the same
+encoded mean, so the result is bitwise equal on every island whatever the divisor.
 """
 
 from __future__ import annotations

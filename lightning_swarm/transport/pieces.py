@@ -1,23 +1,13 @@
 """Where a quantized exchange cuts a bucket: owners' shares, and their encoded bytes.
 
-Pure planning and codec arithmetic (torch only, no torch.distributed): the coded means
-(``coded_mean.py``) call it with the caller's flat float32 tensors and move the bytes themselves.
-
-Invariants:
-- A ``Piece`` (``transport.buckets``) of a coded exchange *starts at a multiple of the codec's
-  block size inside its tensor* (``plan_buckets(..., block_size)`` makes them so). Blocks are
-  laid over a tensor from element 0 (``algorithm.codecs``), so encoding a piece on its own
-  quantizes each of its elements exactly as encoding the whole tensor would:
-  ``codec.roundtrip(tensor)`` (what error feedback computes) and any cut into pieces agree bit
-  for bit, and so does a result written back piece by piece.
-- ``plan_shares`` cuts one bucket into ``num_islands`` *shares* (the chunks of a reduce-scatter)
-  of whole blocks: share j holds blocks ``[j * U // n, (j + 1) * U // n)`` of the bucket's U
-  blocks, so shares differ by at most one block and may be empty (fewer blocks than islands).
-  Only a tensor's last block can be partial, so shares are balanced in elements too, to within
-  one block.
-- The payload of a list of pieces is the concatenation of ``codec.to_bytes`` of each piece's
-  encoding; its size (``encoded_nbytes``) follows from the piece lengths alone, so every island
-  computes every share's size without a message and no header travels.
+Pure planning and codec arithmetic (no torch.distributed); the coded means (``coded_mean.py``)
+call it with the caller's flat float32 tensors and move the bytes themselves. Invariants:
+- Every ``Piece`` starts on a codec block of its tensor (``plan_buckets(..., block_size)``), and
+  blocks start at element 0, so encoding piece by piece, and writing results back piece by
+  piece, agrees bit for bit with ``codec.roundtrip`` of the whole tensor (as error feedback needs).
+- ``plan_shares`` cuts a bucket into ``num_islands`` shares of whole blocks.
+- A payload's size (``encoded_nbytes``) follows from piece lengths alone, so every island knows
+  every share's size without a message and no header travels.
 """
 
 from __future__ import annotations
@@ -58,6 +48,9 @@ def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> l
     Every piece of ``bucket`` must start on a block boundary of its tensor (as
     ``plan_buckets`` makes them); so does every piece of every share. Concatenated in
     share order, the shares cover the bucket's elements exactly once, in the bucket's order.
+    Share j holds blocks ``[j * U // n, (j + 1) * U // n)`` of the bucket's U blocks, so shares
+    differ by at most one block (in elements too: only a tensor's last block can be partial)
+    and may be empty.
 
     Raises:
         ValueError: ``num_islands < 1``.

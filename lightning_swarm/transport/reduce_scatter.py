@@ -1,41 +1,22 @@
 """Quantized reduce-scatter + all-gather: the mean of encoded pseudo-gradients, flat in islands.
 
-An all-reduce cannot sum int8 or int4 codes (each island's block scales differ), and gathering
-every island's payload would cost a rank n - 1 payloads per round. Here each of the n islands
-of the peer group *owns* a share of every bucket, so a rank moves about 2 (n - 1) / n encoded
-payloads, as a ring all-reduce moves 2 (n - 1) / n raw ones:
+An all-reduce cannot sum int8 or int4 codes (each island's block scales differ). Instead each of
+the n islands owns a share of every bucket (whole codec blocks, ``transport.pieces``): every
+island encodes its shares and sends share j to island j (``all_to_all_single``); the owner
+decodes the n contributions in island order, sums them in float32, divides by n and encodes the
+mean once; a second ``all_to_all_single`` (shares' sizes differ, and gloo's all-gather wants
+equal ones) hands every island every share's encoded mean, which every island, the owner
+included, decodes: the anchors stay bitwise equal. A rank moves about ``2 (n - 1) / n`` of the
+encoded bucket (exact bytes: ``docs/scaling.md``).
 
-1. Buckets and shares (``transport.buckets``, ``transport.pieces``): the tensors are packed into
-   buckets of at most ``bucket_numel`` elements, and each bucket is cut into n shares of whole
-   codec blocks (share j belongs to island j; any n, shares may be uneven by one block or
-   empty). Every piece starts on a block boundary of its tensor, so each island encodes its
-   pseudo-gradient exactly as ``codec.roundtrip`` of the whole tensor would: error feedback
-   computed by the caller with the same codec stays exact.
-2. Reduce-scatter: each rank encodes every share of its bucket and sends share j to island j
-   (``all_to_all_single`` on one uint8 buffer; its own share stays local). The owner decodes
-   the n contributions in island order 0 .. n - 1, sums them in float32 and divides by n.
-3. The owner encodes that mean once, and an all-gather (``all_to_all_single`` again: shares'
-   sizes differ, and gloo's all-gather wants equal ones) hands every island every share's
-   encoded mean. Every island, the owner included, decodes those bytes: the result is
-   bitwise identical on all islands, so the anchors stay equal.
+Result, elementwise: ``decode(encode(mean_i decode(encode(x_i))))``, independent of buckets and
+shares since pieces start on the tensors' own blocks, so the caller's error feedback with the same
+codec stays exact. Error: ``mean_i`` of each island's codec bound plus ``Codec.error_bound(mean)``;
+that second error is the same on every island and is not fed back.
 
-Result, elementwise: ``decode(encode(mean_i decode(encode(x_i))))``. It does not depend on
-buckets or shares (blocks are the tensors' own), so sharding the outer loop or cutting the model
-into fragments does not change a bit. Error: ``mean_i`` of each island's codec
-bound, plus one codec bound of the mean (``Codec.error_bound(mean)``). The second encoding's
-error is the same on every island and is not fed back: error feedback stays per island, on
-its own encoding.
-
-Bytes per rank and bucket, with ``s_j`` the encoded size of share j and ``me`` this island:
-``bytes_sent = bytes_received = sum_{j != me} s_j + (n - 1) * s_me``, about
-``2 (n - 1) / n`` of the encoded bucket (what the two collectives move to and from other
-ranks; nothing for the share a rank keeps). With one island nothing moves and the result is
-``decode(encode(decode(encode(x))))``, the same formula.
-
-Memory while a bucket is in flight (nothing is kept between rounds): the encoded bucket to send,
-n received contributions of this island's share (about one encoded bucket), a float32
-accumulator of one share, n copies of the encoded mean to send (about one encoded bucket), the
-gathered means (one encoded bucket) and one decoded share at a time.
+Memory, only while a bucket is in flight: about four encoded buckets (to send, received
+contributions, copies of the mean to send, gathered means), a float32 accumulator of one share
+and one decoded share at a time.
 """
 
 from __future__ import annotations

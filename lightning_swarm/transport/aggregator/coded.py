@@ -1,14 +1,12 @@
-"""Quantized payloads on the swarm transport: the codec's encoding travels and is spooled; its
-decoding is what the owner validates and aggregates.
+"""Quantized swarm payloads: encodings travel and are spooled; owners aggregate their decoding.
 
-The *wire layout* follows from the float layout and the codec alone (every island computes it):
-``<name>#scales`` for every tensor (int8 / int4), then ``<name>#data`` for every tensor, flat in
-the codec's dtype; scales first keeps every tensor at an offset aligned to its element size.
-``DecodedContribution`` answers block reads of the float layout by decoding just that block's
-bytes and scales (blocks start on ``align``, the codec block made even for int4), so memory
-stays contributions x one block and a block decodes bit for bit as in a whole-tensor decode.
-``encode_marked`` encodes non-finite input as values that decode to NaN, so such a
-contribution is rejected by validation like an uncoded one instead of one island raising alone.
+The *wire layout* follows from the float layout and the codec alone: ``<name>#scales`` for every
+tensor (int8 / int4), then ``<name>#data`` for every tensor, flat in the codec's dtype; scales
+first keeps every tensor at an offset aligned to its element size. ``DecodedContribution``
+decodes one block of the float layout at a time (blocks start on ``align``, the codec block made
+even for int4), so memory stays contributions x one block and a block decodes bit for bit as in
+a whole-tensor decode. ``encode_marked`` encodes non-finite input as values that decode to NaN,
+so validation rejects it like an uncoded one instead of one island raising alone.
 """
 
 from __future__ import annotations

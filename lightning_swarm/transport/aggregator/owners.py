@@ -1,12 +1,10 @@
 """What every swarm aggregator shares, whatever its owner layout: options, rule, spool.
 
 A round's payload is aggregated by its *owners*: one island per round in turn (``rotating``:
-island ``round_index % num_islands`` owns the whole payload) or every island at once, each
-owning 1/n of every tensor (``sharded``). ``SwarmAggregatorBase`` holds what does not depend on
-the layout: the validated options (``AggregationRule``), the run-scoped spool, the round
-numbering that names a round's spool files, and the one-island round.
-
-Ownership: the transport owns its ``Spool`` (created here unless injected) and removes it in
+island ``round_index % num_islands`` owns the whole payload) or every island owning 1/n of every
+tensor (``sharded``). ``SwarmAggregatorBase`` holds the validated options (``AggregationRule``),
+the run-scoped spool, the round numbering that names a round's spool files, and the one-island
+round. The transport owns its ``Spool`` (created here unless injected) and removes it in
 ``close``; a round's files live from its first write to the end of its ``average`` call.
 """
 

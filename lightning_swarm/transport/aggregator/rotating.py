@@ -2,10 +2,9 @@
 
 Round ``r`` is owned by island ``r % num_islands`` (no message elects it): ``swarm_round`` with
 the whole payload as the owner's shard. The owner spools every peer's payload as it arrives
-(memory flat in peers), validates and aggregates block by block in island order, and streams
-the result back; its rule and chunk size rule the round (``terms``). A peer whose layout or
-codec differs is left out and raises ``ValueError`` alone. With a codec the mean is
-``mean_i decode(encode(x_i))``; the result travels back in float32.
+(memory flat in peers), validates and aggregates block by block in island order, and streams the
+result back in float32; its rule and chunk size rule the round (``terms``). A peer whose layout
+or codec differs is left out and raises ``ValueError`` alone.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""The mean of a round with several owners, summed while the chunks arrive (``mean`` and
-``weighted_mean`` only).
+"""The mean of a round with several owners, summed as chunks arrive (``mean``, ``weighted_mean``).
 
 Each scatter step brings chunk k of every contribution; the owner adds them and its own in
-island order into a float32 accumulator of its shard, with the rule's own operations in the
-rule's order (``algorithm.robust``), so the result is bitwise the spooled path's whenever every
-island is accepted. A finite sum proves every contribution finite; a non-finite one cannot name
-the island, so the caller judges the round again through the spool. Memory: one shard of
-float32, plus one chunk for weighted means.
+island order into a float32 accumulator of its shard, with the rule's operations in its order
+(``algorithm.robust``), so the result is bitwise the spooled path's whenever every island is
+accepted. A non-finite sum cannot name the island, so the caller judges the round again through
+the spool. Memory: one float32 shard, plus one chunk for weighted means.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""The swarm transport with every island owning 1/n of every payload (``swarm.aggregator=
-"sharded"``), so no island's load grows with the number of islands.
+"""The swarm transport with every island owning 1/n of every payload (``aggregator="sharded"``).
 
-The round is ``swarm_round``'s with shards cut on codec blocks (``shards``); ``max_norm`` judges
-the whole contribution and results are bitwise the rotating transport's. An island whose layout
-or options differ from island 0's makes every island raise ``ValueError`` (shard boundaries
-follow from them). ``mean`` / ``weighted_mean`` without codec or ``max_norm`` are summed as the
+No island's load grows with the number of islands. The round is ``swarm_round``'s with shards cut
+on codec blocks; ``max_norm`` judges the whole contribution and results are bitwise the rotating
+transport's. An island whose layout or options differ from island 0's makes every island raise
+``ValueError``. ``mean`` / ``weighted_mean`` without codec or ``max_norm`` are summed as the
 chunks arrive (``shard_fold``).
 """
 

@@ -1,14 +1,13 @@
 """The aggregator's spool: one run-scoped directory of per-peer, per-round safetensors files.
 
-Invariants:
 - ``Spool`` alone creates and deletes its root (mode 0700) and every file in it (mode 0600);
   writers and readers (``spool_files``) reach it only through the ``Lease`` it hands them.
-- ``release_round`` refuses new leases for the round, waits up to ``cleanup_timeout_s`` for
-  those in flight, deletes the round's files and defers any file still leased to its last
-  release: a reader never meets a vanished file and no file outlives the spool. ``close`` does
-  this for every round and removes the root (a finalizer does, if ``close`` is never called).
-- Roots are named ``lightning_swarm-<pid>@<host>-<random>``; a new ``Spool`` removes this
-  user's roots of this host whose process is gone (a SIGKILL leaves them), never others.
+- ``release_round`` refuses new leases for the round, waits up to ``cleanup_timeout_s`` for those
+  in flight, deletes the round's files and defers any still leased to its last release: a reader
+  never meets a vanished file and no file outlives the spool. ``close`` does this for every round
+  and removes the root (a finalizer does, if ``close`` is never called).
+- Roots are named ``lightning_swarm-<pid>@<host>-<random>``; a new ``Spool`` removes this user's
+  roots of this host whose process is gone (a SIGKILL leaves them), never others.
 - Errors (disk full, unwritable root, a corrupt file) raise ``SpoolError`` saying what to do; a
   failed write leaves no file behind.
 """

@@ -1,12 +1,11 @@
-"""One swarm round, whatever its owners: agree (``terms``), scatter (``shard_streams``), judge
-(``shard_verdicts``), aggregate, gather. Island j owns shard j of the payload; the subclass's
-``_shards`` cuts them (rotating: the whole payload to one island; sharded: 1/n each). Walked
-through step by step in ``docs/swarm_transport.md``.
+"""One swarm round, whatever its owners: agree, scatter, judge, aggregate, gather.
 
-Ownership: the caller owns ``tensors``; the round writes them only once every island's verdicts
-are read (a round that raises may leave them partly written: the caller keeps its anchors). A
-round's spool files live from the scatter to the end of ``average``: any exception aborts the
-writers at once (their leases go) and ``Spool.release_round`` removes the files.
+Island j owns shard j of the payload; the subclass's ``_shards`` cuts them (rotating: the whole
+payload to one island; sharded: 1/n each); ``docs/swarm_transport.md`` walks a round through. The
+caller owns ``tensors``; the round writes them only once every island's verdicts are read (a
+round that raises may leave them partly written: the caller keeps its anchors). A round's spool
+files live from the scatter to the end of ``average``: any exception aborts the writers at once
+(their leases go) and ``Spool.release_round`` removes the files.
 """
 
 from __future__ import annotations

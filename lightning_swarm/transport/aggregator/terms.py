@@ -1,16 +1,14 @@
 """What the islands of a swarm round agree on before any payload moves: layout, rule, chunks.
 
-Every island all-gathers one row, so every rank holds the same ``RoundTerms``:
-- several owners (``agree_shards``): a CRC of the island's shard layouts, codec and options.
-  Shard boundaries and every collective follow from them, so an island that differs from
-  island 0 makes every rank raise ``ValueError`` naming it (ANDed over a model-sharded island).
-- one owner (``agree_owner``): the owner's terms rule the round (its rule and chunk size), as
-  the aggregator's always did. An island whose wire layout or codec differs from the owner's
-  is *mismatched*: it sends and receives nothing, its contribution is rejected, and it alone
-  raises ``ValueError`` once the round's collectives are done. It sends the owner its layout's
-  description, so that the owner's log names the first difference.
-
-Rows travel over ``all_to_all_single`` (one step); the bytes moved are counted in the stats.
+Every island sends one row (over ``all_to_all_single``; its bytes are counted), so every rank
+holds the same ``RoundTerms``:
+- several owners (``agree_shards``): a CRC of the island's shard layouts, codec and options; an
+  island that differs from island 0 makes every rank raise ``ValueError`` naming it (ANDed over
+  a model-sharded island).
+- one owner (``agree_owner``): the owner's rule and chunk size rule the round. An island whose
+  wire layout or codec differs is *mismatched*: it moves nothing, its contribution is rejected,
+  and it alone raises ``ValueError`` after the round's collectives; it sends the owner its
+  layout's description, so that the owner's log names the first difference.
 """
 
 from __future__ import annotations
