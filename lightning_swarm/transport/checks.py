@@ -57,10 +57,19 @@ def agree_finite_flag(
     num_islands: int,
     device: torch.device,
     island_group: dist.ProcessGroup | None = None,
+    *,
+    direct: bool = False,
 ) -> None:
-    """``agree_finite`` for a verdict the caller already has (e.g. from a norm it computed)."""
+    """``agree_finite`` for a verdict the caller already has (e.g. from a norm it computed).
+
+    ``direct``: one step (``agree.flags_direct``: one byte straight to every peer instead of
+    around a ring), so over long-latency links the vote costs one message time whatever the
+    number of islands. With ``island_group`` the island agrees on one verdict first
+    (``island_verdict``).
+    """
     local = island_verdict(local, island_group, device)
-    _raise_if_any(agree(local, gather=flags_over(group, num_islands, device)).bad)
+    flags = flags_direct if direct else flags_over
+    _raise_if_any(agree(local, gather=flags(group, num_islands, device)).bad)
 
 
 def agree_finite_direct(
@@ -70,23 +79,8 @@ def agree_finite_direct(
     device: torch.device,
     island_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """``agree_finite`` in one step (``agree.flags_direct``: one byte straight to every peer
-    instead of around a ring), so over long-latency links the vote costs one message time
-    whatever the number of islands. With ``island_group`` the island agrees on one verdict
-    first (``island_verdict``)."""
-    agree_finite_direct_flag(all_finite(tensors), group, num_islands, device, island_group)
-
-
-def agree_finite_direct_flag(
-    local: bool,
-    group: dist.ProcessGroup | None,
-    num_islands: int,
-    device: torch.device,
-    island_group: dist.ProcessGroup | None = None,
-) -> None:
-    """``agree_finite_direct`` for a verdict the caller already has."""
-    local = island_verdict(local, island_group, device)
-    _raise_if_any(agree(local, gather=flags_direct(group, num_islands, device)).bad)
+    """``agree_finite`` in one step (``agree_finite_flag(direct=True)``)."""
+    agree_finite_flag(all_finite(tensors), group, num_islands, device, island_group, direct=True)
 
 
 def _raise_if_any(bad: Sequence[int]) -> None:

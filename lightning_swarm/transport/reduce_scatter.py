@@ -33,7 +33,7 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import Bucket, Done, Handle, RoundStats
 from lightning_swarm.transport.buckets import Piece, plan_buckets
-from lightning_swarm.transport.checks import agree_finite_direct, agree_finite_direct_flag
+from lightning_swarm.transport.checks import agree_finite_direct, agree_finite_flag
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
 from lightning_swarm.transport.pieces import check_coded_options, flat_views
 
@@ -113,9 +113,9 @@ class ReduceScatterTransport:
 
     def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
         """Every island agrees on ``finite`` in one message step before any bucket moves
-        (``checks.agree_finite_direct_flag``)."""
-        agree_finite_direct_flag(
-            finite, self.group, self.num_islands, self.device, self.island_group
+        (``checks.agree_finite_flag``, ``direct=True``)."""
+        agree_finite_flag(
+            finite, self.group, self.num_islands, self.device, self.island_group, direct=True
         )
 
     @record_function(labels.REDUCE_SCATTER)
