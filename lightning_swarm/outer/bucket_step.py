@@ -160,12 +160,19 @@ class BucketJob:
 
 
 def form_fragment(
-    params: Mapping[str, Tensor], anchors: Mapping[str, Tensor], names: Sequence[str]
+    params: Mapping[str, Tensor],
+    anchors: Mapping[str, Tensor],
+    names: Sequence[str],
+    reuse: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``anchor - local`` in float32 for ``names``, back to back in one new buffer on the
-    anchors' device; returns the buffer (the caller owns it) and a view of it per name."""
+    """``anchor - local`` in float32 for ``names``, back to back in one buffer on the anchors'
+    device: ``reuse`` when it is exactly that size there, else a new one; returns the buffer
+    (the caller owns it) and a view of it per name."""
     device = anchors[names[0]].device if names else torch.device("cpu")
-    flat = torch.empty(sum(params[n].numel() for n in names), device=device)
+    numel = sum(params[n].numel() for n in names)
+    fits = reuse is not None and reuse.numel() == numel and reuse.device == device
+    # Reusing the buffer spares the page faults of a fresh fragment-sized allocation.
+    flat = reuse if reuse is not None and fits else torch.empty(numel, device=device)
     deltas, offset = {}, 0
     for name in names:
         param, anchor = params[name], anchors[name]

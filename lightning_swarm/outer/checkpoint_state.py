@@ -68,6 +68,7 @@ class SyncCheckpoint:
         result = self._wait()
         if self.state.in_flight is None or result is None:
             return None
+        self.state.in_flight.exported = True
         pending = {
             "fragment": self.state.in_flight.fragment,
             "send_step": self.state.in_flight.send_step,

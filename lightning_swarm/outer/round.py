@@ -70,6 +70,8 @@ class OuterRound:
         # neighbouring buckets (two or three measured no better on 2 cores).
         self.in_flight = 1
         self._delta: Tensor | None = None
+        # The last held round's buffer, reused by the next held round of the same size.
+        self._hold: Tensor | None = None
         self._reduce_s = 0.0
         # A streamed round's error feedback: its names and the new residuals (scratch).
         self._feedback: Feedback | None = None
@@ -102,13 +104,14 @@ class OuterRound:
         return streaming.codec if streaming.error_feedback else None
 
     def close(self) -> None:
-        """Release the pipeline buffers and staging (the next round allocates them again)."""
-        self._delta = None
+        """Release the pipeline and held-round buffers and staging (the next round allocates
+        them again)."""
+        self._delta = self._hold = None
         self.staging.close()
 
     def buffer_bytes(self) -> int:
         """Bytes of the reused buffers held (pipeline buckets and staging slots)."""
-        own = 0 if self._delta is None else self._delta.numel() * 4
+        own = sum(0 if t is None else t.numel() * 4 for t in (self._delta, self._hold))
         return own + self.staging.buffer_bytes()
 
     # -- the schedule ------------------------------------------------------------------------
@@ -276,7 +279,8 @@ class OuterRound:
             )
         start = time.perf_counter()
         with record_function(labels.PSEUDO_GRADIENT):
-            flat, deltas = form_fragment(s.params, s.anchors, s.owned_fragments[fragment])
+            hold, self._hold = self._hold, None
+            flat, deltas = form_fragment(s.params, s.anchors, s.owned_fragments[fragment], hold)
         rnd = RoundInFlight(fragment, s.inner_steps, deltas, flat=flat)
         round_index = s.outer_steps
         # In flight from here on: the transport may ask which round it is exchanging (an
@@ -354,6 +358,8 @@ class OuterRound:
             self._step_and_merge(fragment, rnd, alpha)
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
         # away, it simply enters the next round's pseudo-gradient.
+        if rnd.flat is not None and not rnd.exported:
+            self._hold = rnd.flat
         del rnd.deltas, rnd.flat
         return SyncReport(
             outer_steps=s.outer_steps,

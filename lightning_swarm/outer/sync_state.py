@@ -53,6 +53,8 @@ class RoundInFlight:
     future: Future[Exchanged] | None = None
     result: Exchanged | None = None
     error: Exception | None = None  # a sharded inline exchange that failed (raised at apply)
+    # A state dict holds ``deltas``: the engine must not reuse ``flat`` for a later round.
+    exported: bool = False
 
 
 @dataclass(kw_only=True)
