@@ -41,6 +41,7 @@ from lightning_swarm.resume.files import (
     warn_legacy,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
+from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.resume.records import AnchorsRecord, OptionsRecord, RecordError, SwarmRecord
 from lightning_swarm.resume.restore import check_outer_states
 from lightning_swarm.resume.save import begin_save, discard_save
@@ -151,7 +152,7 @@ def _host(*outers: OuterSync) -> TrainingView:
 
 
 def _anchors_record(*states: dict[str, Any]) -> AnchorsRecord:
-    return AnchorsRecord(save_id="s", outer=list(states))
+    return AnchorsRecord(save_id="s", outer=[OuterRecord.from_dict(s) for s in states])
 
 
 def test_resume_check_names_the_file_and_each_refusal() -> None:
@@ -164,7 +165,9 @@ def test_resume_check_names_the_file_and_each_refusal() -> None:
         SwarmCheckpointError, match=r"^/x/anchors.pt: parameter 'b' \(shape \(3,\)\) has no anchor"
     ):
         check_outer_states(_host(twin), _anchors_record(no_b), "/x/anchors.pt")
-    in_flight = {**state, "pending": {"fragment": 0}}
+    pending = {"fragment": 0, "send_step": 4, "deltas": {}, "applied": True, "norm": 0.0}
+    pending |= {"bytes_sent": 0, "bytes_received": 0, "transport_s": 0.0}
+    in_flight = {**state, "pending": pending}
     with pytest.raises(
         SwarmCheckpointError,
         match=r"^/x/anchors.pt: the checkpoint has fragment 0 in flight at inner step 5 but this "
@@ -195,6 +198,63 @@ def test_load_checks_once_and_a_checked_install_checks_nothing(
     assert len(calls) == 1
     _outer(params, defer_anchors=True).load_checked_state_dict(outer.state_dict())
     assert len(calls) == 1
+
+
+def test_outer_record_round_trips_and_keeps_the_saved_layout() -> None:
+    outer, _ = _trained_outer()
+    state = outer.state_dict()
+    # The layout of format 3, key for key: checkpoints written before the record still load.
+    assert list(state) == [
+        "anchors",
+        "outer_optimizer",
+        "inner_steps",
+        "outer_steps",
+        "fragment_rounds",
+        "pending",
+        "synced_at",
+        "ended_at",
+    ]
+    record = OuterRecord.from_dict(state)
+    assert record.to_dict() == state
+    assert OuterRecord.from_dict(record.to_dict()) == record
+    pending = PendingRound(1, 6, {"w": torch.ones(4, 3)}, True, 2.0, 3, 4, 0.5, share_norm=True)
+    sharded = OuterRecord(
+        anchors={"w": torch.zeros(4, 3)},
+        outer_optimizer={"state": {}, "param_groups": []},
+        counters=OuterCounters(6, 3, [2, 1], [None, 4], 4),
+        pending=pending,
+        param_names=["w"],
+        share=(1, 2),
+    )
+    assert sharded.to_dict()["pending"]["share_norm"] is True
+    assert sharded.to_dict()["share"] == [1, 2]
+    assert OuterRecord.from_dict(sharded.to_dict()) == sharded
+
+
+def test_a_checkpoint_dict_of_todays_form_loads() -> None:
+    outer, params = _trained_outer()
+    saved: dict[str, Any] = {
+        "anchors": {k: a.clone() for k, a in outer.anchors.items()},
+        "outer_optimizer": outer.outer_optimizer.state_dict(),
+        "inner_steps": 5,
+        "outer_steps": 2,
+        "fragment_rounds": [2],
+        "pending": None,
+        "synced_at": [None],
+        "ended_at": None,
+    }
+    payload = {"format": FORMAT_VERSION, "save_id": "s", "outer": [saved]}
+    record = AnchorsRecord.from_dict(payload, "anchors.pt")
+    assert record.to_dict() == payload
+    twin = _outer(params, defer_anchors=True)
+    twin.load_state_dict(record.outer[0])
+    assert (twin.inner_steps, twin.outer_steps, twin.fragment_rounds) == (5, 2, [2])
+    for name in params:
+        assert torch.equal(twin.anchors[name], outer.anchors[name])
+    # Saves older than the per-fragment counters lack them: in sync unknown, fit never ended.
+    old = {k: v for k, v in saved.items() if k not in ("fragment_rounds", "synced_at", "ended_at")}
+    twin.load_state_dict(old)
+    assert (twin.fragment_rounds, twin.state.synced_at, twin.state.ended_at) == ([0], [None], None)
 
 
 # -- catch-up ---------------------------------------------------------------------------------

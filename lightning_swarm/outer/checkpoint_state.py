@@ -1,12 +1,13 @@
 """An ``OuterSync``'s checkpoint state: what a save holds and how a resume installs it.
 
-``state_dict`` is global: anchors, outer state, counters and a round in flight (its averaged
-result, so a resume applies it at the same step). It aliases the live anchors: write it out
-before the next round. ``island_state_dict`` holds the residuals (collective over the island when
-sharded). ``check_state_dict`` is the one check of a saved state (anchor shapes; a round in
-flight must be the one the schedule expects), run on every rank before anything is installed;
-``load_checked_state_dict`` then adopts anchors already on the right device and dtype (mapped
-ones stay file-backed) and keeps only owned names when sharded.
+``record`` builds the global state (an ``OuterRecord``: anchors, outer state, counters and a round
+in flight, for a save; for a healing peer, its share and no round), and ``load_checked_state_dict``
+installs one, for a resume and a heal alike. It aliases the live anchors: write it out before the
+next round. ``island_state_dict`` holds the residuals (collective over the island when sharded).
+``check_state_dict`` is the one check of a saved state (anchor shapes; a round in flight must be
+the one the schedule expects), run on every rank before anything is installed; installing adopts
+anchors already on the right device and dtype (mapped ones stay file-backed) and keeps only owned
+names when sharded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
+from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.transport.base import RoundStats
 
 
@@ -41,47 +43,60 @@ class SyncCheckpoint:
         return None if rnd is None else wait_exchange(rnd)
 
     def state_dict(self) -> dict[str, Any]:
-        """Anchors, outer optimizer state, counters and a round in flight (global state).
+        """Anchors, outer optimizer state, counters and a round in flight: ``record()`` as a
+        dict (global state; tensors stay on the anchor device)."""
+        return self.record().to_dict()
 
-        A round in flight is waited for; its averaged result (identical on every island) is
-        saved so a resumed run applies it at the same step as an uninterrupted one. Tensors
-        stay on the anchor device.
+    def record(self, *, for_peer: bool = False) -> OuterRecord:
+        """The global state: the one place it is read (tensors are not copied).
+
+        For a checkpoint (default), a round in flight is waited for; its averaged result
+        (identical on every island) is saved so a resumed run applies it at the same step as
+        an uninterrupted one. For a healing peer (``for_peer``), called on the quorum's thread
+        while this island's round is exchanged: no round in flight, the counters of the round's
+        send (the training thread may be past it), and the share when sharded. Anchors and
+        outer state do not move until that round's apply, which waits for it.
         """
-        pending = self._pending_state()  # waits for the exchange first
-        state: dict[str, Any] = {
-            "anchors": dict(self.state.anchors),
-            "outer_optimizer": self.state.outer_optimizer.state_dict(),
-            "inner_steps": self.state.inner_steps,
-            "outer_steps": self.state.outer_steps,
-            "fragment_rounds": list(self.state.fragment_rounds),
-            "pending": pending,
-            "synced_at": list(self.state.synced_at),
-            "ended_at": self.state.ended_at,
-        }
-        if self.state.shard is not None:
+        s = self.state
+        rnd = s.in_flight
+        pending = None if for_peer else self._pending()  # waits for the exchange first
+        inner = rnd.send_step if for_peer and rnd is not None else s.inner_steps
+        sharded = s.shard is not None
+        return OuterRecord(
+            anchors=dict(s.anchors),
+            outer_optimizer=s.outer_optimizer.state_dict(),
+            counters=OuterCounters(
+                inner_steps=inner,
+                outer_steps=s.outer_steps,
+                fragment_rounds=list(s.fragment_rounds),
+                synced_at=list(s.synced_at),
+                ended_at=s.ended_at,
+            ),
+            pending=pending,
             # The outer optimizer's state is positional: a re-shard needs the names.
-            state["param_names"] = list(self.state.owned)
-        return state
+            param_names=list(s.owned) if sharded else None,
+            share=(s.shard.position, s.shard.size) if for_peer and s.shard is not None else None,
+        )
 
-    def _pending_state(self) -> dict[str, Any] | None:
+    def _pending(self) -> PendingRound | None:
         """The round in flight, after waiting for its exchange (None when none is)."""
         result = self._wait()
-        if self.state.in_flight is None or result is None:
+        rnd = self.state.in_flight
+        if rnd is None or result is None:
             return None
-        self.state.in_flight.exported = True
-        pending = {
-            "fragment": self.state.in_flight.fragment,
-            "send_step": self.state.in_flight.send_step,
-            "deltas": dict(self.state.in_flight.deltas),
-            "applied": result.stats.applied,
-            "norm": result.norm,
-            "bytes_sent": result.stats.bytes_sent,
-            "bytes_received": result.stats.bytes_received,
-            "transport_s": result.stats.wall_s,
-        }
-        if self.state.shard is not None:
-            pending["share_norm"] = not result.combined  # merged shards combine it
-        return pending
+        rnd.exported = True  # its deltas now live in a state dict: never reused
+        return PendingRound(
+            fragment=rnd.fragment,
+            send_step=rnd.send_step,
+            deltas=dict(rnd.deltas),
+            applied=result.stats.applied,
+            norm=result.norm,
+            bytes_sent=result.stats.bytes_sent,
+            bytes_received=result.stats.bytes_received,
+            transport_s=result.stats.wall_s,
+            # Merged shards combine it.
+            share_norm=not result.combined if self.state.shard is not None else None,
+        )
 
     def island_state_dict(self) -> dict[str, Any]:
         """This island's own state: the error-feedback residuals (after any round in flight).
@@ -112,17 +127,18 @@ class SyncCheckpoint:
             if name in owned
         }
 
-    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+    def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Refuse a saved state that ``load_checked_state_dict`` cannot install as saved.
 
         Raises:
             SwarmCheckpointError: a parameter has no anchor, or an anchor of another shape; or
                 the saved round in flight is not the one this run's schedule expects.
         """
+        record = OuterRecord.of(state)
         # A healing peer's share (outer/join.py) holds the anchors of this rank's names only.
-        whole = state.get("share") is None
-        self.check_anchors(state["anchors"], names=self.state.params if whole else None)
-        self._check_round(state)
+        whole = record.share is None
+        self.check_anchors(record.anchors, names=self.state.params if whole else None)
+        self._check_round(record)
 
     def check_anchors(
         self, anchors: Mapping[str, Tensor], names: Iterable[str] | None = None
@@ -140,14 +156,13 @@ class SyncCheckpoint:
                     "checkpoint was written by, or from another checkpoint."
                 )
 
-    def _check_round(self, state: Mapping[str, Any]) -> None:
-        step, ended = int(state["inner_steps"]), state.get("ended_at")
+    def _check_round(self, record: OuterRecord) -> None:
+        step, ended = record.counters.inner_steps, record.counters.ended_at
         expected = None
         if step:
             # Rounds sent by the end-of-fit round's step were applied by it.
             expected = self.state.schedule.in_flight(step, sent_after=int(ended or 0))
-        pending = state.get("pending")
-        found = None if pending is None else int(pending["fragment"])
+        found = None if record.pending is None else record.pending.fragment
         if found != expected:
             raise SwarmCheckpointError(
                 f"the checkpoint has fragment {found} in flight at inner step {step} "
@@ -155,8 +170,9 @@ class SyncCheckpoint:
                 "num_fragments and sync_delay the checkpoint was written with."
             )
 
-    def load_checked_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install anchors, outer optimizer state, counters and a round in flight.
+    def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
+        """Install anchors, outer optimizer state, counters and a round in flight: the one
+        place the global state is installed.
 
         ``state`` must have passed ``check_state_dict`` (nothing is checked again). The given
         anchor tensors are adopted, not copied, when they already have this object's anchor
@@ -164,24 +180,23 @@ class SyncCheckpoint:
         Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors). The
         outer optimizer is rebuilt over the new anchors, then given the saved state.
         """
-        anchors: Mapping[str, Tensor] = state["anchors"]
-        self._install_anchors(anchors)
+        record = OuterRecord.of(state)
+        self._install_anchors(record.anchors)
         s = self.state
         s.outer_optimizer = s.outer_optimizer_factory(list(s.anchors.values()))
-        saved_names = state.get("param_names") or list(anchors)
-        optimizer_state = select_by_name(state["outer_optimizer"], saved_names, s.owned)
+        optimizer_state = select_by_name(record.outer_optimizer, record.names, s.owned)
         s.outer_optimizer.load_state_dict(optimizer_state)
         keep_state_float32(s.outer_optimizer, optimizer_state)
-        s.inner_steps = int(state["inner_steps"])
-        s.outer_steps = int(state["outer_steps"])
-        rounds = state.get("fragment_rounds")
+        c = record.counters
+        s.inner_steps = c.inner_steps
+        s.outer_steps = c.outer_steps
+        rounds = c.fragment_rounds
         s.fragment_rounds = list(rounds) if rounds is not None else [0] * len(s.fragments)
         # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
-        synced = state.get("synced_at")
+        synced = c.synced_at
         s.synced_at = list(synced) if synced is not None else [None] * len(s.fragments)
-        ended = state.get("ended_at")
-        s.ended_at = None if ended is None else int(ended)
-        s.in_flight = self._restore_round(state.get("pending"))
+        s.ended_at = c.ended_at
+        s.in_flight = self._restore_round(record.pending)
 
     def _install_anchors(self, anchors: Mapping[str, Tensor]) -> None:
         """Adopt (or convert) the owned names' checked anchors."""
@@ -191,23 +206,20 @@ class SyncCheckpoint:
         }
         self.state.placeholders = False
 
-    def _restore_round(self, pending: Mapping[str, Any] | None) -> RoundInFlight | None:
+    def _restore_round(self, pending: PendingRound | None) -> RoundInFlight | None:
         if pending is None:
             return None
         stats = RoundStats(
-            bytes_sent=int(pending["bytes_sent"]),
-            bytes_received=int(pending["bytes_received"]),
-            wall_s=float(pending["transport_s"]),
-            applied=bool(pending["applied"]),
+            bytes_sent=pending.bytes_sent,
+            bytes_received=pending.bytes_received,
+            wall_s=pending.transport_s,
+            applied=pending.applied,
         )
         owned = set(self.state.owned)
-        deltas = {
-            name: t.to(torch.float32) for name, t in pending["deltas"].items() if name in owned
-        }
-        combined = not pending.get("share_norm", False)
+        deltas = {name: t.to(torch.float32) for name, t in pending.deltas.items() if name in owned}
         return RoundInFlight(
-            int(pending["fragment"]),
-            int(pending["send_step"]),
+            pending.fragment,
+            pending.send_step,
             deltas,
-            result=Exchanged(stats, float(pending["norm"]), combined=combined),
+            result=Exchanged(stats, pending.norm, combined=not pending.share_norm),
         )

@@ -12,6 +12,7 @@ others'. An elastic fit ends with every parameter on its anchor (``land_on_ancho
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight
+from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.transport.base import RoundStats
 
 TakeAdopted = Callable[[], AdoptedRound | None]
@@ -42,7 +44,7 @@ class ElasticOuter:
         self.outer_syncs = list(outer_syncs)
         self.take_adopted = take_adopted
         self.healed = False
-        self._kept: dict[str, Any] | None = None
+        self._kept: list[OuterRecord] | None = None
         self._island_healed = False  # a rank of the island was healed: settle gathers
         self._joining = False
 
@@ -68,33 +70,15 @@ class ElasticOuter:
         return RoundPlace(rnd.fragment, rnd.send_step, rnd.send_step + delay)
 
     def state(self) -> dict[str, Any]:
-        """The global state a joiner needs, one entry per optimizer (tensors are not copied);
-        sharded, this rank's share of it, with the share's position, island size and names.
+        """The global state a joiner needs, one ``OuterRecord`` dict per optimizer (tensors
+        are not copied); sharded, this rank's share of it, with the share and its names.
 
-        Called by torchft on the quorum's thread while this island's round is being exchanged:
-        anchors and outer state do not move until that round's apply, which waits for it.
-        The counters are those of the round's send (the training thread may be past it).
+        Called by torchft on the quorum's thread while this island's round is being exchanged
+        (``OuterSync.record(for_peer=True)`` says what that reads).
         """
-        states = []
-        for outer in self.outer_syncs:
-            s = outer.state
-            rnd = s.in_flight
-            state: dict[str, Any] = {
-                "anchors": dict(s.anchors),
-                "outer_optimizer": s.outer_optimizer.state_dict(),
-                "inner_steps": s.inner_steps if rnd is None else rnd.send_step,
-                "outer_steps": s.outer_steps,
-                "fragment_rounds": list(s.fragment_rounds),
-                "synced_at": list(s.synced_at),
-                "ended_at": s.ended_at,
-            }
-            if s.shard is not None:
-                state["share"] = [s.shard.position, s.shard.size]
-                state["param_names"] = list(s.owned)
-            states.append(state)
-        return {"outer": states}
+        return {"outer": [outer.record(for_peer=True).to_dict() for outer in self.outer_syncs]}
 
-    def install(self, state: dict[str, Any]) -> None:
+    def install(self, state: Mapping[str, Any]) -> None:
         """Keep a live island's global state for ``settle`` (see the module docstring).
 
         Raises:
@@ -106,7 +90,7 @@ class ElasticOuter:
                 f"the swarm trains {len(states)} optimizer(s), this island "
                 f"{len(self.outer_syncs)}; start it with the swarm's model and optimizers"
             )
-        self._kept = state
+        self._kept = [OuterRecord.from_dict(s) for s in states]
 
     @torch.no_grad()
     def settle(self) -> SyncReport | None:
@@ -144,13 +128,14 @@ class ElasticOuter:
         pseudo-gradient would carry the swarm's whole advance since.
         """
         assert self._kept is not None
-        states, self._kept = self._kept["outer"], None
-        for outer, saved in zip(self.outer_syncs, states, strict=True):
+        records, self._kept = self._kept, None
+        for outer, saved in zip(self.outer_syncs, records, strict=True):
             check_share(outer, saved)
             own = _progress(outer)
             # The clock is set by the adopted round; none is in flight at a settle.
-            outer.load_state_dict({**saved, "inner_steps": 0, "pending": None})
-            outer.state.inner_steps = int(saved["inner_steps"])
+            counters = replace(saved.counters, inner_steps=0)
+            outer.load_state_dict(replace(saved, counters=counters, pending=None))
+            outer.state.inner_steps = saved.counters.inner_steps
             for name in outer.owned:
                 outer.params[name].copy_(outer.anchors[name].float() + own[name])
         self.healed = True
@@ -242,7 +227,7 @@ def _progress(outer: OuterSync) -> dict[str, torch.Tensor]:
     return {name: outer.params[name].float() - outer.anchors[name].float() for name in outer.owned}
 
 
-def check_share(outer: OuterSync, saved: Mapping[str, Any]) -> None:
+def check_share(outer: OuterSync, saved: OuterRecord) -> None:
     """Refuse a healing state that is not this rank's share (another position, island size or
     set of names): the shares of every island of a swarm must be the same.
 
@@ -250,10 +235,9 @@ def check_share(outer: OuterSync, saved: Mapping[str, Any]) -> None:
         ValueError: naming both shares.
     """
     shard = outer.shard
-    mine = None if shard is None else [shard.position, shard.size]
-    theirs = saved.get("share")
-    theirs = None if theirs is None else [int(v) for v in theirs]
-    names = saved.get("param_names", list(saved["anchors"]))
+    mine = None if shard is None else (shard.position, shard.size)
+    theirs = saved.share
+    names = saved.names
     if theirs != mine or (shard is not None and list(names) != outer.owned):
         raise ValueError(
             f"a healing peer sent the share {_share_text(theirs)} with {len(names)} "
@@ -263,5 +247,5 @@ def check_share(outer: OuterSync, saved: Mapping[str, Any]) -> None:
         )
 
 
-def _share_text(share: list[int] | None) -> str:
+def _share_text(share: tuple[int, int] | None) -> str:
     return "'whole outer state'" if share is None else f"'position {share[0]} of {share[1]}'"

@@ -23,6 +23,7 @@ from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOption
 from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync_state import SyncState
+from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
@@ -221,6 +222,10 @@ class OuterSync:
             s.shard.gather(list(s.params), s.params)
 
     # -- checkpoint state (SyncCheckpoint) ---------------------------------------------------
+    def record(self, *, for_peer: bool = False) -> OuterRecord:
+        """The global state as a typed record (``SyncCheckpoint.record``)."""
+        return self.checkpoint.record(for_peer=for_peer)
+
     def state_dict(self) -> dict[str, Any]:
         """Anchors, outer optimizer state, counters and a round in flight (global state)."""
         return self.checkpoint.state_dict()
@@ -232,7 +237,7 @@ class OuterSync:
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
         self.checkpoint.load_island_state_dict(state)
 
-    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+    def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Refuse a saved state this sync cannot install (``SyncCheckpoint.check_state_dict``)."""
         self.checkpoint.check_state_dict(state)
 
@@ -240,12 +245,13 @@ class OuterSync:
         """Refuse saved anchors unless every parameter has one of its shape."""
         self.checkpoint.check_anchors(anchors, names=self.params)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Check a saved state, then install it (``load_checked_state_dict``)."""
-        self.checkpoint.check_state_dict(state)
-        self.load_checked_state_dict(state)
+        record = OuterRecord.of(state)
+        self.checkpoint.check_state_dict(record)
+        self.load_checked_state_dict(record)
 
-    def load_checked_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Install a state that passed ``check_state_dict``."""
         self.checkpoint.load_checked_state_dict(state)
 

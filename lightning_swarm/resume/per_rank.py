@@ -33,7 +33,6 @@ from lightning_swarm.resume.records import (
     IslandRecord,
     SwarmRecord,
     TotalsRecord,
-    outer_anchors,
 )
 from lightning_swarm.resume.restore import (
     Source,
@@ -115,7 +114,7 @@ def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any)
     written[name] = file_digest(directory / name)
     if topology.island_index == 0:
         name = anchor_shard_file_name(topology.local_index)
-        anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
+        anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
         atomic_save(anchors.to_dict(), directory / name)
         written[name] = file_digest(directory / name)
     files: dict[str, FileDigest] = {}
@@ -186,7 +185,7 @@ def _load(
     _check_module(host, island, main.directory / island_name)
     if host.anchors.verify:
         for state in anchors.outer:
-            check_finite(dict(outer_anchors(state)), source=path, what="an anchor")
+            check_finite(dict(state.anchors), source=path, what="an anchor")
         check_finite(island.module, source=main.directory / island_name, what="the module shard")
     return island, anchors
 

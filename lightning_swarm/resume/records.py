@@ -4,8 +4,7 @@ Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here onl
 ``SwarmRecord`` (in the Lightning file, sealed by ``record_checksum``), ``AnchorsRecord`` (global;
 per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
 ``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
-``outer_anchors`` alone looks inside ``OuterSync`` state dicts (``OuterSync.check_state_dict``
-checks them).
+An ``OuterSync``'s global state inside ``AnchorsRecord`` is an ``OuterRecord`` (``outer_record``).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import xxhash
@@ -22,6 +21,7 @@ from torch import Tensor
 from lightning_swarm.algorithm.optimizer_state import merge_by_name
 from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.resume.errors import RecordError
+from lightning_swarm.resume.outer_record import OuterRecord
 
 FORMAT_VERSION = 3
 DIGEST_ALGORITHM = "xxh3_128"
@@ -186,18 +186,23 @@ def reseal(data: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class AnchorsRecord:
-    """``anchors.pt``: one ``OuterSync.state_dict()`` per optimizer (global state)."""
+    """``anchors.pt``: one ``OuterSync`` global state (``OuterRecord``) per optimizer."""
 
     save_id: str
-    outer: list[dict[str, Any]]
+    outer: list[OuterRecord]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "save_id": self.save_id, "outer": self.outer}
+        outer = [record.to_dict() for record in self.outer]
+        return {"format": FORMAT_VERSION, "save_id": self.save_id, "outer": outer}
 
     @classmethod
     def from_dict(cls, payload: object, what: str) -> AnchorsRecord:
         data = check_format(payload, what)
-        return cls(save_id=str(data.get("save_id")), outer=list(data["outer"]))
+        try:
+            outer = [OuterRecord.from_dict(state) for state in data["outer"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise RecordError(f"{what} holds a damaged outer state ({err!r})") from err
+        return cls(save_id=str(data.get("save_id")), outer=outer)
 
 
 class Totals(Protocol):
@@ -285,44 +290,35 @@ def merge_shards(shards: Sequence[AnchorsRecord], what: str) -> AnchorsRecord:
     return AnchorsRecord(save_id=shards[0].save_id, outer=merged)
 
 
-_COUNTERS = ("inner_steps", "outer_steps", "fragment_rounds", "synced_at", "ended_at")
-
-
-def _merge_outer(states: Sequence[Mapping[str, Any]], what: str) -> dict[str, Any]:
-    first = states[0]
-    for state in states[1:]:
-        differ = [k for k in _COUNTERS if state.get(k) != first.get(k)]
+def _merge_outer(records: Sequence[OuterRecord], what: str) -> OuterRecord:
+    first = records[0]
+    for record in records[1:]:
+        differ = [
+            f.name
+            for f in fields(first.counters)
+            if getattr(record.counters, f.name) != getattr(first.counters, f.name)
+        ]
+        if (record.pending is None) != (first.pending is None):
+            differ.append("pending")
         if differ:
             raise RecordError(
                 f"{what}: the anchor shards disagree on {differ}; the save directory mixes "
                 "saves. Resume from another checkpoint."
             )
     anchors: dict[str, Tensor] = {}
-    for state in states:
-        anchors.update(outer_anchors(state))
-    names, optimizer = merge_by_name(
-        [
-            (state.get("param_names") or list(outer_anchors(state)), state["outer_optimizer"])
-            for state in states
-        ]
-    )
-    merged = dict(first)
-    merged.update(anchors=anchors, outer_optimizer=optimizer, param_names=names)
-    if first.get("pending") is not None:
-        pending = dict(first["pending"])
-        pending["deltas"] = {n: t for s in states for n, t in s["pending"]["deltas"].items()}
+    for record in records:
+        anchors.update(record.anchors)
+    names, optimizer = merge_by_name([(r.names, r.outer_optimizer) for r in records])
+    pending = first.pending
+    if pending is not None:
+        shares = [r.pending for r in records if r.pending is not None]
+        deltas = {n: t for p in shares for n, t in p.deltas.items()}
         # Each share saved the norm of its own part: the whole round's is their root-sum-square.
-        pending["norm"] = math.sqrt(sum(float(s["pending"]["norm"]) ** 2 for s in states))
-        pending["share_norm"] = False
-        merged["pending"] = pending
-    return merged
-
-
-# -- inside OuterSync.state_dict() (the outer loop's format) ------------------------------------
-def outer_anchors(state: Mapping[str, Any]) -> Mapping[str, Tensor]:
-    """The anchors held by one ``OuterSync.state_dict()``."""
-    anchors: Mapping[str, Tensor] = state["anchors"]
-    return anchors
+        norm = math.sqrt(sum(p.norm**2 for p in shares))
+        pending = replace(pending, deltas=deltas, norm=norm, share_norm=False)
+    return replace(
+        first, anchors=anchors, outer_optimizer=optimizer, param_names=names, pending=pending
+    )
 
 
 def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:

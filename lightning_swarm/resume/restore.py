@@ -44,7 +44,6 @@ from lightning_swarm.resume.records import (
     IslandRecord,
     SwarmRecord,
     merge_shards,
-    outer_anchors,
 )
 from lightning_swarm.resume.save import current_fingerprint
 from lightning_swarm.resume.training_view import Collectives, TrainingView
@@ -163,7 +162,7 @@ def load_sources(
             if verify:
                 # Per file, before a merge loses which shard holds a value.
                 for state in record.outer:
-                    check_finite(dict(outer_anchors(state)), source=path, what="an anchor")
+                    check_finite(dict(state.anchors), source=path, what="an anchor")
             records.append(record)
         if not shards:
             return records[0], str(source.directory / ANCHORS_FILE)
@@ -242,7 +241,7 @@ def check_outer_states(
     for index, (outer, state) in enumerate(zip(syncs, record.outer, strict=True)):
         try:
             if anchors_only:
-                outer.check_anchors(outer_anchors(state))
+                outer.check_anchors(state.anchors)
             else:
                 outer.check_state_dict(state)
         except SwarmCheckpointError as err:
@@ -254,12 +253,12 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
     """Install checked state on this rank; returns the optimizers caught up."""
     host.module.load_state_dict(loaded.island.module, strict=True)
     stale: list[int] = []
-    own_rounds = [int(s["outer_steps"]) for s in loaded.own_anchors.outer]
+    own_rounds = [s.counters.outer_steps for s in loaded.own_anchors.outer]
     for index, outer in enumerate(host.outer_syncs):
         if own_rounds[index] < loaded.newest_rounds[index]:
             stale.append(index)
-            old = outer_anchors(loaded.own_anchors.outer[index])
-            new = outer_anchors(loaded.newest.outer[index])
+            old = loaded.own_anchors.outer[index].anchors
+            new = loaded.newest.outer[index].anchors
             for name, p in outer.params.items():
                 catch_up_(p.data, old[name], new[name])
     # The old anchors were needed for the catch-up only.

@@ -148,7 +148,7 @@ def _write_own_files(
         if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
-            anchors = AnchorsRecord(save_id=save_id, outer=[o.state_dict() for o in outers])
+            anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
             atomic_save(anchors.to_dict(), directory / name)
             written[name] = file_digest(directory / name)
     except Exception as err:  # raised on every rank by the caller's agreement

@@ -1,0 +1,144 @@
+"""``OuterRecord``: an ``OuterSync``'s global state, the one form checkpoints and heals share.
+
+``to_dict`` gives the plain dict a checkpoint stores (the layout of format 3, unchanged) and a
+heal sends (through ``membership/state_wire``); ``from_dict`` reads either back, tolerating
+saves older than the per-fragment counters. Tensors are never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class OuterCounters:
+    """Inner steps, applied rounds and the end-of-fit marks (None where a save lacks them)."""
+
+    inner_steps: int
+    outer_steps: int
+    fragment_rounds: list[int] | None = None
+    synced_at: list[int | None] | None = None
+    ended_at: int | None = None
+
+
+@dataclass(frozen=True)
+class PendingRound:
+    """A round in flight as saved: its deltas hold the averaged result, ready to apply.
+
+    ``share_norm`` is None unsharded; sharded, whether ``norm`` covers this share only.
+    """
+
+    fragment: int
+    send_step: int
+    deltas: dict[str, Tensor]
+    applied: bool
+    norm: float
+    bytes_sent: int
+    bytes_received: int
+    transport_s: float
+    share_norm: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "fragment": self.fragment,
+            "send_step": self.send_step,
+            "deltas": self.deltas,
+            "applied": self.applied,
+            "norm": self.norm,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "transport_s": self.transport_s,
+        }
+        if self.share_norm is not None:
+            out["share_norm"] = self.share_norm
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PendingRound:
+        share_norm = data.get("share_norm")
+        return cls(
+            fragment=int(data["fragment"]),
+            send_step=int(data["send_step"]),
+            deltas=dict(data["deltas"]),
+            applied=bool(data["applied"]),
+            norm=float(data["norm"]),
+            bytes_sent=int(data["bytes_sent"]),
+            bytes_received=int(data["bytes_received"]),
+            transport_s=float(data["transport_s"]),
+            share_norm=None if share_norm is None else bool(share_norm),
+        )
+
+
+@dataclass(frozen=True)
+class OuterRecord:
+    """Anchors, outer optimizer state, counters, a round in flight and, sharded, the share.
+
+    ``param_names`` (sharded) orders the positional outer optimizer state; ``share`` (a heal
+    from a sharded rank) is that rank's (position, island size). A heal has no ``pending``.
+    """
+
+    anchors: dict[str, Tensor]
+    outer_optimizer: dict[str, Any]
+    counters: OuterCounters
+    pending: PendingRound | None = None
+    param_names: list[str] | None = None
+    share: tuple[int, int] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """The names the outer optimizer state is ordered by."""
+        return list(self.param_names) if self.param_names else list(self.anchors)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.counters
+        out: dict[str, Any] = {
+            "anchors": self.anchors,
+            "outer_optimizer": self.outer_optimizer,
+            "inner_steps": c.inner_steps,
+            "outer_steps": c.outer_steps,
+            "fragment_rounds": c.fragment_rounds,
+            "pending": None if self.pending is None else self.pending.to_dict(),
+            "synced_at": c.synced_at,
+            "ended_at": c.ended_at,
+        }
+        if self.param_names is not None:
+            out["param_names"] = self.param_names
+        if self.share is not None:
+            out["share"] = list(self.share)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OuterRecord:
+        """Read a dict of ``to_dict``'s layout (a checkpoint's or a heal's).
+
+        Raises:
+            KeyError: a key every layout has is missing.
+        """
+        rounds, synced, ended = data.get("fragment_rounds"), data.get("synced_at"), None
+        if data.get("ended_at") is not None:
+            ended = int(data["ended_at"])
+        counters = OuterCounters(
+            inner_steps=int(data["inner_steps"]),
+            outer_steps=int(data["outer_steps"]),
+            fragment_rounds=None if rounds is None else [int(v) for v in rounds],
+            synced_at=None if synced is None else [None if v is None else int(v) for v in synced],
+            ended_at=ended,
+        )
+        pending, names, share = data.get("pending"), data.get("param_names"), data.get("share")
+        return cls(
+            anchors=dict(data["anchors"]),
+            outer_optimizer=data["outer_optimizer"],
+            counters=counters,
+            pending=None if pending is None else PendingRound.from_dict(pending),
+            param_names=None if names is None else [str(n) for n in names],
+            share=None if share is None else (int(share[0]), int(share[1])),
+        )
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any] | OuterRecord) -> OuterRecord:
+        """``state`` as a record (read by ``from_dict`` when it is a dict)."""
+        return state if isinstance(state, OuterRecord) else cls.from_dict(state)
