@@ -36,7 +36,6 @@ import torch.distributed as dist
 from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 
@@ -54,9 +53,7 @@ def _outer(params: dict[str, torch.nn.Parameter], transport: Any, every: int) ->
     return OuterSync(params, outer_optimizer=sgd, transport=transport, sync_every=every)
 
 
-def _train(
-    outer: OuterSync, rounds: int, step_s: float, log: Path, elastic: ElasticOuter | None = None
-) -> None:
+def _train(outer: OuterSync, rounds: int, step_s: float, log: Path) -> None:
     times: list[float] = []
     with log.open("a") as f:
         while outer.outer_steps < rounds:
@@ -65,8 +62,6 @@ def _train(
                     p.add_(1e-3)
             time.sleep(step_s)
             report = outer.on_inner_step()
-            if report is not None and elastic is not None:
-                report = elastic.settle() or report  # a round adopted while healed
             if report is not None:
                 times.append(report.transport_s)
                 row = {"t": time.time(), "applied": report.applied, "s": report.transport_s}
@@ -79,21 +74,16 @@ def elastic_island(
 ) -> None:
     torch.set_num_threads(1)
     params = _params(mb)
-    holder: list[ElasticOuter] = []
     membership = TorchftMembership(
         ElasticConfig(
             address, name, min_islands=min_islands, quorum_timeout_s=120, round_timeout_s=60
         ),
         layout=model_layout(params),
-        state_fn=lambda: holder[0].state(),
-        load_fn=lambda s: holder[0].install(s),
         bucket_numel=BUCKET,
     )
     outer = _outer(params, membership, every=1)
-    holder.append(ElasticOuter([outer]))
-    holder[0].connect(membership.adoption)
-    holder[0].join_round()
-    _train(outer, rounds, step_s, Path(out) / f"{name}.jsonl", holder[0])
+    outer.join()
+    _train(outer, rounds, step_s, Path(out) / f"{name}.jsonl")
     totals = membership.totals
     Path(out, f"{name}.heal.json").write_text(
         json.dumps({"bytes": totals.heal_bytes, "s": totals.heal_time_s})

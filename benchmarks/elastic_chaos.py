@@ -56,7 +56,6 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.reports import StreamingOptions
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker
@@ -79,7 +78,7 @@ def island(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     params = dict(model.named_parameters())
-    out, holder = Path(args.out), list[ElasticOuter]()
+    out = Path(args.out)
     # --streaming: Streaming DiLoCo (2 fragments, sync_delay 1, int8 with error feedback).
     config = SwarmConfig(sync_every=args.every)
     if args.streaming:
@@ -99,8 +98,6 @@ def island(args: argparse.Namespace) -> None:
             round_timeout_s=ROUND_TIMEOUT_S,
         ),
         layout=model_layout(params),
-        state_fn=lambda: holder[0].state(),
-        load_fn=lambda state: holder[0].install(state),
         codec=codec_for(config.quantize),
     )
     sgd = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -118,8 +115,6 @@ def island(args: argparse.Namespace) -> None:
         ),
     )
     membership.agree_on(swarm_settings(config, outer.outer_optimizer))
-    holder.append(ElasticOuter([outer]))
-    holder[0].connect(membership.adoption)
     seed = int(hashlib.sha256(args.island.encode()).hexdigest()[:8], 16)
     stop_file, last_round = out / "stop", None
     with (out / f"{args.island}.jsonl").open("a") as log:
@@ -132,7 +127,7 @@ def island(args: argparse.Namespace) -> None:
             log.write(json.dumps(row) + "\n")
             log.flush()
 
-        record(holder[0].join_round()[0].applied, joined=True)
+        record(outer.join().applied, joined=True)
         while last_round is None or outer.outer_steps < last_round:
             gen = torch.Generator().manual_seed(seed * 100_003 + outer.inner_steps)
             with torch.no_grad():
@@ -141,13 +136,12 @@ def island(args: argparse.Namespace) -> None:
             time.sleep(args.step_s)
             report = outer.on_inner_step()
             if report is not None:
-                report = holder[0].settle() or report  # a round adopted while healed
                 record(report.applied, joined=False)
                 if stop_file.exists():
                     last_round = int(stop_file.read_text())
     # With fragments the other fragment's parameters hold local progress: compare the global
     # model, as an elastic fit ends (land_on_anchors); no round is in flight after an apply.
-    holder[0].land_on_anchors()
+    outer.land_on_anchors()
     final = {"anchors": _digest(outer.anchors), "params": _digest(params)}
     (out / f"{args.island}.final.json").write_text(json.dumps(final))
     membership.close()

@@ -24,7 +24,6 @@ from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer.build import codec_of
-from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.sync import OuterSync
 
 
@@ -37,7 +36,7 @@ class ElasticIsland:
         self.sync_every = config.sync_every
         self.membership: TorchftMembership | None = None
         self.outer_shares = 1  # ranks that share the outer state (1: rank 0 exchanges all)
-        self._outer: ElasticOuter | None = None
+        self._outer: OuterSync | None = None
         self._target_rounds: int | None = None
 
     @staticmethod
@@ -65,19 +64,16 @@ class ElasticIsland:
         self.membership = TorchftMembership(
             self.options,
             layout=model_layout(params),
-            state_fn=lambda: self._elastic_outer.state(),
-            load_fn=lambda state: self._elastic_outer.install(state),
             island_group=island_group,
             bucket_numel=bucket_numel,
             codec=codec_of(self.config),
             background=self.config.sync_delay > 0,
             per_rank=per_rank,
-            island_healed_fn=lambda: self._elastic_outer.note_island_heal(),
         )
         return self.membership
 
     @property
-    def _elastic_outer(self) -> ElasticOuter:
+    def _outer_sync(self) -> OuterSync:
         assert self._outer is not None, "the outer loop is attached right after it is built"
         return self._outer
 
@@ -89,8 +85,7 @@ class ElasticIsland:
             )
         membership = self.membership
         assert membership is not None, "the membership is built before the outer loop"
-        self._outer = ElasticOuter(outer_syncs)
-        self._outer.connect(membership.adoption)
+        self._outer = outer_syncs[0]
         # Islands whose rounds would mean different things are refused in the round header.
         settings = swarm_settings(self.config, outer_syncs[0].outer_optimizer)
         membership.agree_on({**settings, "outer_shares": self.outer_shares})
@@ -101,7 +96,7 @@ class ElasticIsland:
             per_sync = self.config.num_fragments  # each fragment syncs once per sync_every
             self._target_rounds = math.ceil(trainer.max_steps / self.sync_every) * per_sync
             trainer.fit_loop.epoch_loop.max_steps = -1
-        report = self._elastic_outer.join_round()[0]
+        report = self._outer_sync.join()
         return self.after_round(trainer, {"swarm/outer_steps": float(report.outer_steps)})
 
     def after_round(self, trainer: pl.Trainer, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -109,19 +104,16 @@ class ElasticIsland:
         assert self.membership is not None
         totals = self.membership.totals
         out = dict(metrics)
-        # The swarm's round this island adopted (healed, or out of step): applied here, on
-        # the training thread, after its own round was resolved.
-        self._elastic_outer.settle()
         # The swarm's clock after any heal or adopted round (a heal in an abandoned round
-        # installs the swarm's counters without a report of its own).
-        out["swarm/outer_steps"] = float(self._elastic_outer.outer_syncs[0].outer_steps)
+        # installs the swarm's counters).
+        out["swarm/outer_steps"] = float(self._outer_sync.outer_steps)
         out["swarm/islands_in_round"] = float(totals.islands_in_round)
         out["swarm/rounds_abandoned"] = float(totals.rounds_abandoned)
         out["swarm/heal_bytes"] = float(totals.heal_bytes)
         out["swarm/heal_time_s"] = totals.heal_time_s
-        rounds = self._elastic_outer.outer_syncs[0].outer_steps
+        rounds = self._outer_sync.outer_steps
         if self._target_rounds is not None and rounds >= self._target_rounds:
             trainer.should_stop = True
             # The global model, not a merge_alpha mix of it with this island's own weights.
-            self._elastic_outer.land_on_anchors()
+            self._outer_sync.land_on_anchors()
         return out

@@ -27,7 +27,6 @@ from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.outer import OuterSync, StreamingOptions
-from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.worker import SyncWorker
 from tests.elastic_faults import fault_hook
 
@@ -74,7 +73,6 @@ def main() -> None:
     codec = codec_for(args.quantize)
     worker = SyncWorker() if args.delay > 0 else None
     params = dict(model.named_parameters())
-    outer_holder: list[ElasticOuter] = []
     membership = None
     out = Path(args.out)
     log = (out / f"{args.island}.jsonl").open("a")
@@ -89,8 +87,6 @@ def main() -> None:
                 connect_timeout_s=3.0,
             ),
             layout=model_layout(params),
-            state_fn=lambda: outer_holder[0].state(),
-            load_fn=lambda state: outer_holder[0].install(state),
             codec=codec,
         )
         outer = OuterSync(
@@ -111,9 +107,6 @@ def main() -> None:
         )
         membership.on_phase = fault_hook(args.fault, out, args.island)
         membership.agree_on(swarm_settings(config, outer.outer_optimizer))
-        elastic = ElasticOuter([outer])
-        elastic.connect(membership.adoption)
-        outer_holder.append(elastic)
 
         def record(report: object, joined: bool) -> None:
             line = {
@@ -133,8 +126,7 @@ def main() -> None:
             log.write(json.dumps(line) + "\n")
             log.flush()
 
-        for report in elastic.join_round():
-            record(report, joined=True)
+        record(outer.join(), joined=True)
         island_seed = int(hashlib.sha256(args.island.encode()).hexdigest()[:8], 16)
         last_round = args.rounds
         # The swarm's clock is its committed rounds: inner-step counts drift apart between
@@ -147,14 +139,12 @@ def main() -> None:
             time.sleep(args.step_s)
             report = outer.on_inner_step()
             if report is not None:
-                # A round of the swarm this island adopted (healed) is applied here.
-                report = elastic.settle() or report
                 record(report, joined=False)
                 if args.stop_file and Path(args.stop_file).exists():
                     last_round = min(args.rounds, int(Path(args.stop_file).read_text()))
         # The swarm's last round merged one fragment (with merge_alpha, a mix): every island
         # lands on the anchors, as the Lightning glue does.
-        elastic.land_on_anchors()
+        outer.land_on_anchors()
         save_file(
             {
                 **{f"anchor.{k}": v for k, v in outer.anchors.items()},

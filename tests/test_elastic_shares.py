@@ -1,5 +1,6 @@
-"""The per-rank hand-over of a sharded elastic island (``outer/join.py``) and the island's
-agreement on how a round ends (``membership/fanout.py``), without torchft."""
+"""The per-rank hand-over of a sharded elastic island (``SyncCheckpoint.peer_offer`` and
+``install_heal``) and the island's agreement on how a round ends (``membership/fanout.py``),
+without torchft."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch.distributed as dist
 from lightning_swarm.membership.errors import DuplicateIslandError
 from lightning_swarm.membership.fanout import IslandFanout
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.transport.base import RoundStats
 from tests.dist_utils import run_ranks
@@ -61,11 +61,8 @@ def _advance(outer: OuterSync, seed: int) -> None:
 
 
 def _heal(outer: OuterSync, state: dict[str, Any]) -> None:
-    """A heal as the strategy runs it: kept on the exchange's thread, installed by ``settle``
-    on the training thread."""
-    elastic = ElasticOuter([outer])
-    elastic.install(state)
-    elastic.settle()
+    """A heal as the round engine installs it, on the training thread, at the round's apply."""
+    outer.engine.install_heal(RoundStats(heal=state))
 
 
 def test_each_rank_installs_its_own_share_and_keeps_its_progress() -> None:
@@ -81,9 +78,9 @@ def test_each_rank_installs_its_own_share_and_keeps_its_progress() -> None:
                 p.add_(0.25)  # its progress since its own anchors
         before = {n: p.detach().clone() for n, p in joiner.params.items()}
         old = {n: a.clone() for n, a in joiner.anchors.items()}
-        state = ElasticOuter([live]).state()
-        assert state["outer"][0]["share"] == [position, 2]
-        assert set(state["outer"][0]["anchors"]) == set(live.owned)  # only its share moves
+        state = live.checkpoint.peer_offer()
+        assert state["share"] == [position, 2]
+        assert set(state["anchors"]) == set(live.owned)  # only its share moves
         _heal(joiner, state)
         assert joiner.owned == live.owned and len(joiner.owned) < len(SHAPES)
         assert (joiner.outer_steps, joiner.inner_steps) == (live.outer_steps, live.inner_steps)
@@ -128,7 +125,7 @@ def test_a_share_that_is_not_this_ranks_is_refused(
     with pytest.raises(
         ValueError, match="islands of a swarm must split the outer state alike"
     ) as err:
-        _heal(joiner, ElasticOuter([live]).state())
+        _heal(joiner, live.checkpoint.peer_offer())
     assert named in str(err.value)
     assert all(joiner.anchors[n].equal(a) for n, a in anchors.items())  # nothing installed
 
@@ -219,7 +216,7 @@ def _counters(rank: int, world: int, out: Path) -> None:
     )
     outer.state.inner_steps = 40 if rank == 0 else 44  # from two different sources
     outer.state.synced_at = [40 if rank == 0 else 44]
-    ElasticOuter([outer]).after_island_heal()
+    outer.engine.install_heal(RoundStats(island_healed=True))
     assert (outer.inner_steps, outer.state.synced_at) == (40, [40])
     assert params["w"].detach().equal(torch.zeros(2)) and params["v"].detach().equal(torch.ones(2))
     (out / f"rank{rank}").write_text("ok")

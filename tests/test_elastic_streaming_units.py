@@ -1,7 +1,8 @@
 """Streaming DiLoCo under torchft, unit level: abandoned fragment rounds, adopted rounds.
 
-No lighthouse here: a scripted transport stands in for ``TorchftMembership`` (whose rounds
-report ``applied=False`` when abandoned), and ``ElasticOuter.settle`` is driven by hand.
+No lighthouse here: scripted transports stand in for ``TorchftMembership`` (whose rounds
+report ``applied=False`` when abandoned, and whose ``open`` may have the island adopt the
+swarm's round, with a heal in the verdict).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.membership.adopt import AdoptedRound, RoundPlace, plan_round
+from lightning_swarm.membership.adopt import RoundPlace, plan_round
 from lightning_swarm.outer import OuterSync, StreamingOptions
-from lightning_swarm.outer.join import ElasticOuter
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundStats
 
 SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 CODEC = Codec("int8", block_size=4)
@@ -43,6 +43,37 @@ class Scripted:
         pass
 
 
+class Adopting:
+    """An elastic round in which this island adopts the swarm's round ``place``: it receives
+    ``mean`` (the swarm's averaged fragment, in bucket order) and the heal ``offer``."""
+
+    pipelined = False
+    block_size = 1
+    bucket_numel = 1 << 20
+    heals = True
+
+    def __init__(self, place: RoundPlace, mean: Tensor, heal: dict[str, Any]) -> None:
+        self.place, self.mean, self.heal = place, mean, heal
+        self.offers: list[Any] = []
+        self._at = 0
+
+    def open(self, *, offer: Any = None, **_: Any) -> Opening:
+        self.offers.append(offer)
+        return Opening(adopt=self.place)
+
+    def start(self, bucket: Bucket) -> Handle:
+        assert bucket.flat.eq(0).all(), "an adopting island contributes zeros"
+        bucket.flat.copy_(self.mean[self._at : self._at + bucket.flat.numel()])
+        self._at += bucket.flat.numel()
+        return Done()
+
+    def agree(self) -> RoundStats:
+        return RoundStats(applied=True, heal=self.heal)
+
+    def close(self) -> None:
+        pass
+
+
 def _params(seed: int) -> dict[str, torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"0.weight": (5, 3), "0.bias": (5,), "1.weight": (2, 5), "1.bias": (2,)}
@@ -55,7 +86,7 @@ def _step(params: Mapping[str, torch.nn.Parameter], step: int) -> None:
             p.add_(torch.full_like(p, 0.01 * (i + 1) * step) + 0.003 * p)
 
 
-def _sync(transport: Scripted, worker: SyncWorker, seed: int = 0) -> OuterSync:
+def _sync(transport: Any, worker: SyncWorker, seed: int = 0) -> OuterSync:
     params = _params(seed)
     return OuterSync(
         params,
@@ -104,10 +135,11 @@ def test_an_abandoned_fragment_round_leaves_its_anchors_and_residuals_as_they_we
 
 
 def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -> None:
-    """An island healed during fragment 1's round (a live island's state, kept on the worker
-    thread) settles on its training thread: it installs the state, takes the swarm's clock and
-    applies the same averaged fragment 1; its anchors then equal the live island's bit for
-    bit, its own residuals are kept, and its progress since its old anchors stays on top."""
+    """An island healed in the swarm's fragment 1 round (its own round was fragment 0): the
+    engine installs the live island's state, takes the swarm's clock and applies the same
+    averaged fragment 1, in one apply on the training thread; its anchors then equal the live
+    island's bit for bit, its own residuals are kept, and its progress since its old anchors
+    stays on top."""
     worker = SyncWorker()
     try:
         swarm = Scripted([True] * 3)
@@ -116,20 +148,20 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
             _step(live.params, step)
             live.on_inner_step()
         assert live.in_flight == 1
-        peer_state = ElasticOuter([live]).state()  # what torchft sends during that round
-        island = _sync(Scripted([]), worker, seed=1)
-        island.state.residuals = {"0.bias": torch.full((5,), 0.125)}
-        elastic = ElasticOuter([island])
-        elastic.install(peer_state)
+        peer_state = live.checkpoint.peer_offer()  # what torchft sends during that round
         _step(live.params, 7)
         live_report = live.on_inner_step()  # the live island applies fragment 1 at step 7
         assert live_report is not None and live_report.applied
         mean = dict(swarm.last)
         assert list(mean) == ["1.weight", "1.bias"]
-        elastic.take_adopted = lambda: AdoptedRound(RoundPlace(1, 6, 7), mean, True)
+        flat_mean = torch.cat([t.reshape(-1) for t in mean.values()])
+        transport = Adopting(RoundPlace(1, 6, 7), flat_mean, peer_state)
+        island = _sync(transport, worker, seed=1)
+        island.state.residuals = {"0.bias": torch.full((5,), 0.125)}
         own = {n: island.params[n].detach() - island.anchors[n] for n in island.params}
-        report = elastic.settle()
-        assert report is not None and report.applied and report.fragment == 1
+        report = island.round_now(0)
+        assert set(transport.offers[0]["anchors"]) == set(island.params)  # its own, for a peer
+        assert report.applied and report.fragment == 1 and report.healed
         assert report.pseudo_grad_norm == live_report.pseudo_grad_norm > 0
         assert island.inner_steps == 7 and island.outer_steps == live.outer_steps
         for name in live.anchors:
@@ -194,9 +226,9 @@ def test_a_join_applies_a_round_in_flight_restored_from_a_checkpoint_first() -> 
         resumed = _sync(Scripted([True]), worker)
         resumed.load_state_dict(state)
         assert resumed.in_flight == 1
-        reports = ElasticOuter([resumed]).join_round()
+        report = resumed.join()
         assert resumed.fragment_rounds == [1, 1]  # the restored round, then the join's
-        assert reports[0].applied and resumed.in_flight is None
+        assert report.applied and resumed.in_flight is None
         _step(saved.params, 3)
         saved.on_inner_step()  # the uninterrupted island applies it at step 3
         for name in ("1.weight", "1.bias"):
@@ -279,9 +311,11 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
     quorum, moved = _Quorum(), {}
 
     def island(rank: int) -> None:
-        moved[rank] = coded_quorum_mean(
-            managers[rank], quorum.member(rank), tensors[rank], codec, bucket_numel=8
-        )
+        flats = [t.view(-1) for t in tensors[rank]]
+        member, moved[rank] = quorum.member(rank), 0
+        for bucket in plan_buckets([f.numel() for f in flats], 8, codec.block_size):
+            runs = [flats[p.tensor_index][p.start : p.stop] for p in bucket]
+            moved[rank] += coded_quorum_mean(managers[rank], member, runs, codec)
 
     threads = [threading.Thread(target=island, args=(r,)) for r in (0, 1)]
     for t in threads:

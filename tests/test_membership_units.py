@@ -19,7 +19,6 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership import check_membership
 from lightning_swarm.membership.config import ElasticConfig, elastic_options
 from lightning_swarm.membership.lighthouse import parse_args
-from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
 
 
@@ -239,7 +238,6 @@ def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
     import functools
 
     from lightning_swarm.outer import OuterSync
-    from lightning_swarm.outer.join import ElasticOuter
 
     def outer_sync(value: float) -> OuterSync:
         params = {"w": torch.nn.Parameter(torch.full((3,), value))}
@@ -249,13 +247,7 @@ def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
     island, swarm = outer_sync(1.0), outer_sync(5.0)
     with torch.no_grad():
         island.params["w"].add_(torch.tensor([0.5, -0.25, 0.0]))  # its progress since anchors
-    elastic = ElasticOuter([island])
-    elastic.install(ElasticOuter([swarm]).state())
-    # Kept, not installed: a heal arrives on the exchange's thread (the worker when
-    # sync_delay > 0) while the training thread steps; it is installed by settle.
-    assert island.anchors["w"].equal(torch.full((3,), 1.0))
-    assert island.params["w"].detach().equal(torch.tensor([1.5, 0.75, 1.0]))
-    assert elastic.settle() is None
+    island.checkpoint.install_heal(swarm.checkpoint.peer_offer())
     assert island.anchors["w"].equal(torch.full((3,), 5.0))
     assert island.params["w"].detach().equal(torch.tensor([5.5, 4.75, 5.0]))
 
@@ -317,14 +309,19 @@ class _HalvingManager:
 
 
 @pytest.mark.parametrize("errored", [False, True])
-def test_the_quorum_mean_goes_bucket_by_bucket_and_counts_ring_bytes(errored: bool) -> None:
-    # 5 + 3 elements in buckets of 4: tensor 0 spans two buckets, its tail shares one with
-    # tensor 1, and both buckets are full.
-    tensors = [torch.arange(1.0, 6.0), torch.tensor([[10.0, 20.0, 30.0]])]
+def test_the_quorum_mean_of_a_bucket_counts_ring_bytes(errored: bool) -> None:
+    """``TorchftMembership.start``'s mean: one ``Manager.allreduce`` per bucket, in place; a
+    ring over 2 islands sends half of a 16-byte bucket twice; a failed exchange counts 0."""
+    from types import SimpleNamespace
+
+    from lightning_swarm.membership.torchft_quorum import TorchftMembership
+
     manager = _HalvingManager(errored)
-    moved = bucketed_mean(manager, tensors, bucket_numel=4, group_size=2)
-    assert manager.buckets == [[1.0, 2.0, 3.0, 4.0], [5.0, 10.0, 20.0, 30.0]]
-    assert torch.equal(tensors[0], torch.arange(1.0, 6.0) / 2)
-    assert torch.equal(tensors[1], torch.tensor([[5.0, 10.0, 15.0]]))
-    # a ring over 2 islands sends half of each 16-byte bucket twice; a failed round counts 0
-    assert moved == (0 if errored else 2 * 16)
+    member = SimpleNamespace(
+        codec=None, _manager=manager, _pg=SimpleNamespace(size=lambda: 2), last_round_bytes=0
+    )
+    flat = torch.tensor([5.0, 10.0, 20.0, 30.0])
+    TorchftMembership._allreduce(member, [flat])  # type: ignore[arg-type]
+    assert manager.buckets == [[5.0, 10.0, 20.0, 30.0]]
+    assert torch.equal(flat, torch.tensor([2.5, 5.0, 10.0, 15.0]))
+    assert member.last_round_bytes == (0 if errored else 16)

@@ -24,6 +24,7 @@ from lightning_swarm.membership import (
 )
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from lightning_swarm.transport.base import Bucket, RoundStats
 from tests.dist_utils import free_port
 from tests.elastic_utils import lighthouse, start_lighthouse
 
@@ -31,9 +32,15 @@ from tests.elastic_utils import lighthouse, start_lighthouse
 def _membership(address: str, **options: float) -> TorchftMembership:
     params = {"w": torch.zeros(3)}
     config = ElasticConfig(lighthouse=address, island_id="solo", **options)  # type: ignore[arg-type]
-    return TorchftMembership(
-        config, layout=model_layout(params), state_fn=dict, load_fn=lambda _: None
-    )
+    return TorchftMembership(config, layout=model_layout(params))
+
+
+def _round(membership: TorchftMembership, round_index: int) -> RoundStats:
+    """One round of a 3-element zero tensor, as the round engine drives it."""
+    flat = torch.zeros(3)
+    membership.open(round_index=round_index, finite=True, names={"w": flat.shape})
+    membership.start(Bucket(flat, (3,))).wait()
+    return membership.agree()
 
 
 def lighthouse_down(tmp: Path) -> None:
@@ -50,7 +57,7 @@ def too_few_islands(tmp: Path) -> None:
         membership = _membership(address, quorum_timeout_s=1.0)
         try:
             with pytest.raises(QuorumTimeoutError, match="quorum_timeout_s=1.0"):
-                membership.average({"w": torch.zeros(3)}, round_index=0)
+                _round(membership, 0)
         finally:
             membership.close()
 
@@ -63,11 +70,11 @@ def lighthouse_gone(tmp: Path) -> None:
     address = f"http://127.0.0.1:{port}"
     membership = _membership(address, min_islands=1, quorum_timeout_s=2.0)
     try:
-        assert membership.average({"w": torch.zeros(3)}, round_index=0) is not None
+        assert _round(membership, 0) is not None
         server.kill()
         server.wait()
         with pytest.raises(MembershipError) as caught:
-            membership.average({"w": torch.zeros(3)}, round_index=1)
+            _round(membership, 1)
     finally:
         membership.close()
         if server.poll() is None:

@@ -1,7 +1,7 @@
 """The membership's collectives inside one island: rank 0's fan-out, and the ranks' agreements.
 
-``IslandFanout`` broadcasts what rank 0 learnt from torchft (error, commit verdict, averaged
-tensors, healed state); with a Manager per rank, ``all_true``, ``agree_round`` and
+``IslandFanout`` broadcasts what rank 0 learnt from torchft (error, the round's opening, commit
+verdict, averaged tensors, healed state); with a Manager per rank, ``all_true``, ``agree_round`` and
 ``share_text`` make the ranks end a round alike. The group is gloo, created beside an NCCL
 island group and destroyed in ``close``. Every call is collective over the island; with one
 rank it returns its input.
@@ -9,7 +9,7 @@ rank it returns its input.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_swarm.membership.errors import MembershipError
 from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
 from lightning_swarm.transport.agree import Gather, agree, objects_over
+from lightning_swarm.transport.base import Opening, RoundPlace
 
 
 @dataclass
@@ -81,6 +82,19 @@ class IslandFanout:
         """Raise rank 0's error (or none) on every rank of the island (``transport.agree``:
         an error on another rank is raised alike, the lowest rank's first)."""
         agree(gather=self._gather(), error=error)
+
+    def share_opening(self, opening: Opening) -> Opening:
+        """Rank 0's ``opening`` on every rank of the island (collective)."""
+        if self.size == 1:
+            return opening
+        place = (0, 0, 0) if opening.adopt is None else astuple(opening.adopt)
+        head = torch.tensor(
+            [int(opening.adopt is not None), *place, int(opening.abandon)], dtype=torch.int64
+        )
+        self._broadcast(head)
+        adopted, fragment, send_step, apply_step, abandon = (int(v) for v in head.tolist())
+        adopt = RoundPlace(fragment, send_step, apply_step) if adopted else None
+        return Opening(adopt=adopt, abandon=bool(abandon))
 
     def share_text(self, text: str) -> str:
         """Rank 0's ``text`` on every rank of the island (e.g. its store address)."""

@@ -17,22 +17,20 @@ from torch.distributed.distributed_c10d import AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.membership.torchft_private import quorum_rank
-from lightning_swarm.transport.buckets import plan_buckets
+from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.coded_mean import coded_bucket_mean
 
 
-def coded_quorum_mean(
-    manager: Any, pg: Any, tensors: list[Tensor], codec: Codec, bucket_numel: int
-) -> int:
-    """Overwrite ``tensors`` (flat-viewable float32 CPU) with their quantized mean over the
-    quorum; returns the bytes this island sent (= received), 0 when the exchange failed."""
+def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -> int:
+    """Overwrite one bucket's ``runs`` (flat float32 CPU views, each starting on a codec block
+    of its tensor) with their quantized mean over the quorum; returns the bytes this island
+    sent (= received), 0 when the exchange failed."""
     # The island's place in the quorum is the order of the round header's rows, too.
     num_islands, island_index = pg.size(), quorum_rank(pg)
     divisor = max(manager.num_participants(), 1)
-    flats = [t.view(-1) for t in tensors]
     if not manager.is_participating():
-        for flat in flats:
-            flat.zero_()
+        for run in runs:
+            run.zero_()
 
     def exchange(send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         if num_islands == 1:
@@ -41,21 +39,17 @@ def coded_quorum_mean(
         pg.alltoall_base(received, send, recv_sizes, send_sizes, AllToAllOptions()).wait()
         return received
 
-    moved = 0
     try:
-        numels = [f.numel() for f in flats]
-        for bucket in plan_buckets(numels, bucket_numel, codec.block_size):
-            moved += coded_bucket_mean(
-                flats,
-                bucket,
-                codec=codec,
-                num_islands=num_islands,
-                island_index=island_index,
-                divisor=divisor,
-                exchange=exchange,
-                device=torch.device("cpu"),
-            )
+        return coded_bucket_mean(
+            runs,
+            [Piece(i, 0, run.numel()) for i, run in enumerate(runs)],
+            codec=codec,
+            num_islands=num_islands,
+            island_index=island_index,
+            divisor=divisor,
+            exchange=exchange,
+            device=torch.device("cpu"),
+        )
     except Exception as err:  # a dead peer: the commit gate turns this into a "no"
         manager.report_error(err)
         return 0
-    return moved

@@ -7,8 +7,13 @@ participants, then the commit gate. A failure anywhere abandons the round on the
 (anchors unchanged, local progress kept); only the header's refusals and a quorum that never
 comes raise. An island of several ranks fans out from rank 0 (``per_rank=False``) or runs a
 Manager per rank over its share (``per_rank=True``); its ranks agree on one outcome. Managers and
-their groups belong to this object until ``close``; healed state goes to ``load_fn``, which keeps
-it until the training thread installs it (``ElasticOuter.settle``).
+their groups belong to this object until ``close``.
+
+The round engine drives it through the bucket contract: ``open`` runs the quorum, the header and
+the plan, ``start`` averages a bucket with ``Manager.allreduce`` (or the coded mean), ``agree``
+runs the vote. torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer,
+``load_fn`` keeps the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine
+to install on its training thread.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -26,7 +31,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.adopt import RoundAdoption
+from lightning_swarm.membership.adopt import opening_of
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     MembershipError,
@@ -35,7 +40,6 @@ from lightning_swarm.membership.errors import (
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
 from lightning_swarm.membership.quorum import ShortRounds, count_failed_vote, request_quorum
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
-from lightning_swarm.membership.quorum_mean import bucketed_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
     HeaderRow,
@@ -53,17 +57,14 @@ from lightning_swarm.membership.round_header import (
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
-from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.checks import all_finite
+from lightning_swarm.transport.allreduce import ring_allreduce_bytes
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
 
 PhaseHook = Callable[[str, int], None]
 """Called with (phase, round) as each phase of a round starts on each rank that talks to
 torchft (the island's rank 0, or every rank per rank): quorum,
 pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
 For failure injection in tests: it may kill or stop the process at a chosen moment."""
-StateFn = Callable[[], dict[str, Any]]
-LoadFn = Callable[[dict[str, Any]], None]
-HealedFn = Callable[[], None]
 
 
 @dataclass
@@ -88,10 +89,6 @@ class TorchftMembership:
     Args:
         config: lighthouse, island id, minimum islands and timeouts.
         layout: this island's model layout (``algorithm.model_layout.model_layout``).
-        state_fn: returns the global state a joiner needs (anchors, outer state, counters);
-            per rank: this rank's share of it.
-        load_fn: installs such a state (fan-out: on every rank of a healed island; per rank:
-            on each rank whose share was healed).
         island_group: the island's process group (``None``: the default group when one
             exists, else an island of one rank).
         bucket_numel: float32 elements per all-reduce bucket.
@@ -101,8 +98,6 @@ class TorchftMembership:
             own, since two threads' collectives on one group interleave differently per rank.
         per_rank: every rank of the island exchanges its own share with a Manager of its own
             (see the module docstring); ``False``: rank 0 exchanges and fans out.
-        island_healed_fn: called on every rank of the island after a round in which any of
-            its ranks was healed (after ``load_fn``), e.g. to have the healed shares gathered.
 
     Raises:
         LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
@@ -113,25 +108,24 @@ class TorchftMembership:
         config: ElasticConfig,
         *,
         layout: Layout,
-        state_fn: StateFn,
-        load_fn: LoadFn,
         island_group: dist.ProcessGroup | None = None,
         bucket_numel: int = 8 << 20,
         codec: Codec | None = None,
         background: bool = False,
         per_rank: bool = False,
-        island_healed_fn: HealedFn | None = None,
     ) -> None:
         self.config = config
         self.layout = dict(layout)
         self.bucket_numel = bucket_numel
         self.codec = codec
-        # Streaming DiLoCo: which round this island averages, its own or the swarm's.
-        self.adoption = RoundAdoption()
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
-        self._state_fn, self._load_fn = state_fn, load_fn
-        self._island_healed_fn = island_healed_fn
+        # The round in progress, from ``open`` to ``agree`` (on the thread that runs it).
+        self._offer: Mapping[str, Any] | None = None
+        self._started: list[Tensor] = []
+        self._outcome = RoundOutcome()
+        self._error: MembershipError | None = None
+        self._failed = False
         self._fanout = IslandFanout(island_group, side_group=True if background else None)
         self.per_rank = per_rank and self._fanout.size > 1
         # Per rank, the quorum and the vote wait for every rank of the island: each rank takes
@@ -188,9 +182,10 @@ class TorchftMembership:
         encoded = encode_settings(self._settings)
         self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
 
-    # -- healing hooks (called by torchft on the island's rank 0) --------------------------------
+    # -- healing hooks: torchft calls them on its own threads; they touch the mailbox only ------
     def _state_for_peer(self) -> dict[str, Any]:
-        return {"layout": self.layout, "user": self._state_fn()}
+        """The offer of the round being opened (built by the engine on its own thread)."""
+        return {"layout": self.layout, "user": dict(self._offer or {})}
 
     def _load_healed(self, state: dict[str, Any]) -> None:
         swarm_layout = state.get("layout")
@@ -202,104 +197,143 @@ class TorchftMembership:
             )
         self._healed = state["user"]
 
-    # -- the round --------------------------------------------------------------------------------
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        """Overwrite ``tensors`` with their mean over this round's islands (if committed)."""
-        start = time.perf_counter()
-        for t in tensors.values():
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("TorchftMembership averages contiguous float32 tensors only")
-        if self.per_rank:
-            outcome = self._rank_round(list(tensors.values()))
-        else:
-            outcome = self._fanned_round(list(tensors.values()))
-        if outcome.healed is not None:
-            self._load_fn(outcome.healed)
-            self.totals.heals += 1
-            self.totals.heal_bytes += outcome.heal_bytes
-            self.totals.heal_time_s += outcome.heal_s
-        if self._island_healed and self._island_healed_fn is not None:
-            self._island_healed_fn()
-        self.totals.islands_in_round = outcome.participants
-        self.totals.rounds_committed += int(outcome.committed)
-        self.totals.rounds_abandoned += int(not outcome.committed)
-        moved = self.last_round_bytes if self.exchanges else 0
-        return RoundStats(
-            bytes_sent=moved,
-            bytes_received=moved,
-            wall_s=time.perf_counter() - start,
-            # An island that adopted the swarm's round drops its own (``adoption.take``).
-            applied=outcome.committed and not outcome.genesis and self.adoption.adopted is None,
-        )
+    # -- the round: ``transport.base.BucketTransport`` ------------------------------------------
+    pipelined = False
+    heals = True  # ``open`` takes an offer: the engine builds one for every round
 
-    def _fanned_round(self, tensors: list[Tensor]) -> RoundOutcome:
-        """Rank 0 runs the round; the island's other ranks receive its outcome."""
-        outcome, error = RoundOutcome(), None
+    @property
+    def block_size(self) -> int:
+        return 1 if self.codec is None else self.codec.block_size
+
+    def open(
+        self,
+        *,
+        round_index: int,
+        finite: bool,
+        names: Mapping[str, torch.Size],
+        place: RoundPlace | None = None,
+        offer: Mapping[str, Any] | None = None,
+    ) -> Opening:
+        """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
+        what torchft sends a healing peer during the quorum. Collective over the island.
+
+        Raises:
+            MembershipError: this island was refused (on every rank of the island; per rank,
+                at ``agree``), or no quorum came.
+        """
+        self._offer = offer
+        self._started, self.last_round_bytes = [], 0
+        self._error, self._failed, self._island_healed = None, False, False
+        self._outcome = RoundOutcome()
+        place = place or RoundPlace(0, 0, 0)
+        if self.per_rank:
+            # Agreed before anything can fail, so that every rank's collectives stay matched.
+            finite = self._fanout.all_true(finite)
+            try:
+                return self._lead_open(finite, place)
+            except MembershipError as err:
+                self._error = err  # the island agrees on it at ``agree``
+            except Exception:  # e.g. position 0's manager server went away
+                self._failed = True  # abandoned, as torchft's own errors are
+                count_failed_vote(self._manager)
+            return Opening(abandon=True)
+        opening, error = Opening(), None
         if self._fanout.is_leader:
             try:
-                outcome = self._lead_round(tensors, all_finite(tensors))
+                opening = self._lead_open(finite, place)
             except MembershipError as err:
                 error = err
         self._fanout.share_error(error)
-        outcome = self._fanout.share_outcome(outcome, tensors)
-        self.adoption.share(self._fanout)
+        return self._fanout.share_opening(opening)
+
+    def start(self, bucket: Bucket) -> Handle:
+        """The bucket's mean over the quorum, in place, now (the handle is complete). A failed
+        exchange is recorded for the commit gate, not raised: its garbage is never applied.
+        Fan-out: rank 0 exchanges, the others receive the means at ``agree``."""
+        self._started.append(bucket.flat)
+        if not self.exchanges:
+            return Done()
+        before = self.last_round_bytes
+        self._allreduce(bucket.run_views() if self.codec is not None else [bucket.flat])
+        return Done(self.last_round_bytes - before)
+
+    def agree(self) -> RoundStats:
+        """torchft's commit vote (a heal arrives in it), ended alike on every rank of the
+        island; the round applies when committed past the genesis quorum."""
+        outcome = self._rank_agree() if self.per_rank else self._fanned_agree()
+        if outcome.healed is not None:
+            self.totals.heals += 1
+            self.totals.heal_bytes += outcome.heal_bytes
+            self.totals.heal_time_s += outcome.heal_s
+        self.totals.islands_in_round = outcome.participants
+        self.totals.rounds_committed += int(outcome.committed)
+        self.totals.rounds_abandoned += int(not outcome.committed)
+        return RoundStats(
+            applied=outcome.committed and not outcome.genesis,
+            heal=outcome.healed,
+            island_healed=self._island_healed,
+        )
+
+    def _fanned_agree(self) -> RoundOutcome:
+        """Rank 0 votes; the island's other ranks receive its outcome and the means."""
+        outcome, error = RoundOutcome(), None
+        if self._fanout.is_leader:
+            try:
+                outcome = self._lead_agree()
+            except MembershipError as err:
+                error = err
+        self._fanout.share_error(error)
+        outcome = self._fanout.share_outcome(outcome, self._started)
         self._island_healed = outcome.healed is not None
         return outcome
 
-    def _rank_round(self, tensors: list[Tensor]) -> RoundOutcome:
-        """Every rank runs the round with its share; the island ends it alike."""
-        # Agreed before anything can fail, so that every rank's collectives stay matched.
-        finite = self._fanout.all_true(all_finite(tensors))
-        outcome, error = RoundOutcome(), None
-        try:
-            outcome = self._lead_round(tensors, finite)
-        except MembershipError as err:
-            error = err
-        except Exception:  # e.g. position 0's manager server went away
-            # This rank's round failed (abandoned, as torchft's own errors are); the island
-            # learns any refusal from the agreement below, which every rank must reach.
-            count_failed_vote(self._manager)
-            outcome = RoundOutcome()
+    def _rank_agree(self) -> RoundOutcome:
+        """Every rank votes for its share; the island ends the round alike."""
+        outcome, error = RoundOutcome(), self._error
+        if error is None and not self._failed:
+            try:
+                outcome = self._lead_agree()
+            except MembershipError as err:
+                error = err
+            except Exception:  # e.g. position 0's manager server went away
+                count_failed_vote(self._manager)
+                outcome = RoundOutcome()
         outcome.committed, self._island_healed = self._fanout.agree_round(
             error, outcome.committed, outcome.healed is not None
         )
-        adopted = self.adoption.adopted
-        if adopted is not None and adopted.applied and not outcome.committed:
-            # Another rank's share failed: the island applies none of the swarm's round.
-            adopted.applied, adopted.deltas = False, {}
         return outcome
 
-    def _lead_round(self, tensors: list[Tensor], finite: bool) -> RoundOutcome:
-        """The round as this rank sees it: quorum, header, mean, vote (no island collective)."""
+    def _lead_open(self, finite: bool, place: RoundPlace) -> Opening:
+        """Quorum, header and plan as this rank sees them (no island collective)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
         self._phase("quorum")
         self._quorum()
         healing = not manager.is_participating()
-        genesis = manager.current_step() == 0
+        self._outcome = RoundOutcome(
+            genesis=manager.current_step() == 0, participants=manager.num_participants()
+        )
         self._phase("header")
-        self.adoption.mark(self._row)
+        self._row.fragment, self._row.send_step, self._row.apply_step = astuple(place)
         conflict = self._check_round_header(healing, finite)
-        participants = manager.num_participants()
-        averaged = None if conflict else self.adoption.contribution(self._rows, self._row, tensors)
-        if averaged is None and not conflict:
+        opening = Opening(abandon=True) if conflict else opening_of(self._rows, self._row)
+        if opening.abandon and not conflict:
             manager.report_error(MembershipError("the islands were at different fragments"))
-            conflict = True
-        averaged = tensors if averaged is None else averaged
-        self.last_round_bytes = 0
-        if not conflict:
+        if not opening.abandon:
             self._phase("mean")
-            self._allreduce(averaged)
+        return opening
+
+    def _lead_agree(self) -> RoundOutcome:
+        """The vote as this rank sees it, with any heal it delivered (no island collective)."""
+        outcome = self._outcome
         self._phase("commit")
-        committed = self._commit_gate()
-        self._short_rounds.see(participants, committed)
-        if committed:
+        outcome.committed = self._commit_gate()
+        self._short_rounds.see(outcome.participants, outcome.committed)
+        if outcome.committed:
             self._last_commit_at = time.monotonic()
-        self.adoption.conclude(averaged, committed and not genesis and not conflict)
-        outcome = RoundOutcome(committed=committed, genesis=genesis, participants=participants)
         if self._healed is not None:
-            outcome.healed = self._healed
+            outcome.healed, self._healed = self._healed, None
             outcome.heal_bytes = self.heal_transport.last_heal_bytes
             outcome.heal_s = self.heal_transport.last_heal_s
         return outcome
@@ -371,15 +405,20 @@ class TorchftMembership:
         raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
-        """The mean over participating islands, bucketed, written back in place."""
+        """One bucket's mean over the participating islands, in place: the bucket's runs
+        through the coded mean, or its flat through ``Manager.allreduce`` (which zeroes a
+        healing island's share and records a failure instead of raising)."""
         if self.codec is not None:
-            self.last_round_bytes = coded_quorum_mean(
-                self._manager, self._pg, tensors, self.codec, self.bucket_numel
-            )
-        else:
-            self.last_round_bytes = bucketed_mean(
-                self._manager, tensors, self.bucket_numel, self._pg.size()
-            )
+            self.last_round_bytes += coded_quorum_mean(self._manager, self._pg, tensors, self.codec)
+            return
+        (flat,) = tensors
+        staged = flat if flat.device.type == "cpu" else flat.cpu()  # the quorum's group is gloo
+        self._manager.allreduce(staged).wait()
+        if staged is not flat:
+            flat.copy_(staged)
+        if not self._manager.errored():
+            nbytes = flat.numel() * flat.element_size()
+            self.last_round_bytes += ring_allreduce_bytes(nbytes, self._pg.size())
 
     def close(self) -> None:
         """Leave the swarm: stop heartbeats and the manager. Idempotent."""

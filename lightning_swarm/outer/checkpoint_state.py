@@ -7,20 +7,25 @@ next round. ``island_state_dict`` holds the residuals (collective over the islan
 ``check_state_dict`` is the one check of a saved state (anchor shapes; a round in flight must be
 the one the schedule expects), run on every rank before anything is installed; installing adopts
 anchors already on the right device and dtype (mapped ones stay file-backed) and keeps only owned
-names when sharded.
+names when sharded. ``peer_offer`` and ``install_heal`` are the elastic heal's two ends: what a
+live island offers (no round in flight, no residuals) and how a healed one installs it, keeping
+its own progress since its anchors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
 from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.transport.base import RoundStats
@@ -89,7 +94,9 @@ class SyncCheckpoint:
             fragment=rnd.fragment,
             send_step=rnd.send_step,
             deltas=dict(rnd.deltas),
-            applied=result.stats.applied,
+            # An adopted round replaced the own one, which is not applied (the adopted round
+            # itself is not saved: a resumed island takes the swarm's next round).
+            applied=result.stats.applied and result.adopted is None,
             norm=result.norm,
             bytes_sent=result.stats.bytes_sent,
             bytes_received=result.stats.bytes_received,
@@ -97,6 +104,71 @@ class SyncCheckpoint:
             # Merged shards combine it.
             share_norm=not result.combined if self.state.shard is not None else None,
         )
+
+    def peer_offer(self) -> dict[str, Any]:
+        """What a healing peer receives: ``record(for_peer=True)`` as a dict (tensors are not
+        copied; they do not move until the round in flight's apply, which waits for it)."""
+        return self.record(for_peer=True).to_dict()
+
+    @torch.no_grad()
+    def install_heal(self, state: Mapping[str, Any]) -> None:
+        """Install a live island's ``peer_offer``, keeping this rank's own progress since its
+        anchors: ``local <- anchor_new + (local - anchor_old)`` on the owned names.
+
+        A heal in the middle of a run (the island missed a commit) whose round is then
+        abandoned would otherwise leave stale weights under the new anchors, and the island's
+        next pseudo-gradient would carry the swarm's whole advance since. No round is in flight
+        at an install (the engine's apply runs it).
+
+        Raises:
+            ValueError: the offer is another share of the outer state than this rank's.
+        """
+        s = self.state
+        saved = OuterRecord.of(state)
+        self.check_share(saved)
+        own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
+        # The clock is set again below; none is in flight at an install.
+        counters = replace(saved.counters, inner_steps=0)
+        record = replace(saved, counters=counters, pending=None)
+        self.check_state_dict(record)
+        self.load_checked_state_dict(record)
+        s.inner_steps = saved.counters.inner_steps
+        for name in s.owned:
+            s.params[name].copy_(s.anchors[name].float() + own[name])
+
+    def check_share(self, saved: OuterRecord) -> None:
+        """Refuse a healing state that is not this rank's share (another position, island
+        size or set of names): the shares of every island of a swarm must be the same.
+
+        Raises:
+            ValueError: naming both shares.
+        """
+        shard = self.state.shard
+        mine = None if shard is None else (shard.position, shard.size)
+        theirs, names = saved.share, saved.names
+        if theirs != mine or (shard is not None and list(names) != self.state.owned):
+            raise ValueError(
+                f"a healing peer sent the share {_share_text(theirs)} with {len(names)} "
+                f"tensor(s), but this rank holds the share {_share_text(mine)} with "
+                f"{len(self.state.owned)}: islands of a swarm must split the outer state alike "
+                "(the same number of ranks per island and shard_outer on every island)."
+            )
+
+    def agree_counters(self, shard: IslandShard) -> None:
+        """Position 0's inner-step counters on every rank of the island (collective).
+
+        torchft may heal each rank from another live island, and islands at the same committed
+        round can differ in inner steps (one abandoned a round another never took part in): the
+        shares of one island must count alike, as their checkpoint files are merged by them.
+        """
+        s = self.state
+        ended = -1 if s.ended_at is None else s.ended_at
+        values = [s.inner_steps, *(-1 if v is None else v for v in s.synced_at), ended]
+        counters = torch.tensor(values, dtype=torch.int64, device=shard.device)
+        dist.broadcast(counters, group=shard.group, group_src=0)
+        inner, *synced, ended = (int(v) for v in counters.tolist())
+        s.inner_steps, s.ended_at = inner, None if ended < 0 else ended
+        s.synced_at = [None if v < 0 else v for v in synced]
 
     def island_state_dict(self) -> dict[str, Any]:
         """This island's own state: the error-feedback residuals (after any round in flight).
@@ -135,7 +207,7 @@ class SyncCheckpoint:
                 the saved round in flight is not the one this run's schedule expects.
         """
         record = OuterRecord.of(state)
-        # A healing peer's share (outer/join.py) holds the anchors of this rank's names only.
+        # A healing peer's share (``peer_offer``) holds the anchors of this rank's names only.
         whole = record.share is None
         self.check_anchors(record.anchors, names=self.state.params if whole else None)
         self._check_round(record)
@@ -223,3 +295,7 @@ class SyncCheckpoint:
             deltas,
             result=Exchanged(stats, pending.norm, combined=not pending.share_norm),
         )
+
+
+def _share_text(share: tuple[int, int] | None) -> str:
+    return "'whole outer state'" if share is None else f"'position {share[0]} of {share[1]}'"

@@ -41,6 +41,8 @@ class SyncReport:
     # Islands rejected for NaN or inf in this round, and whether this island was one of them.
     non_finite_islands: tuple[int, ...] = ()
     rejected_own: bool = False
+    # This island's outer state was installed from a live island's in this round (elastic).
+    healed: bool = False
 
 
 @dataclass

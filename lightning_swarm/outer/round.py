@@ -13,7 +13,12 @@ merges. ``sync_delay`` only decides when ``apply`` runs. Two forms:
   through the transport inline or on the ``SyncWorker``; the ``RoundInFlight`` lives until
   ``apply``.
 New residuals replace the old only when the exchange succeeded: a failed round happened nowhere.
-The engine reads and writes only its ``SyncState``; it owns its buffers and staging until ``close``.
+Elastic membership is a branch of the held form: ``open`` gets the round's place and an offer (the
+outer state a healing peer may be sent, built on this thread) and may answer that the island
+adopts the swarm's round; ``apply`` installs a heal the verdict carries, takes the swarm's clock
+and applies the adopted fragment, all on the training thread.
+The engine reads and writes only its ``SyncState`` (installs through ``SyncCheckpoint``); it owns
+its buffers and staging until ``close``.
 """
 
 from __future__ import annotations
@@ -46,10 +51,18 @@ from lightning_swarm.outer.bucket_step import (
     start_job,
     state_beside,
 )
+from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
-from lightning_swarm.transport.base import Bucket, Handle, RoundStats, bucket_transport
+from lightning_swarm.transport.base import (
+    Bucket,
+    Handle,
+    Opening,
+    RoundPlace,
+    RoundStats,
+    bucket_transport,
+)
 from lightning_swarm.transport.buckets import Piece, numel_of, plan_buckets
 
 Pending = tuple[list[Piece], Tensor, Handle]
@@ -60,10 +73,12 @@ class OuterRound:
 
     Args:
         state: the sync's shared state (``SyncState``), owned by the ``OuterSync``.
+        checkpoint: reads the state for a healing peer's offer and installs a heal.
     """
 
-    def __init__(self, state: SyncState) -> None:
+    def __init__(self, state: SyncState, checkpoint: SyncCheckpoint) -> None:
         self.state = state
+        self.checkpoint = checkpoint
         self.transport = bucket_transport(state.transport)
         self.staging = CudaStaging()
         # Streamed CPU path: bucket means in flight while this thread forms and steps the
@@ -282,13 +297,15 @@ class OuterRound:
             hold, self._hold = self._hold, None
             flat, deltas = form_fragment(s.params, s.anchors, s.owned_fragments[fragment], hold)
         rnd = RoundInFlight(fragment, s.inner_steps, deltas, flat=flat)
-        round_index = s.outer_steps
-        # In flight from here on: the transport may ask which round it is exchanging (an
-        # elastic membership puts the round's place in its header; ``outer/join.py``).
+        delay = 0 if inline else s.schedule.sync_delay
+        place = RoundPlace(fragment, s.inner_steps, s.inner_steps + delay)
         s.in_flight = rnd
+        # A transport that heals peers sends them this (references; nothing moves until apply).
+        offer = self.checkpoint.peer_offer() if getattr(self.transport, "heals", False) else None
+        exchange = functools.partial(self._exchange, flat, deltas, s.outer_steps, place, offer)
         if inline:
             try:
-                rnd.result = self._exchange(flat, deltas, round_index)
+                rnd.result = exchange()
             except Exception as err:
                 if s.shard is None:
                     s.in_flight = None
@@ -297,14 +314,22 @@ class OuterRound:
         else:
             worker = s.streaming.worker
             assert worker is not None
-            rnd.future = worker.submit(functools.partial(self._exchange, flat, deltas, round_index))
+            rnd.future = worker.submit(exchange)
         rnd.send_blocked_s = time.perf_counter() - start
 
     @torch.no_grad()
-    def _exchange(self, flat: Tensor, deltas: dict[str, Tensor], round_index: int) -> Exchanged:
+    def _exchange(
+        self,
+        flat: Tensor,
+        deltas: dict[str, Tensor],
+        round_index: int,
+        place: RoundPlace,
+        offer: Mapping[str, object] | None,
+    ) -> Exchanged:
         """Error feedback, ``open``, every bucket (a pipelined transport keeps two in flight),
-        ``agree`` (on the worker when delayed). Overwrites ``flat`` with the average. The
-        residuals of a skipped or failed round are restored: its whole pseudo-gradient re-enters
+        ``agree`` (on the worker when delayed). Overwrites ``flat`` with the average, or, when
+        the island adopts the swarm's round, a zero buffer of that fragment's own. The residuals
+        of a skipped, failed or dropped round are restored: its whole pseudo-gradient re-enters
         the next round anyway (anchors and locals stay)."""
         s, t = self.state, self.transport
         # This rank's share of the fragment is empty: nothing to exchange, unless the
@@ -313,18 +338,22 @@ class OuterRound:
             return Exchanged(RoundStats(applied=True), 0.0)
         codec, start, sent = self._codec(), time.perf_counter(), 0
         previous = {} if codec is None else feed_back_tensors(s.residuals, deltas, codec)
-        plan = plan_buckets([d.numel() for d in deltas.values()], t.bucket_numel, t.block_size)
+        opening = Opening()
         try:
             with record_function(labels.EXCHANGE):
-                # A whole-payload transport checks (or drops) contributions itself.
-                finite = not t.pipelined or bool(torch.isfinite(max_abs([flat])).item())
-                t.open(round_index=round_index, finite=finite, names=_shapes(deltas, deltas))
-                handles: list[Handle] = []
-                for bucket, at in zip(plan, _offsets(plan), strict=True):
-                    handles.append(t.start(Bucket(flat[at : at + numel_of(bucket)], _runs(bucket))))
-                    if t.pipelined and len(handles) > self.in_flight:
-                        sent += handles.pop(0).wait()
-                sent += sum(handle.wait() for handle in handles)
+                finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
+                opening = t.open(
+                    round_index=round_index,
+                    finite=finite,
+                    names=_shapes(deltas, deltas),
+                    place=place,
+                    offer=offer,
+                )
+                if opening.adopt is not None:  # the swarm's fragment, contributing zeros
+                    names = s.owned_fragments[opening.adopt.fragment]
+                    flat, deltas = _zeros(s.params, names, flat.device)
+                if not opening.abandon:
+                    sent = self._buckets(flat, [d.numel() for d in deltas.values()])
                 stats = t.agree()
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
@@ -336,16 +365,36 @@ class OuterRound:
             bytes_received=stats.bytes_received + sent,
             wall_s=time.perf_counter() - start,
         )
-        if not stats.applied:
+        if opening.adopt is not None or not stats.applied:  # the own round is not applied
             restore_residuals(s.residuals, previous)
+        if opening.adopt is not None:
+            norm = global_norm(list(deltas.values())) if stats.applied else 0.0
+            adopted = Exchanged(stats, norm, adopted=opening.adopt, adopted_flat=flat)
+            adopted.adopted_deltas = deltas
+            return adopted
+        if not stats.applied:
             return Exchanged(stats, 0.0)
         return Exchanged(stats, global_norm(list(deltas.values())))
+
+    def _buckets(self, flat: Tensor, numels: list[int]) -> int:
+        """Start every bucket of ``flat`` (tensors of ``numels`` back to back) and wait for
+        them: a pipelined transport keeps ``in_flight`` in flight; returns the bytes sent."""
+        t, sent = self.transport, 0
+        plan = plan_buckets(numels, t.bucket_numel, t.block_size)
+        handles: list[Handle] = []
+        for bucket, at in zip(plan, _offsets(plan), strict=True):
+            handles.append(t.start(Bucket(flat[at : at + numel_of(bucket)], _runs(bucket))))
+            if t.pipelined and len(handles) > self.in_flight:
+                sent += handles.pop(0).wait()
+        return sent + sum(handle.wait() for handle in handles)
 
     @torch.no_grad()
     def apply(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
         """Wait for fragment ``fragment``'s average, step its anchors, merge into the locals.
 
-        ``merge_alpha`` overrides the schedule's (``finish`` merges with 0).
+        ``merge_alpha`` overrides the schedule's (``finish`` merges with 0). A heal the round
+        delivered is installed first; an adopted round takes the swarm's clock and applies
+        the swarm's fragment instead (elastic membership).
         """
         s = self.state
         rnd = s.in_flight
@@ -353,9 +402,15 @@ class OuterRound:
         start = time.perf_counter()
         result, applied, norm = self._island_result(rnd)
         s.in_flight = None
+        healed = self.install_heal(result.stats)
+        flat, deltas = rnd.flat, rnd.deltas
+        if result.adopted is not None:
+            s.inner_steps = result.adopted.apply_step  # the swarm's clock
+            fragment, flat = result.adopted.fragment, result.adopted_flat
+            deltas = result.adopted_deltas
         alpha = s.schedule.merge_alpha if merge_alpha is None else merge_alpha
         if applied:
-            self._step_and_merge(fragment, rnd, alpha)
+            self._step_and_merge(fragment, flat, deltas, alpha)
         # A skipped round keeps both anchors and locals: the island's progress is not thrown
         # away, it simply enters the next round's pseudo-gradient.
         if rnd.flat is not None and not rnd.exported:
@@ -373,17 +428,31 @@ class OuterRound:
             transport_s=result.stats.wall_s,
             non_finite_islands=result.stats.non_finite_islands,
             rejected_own=result.stats.rejected_own,
+            healed=healed,
         )
 
-    def _step_and_merge(self, fragment: int, rnd: RoundInFlight, alpha: float) -> None:
-        """An applied round: the outer step on the fragment's anchors, the merge, the gather."""
+    def install_heal(self, stats: RoundStats) -> bool:
+        """Install the heal a round delivered, keeping this rank's progress since its anchors;
+        after a heal anywhere in the island, gather its parameters and counters (collective
+        over the island when sharded). Returns whether the island was healed."""
+        if stats.heal is not None:
+            self.checkpoint.install_heal(stats.heal)
+        if stats.island_healed and self.state.shard is not None:
+            self.state.shard.gather(list(self.state.params), self.state.params)
+            self.checkpoint.agree_counters(self.state.shard)
+        return stats.heal is not None or stats.island_healed
+
+    def _step_and_merge(
+        self, fragment: int, flat: Tensor | None, deltas: Mapping[str, Tensor], alpha: float
+    ) -> None:
+        """An applied round: the outer step on the fragment's anchors, the merge, the gather.
+        ``deltas`` are the fragment's averaged pseudo-gradients (views of ``flat`` if given)."""
         s = self.state
         names = s.owned_fragments[fragment]
         kind = self.kind()
         if names and kind is not None:
-            flat = rnd.flat
             if flat is None:  # a round restored from a checkpoint: its deltas by name
-                flat = torch.cat([rnd.deltas[n].reshape(-1) for n in names])
+                flat = torch.cat([deltas[n].reshape(-1) for n in names])
             job = start_job(
                 s.outer_optimizer, self._pairs(names), kind, alpha, state_beside, s.outer_steps
             )
@@ -398,7 +467,7 @@ class OuterRound:
             with record_function(labels.OUTER_STEP):
                 anchors = [s.anchors[n] for n in names]
                 outer_step(
-                    s.outer_optimizer, anchors, [rnd.deltas[n] for n in names], seed=s.outer_steps
+                    s.outer_optimizer, anchors, [deltas[n] for n in names], seed=s.outer_steps
                 )
             with record_function(labels.MERGE):
                 for name in names:
@@ -440,6 +509,19 @@ def _offsets(plan: list[list[Piece]]) -> list[int]:
         offsets.append(at)
         at += numel_of(bucket)
     return offsets
+
+
+def _zeros(
+    params: Mapping[str, Tensor], names: Sequence[str], device: torch.device
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A float32 zero buffer for ``names`` back to back, and a view of it per name."""
+    flat = torch.zeros(sum(params[n].numel() for n in names), device=device)
+    views, offset = {}, 0
+    for name in names:
+        numel = params[name].numel()
+        views[name] = flat[offset : offset + numel].view(params[name].shape)
+        offset += numel
+    return flat, views
 
 
 def _shapes(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, torch.Size]:

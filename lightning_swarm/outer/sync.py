@@ -24,7 +24,7 @@ from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync_state import SyncState
 from lightning_swarm.resume.outer_record import OuterRecord
-from lightning_swarm.transport.base import Transport
+from lightning_swarm.transport.base import AnyTransport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
 
@@ -54,7 +54,7 @@ class OuterSync:
         params: Mapping[str, torch.nn.Parameter],
         *,
         outer_optimizer: OuterOptimizerFactory,
-        transport: Transport,
+        transport: AnyTransport,
         sync_every: int,
         anchor_device: torch.device | str = "cpu",
         anchor_dtype: torch.dtype = torch.float32,
@@ -91,7 +91,7 @@ class OuterSync:
             synced_at=[None if defer_anchors else 0] * len(fragments),
         )
         self.checkpoint = SyncCheckpoint(self.state)
-        self.engine = OuterRound(self.state)
+        self.engine = OuterRound(self.state, self.checkpoint)
 
     @property
     def streams(self) -> bool:
@@ -193,15 +193,48 @@ class OuterSync:
         return reports
 
     def round_now(self, fragment: int = 0) -> SyncReport:
-        """One round of ``fragment`` now, outside the inner-step schedule: an elastic island's
-        first round.
+        """One round of ``fragment`` now, outside the inner-step schedule.
 
         Raises:
-            ValueError: with a round in flight (an elastic island has none at its start).
+            ValueError: with a round in flight.
         """
         if self.state.in_flight is not None:
             raise ValueError("a round outside the schedule needs none in flight")
         return self.engine.round(fragment)
+
+    @torch.no_grad()
+    def join(self) -> SyncReport:
+        """An elastic island's first round, now: a round in flight restored from a checkpoint
+        (saved with ``sync_delay > 0``) is applied first, as the swarm applied it when the
+        checkpoint was written. A joiner contributes nothing and applies the swarm's round; if
+        it was healed, it keeps its own progress since its old anchors on top of the new ones.
+        """
+        self.engine.apply_in_flight()
+        s = self.state
+        own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
+        report = self.round_now()
+        if report.healed:
+            for name in s.owned:
+                s.params[name].copy_(s.anchors[name].float() + own[name])
+            if s.shard is not None:
+                s.shard.gather(list(s.params), s.params)
+                self.checkpoint.agree_counters(s.shard)
+        return report
+
+    @torch.no_grad()
+    def land_on_anchors(self) -> None:
+        """Every parameter <- its anchor: how an elastic fit ends, on every island alike.
+
+        The last committed round merged with ``merge_alpha``; its anchors are the same on every
+        island, its mixed parameters are not. Copying the anchors is what merging that round
+        with alpha 0 gives (the outer step does not depend on alpha), as ``finish`` does.
+        Sharded, collective over the island.
+        """
+        s = self.state
+        for name in s.owned:
+            s.params[name].copy_(s.anchors[name])
+        if s.shard is not None:
+            s.shard.gather(list(s.params), s.params)
 
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""

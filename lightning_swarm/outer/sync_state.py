@@ -22,7 +22,7 @@ from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport.base import RoundStats, Transport
+from lightning_swarm.transport.base import AnyTransport, RoundPlace, RoundStats
 
 
 @dataclass
@@ -35,6 +35,11 @@ class Exchanged:
     norm: float
     # True when ``norm`` is already the whole island's (a round restored from a checkpoint).
     combined: bool = False
+    # The swarm's round the island took in place of its own (``transport.base.Opening``): its
+    # place and its averaged deltas (a buffer of their own); the own round is dropped.
+    adopted: RoundPlace | None = None
+    adopted_flat: Tensor | None = None
+    adopted_deltas: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,7 +96,7 @@ class SyncState:
     owned: list[str]
     owned_fragments: list[list[str]]
     fragments: list[list[str]]
-    transport: Transport
+    transport: AnyTransport
     schedule: FragmentSchedule
     streaming: StreamingOptions
     anchor_device: torch.device

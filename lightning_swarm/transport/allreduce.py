@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.transport.base import Bucket, Done, Handle, RoundStats
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
 from lightning_swarm.transport.buckets import check_bucket, mean_in_buckets
 from lightning_swarm.transport.checks import agree_finite, agree_finite_flag
 
@@ -84,10 +85,19 @@ class AllReduceTransport:
     block_size = 1
     pipelined = True
 
-    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+    def open(
+        self,
+        *,
+        round_index: int,
+        finite: bool,
+        names: Mapping[str, torch.Size],
+        place: RoundPlace | None = None,
+        offer: Mapping[str, Any] | None = None,
+    ) -> Opening:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
         before any bucket moves; collective over the peer group."""
         agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
+        return Opening()
 
     def start(self, bucket: Bucket) -> Handle:
         """Start the all-reduce of ``bucket.flat``; its handle's ``wait`` divides by the islands

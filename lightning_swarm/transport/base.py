@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -42,6 +42,10 @@ class RoundStats:
             transport; the same on every rank that took part). Other transports raise instead.
         rejected_own: this island's own contribution was one of them: it received the round's
             result but its inner state is poisoned (the outer loop resets it).
+        heal: a live island's outer state (an ``OuterRecord`` dict, fresh tensors owned by the
+            receiver) this rank must install before it applies the round (elastic membership).
+        island_healed: some rank of this island installs a heal in this round (identical on
+            every rank of the island): the island gathers its parameters and counters after.
     """
 
     bytes_sent: int = 0
@@ -50,6 +54,33 @@ class RoundStats:
     applied: bool = True
     non_finite_islands: tuple[int, ...] = ()
     rejected_own: bool = False
+    heal: Mapping[str, Any] | None = None
+    island_healed: bool = False
+
+
+@dataclass(frozen=True)
+class RoundPlace:
+    """Where a round sits in an island's schedule."""
+
+    fragment: int
+    send_step: int  # the inner step it was sent after
+    apply_step: int  # the inner step it applies at (send_step + sync_delay; inline: send_step)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What ``open`` decided for this island's round (static transports: the defaults).
+
+    Attributes:
+        adopt: the swarm's round this island takes in place of its own (elastic membership:
+            an island being healed, or out of step): it exchanges zeros in the shape of
+            ``adopt.fragment``'s names, applies that fragment's mean if the round applies, and
+            takes the swarm's clock (``adopt.apply_step``) either way. ``None``: its own round.
+        abandon: no bucket moves; the round will not apply (``agree`` says so).
+    """
+
+    adopt: RoundPlace | None = None
+    abandon: bool = False
 
 
 @runtime_checkable
@@ -113,10 +144,20 @@ class BucketTransport(Protocol):
     @property
     def pipelined(self) -> bool: ...
 
-    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+    def open(
+        self,
+        *,
+        round_index: int,
+        finite: bool,
+        names: Mapping[str, torch.Size],
+        place: RoundPlace | None = None,
+        offer: Mapping[str, Any] | None = None,
+    ) -> Opening:
         """Start round ``round_index`` over tensors of ``names`` (in order, packed into the
         buckets). Collective; raises ``NonFinitePseudoGradientError`` on every rank when an
-        island is not ``finite``, where the transport refuses such rounds."""
+        island is not ``finite``, where the transport refuses such rounds. ``place`` is where
+        the round sits in the schedule; ``offer`` the outer state a healing peer may be sent
+        (read-only until the next ``open``; built by the engine on its own thread)."""
         ...
 
     def start(self, bucket: Bucket) -> Handle: ...
@@ -156,10 +197,19 @@ class WholePayload:
         codec = getattr(self.transport, "codec", None)
         return 1 if codec is None else int(codec.block_size)
 
-    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+    def open(
+        self,
+        *,
+        round_index: int,
+        finite: bool,
+        names: Mapping[str, torch.Size],
+        place: RoundPlace | None = None,
+        offer: Mapping[str, Any] | None = None,
+    ) -> Opening:
         # ``finite`` is the transport's own business: it checks (or drops) contributions.
         self._round, self._names = round_index, dict(names)
         self._buckets, self._stats = [], None
+        return Opening()
 
     def start(self, bucket: Bucket) -> Handle:
         self._buckets.append(bucket)
@@ -212,7 +262,11 @@ def _joined(flats: list[Tensor]) -> Tensor:
     raise ValueError("WholePayload needs its buckets back to back in one buffer")
 
 
-def bucket_transport(transport: Transport | BucketTransport) -> BucketTransport:
+AnyTransport = Transport | BucketTransport
+"""What the round engine accepts: the bucket contract, or ``average`` (through ``WholePayload``)."""
+
+
+def bucket_transport(transport: AnyTransport) -> BucketTransport:
     """``transport`` itself when it implements the bucket contract, else ``WholePayload``."""
     if isinstance(transport, BucketTransport):
         return transport

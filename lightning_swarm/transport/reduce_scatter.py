@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.base import Bucket, Done, Handle, RoundStats
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
 from lightning_swarm.transport.buckets import Piece, plan_buckets
 from lightning_swarm.transport.checks import agree_finite_direct, agree_finite_flag
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
@@ -111,12 +112,21 @@ class ReduceScatterTransport:
     def block_size(self) -> int:
         return self.codec.block_size
 
-    def open(self, *, round_index: int, finite: bool, names: Mapping[str, torch.Size]) -> None:
+    def open(
+        self,
+        *,
+        round_index: int,
+        finite: bool,
+        names: Mapping[str, torch.Size],
+        place: RoundPlace | None = None,
+        offer: Mapping[str, Any] | None = None,
+    ) -> Opening:
         """Every island agrees on ``finite`` in one message step before any bucket moves
         (``checks.agree_finite_flag``, ``direct=True``)."""
         agree_finite_flag(
             finite, self.group, self.num_islands, self.device, self.island_group, direct=True
         )
+        return Opening()
 
     @record_function(labels.REDUCE_SCATTER)
     def start(self, bucket: Bucket) -> Handle:
