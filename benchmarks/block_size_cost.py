@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from lightning_swarm.transport import AggregatorTransport, AllReduceTransport
 from tests.dist_utils import free_port
+from tests.transport_rounds import average
 
 MIB = 2**20
 PAYLOAD_MIB = 16
@@ -56,7 +57,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], out: str) -> Non
                     x = {k: v.clone() for k, v in tensors.items()}
                     dist.barrier()
                     start = time.perf_counter()
-                    t.average(x, round_index=0)
+                    average(t, x, round_index=0)
                     times.append(time.perf_counter() - start)
                 t.close()
                 results[f"{kind} {size}"] = statistics.median(times)

@@ -43,7 +43,7 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.resume.files import atomic_save, load_swarm_file
 from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
 from lightning_swarm.resume.records import FORMAT_VERSION, FileDigest
-from lightning_swarm.transport.base import RoundStats
+from tests.transport_rounds import NamedRound
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 TENSOR_MIB = 128
@@ -51,12 +51,8 @@ MiB = 2**20
 MODES = ("mmap", "mmap+verify", "eager", "eager+verify")
 
 
-class _NoTransport:
-    def average(self, tensors: object, *, round_index: int) -> RoundStats:
-        return RoundStats()
-
-    def close(self) -> None:
-        pass
+class _NoTransport(NamedRound):
+    """A single island's transport: the mean of one contribution is itself."""
 
 
 def _anonymous() -> int:

@@ -50,6 +50,7 @@ from lightning_swarm.transport import (
     Transport,
 )
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from tests.transport_rounds import average
 
 METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "swarm", "swarm sharded")
 BLOCK_SIZE = 128
@@ -122,7 +123,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                     tensors = {k: v.clone() for k, v in base.items()}
                     dist.barrier()
                     start = time.perf_counter()
-                    stats = transport.average(tensors, round_index=rep)
+                    stats = average(transport, tensors, round_index=rep)
                     wall = time.perf_counter() - start
                     mine = torch.tensor(
                         [wall, stats.bytes_sent, stats.bytes_received], dtype=torch.float64

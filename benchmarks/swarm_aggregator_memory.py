@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from tests.transport_rounds import average
 
 MIB = 2**20
 
@@ -129,10 +130,10 @@ def rank_main(rank: int, world: int, port: int, kind: str, chunk_mb: float, out:
         Path("/proc/self/clear_refs").write_text("5")
         result["baseline_rss"] = vm_rss()
         with PeakSampler() as sampler:
-            stats = transport.average(tensors, round_index=0)
+            stats = average(transport, tensors, round_index=0)
         result.update(peak_rss=sampler.peak, hwm=vm_hwm(), samples=sampler.samples)
     else:
-        stats = transport.average(tensors, round_index=0)
+        stats = average(transport, tensors, round_index=0)
     wall = torch.tensor([stats.wall_s])
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -37,17 +37,18 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport, RoundStats, Transport
+from lightning_swarm.transport.base import Bucket, Handle, Opening
 
 OUTER_SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
@@ -67,14 +68,24 @@ def move(model: nn.Module, rank: int, rep: int) -> None:
             p.add_(0.001 * (rank + 1) * ((rep + i) % 3 - 1))
 
 
-class AverageOnly:
-    """A transport seen through ``average`` only: the round engine holds its rounds."""
+class Held:
+    """A transport seen as not pipelined: the round engine holds its rounds (the whole fragment
+    formed into one buffer, every bucket started before any wait)."""
 
-    def __init__(self, transport: Transport) -> None:
+    pipelined = False
+
+    def __init__(self, transport: AllReduceTransport) -> None:
         self.transport = transport
+        self.bucket_numel, self.block_size = transport.bucket_numel, transport.block_size
 
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        return self.transport.average(tensors, round_index=round_index)
+    def open(self, **kwargs: Any) -> Opening:
+        return self.transport.open(**kwargs)
+
+    def start(self, bucket: Bucket) -> Handle:
+        return self.transport.start(bucket)
+
+    def agree(self) -> RoundStats:
+        return self.transport.agree()
 
     def close(self) -> None:
         self.transport.close()
@@ -89,7 +100,7 @@ class Ours:
         self.outer = OuterSync(
             dict(self.model.named_parameters()),
             outer_optimizer=OUTER_SGD,
-            transport=AverageOnly(transport) if held else transport,
+            transport=Held(transport) if held else transport,
             sync_every=1,
         )
 

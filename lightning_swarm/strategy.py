@@ -48,8 +48,8 @@ from lightning_swarm.outer import (
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.resume.training_view import ModelShards
+from lightning_swarm.transport import Transport
 from lightning_swarm.transport.agree import agree, objects_over
-from lightning_swarm.transport.base import AnyTransport
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SwarmConfig))
 
@@ -179,7 +179,7 @@ class SwarmStrategy(IslandDDPStrategy):
     def _build_outer_loop(self, *, defer_anchors: bool) -> None:
         module = self.lightning_module
         assert module is not None
-        transport: AnyTransport = (
+        transport: Transport = (
             self._elastic.build_membership(module, self.groups.island, self.config.bucket_numel)
             if self._elastic is not None
             else transport_for(

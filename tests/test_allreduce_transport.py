@@ -8,6 +8,7 @@ import torch
 
 from lightning_swarm.transport import AllReduceTransport, ring_allreduce_bytes
 from tests.dist_utils import run_ranks
+from tests.transport_rounds import average
 
 SIZES = [3, 7, 1, 12, 5]  # with a 5-element bucket: partial buckets and tensors spanning three
 
@@ -20,7 +21,7 @@ def _rank_tensors(rank: int) -> dict[str, torch.Tensor]:
 def _average_worker(rank: int, world: int, out: str, bucket_numel: int) -> None:
     transport = AllReduceTransport(None, num_islands=world, bucket_numel=bucket_numel)
     tensors = _rank_tensors(rank)
-    stats = transport.average(tensors, round_index=0)
+    stats = average(transport, tensors, round_index=0)
     torch.save({"tensors": tensors, "sent": stats.bytes_sent}, Path(out) / f"{rank}.pt")
 
 
@@ -47,7 +48,7 @@ def test_bucketed_average_matches_mean_for_partial_and_oversized_buckets(tmp_pat
 def test_single_island_is_identity_and_moves_nothing() -> None:
     transport = AllReduceTransport(None, num_islands=1, bucket_numel=4)
     tensors = {"a": torch.tensor([1.0, 2.0])}
-    stats = transport.average(tensors, round_index=0)
+    stats = average(transport, tensors, round_index=0)
     assert torch.equal(tensors["a"], torch.tensor([1.0, 2.0]))
     assert stats.bytes_sent == stats.bytes_received == 0
 
@@ -56,11 +57,3 @@ def test_ring_bytes_formula() -> None:
     assert ring_allreduce_bytes(1000, 1) == 0
     assert ring_allreduce_bytes(1000, 2) == 1000
     assert ring_allreduce_bytes(1000, 4) == 1500
-
-
-def test_rejects_non_float32() -> None:
-    import pytest
-
-    transport = AllReduceTransport(None, num_islands=2, bucket_numel=4)
-    with pytest.raises(ValueError, match="contiguous float32"):
-        transport.average({"a": torch.zeros(2, dtype=torch.float64)}, round_index=0)

@@ -1,35 +1,22 @@
-"""The bucket-level transport contract (``transport.base``): the native transports' ``start``
-against their ``average``, and ``WholePayload`` over an average-only transport."""
+"""The bucket-level transport contract (``transport.base.Transport``): the native transports'
+``start`` against a whole-tensor round, and the aggregator, which serves the contract whole."""
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import pytest
 import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import codec_for
-from lightning_swarm.transport import AllReduceTransport, ReduceScatterTransport, RoundStats
-from lightning_swarm.transport.base import Bucket, BucketTransport, WholePayload, bucket_transport
+from lightning_swarm.transport import (
+    AggregatorTransport,
+    AllReduceTransport,
+    ReduceScatterTransport,
+)
+from lightning_swarm.transport.base import Bucket, Transport
 from lightning_swarm.transport.buckets import numel_of, plan_buckets
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
-
-
-class Halving:
-    """An average-only transport that records its call and halves every tensor."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, dict[str, tuple[int, ...]]]] = []
-
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        self.calls.append((round_index, {n: tuple(t.shape) for n, t in tensors.items()}))
-        for t in tensors.values():
-            t.mul_(0.5)
-        return RoundStats(bytes_sent=7, applied=round_index != 3)
-
-    def close(self) -> None:
-        pass
+from tests.transport_rounds import average
 
 
 def _tensors() -> dict[str, Tensor]:
@@ -37,7 +24,7 @@ def _tensors() -> dict[str, Tensor]:
     return {"a": torch.randn(3, 5, generator=gen), "b": torch.randn(9, generator=gen)}
 
 
-def test_native_transports_implement_the_contract_and_average_only_ones_get_the_adapter() -> None:
+def test_every_transport_implements_the_contract() -> None:
     codec = codec_for("int8", 4)
     assert codec is not None
     native = [
@@ -45,24 +32,30 @@ def test_native_transports_implement_the_contract_and_average_only_ones_get_the_
         ReduceScatterTransport(None, num_islands=1, island_index=0, codec=codec, bucket_numel=8),
     ]
     for transport in native:
-        assert isinstance(transport, BucketTransport) and transport.pipelined
-        assert bucket_transport(transport) is transport
-    adapted = bucket_transport(Halving())
-    assert isinstance(adapted, WholePayload) and not adapted.pipelined
+        assert isinstance(transport, Transport) and transport.pipelined
     assert native[1].block_size == 4 and native[0].block_size == 1
+    aggregator = AggregatorTransport(None, num_islands=1, island_index=0, codec=codec)
+    assert isinstance(aggregator, Transport) and not aggregator.pipelined
+    assert aggregator.block_size == 4
 
 
-def test_coded_buckets_by_runs_equal_the_whole_tensor_average_bitwise() -> None:
+def test_coded_buckets_by_runs_equal_one_bucket_per_tensor_bitwise() -> None:
+    """Buckets of 8 cut tensor "a" (15 elements) into runs; each run is encoded on its own
+    tensor's blocks, so the result equals encoding each tensor whole, bit for bit."""
     codec = codec_for("int8", 4)
     assert codec is not None
     transport = ReduceScatterTransport(
         None, num_islands=1, island_index=0, codec=codec, bucket_numel=8
     )
+    whole = ReduceScatterTransport(
+        None, num_islands=1, island_index=0, codec=codec, bucket_numel=64
+    )
     reference = {n: t.clone() for n, t in _tensors().items()}
-    transport.average(reference, round_index=0)
+    average(whole, reference, round_index=0)
     tensors = _tensors()
     flat = torch.cat([t.reshape(-1) for t in tensors.values()])
     plan = plan_buckets([t.numel() for t in tensors.values()], 8, codec.block_size)
+    assert len(plan) > 2
     transport.open(round_index=0, finite=True, names={n: t.shape for n, t in tensors.items()})
     offset = 0
     for bucket in plan:
@@ -76,32 +69,23 @@ def test_coded_buckets_by_runs_equal_the_whole_tensor_average_bitwise() -> None:
         transport.open(round_index=1, finite=False, names={})
 
 
-def test_whole_payload_averages_every_bucket_in_one_named_call_at_the_first_wait() -> None:
-    inner = Halving()
-    adapter = WholePayload(inner)
+def test_the_aggregator_runs_its_round_once_over_every_bucket_at_the_first_wait() -> None:
+    aggregator = AggregatorTransport(None, num_islands=1, island_index=0)
     flat = torch.arange(24, dtype=torch.float32)
-    adapter.open(round_index=3, finite=False, names={"a": torch.Size([3, 5]), "b": torch.Size([9])})
-    handles = [adapter.start(Bucket(flat[i : i + 8], (8,))) for i in (0, 8, 16)]
-    assert inner.calls == []  # nothing moves until a wait
+    names = {"a": torch.Size([3, 5]), "b": torch.Size([9])}
+    aggregator.open(round_index=3, finite=True, names=names)
+    handles = [aggregator.start(Bucket(flat[i : i + 8], (8,))) for i in (0, 8, 16)]
+    assert aggregator.last_round is None  # nothing moves until a wait
     assert [h.wait() for h in handles] == [0, 0, 0]
-    assert inner.calls == [(3, {"a": (3, 5), "b": (9,)})]  # one call, the plain names
-    assert torch.equal(flat, torch.arange(24, dtype=torch.float32) * 0.5)
-    stats = adapter.agree()
-    assert stats.bytes_sent == 7 and not stats.applied  # the transport's own verdict
+    assert aggregator.last_round is not None and aggregator.last_round.round_index == 3
+    assert aggregator.agree().applied
+    assert torch.equal(flat, torch.arange(24, dtype=torch.float32))  # one island: itself
 
 
-def test_whole_payload_runs_a_round_with_no_bucket_at_agree() -> None:
-    inner = Halving()
-    adapter = WholePayload(inner)
-    adapter.open(round_index=0, finite=True, names={})
-    assert adapter.agree().applied
-    assert inner.calls == [(0, {})]  # a rank with an empty share still takes part
-
-
-def test_whole_payload_refuses_buckets_that_are_not_back_to_back() -> None:
-    adapter = WholePayload(Halving())
-    adapter.open(round_index=0, finite=True, names={"a": torch.Size([8])})
-    adapter.start(Bucket(torch.zeros(4), (4,)))
-    adapter.start(Bucket(torch.zeros(4), (4,)))
+def test_the_aggregator_refuses_buckets_that_are_not_back_to_back() -> None:
+    aggregator = AggregatorTransport(None, num_islands=1, island_index=0)
+    aggregator.open(round_index=0, finite=True, names={"a": torch.Size([8])})
+    aggregator.start(Bucket(torch.zeros(4), (4,)))
+    aggregator.start(Bucket(torch.zeros(4), (4,)))
     with pytest.raises(ValueError, match="back to back in one buffer"):
-        adapter.agree()
+        aggregator.agree()

@@ -7,7 +7,6 @@ import torch
 
 from lightning_swarm.transport.buckets import (
     Piece,
-    mean_in_buckets,
     numel_of,
     placed,
     plan_buckets,
@@ -96,19 +95,3 @@ def test_empty_input_has_no_bucket() -> None:
 def test_bad_buckets_are_refused(bucket_numel: int, block_size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         plan_buckets([10], bucket_numel, block_size)
-
-
-def test_mean_in_buckets_writes_each_bucket_back_in_place() -> None:
-    tensors = [torch.arange(7.0).view(7, 1), torch.arange(3.0) + 100]
-    seen: list[list[float]] = []
-
-    def negate(bucket: torch.Tensor) -> int:
-        seen.append(bucket.tolist())
-        bucket.neg_()
-        return bucket.numel()
-
-    assert mean_in_buckets(tensors, 4, negate) == 10
-    assert seen == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 100.0], [101.0, 102.0]]
-    assert torch.equal(tensors[0], -torch.arange(7.0).view(7, 1))
-    assert torch.equal(tensors[1], -(torch.arange(3.0) + 100))
-    assert mean_in_buckets([torch.empty(0)], 4, negate) == 0

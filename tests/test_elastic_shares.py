@@ -5,12 +5,14 @@ without torchft."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_swarm.membership.errors import DuplicateIslandError
 from lightning_swarm.membership.fanout import IslandFanout
@@ -18,20 +20,13 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.transport.base import RoundStats
 from tests.dist_utils import run_ranks
+from tests.transport_rounds import NamedRound
 
 SHAPES = {"a.weight": (4, 3), "a.bias": (4,), "b.weight": (2, 4), "b.bias": (2,)}
 
 
-class _NoExchange:
+class _NoExchange(NamedRound):
     """A transport that leaves the pseudo-gradients as they are."""
-
-    bucket_numel = 1 << 20
-
-    def average(self, tensors: object, *, round_index: int) -> RoundStats:
-        return RoundStats(wall_s=0.0, applied=True)
-
-    def close(self) -> None:
-        pass
 
 
 def _sync(seed: int, position: int | None, size: int = 2) -> OuterSync:
@@ -168,9 +163,9 @@ class _Recording(_NoExchange):
         self.every_rank_in_round = every_rank
         self.calls: list[list[str]] = []
 
-    def average(self, tensors: object, *, round_index: int) -> RoundStats:
-        self.calls.append(sorted(tensors))  # type: ignore[call-overload]
-        return super().average(tensors, round_index=round_index)
+    def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        self.calls.append(sorted(tensors))
+        return super().average_named(tensors, round_index=round_index)
 
 
 def _empty_share(rank: int, world: int, out: Path) -> None:

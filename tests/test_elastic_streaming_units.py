@@ -19,12 +19,13 @@ from lightning_swarm.membership.adopt import RoundPlace, plan_round
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundStats
+from tests.transport_rounds import NamedRound
 
 SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 CODEC = Codec("int8", block_size=4)
 
 
-class Scripted:
+class Scripted(NamedRound):
     """Rounds applied or abandoned in the order given; the 'mean' is 0.75 x (another island)."""
 
     def __init__(self, applied: list[bool]) -> None:
@@ -32,7 +33,7 @@ class Scripted:
         self.calls: list[list[str]] = []
         self.last: dict[str, Tensor] = {}  # the last round's mean, as the islands apply it
 
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+    def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         self.calls.append(list(tensors))
         for t in tensors.values():
             t.mul_(0.75)

@@ -22,6 +22,7 @@ from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from lightning_swarm.transport.groups import build_groups
 from tests.dist_utils import run_ranks
+from tests.transport_rounds import average
 
 
 def _round_with_one_bad_shard(rank: int, world: int, quantize: str, out: Path) -> None:
@@ -148,7 +149,7 @@ def _spool_fails_on_one_shard(rank: int, world: int, out: Path) -> None:
     tensors = {"w": torch.full((4096,), float(1 + topology.island_index))}
     outcome = "applied"
     try:
-        stats = transport.average(tensors, round_index=0)
+        stats = average(transport, tensors, round_index=0)
         outcome = "applied" if stats.applied else "skipped"
     except Exception as err:
         outcome = type(err).__name__

@@ -20,6 +20,7 @@ from lightning_swarm.membership import check_membership
 from lightning_swarm.membership.config import ElasticConfig, elastic_options
 from lightning_swarm.membership.lighthouse import parse_args
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
+from tests.transport_rounds import NamedRound
 
 
 def test_outer_state_round_trips_bitwise_without_pickle() -> None:
@@ -218,16 +219,8 @@ def test_the_fan_out_runs_on_a_gloo_group_beside_the_islands_own(tmp_path: Path)
     assert {p.name for p in tmp_path.iterdir()} == {"rank0", "rank1"}
 
 
-class _NoExchange:
+class _NoExchange(NamedRound):
     """A transport that leaves the pseudo-gradients as they are (one island)."""
-
-    def average(self, tensors: object, *, round_index: int) -> object:
-        from lightning_swarm.transport.base import RoundStats
-
-        return RoundStats(wall_s=0.0, applied=True)
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:

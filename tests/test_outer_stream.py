@@ -16,10 +16,11 @@ from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradi
 from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.base import Bucket, BucketTransport
+from lightning_swarm.transport.base import Bucket, Transport
 from lightning_swarm.transport.buckets import Piece, numel_of, plan_buckets
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from tests.dist_utils import run_ranks
+from tests.transport_rounds import average
 
 SHAPES = [(4, 3), (11,), (2, 2, 5), (1,)]
 FACTORIES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -62,7 +63,7 @@ class Reference:
     @torch.no_grad()
     def round(self, names: list[str], alpha: float) -> float:
         deltas = {n: pseudo_gradient(self.anchors[n], self.params[n]) for n in names}
-        stats = self.transport.average(deltas, round_index=self.outer_steps)
+        stats = average(self.transport, deltas, round_index=self.outer_steps)
         self.bytes_sent = stats.bytes_sent
         norm = float(torch.cat([d.reshape(-1) for d in deltas.values()]).norm())
         anchors = [self.anchors[n] for n in names]
@@ -287,7 +288,7 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     transport = transport_for(
         config, None, num_islands=1, island_index=0, device=torch.device("cpu")
     )
-    assert isinstance(transport, BucketTransport)
+    assert isinstance(transport, Transport) and transport.pipelined
     outer = OuterSync(
         _params(0),
         outer_optimizer=default_outer_optimizer,

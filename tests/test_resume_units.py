@@ -46,19 +46,13 @@ from lightning_swarm.resume.records import AnchorsRecord, OptionsRecord, RecordE
 from lightning_swarm.resume.restore import check_outer_states
 from lightning_swarm.resume.save import begin_save, discard_save
 from lightning_swarm.resume.training_view import TrainingView
-from lightning_swarm.transport.base import RoundStats
+from tests.transport_rounds import NamedRound
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
 
-class OneIsland:
+class OneIsland(NamedRound):
     """A transport for a single island: the average of one contribution is itself."""
-
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        return RoundStats()
-
-    def close(self) -> None:
-        pass
 
 
 def _params(seed: int = 0, meta: bool = False) -> dict[str, torch.nn.Parameter]:

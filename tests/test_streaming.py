@@ -24,12 +24,13 @@ from lightning_swarm.outer.errors import SyncWorkerError
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
+from tests.transport_rounds import NamedRound
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 PLAIN = functools.partial(torch.optim.SGD, lr=1.0)
 
 
-class FakePeer:
+class FakePeer(NamedRound):
     """Two islands where the other one always contributes ``0.5 * x``: mean = ``0.75 * x``."""
 
     def __init__(self, applied: bool = True, fail_at: int | None = None) -> None:
@@ -37,7 +38,7 @@ class FakePeer:
         self.applied = applied
         self.fail_at = fail_at
 
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+    def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         self.calls.append((list(tensors), threading.current_thread().name))
         if self.fail_at is not None and len(self.calls) == self.fail_at:
             raise ConnectionError("peer vanished")
@@ -95,7 +96,7 @@ def test_one_fragment_no_delay_is_plain_diloco_bitwise() -> None:
         report = outer.on_inner_step()
         if step % 3 == 0:
             deltas = {n: pseudo_gradient(anchors[n], p) for n, p in ref_params.items()}
-            ref_transport.average(deltas, round_index=step // 3 - 1)
+            ref_transport.average_named(deltas, round_index=step // 3 - 1)
             outer_step(ref_opt, list(anchors.values()), list(deltas.values()))
             for n, p in ref_params.items():
                 merge_into_local(p.data, anchors[n])

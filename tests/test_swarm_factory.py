@@ -23,6 +23,7 @@ from lightning_swarm.transport import (
 )
 from lightning_swarm.transport.groups import build_groups
 from tests.dist_utils import run_ranks
+from tests.transport_rounds import average
 
 AGG = "lightning_swarm::aggregator::"
 TRANSPORT = "lightning_swarm::transport::"
@@ -57,7 +58,7 @@ def _groups_worker(rank: int, world: int, out: str) -> None:
     assert isinstance(swarm, AggregatorTransport) and swarm.device == torch.device("cpu")
     tensors = {"w": torch.full((5,), float(rank))}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        assert swarm.average(tensors, round_index=0).applied
+        assert average(swarm, tensors, round_index=0).applied
     assert torch.equal(tensors["w"], torch.full((5,), (world - 1) / 2))
     labels = sorted({e.name for e in prof.events() if e.name.startswith(AGG)})
     swarm.close()
@@ -68,8 +69,8 @@ def _groups_worker(rank: int, world: int, out: str) -> None:
     )
     assert isinstance(plain, AllReduceTransport) and isinstance(coded, ReduceScatterTransport)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        plain.average({"w": torch.ones(4)}, round_index=0)
-        coded.average({"w": torch.ones(4)}, round_index=0)
+        average(plain, {"w": torch.ones(4)}, round_index=0)
+        average(coded, {"w": torch.ones(4)}, round_index=0)
     labels += sorted({e.name for e in prof.events() if e.name.startswith(TRANSPORT)})
     Path(out, f"{rank}.json").write_text(json.dumps(labels))
     groups.destroy()

@@ -34,6 +34,7 @@ from lightning_swarm.transport.aggregator.shard_fold import ShardFold
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.spool import Spool
 from tests.dist_utils import free_port
+from tests.transport_rounds import average
 
 CLEANUP_TIMEOUT_S = 60.0
 RAISE_BOUND_S = 30.0  # well under CLEANUP_TIMEOUT_S: the old behaviour cannot pass it
@@ -105,7 +106,7 @@ def _rank(
 
     def exchange() -> None:
         try:
-            transport.average(_tensors(), round_index=0)
+            average(transport, _tensors(), round_index=0)
         except BaseException as err:  # the test reports whatever was raised
             outcome[0] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
 

@@ -20,6 +20,7 @@ from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
+from tests.transport_rounds import average
 
 BLOCK = 16
 # Besides payloads, to and from each other island: the round's terms (9 + n float64), its
@@ -66,7 +67,7 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         median = AggregatorTransport(None, aggregation="median", spool_dir=spool_dir, **common)
         for r in range(world):  # every island aggregates once
             tensors = _contribution(rank, r)
-            median.average(tensors, round_index=r)
+            average(median, tensors, round_index=r)
             expected = _quantized_mean(codec, world, r, "median")
             assert all(torch.equal(tensors[k], expected[k]) for k in tensors), f"{name} median"
             expected = _quantized_mean(codec, world, r)
@@ -74,7 +75,7 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
             upload, download = wire.data_bytes, layout.data_bytes
             for transport in (offload, memory):
                 tensors = _contribution(rank, r)
-                stats = transport.average(tensors, round_index=r)
+                stats = average(transport, tensors, round_index=r)
                 for k in tensors:
                     assert torch.equal(tensors[k], expected[k]), f"{name} {transport} round {r} {k}"
                 assert stats.applied
@@ -112,7 +113,7 @@ def test_one_island_gets_its_own_round_trip() -> None:
     codec = Codec("int4", BLOCK)
     transport = AggregatorTransport(None, num_islands=1, island_index=0, codec=codec)
     tensors = _contribution(0, 0)
-    transport.average(tensors, round_index=0)
+    average(transport, tensors, round_index=0)
     assert all(torch.equal(v, _quantized_mean(codec, 1, 0)[k]) for k, v in tensors.items())
     transport.close()
 
@@ -144,7 +145,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     tensors = own if rank == 0 else _contribution(rank, 0)
     if rank == 1:
         tensors["w"][3, 4] = float("nan")  # cannot be encoded: marked, decodes to NaN
-    assert transport.average(tensors, round_index=0).applied
+    assert average(transport, tensors, round_index=0).applied
     own_counts = decoded_norm <= max_norm
     kept = ([decoded] if own_counts else []) + [
         {k: codec.roundtrip(v.reshape(-1)).view_as(v) for k, v in _contribution(2, 0).items()}
@@ -164,10 +165,10 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
             None, num_islands=world, island_index=rank, offload=False, codec=Codec("int8", BLOCK)
         )
         with pytest.raises(ValueError, match="the same quantize and quantize_block_size"):
-            other.average(_contribution(rank, 1), round_index=1)
+            average(other, _contribution(rank, 1), round_index=1)
     else:
         tensors = _contribution(rank, 1)
-        assert transport.average(tensors, round_index=1).applied and _num_accepted(transport) == 2
+        assert average(transport, tensors, round_index=1).applied and _num_accepted(transport) == 2
     if rank == 1:
         report = transport.last_round
         assert report is not None and report.rejected[2] == (

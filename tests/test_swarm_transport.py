@@ -25,6 +25,7 @@ from lightning_swarm.transport.errors import SpoolError, SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
+from tests.transport_rounds import average
 
 # What every rank sends to (and receives from) each other island besides payloads, float64 /
 # int64 fields: the round's terms (CRC, chunk, 2 stream lengths, description length, 4 rule
@@ -100,7 +101,7 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
     for r in range(world):  # every island aggregates once
         for name, (transport, rule, kw) in cases.items():
             tensors = _contribution(rank, r)
-            stats = transport.average(tensors, round_index=r)
+            stats = average(transport, tensors, round_index=r)
             expected = _reference(rule, world, r, **kw)
             for key in tensors:
                 assert torch.equal(tensors[key], expected[key]), f"{name} round {r} {key}"
@@ -113,11 +114,11 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         # the reference median / trimmed mean also agree with numpy's
         stacked = np.stack([_contribution(i, r)["w"].numpy() for i in range(world)])
         tensors = _contribution(rank, r)
-        cases["median"][0].average(tensors, round_index=r)
+        average(cases["median"][0], tensors, round_index=r)
         np.testing.assert_allclose(tensors["w"].numpy(), np.median(stacked, 0), rtol=1e-6)
         allreduce = AllReduceTransport(None, num_islands=world, bucket_numel=333)
         tensors = _contribution(rank, r)
-        allreduce.average(tensors, round_index=r)
+        average(allreduce, tensors, round_index=r)
         mean = _reference("mean", world, r)
         assert all(torch.allclose(tensors[k], mean[k], atol=1e-6) for k in tensors)
     offload = cases["offload"][0]
@@ -160,7 +161,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     # round 0, aggregator 0: islands 1 (NaN) and 2 (norm) are left out; the mean divides by 2
     tensors = _contribution(rank, 0)
     _poison(tensors, rank, {1: "nan", 2: "big"})
-    stats = transport.average(tensors, round_index=0)
+    stats = average(transport, tensors, round_index=0)
     kept = [_contribution(0, 0), _contribution(3, 0)]
     for k in tensors:
         assert torch.equal(tensors[k], robust.mean([c[k] for c in kept])), k
@@ -178,7 +179,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     _poison(tensors, rank, {0: "inf", 2: "nan", 3: "big"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = transport.average(tensors, round_index=1)
+        stats = average(transport, tensors, round_index=1)
     assert not stats.applied and _num_accepted(transport) == 1
     text = [str(w.message) for w in caught]
     assert any(
@@ -191,9 +192,9 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     if rank == 3:
         tensors["extra"] = torch.zeros(3)
         with pytest.raises(ValueError, match="layout .* differs from the aggregator's"):
-            transport.average(tensors, round_index=2)
+            average(transport, tensors, round_index=2)
     else:
-        transport.average(tensors, round_index=2)
+        average(transport, tensors, round_index=2)
         expected = [_contribution(i, 2) for i in range(3)]
         assert all(torch.equal(tensors[k], robust.mean([c[k] for c in expected])) for k in tensors)
     if rank == 2:
@@ -213,14 +214,14 @@ def _owner_terms_worker(rank: int, world: int, spool_dir: str) -> None:
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, **options
     )
     tensors = _contribution(rank, 0)
-    stats = transport.average(tensors, round_index=0)  # owner 0: no bound, 4 MiB chunks
+    stats = average(transport, tensors, round_index=0)  # owner 0: no bound, 4 MiB chunks
     assert stats.applied and _num_accepted(transport) == world
     reference = _reference("mean", world, 0)
     assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
     tensors = _contribution(rank, 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = transport.average(tensors, round_index=1)  # owner 1: every island is too big
+        stats = average(transport, tensors, round_index=1)  # owner 1: every island is too big
     assert not stats.applied and _num_accepted(transport) == 0
     assert any("0 of 2 contributions were accepted" in str(w.message) for w in caught)
     assert all(torch.equal(tensors[k], _contribution(rank, 1)[k]) for k in tensors)
@@ -299,12 +300,12 @@ def _failures_worker(rank: int, world: int, spool_dir: str) -> None:
         before = {k: v.clone() for k, v in tensors.items()}
         message = expected[r] if rank == r else rf"failed on the aggregator \(island {r}\)"
         with pytest.raises(SwarmRoundError, match=message):
-            transport.average(tensors, round_index=r)
+            average(transport, tensors, round_index=r)
         assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
         assert transport.spool.files() == [], "a failed round left spool files"
         # the failure was clean: the next round (another aggregator) works and is exact
         tensors = _contribution(rank, r + 1)
-        transport.average(tensors, round_index=r + 1)
+        average(transport, tensors, round_index=r + 1)
         reference = _reference("mean", world, r + 1)
         assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
     transport.close()
@@ -330,7 +331,7 @@ def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
     before = {k: v.clone() for k, v in tensors.items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = transport.average(tensors, round_index=0)
+        stats = average(transport, tensors, round_index=0)
     assert not stats.applied and _num_accepted(transport) == 1
     text = [str(w.message) for w in caught]
     assert any(
@@ -345,7 +346,7 @@ def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
     )
     # the next round (island 1 aggregates, both accepted) applies the weighted mean
     tensors = _contribution(rank, 1)
-    assert transport.average(tensors, round_index=1).applied
+    assert average(transport, tensors, round_index=1).applied
     reference = _reference("weighted_mean", world, 1, weights=[0.0, 1.0])
     assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
     transport.close()
@@ -370,21 +371,21 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
     tensors = _contribution(rank, 0)
     if rank == 0:
         with pytest.raises(RuntimeError, match="injected aggregation bug"):
-            transport.average(tensors, round_index=0)
+            average(transport, tensors, round_index=0)
     else:
         with pytest.raises(
             SwarmRoundError,
             match=r"round 0 failed on the aggregator \(island 0\): it raised an error while "
             r"validating or aggregating; read island 0's log",
         ):
-            transport.average(tensors, round_index=0)
+            average(transport, tensors, round_index=0)
     assert (
         transport.last_round is not None and transport.last_round.outcome == AggregatorOutcome.ERROR
     )
     assert transport.spool.files() == [], "a failed round left spool files"
     # the failure was clean: the next round (island 1 aggregates) works and is exact
     tensors = _contribution(rank, 1)
-    transport.average(tensors, round_index=1)
+    average(transport, tensors, round_index=1)
     reference = _reference("mean", world, 1)
     assert all(torch.equal(tensors[k], reference[k]) for k in tensors)
     transport.close()

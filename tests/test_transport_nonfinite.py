@@ -12,6 +12,7 @@ from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 from tests.dist_utils import run_ranks
+from tests.transport_rounds import average
 
 
 def _worker(rank: int, world: int, out: str, kind: str) -> None:
@@ -28,7 +29,7 @@ def _worker(rank: int, world: int, out: str, kind: str) -> None:
         tensors["b"][1] = float("nan")
     before = {k: v.clone() for k, v in tensors.items()}
     try:
-        transport.average(tensors, round_index=0)
+        average(transport, tensors, round_index=0)
         message = "no error"
     except NonFinitePseudoGradientError as err:
         message = str(err)
@@ -50,7 +51,7 @@ def test_every_rank_names_the_diverged_island(tmp_path: Path, kind: str) -> None
 def test_single_island_nonfinite_is_an_error_too() -> None:
     transport = AllReduceTransport(None, num_islands=1, bucket_numel=8)
     with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[0\]"):
-        transport.average({"a": torch.tensor([1.0, float("inf")])}, round_index=0)
+        average(transport, {"a": torch.tensor([1.0, float("inf")])}, round_index=0)
 
 
 def test_error_feedback_passes_a_diverged_tensor_through_and_keeps_its_residual() -> None:

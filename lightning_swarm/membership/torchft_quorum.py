@@ -197,7 +197,7 @@ class TorchftMembership:
             )
         self._healed = state["user"]
 
-    # -- the round: ``transport.base.BucketTransport`` ------------------------------------------
+    # -- the round: ``transport.base.Transport`` ------------------------------------------
     pipelined = False
     heals = True  # ``open`` takes an offer: the engine builds one for every round
 

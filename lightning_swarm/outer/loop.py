@@ -29,8 +29,7 @@ from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport import ring_allreduce_bytes
-from lightning_swarm.transport.base import AnyTransport
+from lightning_swarm.transport import Transport, ring_allreduce_bytes
 
 default_outer_optimizer: OuterOptimizerFactory = functools.partial(
     torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True
@@ -127,7 +126,7 @@ class OuterLoop:
         names: Mapping[int, str],
         *,
         config: SwarmConfig,
-        transport: AnyTransport,
+        transport: Transport,
         num_islands: int,
         outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
         device: torch.device | None = None,

@@ -1,7 +1,7 @@
 """The outer round of one ``OuterSync``: every round, for every transport and membership.
 
 A round of fragment f plans its buckets once (``transport.buckets.plan_buckets``), forms
-``anchor - local`` in float32, opens the round (``BucketTransport.open``) and starts the
+``anchor - local`` in float32, opens the round (``Transport.open``) and starts the
 transport per bucket; ``apply`` waits, agrees whether the round applies, steps the outer optimizer
 (SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other over the fragment) and
 merges. ``sync_delay`` only decides when ``apply`` runs. Two forms:
@@ -61,7 +61,6 @@ from lightning_swarm.transport.base import (
     Opening,
     RoundPlace,
     RoundStats,
-    bucket_transport,
 )
 from lightning_swarm.transport.buckets import Piece, numel_of, plan_buckets
 
@@ -79,7 +78,7 @@ class OuterRound:
     def __init__(self, state: SyncState, checkpoint: SyncCheckpoint) -> None:
         self.state = state
         self.checkpoint = checkpoint
-        self.transport = bucket_transport(state.transport)
+        self.transport = state.transport
         self.staging = CudaStaging()
         # Streamed CPU path: bucket means in flight while this thread forms and steps the
         # neighbouring buckets (two or three measured no better on 2 cores).

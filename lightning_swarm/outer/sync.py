@@ -24,7 +24,7 @@ from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.sync_state import SyncState
 from lightning_swarm.resume.outer_record import OuterRecord
-from lightning_swarm.transport.base import AnyTransport
+from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
 
@@ -54,7 +54,7 @@ class OuterSync:
         params: Mapping[str, torch.nn.Parameter],
         *,
         outer_optimizer: OuterOptimizerFactory,
-        transport: AnyTransport,
+        transport: Transport,
         sync_every: int,
         anchor_device: torch.device | str = "cpu",
         anchor_dtype: torch.dtype = torch.float32,

@@ -22,7 +22,7 @@ from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport.base import AnyTransport, RoundPlace, RoundStats
+from lightning_swarm.transport.base import RoundPlace, RoundStats, Transport
 
 
 @dataclass
@@ -96,7 +96,7 @@ class SyncState:
     owned: list[str]
     owned_fragments: list[list[str]]
     fragments: list[list[str]]
-    transport: AnyTransport
+    transport: Transport
     schedule: FragmentSchedule
     streaming: StreamingOptions
     anchor_device: torch.device

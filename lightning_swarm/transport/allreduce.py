@@ -1,16 +1,15 @@
 """All-reduce transport: the mean across islands through torch.distributed collectives.
 
-Tensors are packed into float32 buckets by the one packer (``transport.buckets.mean_in_buckets``),
-each all-reduced (sum) over the peer group and divided by the number of islands; the extra memory
-is one bucket whatever the model size. The bucket lives where the backend needs it: CUDA for NCCL
-(anchors and pseudo-gradients stay on the CPU; one bucket at a time visits the GPU), CPU for gloo.
+Each bucket the round engine starts is all-reduced (sum) over the peer group and divided by the
+number of islands, asynchronously (pipelined). The bucket moves where the backend needs it: a
+host bucket visits the device under NCCL (anchors and pseudo-gradients stay on the CPU), CPU
+buckets go to gloo as they are.
 Bytes are a ring all-reduce's, ``2 (n - 1) / n`` of the payload per rank: what the algorithm
 moves, not a measurement of the NIC.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +21,8 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
-from lightning_swarm.transport.buckets import check_bucket, mean_in_buckets
-from lightning_swarm.transport.checks import agree_finite, agree_finite_flag
+from lightning_swarm.transport.buckets import check_bucket
+from lightning_swarm.transport.checks import agree_finite_flag
 
 
 def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
@@ -38,12 +37,12 @@ class AllReduceTransport:
 
     Args:
         group: the peer group (one rank per island); ``None`` means the default group.
-        num_islands: size of the peer group. With one island ``average`` is the identity and
-            moves nothing.
+        num_islands: size of the peer group. With one island a round is the identity and moves
+            nothing.
         bucket_numel: float32 elements per bucket; bounds the extra memory.
         device: where the bucket lives (``cuda`` for NCCL, ``cpu`` for gloo).
         island_group: a model-sharded island's group: its ranks agree on one finite verdict
-            first (``checks.agree_finite``); ``None`` otherwise.
+            first (``checks.agree_finite_flag``); ``None`` otherwise.
     """
 
     def __init__(
@@ -62,26 +61,7 @@ class AllReduceTransport:
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
 
-    @record_function(labels.ALLREDUCE)
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        start = time.perf_counter()
-        stats = RoundStats()
-        for t in tensors.values():
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError("AllReduceTransport averages contiguous float32 tensors only")
-        agree_finite(tensors.values(), self.group, self.num_islands, self.device, self.island_group)
-        if self.num_islands > 1:
-            # The buffer lives only inside this call: between syncs the transport holds no
-            # memory at all.
-            moved = mean_in_buckets(
-                list(tensors.values()), self.bucket_numel, self.mean_, self.device
-            )
-            stats.bytes_sent += moved
-            stats.bytes_received += moved
-        stats.wall_s = time.perf_counter() - start
-        return stats
-
-    # The bucket-level contract (``transport.base.BucketTransport``).
+    # The contract (``transport.base.Transport``).
     block_size = 1
     pipelined = True
 
@@ -99,6 +79,7 @@ class AllReduceTransport:
         agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
         return Opening()
 
+    @record_function(labels.ALLREDUCE)
     def start(self, bucket: Bucket) -> Handle:
         """Start the all-reduce of ``bucket.flat``; its handle's ``wait`` divides by the islands
         and returns the bytes sent. A host bucket under a device backend (NCCL) is staged
@@ -116,13 +97,8 @@ class AllReduceTransport:
         """A round that started every bucket applies (refusals raise at ``open``)."""
         return RoundStats()
 
-    def mean_(self, flat: Tensor) -> int:
-        """Overwrite the flat float32 bucket ``flat`` with its mean across islands, in place
-        (collective); returns the bytes this rank sent (and received) for it."""
-        return self.start(Bucket(flat, (flat.numel(),))).wait()
-
     def close(self) -> None:
-        """Nothing to release: the bucket lives only inside ``average``."""
+        """Nothing to release: a bucket is the engine's."""
 
 
 @dataclass

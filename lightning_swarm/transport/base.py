@@ -1,42 +1,38 @@
-"""The transport contracts: "average these pseudo-gradients across islands".
+"""The transport contract: "average these pseudo-gradients across islands", bucket by bucket.
 
 The transport is the only component that moves pseudo-gradients between islands. The round
-engine drives every transport through ``BucketTransport``: ``open`` (one agreement on the finite
-flag, before anything moves), ``start(bucket) -> Handle`` per bucket in the same order on every
-rank, every handle's ``wait``, then ``agree`` (whether the round applies). A ``Bucket``'s ``flat``
+engine drives every transport through ``Transport``: ``open`` (one agreement on the finite flag,
+before anything moves), ``start(bucket) -> Handle`` per bucket in the same order on every rank,
+every handle's ``wait``, then ``agree`` (whether the round applies). A ``Bucket``'s ``flat``
 belongs to the transport from ``start`` until its handle's ``wait`` returns; it then holds the
-mean. ``pipelined`` transports finish a bucket at its wait; ``WholePayload`` averages every
-bucket at the first wait, so all its buckets must be started before any wait.
+mean. ``pipelined`` transports finish a bucket at its wait; the others may finish every bucket
+only at the first wait, so the engine starts all of a round's buckets (back to back in one
+buffer) before it waits for any.
 
-``Transport.average`` (collective, same ``round_index`` everywhere) overwrites the caller's
-contiguous float32 tensors, same names, order and shapes on every rank. With
-``RoundStats.applied`` every rank holds the identical mean; otherwise the round was skipped, the
-contents are unspecified and the caller leaves its anchors unchanged. A non-finite
-pseudo-gradient: all-reduce transports raise ``NonFinitePseudoGradientError`` on every rank
-before anything moves; the swarm transport drops that island's contribution.
+With ``RoundStats.applied`` every rank holds the identical mean; otherwise the round was skipped,
+the contents are unspecified and the caller leaves its anchors unchanged. A non-finite
+pseudo-gradient: all-reduce transports raise ``NonFinitePseudoGradientError`` on every rank at
+``open``; the swarm transport drops that island's contribution.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-# A transport without a bucket size of its own (``WholePayload``) is handed buckets this big.
-WHOLE_PAYLOAD_BUCKET = 1 << 30
-
 
 @dataclass
 class RoundStats:
-    """What one ``average`` call cost, as seen by this rank.
+    """What one round cost, as seen by this rank.
 
     Attributes:
         bytes_sent: payload bytes this rank put on the wire for the round.
         bytes_received: payload bytes this rank took off the wire.
-        wall_s: wall-clock seconds spent inside ``average``.
+        wall_s: wall-clock seconds of the round, from ``open`` to ``agree``.
         applied: False when the round was skipped and anchors must stay unchanged.
         non_finite_islands: islands whose contribution was rejected for NaN or inf (the swarm
             transport; the same on every rank that took part). Other transports raise instead.
@@ -83,19 +79,6 @@ class Opening:
     abandon: bool = False
 
 
-@runtime_checkable
-class Transport(Protocol):
-    """Averages named float32 tensors across islands; see the module docstring."""
-
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        """Overwrite ``tensors`` with their mean across islands."""
-        ...
-
-    def close(self) -> None:
-        """Release resources (buffers, spool files). Idempotent."""
-        ...
-
-
 @dataclass(frozen=True)
 class Bucket:
     """One bucket of a round: contiguous float32 ``flat``, made of ``runs`` (element counts,
@@ -126,8 +109,8 @@ class Done:
 
 
 @runtime_checkable
-class BucketTransport(Protocol):
-    """The bucket-level contract (see the module docstring).
+class Transport(Protocol):
+    """Averages a round's float32 buckets across islands (see the module docstring).
 
     Attributes:
         bucket_numel: most elements of one bucket the engine should start.
@@ -168,106 +151,3 @@ class BucketTransport(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@dataclass
-class WholePayload:
-    """``BucketTransport`` over a transport with ``average`` only (not pipelined).
-
-    Buckets are collected; the first ``wait`` (or ``agree``, with no bucket: a rank whose share
-    of the fragment is empty still takes part in an elastic round) averages them in one call,
-    as named tensors laid over the buckets, so the transport sees the names and shapes of a
-    plain ``average`` call and its encoding and rules are unchanged.
-    """
-
-    transport: Transport
-    _round: int = 0
-    _names: dict[str, torch.Size] = field(default_factory=dict)
-    _buckets: list[Bucket] = field(default_factory=list)
-    _stats: RoundStats | None = None
-
-    pipelined = False
-
-    @property
-    def bucket_numel(self) -> int:
-        return int(getattr(self.transport, "bucket_numel", WHOLE_PAYLOAD_BUCKET))
-
-    @property
-    def block_size(self) -> int:
-        codec = getattr(self.transport, "codec", None)
-        return 1 if codec is None else int(codec.block_size)
-
-    def open(
-        self,
-        *,
-        round_index: int,
-        finite: bool,
-        names: Mapping[str, torch.Size],
-        place: RoundPlace | None = None,
-        offer: Mapping[str, Any] | None = None,
-    ) -> Opening:
-        # ``finite`` is the transport's own business: it checks (or drops) contributions.
-        self._round, self._names = round_index, dict(names)
-        self._buckets, self._stats = [], None
-        return Opening()
-
-    def start(self, bucket: Bucket) -> Handle:
-        self._buckets.append(bucket)
-        return self
-
-    def wait(self) -> int:
-        if self._stats is None:
-            self._stats = self._average()
-        return 0
-
-    def agree(self) -> RoundStats:
-        self.wait()
-        assert self._stats is not None
-        stats, self._stats, self._buckets = self._stats, None, []
-        return stats
-
-    def _average(self) -> RoundStats:
-        flats = [b.flat for b in self._buckets]
-        whole = _joined(flats)
-        named: dict[str, Tensor] = {}
-        offset = 0
-        for name, shape in self._names.items():
-            numel = shape.numel()
-            named[name] = whole[offset : offset + numel].view(shape)
-            offset += numel
-        return self.transport.average(named, round_index=self._round)
-
-    def close(self) -> None:
-        self.transport.close()
-
-
-def _joined(flats: list[Tensor]) -> Tensor:
-    """One flat view over ``flats``, which must lie back to back in one storage (as the
-    engine's held rounds lay them)."""
-    if not flats:
-        return torch.empty(0)
-    first = flats[0]
-    total = sum(f.numel() for f in flats)
-    offset = first.storage_offset()
-    for f in flats:
-        if f.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            break
-        if f.storage_offset() != offset:
-            break
-        offset += f.numel()
-    else:
-        return first.new_empty(0).set_(
-            first.untyped_storage(), first.storage_offset(), (total,), (1,)
-        )
-    raise ValueError("WholePayload needs its buckets back to back in one buffer")
-
-
-AnyTransport = Transport | BucketTransport
-"""What the round engine accepts: the bucket contract, or ``average`` (through ``WholePayload``)."""
-
-
-def bucket_transport(transport: AnyTransport) -> BucketTransport:
-    """``transport`` itself when it implements the bucket contract, else ``WholePayload``."""
-    if isinstance(transport, BucketTransport):
-        return transport
-    return WholePayload(transport)

@@ -13,11 +13,8 @@ every caller relies on for bitwise reproducibility:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -103,35 +100,3 @@ def placed(pieces: Sequence[Piece]) -> Iterator[tuple[int, Piece]]:
     for piece in pieces:
         yield offset, piece
         offset += piece.length
-
-
-def mean_in_buckets(
-    tensors: Sequence[Tensor],
-    bucket_numel: int,
-    mean_: Callable[[Tensor], int],
-    device: torch.device | str = "cpu",
-) -> int:
-    """Overwrite contiguous ``tensors`` in place, bucket by bucket, through one float32 buffer.
-
-    Per bucket of ``plan_buckets(numels, bucket_numel)`` the pieces are copied into the
-    buffer's prefix (on ``device``), ``mean_`` overwrites that prefix in place and returns the
-    bytes it moved, and the result is copied back. The buffer (``min(bucket_numel, total)``
-    elements) is the only extra memory and is released on return.
-
-    Returns:
-        The sum of ``mean_``'s bytes over the buckets.
-    """
-    flats = [t.view(-1) for t in tensors]
-    plan = plan_buckets([f.numel() for f in flats], bucket_numel)
-    if not plan:
-        return 0
-    # The first bucket is the largest (with block_size 1 all but the last are full).
-    buffer = torch.empty(numel_of(plan[0]), dtype=torch.float32, device=device)
-    moved = 0
-    for bucket in plan:
-        for at, p in placed(bucket):
-            buffer[at : at + p.length].copy_(flats[p.tensor_index][p.start : p.stop])
-        moved += mean_(buffer[: numel_of(bucket)])
-        for at, p in placed(bucket):
-            flats[p.tensor_index][p.start : p.stop].copy_(buffer[at : at + p.length])
-    return moved

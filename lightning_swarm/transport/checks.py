@@ -22,23 +22,6 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def agree_finite(
-    tensors: Iterable[Tensor],
-    group: dist.ProcessGroup | None,
-    num_islands: int,
-    device: torch.device,
-    island_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Raise ``NonFinitePseudoGradientError`` on every rank if any island's tensors are not finite.
-
-    Collective over the peer group (ordered by island). With one island only the local check
-    runs. Costs one all-gather of ``num_islands`` floats. With ``island_group`` (model-sharded
-    islands, whose ranks hold different shards) the island first agrees on one verdict, so that
-    every peer group raises or proceeds together.
-    """
-    agree_finite_flag(all_finite(tensors), group, num_islands, device, island_group)
-
-
 def island_verdict(
     local: bool, island_group: dist.ProcessGroup | None, device: torch.device
 ) -> bool:
@@ -60,7 +43,9 @@ def agree_finite_flag(
     *,
     direct: bool = False,
 ) -> None:
-    """``agree_finite`` for a verdict the caller already has (e.g. from a norm it computed).
+    """Raise ``NonFinitePseudoGradientError`` on every rank unless every island's ``local``
+    verdict is true. Collective over the peer group (ordered by island); with one island only
+    the local verdict counts.
 
     ``direct``: one step (``agree.flags_direct``: one byte straight to every peer instead of
     around a ring), so over long-latency links the vote costs one message time whatever the
@@ -70,17 +55,6 @@ def agree_finite_flag(
     local = island_verdict(local, island_group, device)
     flags = flags_direct if direct else flags_over
     _raise_if_any(agree(local, gather=flags(group, num_islands, device)).bad)
-
-
-def agree_finite_direct(
-    tensors: Iterable[Tensor],
-    group: dist.ProcessGroup | None,
-    num_islands: int,
-    device: torch.device,
-    island_group: dist.ProcessGroup | None = None,
-) -> None:
-    """``agree_finite`` in one step (``agree_finite_flag(direct=True)``)."""
-    agree_finite_flag(all_finite(tensors), group, num_islands, device, island_group, direct=True)
 
 
 def _raise_if_any(bad: Sequence[int]) -> None:

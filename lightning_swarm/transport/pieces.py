@@ -12,7 +12,7 @@ call it with the caller's flat float32 tensors and move the bytes themselves. In
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -26,20 +26,6 @@ def check_coded_options(num_islands: int, codec: Codec, bucket_numel: int) -> No
     if num_islands < 1:
         raise ValueError(f"num_islands must be >= 1, got {num_islands}")
     check_bucket(bucket_numel, codec.block_size)
-
-
-def flat_views(tensors: Mapping[str, Tensor], transport: str) -> list[Tensor]:
-    """Each tensor as a flat view, after checking it is contiguous float32 (what a codec
-    encodes and what the mean is written back into, in place)."""
-    flats = []
-    for name, t in tensors.items():
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(
-                f"{transport} averages contiguous float32 tensors only; {name!r} is "
-                f"{t.dtype}{'' if t.is_contiguous() else ', non-contiguous'}."
-            )
-        flats.append(t.view(-1))
-    return flats
 
 
 def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> list[list[Piece]]:

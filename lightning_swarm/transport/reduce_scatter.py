@@ -21,7 +21,6 @@ and one decoded share at a time.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,10 +32,10 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
-from lightning_swarm.transport.buckets import Piece, plan_buckets
-from lightning_swarm.transport.checks import agree_finite_direct, agree_finite_flag
+from lightning_swarm.transport.buckets import Piece
+from lightning_swarm.transport.checks import agree_finite_flag
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
-from lightning_swarm.transport.pieces import check_coded_options, flat_views
+from lightning_swarm.transport.pieces import check_coded_options
 
 __all__ = ["ReduceScatterTransport", "reduce_scatter_bytes"]
 
@@ -87,25 +86,7 @@ class ReduceScatterTransport:
         self.device = torch.device(device)
         self.island_group = island_group
 
-    @record_function(labels.REDUCE_SCATTER)
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
-        """Overwrite ``tensors`` with the quantized mean across islands (collective)."""
-        start = time.perf_counter()
-        stats = RoundStats()
-        flats = flat_views(tensors, "ReduceScatterTransport")
-        # Before any byte moves: a NaN would raise inside one island's encoder while its
-        # peers wait in the exchange, so every island agrees on finiteness first (in one
-        # message step: the exchange's own latency is flat in islands, keep the vote's so too).
-        agree_finite_direct(flats, self.group, self.num_islands, self.device, self.island_group)
-        numels = [f.numel() for f in flats]
-        for bucket in plan_buckets(numels, self.bucket_numel, self.codec.block_size):
-            moved = self._average_bucket(flats, bucket)
-            stats.bytes_sent += moved
-            stats.bytes_received += moved
-        stats.wall_s = time.perf_counter() - start
-        return stats
-
-    # The bucket-level contract (``transport.base.BucketTransport``).
+    # The contract (``transport.base.Transport``).
     pipelined = True
 
     @property
@@ -169,4 +150,4 @@ class ReduceScatterTransport:
         return received
 
     def close(self) -> None:
-        """Nothing to release: buffers live only inside ``average``."""
+        """Nothing to release: buffers live only inside ``start``."""

@@ -5,7 +5,7 @@ island ``round_index % num_islands`` owns the whole payload) or every island own
 tensor (``sharded``). ``SwarmAggregatorBase`` holds the validated options (``AggregationRule``),
 the run-scoped spool, the round numbering that names a round's spool files, and the one-island
 round. The transport owns its ``Spool`` (created here unless injected) and removes it in
-``close``; a round's files live from its first write to the end of its ``average`` call.
+``close``; a round's files live from its first write to the end of the round.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class SwarmAggregatorBase:
             self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
         # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
         self.device = torch.device("cpu")
-        self._sequence = 0  # average() calls so far: names spool rounds uniquely
+        self._sequence = 0  # rounds so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
 
     @property

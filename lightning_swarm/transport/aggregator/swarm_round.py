@@ -2,10 +2,15 @@
 
 Island j owns shard j of the payload; the subclass's ``_shards`` cuts them (rotating: the whole
 payload to one island; sharded: 1/n each); ``docs/swarm_transport.md`` walks a round through. The
-caller owns ``tensors``; the round writes them only once every island's verdicts are read (a
+caller owns the buckets; the round writes them only once every island's verdicts are read (a
 round that raises may leave them partly written: the caller keeps its anchors). A round's spool
-files live from the scatter to the end of ``average``: any exception aborts the writers at once
+files live from the scatter to the end of the round: any exception aborts the writers at once
 (their leases go) and ``Spool.release_round`` removes the files.
+
+The bucket contract (``transport.base.Transport``) is served whole: the aggregator validates
+untrusted contributions against the whole payload (its layout, ``max_norm``, the robust rules),
+so it collects a round's buckets and runs the round at the first ``wait`` (or at ``agree``, with
+no bucket), over the names and shapes given at ``open``. It is not pipelined.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +59,7 @@ from lightning_swarm.transport.aggregator.terms import (
     agree_shards,
     all_gather_rows,
 )
-from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundPlace, RoundStats
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
@@ -61,7 +67,7 @@ log = logging.getLogger(__name__)
 
 
 class _Round:
-    """One ``average`` call's state, handed from phase to phase; nothing outlives the call."""
+    """One round's state, handed from phase to phase; nothing outlives the round."""
 
     def __init__(self, report: RoundReport, targets: list[Tensor], shards: list[Shard]) -> None:
         self.report, self.targets, self.shards = report, targets, shards
@@ -82,6 +88,10 @@ class SwarmAggregator(SwarmAggregatorBase):
     """
 
     ROUND_LABEL = labels.AGGREGATOR_ROUND
+    # The whole payload is one round (see the module docstring): buckets as large as the engine
+    # plans them, on the codec's blocks.
+    pipelined = False
+    bucket_numel = 1 << 30
 
     def __init__(
         self,
@@ -119,12 +129,64 @@ class SwarmAggregator(SwarmAggregatorBase):
             spool=spool,
         )
         self.island_group = island_group
+        # The round between ``open`` and ``agree``: its names, buckets and, once run, stats.
+        self._round_index = 0
+        self._names: dict[str, torch.Size] = {}
+        self._buckets: list[Tensor] = []
+        self._stats: RoundStats | None = None
+
+    @property
+    def block_size(self) -> int:
+        return 1 if self.codec is None else self.codec.block_size
+
+    def open(
+        self,
+        *,
+        round_index: int,
+        finite: bool,
+        names: Mapping[str, torch.Size],
+        place: RoundPlace | None = None,
+        offer: Mapping[str, Any] | None = None,
+    ) -> Opening:
+        """Begin round ``round_index`` over tensors of ``names``; nothing moves yet. ``finite``
+        is not agreed on: every owner checks each contribution and drops a non-finite one."""
+        self._round_index, self._names = round_index, dict(names)
+        self._buckets, self._stats = [], None
+        return Opening()
+
+    def start(self, bucket: Bucket) -> Handle:
+        """Collect ``bucket`` (the round's buckets must lie back to back in one buffer)."""
+        self._buckets.append(bucket.flat)
+        return self
+
+    def wait(self) -> int:
+        """Run the round over every collected bucket, once (its bytes come with ``agree``)."""
+        if self._stats is None:
+            self._stats = self._average(self._named(), round_index=self._round_index)
+        return 0
+
+    def agree(self) -> RoundStats:
+        """The round's stats: whether it applies, non-finite islands, bytes."""
+        self.wait()
+        assert self._stats is not None
+        stats, self._stats, self._buckets = self._stats, None, []
+        return stats
+
+    def _named(self) -> dict[str, Tensor]:
+        """The collected buckets as the named tensors of ``open``, laid over them."""
+        whole = _joined(self._buckets)
+        named: dict[str, Tensor] = {}
+        offset = 0
+        for name, shape in self._names.items():
+            named[name] = whole[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return named
 
     def _shards(self, layout: PayloadLayout, round_index: int) -> tuple[list[Shard], int | None]:
         """The round's shards, one per island, and its one owner (``None``: several)."""
         raise NotImplementedError
 
-    def average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+    def _average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
 
         Raises:
@@ -324,3 +386,18 @@ class SwarmAggregator(SwarmAggregatorBase):
         failed = [j for j, f in enumerate(flags) if int(f) == 0]
         (ok,) = island_all([not failed], self.island_group)
         raise_if_failed(rnd.report, error, failed, ok, owner=rnd.owner)
+
+
+def _joined(flats: list[Tensor]) -> Tensor:
+    """One flat view over ``flats``, which must lie back to back in one storage (as the round
+    engine lays a held round's buckets)."""
+    if not flats:
+        return torch.empty(0)
+    first, total = flats[0], sum(f.numel() for f in flats)
+    offset = first.storage_offset()
+    for f in flats:
+        same = f.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not same or f.storage_offset() != offset:
+            raise ValueError("the aggregator needs a round's buckets back to back in one buffer")
+        offset += f.numel()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))

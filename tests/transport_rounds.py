@@ -1,0 +1,96 @@
+"""One transport round over named tensors, for tests and benchmarks, and a base for stand-ins.
+
+``average`` drives a transport through its bucket contract (``transport.base.Transport``) the
+way the round engine's held round does: the tensors back to back in one float32 buffer, planned
+on the transport's buckets and blocks, every bucket started, waited for, then ``agree``; the
+mean is copied back into the caller's tensors. ``NamedRound`` is a base for stand-in transports
+scripted as one call per round over named tensors (``average_named``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundStats, Transport
+from lightning_swarm.transport.buckets import numel_of, plan_buckets
+
+
+def average(transport: Transport, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+    """Overwrite ``tensors`` (contiguous float32, the same names and shapes on every rank) with
+    their mean over ``transport``'s islands; collective as the transport's round is.
+
+    Raises:
+        ValueError: a tensor is not contiguous float32 (the contract moves float32 buckets).
+        Whatever the transport raises (e.g. ``NonFinitePseudoGradientError`` at ``open``).
+    """
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"a round moves contiguous float32 tensors; {name!r} is {t.dtype}")
+    start = time.perf_counter()
+    values = list(tensors.values())
+    flat = torch.cat([t.reshape(-1) for t in values]) if values else torch.empty(0)
+    finite = bool(torch.isfinite(flat).all())
+    transport.open(
+        round_index=round_index, finite=finite, names={n: t.shape for n, t in tensors.items()}
+    )
+    plan = plan_buckets([t.numel() for t in values], transport.bucket_numel, transport.block_size)
+    handles: list[Handle] = []
+    offset = 0
+    for bucket in plan:
+        numel = numel_of(bucket)
+        runs = tuple(p.length for p in bucket)
+        handles.append(transport.start(Bucket(flat[offset : offset + numel], runs)))
+        offset += numel
+    sent = sum(handle.wait() for handle in handles)
+    stats = transport.agree()
+    offset = 0
+    for t in values:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return replace(
+        stats,
+        bytes_sent=stats.bytes_sent + sent,
+        bytes_received=stats.bytes_received + sent,
+        wall_s=time.perf_counter() - start,
+    )
+
+
+class NamedRound:
+    """A stand-in transport scripted per round: ``average_named`` gets the round's tensors by
+    name (views of the engine's buffer; overwrite them with the "mean") at ``agree`` and
+    returns the verdict. Not pipelined: every bucket arrives before ``agree``."""
+
+    pipelined = False
+    block_size = 1
+    bucket_numel = 1 << 30
+
+    def open(self, *, round_index: int, names: Mapping[str, torch.Size], **_: Any) -> Opening:
+        self._round_index, self._names = round_index, dict(names)
+        self._flats: list[Tensor] = []
+        return Opening()
+
+    def start(self, bucket: Bucket) -> Handle:
+        self._flats.append(bucket.flat)
+        return Done()
+
+    def agree(self) -> RoundStats:
+        assert len(self._flats) <= 1, "a stand-in round has one bucket"
+        flat = self._flats[0] if self._flats else torch.empty(0)
+        named, offset = {}, 0
+        for name, shape in self._names.items():
+            named[name] = flat[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return self.average_named(named, round_index=self._round_index)
+
+    def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        """Overwrite ``tensors`` with this stand-in's "mean"; the default leaves them."""
+        return RoundStats()
+
+    def close(self) -> None:
+        pass
