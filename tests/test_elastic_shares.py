@@ -1,5 +1,5 @@
 """The per-rank hand-over of a sharded elastic island (``SyncCheckpoint.peer_offer`` and
-``install_heal``) and the island's agreement on how a round ends (``membership/fanout.py``),
+``OuterRound.install_heal``) and the island's agreement on how a round ends (``membership/fanout.py``),
 without torchft."""
 
 from __future__ import annotations

@@ -1,70 +1,65 @@
-"""An ``OuterSync``'s checkpoint state: what a save holds and how a resume installs it.
+"""An ``OuterSync``'s state as a record: what a save holds, what a healing peer receives, and
+what installing a record puts in place.
 
-``record`` builds the global state (an ``OuterRecord``: anchors, outer state, counters and a round
-in flight, for a save; for a healing peer, its share and no round), and ``load_checked_state_dict``
-installs one, for a resume and a heal alike. It aliases the live anchors: write it out before the
-next round. ``island_state_dict`` holds the residuals (collective over the island when sharded).
-``check_state_dict`` is the one check of a saved state (anchor shapes; a round in flight must be
-the one the schedule expects), run on every rank before anything is installed; installing adopts
-anchors already on the right device and dtype (mapped ones stay file-backed) and keeps only owned
-names when sharded. ``peer_offer`` and ``install_heal`` are the elastic heal's two ends: what a
-live island offers (no round in flight, no residuals) and how a healed one installs it, keeping
-its own progress since its anchors.
+``SyncCheckpoint`` only reads the ``SyncState``: the round engine (``outer/round.py``) is its one
+writer and assigns what ``installable`` builds. ``record`` is the global state (an
+``OuterRecord``: anchors, outer state, counters and, for a save, the round in flight the engine
+exported; for a healing peer, its share and no round). It aliases the live anchors: write it
+out before the next round. ``check_state_dict`` is the one check of a saved state (anchor
+shapes; a round in flight must be the one the schedule expects), run on every rank before
+anything is installed; an install adopts anchors already on the right device and dtype (mapped
+ones stay file-backed) and keeps only owned names when sharded. ``island_residuals`` and
+``residuals_of`` are the island's own state (error-feedback residuals).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.outer.shard import IslandShard
-from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
+from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
 from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.transport.base import RoundStats
 
 
+@dataclass
+class Installable:
+    """What installing a checked record puts in place (the engine assigns it)."""
+
+    anchors: dict[str, Tensor]
+    outer_optimizer: torch.optim.Optimizer
+    counters: OuterCounters  # fragment_rounds and synced_at filled in
+    in_flight: RoundInFlight | None
+
+
 class SyncCheckpoint:
-    """What a save holds of one ``OuterSync`` and how a resume installs it.
+    """Reads one ``OuterSync``'s state for saves and heals; builds what an install puts in place.
 
     Args:
-        state: the sync's shared state (``SyncState``), owned by the ``OuterSync``; this member
-            reads it to save and replaces its anchors, outer optimizer and counters on resume.
+        state: the sync's shared state (``SyncState``), written by its round engine only.
     """
 
     def __init__(self, state: SyncState) -> None:
         self.state = state
 
-    def _wait(self) -> Exchanged | None:
-        """The round in flight's exchange result, after waiting for the worker (or None)."""
-        rnd = self.state.in_flight
-        return None if rnd is None else wait_exchange(rnd)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Anchors, outer optimizer state, counters and a round in flight: ``record()`` as a
-        dict (global state; tensors stay on the anchor device)."""
-        return self.record().to_dict()
-
-    def record(self, *, for_peer: bool = False) -> OuterRecord:
+    def record(self, *, pending: PendingRound | None = None, for_peer: bool = False) -> OuterRecord:
         """The global state: the one place it is read (tensors are not copied).
 
-        For a checkpoint (default), a round in flight is waited for; its averaged result
-        (identical on every island) is saved so a resumed run applies it at the same step as
-        an uninterrupted one. For a healing peer (``for_peer``), called on the quorum's thread
-        while this island's round is exchanged: no round in flight, the counters of the round's
-        send (the training thread may be past it), and the share when sharded. Anchors and
-        outer state do not move until that round's apply, which waits for it.
+        For a checkpoint (default), ``pending`` is the round in flight the engine exported
+        (its averaged result, identical on every island), so a resumed run applies it at the
+        same step as an uninterrupted one. For a healing peer (``for_peer``): no round in
+        flight, the counters of the round's send, and the share when sharded. Anchors and outer
+        state do not move until that round's apply.
         """
         s = self.state
         rnd = s.in_flight
-        pending = None if for_peer else self._pending()  # waits for the exchange first
         inner = rnd.send_step if for_peer and rnd is not None else s.inner_steps
         sharded = s.shard is not None
         return OuterRecord(
@@ -77,64 +72,17 @@ class SyncCheckpoint:
                 synced_at=list(s.synced_at),
                 ended_at=s.ended_at,
             ),
-            pending=pending,
+            pending=None if for_peer else pending,
             # The outer optimizer's state is positional: a re-shard needs the names.
             param_names=list(s.owned) if sharded else None,
             share=(s.shard.position, s.shard.size) if for_peer and s.shard is not None else None,
         )
 
-    def _pending(self) -> PendingRound | None:
-        """The round in flight, after waiting for its exchange (None when none is)."""
-        result = self._wait()
-        rnd = self.state.in_flight
-        if rnd is None or result is None:
-            return None
-        rnd.exported = True  # its deltas now live in a state dict: never reused
-        return PendingRound(
-            fragment=rnd.fragment,
-            send_step=rnd.send_step,
-            deltas=dict(rnd.deltas),
-            # An adopted round replaced the own one, which is not applied (the adopted round
-            # itself is not saved: a resumed island takes the swarm's next round).
-            applied=result.stats.applied and result.adopted is None,
-            norm=result.norm,
-            bytes_sent=result.stats.bytes_sent,
-            bytes_received=result.stats.bytes_received,
-            transport_s=result.stats.wall_s,
-            # Merged shards combine it.
-            share_norm=not result.combined if self.state.shard is not None else None,
-        )
-
     def peer_offer(self) -> dict[str, Any]:
         """What a healing peer receives: ``record(for_peer=True)`` as a dict (tensors are not
-        copied; they do not move until the round in flight's apply, which waits for it)."""
+        copied; they do not move until the round in flight's apply, which waits for it).
+        Built by the engine on its own thread when it opens the round."""
         return self.record(for_peer=True).to_dict()
-
-    @torch.no_grad()
-    def install_heal(self, state: Mapping[str, Any]) -> None:
-        """Install a live island's ``peer_offer``, keeping this rank's own progress since its
-        anchors: ``local <- anchor_new + (local - anchor_old)`` on the owned names.
-
-        A heal in the middle of a run (the island missed a commit) whose round is then
-        abandoned would otherwise leave stale weights under the new anchors, and the island's
-        next pseudo-gradient would carry the swarm's whole advance since. No round is in flight
-        at an install (the engine's apply runs it).
-
-        Raises:
-            ValueError: the offer is another share of the outer state than this rank's.
-        """
-        s = self.state
-        saved = OuterRecord.of(state)
-        self.check_share(saved)
-        own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
-        # The clock is set again below; none is in flight at an install.
-        counters = replace(saved.counters, inner_steps=0)
-        record = replace(saved, counters=counters, pending=None)
-        self.check_state_dict(record)
-        self.load_checked_state_dict(record)
-        s.inner_steps = saved.counters.inner_steps
-        for name in s.owned:
-            s.params[name].copy_(s.anchors[name].float() + own[name])
 
     def check_share(self, saved: OuterRecord) -> None:
         """Refuse a healing state that is not this rank's share (another position, island
@@ -154,37 +102,25 @@ class SyncCheckpoint:
                 "(the same number of ranks per island and shard_outer on every island)."
             )
 
-    def agree_counters(self, shard: IslandShard) -> None:
-        """Position 0's inner-step counters on every rank of the island (collective).
-
-        torchft may heal each rank from another live island, and islands at the same committed
-        round can differ in inner steps (one abandoned a round another never took part in): the
-        shares of one island must count alike, as their checkpoint files are merged by them.
-        """
-        s = self.state
-        ended = -1 if s.ended_at is None else s.ended_at
-        values = [s.inner_steps, *(-1 if v is None else v for v in s.synced_at), ended]
-        counters = torch.tensor(values, dtype=torch.int64, device=shard.device)
-        dist.broadcast(counters, group=shard.group, group_src=0)
-        inner, *synced, ended = (int(v) for v in counters.tolist())
-        s.inner_steps, s.ended_at = inner, None if ended < 0 else ended
-        s.synced_at = [None if v < 0 else v for v in synced]
-
-    def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state: the error-feedback residuals (after any round in flight).
+    def island_residuals(self) -> dict[str, Tensor]:
+        """This island's own state: the error-feedback residuals (the engine drained any round
+        in flight first).
 
         Sharded with error feedback, each rank holds the residuals of its share: this is then
         collective over the island, and the island's first rank (which writes the island's
         file) gets every share's residuals.
         """
-        self._wait()
         residuals = dict(self.state.residuals)
         if self.state.shard is not None and self.state.streaming.error_feedback:
             residuals = self.state.shard.collect(residuals)
-        return {"residuals": residuals}
+        return residuals
 
-    def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install residuals saved by ``island_state_dict`` (converted to the anchor device)."""
+    def residuals_of(self, state: Mapping[str, Any]) -> dict[str, Tensor]:
+        """The owned residuals of an ``island_state_dict`` (converted to the anchor device).
+
+        Raises:
+            ValueError: a residual does not fit this model.
+        """
         residuals: Mapping[str, Tensor] = state.get("residuals", {})
         for name, residual in residuals.items():
             if name not in self.state.params or residual.shape != self.state.params[name].shape:
@@ -193,14 +129,14 @@ class SyncCheckpoint:
                     "with the model and fragments the checkpoint was written by."
                 )
         owned = set(self.state.owned)
-        self.state.residuals = {
+        return {
             name: r.to(device=self.state.anchor_device, dtype=torch.float32)
             for name, r in residuals.items()
             if name in owned
         }
 
     def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Refuse a saved state that ``load_checked_state_dict`` cannot install as saved.
+        """Refuse a saved state that cannot be installed as saved.
 
         Raises:
             SwarmCheckpointError: a parameter has no anchor, or an anchor of another shape; or
@@ -242,41 +178,36 @@ class SyncCheckpoint:
                 "num_fragments and sync_delay the checkpoint was written with."
             )
 
-    def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Install anchors, outer optimizer state, counters and a round in flight: the one
-        place the global state is installed.
+    def installable(self, state: Mapping[str, Any] | OuterRecord) -> Installable:
+        """What installing ``state`` (checked by ``check_state_dict``) puts in place.
 
-        ``state`` must have passed ``check_state_dict`` (nothing is checked again). The given
-        anchor tensors are adopted, not copied, when they already have this object's anchor
-        device and dtype: memory-mapped anchors stay file-backed until a sync writes them.
-        Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors). The
-        outer optimizer is rebuilt over the new anchors, then given the saved state.
+        The given anchor tensors are adopted, not copied, when they already have the anchor
+        device and dtype: memory-mapped anchors stay file-backed until a round writes them.
+        Otherwise they are converted (e.g. a float32 file resumed with bfloat16 anchors). A new
+        outer optimizer over the new anchors holds the saved state.
         """
         record = OuterRecord.of(state)
-        self._install_anchors(record.anchors)
         s = self.state
-        s.outer_optimizer = s.outer_optimizer_factory(list(s.anchors.values()))
-        optimizer_state = select_by_name(record.outer_optimizer, record.names, s.owned)
-        s.outer_optimizer.load_state_dict(optimizer_state)
-        keep_state_float32(s.outer_optimizer, optimizer_state)
-        c = record.counters
-        s.inner_steps = c.inner_steps
-        s.outer_steps = c.outer_steps
-        rounds = c.fragment_rounds
-        s.fragment_rounds = list(rounds) if rounds is not None else [0] * len(s.fragments)
-        # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
-        synced = c.synced_at
-        s.synced_at = list(synced) if synced is not None else [None] * len(s.fragments)
-        s.ended_at = c.ended_at
-        s.in_flight = self._restore_round(record.pending)
-
-    def _install_anchors(self, anchors: Mapping[str, Tensor]) -> None:
-        """Adopt (or convert) the owned names' checked anchors."""
-        self.state.anchors = {
-            name: anchors[name].to(device=self.state.anchor_device, dtype=self.state.anchor_dtype)
-            for name in self.state.owned
+        anchors = {
+            name: record.anchors[name].to(device=s.anchor_device, dtype=s.anchor_dtype)
+            for name in s.owned
         }
-        self.state.placeholders = False
+        optimizer = s.outer_optimizer_factory(list(anchors.values()))
+        optimizer_state = select_by_name(record.outer_optimizer, record.names, s.owned)
+        optimizer.load_state_dict(optimizer_state)
+        keep_state_float32(optimizer, optimizer_state)
+        c = record.counters
+        # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
+        counters = OuterCounters(
+            inner_steps=c.inner_steps,
+            outer_steps=c.outer_steps,
+            fragment_rounds=[0] * len(s.fragments)
+            if c.fragment_rounds is None
+            else list(c.fragment_rounds),
+            synced_at=[None] * len(s.fragments) if c.synced_at is None else list(c.synced_at),
+            ended_at=c.ended_at,
+        )
+        return Installable(anchors, optimizer, counters, self._restore_round(record.pending))
 
     def _restore_round(self, pending: PendingRound | None) -> RoundInFlight | None:
         if pending is None:
@@ -299,3 +230,21 @@ class SyncCheckpoint:
 
 def _share_text(share: tuple[int, int] | None) -> str:
     return "'whole outer state'" if share is None else f"'position {share[0]} of {share[1]}'"
+
+
+def pending_of(rnd: RoundInFlight, result: Exchanged, sharded: bool) -> PendingRound:
+    """A round in flight whose exchange finished, as a save holds it (its deltas by name)."""
+    return PendingRound(
+        fragment=rnd.fragment,
+        send_step=rnd.send_step,
+        deltas=dict(rnd.deltas),
+        # An adopted round replaced the own one, which is not applied (the adopted round
+        # itself is not saved: a resumed island takes the swarm's next round).
+        applied=result.stats.applied and result.adopted is None,
+        norm=result.norm,
+        bytes_sent=result.stats.bytes_sent,
+        bytes_received=result.stats.bytes_received,
+        transport_s=result.stats.wall_s,
+        # Merged shards combine it.
+        share_norm=not result.combined if sharded else None,
+    )

@@ -17,8 +17,9 @@ Elastic membership is a branch of the held form: ``open`` gets the round's place
 outer state a healing peer may be sent, built on this thread) and may answer that the island
 adopts the swarm's round; ``apply`` installs a heal the verdict carries, takes the swarm's clock
 and applies the adopted fragment, all on the training thread.
-The engine reads and writes only its ``SyncState`` (installs through ``SyncCheckpoint``); it owns
-its buffers and staging until ``close``.
+The engine is the one writer of its ``SyncState`` (counters, anchors and outer optimizer installs,
+residuals, the round in flight); ``SyncCheckpoint`` only reads it and builds what an install puts
+in place. The engine owns its buffers and staging until ``close``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -51,10 +54,12 @@ from lightning_swarm.outer.bucket_step import (
     start_job,
     state_beside,
 )
-from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
+from lightning_swarm.outer.checkpoint_state import SyncCheckpoint, pending_of
 from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
-from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState, wait_exchange
+from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
+from lightning_swarm.outer.worker import SyncWorker
+from lightning_swarm.resume.outer_record import OuterRecord, PendingRound
 from lightning_swarm.transport.base import (
     Bucket,
     Handle,
@@ -128,6 +133,122 @@ class OuterRound:
         own = sum(0 if t is None else t.numel() * 4 for t in (self._delta, self._hold))
         return own + self.staging.buffer_bytes()
 
+    # -- the state's writes: this engine is the one writer of its SyncState ----------------
+    def on_inner_step(self) -> SyncReport | None:
+        """Count one inner step; run, send or apply the round the schedule names."""
+        self.state.inner_steps += 1
+        return self.step(self.state.inner_steps)
+
+    def finish(self) -> list[SyncReport]:
+        """The end-of-fit round (``OuterSync.finish``): the round in flight, then every fragment
+        out of sync merged with alpha 0; ``ended_at`` keeps a round from applying twice."""
+        s = self.state
+        reports = []
+        pending = self.apply_in_flight()
+        if pending is not None:
+            reports.append(pending)
+        for fragment in range(len(s.fragments)):
+            if s.synced_at[fragment] != s.inner_steps:
+                reports.append(self.round(fragment, merge_alpha=0.0))
+        s.ended_at = s.inner_steps
+        return reports
+
+    @torch.no_grad()
+    def reset_to_anchors(self) -> None:
+        """Every parameter becomes its anchor again; error-feedback residuals are dropped
+        (sharded: collective over the island, which gathers the names other ranks own)."""
+        s = self.state
+        for name in s.owned:
+            merge_into_local(s.params[name].data, s.anchors[name], 0.0)
+        s.residuals = {}
+        if s.shard is not None:
+            s.shard.gather(list(s.params), s.params)
+
+    def export_in_flight(self) -> PendingRound | None:
+        """The round in flight after its exchange, as a save holds it (None when none is);
+        its buffer is never reused, since a state dict now holds its deltas."""
+        rnd = self.state.in_flight
+        if rnd is None:
+            return None
+        result = _wait_exchange(rnd)
+        rnd.exported = True
+        return pending_of(rnd, result, self.state.shard is not None)
+
+    def install(self, record: OuterRecord) -> None:
+        """Install a record that passed ``SyncCheckpoint.check_state_dict``: anchors, outer
+        optimizer, counters and a round in flight (``SyncCheckpoint.installable``)."""
+        new, s = self.checkpoint.installable(record), self.state
+        s.anchors, s.outer_optimizer, s.placeholders = new.anchors, new.outer_optimizer, False
+        c = new.counters
+        s.inner_steps, s.outer_steps, s.ended_at = c.inner_steps, c.outer_steps, c.ended_at
+        s.fragment_rounds, s.synced_at = list(c.fragment_rounds or []), list(c.synced_at or [])
+        s.in_flight = new.in_flight
+
+    def install_residuals(self, state: Mapping[str, Any]) -> None:
+        """Install the residuals of an ``island_state_dict`` (``SyncCheckpoint.residuals_of``)."""
+        self.state.residuals = self.checkpoint.residuals_of(state)
+
+    def install_heal(self, stats: RoundStats) -> bool:
+        """Install the heal a round delivered, keeping this rank's progress since its anchors;
+        after a heal anywhere in the island, gather its parameters and counters (collective
+        over the island when sharded). Returns whether the island was healed."""
+        s = self.state
+        if stats.heal is not None:
+            self._install_peer(OuterRecord.of(stats.heal))
+        if stats.island_healed and s.shard is not None:
+            s.shard.gather(list(s.params), s.params)
+            self.agree_counters()
+        return stats.heal is not None or stats.island_healed
+
+    @torch.no_grad()
+    def _install_peer(self, saved: OuterRecord) -> None:
+        """Install a live island's ``peer_offer``, keeping this rank's own progress since its
+        anchors: ``local <- anchor_new + (local - anchor_old)`` on the owned names.
+
+        A heal in the middle of a run (the island missed a commit) whose round is then
+        abandoned would otherwise leave stale weights under the new anchors, and the island's
+        next pseudo-gradient would carry the swarm's whole advance since. No round is in flight
+        at an install (an apply runs it).
+
+        Raises:
+            ValueError: the offer is another share of the outer state than this rank's.
+        """
+        s = self.state
+        self.checkpoint.check_share(saved)
+        own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
+        # The clock is set below; none is in flight at an install.
+        record = replace(saved, counters=replace(saved.counters, inner_steps=0), pending=None)
+        self.checkpoint.check_state_dict(record)
+        self.install(record)
+        s.inner_steps = saved.counters.inner_steps
+        for name in s.owned:
+            s.params[name].copy_(s.anchors[name].float() + own[name])
+
+    def agree_counters(self) -> None:
+        """Position 0's inner-step counters on every rank of the island (collective).
+
+        torchft may heal each rank from another live island, and islands at the same committed
+        round can differ in inner steps (one abandoned a round another never took part in): the
+        shares of one island must count alike, as their checkpoint files are merged by them.
+        """
+        s = self.state
+        assert s.shard is not None, "only a sharded island's ranks count apart"
+        ended = -1 if s.ended_at is None else s.ended_at
+        values = [s.inner_steps, *(-1 if v is None else v for v in s.synced_at), ended]
+        counters = torch.tensor(values, dtype=torch.int64, device=s.shard.device)
+        dist.broadcast(counters, group=s.shard.group, group_src=0)
+        inner, *synced, ended = (int(v) for v in counters.tolist())
+        s.inner_steps, s.ended_at = inner, None if ended < 0 else ended
+        s.synced_at = [None if v < 0 else v for v in synced]
+
+    def _count_applied(self, fragment: int, alpha: float) -> None:
+        """An applied round of ``fragment`` merged with ``alpha``: advance the counters."""
+        s = self.state
+        s.outer_steps += 1
+        s.fragment_rounds[fragment] += 1
+        if alpha == 0.0:
+            s.synced_at[fragment] = s.inner_steps
+
     # -- the schedule ------------------------------------------------------------------------
     def step(self, step: int) -> SyncReport | None:
         """After inner step ``step``: send the fragment the schedule names, apply the one due."""
@@ -166,7 +287,7 @@ class OuterRound:
         if s.shard is not None:
             _, norm = s.shard.agree(True, result.norm, error)
             s.shard.gather(s.fragments[fragment], s.params)
-        s.count_applied(fragment, alpha)
+        self._count_applied(fragment, alpha)
         return SyncReport(
             outer_steps=s.outer_steps,
             pseudo_grad_norm=norm,
@@ -187,7 +308,7 @@ class OuterRound:
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""
         if self.state.in_flight is not None:
-            wait_exchange(self.state.in_flight)
+            _wait_exchange(self.state.in_flight)
 
     # -- the streamed form: one pass ----------------------------------------------------
     def _stream(self, names: list[str], alpha: float) -> StreamedResult:
@@ -430,17 +551,6 @@ class OuterRound:
             healed=healed,
         )
 
-    def install_heal(self, stats: RoundStats) -> bool:
-        """Install the heal a round delivered, keeping this rank's progress since its anchors;
-        after a heal anywhere in the island, gather its parameters and counters (collective
-        over the island when sharded). Returns whether the island was healed."""
-        if stats.heal is not None:
-            self.checkpoint.install_heal(stats.heal)
-        if stats.island_healed and self.state.shard is not None:
-            self.state.shard.gather(list(self.state.params), self.state.params)
-            self.checkpoint.agree_counters(self.state.shard)
-        return stats.heal is not None or stats.island_healed
-
     def _step_and_merge(
         self, fragment: int, flat: Tensor | None, deltas: Mapping[str, Tensor], alpha: float
     ) -> None:
@@ -473,7 +583,7 @@ class OuterRound:
                     merge_into_local(s.params[name].data, s.anchors[name], alpha)
         if s.shard is not None:
             s.shard.gather(s.fragments[fragment], s.params)
-        s.count_applied(fragment, alpha)
+        self._count_applied(fragment, alpha)
 
     def _island_result(self, rnd: RoundInFlight) -> tuple[Exchanged, bool, float]:
         """The exchange's result, whether the round applies, and its norm, island-wide.
@@ -483,13 +593,13 @@ class OuterRound:
         """
         s = self.state
         if s.shard is None:
-            result = wait_exchange(rnd)
+            result = _wait_exchange(rnd)
             return result, result.stats.applied, result.norm
         error: Exception | None = rnd.error
         result = Exchanged(RoundStats(applied=False), 0.0)
         if error is None:
             try:
-                result = wait_exchange(rnd)
+                result = _wait_exchange(rnd)
             except Exception as err:
                 error = err
         own_norm = 0.0 if result.combined else result.norm
@@ -530,3 +640,17 @@ def _shapes(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, tor
 def _applied_by_finish(state: SyncState, send_step: int) -> bool:
     """Whether the end-of-fit round already applied a round sent after ``send_step``."""
     return state.ended_at is not None and send_step <= state.ended_at
+
+
+def _wait_exchange(rnd: RoundInFlight) -> Exchanged:
+    """The round's exchange result, waiting for the worker when it is still running."""
+    if rnd.result is None:
+        assert rnd.future is not None
+        with record_function(labels.WAIT):
+            rnd.result = SyncWorker.wait(
+                rnd.future,
+                f"the outer sync of fragment {rnd.fragment} (sent after inner step "
+                f"{rnd.send_step})",
+            )
+        rnd.future = None
+    return rnd.result

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
@@ -173,24 +172,14 @@ class OuterSync:
     # -- rounds ----------------------------------------------------------------------------
     def on_inner_step(self) -> SyncReport | None:
         """Count one inner step; run, send or apply the round the schedule names."""
-        self.state.inner_steps += 1
-        return self.engine.step(self.state.inner_steps)
+        return self.engine.on_inner_step()
 
     def finish(self) -> list[SyncReport]:
         """The end-of-fit round: every island ends holding the anchors (see module docstring).
 
         Returns the reports of the rounds it ran (none when every fragment is in sync).
         """
-        s = self.state
-        reports = []
-        pending = self.engine.apply_in_flight()
-        if pending is not None:
-            reports.append(pending)
-        for fragment in range(len(s.fragments)):
-            if s.synced_at[fragment] != s.inner_steps:
-                reports.append(self.engine.round(fragment, merge_alpha=0.0))
-        s.ended_at = s.inner_steps
-        return reports
+        return self.engine.finish()
 
     def round_now(self, fragment: int = 0) -> SyncReport:
         """One round of ``fragment`` now, outside the inner-step schedule.
@@ -218,7 +207,7 @@ class OuterSync:
                 s.params[name].copy_(s.anchors[name].float() + own[name])
             if s.shard is not None:
                 s.shard.gather(list(s.params), s.params)
-                self.checkpoint.agree_counters(s.shard)
+                self.engine.agree_counters()
         return report
 
     @torch.no_grad()
@@ -247,28 +236,27 @@ class OuterSync:
         For an island whose state went non-finite (``outer.reset``). Sharded, each rank writes
         its own names and the island gathers the rest (collective over the island).
         """
-        s = self.state
-        for name in s.owned:
-            merge_into_local(s.params[name].data, s.anchors[name], 0.0)
-        s.residuals = {}
-        if s.shard is not None:
-            s.shard.gather(list(s.params), s.params)
+        self.engine.reset_to_anchors()
 
-    # -- checkpoint state (SyncCheckpoint) ---------------------------------------------------
+    # -- checkpoint state (SyncCheckpoint reads it, the engine installs it) -----------------
     def record(self, *, for_peer: bool = False) -> OuterRecord:
-        """The global state as a typed record (``SyncCheckpoint.record``)."""
-        return self.checkpoint.record(for_peer=for_peer)
+        """The global state as a typed record (``SyncCheckpoint.record``); for a save, after
+        waiting for the round in flight, which it holds."""
+        pending = None if for_peer else self.engine.export_in_flight()
+        return self.checkpoint.record(pending=pending, for_peer=for_peer)
 
     def state_dict(self) -> dict[str, Any]:
         """Anchors, outer optimizer state, counters and a round in flight (global state)."""
-        return self.checkpoint.state_dict()
+        return self.record().to_dict()
 
     def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state (error-feedback residuals)."""
-        return self.checkpoint.island_state_dict()
+        """This island's own state (error-feedback residuals), after any round in flight;
+        collective over a sharded island with error feedback."""
+        self.engine.drain()
+        return {"residuals": self.checkpoint.island_residuals()}
 
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.checkpoint.load_island_state_dict(state)
+        self.engine.install_residuals(state)
 
     def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Refuse a saved state this sync cannot install (``SyncCheckpoint.check_state_dict``)."""
@@ -286,7 +274,7 @@ class OuterSync:
 
     def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Install a state that passed ``check_state_dict``."""
-        self.checkpoint.load_checked_state_dict(state)
+        self.engine.install(OuterRecord.of(state))
 
 
 def _build_schedule(

@@ -1,7 +1,8 @@
 """``SyncState``: everything one ``OuterSync``'s rounds read and write, in one record.
 
-The round engine and ``SyncCheckpoint`` read and write these fields and nothing else. ``params``
-are the module's, written in place by an applied round. ``anchors`` are owned here (one per
+The round engine (``outer/round.py``) is the one writer of these fields (with the helpers it
+hands its dicts to, ``bucket_step`` and ``staging``); everything else reads them. ``params`` are
+the module's, written in place by an applied round. ``anchors`` are owned here (one per
 ``owned`` name, never aliased to a parameter, the pure global model); the outer optimizer over
 them owns its state. Sharded, only ``owned`` names have anchors, state and residuals on this
 rank. ``residuals`` are per island; everything else (``in_flight``: a held round between send
@@ -15,13 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 
-import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
 from lightning_swarm.outer.shard import IslandShard
-from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport.base import RoundPlace, RoundStats, Transport
 
 
@@ -112,24 +110,3 @@ class SyncState:
     ended_at: int | None = None
     residuals: dict[str, Tensor] = field(default_factory=dict)
     in_flight: RoundInFlight | None = None
-
-    def count_applied(self, fragment: int, alpha: float) -> None:
-        """An applied round of ``fragment`` merged with ``alpha``: advance the counters."""
-        self.outer_steps += 1
-        self.fragment_rounds[fragment] += 1
-        if alpha == 0.0:
-            self.synced_at[fragment] = self.inner_steps
-
-
-def wait_exchange(rnd: RoundInFlight) -> Exchanged:
-    """The round's exchange result, waiting for the worker when it is still running."""
-    if rnd.result is None:
-        assert rnd.future is not None
-        with record_function(labels.WAIT):
-            rnd.result = SyncWorker.wait(
-                rnd.future,
-                f"the outer sync of fragment {rnd.fragment} (sent after inner step "
-                f"{rnd.send_step})",
-            )
-        rnd.future = None
-    return rnd.result
