@@ -1,6 +1,6 @@
 """The per-rank hand-over of a sharded elastic island (``SyncCheckpoint.peer_offer`` and
-``OuterRound.install_heal``) and the island's agreement on how a round ends (``membership/fanout.py``),
-without torchft."""
+``OuterRound.install_heal``) and the island's agreement on how a round ends
+(``membership/fanout.py``), without torchft."""
 
 from __future__ import annotations
 
