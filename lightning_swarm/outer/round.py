@@ -134,10 +134,6 @@ class OuterRound:
         return own + self.staging.buffer_bytes()
 
     # -- the state's writes: this engine is the one writer of its SyncState ----------------
-    def on_inner_step(self) -> SyncReport | None:
-        """Count one inner step; run, send or apply the round the schedule names."""
-        self.state.inner_steps += 1
-        return self.step(self.state.inner_steps)
 
     def finish(self) -> list[SyncReport]:
         """The end-of-fit round (``OuterSync.finish``): the round in flight, then every fragment
@@ -250,9 +246,12 @@ class OuterRound:
             s.synced_at[fragment] = s.inner_steps
 
     # -- the schedule ------------------------------------------------------------------------
-    def step(self, step: int) -> SyncReport | None:
-        """After inner step ``step``: send the fragment the schedule names, apply the one due."""
+    def on_inner_step(self) -> SyncReport | None:
+        """Count one inner step; then send (or run) the fragment the schedule names and apply
+        the one due."""
         s = self.state
+        s.inner_steps += 1
+        step = s.inner_steps
         sending = s.schedule.sends_at(step)
         if sending is not None and self.streams:
             return self.round(sending)
