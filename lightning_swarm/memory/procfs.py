@@ -149,14 +149,6 @@ def _with_fields(region: MapRegion, fields: dict[str, int]) -> MapRegion:
     )
 
 
-def anonymous_by_name(regions: Iterable[MapRegion]) -> dict[str, int]:
-    """Sum the Anonymous bytes of smaps regions by pathname (``""`` for unnamed mappings)."""
-    out: dict[str, int] = {}
-    for region in regions:
-        out[region.pathname] = out.get(region.pathname, 0) + region.anonymous_bytes
-    return out
-
-
 def file_backed_overlap(spans: Iterable[tuple[int, int]], regions: Sequence[MapRegion]) -> int:
     """Bytes of the address ``spans`` (start, nbytes) that lie inside file-backed regions.
 

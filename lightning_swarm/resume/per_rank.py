@@ -9,7 +9,6 @@ refused naming both; nothing is installed unless every rank checked its files.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,12 +19,11 @@ from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import (
     anchor_shard_file_name,
     atomic_save,
-    load_swarm_file,
     require_local_path,
     swarm_root,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints
-from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
+from lightning_swarm.resume.integrity import check_finite, file_digest
 from lightning_swarm.resume.option_changes import refuse_unusable
 from lightning_swarm.resume.records import (
     AnchorsRecord,
@@ -37,8 +35,10 @@ from lightning_swarm.resume.records import (
 from lightning_swarm.resume.restore import (
     Source,
     attempt,
+    check_island,
     check_outer_states,
     optimizer_to_device,
+    read_file,
 )
 from lightning_swarm.resume.save import begin_save, current_fingerprint
 from lightning_swarm.resume.training_view import ModelShards, TrainingView
@@ -178,59 +178,20 @@ def _load(
     topology = host.topology
     island_name = island_rank_file_name(topology.island_index, topology.local_index)
     anchor_name = anchor_shard_file_name(topology.local_index)
-    island = IslandRecord.from_dict(_read(host, main, island_name, use_mmap), island_name)
-    anchors = AnchorsRecord.from_dict(_read(host, main, anchor_name, use_mmap), anchor_name)
+    verify = host.anchors.verify
+    island_data, _ = read_file(main, island_name, verify=verify, use_mmap=use_mmap)
+    anchors_data, _ = read_file(main, anchor_name, verify=verify, use_mmap=use_mmap)
+    island = IslandRecord.from_dict(island_data, island_name)
+    anchors = AnchorsRecord.from_dict(anchors_data, anchor_name)
     path = main.directory / anchor_name
     check_outer_states(host, anchors, str(path))
-    _check_module(host, island, main.directory / island_name)
-    if host.anchors.verify:
+    module = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
+    check_island(host, island, module, main.directory / island_name)
+    if verify:
         for state in anchors.outer:
             check_finite(dict(state.anchors), source=path, what="an anchor")
         check_finite(island.module, source=main.directory / island_name, what="the module shard")
     return island, anchors
-
-
-def _read(host: TrainingView, source: Source, name: str, use_mmap: bool) -> dict[str, Any]:
-    """One of this rank's files, checked against the record (size; checksum with verify)."""
-    path = source.directory / name
-    files = source.record.files
-    if name not in files:
-        raise SwarmCheckpointError(
-            f"{source.ckpt_path} records no file {name}; the save is incomplete or was written "
-            "by another layout. Resume from another checkpoint."
-        )
-    if path.is_file():
-        check_file(path, files[name], verify=host.anchors.verify)
-    payload, _ = load_swarm_file(path, mmap=use_mmap)
-    if payload.get("save_id") != source.record.save_id:
-        raise SwarmCheckpointError(
-            f"{path} belongs to another save than {source.ckpt_path}; the directory was mixed "
-            "up. Resume from another checkpoint."
-        )
-    return payload
-
-
-def _check_module(host: TrainingView, island: IslandRecord, path: Path) -> None:
-    if island.island != host.topology.island_index:
-        raise SwarmCheckpointError(
-            f"{path} says it holds island {island.island}, not {host.topology.island_index}; "
-            "the directory was tampered with. Resume from another checkpoint."
-        )
-    expected = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
-    saved = {k: tuple(v.shape) for k, v in island.module.items()}
-    if expected != saved:
-        differ = sorted(
-            k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k)
-        )
-        raise SwarmCheckpointError(
-            f"{path}: the saved module shards do not fit this model (entries {differ[:5]} "
-            "differ); resume with the model and layout the checkpoint was written by."
-        )
-    if len(island.optimizers) != len(host.optimizers):
-        raise SwarmCheckpointError(
-            f"{path} holds {len(island.optimizers)} optimizer states, this run has "
-            f"{len(host.optimizers)} optimizers; use the same configure_optimizers."
-        )
 
 
 @torch.no_grad()

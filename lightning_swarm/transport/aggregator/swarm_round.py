@@ -276,7 +276,7 @@ class SwarmAggregator:
             self._aggregate(rnd, own, block_numel)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
-        """Stream shard j of this island's payload to island j, and every peer's contribution
+        """Send shard j of this island's payload to island j, and every peer's contribution
         to this island's shard into ``rnd.sinks``; returns the first spool error met."""
         me, wire = self.island_index, rnd.wires[self.island_index]
         peers = [i for i in range(self.num_islands) if i != me]

@@ -94,8 +94,8 @@ class RoundTerms:
 
     rule: AggregationRule
     chunk_bytes: int
-    scatter_steps: int  # chunks of the longest contribution stream
-    gather_steps: int  # chunks of the longest result stream
+    scatter_steps: int  # chunks of the longest contribution
+    gather_steps: int  # chunks of the longest result shard
     mismatched: dict[int, str] = field(default_factory=dict)
 
 
