@@ -5,7 +5,7 @@ the file system (``root`` may point at recorded files, or nowhere to play a mach
 /proc). ``status`` and ``meminfo`` cost the same at any size; ``smaps_rollup`` walks page tables
 and grows with resident memory (``docs/census.md``), hence two cadences. Values are bytes (procfs
 prints kB); an absent field is absent, never zero; each read opens the file afresh, since a
-descriptor kept across ``fork`` would describe the parent.
+descriptor kept across ``fork`` would describe the parent. ``pid_alive`` asks the kernel.
 """
 
 from __future__ import annotations
@@ -219,3 +219,14 @@ class ProcReader:
     def maps(self) -> list[MapRegion] | None:
         text = self.read("self/maps")
         return None if text is None else parse_maps(text)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (another user's live process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -26,10 +26,9 @@ from lightning_swarm.resume.files import (
     swarm_root,
     warn_legacy,
 )
-from lightning_swarm.resume.loop_state import check_loop_state
 from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
-from lightning_swarm.resume.records import SwarmRecord
+from lightning_swarm.resume.records import SwarmRecord, check_loop_state
 from lightning_swarm.resume.restore import (
     Loaded,
     Source,

@@ -9,6 +9,7 @@ refused naming both; nothing is installed unless every rank checked its files.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,18 +19,14 @@ from torch.distributed.tensor import DTensor
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import (
     anchor_shard_file_name,
-    atomic_save,
-    require_local_path,
-    swarm_root,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints
-from lightning_swarm.resume.integrity import check_finite, file_digest
+from lightning_swarm.resume.integrity import check_finite
 from lightning_swarm.resume.option_changes import refuse_unusable
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     FileDigest,
     IslandRecord,
-    SwarmRecord,
     TotalsRecord,
 )
 from lightning_swarm.resume.restore import (
@@ -37,10 +34,10 @@ from lightning_swarm.resume.restore import (
     attempt,
     check_island,
     check_outer_states,
-    optimizer_to_device,
+    install_states,
     read_file,
 )
-from lightning_swarm.resume.save import begin_save, current_fingerprint
+from lightning_swarm.resume.save import current_fingerprint, save_swarm_state, write_file
 from lightning_swarm.resume.training_view import ModelShards, TrainingView
 
 MESH_KEY = "island_mesh"
@@ -93,12 +90,16 @@ def _layout(mesh: Mapping[str, Any] | None, num_islands: Any) -> str:
 
 # -- save -------------------------------------------------------------------------------------
 def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
-    """Write this rank's island file (and island 0's anchor shard); record them (collective)."""
-    comm = host.collectives
-    root = swarm_root(require_local_path(filepath, what="checkpoint path"))
-    save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
-    directory = root / save_id
-    directory.mkdir(parents=True, exist_ok=True)
+    """``save_swarm_state`` with this rank's own files and the mesh in the fingerprint."""
+    return save_swarm_state(
+        host, checkpoint, filepath, write=_write_rank_files, fingerprint=mesh_fingerprint
+    )
+
+
+def _write_rank_files(
+    host: TrainingView, directory: Path, save_id: str, written: dict[str, FileDigest]
+) -> None:
+    """Every rank writes its island file of local shards; island 0's ranks, their anchors."""
     topology, outers = host.topology, host.outer_syncs
     island = IslandRecord(
         save_id=save_id,
@@ -108,30 +109,13 @@ def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any)
         totals=TotalsRecord.of(host.totals),
         outer_island=[o.island_state_dict() for o in outers],
     )
-    written: dict[str, FileDigest] = {}
     name = island_rank_file_name(topology.island_index, topology.local_index)
-    atomic_save(island.to_dict(), directory / name)
-    written[name] = file_digest(directory / name)
+    write_file(directory, name, island.to_dict(), written)
     if topology.island_index == 0:
-        name = anchor_shard_file_name(topology.local_index)
         anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
-        atomic_save(anchors.to_dict(), directory / name)
-        written[name] = file_digest(directory / name)
-    files: dict[str, FileDigest] = {}
-    for part in comm.all_gather_object(written):
-        files.update(part)
-    record = SwarmRecord(
-        save_id=save_id,
-        fingerprint=mesh_fingerprint(host),
-        anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
-        outer_steps=[o.outer_steps for o in outers],
-        inner_steps=[o.inner_steps for o in outers],
-        files=dict(sorted(files.items())),
-        options=host.options,
-    )
-    comm.barrier("swarm_save")
-    checkpoint["swarm"] = record.to_dict()
-    return save_id
+        write_file(
+            directory, anchor_shard_file_name(topology.local_index), anchors.to_dict(), written
+        )
 
 
 def local_tensors(state: Any) -> Any:
@@ -200,15 +184,7 @@ def _install(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -
     live = local_tensors(host.module.state_dict())
     for name, target in live.items():
         target.copy_(island.module[name])
-    for optimizer, state in zip(host.optimizers, island.optimizers, strict=True):
-        optimizer.load_state_dict(state)
-        optimizer_to_device(optimizer, host.device)
-        _shard_optimizer_state(optimizer)
-    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
-        outer.load_checked_state_dict(outer_state)  # checked by ``_load``
-    for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
-        outer.load_island_state_dict(island_state)
-    island.totals.install(host.totals)
+    install_states(host, island, anchors, adapt=_shard_optimizer_state)
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

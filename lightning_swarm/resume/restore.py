@@ -277,23 +277,31 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
                 catch_up_(p.data, old[name], new[name])
     # The old anchors were needed for the catch-up only.
     loaded.own_anchors = AnchorsRecord(loaded.own_anchors.save_id, [])
-    for optimizer, state in zip(host.optimizers, loaded.island.optimizers, strict=True):
-        optimizer.load_state_dict(state)
-        optimizer_to_device(optimizer, host.device)
-    for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
-        outer.load_checked_state_dict(outer_state)  # checked by ``validate``
-    for outer, island_state in zip(host.outer_syncs, loaded.island.outer_island, strict=False):
-        outer.load_island_state_dict(island_state)
-    loaded.island.totals.install(host.totals)
+    install_states(host, loaded.island, loaded.newest)
     return stale
 
 
-def optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move an inner optimizer's state tensors to the module's device (``step`` stays put)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = value.to(device)
+def install_states(
+    host: TrainingView,
+    island: IslandRecord,
+    anchors: AnchorsRecord,
+    adapt: Callable[[torch.optim.Optimizer], None] | None = None,
+) -> None:
+    """Install the inner optimizers' state (on the module's device, ``step`` left put; then
+    ``adapt``), the checked outer states, the island's own outer state and the totals."""
+    for optimizer, saved in zip(host.optimizers, island.optimizers, strict=True):
+        optimizer.load_state_dict(saved)
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(host.device)
+        if adapt is not None:
+            adapt(optimizer)
+    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
+        outer.load_checked_state_dict(outer_state)  # checked before anything was installed
+    for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
+        outer.load_island_state_dict(island_state)
+    island.totals.install(host.totals)
 
 
 def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:

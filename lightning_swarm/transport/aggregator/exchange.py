@@ -77,7 +77,7 @@ class Exchange:
         other islands wait in the step it left."""
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
         # One send and one receive buffer for the whole exchange: buffers allocated per step
-        # would pile up in the allocator (measured: RSS grew by several buffers at 8 islands).
+        # would pile up in the allocator.
         send_buf, recv_buf = self._buffers()
         for k in range(steps):
             send_sizes = [

@@ -309,9 +309,8 @@ class SwarmAggregator:
         row[0] = JUDGED if failure is None else SPOOL_FAILED
         error: BaseException | None = failure
         where: dict[int, str] = {}
-        for island in range(
-            n
-        ):  # an empty shard holds nothing non-finite; a refused one, no payload
+        # An empty shard holds nothing non-finite; a refused island's, no payload.
+        for island in range(n):
             row[1 + island] = 0.0 if island in rnd.terms.mismatched else 1.0
         if failure is None and mine.layout.specs:
             try:
