@@ -132,11 +132,11 @@ def local_tensors(state: Any) -> Any:
 # -- restore ----------------------------------------------------------------------------------
 def restore_per_rank(
     host: TrainingView, main: Source, *, use_mmap: bool, island_paths: Mapping[int, Any]
-) -> bool:
+) -> IslandRecord:
     """Check this rank's two files against ``main``'s record, then install them (collective).
 
     Returns:
-        Whether this rank's file held error-feedback residuals (for the option-change warning).
+        This rank's island record, installed (its residuals decide the option-change warning).
 
     Raises:
         SwarmCheckpointError: on every rank, when any rank cannot restore; nothing has been
@@ -145,7 +145,7 @@ def restore_per_rank(
     comm = host.collectives
     island, anchors = attempt(comm, lambda: _load(host, main, use_mmap, island_paths))
     _install(host, island, anchors)
-    return any(state.get("residuals") for state in island.outer_island)
+    return island
 
 
 def _load(
