@@ -232,8 +232,8 @@ class SwarmConfig:
         fix = "; true (default) ends fit with every island holding the global model"
         check_bool("sync_at_end", self.sync_at_end, fix)
         parse_dtype(self.anchor_dtype, option="anchor_dtype")
-        self.anchors = as_anchor_config(self.anchors)
-        self.swarm = as_swarm_transport_config(self.swarm)
+        self.anchors = _nested_config(AnchorConfig, self.anchors, "anchors", "{'mmap': False}")
+        self.swarm = _nested_config(SwarmTransportConfig, self.swarm, "swarm", "{'offload': False}")
         if self.transport != "swarm" and self.swarm != SwarmTransportConfig():
             warnings.warn(
                 f"swarm transport options have no effect with transport={self.transport!r}; "
@@ -258,8 +258,8 @@ class SwarmConfig:
         return values
 
     @property
-    def sharded(self) -> bool:
-        """Whether the outer loop is split among an island's ranks."""
+    def outer_sharded(self) -> bool:
+        """Whether each rank of an island owns a shard of the outer state (``shard_outer``)."""
         return self.shard_outer and self.island_size > 1 and self.island_parallel == "ddp"
 
     @property
@@ -305,7 +305,7 @@ def _check_shard_outer(config: SwarmConfig) -> None:
     """``shard_outer`` is a bool, and refused with the options a share cannot serve."""
     fix = "; true (default) splits the outer state among an island's ranks"
     check_bool("shard_outer", config.shard_outer, fix)
-    if not config.sharded:
+    if not config.outer_sharded:
         return
     if config.transport == "swarm" and config.swarm.max_norm is not None:
         raise SwarmConfigError(
@@ -388,21 +388,12 @@ def _check_anchor_device(anchor_device: str) -> None:
         )
 
 
-def as_anchor_config(value: object) -> AnchorConfig:
-    """Accept an ``AnchorConfig`` or a mapping of its fields (YAML / keyword dict)."""
-    return _nested_config(AnchorConfig, value, option="anchors", example="{'mmap': False}")
-
-
-def as_swarm_transport_config(value: object) -> SwarmTransportConfig:
-    """Accept a ``SwarmTransportConfig`` or a mapping of its fields (YAML / keyword dict)."""
-    return _nested_config(SwarmTransportConfig, value, option="swarm", example="{'offload': False}")
-
-
 _Nested = TypeVar("_Nested", AnchorConfig, SwarmTransportConfig)
 
 
-def _nested_config(cls: type[_Nested], value: object, *, option: str, example: str) -> _Nested:
-    """Build a nested option group from itself or a mapping, rejecting unknown keys by name."""
+def _nested_config(cls: type[_Nested], value: object, option: str, example: str) -> _Nested:
+    """An option group ``cls`` from itself or a mapping of its fields (YAML / keyword dict),
+    rejecting unknown keys by name."""
     if isinstance(value, cls):
         return value
     if isinstance(value, Mapping) or hasattr(value, "keys"):

@@ -14,7 +14,7 @@ import bisect
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
@@ -126,27 +126,15 @@ def parse_smaps(text: str) -> list[MapRegion]:
         header = _parse_header(line)
         if header is not None:
             if current is not None:
-                regions.append(_with_fields(current, fields))
+                regions.append(replace(current, fields=dict(fields)))
             current, fields = header, {}
             continue
         parts = line.split()
         if current is not None and len(parts) == 3 and parts[2] == "kB":
             fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
     if current is not None:
-        regions.append(_with_fields(current, fields))
+        regions.append(replace(current, fields=dict(fields)))
     return regions
-
-
-def _with_fields(region: MapRegion, fields: dict[str, int]) -> MapRegion:
-    return MapRegion(
-        start=region.start,
-        end=region.end,
-        perms=region.perms,
-        offset=region.offset,
-        inode=region.inode,
-        pathname=region.pathname,
-        fields=dict(fields),
-    )
 
 
 def file_backed_overlap(spans: Iterable[tuple[int, int]], regions: Sequence[MapRegion]) -> int:
