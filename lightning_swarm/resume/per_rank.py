@@ -66,6 +66,7 @@ def check_layout(
     """Refuse a resume across DDP and model-sharded islands, or onto another island mesh.
 
     ``saved`` is the checkpoint's fingerprint, ``mesh`` this run's island mesh (None: DDP).
+    Run once, by the strategy's ``load_model_state_dict``, before Lightning loads any weight.
     """
     saved_mesh = saved.get(MESH_KEY)
     current_mesh = dict(mesh) if mesh is not None else None
@@ -151,7 +152,6 @@ def restore_per_rank(
 def _load(
     host: TrainingView, main: Source, use_mmap: bool, island_paths: Mapping[int, Any]
 ) -> tuple[IslandRecord, AnchorsRecord]:
-    check_layout(main.record.fingerprint, shards_of(host).mesh, host.topology.num_islands)
     if island_paths:
         raise SwarmCheckpointError(
             "SwarmResume(island_ckpt_paths=...) is not supported with island_parallel='fsdp' "
