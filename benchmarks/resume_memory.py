@@ -40,7 +40,8 @@ import torch
 
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.resume.files import atomic_save, load_swarm_file
+from lightning_swarm.resume.atomic import atomic_save
+from lightning_swarm.resume.files import load_swarm_file
 from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
 from lightning_swarm.resume.records import FORMAT_VERSION, FileDigest
 from tests.transport_rounds import NamedRound

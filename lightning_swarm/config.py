@@ -30,6 +30,7 @@ from lightning_swarm.transport.config import (
     SwarmTransportConfig,
     TransportName,
     check_block_mb,
+    check_bool,
     check_transport,
 )
 
@@ -95,10 +96,8 @@ class AnchorConfig:
     verify: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("mmap", "verify"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise SwarmConfigError(f"anchors.{name} must be true or false, got {value!r}.")
+        check_bool("anchors.mmap", self.mmap)
+        check_bool("anchors.verify", self.verify)
 
 
 MembershipName = Literal["static", "torchft"]
@@ -230,14 +229,11 @@ class SwarmConfig:
         check_positive_int("island_size", self.island_size, "1 makes every rank an island")
         check_transport(self.transport)
         _check_anchor_device(self.anchor_device)
-        if not isinstance(self.sync_at_end, bool):
-            raise SwarmConfigError(
-                f"sync_at_end must be true or false, got {self.sync_at_end!r}; true (default) "
-                "ends fit with every island holding the global model."
-            )
+        fix = "; true (default) ends fit with every island holding the global model"
+        check_bool("sync_at_end", self.sync_at_end, fix)
         parse_dtype(self.anchor_dtype, option="anchor_dtype")
-        self.anchors = as_anchor_config(self.anchors)
-        self.swarm = as_swarm_transport_config(self.swarm)
+        self.anchors = _nested_config(AnchorConfig, self.anchors, "anchors", "{'mmap': False}")
+        self.swarm = _nested_config(SwarmTransportConfig, self.swarm, "swarm", "{'offload': False}")
         if self.transport != "swarm" and self.swarm != SwarmTransportConfig():
             warnings.warn(
                 f"swarm transport options have no effect with transport={self.transport!r}; "
@@ -262,8 +258,8 @@ class SwarmConfig:
         return values
 
     @property
-    def sharded(self) -> bool:
-        """Whether the outer loop is split among an island's ranks."""
+    def outer_sharded(self) -> bool:
+        """Whether each rank of an island owns a shard of the outer state (``shard_outer``)."""
         return self.shard_outer and self.island_size > 1 and self.island_parallel == "ddp"
 
     @property
@@ -307,12 +303,9 @@ ISLAND_SETTINGS: tuple[str, ...] = must_match("islands")
 
 def _check_shard_outer(config: SwarmConfig) -> None:
     """``shard_outer`` is a bool, and refused with the options a share cannot serve."""
-    if not isinstance(config.shard_outer, bool):
-        raise SwarmConfigError(
-            f"shard_outer must be true or false, got {config.shard_outer!r}; true (default) "
-            "splits the outer state among an island's ranks."
-        )
-    if not config.sharded:
+    fix = "; true (default) splits the outer state among an island's ranks"
+    check_bool("shard_outer", config.shard_outer, fix)
+    if not config.outer_sharded:
         return
     if config.transport == "swarm" and config.swarm.max_norm is not None:
         raise SwarmConfigError(
@@ -345,26 +338,12 @@ def check_island_parallel(config: SwarmConfig) -> None:
             f"island_size={config.island_size}; an island is data_parallel x tensor_parallel "
             "ranks, so choose a divisor of island_size."
         )
-    if not config.model_sharded:
-        return
-    refusals = _fsdp_refusals(config)
-    if refusals:
-        option, reason = refusals[0]
-        raise SwarmConfigError(f"{option} cannot be combined with island_parallel='fsdp': {reason}")
-
-
-def _fsdp_refusals(config: SwarmConfig) -> list[tuple[str, str]]:
-    """(option, why) for each chosen option that model-sharded islands do not support yet."""
-    refusals = []
-    if config.membership != "static":
-        refusals.append(
-            (
-                f"membership={config.membership!r}",
-                "an elastic island exchanges through its rank 0 only, which holds one shard; "
-                "use membership='static'.",
-            )
+    if config.model_sharded and config.membership != "static":
+        raise SwarmConfigError(
+            f"membership={config.membership!r} cannot be combined with island_parallel='fsdp': "
+            "an elastic island exchanges through its rank 0 only, which holds one shard; use "
+            "membership='static'."
         )
-    return refusals
 
 
 FROZEN_PARAMS: tuple[str, ...] = get_args(FrozenParams)
@@ -409,21 +388,12 @@ def _check_anchor_device(anchor_device: str) -> None:
         )
 
 
-def as_anchor_config(value: object) -> AnchorConfig:
-    """Accept an ``AnchorConfig`` or a mapping of its fields (YAML / keyword dict)."""
-    return _nested_config(AnchorConfig, value, option="anchors", example="{'mmap': False}")
-
-
-def as_swarm_transport_config(value: object) -> SwarmTransportConfig:
-    """Accept a ``SwarmTransportConfig`` or a mapping of its fields (YAML / keyword dict)."""
-    return _nested_config(SwarmTransportConfig, value, option="swarm", example="{'offload': False}")
-
-
 _Nested = TypeVar("_Nested", AnchorConfig, SwarmTransportConfig)
 
 
-def _nested_config(cls: type[_Nested], value: object, *, option: str, example: str) -> _Nested:
-    """Build a nested option group from itself or a mapping, rejecting unknown keys by name."""
+def _nested_config(cls: type[_Nested], value: object, option: str, example: str) -> _Nested:
+    """An option group ``cls`` from itself or a mapping of its fields (YAML / keyword dict),
+    rejecting unknown keys by name."""
     if isinstance(value, cls):
         return value
     if isinstance(value, Mapping) or hasattr(value, "keys"):
@@ -459,10 +429,7 @@ def check_streaming(config: SwarmConfig) -> None:
     )
     config.fragment_layout = as_layout(config.fragment_layout, config.num_fragments)
     Codec(config.quantize, config.quantize_block_size)
-    if not isinstance(config.error_feedback, bool):
-        raise SwarmConfigError(
-            f"error_feedback must be true or false, got {config.error_feedback!r}."
-        )
+    check_bool("error_feedback", config.error_feedback)
     if config.error_feedback and config.quantize == NO_CODEC:
         warnings.warn(
             "error_feedback has no effect with quantize='none' (nothing is lost to carry over); "

@@ -109,8 +109,8 @@ def test_refusals_name_the_option(options: dict, names: str) -> None:
 
 
 def test_sharded_outer_state_is_off_under_fsdp() -> None:
-    assert SwarmConfig(island_size=2).sharded
-    assert not SwarmConfig(island_size=2, island_parallel="fsdp").sharded
+    assert SwarmConfig(island_size=2).outer_sharded
+    assert not SwarmConfig(island_size=2, island_parallel="fsdp").outer_sharded
     assert SwarmConfig(island_size=4, island_parallel="fsdp").data_parallel_size == 4
 
 

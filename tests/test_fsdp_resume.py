@@ -142,12 +142,12 @@ def test_each_rank_reads_only_its_own_files(
     """Restore I/O per rank is its own island file and its own anchor shard, nothing else."""
     import torch.distributed as dist
 
-    import lightning_swarm.resume.per_rank as per_rank
+    import lightning_swarm.resume.restore as restore
 
     fit_sharded(tmp_path / "full", max_steps=4, ckpt_dir=tmp_path / "ckpts")
     log = tmp_path / "reads"
     log.mkdir()
-    real_load, real_check = per_rank.load_swarm_file, per_rank.check_file
+    real_load, real_check = restore.load_swarm_file, restore.check_file
 
     def record(kind: str, path: Path) -> None:
         with open(log / f"rank{dist.get_rank()}", "a") as handle:
@@ -162,8 +162,8 @@ def test_each_rank_reads_only_its_own_files(
         real_check(path, expected, verify=verify)
 
     # Patched before the fork launcher starts the ranks, so every rank runs the recorders.
-    monkeypatch.setattr(per_rank, "load_swarm_file", load)
-    monkeypatch.setattr(per_rank, "check_file", check)
+    monkeypatch.setattr(restore, "load_swarm_file", load)
+    monkeypatch.setattr(restore, "check_file", check)
     fit_sharded(tmp_path / "resumed", max_steps=5, ckpt_path=tmp_path / "ckpts" / "step=4.ckpt")
     for rank in range(4):
         island, position = divmod(rank, 2)

@@ -28,10 +28,10 @@ from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
+from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import (
     MMAP_ENV,
-    atomic_save,
     claim_save,
     load_swarm_file,
     prune_saves,

@@ -216,7 +216,7 @@ def test_combinations_a_share_cannot_serve_are_refused(
 def test_unsharded_or_single_rank_islands_accept_those_options() -> None:
     SwarmConfig(island_size=2, shard_outer=False, transport="swarm", swarm={"max_norm": 1.0})
     SwarmConfig(island_size=1, transport="swarm", swarm={"max_norm": 1.0})
-    assert SwarmConfig(island_size=2).sharded and not SwarmConfig(island_size=1).sharded
+    assert SwarmConfig(island_size=2).outer_sharded and not SwarmConfig(island_size=1).outer_sharded
 
 
 def _too_few_tensors(rank: int, world: int) -> None:

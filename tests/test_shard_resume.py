@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lightning_swarm.callbacks.resume import SwarmResume
-from lightning_swarm.resume.files import ANCHORS_FILE, atomic_save
+from lightning_swarm.resume.atomic import atomic_save
+from lightning_swarm.resume.files import ANCHORS_FILE
 from tests.resume_utils import (
     fit,
     flip_bit_in_tensor_data,

@@ -20,8 +20,8 @@ from lightning_swarm.transport import (
     SwarmTransportConfig,
     build_transport,
 )
+from lightning_swarm.transport.aggregator.fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome
-from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.shards import plan_shards
 from lightning_swarm.transport.aggregator.spool import Spool
@@ -271,14 +271,14 @@ class _BrokenFold(ShardFold):
 
 
 def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation: str) -> None:
-    import lightning_swarm.transport.aggregator.owners as owners_module
     import lightning_swarm.transport.aggregator.swarm_round as round_module
+    import lightning_swarm.transport.aggregator.terms as terms_module
 
     if rank == 0:  # a forked child: the patch dies with it
         if aggregation == "mean":  # summed as the chunks arrive
             round_module.ShardFold = _BrokenFold  # type: ignore[misc]
         else:
-            owners_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+            terms_module.aggregate_into = _broken_rule  # type: ignore[assignment]
     transport = ShardedAggregatorTransport(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, aggregation=aggregation
     )

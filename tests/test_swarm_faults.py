@@ -29,8 +29,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_swarm.transport.aggregator.fold import ShardFold
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
-from lightning_swarm.transport.aggregator.shard_fold import ShardFold
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from lightning_swarm.transport.aggregator.spool import Spool
 from tests.dist_utils import free_port

@@ -362,7 +362,7 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
 
 
 def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
-    import lightning_swarm.transport.aggregator.owners as aggregator_module
+    import lightning_swarm.transport.aggregator.terms as aggregator_module
 
     if rank == 0:  # a forked child: the patch dies with it
         aggregator_module.aggregate_into = _broken_rule

@@ -108,9 +108,8 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor
 
 
 # Up to this many contributions the order statistics come from a sorting network of elementwise
-# minimum / maximum: about n^2 / 2 compare-exchanges, each two passes over a block, where
-# torch.sort along the island dimension costs about 20 ns per value (measured here with one
-# thread: 8 x 256K floats, 42 ms sorted, 6 ms through the network). Past it, torch.sort.
+# minimum / maximum (about n^2 / 2 compare-exchanges, each two passes over a block), cheaper
+# than torch.sort along the island dimension for few islands. Past it, torch.sort.
 _NETWORK_MAX = 32
 
 

@@ -5,7 +5,7 @@ the file system (``root`` may point at recorded files, or nowhere to play a mach
 /proc). ``status`` and ``meminfo`` cost the same at any size; ``smaps_rollup`` walks page tables
 and grows with resident memory (``docs/census.md``), hence two cadences. Values are bytes (procfs
 prints kB); an absent field is absent, never zero; each read opens the file afresh, since a
-descriptor kept across ``fork`` would describe the parent.
+descriptor kept across ``fork`` would describe the parent. ``pid_alive`` asks the kernel.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import bisect
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
@@ -126,35 +126,15 @@ def parse_smaps(text: str) -> list[MapRegion]:
         header = _parse_header(line)
         if header is not None:
             if current is not None:
-                regions.append(_with_fields(current, fields))
+                regions.append(replace(current, fields=dict(fields)))
             current, fields = header, {}
             continue
         parts = line.split()
         if current is not None and len(parts) == 3 and parts[2] == "kB":
             fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
     if current is not None:
-        regions.append(_with_fields(current, fields))
+        regions.append(replace(current, fields=dict(fields)))
     return regions
-
-
-def _with_fields(region: MapRegion, fields: dict[str, int]) -> MapRegion:
-    return MapRegion(
-        start=region.start,
-        end=region.end,
-        perms=region.perms,
-        offset=region.offset,
-        inode=region.inode,
-        pathname=region.pathname,
-        fields=dict(fields),
-    )
-
-
-def anonymous_by_name(regions: Iterable[MapRegion]) -> dict[str, int]:
-    """Sum the Anonymous bytes of smaps regions by pathname (``""`` for unnamed mappings)."""
-    out: dict[str, int] = {}
-    for region in regions:
-        out[region.pathname] = out.get(region.pathname, 0) + region.anonymous_bytes
-    return out
 
 
 def file_backed_overlap(spans: Iterable[tuple[int, int]], regions: Sequence[MapRegion]) -> int:
@@ -227,3 +207,14 @@ class ProcReader:
     def maps(self) -> list[MapRegion] | None:
         text = self.read("self/maps")
         return None if text is None else parse_maps(text)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (another user's live process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -26,10 +26,9 @@ from lightning_swarm.resume.files import (
     swarm_root,
     warn_legacy,
 )
-from lightning_swarm.resume.loop_state import check_loop_state
 from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
-from lightning_swarm.resume.records import SwarmRecord
+from lightning_swarm.resume.records import SwarmRecord, check_loop_state
 from lightning_swarm.resume.restore import (
     Loaded,
     Source,
@@ -100,42 +99,33 @@ class SwarmCheckpointer:
         main = self._pending
         if main is None:
             return
-        comm = host.collectives
-        if host.model_shards is not None or "island_mesh" in main.record.fingerprint:
-            self._restore_per_rank(host, main)
-            return
+        comm, topology = host.collectives, host.topology
         try:
             use_mmap, how = resolve_mmap(host.anchors.mmap)
-            own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
-            newest = newest_source(comm, own, main)
-            loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
-            if comm.rank == 0:
-                residuals = any(s.get("residuals") for s in loaded.island.outer_island)
-                _warn_changed_options(host, main, residuals_saved=residuals)
-            warn_legacy(loaded.legacy)
-            stale = install(host, loaded)
+            if host.model_shards is not None or "island_mesh" in main.record.fingerprint:
+                # Model-sharded islands: each rank restores its own files (``resume.per_rank``).
+                island = restore_per_rank(
+                    host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths
+                )
+                rounds, steps = main.record.outer_steps, main.record.inner_steps
+                summary = (
+                    f"island {topology.island_index}, position {topology.local_index}: restored "
+                    f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
+                )
+            else:
+                own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
+                newest = newest_source(comm, own, main)
+                loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
+                warn_legacy(loaded.legacy)
+                stale = install(host, loaded)
+                island = loaded.island
+                summary = _summary(host, main, own, loaded, how, stale)
         finally:
             self._pending = None
-        self.summary = _summary(host, main, own, loaded, how, stale)
-        log.info("swarm resume: %s", self.summary)
-
-    def _restore_per_rank(self, host: TrainingView, main: Source) -> None:
-        """Model-sharded islands: each rank restores its own files (``resume.per_rank``)."""
-        try:
-            use_mmap, how = resolve_mmap(host.anchors.mmap)
-            residuals = restore_per_rank(
-                host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths
-            )
-        finally:
-            self._pending = None
-        if host.collectives.rank == 0:
+        if comm.rank == 0:
+            residuals = any(state.get("residuals") for state in island.outer_island)
             _warn_changed_options(host, main, residuals_saved=residuals)
-        rounds, steps = main.record.outer_steps, main.record.inner_steps
-        self.summary = (
-            f"island {host.topology.island_index}, position {host.topology.local_index}: "
-            f"restored round(s) {rounds} at inner step(s) {steps} from this rank's own files "
-            f"({how})"
-        )
+        self.summary = summary
         log.info("swarm resume: %s", self.summary)
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:

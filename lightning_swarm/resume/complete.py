@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import swarm_root
-from lightning_swarm.resume.integrity import file_digest
-from lightning_swarm.resume.loop_state import check_loop_state
-from lightning_swarm.resume.records import SwarmRecord
+from lightning_swarm.resume.integrity import check_file
+from lightning_swarm.resume.records import SwarmRecord, check_loop_state
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -50,9 +50,8 @@ def _swarm_files_problem(path: Path, record: SwarmRecord) -> str | None:
         file = directory / name
         if not file.is_file():
             return f"swarm file {file} is missing"
-        size = file.stat().st_size
-        if size != expected.num_bytes:
-            return f"swarm file {file} has {size} bytes, its record says {expected.num_bytes}"
-        if file_digest(file).digest != expected.digest:
-            return f"swarm file {file} fails its checksum"
+        try:
+            check_file(file, expected, verify=True)
+        except IntegrityError as err:
+            return str(err)
     return None

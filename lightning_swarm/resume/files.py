@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.resume.atomic import atomic_save as atomic_save  # where it used to live
+from lightning_swarm.memory.procfs import pid_alive
 
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
 ANCHORS_FILE = "anchors.pt"
@@ -143,15 +143,7 @@ def _writer_may_live(claim: Path) -> bool:
         host, pid = str(writer["host"]), int(writer["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return True
-    if host != socket.gethostname():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
+    return host != socket.gethostname() or pid_alive(pid)
 
 
 def remove_orphan_saves(folder: Path, *, keep: Path) -> list[Path]:

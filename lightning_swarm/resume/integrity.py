@@ -79,7 +79,7 @@ def check_finite(tensors: Mapping[str, Any], *, source: Path, what: str) -> None
 
 def _finite(tensor: Tensor) -> bool:
     # min and max of each chunk: NaN propagates into both, an inf is one of them. Unlike
-    # isfinite(), no chunk-sized temporary is allocated (measured: 6x faster, no heap growth).
+    # isfinite(), no chunk-sized temporary is allocated (faster, and no heap growth).
     flat = tensor.detach().reshape(-1)
     for start in range(0, flat.numel(), _SCAN_NUMEL):
         low, high = torch.aminmax(flat[start : start + _SCAN_NUMEL])

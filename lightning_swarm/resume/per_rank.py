@@ -19,28 +19,25 @@ from torch.distributed.tensor import DTensor
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import (
     anchor_shard_file_name,
-    atomic_save,
-    load_swarm_file,
-    require_local_path,
-    swarm_root,
 )
 from lightning_swarm.resume.fingerprint import compare_fingerprints
-from lightning_swarm.resume.integrity import check_file, check_finite, file_digest
+from lightning_swarm.resume.integrity import check_finite
 from lightning_swarm.resume.option_changes import refuse_unusable
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     FileDigest,
     IslandRecord,
-    SwarmRecord,
     TotalsRecord,
 )
 from lightning_swarm.resume.restore import (
     Source,
     attempt,
+    check_island,
     check_outer_states,
-    optimizer_to_device,
+    install_states,
+    read_file,
 )
-from lightning_swarm.resume.save import begin_save, current_fingerprint
+from lightning_swarm.resume.save import current_fingerprint, save_swarm_state, write_file
 from lightning_swarm.resume.training_view import ModelShards, TrainingView
 
 MESH_KEY = "island_mesh"
@@ -69,6 +66,7 @@ def check_layout(
     """Refuse a resume across DDP and model-sharded islands, or onto another island mesh.
 
     ``saved`` is the checkpoint's fingerprint, ``mesh`` this run's island mesh (None: DDP).
+    Run once, by the strategy's ``load_model_state_dict``, before Lightning loads any weight.
     """
     saved_mesh = saved.get(MESH_KEY)
     current_mesh = dict(mesh) if mesh is not None else None
@@ -93,12 +91,16 @@ def _layout(mesh: Mapping[str, Any] | None, num_islands: Any) -> str:
 
 # -- save -------------------------------------------------------------------------------------
 def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
-    """Write this rank's island file (and island 0's anchor shard); record them (collective)."""
-    comm = host.collectives
-    root = swarm_root(require_local_path(filepath, what="checkpoint path"))
-    save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
-    directory = root / save_id
-    directory.mkdir(parents=True, exist_ok=True)
+    """``save_swarm_state`` with this rank's own files and the mesh in the fingerprint."""
+    return save_swarm_state(
+        host, checkpoint, filepath, write=_write_rank_files, fingerprint=mesh_fingerprint
+    )
+
+
+def _write_rank_files(
+    host: TrainingView, directory: Path, save_id: str, written: dict[str, FileDigest]
+) -> None:
+    """Every rank writes its island file of local shards; island 0's ranks, their anchors."""
     topology, outers = host.topology, host.outer_syncs
     island = IslandRecord(
         save_id=save_id,
@@ -108,30 +110,13 @@ def save_per_rank(host: TrainingView, checkpoint: dict[str, Any], filepath: Any)
         totals=TotalsRecord.of(host.totals),
         outer_island=[o.island_state_dict() for o in outers],
     )
-    written: dict[str, FileDigest] = {}
     name = island_rank_file_name(topology.island_index, topology.local_index)
-    atomic_save(island.to_dict(), directory / name)
-    written[name] = file_digest(directory / name)
+    write_file(directory, name, island.to_dict(), written)
     if topology.island_index == 0:
-        name = anchor_shard_file_name(topology.local_index)
         anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
-        atomic_save(anchors.to_dict(), directory / name)
-        written[name] = file_digest(directory / name)
-    files: dict[str, FileDigest] = {}
-    for part in comm.all_gather_object(written):
-        files.update(part)
-    record = SwarmRecord(
-        save_id=save_id,
-        fingerprint=mesh_fingerprint(host),
-        anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
-        outer_steps=[o.outer_steps for o in outers],
-        inner_steps=[o.inner_steps for o in outers],
-        files=dict(sorted(files.items())),
-        options=host.options,
-    )
-    comm.barrier("swarm_save")
-    checkpoint["swarm"] = record.to_dict()
-    return save_id
+        write_file(
+            directory, anchor_shard_file_name(topology.local_index), anchors.to_dict(), written
+        )
 
 
 def local_tensors(state: Any) -> Any:
@@ -148,11 +133,11 @@ def local_tensors(state: Any) -> Any:
 # -- restore ----------------------------------------------------------------------------------
 def restore_per_rank(
     host: TrainingView, main: Source, *, use_mmap: bool, island_paths: Mapping[int, Any]
-) -> bool:
+) -> IslandRecord:
     """Check this rank's two files against ``main``'s record, then install them (collective).
 
     Returns:
-        Whether this rank's file held error-feedback residuals (for the option-change warning).
+        This rank's island record, installed (its residuals decide the option-change warning).
 
     Raises:
         SwarmCheckpointError: on every rank, when any rank cannot restore; nothing has been
@@ -161,13 +146,12 @@ def restore_per_rank(
     comm = host.collectives
     island, anchors = attempt(comm, lambda: _load(host, main, use_mmap, island_paths))
     _install(host, island, anchors)
-    return any(state.get("residuals") for state in island.outer_island)
+    return island
 
 
 def _load(
     host: TrainingView, main: Source, use_mmap: bool, island_paths: Mapping[int, Any]
 ) -> tuple[IslandRecord, AnchorsRecord]:
-    check_layout(main.record.fingerprint, shards_of(host).mesh, host.topology.num_islands)
     if island_paths:
         raise SwarmCheckpointError(
             "SwarmResume(island_ckpt_paths=...) is not supported with island_parallel='fsdp' "
@@ -178,59 +162,20 @@ def _load(
     topology = host.topology
     island_name = island_rank_file_name(topology.island_index, topology.local_index)
     anchor_name = anchor_shard_file_name(topology.local_index)
-    island = IslandRecord.from_dict(_read(host, main, island_name, use_mmap), island_name)
-    anchors = AnchorsRecord.from_dict(_read(host, main, anchor_name, use_mmap), anchor_name)
+    verify = host.anchors.verify
+    island_data, _ = read_file(main, island_name, verify=verify, use_mmap=use_mmap)
+    anchors_data, _ = read_file(main, anchor_name, verify=verify, use_mmap=use_mmap)
+    island = IslandRecord.from_dict(island_data, island_name)
+    anchors = AnchorsRecord.from_dict(anchors_data, anchor_name)
     path = main.directory / anchor_name
     check_outer_states(host, anchors, str(path))
-    _check_module(host, island, main.directory / island_name)
-    if host.anchors.verify:
+    module = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
+    check_island(host, island, module, main.directory / island_name)
+    if verify:
         for state in anchors.outer:
             check_finite(dict(state.anchors), source=path, what="an anchor")
         check_finite(island.module, source=main.directory / island_name, what="the module shard")
     return island, anchors
-
-
-def _read(host: TrainingView, source: Source, name: str, use_mmap: bool) -> dict[str, Any]:
-    """One of this rank's files, checked against the record (size; checksum with verify)."""
-    path = source.directory / name
-    files = source.record.files
-    if name not in files:
-        raise SwarmCheckpointError(
-            f"{source.ckpt_path} records no file {name}; the save is incomplete or was written "
-            "by another layout. Resume from another checkpoint."
-        )
-    if path.is_file():
-        check_file(path, files[name], verify=host.anchors.verify)
-    payload, _ = load_swarm_file(path, mmap=use_mmap)
-    if payload.get("save_id") != source.record.save_id:
-        raise SwarmCheckpointError(
-            f"{path} belongs to another save than {source.ckpt_path}; the directory was mixed "
-            "up. Resume from another checkpoint."
-        )
-    return payload
-
-
-def _check_module(host: TrainingView, island: IslandRecord, path: Path) -> None:
-    if island.island != host.topology.island_index:
-        raise SwarmCheckpointError(
-            f"{path} says it holds island {island.island}, not {host.topology.island_index}; "
-            "the directory was tampered with. Resume from another checkpoint."
-        )
-    expected = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
-    saved = {k: tuple(v.shape) for k, v in island.module.items()}
-    if expected != saved:
-        differ = sorted(
-            k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k)
-        )
-        raise SwarmCheckpointError(
-            f"{path}: the saved module shards do not fit this model (entries {differ[:5]} "
-            "differ); resume with the model and layout the checkpoint was written by."
-        )
-    if len(island.optimizers) != len(host.optimizers):
-        raise SwarmCheckpointError(
-            f"{path} holds {len(island.optimizers)} optimizer states, this run has "
-            f"{len(host.optimizers)} optimizers; use the same configure_optimizers."
-        )
 
 
 @torch.no_grad()
@@ -239,15 +184,7 @@ def _install(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -
     live = local_tensors(host.module.state_dict())
     for name, target in live.items():
         target.copy_(island.module[name])
-    for optimizer, state in zip(host.optimizers, island.optimizers, strict=True):
-        optimizer.load_state_dict(state)
-        optimizer_to_device(optimizer, host.device)
-        _shard_optimizer_state(optimizer)
-    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
-        outer.load_checked_state_dict(outer_state)  # checked by ``_load``
-    for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
-        outer.load_island_state_dict(island_state)
-    island.totals.install(host.totals)
+    install_states(host, island, anchors, adapt=_shard_optimizer_state)
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

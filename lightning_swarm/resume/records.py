@@ -5,6 +5,8 @@ Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here onl
 per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
 ``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
 An ``OuterSync``'s global state inside ``AnchorsRecord`` is an ``OuterRecord`` (``outer_record``).
+``SwarmRecord`` also repeats Lightning's step counters: ``check_loop_state`` refuses a Lightning
+file whose counters differ, which would otherwise resume at a step the anchors were not saved at.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.optimizer_state import merge_by_name
 from lightning_swarm.config import RESUME_OPTIONS
+from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.errors import RecordError
 from lightning_swarm.resume.outer_record import OuterRecord
 
@@ -332,3 +335,48 @@ def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(value, Sequence) and all(isinstance(v, int | float) for v in value):
             out[key] = list(value)
     return out
+
+
+# -- Lightning's own counters, which the record repeats so that a resume can cross-check them
+_AUTOMATIC = "epoch_loop.automatic_optimization.optim_progress"
+_MANUAL = "epoch_loop.manual_optimization.optim_step_progress"
+
+
+def optimizer_steps(checkpoint: Mapping[str, Any]) -> int | None:
+    """Completed optimizer steps in Lightning's fit-loop state (automatic + manual)."""
+    try:
+        loop = checkpoint["loops"]["fit_loop"]
+        automatic = int(loop[_AUTOMATIC]["optimizer"]["step"]["total"]["completed"])
+        manual = int(loop[_MANUAL]["total"]["completed"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return automatic + manual
+
+
+def global_step(checkpoint: Mapping[str, Any]) -> int | None:
+    value = checkpoint.get("global_step")
+    return int(value) if isinstance(value, int) else None
+
+
+def check_loop_state(record: SwarmRecord, checkpoint: Mapping[str, Any], ckpt_path: Any) -> None:
+    """Refuse a Lightning file whose counters differ from the ones its swarm record saved.
+
+    Raises:
+        SwarmCheckpointError: naming the counter and both values.
+    """
+    pairs = (
+        ("global_step", record.global_step, global_step(checkpoint)),
+        (
+            "optimizer steps (fit_loop's optimizer step progress)",
+            record.optimizer_steps,
+            optimizer_steps(checkpoint),
+        ),
+    )
+    for name, saved, found in pairs:
+        if saved is not None and found is not None and saved != found:
+            raise SwarmCheckpointError(
+                f"{ckpt_path}: Lightning's {name} is {found}, but its swarm record was saved at "
+                f"{saved}; the file was changed or damaged after the save, and resuming would "
+                "continue from a step the anchors were not saved at. Resume from another "
+                "checkpoint."
+            )

@@ -133,23 +133,9 @@ def load_sources(
     verify = host.anchors.verify
 
     def read(source: Source, name: str) -> dict[str, Any]:
-        path = source.directory / name
-        files = source.record.files
-        if name not in files:
-            raise SwarmCheckpointError(
-                f"{source.ckpt_path} records no file {name}; the save is incomplete or the "
-                "directory was mixed up. Resume from another checkpoint."
-            )
-        if path.is_file():
-            check_file(path, files[name], verify=verify)
-        payload, was_legacy = load_swarm_file(path, mmap=use_mmap)
+        payload, was_legacy = read_file(source, name, verify=verify, use_mmap=use_mmap)
         if was_legacy:
-            legacy.append(path)
-        if payload.get("save_id") != source.record.save_id:
-            raise SwarmCheckpointError(
-                f"{path} belongs to another save than {source.ckpt_path}; the directory was "
-                "mixed up. Resume from another checkpoint."
-            )
+            legacy.append(source.directory / name)
         return payload
 
     def read_anchors(source: Source) -> tuple[AnchorsRecord, str]:
@@ -199,32 +185,60 @@ def validate(
 
     ``own_anchors`` and ``newest_anchors`` name the anchors files in messages.
     """
-    index = host.topology.island_index
-    island = loaded.island
-    if island.island != index:
-        raise SwarmCheckpointError(
-            f"{island_path} says it holds island {island.island}, not "
-            f"{index}; the directory was tampered with. Resume from another checkpoint."
-        )
-    expected = {k: tuple(v.shape) for k, v in host.module.state_dict().items()}
-    saved = {k: tuple(v.shape) for k, v in island.module.items()}
-    if expected != saved:
-        differ = sorted(
-            k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k)
-        )
-        raise SwarmCheckpointError(
-            f"island {index}'s saved module state does not fit this model (entries {differ[:5]} "
-            "differ); resume with the model the checkpoint was written by."
-        )
-    if len(island.optimizers) != len(host.optimizers):
-        raise SwarmCheckpointError(
-            f"island {index}'s file holds {len(island.optimizers)} optimizer states, this run "
-            f"has {len(host.optimizers)} optimizers; use the same configure_optimizers."
-        )
+    module = {k: tuple(v.shape) for k, v in host.module.state_dict().items()}
+    check_island(host, loaded.island, module, island_path)
     if loaded.newest is not loaded.own_anchors:
         # Only the anchors of the island's own, older save are used (by the catch-up).
         check_outer_states(host, loaded.own_anchors, own_anchors, anchors_only=True)
     check_outer_states(host, loaded.newest, newest_anchors)
+
+
+def read_file(
+    source: Source, name: str, *, verify: bool, use_mmap: bool
+) -> tuple[dict[str, Any], bool]:
+    """File ``name`` of ``source``'s save, checked against its record (size; checksum with
+    ``verify``) and its save id, and whether it was in a legacy format."""
+    path = source.directory / name
+    files = source.record.files
+    if name not in files:
+        raise SwarmCheckpointError(
+            f"{source.ckpt_path} records no file {name}; the save is incomplete, was written "
+            "by another layout or the directory was mixed up. Resume from another checkpoint."
+        )
+    if path.is_file():
+        check_file(path, files[name], verify=verify)
+    payload, was_legacy = load_swarm_file(path, mmap=use_mmap)
+    if payload.get("save_id") != source.record.save_id:
+        raise SwarmCheckpointError(
+            f"{path} belongs to another save than {source.ckpt_path}; the directory was mixed "
+            "up. Resume from another checkpoint."
+        )
+    return payload, was_legacy
+
+
+def check_island(
+    host: TrainingView, island: IslandRecord, module: Mapping[str, tuple[int, ...]], path: Path
+) -> None:
+    """``island`` (read from ``path``) is this island's and fits the live module (entry ->
+    shape of this rank's state) and optimizers, so that installing it cannot fail half-way."""
+    index = host.topology.island_index
+    if island.island != index:
+        raise SwarmCheckpointError(
+            f"{path} says it holds island {island.island}, not {index}; the directory was "
+            "tampered with. Resume from another checkpoint."
+        )
+    saved = {k: tuple(v.shape) for k, v in island.module.items()}
+    if module != saved:
+        differ = sorted(k for k in module.keys() | saved.keys() if module.get(k) != saved.get(k))
+        raise SwarmCheckpointError(
+            f"{path}: the saved module state does not fit this model (entries {differ[:5]} "
+            "differ); resume with the model and layout the checkpoint was written by."
+        )
+    if len(island.optimizers) != len(host.optimizers):
+        raise SwarmCheckpointError(
+            f"{path} holds {len(island.optimizers)} optimizer states, this run has "
+            f"{len(host.optimizers)} optimizers; use the same configure_optimizers."
+        )
 
 
 def check_outer_states(
@@ -263,23 +277,31 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
                 catch_up_(p.data, old[name], new[name])
     # The old anchors were needed for the catch-up only.
     loaded.own_anchors = AnchorsRecord(loaded.own_anchors.save_id, [])
-    for optimizer, state in zip(host.optimizers, loaded.island.optimizers, strict=True):
-        optimizer.load_state_dict(state)
-        optimizer_to_device(optimizer, host.device)
-    for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
-        outer.load_checked_state_dict(outer_state)  # checked by ``validate``
-    for outer, island_state in zip(host.outer_syncs, loaded.island.outer_island, strict=False):
-        outer.load_island_state_dict(island_state)
-    loaded.island.totals.install(host.totals)
+    install_states(host, loaded.island, loaded.newest)
     return stale
 
 
-def optimizer_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move an inner optimizer's state tensors to the module's device (``step`` stays put)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = value.to(device)
+def install_states(
+    host: TrainingView,
+    island: IslandRecord,
+    anchors: AnchorsRecord,
+    adapt: Callable[[torch.optim.Optimizer], None] | None = None,
+) -> None:
+    """Install the inner optimizers' state (on the module's device, ``step`` left put; then
+    ``adapt``), the checked outer states, the island's own outer state and the totals."""
+    for optimizer, saved in zip(host.optimizers, island.optimizers, strict=True):
+        optimizer.load_state_dict(saved)
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(host.device)
+        if adapt is not None:
+            adapt(optimizer)
+    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
+        outer.load_checked_state_dict(outer_state)  # checked before anything was installed
+    for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
+        outer.load_island_state_dict(island_state)
+    island.totals.install(host.totals)
 
 
 def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,14 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.fingerprint import layout_fingerprint
 from lightning_swarm.resume.integrity import file_digest
-from lightning_swarm.resume.loop_state import global_step, optimizer_steps
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     FileDigest,
     IslandRecord,
     SwarmRecord,
     TotalsRecord,
+    global_step,
+    optimizer_steps,
 )
 from lightning_swarm.resume.training_view import TrainingView
 from lightning_swarm.transport.agree import agree
@@ -70,16 +71,36 @@ def current_fingerprint(
     return layout_fingerprint(host.topology.num_islands, layouts, fragments)
 
 
-def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
+# Writes the files one rank owns into a save's directory, adding each to ``written`` as it lands.
+WriteFiles = Callable[[TrainingView, Path, str, dict[str, FileDigest]], None]
+
+
+def save_swarm_state(
+    host: TrainingView,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    *,
+    write: WriteFiles | None = None,
+    fingerprint: Callable[[TrainingView], dict[str, Any]] = current_fingerprint,
+) -> str:
     """Write this rank's share of the swarm state and put the record in ``checkpoint["swarm"]``.
 
+    ``write`` writes the files this rank owns (default: each island's file and the anchors;
+    ``resume.per_rank`` passes its own), ``fingerprint`` gives the record's layout.
     Returns the save id; the caller writes the Lightning file and then prunes older saves.
     """
     comm = host.collectives
     root = swarm_root(require_local_path(filepath, what="checkpoint path"))
     save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
     directory = root / save_id
-    written, error = _write_own_files(host, directory, save_id, filepath)
+    written: dict[str, FileDigest] = {}
+    error: SwarmCheckpointError | DiskFullError | None = None
+    # A rank that failed must still reach the agreement, or the others would wait there for the
+    # group's timeout: its error is raised on every rank by the agreement.
+    try:
+        (write or _write_own_files)(host, directory, save_id, written)
+    except Exception as err:
+        error = _save_error(err, comm.rank, host.topology.world_size, filepath)
 
     def remove_this_save() -> None:
         # Every writer is done (the gather waited for all): nothing of this save is kept, and
@@ -101,7 +122,7 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
     outers = host.outer_syncs
     record = SwarmRecord(
         save_id=save_id,
-        fingerprint=current_fingerprint(host),
+        fingerprint=fingerprint(host),
         anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
         outer_steps=[o.outer_steps for o in outers],
         inner_steps=[o.inner_steps for o in outers],
@@ -116,44 +137,38 @@ def save_swarm_state(host: TrainingView, checkpoint: dict[str, Any], filepath: A
     return save_id
 
 
-def _write_own_files(
-    host: TrainingView, directory: Path, save_id: str, filepath: Any
-) -> tuple[dict[str, FileDigest], SwarmCheckpointError | DiskFullError | None]:
-    """Write the files this rank owns; ``(written, None)`` or ``(written, the save's error)``.
+def write_file(directory: Path, name: str, payload: Any, written: dict[str, FileDigest]) -> None:
+    """Save ``payload`` atomically as ``directory / name`` and note its digest in ``written``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_save(payload, directory / name)
+    written[name] = file_digest(directory / name)
 
-    Never raises: a rank that failed must still reach the agreement, or the others would wait
-    there for the process group's timeout.
-    """
+
+def _write_own_files(
+    host: TrainingView, directory: Path, save_id: str, written: dict[str, FileDigest]
+) -> None:
+    """Each island's first rank writes its island file; rank 0 (or, sharded, every rank of
+    island 0) the anchors."""
     topology, outers = host.topology, host.outer_syncs
-    written: dict[str, FileDigest] = {}
-    try:
-        sharded = any(len(o.owned) != len(o.params) for o in outers)
-        # Sharded, collecting the island's state is collective over the island (every rank).
-        outer_island = (
-            [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
+    sharded = any(len(o.owned) != len(o.params) for o in outers)
+    # Sharded, collecting the island's state is collective over the island (every rank).
+    outer_island = (
+        [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
+    )
+    if topology.local_index == 0:
+        island = IslandRecord(
+            save_id=save_id,
+            island=topology.island_index,
+            module=host.module.state_dict(),
+            optimizers=[opt.state_dict() for opt in host.optimizers],
+            totals=TotalsRecord.of(host.totals),
+            outer_island=outer_island,
         )
-        if topology.local_index == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            island = IslandRecord(
-                save_id=save_id,
-                island=topology.island_index,
-                module=host.module.state_dict(),
-                optimizers=[opt.state_dict() for opt in host.optimizers],
-                totals=TotalsRecord.of(host.totals),
-                outer_island=outer_island,
-            )
-            name = island_file_name(topology.island_index)
-            atomic_save(island.to_dict(), directory / name)
-            written[name] = file_digest(directory / name)
-        if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
-            anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
-            atomic_save(anchors.to_dict(), directory / name)
-            written[name] = file_digest(directory / name)
-    except Exception as err:  # raised on every rank by the caller's agreement
-        return written, _save_error(err, host.collectives.rank, topology.world_size, filepath)
-    return written, None
+        write_file(directory, island_file_name(topology.island_index), island.to_dict(), written)
+    if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:
+        name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
+        anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
+        write_file(directory, name, anchors.to_dict(), written)
 
 
 def _save_error(

@@ -31,6 +31,12 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_bool(option: str, value: object, fix: str = "") -> None:
+    """``value`` is a bool; else raise naming ``option`` (``fix``: what each value means)."""
+    if not isinstance(value, bool):
+        raise SwarmConfigError(f"{option} must be true or false, got {value!r}{fix}.")
+
+
 def check_block_mb(option: str, value: object, *, floor: float, default: float) -> None:
     """The one check of a block size in MiB: a finite number at or above ``floor``.
 
@@ -99,8 +105,7 @@ class SwarmTransportConfig:
     aggregator: str = "rotating"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.offload, bool):
-            raise SwarmConfigError(f"swarm.offload must be true or false, got {self.offload!r}.")
+        check_bool("swarm.offload", self.offload)
         self._check_spool_dir()
         check_aggregation(self.aggregation, option="swarm.aggregation")
         if not is_number(self.trim_ratio) or not 0.0 <= self.trim_ratio < 0.5:

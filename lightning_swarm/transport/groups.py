@@ -69,36 +69,36 @@ def build_groups(
     """
     if peer_backend is not None:
         dedicated_peers = True
-    created: list[dist.ProcessGroup] = []
     island: dist.ProcessGroup | None = None
     peers: dist.ProcessGroup | None = None
+    islands = [topology.island_ranks(i) for i in range(topology.num_islands)]
     if topology.island_size > 1:
-        for index in range(topology.num_islands):
-            group = dist.new_group(
-                topology.island_ranks(index), backend=island_backend or backend, timeout=timeout
-            )
-            if index == topology.island_index:
-                island = _member(group)
-                created.append(island)
+        (island,) = _own_groups(
+            islands, [topology.island_index], island_backend or backend, timeout
+        )
     if topology.num_islands > 1:
         if topology.island_size == 1 and not dedicated_peers:
             peers = dist.group.WORLD
         else:
-            for local in range(topology.island_size):
-                group = dist.new_group(
-                    topology.peer_ranks(local), backend=peer_backend or backend, timeout=timeout
-                )
-                if local == topology.local_index:
-                    peers = _member(group)
-                    created.append(peers)
+            peer_lists = [topology.peer_ranks(i) for i in range(topology.island_size)]
+            (peers,) = _own_groups(
+                peer_lists, [topology.local_index], peer_backend or backend, timeout
+            )
     between_rounds: dist.ProcessGroup | None = None
     if topology.island_size > 1 and topology.num_islands > 1:
-        for index in range(topology.num_islands):
-            group = dist.new_group(topology.island_ranks(index), backend=backend, timeout=timeout)
-            if index == topology.island_index:
-                between_rounds = _member(group)
-                created.append(between_rounds)
+        (between_rounds,) = _own_groups(islands, [topology.island_index], backend, timeout)
+    created = [g for g in (island, peers, between_rounds) if g not in (None, dist.group.WORLD)]
     return SwarmGroups(island=island, peers=peers, created=created, between_rounds=between_rounds)
+
+
+def _own_groups(
+    rank_lists: list[list[int]], mine: list[int], backend: str | None, timeout: timedelta | None
+) -> list[dist.ProcessGroup]:
+    """Create one group per rank list and return this rank's, ``rank_lists[i]`` for each ``i``
+    of ``mine``. ``new_group`` is collective over the world: every rank creates every group, in
+    the same order."""
+    groups = [dist.new_group(ranks, backend=backend, timeout=timeout) for ranks in rank_lists]
+    return [_member(groups[i]) for i in mine]
 
 
 def _member(group: object) -> dist.ProcessGroup:
@@ -168,24 +168,16 @@ def build_island_mesh(
     """
     tp = tensor_parallel_size
     dp = topology.island_size // tp
-    created: list[dist.ProcessGroup] = []
-    dp_group: dist.ProcessGroup | None = None
-    tp_group: dist.ProcessGroup | None = None
-    my_dp, my_tp = divmod(topology.local_index, tp)
+    lists: list[list[int]] = []
     for island in range(topology.num_islands):
         ranks = topology.island_ranks(island)
-        mine = island == topology.island_index
-        for t in range(tp):
-            group = dist.new_group(ranks[t::tp], backend=backend)
-            if mine and t == my_tp:
-                dp_group = _member(group)
-                created.append(dp_group)
-        for d in range(dp):
-            group = dist.new_group(ranks[d * tp : (d + 1) * tp], backend=backend)
-            if mine and d == my_dp:
-                tp_group = _member(group)
-                created.append(tp_group)
-    assert dp_group is not None and tp_group is not None
+        lists += [ranks[t::tp] for t in range(tp)] + [
+            ranks[d * tp : (d + 1) * tp] for d in range(dp)
+        ]
+    my_dp, my_tp = divmod(topology.local_index, tp)
+    base = topology.island_index * (tp + dp)
+    created = _own_groups(lists, [base + my_tp, base + tp + my_dp], backend, None)
+    dp_group, tp_group = created
     layout = torch.tensor(topology.island_ranks(topology.island_index)).view(dp, tp)
     mesh = DeviceMesh.from_group(
         [dp_group, tp_group], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES

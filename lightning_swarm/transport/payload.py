@@ -1,6 +1,6 @@
 """The layout of one round's payload: names, shapes and dtypes, in order, and their bytes.
 
-A payload is its tensors' raw bytes in layout order, and that one stream is the wire's chunks
+A payload is its tensors' raw bytes in layout order, and those bytes are the wire's chunks
 (``chunk_pieces``), a safetensors file's data section whose header is known ahead
 (``safetensors_header``, so chunk ``k`` lands at a fixed offset), and a flat buffer in memory.
 Spool files declare every tensor flat, so ``get_slice`` takes any element range. Peer
@@ -34,12 +34,12 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a payload: its place in the byte stream."""
+    """One tensor of a payload: its place in the payload's bytes."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    offset: int  # first byte in the payload stream
+    offset: int  # its first byte in the payload
     index: int  # position in the layout
 
     @property
@@ -186,7 +186,7 @@ class PayloadLayout:
         return -(-self.data_bytes // chunk_bytes)
 
     def chunk_pieces(self, k: int, chunk_bytes: int) -> list[ChunkPiece]:
-        """Which tensor bytes make up chunk ``k`` of the payload stream."""
+        """Which tensor bytes make up chunk ``k`` of the payload."""
         lo = k * chunk_bytes
         hi = min(lo + chunk_bytes, self.data_bytes)
         pieces = []
@@ -209,7 +209,7 @@ def byte_view(t: Tensor) -> Tensor:
 def pack_chunk(
     sources: Sequence[Tensor], layout: PayloadLayout, k: int, chunk_bytes: int, out: Tensor
 ) -> int:
-    """Copy chunk ``k`` of the stream of ``sources`` (uint8 views) into ``out``; return its size."""
+    """Copy chunk ``k`` of the payload ``sources`` (uint8 views) into ``out``; return its size."""
     size = 0
     for p in layout.chunk_pieces(k, chunk_bytes):
         out[p.chunk_start : p.chunk_start + p.length].copy_(

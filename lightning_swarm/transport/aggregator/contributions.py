@@ -179,11 +179,8 @@ def finish_sinks(
 def all_finite(block: Tensor) -> bool:
     """Whether every value of the floating ``block`` is finite.
 
-    A sum first: NaN or inf anywhere makes the sum non-finite (NaN and inf survive every
-    addition), so a finite sum proves the block finite. Measured here on 4 MiB of float32 with
-    one thread, the sum takes 0.05 ms and ``torch.isfinite(block).all()`` 2.6 ms. Only a sum
-    that is not finite (a bad value, or finite values whose sum overflows) pays for the
-    elementwise check that tells the two apart.
+    A finite sum proves it (NaN and inf survive every addition) at a fraction of an elementwise
+    check's cost; only a non-finite sum (a bad value, or an overflow) pays for that check.
     """
     if math.isfinite(float(block.sum())):
         return True

@@ -39,7 +39,7 @@ class AggregatorTransport(SwarmAggregator):
             as is. Every island must pass the same codec.
         spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
         island_group: a model-sharded island's group (CPU-capable, e.g. gloo): every verdict
-            is agreed over the island's shards (``island_verdicts``); ``None`` otherwise.
+            is agreed over the island's shards (``terms.agree_island``); ``None`` otherwise.
 
     Raises:
         ValueError: an option is out of range for this topology.

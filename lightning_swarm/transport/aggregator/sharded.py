@@ -4,7 +4,7 @@ No island's load grows with the number of islands. The round is ``swarm_round``'
 on codec blocks; ``max_norm`` judges the whole contribution and results are bitwise the rotating
 transport's. An island whose layout or options differ from island 0's makes every island raise
 ``ValueError``. ``mean`` / ``weighted_mean`` without codec or ``max_norm`` are summed as the
-chunks arrive (``shard_fold``).
+chunks arrive (``fold``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import warnings
 import weakref
 from pathlib import Path
 
+from lightning_swarm.memory.procfs import pid_alive
 from lightning_swarm.transport.aggregator.spool_files import (
     Lease,
     SpoolReader,
@@ -40,16 +41,6 @@ _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _ROOT_PREFIX = "lightning_swarm-"
 # <pid>, then (since the host was added) @<host>, then mkdtemp's 8 random characters.
 _ROOT_NAME = re.compile(r"lightning_swarm-(\d+)(?:@(.+))?-[a-z0-9_]{8}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def sweep_dead_roots(base: Path) -> list[Path]:
@@ -74,7 +65,7 @@ def sweep_dead_roots(base: Path) -> list[Path]:
         pid = int(match.group(1))
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or pid == os.getpid():
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

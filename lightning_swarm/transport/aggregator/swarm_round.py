@@ -27,37 +27,39 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
+    MemoryContribution,
     Sink,
     finish_sinks,
     measure,
     open_sinks,
 )
-from lightning_swarm.transport.aggregator.island_verdicts import island_all
-from lightning_swarm.transport.aggregator.owners import SwarmAggregatorBase, join_own
+from lightning_swarm.transport.aggregator.exchange import Exchange
+from lightning_swarm.transport.aggregator.fold import ShardFold, folds
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
     bad_layout_message,
 )
-from lightning_swarm.transport.aggregator.shard_fold import ShardFold, folds
-from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
-from lightning_swarm.transport.aggregator.shard_verdicts import (
+from lightning_swarm.transport.aggregator.shards import Shard
+from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.aggregator.terms import (
+    AggregationRule,
+    RoundTerms,
+    agree_owner,
+    agree_shards,
+    all_gather_rows,
+    island_all,
+)
+from lightning_swarm.transport.aggregator.verdicts import (
     FAILED,
     JUDGED,
     SPOOL_FAILED,
     raise_if_failed,
     read_verdicts,
-)
-from lightning_swarm.transport.aggregator.shards import Shard
-from lightning_swarm.transport.aggregator.spool import Spool
-from lightning_swarm.transport.aggregator.terms import (
-    RoundTerms,
-    agree_owner,
-    agree_shards,
-    all_gather_rows,
 )
 from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundPlace, RoundStats
 from lightning_swarm.transport.errors import SpoolError
@@ -73,7 +75,7 @@ class _Round:
         self.report, self.targets, self.shards = report, targets, shards
         self.owner: int | None = None
         self.terms: RoundTerms
-        self.streams: ShardStreams
+        self.exchange: Exchange
         self.coded: list[CodedPayload | None] = []
         self.wires: list[PayloadLayout] = []
         self.sinks: dict[int, Sink] = {}
@@ -81,10 +83,14 @@ class _Round:
         self.stats = RoundStats()
 
 
-class SwarmAggregator(SwarmAggregatorBase):
-    """A swarm aggregator; the owner layout is the subclass's ``_shards``.
+class SwarmAggregator:
+    """A swarm aggregator: options, the run-scoped spool, and the round; the owner layout is
+    the subclass's ``_shards``. Arguments as ``AggregatorTransport``'s. The aggregator owns its
+    ``Spool`` (created here unless injected) and removes it in ``close``.
 
-    Args: as ``AggregatorTransport`` (``rotating``).
+    Raises:
+        ValueError: an option is out of range for this topology.
+        SpoolError: the spool root cannot be created.
     """
 
     ROUND_LABEL = labels.AGGREGATOR_ROUND
@@ -112,28 +118,48 @@ class SwarmAggregator(SwarmAggregatorBase):
         spool: Spool | None = None,
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(
-            group,
-            num_islands=num_islands,
-            island_index=island_index,
-            offload=offload,
-            spool_dir=spool_dir,
-            aggregation=aggregation,
-            trim_ratio=trim_ratio,
-            min_contributions=min_contributions,
-            max_norm=max_norm,
-            island_weights=island_weights,
-            chunk_bytes=chunk_bytes,
-            cleanup_timeout_s=cleanup_timeout_s,
-            codec=codec,
-            spool=spool,
-        )
+        _check_topology(num_islands, island_index, min_contributions, chunk_bytes)
+        check_aggregation(aggregation)
+        weights = None
+        if island_weights is not None:
+            weights = check_weights(island_weights, option="island_weights")
+        if aggregation == "weighted_mean" and (weights is None or len(weights) != num_islands):
+            raise ValueError(
+                f"aggregation='weighted_mean' needs island_weights with one weight per island "
+                f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
+            )
+        self.group, self.num_islands, self.island_index = group, num_islands, island_index
+        self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
         self.island_group = island_group
+        self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
+        self._spool = spool
+        if self._spool is None and offload and num_islands > 1:
+            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
+        self.device = torch.device("cpu")
+        self._sequence = 0  # rounds so far: names spool rounds uniquely
+        self.last_round: RoundReport | None = None
         # The round between ``open`` and ``agree``: its names, buckets and, once run, stats.
         self._round_index = 0
         self._names: dict[str, torch.Size] = {}
         self._buckets: list[Tensor] = []
         self._stats: RoundStats | None = None
+
+    @property
+    def spool(self) -> Spool | None:
+        return self._spool
+
+    def spool_bytes(self) -> int:
+        """Bytes the spool currently holds on disk (0 without offload)."""
+        return self._spool.disk_bytes if self._spool is not None else 0
+
+    def peak_spool_bytes(self) -> int:
+        return self._spool.peak_disk_bytes if self._spool is not None else 0
+
+    def close(self) -> None:
+        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
+        if self._spool is not None:
+            self._spool.close()
 
     @property
     def block_size(self) -> int:
@@ -201,10 +227,14 @@ class SwarmAggregator(SwarmAggregatorBase):
             report = RoundReport(round_index, self.island_index if owner is None else owner)
             rnd = _Round(report, list(tensors.values()), shards)
             rnd.owner = owner
-            round_id = self._begin(report)
+            self.last_round, round_id = report, self._sequence
+            self._sequence += 1
             if self.num_islands == 1:
-                coded = CodedPayload(layout, self.codec) if self.codec else None
-                self._alone(report, coded, rnd.targets)
+                # Nothing moves; with a codec the tensors become their round trip (what the
+                # others would have seen), as on every transport with a codec.
+                report.accepted = [0]
+                if self.codec is not None:
+                    CodedPayload(layout, self.codec).roundtrip_into(rnd.targets)
                 return RoundStats(wall_s=time.perf_counter() - start)
             self._agree(rnd, layout, round_index)
             try:
@@ -229,7 +259,7 @@ class SwarmAggregator(SwarmAggregatorBase):
 
     # -- the phases ------------------------------------------------------------------------
     def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
-        """Step 1: the round's terms, codecs, wire layouts and streams."""
+        """Step 1: the round's terms, codecs, wire layouts and exchange."""
         for s in rnd.shards:
             empty = not s.layout.specs
             rnd.coded.append(
@@ -247,7 +277,7 @@ class SwarmAggregator(SwarmAggregatorBase):
                 self.codec, self.rule, self.chunk_bytes, rnd.stats,
             )  # fmt: skip
         silent = frozenset(rnd.terms.mismatched)
-        rnd.streams = ShardStreams(
+        rnd.exchange = Exchange(
             self.group, self.island_index, self.num_islands, rnd.terms.chunk_bytes, silent
         )
 
@@ -267,10 +297,10 @@ class SwarmAggregator(SwarmAggregatorBase):
             with record_function(labels.RECEIVE):
                 views = [[byte_view(v) for v in s.views(rnd.targets)] for s in rnd.shards]
                 layouts = [s.layout for s in rnd.shards]
-                rnd.streams.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
+                rnd.exchange.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
 
     def _fold_round(self, rnd: _Round, own: list[Tensor]) -> bool:
-        """Sum the shard's contributions as they arrive (``shard_fold``), with no spool. True:
+        """Sum the shard's contributions as they arrive (``fold``), with no spool. True:
         every shard was finite, all are accepted and the mean is in ``own``; False: some sum was
         not, judge island by island (every rank reads the same table and returns the same)."""
         me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
@@ -281,7 +311,7 @@ class SwarmAggregator(SwarmAggregatorBase):
             sources = [[byte_view(t) for t in s.views(rnd.targets)] if j != me else []
                        for j, s in enumerate(rnd.shards)]  # fmt: skip
             finite, error = fold.collect(
-                rnd.streams, sources, rnd.wires, rnd.stats, rnd.terms.scatter_steps
+                rnd.exchange, sources, rnd.wires, rnd.stats, rnd.terms.scatter_steps
             )
         if error is not None:
             log.error("swarm round %d: summing this island's shard failed",
@@ -302,13 +332,13 @@ class SwarmAggregator(SwarmAggregatorBase):
         failure = self._scatter(rnd, round_id)
         failure = finish_sinks(rnd.sinks, rnd.contributions, failure)
         me = self.island_index
-        block_numel = join_own(rnd.contributions, me, own, rnd.coded[me], rnd.terms.chunk_bytes)
+        block_numel = _join_own(rnd.contributions, me, own, rnd.coded[me], rnd.terms.chunk_bytes)
         self._judge(rnd, failure, block_numel)
         if rnd.report.outcome == AggregatorOutcome.APPLIED:
             self._aggregate(rnd, own, block_numel)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
-        """Stream shard j of this island's payload to island j, and every peer's contribution
+        """Send shard j of this island's payload to island j, and every peer's contribution
         to this island's shard into ``rnd.sinks``; returns the first spool error met."""
         me, wire = self.island_index, rnd.wires[self.island_index]
         peers = [i for i in range(self.num_islands) if i != me]
@@ -323,10 +353,10 @@ class SwarmAggregator(SwarmAggregatorBase):
                 views = shard.views(rnd.targets) if j != me else []
                 encoded = c.encode(views) if c is not None and j != me else views
                 sources.append([byte_view(t) for t in encoded])
-            streamed = rnd.streams.scatter(
+            sent = rnd.exchange.scatter(
                 sources, rnd.wires, rnd.sinks, rnd.stats, rnd.terms.scatter_steps
             )
-        failure = failure or streamed
+        failure = failure or sent
         if failure is not None:
             for sink in rnd.sinks.values():
                 sink.abort()
@@ -334,16 +364,15 @@ class SwarmAggregator(SwarmAggregatorBase):
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
         """Step 3: this owner's row of the verdict table; every rank reads the same verdicts
-        and outcome from the table (``shard_verdicts``)."""
+        and outcome from the table (``verdicts``)."""
         n, rule = self.num_islands, rnd.terms.rule
         mine = rnd.shards[self.island_index]
         row = torch.zeros(1 + 2 * n, dtype=torch.float64)
         row[0] = JUDGED if failure is None else SPOOL_FAILED
         error: BaseException | None = failure
         where: dict[int, str] = {}
-        for island in range(
-            n
-        ):  # an empty shard holds nothing non-finite; a refused one, no payload
+        # An empty shard holds nothing non-finite; a refused island's, no payload.
+        for island in range(n):
             row[1 + island] = 0.0 if island in rnd.terms.mismatched else 1.0
         if failure is None and mine.layout.specs:
             try:
@@ -401,3 +430,36 @@ def _joined(flats: list[Tensor]) -> Tensor:
             raise ValueError("the aggregator needs a round's buckets back to back in one buffer")
         offset += f.numel()
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+
+
+def _join_own(
+    contributions: dict[int, Contribution],
+    island: int,
+    own: list[Tensor],
+    coded: CodedPayload | None,
+    chunk_bytes: int,
+) -> int:
+    """Add this island's contribution (``own``, its float tensors: read, not copied) to
+    ``contributions``. With a codec it is encoded first and every contribution is then read
+    back decoded, so the owner's own takes the peers' round trip. Returns the elements per
+    block of validation and aggregation."""
+    contributions[island] = MemoryContribution(island, coded.encode(own) if coded else own)
+    if coded is None:
+        return max(1, chunk_bytes // 4)
+    for i, c in contributions.items():
+        contributions[i] = coded.decoded(c)
+    return coded.block_numel(chunk_bytes)
+
+
+def _check_topology(
+    num_islands: int, island_index: int, min_contributions: int, chunk: int
+) -> None:
+    if not 0 <= island_index < num_islands:
+        raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
+    if not 1 <= min_contributions <= num_islands:
+        raise ValueError(
+            f"min_contributions={min_contributions} must lie in 1..{num_islands} (the number of "
+            "islands); a larger value would skip every round"
+        )
+    if chunk < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk}; e.g. 4 MiB per chunk")

@@ -1,20 +1,23 @@
-"""What the islands of a swarm round agree on before any payload moves: layout, rule, chunks.
+"""What the islands of a swarm round agree on: the rule, the layout, the chunks, and flags.
 
 Every island sends one row (over ``all_to_all_single``; its bytes are counted), so every rank
 holds the same ``RoundTerms``:
 - several owners (``agree_shards``): a CRC of the island's shard layouts, codec and options; an
-  island that differs from island 0 makes every rank raise ``ValueError`` naming it (ANDed over
-  a model-sharded island).
-- one owner (``agree_owner``): the owner's rule and chunk size rule the round. An island whose
-  wire layout or codec differs is *mismatched*: it moves nothing, its contribution is rejected,
-  and it alone raises ``ValueError`` after the round's collectives; it sends the owner its
-  layout's description, so that the owner's log names the first difference.
+  island that differs from island 0 makes every rank raise ``ValueError`` naming it.
+- one owner (``agree_owner``): the owner's ``AggregationRule`` and chunk size rule the round. An
+  island whose wire layout or codec differs is *mismatched*: it moves nothing, its contribution
+  is rejected, and it alone raises ``ValueError`` after the round's collectives; the owner's log
+  names the first difference.
+A model-sharded island's peer groups see one part of every contribution each: ``island_all`` and
+``agree_island`` combine their flags and measures over the island's group (every rank calls them
+once per round, failures included), so no part of an island moves unless all do.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,11 +26,65 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import AGGREGATIONS
-from lightning_swarm.transport.aggregator.island_verdicts import elsewhere_message, island_all
-from lightning_swarm.transport.aggregator.owners import AggregationRule
+from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
 from lightning_swarm.transport.aggregator.shards import Shard
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.payload import PayloadLayout
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """The validated rule options of a swarm round (see ``AggregatorTransport``)."""
+
+    aggregation: str
+    trim_ratio: float
+    min_contributions: int
+    max_norm: float | None
+    island_weights: list[float] | None
+
+    def zero_weight(self, accepted: list[int]) -> bool:
+        """``weighted_mean`` over accepted islands whose weights are all 0: nothing to average."""
+        if self.aggregation != "weighted_mean" or self.island_weights is None:
+            return False
+        return sum(self.island_weights[i] for i in accepted) <= 0
+
+    def skips(self, accepted: list[int]) -> bool:
+        """Whether a round with these accepted islands is skipped: fewer than
+        ``min_contributions``, or ``zero_weight``."""
+        return len(accepted) < self.min_contributions or self.zero_weight(accepted)
+
+    def problem(self, finite: bool, norm: float, *, where: str = "", over: str = "") -> str | None:
+        """Why a contribution must not count (not every value ``finite``, or its L2 ``norm``
+        above ``max_norm``), or ``None``. ``where`` names what held a non-finite value and
+        ``over`` what the norm spans, for the message."""
+        if not finite:
+            return f"non-finite values (NaN or Inf){where}"
+        if self.max_norm is not None and norm > self.max_norm:
+            return f"L2 norm {norm:.6g}{over} exceeds max_norm={self.max_norm:g}"
+        return None
+
+    def aggregate(
+        self,
+        targets: Sequence[Tensor],
+        contributions: Mapping[int, Contribution],
+        accepted: list[int],
+        layout: PayloadLayout,
+        block_numel: int,
+    ) -> None:
+        """Overwrite ``targets`` with the rule over the ``accepted`` islands' contributions,
+        in island order, block by block (``contributions.aggregate_into``)."""
+        weights = None
+        if self.island_weights is not None:
+            weights = [self.island_weights[i] for i in accepted]
+        aggregate_into(
+            targets,
+            [contributions[i] for i in accepted],
+            layout,
+            rule=self.aggregation,
+            weights=weights,
+            trim_ratio=self.trim_ratio,
+            block_numel=block_numel,
+        )
 
 
 @dataclass(frozen=True)
@@ -37,8 +94,8 @@ class RoundTerms:
 
     rule: AggregationRule
     chunk_bytes: int
-    scatter_steps: int  # chunks of the longest contribution stream
-    gather_steps: int  # chunks of the longest result stream
+    scatter_steps: int  # chunks of the longest contribution
+    gather_steps: int  # chunks of the longest result shard
     mismatched: dict[int, str] = field(default_factory=dict)
 
 
@@ -53,6 +110,54 @@ def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundSt
     stats.bytes_sent += moved
     stats.bytes_received += moved
     return rows
+
+
+# (every shard arrived and is finite, the sum of squares of its values)
+IslandMeasure = tuple[bool, float]
+
+
+def agree_island(
+    measures: Mapping[int, IslandMeasure] | None, num_islands: int, group: dist.ProcessGroup
+) -> tuple[bool, list[IslandMeasure]]:
+    """Combine this rank's ``measures`` (island -> finite, sum of squares) with the
+    other shards' (collective over ``group``).
+
+    ``None`` means this rank's peer group failed before validating. An island missing from
+    ``measures`` (its payload was refused or never arrived) counts as not finite.
+
+    Returns:
+        Whether every peer group validated, and per island (finite everywhere, island norm).
+    """
+    flags = torch.zeros(num_islands + 1, dtype=torch.float64)
+    sums = torch.zeros(num_islands, dtype=torch.float64)
+    if measures is not None:
+        flags[num_islands] = 1.0
+        for island, (finite, sum_sq) in measures.items():
+            flags[island] = 1.0 if finite else 0.0
+            sums[island] = sum_sq
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    islands = [(bool(flags[i] == 1.0), math.sqrt(float(sums[i]))) for i in range(num_islands)]
+    return bool(flags[num_islands] == 1.0), islands
+
+
+def island_all(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:
+    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``): the sharded
+    aggregator's peer groups take every decision of a round together, so no shard of an island
+    moves unless all do. ``None`` (an island of one rank per peer group) returns ``flags``."""
+    if group is None:
+        return flags
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v == 1.0) for v in t]
+
+
+def elsewhere_message(round_index: int, what: str) -> str:
+    """What a rank raises when another peer group of its model-sharded island failed."""
+    return (
+        f"swarm round {round_index}: {what} in another shard's peer group of this model-sharded "
+        "island (its ranks' logs say why). Anchors are unchanged."
+    )
 
 
 def agree_shards(

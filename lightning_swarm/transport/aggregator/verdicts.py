@@ -15,13 +15,16 @@ import warnings
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.transport.aggregator.island_verdicts import agree, elsewhere_message
-from lightning_swarm.transport.aggregator.owners import AggregationRule
 from lightning_swarm.transport.aggregator.round_status import (
     AggregatorOutcome,
     RoundReport,
     peer_failure_message,
     skip_message,
+)
+from lightning_swarm.transport.aggregator.terms import (
+    AggregationRule,
+    agree_island,
+    elsewhere_message,
 )
 from lightning_swarm.transport.errors import SwarmRoundError
 
@@ -47,7 +50,7 @@ def read_verdicts(
     ``failure`` is this island's own error, ``owner`` the round's one owner (``None``: every
     island owns a shard), ``where`` this island's own finding of where a non-finite value sat.
     With ``island_group`` (a model-sharded island) the peer groups' findings are combined over
-    the island first (``island_verdicts.agree``): one verdict per island, ``max_norm`` on the
+    the island first (``terms.agree_island``): one verdict per island, ``max_norm`` on the
     island's norm.
 
     Raises:
@@ -64,7 +67,7 @@ def read_verdicts(
         found = None
         if not failed and not raised:
             found = {i: (finite[i], float(table[:, 1 + n + i].sum())) for i in range(n)}
-        validated, islands = agree(found, n, island_group)
+        validated, islands = agree_island(found, n, island_group)
         finite, norms = [f for f, _ in islands], [norm for _, norm in islands]
     if raised:
         raise_if_failed(report, failure if island_index in raised else None, raised, owner=owner)

@@ -17,7 +17,7 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.transport.aggregator.contributions import all_finite
-from lightning_swarm.transport.aggregator.shard_streams import ShardStreams
+from lightning_swarm.transport.aggregator.exchange import Exchange
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.payload import PayloadLayout
 
@@ -48,7 +48,7 @@ class ShardFold:
             until ``write_into``.
         island_index: this island; its contribution enters the sum at its place.
         num_islands: every island is summed.
-        chunk_bytes: bytes per chunk of the scatter's stream.
+        chunk_bytes: bytes per chunk of the scatter.
         weights: one weight per island for ``weighted_mean``; ``None`` for ``mean``.
     """
 
@@ -102,19 +102,19 @@ class ShardFold:
 
     def collect(
         self,
-        streams: ShardStreams,
+        exchange: Exchange,
         sources: list[list[Tensor]],
         wires: list[PayloadLayout],
         stats: RoundStats,
         steps: int,
     ) -> tuple[bool, Exception | None]:
-        """Run the scatter (``streams.scatter_steps``), adding every step's chunks, then divide.
+        """Run the scatter (``exchange.scatter_steps``), adding every step's chunks, then divide.
 
         Returns whether the mean is finite, and the exception the sum raised, if any: the
-        stream still runs to its end then, so that no peer blocks in a step this island left.
+        scatter still runs to its end then, so that no peer blocks in a step this island left.
         """
         error: Exception | None = None
-        for k, chunks in streams.scatter_steps(sources, wires, stats, steps):
+        for k, chunks in exchange.scatter_steps(sources, wires, stats, steps):
             if error is None:
                 try:
                     with record_function(labels.AGGREGATE):

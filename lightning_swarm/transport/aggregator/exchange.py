@@ -1,6 +1,6 @@
-"""The two streams of a swarm round, in chunks over ``all_to_all_single``.
+"""The two exchanges of a swarm round, in chunks over ``all_to_all_single``.
 
-``scatter`` sends shard j of every payload to island j, step k moving chunk k of each stream
+``scatter`` sends shard j of every payload to island j, step k moving chunk k of each payload
 into the owner's sinks (a spool error turns a sink into a discard sink and is returned, so no
 peer blocks); ``gather`` sends every owner's result shard to every island, into its tensors.
 Every island runs the same steps with split sizes that follow from the agreed layouts; a refused
@@ -22,12 +22,12 @@ from lightning_swarm.transport.payload import PayloadLayout, pack_chunk, unpack_
 
 
 def chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
-    """Bytes of chunk ``k`` of ``layout``'s stream (0 past its end)."""
+    """Bytes of chunk ``k`` of ``layout`` (0 past its end)."""
     return max(0, min(chunk_bytes, layout.data_bytes - k * chunk_bytes))
 
 
-class ShardStreams:
-    """Chunked all-to-all streams over the peer group (group rank = island index)."""
+class Exchange:
+    """Chunked all-to-all scatter and gather over the peer group (group rank = island index)."""
 
     def __init__(
         self,
@@ -76,8 +76,8 @@ class ShardStreams:
         entries past the shard's end). The caller must run the generator to its end, or the
         other islands wait in the step it left."""
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
-        # One send and one receive buffer for the whole stream: buffers allocated per step
-        # would pile up in the allocator (measured: RSS grew by several buffers at 8 islands).
+        # One send and one receive buffer for the whole exchange: buffers allocated per step
+        # would pile up in the allocator.
         send_buf, recv_buf = self._buffers()
         for k in range(steps):
             send_sizes = [
@@ -131,7 +131,7 @@ class ShardStreams:
                 offset += size
 
     def _buffers(self) -> tuple[Tensor, Tensor]:
-        """A send and a receive buffer of one chunk per peer, for one stream."""
+        """A send and a receive buffer of one chunk per peer, for one exchange."""
         size = (self.n - 1) * self.chunk_bytes
         return torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
 
