@@ -27,6 +27,8 @@ Everything after ``--`` is passed to the Hydra app unchanged.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -117,14 +119,8 @@ class Plan:
 def _tbf(ns: str, dev: str, rate: str) -> list[str]:
     # burst: a few full-size packets at 10 Mbit/s; latency: the queue may hold 2 s of traffic
     # before tbf drops (a round's burst is queued, not dropped, so TCP does not back off).
-    return ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf"] + [
-        "rate",
-        rate,
-        "burst",
-        "64kb",
-        "latency",
-        "2000ms",
-    ]
+    qdisc = ["tbf", "rate", rate, "burst", "64kb", "latency", "2000ms"]
+    return ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc]
 
 
 def setup_commands(plan: Plan) -> list[list[str]]:
@@ -168,7 +164,7 @@ def cgroup_settings(plan: Plan) -> dict[str, str]:
     period = 100_000
     return {
         "cpu.cfs_period_us": str(period),
-        "cpu.cfs_quota_us": str(int(round(plan.cpu_quota * period))),
+        "cpu.cfs_quota_us": str(round(plan.cpu_quota * period)),
     }
 
 
@@ -255,10 +251,8 @@ def probe_namespaces(prefix: str) -> str | None:
 def _kill_namespace_pids(ns: str) -> None:
     pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
 
 
 def cleanup(prefix: str = PREFIX) -> list[str]:
@@ -274,17 +268,15 @@ def cleanup(prefix: str = PREFIX) -> list[str]:
     links = _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines()
     for line in links:
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(prefix) and name[len(prefix) :][:1].isdigit():
-            if _run(["ip", "link", "del", name], check=False).returncode == 0:
-                removed.append(f"link {name}")
+        ours = name.startswith(prefix) and name[len(prefix) :][:1].isdigit()
+        if ours and _run(["ip", "link", "del", name], check=False).returncode == 0:
+            removed.append(f"link {name}")
     if CGROUP_CPU.is_dir():
         for group in CGROUP_CPU.glob(f"{prefix}-*"):
             procs = (group / "cgroup.procs").read_text().split()
             for pid in procs:
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             for _ in range(50):
                 try:
                     group.rmdir()
@@ -297,6 +289,10 @@ def cleanup(prefix: str = PREFIX) -> list[str]:
 
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def _deltas(values: Sequence[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(values)]
 
 
 def step_stats(record: dict[str, Any]) -> dict[str, Any]:
@@ -316,9 +312,9 @@ def step_stats(record: dict[str, Any]) -> dict[str, Any]:
         val = sum(min(b, hi) - max(a, lo) for a, b in spans if b > lo and a < hi)
         steps.append(hi - lo - val)
     inner = steps[:-1]
-    cpu = [b - a for a, b in zip(record["thread_cpu_s"], record["thread_cpu_s"][1:])][:-1]
-    wait = [b - a for a, b in zip(record["thread_wait_s"], record["thread_wait_s"][1:])][:-1]
-    sync = [b - a for a, b in zip(record["sync_wall_s"], record["sync_wall_s"][1:])]
+    cpu = _deltas(record["thread_cpu_s"])[:-1]
+    wait = _deltas(record["thread_wait_s"])[:-1]
+    sync = _deltas(record["sync_wall_s"])
     out = {
         "steps": len(ends),
         "inner_median_s": _median(inner),
@@ -338,8 +334,8 @@ def step_stats(record: dict[str, Any]) -> dict[str, Any]:
     }
     if "process_cpu_s" in record:
         proc = record["process_cpu_s"]
-        out["other_threads_cpu_s"] = proc[-1] - proc[0] - (
-            record["thread_cpu_s"][-1] - record["thread_cpu_s"][0]
+        out["other_threads_cpu_s"] = (
+            proc[-1] - proc[0] - (record["thread_cpu_s"][-1] - record["thread_cpu_s"][0])
         )
     return out
 
@@ -354,10 +350,8 @@ class IslandRun:
 def _stop(runs: list[IslandRun]) -> None:
     for run in runs:
         if run.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(run.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for run in runs:
         run.proc.wait()
 
@@ -456,6 +450,8 @@ CONFIGS: dict[str, list[str]] = {
         "strategy.error_feedback=true",
     ],
     "swarm_small": ["strategy=swarm_small"],
+    # No round inside the run (the pacing check, with and without a slow island).
+    "no_round": ["strategy=swarm", "strategy.sync_every=1000"],
 }
 RATES = ["unlimited", "100mbit", "10mbit"]
 
@@ -519,7 +515,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: v for k, v in result.items()}, indent=1))
         return
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
-    todo = [f"{n}@{r}" for n in CONFIGS for r in RATES] if not args.only else args.only
+    todo = [f"{n}@{r}" for n in CONFIGS for r in RATES if n != "no_round"]
+    todo = args.only or todo
     for item in todo:
         name, _, rate = item.partition("@")
         for r in [rate] if rate else RATES:
@@ -527,7 +524,11 @@ def main(argv: list[str] | None = None) -> None:
             extra = campaign_overrides(name, args.steps, args.val_every)
             one = _main_run(args, [*extra, *overrides])
             one.update({"config": name, "rate": r, "overrides": [*extra, *overrides]})
-            results[f"{name}@{r}"] = one
+            key = f"{name}@{r}"
+            if args.slow_island is not None:
+                key += f"+slow{args.slow_island}q{args.cpu_quota}"
+                one.update({"slow_island": args.slow_island, "cpu_quota": args.cpu_quota})
+            results[key] = one
             args.results.write_text(json.dumps(results, indent=1))
             i0 = one["islands"][0]
             brief = f"median {i0['inner_median_s']:.3f} s sum {i0['inner_sum_s']:.1f} s"
@@ -545,8 +546,8 @@ def plot(results: dict[str, Any], path: Path) -> str:
     rates = [r for r in RATES if any(v.get("rate") == r for v in results.values())]
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), sharey=True)
     axes = [axes] if len(rates) == 1 else list(axes)
-    for ax, rate in zip(axes, rates):
-        for key, one in sorted(results.items()):
+    for ax, rate in zip(axes, rates, strict=True):
+        for _, one in sorted(results.items()):
             if one.get("rate") != rate or "config" not in one:
                 continue
             points = one["islands"][0]["val_points"]
