@@ -301,31 +301,36 @@ def step_stats(record: dict[str, Any]) -> dict[str, Any]:
     A step is the time from the previous batch's end to this one's, less any validation pass
     between them. The first step (start-up) is left out; ``inner_*`` also leaves out the last
     (it holds the end-of-fit round). ``training_cpu_s`` / ``runqueue_s`` / ``asleep_s``: the
-    training thread's time on a CPU, runnable but waiting, and neither (blocked), summed over
-    the inner steps.
+    training thread's time on a CPU, runnable but waiting, and neither (blocked: a lock, the
+    GIL, a future, a socket), summed over the inner steps without a validation pass.
     """
     ends = record["step_end_s"]
     spans = record["val_spans"]
     steps: list[float] = []
+    quiet: list[bool] = []  # no validation pass inside the step
     for i in range(1, len(ends)):
         lo, hi = ends[i - 1], ends[i]
         val = sum(min(b, hi) - max(a, lo) for a, b in spans if b > lo and a < hi)
         steps.append(hi - lo - val)
+        quiet.append(val == 0)
     inner = steps[:-1]
     cpu = _deltas(record["thread_cpu_s"])[:-1]
     wait = _deltas(record["thread_wait_s"])[:-1]
     sync = _deltas(record["sync_wall_s"])
+    kept = [i for i in range(len(inner)) if quiet[i]]
+    kept_cpu, kept_wait = sum(cpu[i] for i in kept), sum(wait[i] for i in kept)
     out = {
         "steps": len(ends),
+        "step_s": [round(x, 4) for x in steps],
         "inner_median_s": _median(inner),
         "inner_sum_s": sum(inner),
         "inner_max_s": max(inner) if inner else float("nan"),
         "last_step_s": steps[-1] if steps else float("nan"),
         "sync_in_inner_s": sum(sync[:-1]),
         "sync_last_step_s": sync[-1] if sync else 0.0,
-        "training_cpu_s": sum(cpu),
-        "runqueue_s": sum(wait),
-        "asleep_s": sum(inner) - sum(cpu) - sum(wait),
+        "training_cpu_s": kept_cpu,
+        "runqueue_s": kept_wait,
+        "asleep_s": sum(inner[i] for i in kept) - kept_cpu - kept_wait,
         "fit_s": record["fit_s"],
         "outer_steps": record["outer_steps"],
         "bytes_sent": record["bytes_sent"],
@@ -486,7 +491,9 @@ def main(argv: list[str] | None = None) -> None:
         cut = argv.index("--")
         argv, overrides = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="run", choices=["run", "campaign", "plot"])
+    parser.add_argument(
+        "mode", nargs="?", default="run", choices=["run", "campaign", "plot", "table"]
+    )
     parser.add_argument("--rate", default="10mbit", help="tbf rate, or 'unlimited'")
     parser.add_argument("--islands", type=int, default=2)
     parser.add_argument("--slow-island", type=int, default=None)
@@ -503,6 +510,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cleanup:
         removed = cleanup(args.prefix)
         print("\n".join(removed) if removed else f"nothing named {args.prefix}* to remove")
+        return
+    if args.mode == "table":
+        print(table(json.loads(args.results.read_text())))
         return
     if args.mode == "plot":
         print(plot(json.loads(args.results.read_text()), PLOT))
@@ -533,6 +543,45 @@ def main(argv: list[str] | None = None) -> None:
             i0 = one["islands"][0]
             brief = f"median {i0['inner_median_s']:.3f} s sum {i0['inner_sum_s']:.1f} s"
             print(f"{name}@{r}: wall {one['wall_s']:.1f} s, island 0 {brief}", flush=True)
+
+
+def utilisation(results: dict[str, Any], name: str, rate: str) -> tuple[float, float]:
+    """Island 0's compute utilisation of ``name`` at ``rate``: (median inner step unlimited /
+    median at the rate, mean inner step unlimited / mean at the rate). Inner steps leave out the
+    first and the last (end-of-fit round) and validation; the mean keeps the rounds' stalls."""
+    base = results[f"{name}@unlimited"]["islands"][0]
+    one = results[f"{name}@{rate}"]["islands"][0]
+    mean = one["inner_sum_s"] / max(one["steps"] - 2, 1)
+    base_mean = base["inner_sum_s"] / max(base["steps"] - 2, 1)
+    return base["inner_median_s"] / one["inner_median_s"], base_mean / mean
+
+
+def table(results: dict[str, Any]) -> str:
+    """The markdown table of docs/wan.md from the campaign's results."""
+    head = (
+        "| run | link | steps | fit (s) | final val loss | median step (s) | mean step (s) "
+        "| max step (s) | blocked in rounds, inner (s) | last step (s) | util. median "
+        "| util. mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for name in CONFIGS:
+        for rate in RATES:
+            key = f"{name}@{rate}"
+            if key not in results:
+                continue
+            i0 = results[key]["islands"][0]
+            mean = i0["inner_sum_s"] / max(i0["steps"] - 2, 1)
+            loss = i0["val_points"][-1][2] if i0["val_points"] else float("nan")
+            util = ("", "")
+            if f"{name}@unlimited" in results:
+                med, avg = utilisation(results, name, rate)
+                util = (f"{med:.3f}", f"{avg:.3f}")
+            rows.append(
+                f"| {name} | {rate} | {i0['steps']} | {i0['fit_s']:.1f} | {loss:.4f} "
+                f"| {i0['inner_median_s']:.3f} | {mean:.3f} | {i0['inner_max_s']:.2f} "
+                f"| {i0['sync_in_inner_s']:.2f} | {i0['last_step_s']:.2f} | {util[0]} | {util[1]} |"
+            )
+    return "\n".join(rows)
 
 
 def plot(results: dict[str, Any], path: Path) -> str:
