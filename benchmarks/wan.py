@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
         argv, overrides = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "mode", nargs="?", default="run", choices=["run", "campaign", "plot", "table"]
+        "mode", nargs="?", default="run", choices=["run", "campaign", "plot", "table", "restat"]
     )
     parser.add_argument("--rate", default="10mbit", help="tbf rate, or 'unlimited'")
     parser.add_argument("--islands", type=int, default=2)
@@ -510,6 +510,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.cleanup:
         removed = cleanup(args.prefix)
         print("\n".join(removed) if removed else f"nothing named {args.prefix}* to remove")
+        return
+    if args.mode == "restat":  # recompute the step figures from the runs' steps.json files
+        results = json.loads(args.results.read_text())
+        for one in results.values():
+            out = Path(one["out"])
+            n = len(one["islands"])
+            one["islands"] = [
+                step_stats(json.loads((out / f"island{k}" / "steps.json").read_text()))
+                for k in range(n)
+            ]
+        args.results.write_text(json.dumps(results, indent=1))
         return
     if args.mode == "table":
         print(table(json.loads(args.results.read_text())))
@@ -534,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             extra = campaign_overrides(name, args.steps, args.val_every)
             one = _main_run(args, [*extra, *overrides])
             one.update({"config": name, "rate": r, "overrides": [*extra, *overrides]})
+            one["out"] = str(args.out)
             key = f"{name}@{r}"
             if args.slow_island is not None:
                 key += f"+slow{args.slow_island}q{args.cpu_quota}"
