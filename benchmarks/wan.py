@@ -169,22 +169,44 @@ def cgroup_settings(plan: Plan) -> dict[str, str]:
 
 
 def island_command(
-    plan: Plan, k: int, overrides: Sequence[str], out: Path, python: str = sys.executable
+    plan: Plan,
+    k: int,
+    overrides: Sequence[str],
+    out: Path,
+    python: str = sys.executable,
+    trainer: str = "lightning",
 ) -> list[str]:
     """The command that launches island ``k``: torchrun inside its namespace, in the cgroup
     first where it is the slow island (``ip netns exec`` remounts /sys, so the cgroup tree is
-    not reachable after it)."""
+    not reachable after it). ``trainer="lightning"`` runs the Hydra app with ``overrides``;
+    ``"torchft"`` runs ``benchmarks/wan_torchft.py`` (torchft's DiLoCo) with them as its
+    arguments."""
     island_dir = out / f"island{k}"
     env = [
         f"GLOO_SOCKET_IFNAME={plan.veth(k)}",
         f"PYTHONPATH={ROOT}{os.pathsep}{ROOT / 'benchmarks'}",
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
+        f"WAN_ADDR={plan.address(k)}",
     ]
     cmd = ["ip", "netns", "exec", plan.namespace(k), "env", *env, python]
     cmd += ["-m", "torch.distributed.run", "--nnodes", str(plan.islands), "--nproc-per-node", "1"]
     cmd += ["--node-rank", str(k), "--master-addr", plan.address(0)]
-    cmd += ["--master-port", str(plan.port), "-m", "lightning_swarm.cli"]
-    cmd += [
+    cmd += ["--master-port", str(plan.port)]
+    if trainer == "torchft":
+        cmd += ["-m", "wan_torchft", f"--out={island_dir}", *overrides]
+    elif trainer != "lightning":
+        raise ValueError(f"--trainer must be lightning or torchft (got {trainer!r})")
+    else:
+        cmd += ["-m", "lightning_swarm.cli", *_hydra_args(plan, island_dir, overrides)]
+    if plan.cgroup is not None and k == plan.slow_island:
+        # $0 is the cgroup directory; the shell joins it and becomes the launch command.
+        join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+        cmd = ["sh", "-c", join, str(plan.cgroup), *cmd]
+    return cmd
+
+
+def _hydra_args(plan: Plan, island_dir: Path, overrides: Sequence[str]) -> list[str]:
+    return [
         f"trainer.num_nodes={plan.islands}",
         "trainer.devices=1",
         "trainer.enable_progress_bar=false",
@@ -193,11 +215,6 @@ def island_command(
         f"+callbacks.wan_steps.path={island_dir}/steps.json",
         *overrides,
     ]
-    if plan.cgroup is not None and k == plan.slow_island:
-        # $0 is the cgroup directory; the shell joins it and becomes the launch command.
-        join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
-        cmd = ["sh", "-c", join, str(plan.cgroup), *cmd]
-    return cmd
 
 
 def refusal(
@@ -361,7 +378,13 @@ def _stop(runs: list[IslandRun]) -> None:
         run.proc.wait()
 
 
-def run_plan(plan: Plan, overrides: Sequence[str], out: Path, timeout_s: float) -> dict[str, Any]:
+def run_plan(
+    plan: Plan,
+    overrides: Sequence[str],
+    out: Path,
+    timeout_s: float,
+    trainer: str = "lightning",
+) -> dict[str, Any]:
     """Build ``plan``, run one island per namespace, tear everything down; return each
     island's step figures plus rank 0's ``summary.json``. Raises RuntimeError if an island
     fails (with the end of its log)."""
@@ -378,7 +401,7 @@ def run_plan(plan: Plan, overrides: Sequence[str], out: Path, timeout_s: float) 
                 (plan.cgroup / name).write_text(value)
         start = time.perf_counter()
         for k in range(plan.islands):
-            cmd = island_command(plan, k, overrides, out)
+            cmd = island_command(plan, k, overrides, out, trainer=trainer)
             log = out / f"island{k}.log"
             with open(log, "wb") as f:
                 proc = subprocess.Popen(
@@ -458,10 +481,14 @@ CONFIGS: dict[str, list[str]] = {
     # No round inside the run (the pacing check, with and without a slow island).
     "no_round": ["strategy=swarm", "strategy.sync_every=1000"],
 }
+# Runs of benchmarks/wan_torchft.py (torchft's own DiLoCo): name -> its arguments.
+TORCHFT_CONFIGS: dict[str, list[str]] = {"torchft_diloco": ["--sync-every=50"]}
 RATES = ["unlimited", "100mbit", "10mbit"]
 
 
 def campaign_overrides(name: str, steps: int, val_every: int) -> list[str]:
+    if name in TORCHFT_CONFIGS:
+        return [*TORCHFT_CONFIGS[name], f"--steps={steps}", f"--val-every={val_every}"]
     return [
         *CONFIGS[name],
         f"trainer.max_steps={steps}",
@@ -471,7 +498,9 @@ def campaign_overrides(name: str, steps: int, val_every: int) -> list[str]:
     ]
 
 
-def _main_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+def _main_run(
+    args: argparse.Namespace, overrides: list[str], trainer: str = "lightning"
+) -> dict[str, Any]:
     plan = Plan(
         islands=args.islands,
         rate=_rate(args.rate),
@@ -481,7 +510,7 @@ def _main_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     )
     check_or_exit(plan.prefix, plan.slow_island is not None)
     cleanup(plan.prefix)  # leftovers of an earlier, killed run would block the names
-    return run_plan(plan, overrides, args.out, args.timeout)
+    return run_plan(plan, overrides, args.out, args.timeout, trainer=trainer)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -543,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in [rate] if rate else RATES:
             args.rate = r
             extra = campaign_overrides(name, args.steps, args.val_every)
-            one = _main_run(args, [*extra, *overrides])
+            trainer = "torchft" if name in TORCHFT_CONFIGS else "lightning"
+            one = _main_run(args, [*extra, *overrides], trainer=trainer)
             one.update({"config": name, "rate": r, "overrides": [*extra, *overrides]})
             one["out"] = str(args.out)
             key = f"{name}@{r}"
@@ -576,7 +606,7 @@ def table(results: dict[str, Any]) -> str:
         "| util. mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
-    for name in CONFIGS:
+    for name in [*CONFIGS, *TORCHFT_CONFIGS]:
         for rate in RATES:
             key = f"{name}@{rate}"
             if key not in results:

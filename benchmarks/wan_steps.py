@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 
-def _schedstat(path: str) -> tuple[float, float]:
+def schedstat(path: str) -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting) of one thread; zeros if unreadable."""
     try:
         with open(path) as f:
@@ -38,7 +38,7 @@ def _schedstat(path: str) -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def _thread_cpu() -> dict[str, float]:
+def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) of each live Python thread of this process, by name."""
     ticks = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -81,7 +81,7 @@ class StepTimes(pl.Callback):
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        on_cpu, waiting = _schedstat("/proc/thread-self/schedstat")
+        on_cpu, waiting = schedstat("/proc/thread-self/schedstat")
         self.step_end_s.append(self._now())
         self.global_step.append(trainer.global_step)
         self.thread_cpu_s.append(on_cpu)
@@ -115,7 +115,7 @@ class StepTimes(pl.Callback):
             "val_points": self.val_points,
             "outer_steps": int(getattr(totals, "outer_steps", 0)),
             "bytes_sent": int(getattr(totals, "bytes_sent", 0)),
-            "threads_cpu_s": _thread_cpu(),
+            "threads_cpu_s": thread_cpu(),
         }
         path = Path(self.path.replace("{rank}", str(trainer.global_rank)))
         path.parent.mkdir(parents=True, exist_ok=True)
