@@ -97,6 +97,10 @@ def main() -> None:
         hostname=address,
         use_async_quorum=False,
         timeout=timeout,
+        # Every island starts from the same seed. A step-0 heal would fetch island 0's weights
+        # from torchft's HTTP checkpoint server, which advertises socket.gethostname()
+        # ("localhost" here): unreachable from another namespace.
+        init_sync=False,
     )
     record: dict[str, Any] = {k: [] for k in ("step_end_s", "global_step", "thread_cpu_s")}
     record.update({k: [] for k in ("thread_wait_s", "process_cpu_s", "sync_wall_s")})
