@@ -62,6 +62,8 @@ class Plan:
         slow_island: the island put in a cpu-quota cgroup, or None.
         cpu_quota: that island's share of one core (0 < q).
         port: torchrun's rendezvous port on island 0.
+        checkout: the library checkout the islands import (another worktree, e.g. an older
+            commit, measured with this harness); this one by default.
     """
 
     islands: int
@@ -70,6 +72,7 @@ class Plan:
     slow_island: int | None = None
     cpu_quota: float = 0.4
     port: int = 29571
+    checkout: Path = ROOT
 
     def __post_init__(self) -> None:
         if self.islands < 2:
@@ -184,7 +187,7 @@ def island_command(
     island_dir = out / f"island{k}"
     env = [
         f"GLOO_SOCKET_IFNAME={plan.veth(k)}",
-        f"PYTHONPATH={ROOT}{os.pathsep}{ROOT / 'benchmarks'}",
+        f"PYTHONPATH={plan.checkout}{os.pathsep}{ROOT / 'benchmarks'}",
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
         f"WAN_ADDR={plan.address(k)}",
     ]
@@ -507,6 +510,7 @@ def _main_run(
         prefix=args.prefix,
         slow_island=args.slow_island,
         cpu_quota=args.cpu_quota,
+        checkout=args.checkout.resolve(),
     )
     check_or_exit(plan.prefix, plan.slow_island is not None)
     cleanup(plan.prefix)  # leftovers of an earlier, killed run would block the names
@@ -528,6 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slow-island", type=int, default=None)
     parser.add_argument("--cpu-quota", type=float, default=0.4)
     parser.add_argument("--prefix", default=PREFIX)
+    parser.add_argument("--checkout", type=Path, default=ROOT, help="library checkout to run")
+    parser.add_argument("--tag", default="", help="campaign: suffix of the results' keys")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--val-every", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=1800.0)
@@ -576,7 +582,8 @@ def main(argv: list[str] | None = None) -> None:
             one = _main_run(args, [*extra, *overrides], trainer=trainer)
             one.update({"config": name, "rate": r, "overrides": [*extra, *overrides]})
             one["out"] = str(args.out)
-            key = f"{name}@{r}"
+            key = f"{name}@{r}{args.tag}"
+            one["checkout"] = str(args.checkout)
             if args.slow_island is not None:
                 key += f"+slow{args.slow_island}q{args.cpu_quota}"
                 one.update({"slow_island": args.slow_island, "cpu_quota": args.cpu_quota})
