@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
         args.results.write_text(json.dumps(results, indent=1))
         return
     if args.mode == "table":
-        print(table(json.loads(args.results.read_text())))
+        print(table(json.loads(args.results.read_text()), args.tag))
         return
     if args.mode == "plot":
         print(plot(json.loads(args.results.read_text()), PLOT))
@@ -594,41 +594,47 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}@{r}: wall {one['wall_s']:.1f} s, island 0 {brief}", flush=True)
 
 
-def utilisation(results: dict[str, Any], name: str, rate: str) -> tuple[float, float]:
+def utilisation(
+    results: dict[str, Any], name: str, rate: str, tag: str = ""
+) -> tuple[float, float]:
     """Island 0's compute utilisation of ``name`` at ``rate``: (median inner step unlimited /
     median at the rate, mean inner step unlimited / mean at the rate). Inner steps leave out the
     first and the last (end-of-fit round) and validation; the mean keeps the rounds' stalls."""
-    base = results[f"{name}@unlimited"]["islands"][0]
-    one = results[f"{name}@{rate}"]["islands"][0]
+    base = results[f"{name}@unlimited{tag}"]["islands"][0]
+    one = results[f"{name}@{rate}{tag}"]["islands"][0]
     mean = one["inner_sum_s"] / max(one["steps"] - 2, 1)
     base_mean = base["inner_sum_s"] / max(base["steps"] - 2, 1)
     return base["inner_median_s"] / one["inner_median_s"], base_mean / mean
 
 
-def table(results: dict[str, Any]) -> str:
-    """The markdown table of docs/wan.md from the campaign's results."""
+def table(results: dict[str, Any], tag: str = "") -> str:
+    """The markdown table of docs/wan.md from the campaign's results (keys ending in ``tag``).
+    Run queue: the training thread's time runnable but off a CPU (other processes' load);
+    blocked: its time asleep (rounds, locks, sockets); both over inner steps without
+    validation."""
     head = (
         "| run | link | steps | fit (s) | final val loss | median step (s) | mean step (s) "
-        "| max step (s) | blocked in rounds, inner (s) | last step (s) | util. median "
-        "| util. mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| max step (s) | run queue (s) | blocked (s) | last step (s) | util. median "
+        "| util. mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for name in [*CONFIGS, *TORCHFT_CONFIGS]:
         for rate in RATES:
-            key = f"{name}@{rate}"
+            key = f"{name}@{rate}{tag}"
             if key not in results:
                 continue
             i0 = results[key]["islands"][0]
             mean = i0["inner_sum_s"] / max(i0["steps"] - 2, 1)
             loss = i0["val_points"][-1][2] if i0["val_points"] else float("nan")
             util = ("", "")
-            if f"{name}@unlimited" in results:
-                med, avg = utilisation(results, name, rate)
+            if f"{name}@unlimited{tag}" in results:
+                med, avg = utilisation(results, name, rate, tag)
                 util = (f"{med:.3f}", f"{avg:.3f}")
             rows.append(
                 f"| {name} | {rate} | {i0['steps']} | {i0['fit_s']:.1f} | {loss:.4f} "
                 f"| {i0['inner_median_s']:.3f} | {mean:.3f} | {i0['inner_max_s']:.2f} "
-                f"| {i0['sync_in_inner_s']:.2f} | {i0['last_step_s']:.2f} | {util[0]} | {util[1]} |"
+                f"| {i0['runqueue_s']:.1f} | {i0['asleep_s']:.2f} | {i0['last_step_s']:.2f} "
+                f"| {util[0]} | {util[1]} |"
             )
     return "\n".join(rows)
 
