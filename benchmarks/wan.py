@@ -350,6 +350,7 @@ def step_stats(record: dict[str, Any]) -> dict[str, Any]:
         "sync_last_step_s": sync[-1] if sync else 0.0,
         "training_cpu_s": kept_cpu,
         "runqueue_s": kept_wait,
+        "quiet_inner_sum_s": sum(inner[i] for i in kept),
         "asleep_s": sum(inner[i] for i in kept) - kept_cpu - kept_wait,
         "fit_s": record["fit_s"],
         "outer_steps": record["outer_steps"],
@@ -615,7 +616,7 @@ def table(results: dict[str, Any], tag: str = "") -> str:
     head = (
         "| run | link | steps | fit (s) | final val loss | median step (s) | mean step (s) "
         "| max step (s) | run queue (s) | blocked (s) | last step (s) | util. median "
-        "| util. mean |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| util. mean | not blocked |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for name in [*CONFIGS, *TORCHFT_CONFIGS]:
@@ -634,7 +635,7 @@ def table(results: dict[str, Any], tag: str = "") -> str:
                 f"| {name} | {rate} | {i0['steps']} | {i0['fit_s']:.1f} | {loss:.4f} "
                 f"| {i0['inner_median_s']:.3f} | {mean:.3f} | {i0['inner_max_s']:.2f} "
                 f"| {i0['runqueue_s']:.1f} | {i0['asleep_s']:.2f} | {i0['last_step_s']:.2f} "
-                f"| {util[0]} | {util[1]} |"
+                f"| {util[0]} | {util[1]} | {1 - i0['asleep_s'] / i0['quiet_inner_sum_s']:.3f} |"
             )
     return "\n".join(rows)
 
