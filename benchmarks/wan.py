@@ -642,7 +642,7 @@ def table(results: dict[str, Any], tag: str = "") -> str:
 
 def plot(results: dict[str, Any], path: Path) -> str:
     """Validation loss (island 0's view) against seconds since the fit started, one panel per
-    link rate; returns what was written."""
+    link rate, for the campaign's main runs; returns what was written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -652,8 +652,9 @@ def plot(results: dict[str, Any], path: Path) -> str:
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), sharey=True)
     axes = [axes] if len(rates) == 1 else list(axes)
     for ax, rate in zip(axes, rates, strict=True):
-        for _, one in sorted(results.items()):
-            if one.get("rate") != rate or "config" not in one:
+        for key, one in sorted(results.items()):
+            # the campaign's main runs only: no repeats (tagged keys), no pacing runs
+            if key != f"{one.get('config')}@{rate}" or one["config"] == "no_round":
                 continue
             points = one["islands"][0]["val_points"]
             if points:
