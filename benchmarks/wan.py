@@ -502,6 +502,23 @@ def campaign_overrides(name: str, steps: int, val_every: int) -> list[str]:
     ]
 
 
+def campaign_runs(only: Sequence[str] | None) -> list[tuple[str, str]]:
+    """(name, rate) of each campaign run ``--only`` names (``NAME`` = at every rate), or of the
+    whole campaign; raises SystemExit naming an unknown name."""
+    known = [*CONFIGS, *TORCHFT_CONFIGS]
+    items = list(only) if only else [n for n in known if n != "no_round"]
+    unknown = [item for item in items if item.partition("@")[0] not in known]
+    if unknown:
+        raise SystemExit(
+            f"unknown campaign runs {unknown}: names are {known}, as NAME or NAME@RATE"
+        )
+    runs: list[tuple[str, str]] = []
+    for item in items:
+        name, _, rate = item.partition("@")
+        runs.extend((name, r) for r in ([rate] if rate else RATES))
+    return runs
+
+
 def _main_run(
     args: argparse.Namespace, overrides: list[str], trainer: str = "lightning"
 ) -> dict[str, Any]:
@@ -571,28 +588,27 @@ def main(argv: list[str] | None = None) -> None:
         result = _main_run(args, overrides)
         print(json.dumps({k: v for k, v in result.items()}, indent=1))
         return
+    campaign_runs(args.only)  # an unknown name stops here, before anything is made
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
-    todo = [f"{n}@{r}" for n in CONFIGS for r in RATES if n != "no_round"]
-    todo = args.only or todo
-    for item in todo:
-        name, _, rate = item.partition("@")
-        for r in [rate] if rate else RATES:
-            args.rate = r
-            extra = campaign_overrides(name, args.steps, args.val_every)
-            trainer = "torchft" if name in TORCHFT_CONFIGS else "lightning"
-            one = _main_run(args, [*extra, *overrides], trainer=trainer)
-            one.update({"config": name, "rate": r, "overrides": [*extra, *overrides]})
-            one["out"] = str(args.out)
-            key = f"{name}@{r}{args.tag}"
-            one["checkout"] = str(args.checkout)
-            if args.slow_island is not None:
-                key += f"+slow{args.slow_island}q{args.cpu_quota}"
-                one.update({"slow_island": args.slow_island, "cpu_quota": args.cpu_quota})
-            results[key] = one
-            args.results.write_text(json.dumps(results, indent=1))
-            i0 = one["islands"][0]
-            brief = f"median {i0['inner_median_s']:.3f} s sum {i0['inner_sum_s']:.1f} s"
-            print(f"{name}@{r}: wall {one['wall_s']:.1f} s, island 0 {brief}", flush=True)
+    base = args.out
+    for name, r in campaign_runs(args.only):
+        args.rate = r
+        key = f"{name}@{r}{args.tag}"
+        if args.slow_island is not None:
+            key += f"+slow{args.slow_island}q{args.cpu_quota}"
+        args.out = base / key.replace("@", "-")  # one folder per run: restat reads it
+        extra = campaign_overrides(name, args.steps, args.val_every)
+        trainer = "torchft" if name in TORCHFT_CONFIGS else "lightning"
+        one = _main_run(args, [*extra, *overrides], trainer=trainer)
+        one.update({"config": name, "rate": r, "overrides": [*extra, *overrides]})
+        one.update({"out": str(args.out), "checkout": str(args.checkout)})
+        if args.slow_island is not None:
+            one.update({"slow_island": args.slow_island, "cpu_quota": args.cpu_quota})
+        results[key] = one
+        args.results.write_text(json.dumps(results, indent=1))
+        i0 = one["islands"][0]
+        brief = f"median {i0['inner_median_s']:.3f} s sum {i0['inner_sum_s']:.1f} s"
+        print(f"{key}: wall {one['wall_s']:.1f} s, island 0 {brief}", flush=True)
 
 
 def utilisation(

@@ -164,3 +164,24 @@ def test_cleanup_removes_leftovers_by_prefix() -> None:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert prefix not in names and prefix not in links
+
+
+def test_campaign_names_runs_by_name_and_rate_and_refuses_unknown_ones() -> None:
+    assert wan.campaign_runs(["ddp@10mbit"]) == [("ddp", "10mbit")]
+    assert wan.campaign_runs(["torchft_diloco"]) == [
+        ("torchft_diloco", r) for r in ("unlimited", "100mbit", "10mbit")
+    ]
+    whole = wan.campaign_runs(None)
+    assert ("streaming_int4", "10mbit") in whole and all(n != "no_round" for n, _ in whole)
+    with pytest.raises(SystemExit, match=r"unknown campaign runs \['dilocoo@10mbit'\]"):
+        wan.campaign_runs(["dilocoo@10mbit"])
+
+
+def test_torchft_islands_run_the_torchft_script(tmp_path: Path) -> None:
+    plan = Plan(islands=2, rate=None)
+    cmd = island_command(plan, 0, ["--sync-every=50"], tmp_path, python="py", trainer="torchft")
+    assert "-m wan_torchft" in " ".join(cmd) and cmd[-1] == "--sync-every=50"
+    assert not any(c.startswith("trainer.") for c in cmd)
+    assert "WAN_ADDR=10.77.0.1" in cmd
+    with pytest.raises(ValueError, match="--trainer must be lightning or torchft"):
+        island_command(plan, 0, [], tmp_path, trainer="deepspeed")
