@@ -561,6 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
     args = parser.parse_args(argv)
     if args.cleanup:
+        if os.geteuid() != 0:
+            sys.exit(refusal(os.geteuid(), shutil.which, None))
         removed = cleanup(args.prefix)
         print("\n".join(removed) if removed else f"nothing named {args.prefix}* to remove")
         return
@@ -586,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         if not any(o.startswith("trainer.max_steps=") for o in overrides):
             overrides.insert(0, f"trainer.max_steps={args.steps}")
         result = _main_run(args, overrides)
-        print(json.dumps({k: v for k, v in result.items()}, indent=1))
+        print(json.dumps(result, indent=1))
         return
     campaign_runs(args.only)  # an unknown name stops here, before anything is made
     results = json.loads(args.results.read_text()) if args.results.exists() else {}

@@ -185,3 +185,9 @@ def test_torchft_islands_run_the_torchft_script(tmp_path: Path) -> None:
     assert "WAN_ADDR=10.77.0.1" in cmd
     with pytest.raises(ValueError, match="--trainer must be lightning or torchft"):
         island_command(plan, 0, [], tmp_path, trainer="deepspeed")
+
+
+def test_cleanup_refuses_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="must run as root"):
+        wan.main(["--cleanup"])
