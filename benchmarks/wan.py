@@ -583,6 +583,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "plot":
         print(plot(json.loads(args.results.read_text()), PLOT))
         return
+    if args.mode == "campaign":
+        campaign_runs(args.only)  # an unknown name stops here, before anything is made
+    check_or_exit(args.prefix, args.slow_island is not None)
     _raise_on_sigterm()
     if args.mode == "run":
         if not any(o.startswith("trainer.max_steps=") for o in overrides):
@@ -590,7 +593,6 @@ def main(argv: list[str] | None = None) -> None:
         result = _main_run(args, overrides)
         print(json.dumps(result, indent=1))
         return
-    campaign_runs(args.only)  # an unknown name stops here, before anything is made
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
     base = args.out
     for name, r in campaign_runs(args.only):
