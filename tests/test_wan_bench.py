@@ -1,0 +1,193 @@
+"""benchmarks/wan.py: the plan it builds, the commands it runs, its refusals, its step figures;
+and (``-m slow``, root only) a real run of two islands over a 10 Mbit/s link."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import wan
+from benchmarks.wan import Plan, island_command, refusal, setup_commands, step_stats
+
+
+def _flat(cmds: list[list[str]]) -> list[str]:
+    return [" ".join(c) for c in cmds]
+
+
+def test_two_islands_are_one_veth_pair_limited_at_both_ends() -> None:
+    cmds = _flat(setup_commands(Plan(islands=2, rate="10mbit")))
+    assert "ip netns add lsw-i0" in cmds and "ip netns add lsw-i1" in cmds
+    assert not any("hub" in c for c in cmds)
+    assert "ip link add lsw0 type veth peer name lsw1" in cmds
+    assert "ip -n lsw-i1 addr add 10.77.0.2/24 dev lsw1" in cmds
+    tbf = [c for c in cmds if " tbf " in c]
+    assert len(tbf) == 2
+    assert all("rate 10mbit" in c for c in tbf)
+    assert {c.split()[3] for c in tbf} == {"lsw-i0", "lsw-i1"}
+
+
+def test_unlimited_link_has_no_qdisc() -> None:
+    assert not any("tc" in c for c in setup_commands(Plan(islands=2, rate=None)))
+
+
+def test_more_islands_hang_off_a_bridge_in_a_hub_namespace() -> None:
+    plan = Plan(islands=3, rate="100mbit")
+    cmds = _flat(setup_commands(plan))
+    assert plan.namespaces() == ["lsw-i0", "lsw-i1", "lsw-i2", "lsw-hub"]
+    assert "ip -n lsw-hub link add lswbr type bridge" in cmds
+    assert sum(" master lswbr" in c for c in cmds) == 3
+    # every link limited at both its ends: 3 island ends + 3 hub ends
+    assert sum(" tbf " in c for c in cmds) == 6
+
+
+def test_island_command_runs_torchrun_in_its_namespace(tmp_path: Path) -> None:
+    plan = Plan(islands=2, rate="10mbit")
+    cmd = island_command(plan, 1, ["strategy.sync_every=50"], tmp_path, python="py")
+    assert cmd[:4] == ["ip", "netns", "exec", "lsw-i1"]
+    assert "GLOO_SOCKET_IFNAME=lsw1" in cmd
+    joined = " ".join(cmd)
+    assert "py -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --node-rank 1" in joined
+    assert "--master-addr 10.77.0.1" in joined
+    assert "trainer.num_nodes=2" in cmd and "trainer.devices=1" in cmd
+    assert f"+callbacks.wan_steps.path={tmp_path}/island1/steps.json" in cmd
+    assert cmd[-1] == "strategy.sync_every=50"  # user overrides come last and win
+
+
+def test_slow_island_joins_its_cgroup_before_entering_the_namespace(tmp_path: Path) -> None:
+    plan = Plan(islands=2, rate=None, slow_island=1, cpu_quota=0.4)
+    assert wan.cgroup_settings(plan) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "40000"}
+    slow = island_command(plan, 1, [], tmp_path, python="py")
+    assert slow[:2] == ["sh", "-c"] and slow[3] == str(plan.cgroup)
+    assert slow.index("ip") > 3  # ip netns exec remounts /sys: the cgroup must come first
+    fast = island_command(plan, 0, [], tmp_path, python="py")
+    assert fast[0] == "ip"
+    assert wan.cgroup_settings(Plan(islands=2, rate=None)) == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"islands": 1}, "--islands must be at least 2"),
+        ({"islands": 2, "slow_island": 2}, "--slow-island 2 is not an island of 2"),
+        ({"islands": 2, "cpu_quota": 0.0}, "--cpu-quota must be above 0"),
+        ({"islands": 2, "prefix": "far-too-long"}, "must be 1-6 letters or digits"),
+    ],
+)
+def test_plan_refuses_bad_options(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Plan(rate=None, **kwargs)  # type: ignore[arg-type]
+
+
+def test_refusals_name_the_problem_and_the_fix(tmp_path: Path) -> None:
+    def have(tool: str) -> str:
+        return f"/usr/sbin/{tool}"
+
+    not_root = refusal(1000, have, None)
+    assert not_root is not None and "must run as root" in not_root and "sudo" in not_root
+    no_tc = refusal(0, lambda t: None if t == "tc" else have(t), None)
+    assert no_tc is not None and "needs tc on PATH" in no_tc and "iproute2" in no_tc
+    no_cgroup = refusal(0, have, tmp_path)
+    assert no_cgroup is not None and "cgroup v1 cpu controller" in no_cgroup
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1")
+    assert refusal(0, have, tmp_path) is None
+
+
+def test_main_exits_with_the_refusal_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="must run as root"):
+        wan.main(["--rate", "10mbit", "--steps", "2"])
+
+
+def test_step_figures_leave_out_validation_start_up_and_the_last_step() -> None:
+    record = {
+        "step_end_s": [1.0, 1.2, 1.4, 2.6, 2.8, 6.0],
+        "val_spans": [(1.4, 2.4)],  # 1.0 s of validation inside the 4th step (1.4 -> 2.6)
+        "thread_cpu_s": [0.0, 0.1, 0.2, 0.3, 0.4, 0.5],
+        "thread_wait_s": [0.0] * 6,
+        "sync_wall_s": [0.0, 0.0, 0.0, 0.0, 0.0, 3.0],
+        "val_points": [(2.4, 3, 4.0)],
+        "fit_s": 6.0,
+        "outer_steps": 1,
+        "bytes_sent": 10,
+    }
+    stats = step_stats(record)
+    assert stats["inner_median_s"] == pytest.approx(0.2)
+    assert stats["inner_sum_s"] == pytest.approx(0.8)  # 4 steps of 0.2 s, validation out
+    assert stats["last_step_s"] == pytest.approx(3.2)
+    assert stats["sync_last_step_s"] == pytest.approx(3.0) and stats["sync_in_inner_s"] == 0
+    # thread times only over the 3 inner steps without validation: 0.1 s on a CPU each
+    assert stats["training_cpu_s"] == pytest.approx(0.3)
+    assert stats["asleep_s"] == pytest.approx(0.3)
+
+
+def _root_and_tools() -> str | None:
+    return refusal(os.geteuid(), shutil.which, None)
+
+
+@pytest.mark.slow  # ~40 s on 2 busy cores: two Lightning islands over a 10 Mbit/s link
+@pytest.mark.skipif(_root_and_tools() is not None, reason="needs root, ip and tc")
+def test_two_islands_over_a_10mbit_link_and_nothing_left_behind(tmp_path: Path) -> None:
+    prefix = "lswt"
+    if wan.probe_namespaces(prefix) is not None:
+        pytest.skip("network namespaces cannot be made here")
+    plan = Plan(islands=2, rate="10mbit", prefix=prefix, port=29581)
+    overrides = ["trainer.max_steps=6", "trainer.val_check_interval=3", "strategy.sync_every=3"]
+    overrides += ["logger=none", "callbacks=none"]
+    result = wan.run_plan(plan, overrides, tmp_path, timeout_s=300)
+    for island in result["islands"]:
+        assert island["steps"] == 6
+        assert island["outer_steps"] == 2
+        assert len(island["val_points"]) == 2
+    # one fp32 round of the main job's model: megabytes, over 10 Mbit/s: well above a second
+    assert result["islands"][0]["sync_last_step_s"] > 1.0
+    assert result["summary"]["outer_steps"] == 2
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in names
+    assert not list(wan.CGROUP_CPU.glob(f"{prefix}-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_root_and_tools() is not None, reason="needs root, ip and tc")
+def test_cleanup_removes_leftovers_by_prefix() -> None:
+    prefix = "lswc"
+    subprocess.run(["ip", "netns", "add", f"{prefix}-i0"], check=True)
+    subprocess.run(
+        ["ip", "link", "add", f"{prefix}0", "type", "veth", "peer", "name", f"{prefix}1"]
+    )
+    removed = wan.cleanup(prefix)
+    assert f"netns {prefix}-i0" in removed
+    assert any(item.startswith(f"link {prefix}") for item in removed)  # one end takes both
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert prefix not in names and prefix not in links
+
+
+def test_campaign_names_runs_by_name_and_rate_and_refuses_unknown_ones() -> None:
+    assert wan.campaign_runs(["ddp@10mbit"]) == [("ddp", "10mbit")]
+    assert wan.campaign_runs(["torchft_diloco"]) == [
+        ("torchft_diloco", r) for r in ("unlimited", "100mbit", "10mbit")
+    ]
+    whole = wan.campaign_runs(None)
+    assert ("streaming_int4", "10mbit") in whole and all(n != "no_round" for n, _ in whole)
+    with pytest.raises(SystemExit, match=r"unknown campaign runs \['dilocoo@10mbit'\]"):
+        wan.campaign_runs(["dilocoo@10mbit"])
+
+
+def test_torchft_islands_run_the_torchft_script(tmp_path: Path) -> None:
+    plan = Plan(islands=2, rate=None)
+    cmd = island_command(plan, 0, ["--sync-every=50"], tmp_path, python="py", trainer="torchft")
+    assert "-m wan_torchft" in " ".join(cmd) and cmd[-1] == "--sync-every=50"
+    assert not any(c.startswith("trainer.") for c in cmd)
+    assert "WAN_ADDR=10.77.0.1" in cmd
+    with pytest.raises(ValueError, match="--trainer must be lightning or torchft"):
+        island_command(plan, 0, [], tmp_path, trainer="deepspeed")
+
+
+def test_cleanup_refuses_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="must run as root"):
+        wan.main(["--cleanup"])
