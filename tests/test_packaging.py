@@ -179,11 +179,16 @@ def test_the_checkout_reads_the_top_level_conf_and_lists_every_package() -> None
     assert found | {"lightning_swarm.conf"} == listed
 
 
+def shipped_text(wheel: Path, name: str) -> str:
+    """The text of one file inside ``wheel``."""
+    return zipfile.ZipFile(wheel).read(name).decode()
+
+
 def _build_wheel(tmp_path: Path) -> Path:
     """Build the wheel offline from a copy of what it is built from (the checkout stays clean)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for folder in ("lightning_swarm", "conf"):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -221,6 +226,9 @@ def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_pa
     wheel = _build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_swarm/py.typed" in names
+    # The license pyproject.toml names ships in the wheel's metadata, its text whole.
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert shipped_text(wheel, license_file) == (ROOT / "LICENSE").read_text()
     # conf/ (the one copy, at the top of the checkout) ships whole, byte for byte.
     shipped = zipfile.ZipFile(wheel)
     yaml = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "conf").rglob("*.yaml"))
