@@ -300,7 +300,7 @@ def test_loss_history_records_every_step_the_validations_and_the_rounds(
 
 
 def test_swarm_small_is_the_paper_preset_with_plain_averaging(compose) -> None:
-    """``strategy=swarm_small`` (docs/quality.md) differs from ``strategy=swarm`` only in the
+    """``strategy=swarm_small`` (docs/tuning.md) differs from ``strategy=swarm`` only in the
     outer optimizer: SGD at lr 1.0 without momentum, so the new anchors are the islands' mean."""
     paper, small = compose("strategy=swarm").strategy, compose("strategy=swarm_small").strategy
     assert dict(small.outer_optimizer) == {
