@@ -61,7 +61,7 @@ def _rows(cls: type, prefix: str) -> list[str]:
             continue  # their fields get rows of their own
         assert f.name in docs, f"{cls.__name__}.{f.name} has no entry under Attributes:"
         sites = ", ".join(f.metadata.get("must_match", ())) or ""
-        text = docs[f.name].replace("|", "\\|")
+        text = docs[f.name].replace("``", "`").replace("|", "\\|")
         rows.append(f"| `{prefix}{f.name}` | {_default(f)} | {sites} | {text} |")
     return rows
 
