@@ -1,6 +1,7 @@
 """lightning_swarm: DiLoCo-style training across islands as a PyTorch Lightning strategy.
 
-Exports the strategy, its callbacks and every error a user can act on (each a ``SwarmError``).
+Exports the strategy, its callbacks, ``load_global_state_dict`` (the global model out of any
+checkpoint) and every error a user can act on (each a ``SwarmError``).
 Importing registers ``Trainer(strategy="swarm")``, ``"swarm_spawn"`` and ``"swarm_fsdp"``; a name
 already registered is left alone.
 """
@@ -30,6 +31,7 @@ from lightning_swarm.membership.errors import (
     TorchftVersionError,
 )
 from lightning_swarm.outer.errors import ShareFailedError, SyncWorkerError
+from lightning_swarm.resume.global_weights import load_global_state_dict
 from lightning_swarm.strategy import SwarmStrategy
 from lightning_swarm.transport.errors import (
     NonFinitePseudoGradientError,
@@ -65,5 +67,6 @@ __all__ = [
     "SwarmStrategy",
     "SyncWorkerError",
     "TorchftVersionError",
+    "load_global_state_dict",
 ]
 __version__ = "0.1.0"

@@ -132,7 +132,9 @@ class SwarmConfig:
             spools, validates and aggregates; options under ``swarm``).
         anchor_device: where anchors and outer optimizer state live (``"cpu"`` by default,
             never silently on the accelerator); an accelerator this build cannot use is refused.
-        anchor_dtype: dtype of the stored anchors; ``None`` means float32.
+        anchor_dtype: dtype of the stored anchors; ``None`` means float32. ``"bfloat16"``
+            halves anchor memory: the outer step still runs in float32 and bfloat16 anchors
+            are stored with stochastic rounding.
         bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory
             (at least ``MIN_BUCKET_MB``: smaller buckets only make syncs slower).
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
@@ -156,11 +158,10 @@ class SwarmConfig:
             each island's local weights.
         membership: ``"static"`` (one torch.distributed world, every island in every round) or
             ``"torchft"`` (each launch is one island; islands meet through a lighthouse and
-            may fail, restart and join; docs/elastic.md). Checked with the options below by
-            ``lightning_swarm.membership.elastic_options``: with ``"torchft"``, fragments,
-            ``sync_delay``, ``merge_alpha`` and ``quantize`` (with error feedback) work, each
-            fragment's round being a torchft round of its own; ``transport="swarm"`` is
-            refused.
+            may fail, restart and join; needs the ``elastic`` extra; docs/elastic.md). With
+            ``"torchft"``, fragments, ``sync_delay``, ``merge_alpha`` and ``quantize`` (with
+            error feedback) work, each fragment's round being a torchft round of its own;
+            ``transport="swarm"`` is refused.
         lighthouse: torchft only: the lighthouse's address, as ``swarm-lighthouse`` prints it,
             e.g. ``http://host:29510``.
         island_id: torchft only: this island's name, unique among live islands.
@@ -169,8 +170,9 @@ class SwarmConfig:
         round_timeout_s: torchft only: bound on a round's collectives and commit gate.
         shard_outer: with ``island_size = k > 1``, each rank of an island owns about 1/k of
             the anchors and outer state (balanced by bytes) and exchanges only that share
-            across islands; the island then gathers the new parameters over its own group
-            (``lightning_swarm.outer.shard``). ``False`` keeps every rank's full copy. No effect
+            across islands; the island then gathers the new parameters over its own group.
+            Cross-island bytes, anchor memory and outer-step work per rank drop about k-fold;
+            refused with ``swarm.max_norm``. ``False`` keeps every rank's full copy. No effect
             with ``island_parallel="fsdp"``: there each rank's share is its own model shard.
             With ``membership="torchft"`` the island is the launch's world (k ranks): each rank
             then exchanges its share with a torchft Manager of its own, and every island of the
@@ -187,11 +189,12 @@ class SwarmConfig:
             ``requires_grad=False`` at setup: ``"exclude"`` (they cannot change while frozen:
             no anchor, never exchanged; unfreezing one later is refused at that step) or
             ``"sync"`` (anchored and exchanged like the others, so they can be unfrozen
-            mid-run). Applied by ``lightning_swarm.outer.params``.
+            mid-run).
         timeout_s: how long any collective of a static run (DDP inside an island, the outer
             round, a checkpoint's barriers) waits for the other ranks before every waiting
             rank raises ``CollectiveTimeoutError``: a rank that stopped or hung ends the run
             after this many seconds instead of blocking it (torch's default is 30 minutes).
+            Set it above your slowest step or checkpoint save.
     """
 
     sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))

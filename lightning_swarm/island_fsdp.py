@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
+from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.groups import IslandMesh, build_island_mesh
 
@@ -98,7 +99,7 @@ class IslandFSDP:
                 setup is let through: it must stay frozen (or be sharded) to stay in step.
         """
         if not is_overridden("configure_model", module):
-            raise TypeError(
+            raise SwarmConfigTypeError(
                 "island_parallel='fsdp' requires the LightningModule to override "
                 "configure_model() and shard itself there, as with Lightning's "
                 "ModelParallelStrategy. Add, for example:\n" + _CONFIGURE_MODEL_HINT
@@ -111,7 +112,7 @@ class IslandFSDP:
             if p.requires_grad and not isinstance(p, DTensor)
         ]
         if plain:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"island_parallel='fsdp': configure_model left {len(plain)} parameter(s) "
                 f"unsharded, e.g. {plain[:3]}; with data_parallel size "
                 f"{self.mesh.data_parallel_size} their gradients would never be averaged "

@@ -52,6 +52,42 @@ def _final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# The same job with epochs far longer than the run: both checkpoints (steps 4 and 8, written
+# after each validation) fall inside epoch 0, so only the saved data position makes the resume
+# train on the batches the uninterrupted run trained on.
+MID_EPOCH = [
+    *TINY,
+    "callbacks=checkpoint",
+    "trainer.max_steps=8",
+    "trainer.val_check_interval=4",
+    "strategy.sync_every=3",
+]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)  # two CLI runs, one after the other
+def test_resume_from_a_mid_epoch_checkpoint_ends_bitwise_equal(tmp_path: Path) -> None:
+    full = swarm_train(tmp_path / "full", *MID_EPOCH)
+    assert full.returncode == 0, full.stderr[-3000:]
+    saved = tmp_path / "full" / "checkpoints"
+    assert sorted(p.name for p in saved.glob("*.ckpt")) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=8.ckpt",
+    ]
+    loops = torch.load(saved / "epoch=0-step=4.ckpt", weights_only=True)["loops"]
+    assert loops["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "batches": 4}]
+    resumed = swarm_train(
+        tmp_path / "resumed",
+        *MID_EPOCH,
+        f"ckpt_path='{saved / 'epoch=0-step=4.ckpt'}'",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = _final_state(saved / "epoch=0-step=8.ckpt")
+    got = _final_state(tmp_path / "resumed" / "checkpoints" / "epoch=0-step=8.ckpt")
+    assert want.keys() == got.keys() and len(want) > 10
+    different = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not different, f"resumed run differs from the uninterrupted one in {different[:5]}"
+
+
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)  # two CLI runs, one after the other
 def test_resume_through_the_cli_ends_bitwise_equal(tmp_path: Path) -> None:
     full = swarm_train(tmp_path / "full", *RESUMABLE)

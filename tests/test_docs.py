@@ -66,3 +66,107 @@ def test_launch_guide_command_runs(tmp_path: Path, index: int) -> None:
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert len(list(tmp_path.rglob("summary.json"))) == 1  # every rank agreed on one run dir
+
+
+# -- every path, test and option a doc names exists ---------------------------------------------
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+PATH = re.compile(r"^[\w.-]+(/[\w.-]+)*/?$")
+TOP = ("lightning_swarm/", "tests/", "benchmarks/", "examples/", "docs/", "conf/", ".ci/")
+SUFFIXES = (".py", ".md", ".yaml", ".json", ".png", ".toml", ".csv")
+
+
+# Written on another branch at the same time as the page that links it.
+def _spans(path: Path) -> list[str]:
+    return CODE_SPAN.findall(path.read_text())
+
+
+def named_paths(span: str) -> list[str]:
+    """The repository paths a code span names: whole spans, and words of a command line."""
+    out = []
+    for word in re.split(r"[\s=:(),]+", span):
+        word = word.strip("'\".")
+        if not PATH.match(word) or word.startswith((".", "-")):
+            continue
+        if word.startswith(TOP) or word.endswith(".py"):
+            out.append(word)
+    return out
+
+
+def _exists(name: str) -> bool:
+    if "/" not in name:  # a bare file name: some file of the repository has it
+        tops = ("lightning_swarm", "tests", "benchmarks", "examples")
+        return any(next((ROOT / top).rglob(name), None) is not None for top in tops)
+    return any((base / name).exists() for base in (ROOT, ROOT / "lightning_swarm"))
+
+
+def test_every_path_a_doc_names_exists() -> None:
+    missing = [
+        f"{doc.name}: {name}"
+        for doc in DOCS
+        for span in _spans(doc)
+        for name in named_paths(span)
+        if not _exists(name)
+    ]
+    assert not missing, f"docs name files that do not exist: {missing}"
+
+
+def _test_names() -> set[str]:
+    import ast
+
+    names = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+    return names
+
+
+def test_every_test_a_doc_names_exists() -> None:
+    known = _test_names()
+    named = {
+        (doc.name, name)
+        for doc in DOCS
+        for span in _spans(doc)
+        for name in re.findall(r"(?<![.\w])(test_\w+)\b(?!\.py|\*)", span)
+    }
+    missing = sorted(f"{doc}: {name}" for doc, name in named if name not in known)
+    assert not missing, f"docs name tests that do not exist: {missing}"
+
+
+def _option_names() -> set[str]:
+    import dataclasses
+
+    from lightning_swarm.config import AnchorConfig, SwarmConfig, SwarmTransportConfig
+
+    names = {f.name for f in dataclasses.fields(SwarmConfig)} | {"outer_optimizer"}
+    names |= {f"anchors.{f.name}" for f in dataclasses.fields(AnchorConfig)}
+    names |= {f"swarm.{f.name}" for f in dataclasses.fields(SwarmTransportConfig)}
+    return names
+
+
+def test_every_option_a_doc_names_exists() -> None:
+    """``strategy.<option>`` on a command line, and the README's option table."""
+    known = _option_names()
+    named = set()
+    for doc in DOCS:
+        for span in _spans(doc):
+            for name in re.findall(r"(?<![\w/])strategy\.([a-z_]+(?:\.[a-z_]+)?)=", span):
+                top = name.split(".")[0]
+                named.add((doc.name, name if top in ("anchors", "swarm") else top))
+            for call in re.findall(r"SwarmStrategy\(([^)]*)", span):
+                named |= {(doc.name, k) for k in re.findall(r"(\w+)=", call)}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## The options people change") : readme.index("## Documentation")]
+    for row in re.findall(r"^\| (`[^|]+) \|", table, re.MULTILINE):
+        named |= {("README.md", name) for name in CODE_SPAN.findall(row)}
+    outer = {n for n in named if n[1].startswith("outer_optimizer")}
+    missing = sorted(f"{doc}: {name}" for doc, name in named - outer if name not in known)
+    assert not missing, f"docs name options SwarmConfig does not have: {missing}"
+
+
+def test_the_docs_test_catches_a_missing_path_test_and_option() -> None:
+    assert named_paths("tests/test_nothing_here.py") == ["tests/test_nothing_here.py"]
+    assert not _exists("tests/test_nothing_here.py")
+    assert "test_no_such_test" not in _test_names()
+    assert "sync_evry" not in _option_names() and "sync_every" in _option_names()

@@ -179,11 +179,16 @@ def test_the_checkout_reads_the_top_level_conf_and_lists_every_package() -> None
     assert found | {"lightning_swarm.conf"} == listed
 
 
+def shipped_text(wheel: Path, name: str) -> str:
+    """The text of one file inside ``wheel``."""
+    return zipfile.ZipFile(wheel).read(name).decode()
+
+
 def _build_wheel(tmp_path: Path) -> Path:
     """Build the wheel offline from a copy of what it is built from (the checkout stays clean)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for folder in ("lightning_swarm", "conf"):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -221,6 +226,9 @@ def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_pa
     wheel = _build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_swarm/py.typed" in names
+    # The license pyproject.toml names ships in the wheel's metadata, its text whole.
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert shipped_text(wheel, license_file) == (ROOT / "LICENSE").read_text()
     # conf/ (the one copy, at the top of the checkout) ships whole, byte for byte.
     shipped = zipfile.ZipFile(wheel)
     yaml = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "conf").rglob("*.yaml"))
@@ -256,3 +264,38 @@ def test_wheel_installs_offline_and_swarm_train_runs_outside_the_checkout(tmp_pa
     assert "inner steps                              2" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert (user / "run" / "summary.json").is_file()
+
+
+def test_errors_raised_on_purpose_outside_option_checks_are_swarm_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refusals that come later than ``SwarmConfig`` (at setup, at a step, on resume, from
+    the environment) are ``SwarmError``s too, each keeping its builtin base."""
+    import types
+
+    import torch
+
+    import lightning_swarm
+    from lightning_swarm.outer.params import ParameterWatch
+    from lightning_swarm.outer.sync import _build_outer_optimizer
+    from lightning_swarm.resume.files import MMAP_ENV, resolve_mmap
+
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    watch = ParameterWatch([optimizer], {"w": frozen})
+    frozen.requires_grad_(True)
+    with pytest.raises(lightning_swarm.SwarmConfigError, match="frozen_params='sync'") as thawed:
+        watch.check(optimizer)
+    assert isinstance(thawed.value, ValueError)
+
+    monkeypatch.setenv(MMAP_ENV, "maybe")
+    with pytest.raises(lightning_swarm.SwarmConfigError, match="set it to 0"):
+        resolve_mmap(True)
+
+    with pytest.raises(lightning_swarm.SwarmConfigTypeError, match="torch.optim.Optimizer") as bad:
+        _build_outer_optimizer(lambda params: object(), {"w": torch.zeros(2)})  # type: ignore[arg-type, return-value]
+    assert isinstance(bad.value, TypeError)
+
+    trainer = types.SimpleNamespace(strategy=object())
+    with pytest.raises(lightning_swarm.SwarmConfigTypeError, match="SwarmResume needs"):
+        lightning_swarm.SwarmResume().setup(trainer, None, "fit")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_swarm import SwarmStrategy
+from lightning_swarm import SwarmConfigError, SwarmStrategy
 from lightning_swarm.algorithm import robust
 from lightning_swarm.config import SwarmConfig, SwarmTransportConfig
 from lightning_swarm.outer import OuterSync
@@ -191,8 +191,8 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     tensors = _contribution(rank, 2)
     if rank == 3:
         tensors["extra"] = torch.zeros(3)
-        with pytest.raises(ValueError, match="layout .* differs from the aggregator's"):
-            average(transport, tensors, round_index=2)
+        with pytest.raises(SwarmConfigError, match="layout .* differs from the aggregator's"):
+            average(transport, tensors, round_index=2)  # a SwarmError and a ValueError
     else:
         average(transport, tensors, round_index=2)
         expected = [_contribution(i, 2) for i in range(3)]

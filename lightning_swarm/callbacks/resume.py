@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_swarm.errors import SwarmConfigTypeError
 from lightning_swarm.resume import SwarmCheckpointer
 
 
@@ -44,7 +45,7 @@ class SwarmResume(pl.Callback):
         # Lightning calls this before it loads the checkpoint: the paths are in place in time.
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
         if not isinstance(checkpointer, SwarmCheckpointer):
-            raise TypeError(
+            raise SwarmConfigTypeError(
                 f"SwarmResume needs Trainer(strategy=SwarmStrategy(...)), got "
                 f"{type(trainer.strategy).__name__}; remove the callback or use SwarmStrategy."
             )

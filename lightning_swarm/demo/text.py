@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -77,6 +79,44 @@ class ByteBlocks(Dataset[tuple[Tensor, Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
+class ResumableDataLoader(DataLoader[tuple[Tensor, Tensor]]):
+    """A ``DataLoader`` whose position inside an epoch is part of every Lightning checkpoint.
+
+    Lightning's fit loop saves ``state_dict()`` of each training loader that has one and hands it
+    back through ``load_state_dict`` before training resumes; this loader then skips the batches
+    the saved run had already trained on, so a resume from a mid-epoch checkpoint sees the same
+    batches, in the same order, as a run that was never interrupted. The position is keyed by the
+    sampler's epoch (``DistributedSampler.epoch``, which Lightning sets before each epoch, in any
+    run of several ranks): a checkpoint written at an epoch's end leaves nothing to skip in the
+    next. Lightning does not prefetch from a loader with a length, so the batches this loader has
+    yielded are the batches trained on. Skipped batches are loaded and dropped, not trained on.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch the current pass belongs to and how many batches it has yielded."""
+        return {"epoch": getattr(self, "_epoch", None), "batches": getattr(self, "_yielded", 0)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next pass over ``state_dict["epoch"]`` start after its yielded batches."""
+        self._resume_at = (state_dict["epoch"], int(state_dict["batches"]))
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:  # type: ignore[override]
+        # A generator: the body runs at the first next(), after Lightning set the epoch.
+        return self._batches()
+
+    def _batches(self) -> Iterator[tuple[Tensor, Tensor]]:
+        epoch = getattr(self.sampler, "epoch", None)
+        saved_epoch, skip = getattr(self, "_resume_at", (None, 0))
+        self._resume_at = (None, 0)
+        if saved_epoch != epoch:
+            skip = 0
+        self._epoch, self._yielded = epoch, 0
+        for batch in super().__iter__():
+            self._yielded += 1
+            if self._yielded > skip:
+                yield batch
+
+
 class StdlibTextDataModule(pl.LightningDataModule):
     """Byte-level language-modelling data from the standard library's sources.
 
@@ -118,9 +158,12 @@ class StdlibTextDataModule(pl.LightningDataModule):
         limit = self.val_batches * self.batch_size * (self.block_size + 1)
         self.val_set = ByteBlocks(val[:limit], self.block_size)
 
-    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+    def train_dataloader(self) -> ResumableDataLoader:
+        """Shuffled batches whose position is saved with every checkpoint."""
         assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        return ResumableDataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True
+        )
 
     def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
         assert self.val_set is not None

@@ -124,7 +124,7 @@ class SyncCheckpoint:
         residuals: Mapping[str, Tensor] = state.get("residuals", {})
         for name, residual in residuals.items():
             if name not in self.state.params or residual.shape != self.state.params[name].shape:
-                raise ValueError(
+                raise SwarmCheckpointError(
                     f"saved error-feedback residual {name!r} does not fit this model; resume "
                     "with the model and fragments the checkpoint was written by."
                 )

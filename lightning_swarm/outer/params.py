@@ -15,6 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_swarm.errors import SwarmConfigError
+
 
 def trained_params(
     optimizer: Optimizer,
@@ -37,7 +39,7 @@ def trained_params(
             if not p.is_floating_point():
                 continue
             if id(p) in seen:
-                raise ValueError(
+                raise SwarmConfigError(
                     f"a parameter of optimizer {index} is also trained by another optimizer; "
                     "SwarmStrategy keeps one anchor per parameter, so give each parameter to "
                     "exactly one optimizer."
@@ -79,7 +81,7 @@ class ParameterWatch:
         """Refuse a changed parameter set, or a left-out parameter that was unfrozen."""
         expected = self._counts.get(id(optimizer))
         if expected is not None and _num_params(optimizer) != expected:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"an optimizer gained or lost parameters after setup ({expected} at setup, "
                 f"{_num_params(optimizer)} now), e.g. through add_param_group (as "
                 "BackboneFinetuning does); SwarmStrategy anchors every parameter at setup, so "
@@ -88,7 +90,7 @@ class ParameterWatch:
             )
         thawed = [name for name, p in self._frozen.items() if p.requires_grad]
         if thawed:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"parameter(s) {thawed[:5]} were frozen (requires_grad=False) at setup and left "
                 "out of the outer loop (frozen_params='exclude'), and now require gradients: "
                 "they would train on every island and never be synced. Set "

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
+from lightning_swarm.errors import SwarmConfigTypeError
 from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.round import OuterRound
@@ -315,7 +316,7 @@ def _build_outer_optimizer(
 ) -> torch.optim.Optimizer:
     optimizer = factory(list(anchors.values()))
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise SwarmConfigTypeError(
             "outer_optimizer must return a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; pass e.g. "
             "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."

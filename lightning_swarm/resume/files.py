@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
 from lightning_swarm.memory.procfs import pid_alive
 
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
@@ -82,7 +82,7 @@ def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     if raw is not None:
         value = raw.strip().lower()
         if value not in _FALSE | _TRUE:
-            raise ValueError(
+            raise SwarmConfigError(
                 f"{MMAP_ENV}={raw!r} is not understood; set it to 0 to read anchors eagerly or "
                 "1 (or unset it) to map them."
             )

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
+from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.coded import CodedPayload
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
@@ -249,7 +250,7 @@ class SwarmAggregator:
                 if self._spool is not None:
                     self._spool.release_round(round_id)
             if self.island_index in rnd.terms.mismatched:
-                raise ValueError(bad_layout_message(report))
+                raise SwarmConfigError(bad_layout_message(report))
             stats = rnd.stats
             stats.applied = report.outcome == AggregatorOutcome.APPLIED
             stats.wall_s = time.perf_counter() - start

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import AGGREGATIONS
+from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
 from lightning_swarm.transport.aggregator.shards import Shard
 from lightning_swarm.transport.base import RoundStats
@@ -179,9 +180,9 @@ def agree_shards(
     odd = [i for i, c in enumerate(crcs) if int(c) != int(crcs[0])]
     (same,) = island_all([not odd], island_group)
     if not same and not odd:
-        raise ValueError(elsewhere_message(round_index, "the layout or swarm options differ"))
+        raise SwarmConfigError(elsewhere_message(round_index, "the layout or swarm options differ"))
     if odd:
-        raise ValueError(
+        raise SwarmConfigError(
             f"swarm round: the pseudo-gradient layout (names, shapes, dtypes), codec or "
             f"swarm options of island(s) {odd} differs from island 0's; every island must "
             "train the same parameters with the same quantize, quantize_block_size and "

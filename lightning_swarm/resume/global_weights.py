@@ -1,0 +1,72 @@
+"""The global model out of any swarm checkpoint, with no Trainer and no process group.
+
+A Lightning checkpoint written by ``SwarmStrategy`` holds island 0's *local* weights in its
+``state_dict``: between two outer rounds they have drifted from the global model. The global
+model is the anchors, saved beside it in ``<ckpt>.swarm/<save_id>/`` (``anchors.pt``, or one
+``anchors-rank-NNNNN.pt`` per rank of island 0 with ``shard_outer``). Imports torch only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.files import (
+    ANCHORS_FILE,
+    anchor_shard_names,
+    load_swarm_file,
+    swarm_root,
+)
+from lightning_swarm.resume.records import AnchorsRecord, SwarmRecord
+
+
+def load_global_state_dict(ckpt_path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The LightningModule's state dict with every anchored parameter replaced by its anchor.
+
+    The result loads with ``module.load_state_dict(...)`` into the module that was trained.
+    Anchors are cast to the dtype of the parameter they stand for (``anchor_dtype`` may differ);
+    parameters without an anchor (frozen ones under ``frozen_params="exclude"``) and buffers
+    keep island 0's values, which is what every island holds for them. The returned tensors are
+    new CPU tensors the caller owns. Right after an outer round (and at the end of a fit with
+    ``sync_at_end``) the result equals the ``state_dict`` itself.
+
+    Raises:
+        SwarmCheckpointError: the file holds no swarm state, its swarm files are missing or
+            damaged, an anchor names no entry of the state dict, or the checkpoint comes from
+            model-sharded islands (``island_parallel="fsdp"``), whose weights are per rank.
+    """
+    path = Path(ckpt_path)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    payload = ckpt.get("swarm") if isinstance(ckpt, dict) else None
+    if payload is None:
+        raise SwarmCheckpointError(
+            f"{path} holds no swarm state; if a plain Lightning strategy wrote it, its "
+            "state_dict already is the model: load that."
+        )
+    record = SwarmRecord.from_dict(payload, f"the swarm record of {path}")
+    if any("-rank-" in name and name.startswith("island-") for name in record.files):
+        raise SwarmCheckpointError(
+            f"{path} was written by model-sharded islands (island_parallel='fsdp'): each rank "
+            "holds its own shard. Resume it in a run with the same layout and save the "
+            "consolidated weights there (docs/fsdp.md)."
+        )
+    directory = swarm_root(path) / record.save_id
+    anchors: dict[str, Tensor] = {}
+    for name in anchor_shard_names(record.files) or [ANCHORS_FILE]:
+        saved, _ = load_swarm_file(directory / name, mmap=False)
+        for outer in AnchorsRecord.from_dict(saved, str(directory / name)).outer:
+            anchors.update(outer.anchors)
+    state: dict[str, Tensor] = dict(ckpt.get("state_dict", {}))
+    unknown = sorted(set(anchors) - set(state))
+    if unknown:
+        raise SwarmCheckpointError(
+            f"{path}: anchors {unknown[:3]} name no entry of its state_dict; the checkpoint "
+            "was edited or mixes two runs. Use one written by SwarmStrategy as it is."
+        )
+    for name, anchor in anchors.items():
+        state[name] = anchor.to(dtype=state[name].dtype, copy=True)
+    return state
