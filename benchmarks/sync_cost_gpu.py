@@ -5,7 +5,7 @@ The demo GPT at 24 layers, width 2048, 16 heads, 1024 tokens, byte vocabulary (1
 pure local work, which is what this mode measures. Rows (median of ``reps`` after a warm-up):
 
 - ``inner step``: bf16 autocast, batch 8 x 1024, fused AdamW (foreach on a stand-in);
-- ``ours: held, CPU anchors``: ``OuterSync`` over ``sync_cost.AverageOnly`` (the held form),
+- ``ours: held, CPU anchors``: ``OuterSync`` over ``sync_cost.Held`` (the held form),
   the default anchor device;
 - ``ours: streamed, CPU anchors``: ``OuterSync`` as the strategy builds it now (pinned anchors
   and state, buckets through the GPU on side streams), with its extra GPU memory;
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.sync_cost import AverageOnly
+from benchmarks.sync_cost import Held
 from lightning_swarm.demo.gpt import GPT
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
@@ -68,7 +68,7 @@ def _ours(model: torch.nn.Module, anchor_device: torch.device, *, held: bool) ->
     outer = OuterSync(
         dict(model.named_parameters()),
         outer_optimizer=OUTER_SGD,
-        transport=AverageOnly(transport) if held else transport,
+        transport=Held(transport) if held else transport,
         sync_every=1,
         anchor_device=anchor_device,
     )
