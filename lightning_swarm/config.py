@@ -344,8 +344,8 @@ def check_island_parallel(config: SwarmConfig) -> None:
     if config.model_sharded and config.membership != "static":
         raise SwarmConfigError(
             f"membership={config.membership!r} cannot be combined with island_parallel='fsdp': "
-            "an elastic island exchanges through its rank 0 only, which holds one shard; use "
-            "membership='static'."
+            "elastic membership (its heal, round header and per-rank shares) is written for "
+            "whole parameters on each rank, not FSDP shards; use membership='static'."
         )
 
 
