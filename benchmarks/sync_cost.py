@@ -6,7 +6,7 @@ Each repetition moves every rank's parameters by a rank-dependent step (not time
 one sync of every method in turn (interleaved, so machine noise spreads over all of them):
 
 - ``ours: held`` -- ``OuterSync`` over the same all-reduce seen through ``average`` only
-  (``AverageOnly``): the held form that delayed rounds and non-pipelined transports take
+  (``Held``): the held form that delayed rounds and non-pipelined transports take
   (the whole fragment's pseudo-gradient in one buffer, the transport's bucketed all-reduce, the
   outer step per bucket, merge);
 - ``ours: streamed`` -- ``OuterSync`` as the strategy builds it now: one bucketed pass;
