@@ -8,6 +8,7 @@ island's ``data_parallel`` mesh; parameter names are the same either way.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -120,7 +121,9 @@ class GPTLightningModule(pl.LightningModule):
         self.warmup_steps = warmup_steps
         self.model = GPT(256, block_size, n_layer, n_head, n_embd)
         self.val_across_islands = val_across_islands
-        self.val_perplexity = Perplexity(sync_on_compute=val_across_islands)
+        # torchmetrics types its keywords as dicts; the option is a bool.
+        options: dict[str, Any] = {"sync_on_compute": val_across_islands}
+        self.val_perplexity = Perplexity(**options)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
