@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
                 t, _, loss = zip(*island["val"], strict=True)
                 ax.plot(t, loss, marker="o", markersize=3, label=f"{label}, island {k}")
     ax.set_xlabel("seconds since the fit started")
-    ax.set_ylabel("validation loss (the island's own model, its half of the data)")
+    ax.set_ylabel("validation loss (each island's own)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(DOCS / "speeds.png", dpi=110)

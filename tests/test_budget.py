@@ -330,23 +330,33 @@ class SleepyRegressor(TinyRegressor):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_fit_on_a_budget_ends_on_every_island_at_one_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("world", "island_size"), [(2, 1), (4, 2)])
+def test_a_fit_on_a_budget_ends_on_every_island_at_one_round(
+    tmp_path: Path, world: int, island_size: int
+) -> None:
     pl.seed_everything(7)
-    strategy = SwarmStrategy(sync_every_s=0.2, start_method="fork")
+    strategy = SwarmStrategy(sync_every_s=0.2, island_size=island_size, start_method="fork")
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=world,
         strategy=strategy,
         max_steps=24,
         callbacks=[Recorder(str(tmp_path))],
         limit_val_batches=0,
         **QUIET,
     )
-    trainer.fit(SleepyRegressor((0.01, 0.05)), regression_data())
-    ranks = load_ranks(tmp_path, 2)
-    fast, slow = ranks[0]["inner_steps"][0], ranks[1]["inner_steps"][0]
+    # Island 0 (its ranks alike) steps faster than island 1.
+    delays = tuple(0.01 if r < island_size else 0.05 for r in range(world))
+    trainer.fit(SleepyRegressor(delays), regression_data())
+    ranks = load_ranks(tmp_path, world)
+    fast, slow = ranks[0]["inner_steps"][0], ranks[-1]["inner_steps"][0]
     assert fast >= 24 > slow, (fast, slow)  # the fit ended when the fast island got there
-    assert ranks[0]["outer_steps"] == ranks[1]["outer_steps"]
-    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
-    assert torch.equal(ranks[0]["final"], ranks[0]["steps"][-1]["anchors"][0])
+    for rank in ranks:
+        # An island's ranks step and stop alike; every island ends on the same round and model.
+        island = rank["island"]
+        assert rank["inner_steps"] == ranks[island * island_size]["inner_steps"]
+        assert rank["outer_steps"] == ranks[0]["outer_steps"]
+        assert torch.equal(rank["final"], ranks[0]["final"])
+    last = ranks[0]["steps"][-1]  # the last round left the model on its anchors
+    assert all(torch.equal(a, last["named_params"][n]) for n, a in last["named_anchors"].items())
     assert trainer.max_steps == 24  # Lightning's own limit is back after the fit
