@@ -4,7 +4,10 @@ A round of fragment f plans its buckets once (``transport.buckets.plan_buckets``
 ``anchor - local`` in float32, opens the round (``Transport.open``) and starts the
 transport per bucket; ``apply`` waits, agrees whether the round applies, steps the outer optimizer
 (SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other over the fragment) and
-merges. ``sync_delay`` only decides when ``apply`` runs. Two forms:
+merges. ``sync_delay`` only decides when ``apply`` runs; under a time budget
+(``SyncState.budget``) the island's clock decides when a round runs, and ``open`` answers with
+the factor that weighs this island's pseudo-gradient (applied before feedback and encoding).
+Two forms:
 - streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step):
   form, error feedback, exchange, step and merge run bucket by bucket, bucket k's mean in flight
   while k - 1 steps and k + 1 forms; CUDA parameters with host anchors go through
