@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
+from lightning_swarm.algorithm.budget import check_budget
 from lightning_swarm.algorithm.codecs import NO_CODEC, Codec, CodecName
 from lightning_swarm.algorithm.fragments import (
     FragmentLayout,
@@ -126,6 +127,13 @@ class SwarmConfig:
 
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
+        sync_every_s: rounds on a time budget instead (docs/speeds.md): each island trains
+            for this many seconds of its own wall time after it left the last round, then joins
+            the next round (at most one inner step late), and the round's mean weighs each
+            island by the inner steps it took. The fit ends at the first round where some
+            island reached ``Trainer(max_steps)``. ``None`` (default): every ``sync_every``
+            steps. Needs one fragment, ``sync_delay=0``, ``membership="static"`` and
+            ``transport="allreduce"`` (checked by ``check_budget_options``).
         island_size: ranks per island; must divide the world size (checked at setup).
         transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` (a
             bucketed all-reduce over the peer group) or ``"swarm"`` (a rotating aggregator that
@@ -198,6 +206,7 @@ class SwarmConfig:
     """
 
     sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))
+    sync_every_s: float | None = None
     island_size: int = field(default=1, metadata=_must_match("resume"))
     transport: TransportName = field(default="allreduce", metadata=_must_match("resume"))
     anchor_device: str = "cpu"
@@ -246,6 +255,7 @@ class SwarmConfig:
             )
         check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
         check_streaming(self)
+        check_budget_options(self)
         _check_shard_outer(self)
         check_island_parallel(self)
         _check_timeout(self.timeout_s)
@@ -412,6 +422,40 @@ def _nested_config(cls: type[_Nested], value: object, option: str, example: str)
         f"{option} must be a dict such as {example} or an instance of {cls.__name__}, got "
         f"{type(value).__name__}."
     )
+
+
+def check_budget_options(config: SwarmConfig) -> None:
+    """``sync_every_s``: a positive number, and refused by name with what it cannot combine.
+
+    Fragments stagger rounds by steps and a delay applies a round steps after its send: both
+    count steps an island takes at its own pace, so under a time budget their rounds would
+    fall at different times on different islands. torchft's rounds and the swarm transport's
+    aggregator do not carry the islands' weights yet.
+    """
+    check_budget(config.sync_every_s)
+    if config.sync_every_s is None:
+        return
+    refused = [
+        (config.num_fragments != 1, f"num_fragments={config.num_fragments}", "num_fragments=1"),
+        (config.sync_delay != 0, f"sync_delay={config.sync_delay}", "sync_delay=0"),
+        (
+            config.membership != "static",
+            f"membership={config.membership!r}",
+            "membership='static'",
+        ),
+        (
+            config.transport != "allreduce",
+            f"transport={config.transport!r}",
+            "transport='allreduce'",
+        ),
+    ]
+    for bad, given, fix in refused:
+        if bad:
+            raise SwarmConfigError(
+                f"sync_every_s={config.sync_every_s} cannot be combined with {given}: rounds on "
+                f"a time budget are whole-model rounds, weighted over a static world's "
+                f"all-reduce; set {fix}, or drop sync_every_s to sync every sync_every steps."
+            )
 
 
 def check_streaming(config: SwarmConfig) -> None:

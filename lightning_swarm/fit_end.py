@@ -10,6 +10,9 @@ do not.
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_swarm.errors import SwarmConfigError
 
 
 def fit_ends_after_step(trainer: pl.Trainer, *, steps_pending: int) -> bool:
@@ -34,3 +37,66 @@ def fit_ends_after_step(trainer: pl.Trainer, *, steps_pending: int) -> bool:
         return True
     # Lightning stops after this batch when should_stop is set and min_epochs / min_steps are met.
     return trainer.should_stop and bool(getattr(trainer.fit_loop, "_can_stop_early", True))
+
+
+class BudgetStop:
+    """The end of a fit whose rounds run on a time budget (``sync_every_s``).
+
+    ``Trainer(max_steps)`` is per process, and under a budget islands step at their own pace:
+    each would stop on its own, at a different round, holding its own model. So the strategy
+    lifts Lightning's own step limit for the fit (``install``, at setup; ``restore`` puts it
+    back when the fit ends) and ends the fit on every island at the first round where some
+    island had taken ``max_steps`` inner steps (``after_round``): every island then holds the
+    round's global model. ``max_epochs`` is refused: epochs also end at each island's pace, and
+    so is a ``ModelCheckpoint`` that saves during the fit: a save is collective over every
+    rank, and the islands would reach it at different rounds.
+
+    Raises:
+        SwarmConfigError: without ``max_steps``, with ``max_epochs`` or with such a checkpoint.
+    """
+
+    def __init__(self, trainer: pl.Trainer, seconds: float) -> None:
+        self._trainer = trainer
+        self.max_steps = trainer.max_steps
+        if self.max_steps == -1:
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} ends the fit at the first round where some island "
+                "reached Trainer(max_steps=...), but max_steps is not set; pass "
+                "Trainer(max_steps=N)."
+            )
+        if trainer.max_epochs not in (None, -1):
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} cannot end a fit by Trainer(max_epochs="
+                f"{trainer.max_epochs}): islands step at their own pace, so their epochs end at "
+                "different rounds; pass max_steps only (max_epochs=-1)."
+            )
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and _saves_during_fit(callback):
+                raise SwarmConfigError(
+                    f"sync_every_s={seconds} cannot run a ModelCheckpoint that saves during the "
+                    "fit (every_n_train_steps, every_n_epochs or train_time_interval): a save "
+                    "is collective and each island would reach it at a different round; pass "
+                    "Trainer(enable_checkpointing=False) and call trainer.save_checkpoint(...) "
+                    "after fit, when every island holds the global model."
+                )
+
+    def install(self) -> None:
+        """Lift Lightning's per-process step limit (the swarm's rule replaces it)."""
+        self._trainer.fit_loop.epoch_loop.max_steps = -1
+
+    def after_round(self, reached: bool) -> None:
+        """After a round: ``reached`` (the same on every rank) ends the fit after this batch."""
+        if reached:
+            self._trainer.should_stop = True
+
+    def restore(self) -> None:
+        """Give Lightning its ``max_steps`` back (the fit ended)."""
+        self._trainer.fit_loop.epoch_loop.max_steps = self.max_steps
+
+
+def _saves_during_fit(callback: ModelCheckpoint) -> bool:
+    return bool(
+        callback._every_n_train_steps
+        or callback._every_n_epochs
+        or callback._train_time_interval is not None
+    )

@@ -31,7 +31,7 @@ from lightning_swarm.config import (
 )
 from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.errors import SwarmConfigTypeError
-from lightning_swarm.fit_end import fit_ends_after_step
+from lightning_swarm.fit_end import BudgetStop, fit_ends_after_step
 from lightning_swarm.island_ddp import (
     IslandDDPStrategy,
     process_group_timeout_s,
@@ -126,6 +126,7 @@ class SwarmStrategy(IslandDDPStrategy):
         )
         self._loop: OuterLoop | None = None
         self._sigterm: IslandSigterm | None = None
+        self._budget_stop: BudgetStop | None = None
         self.totals = SwarmTotals()
 
     @classmethod
@@ -168,7 +169,11 @@ class SwarmStrategy(IslandDDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             # A pending swarm resume installs anchors later: build placeholders, not copies.
             resuming = trainer.ckpt_path is not None
+            if self.config.sync_every_s is not None:
+                self._budget_stop = BudgetStop(trainer, self.config.sync_every_s)
             self._build_outer_loop(defer_anchors=self.checkpointer.defer_anchors(resuming=resuming))
+            if self._budget_stop is not None:
+                self._budget_stop.install()
             if self._elastic is None and self.topology.num_islands > 1:
                 # Lightning's per-batch SIGTERM broadcast would cross islands at every step.
                 island = self.groups.between_rounds
@@ -206,6 +211,7 @@ class SwarmStrategy(IslandDDPStrategy):
             # (membership per rank); a model-sharded rank's share is its own shard.
             island_group=self.groups.island if self._shares_outer_state else None,
             island_position=self.topology.local_index,
+            budget_group=self.groups.island if self.topology.island_size > 1 else None,
         )
         if self._elastic is not None:
             self._elastic.attach(self._loop.outer_syncs)
@@ -351,6 +357,9 @@ class SwarmStrategy(IslandDDPStrategy):
                     metrics = self._elastic.after_round(trainer, metrics)
                 if metrics is not None and self._sigterm is not None:
                     self._sigterm.on_round()  # the islands learn of a SIGTERM at rounds only
+                if metrics is not None and self._budget_stop is not None:
+                    stop = self._budget_stop
+                    stop.after_round(self._loop.budget_ended(stop.max_steps))
                 # global_step counts this step only once optimizer_step has returned.
                 self._log_round(metrics, steps_pending=1)
                 self._end_of_fit_round(manual=False)
@@ -381,6 +390,8 @@ class SwarmStrategy(IslandDDPStrategy):
         super().on_train_end()
         if self._sigterm is not None:
             self._sigterm.close()
+        if self._budget_stop is not None:
+            self._budget_stop.restore()
         # A fit that ended where fit_end could not foresee it (EarlyStopping, max_time).
         if self._loop is not None and self._sync_at_end:
             self._log_round(self._loop.finish(), steps_pending=0)

@@ -8,6 +8,7 @@ island's ``data_parallel`` mesh; parameter names are the same either way.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -97,6 +98,9 @@ class GPTLightningModule(pl.LightningModule):
         n_layer, n_head, n_embd: transformer size.
         lr, weight_decay, betas: AdamW settings of the inner optimizer.
         warmup_steps: linear LR warm-up, then constant.
+        val_across_islands: validation metrics are reduced over every rank (a world collective
+            at each validation); ``False`` keeps each rank's own, which rounds on a time budget
+            need, since there islands validate at different times (docs/speeds.md).
     """
 
     def __init__(
@@ -109,13 +113,17 @@ class GPTLightningModule(pl.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 50,
+        val_across_islands: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps = warmup_steps
         self.model = GPT(256, block_size, n_layer, n_head, n_embd)
-        self.val_perplexity = Perplexity()
+        self.val_across_islands = val_across_islands
+        # torchmetrics types its keywords as dicts; the option is a bool.
+        options: dict[str, Any] = {"sync_on_compute": val_across_islands}
+        self.val_perplexity = Perplexity(**options)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
@@ -141,7 +149,7 @@ class GPTLightningModule(pl.LightningModule):
         logits = self.model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         self.val_perplexity.update(logits, y)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=self.val_across_islands)
         self.log("val_ppl", self.val_perplexity, prog_bar=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]

@@ -58,7 +58,15 @@ from lightning_swarm.membership.round_header import (
 from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundPlace,
+    RoundStats,
+    Work,
+)
 
 PhaseHook = Callable[[str, int], None]
 """Called with (phase, round) as each phase of a round starts on each rank that talks to
@@ -213,9 +221,11 @@ class TorchftMembership:
         names: Mapping[str, torch.Size],
         place: RoundPlace | None = None,
         offer: Mapping[str, Any] | None = None,
+        work: Work | None = None,
     ) -> Opening:
         """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
         what torchft sends a healing peer during the quorum. Collective over the island.
+        ``work`` is not weighed yet (``config.check_budget_options`` refuses time budgets here).
 
         Raises:
             MembershipError: this island was refused (on every rank of the island; per rank,

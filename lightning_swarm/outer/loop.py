@@ -9,6 +9,7 @@ module's, written in place; a DTensor is handed over as its local shard, a view 
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_swarm.algorithm.budget import Clock, RoundBudget
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
@@ -113,6 +115,9 @@ class OuterLoop:
             with ``config.shard_outer`` each rank owns a share of the outer state
             (``lightning_swarm.outer.shard``).
         island_position: this rank's index inside its island.
+        budget_group: the island's group when it has several ranks (``None`` otherwise): under
+            ``config.sync_every_s`` its first rank decides when the island joins a round.
+        clock: the time source of a time budget; tests drive it.
 
     Raises:
         ValueError: a parameter is trained by two optimizers, the fragment layout does not
@@ -134,6 +139,8 @@ class OuterLoop:
         totals: SwarmTotals | None = None,
         island_group: dist.ProcessGroup | None = None,
         island_position: int = 0,
+        budget_group: dist.ProcessGroup | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -167,11 +174,18 @@ class OuterLoop:
                 defer_anchors=defer_anchors,
                 streaming=streaming,
                 shard=shard,
+                budget=self._budget(clock, budget_group, device),
             )
             self._outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
             self._optimizer_of[id(outer)] = optimizer
         self._watch = ParameterWatch(optimizers, self.frozen)
+        if config.sync_every_s is not None and len(self._outer_syncs) > 1:
+            raise SwarmConfigError(
+                f"sync_every_s={config.sync_every_s} runs one round per time budget, but "
+                f"{len(self._outer_syncs)} optimizers train parameters here and each would "
+                "decide its own round; train with one optimizer, or drop sync_every_s."
+            )
 
     def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
         """Fragments (the layout is checked here, where the names are known) and options."""
@@ -217,6 +231,28 @@ class OuterLoop:
             self.config.bucket_numel,
             device=IslandShard.device_for(group, device),
         )
+
+    def _budget(
+        self, clock: Clock, group: dist.ProcessGroup | None, device: torch.device | None
+    ) -> RoundBudget | None:
+        """The island's time budget under ``sync_every_s`` (else None). On an island of
+        several ranks their clocks differ: the island's first rank decides for all, over the
+        island's own group (nothing crosses islands between rounds)."""
+        seconds = self.config.sync_every_s
+        if seconds is None:
+            return None
+        decision = None
+        if group is not None and dist.get_world_size(group) > 1:
+            decision = functools.partial(
+                _island_first_rank, group=group, device=IslandShard.device_for(group, device)
+            )
+        return RoundBudget(seconds, clock=clock, island_decision=decision)
+
+    def budget_ended(self, max_steps: int) -> bool:
+        """Under a time budget, after a round: whether some island had reached ``max_steps``
+        at it (the same answer on every rank: the count rode with the round's agreement)."""
+        budgets = [o.budget for o in self._outer_syncs if o.budget is not None]
+        return any(b.swarm_steps is not None and b.swarm_steps >= max_steps for b in budgets)
 
     @property
     def outer_syncs(self) -> list[OuterSync]:
@@ -355,3 +391,10 @@ class OuterLoop:
             grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
             total += ring_allreduce_bytes(grad_bytes, self.num_islands) * outer.inner_steps
         return total
+
+
+def _island_first_rank(verdict: bool, *, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """The island's first rank's ``verdict`` on every rank of ``group`` (collective)."""
+    flag = torch.tensor([int(verdict)], device=device)
+    dist.broadcast(flag, group=group, group_src=0)
+    return bool(flag.item())

@@ -4,7 +4,10 @@ A round of fragment f plans its buckets once (``transport.buckets.plan_buckets``
 ``anchor - local`` in float32, opens the round (``Transport.open``) and starts the
 transport per bucket; ``apply`` waits, agrees whether the round applies, steps the outer optimizer
 (SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other over the fragment) and
-merges. ``sync_delay`` only decides when ``apply`` runs. Two forms:
+merges. ``sync_delay`` only decides when ``apply`` runs; under a time budget
+(``SyncState.budget``) the island's clock decides when a round runs, and ``open`` answers with
+the factor that weighs this island's pseudo-gradient (applied before feedback and encoding).
+Two forms:
 - streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step):
   form, error feedback, exchange, step and merge run bucket by bucket, bucket k's mean in flight
   while k - 1 steps and k + 1 forms; CUDA parameters with host anchors go through
@@ -66,6 +69,7 @@ from lightning_swarm.transport.base import (
     Opening,
     RoundPlace,
     RoundStats,
+    Work,
 )
 from lightning_swarm.transport.buckets import Piece, numel_of, plan_buckets
 
@@ -92,6 +96,8 @@ class OuterRound:
         # The last held round's buffer, reused by the next held round of the same size.
         self._hold: Tensor | None = None
         self._reduce_s = 0.0
+        # This round's weight (``_open``): 1.0 unless a time budget weighs the islands.
+        self._scale = 1.0
         # A streamed round's error feedback: its names and the new residuals (scratch).
         self._feedback: Feedback | None = None
 
@@ -144,10 +150,20 @@ class OuterRound:
         if pending is not None:
             reports.append(pending)
         for fragment in range(len(s.fragments)):
-            if s.synced_at[fragment] != s.inner_steps:
+            if self._out_of_sync(fragment):
                 reports.append(self.round(fragment, merge_alpha=0.0))
         s.ended_at = s.inner_steps
         return reports
+
+    def _out_of_sync(self, fragment: int) -> bool:
+        """Whether ``finish`` runs a round of ``fragment``. Under a time budget islands count
+        different steps, so only what every island shares decides: a budgeted fit ends right
+        after a round (the stopping rule, or SIGTERM), where the islands differ from the
+        anchors only when that round merged with ``merge_alpha > 0``."""
+        s = self.state
+        if s.budget is not None:
+            return s.schedule.merge_alpha != 0
+        return s.synced_at[fragment] != s.inner_steps
 
     @torch.no_grad()
     def reset_to_anchors(self) -> None:
@@ -252,6 +268,8 @@ class OuterRound:
         s = self.state
         s.inner_steps += 1
         step = s.inner_steps
+        if s.budget is not None:  # one fragment, no delay (``config.check_budget_options``)
+            return self._budgeted_round() if s.budget.spent() else None
         sending = s.schedule.sends_at(step)
         if sending is not None and self.streams:
             return self.round(sending)
@@ -261,6 +279,30 @@ class OuterRound:
         if applying is None or _applied_by_finish(s, step - s.schedule.sync_delay):
             return None
         return self.apply(applying)
+
+    def _budgeted_round(self) -> SyncReport:
+        """The island's time budget is spent: its round now; the next budget starts when the
+        island leaves it, whether the round applied or failed."""
+        budget = self.state.budget
+        assert budget is not None
+        try:
+            return self.round(0)
+        finally:
+            budget.restart(self.state.inner_steps)
+
+    def _open(self, **kwargs: Any) -> Opening:
+        """``Transport.open``, with this island's work under a time budget: the transport
+        answers with the weight's scale (kept for this round's buckets) and the swarm's most
+        inner steps (kept on the budget, for the stopping rule)."""
+        s, budget = self.state, self.state.budget
+        if budget is None:
+            self._scale = 1.0
+            return self.transport.open(**kwargs)
+        work = Work(budget.work(s.inner_steps), s.inner_steps)
+        opening = self.transport.open(**kwargs, work=work)
+        self._scale = opening.scale
+        budget.swarm_steps = opening.swarm_steps
+        return opening
 
     @torch.no_grad()
     def round(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
@@ -318,7 +360,7 @@ class OuterRound:
         if on_cuda:
             pin_round_memory(s.outer_optimizer, s.anchors)
         finite = bool(torch.isfinite(max_abs(list(params))).item())
-        t.open(round_index=s.outer_steps, finite=finite, names=_shapes(s.params, names))
+        self._open(round_index=s.outer_steps, finite=finite, names=_shapes(s.params, names))
         allocate = self.staging.allocate_state if on_cuda else state_beside
         kind = self.kind()
         assert kind is not None
@@ -354,6 +396,8 @@ class OuterRound:
             start = (k % num_buffers) * numel
             delta = deltas[start : start + numel_of(bucket)]
             job.form(bucket, delta, job.anchor_at)
+            if self._scale != 1.0:  # weighted before feedback and encoding see it
+                delta.mul_(self._scale)
             if self._feedback is not None:
                 feed_back_pieces(self.state.residuals, *self._feedback, bucket, delta)
             pending.append((bucket, delta, self._start(delta, bucket)))
@@ -387,7 +431,9 @@ class OuterRound:
         return sent
 
     def _exchange_bucket(self, flat: Tensor, bucket: list[Piece]) -> int:
-        """One bucket's mean, in place, now (the staged path's ``Exchange``)."""
+        """One bucket's mean, in place, now (the staged path's ``Exchange``; no feedback)."""
+        if self._scale != 1.0:
+            flat.mul_(self._scale)
         return self._wait(self._start(flat, bucket))
 
     def _buffer(self, numel: int, device: torch.device) -> Tensor:
@@ -456,12 +502,14 @@ class OuterRound:
         if not deltas and not getattr(s.transport, "every_rank_in_round", False):
             return Exchanged(RoundStats(applied=True), 0.0)
         codec, start, sent = self._codec(), time.perf_counter(), 0
-        previous = {} if codec is None else feed_back_tensors(s.residuals, deltas, codec)
+        previous: dict[str, Tensor | None] = {}
         opening = Opening()
         try:
             with record_function(labels.EXCHANGE):
+                # Residuals are finite (a refused round restores them), so the flag is the
+                # pseudo-gradient's; it is opened before feedback so a weight scales first.
                 finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
-                opening = t.open(
+                opening = self._open(
                     round_index=round_index,
                     finite=finite,
                     names=_shapes(deltas, deltas),
@@ -471,6 +519,10 @@ class OuterRound:
                 if opening.adopt is not None:  # the swarm's fragment, contributing zeros
                     names = s.owned_fragments[opening.adopt.fragment]
                     flat, deltas = _zeros(s.params, names, flat.device)
+                elif self._scale != 1.0:
+                    flat.mul_(self._scale)
+                if codec is not None and opening.adopt is None:
+                    previous = feed_back_tensors(s.residuals, deltas, codec)
                 if not opening.abandon:
                     sent = self._buckets(flat, [d.numel() for d in deltas.values()])
                 stats = t.agree()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.errors import SwarmConfigTypeError
 from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
@@ -43,6 +44,9 @@ class OuterSync:
         streaming: fragments, delay, merge and error feedback (``StreamingOptions``).
         shard: this rank's share of a sharded island (``lightning_swarm.outer.shard``): only
             the names it owns get anchors, outer state and rounds here; ``None`` owns all.
+        budget: rounds on a time budget (``sync_every_s``) instead of every ``sync_every``
+            steps: an island joins once its budget is spent and its pseudo-gradient is weighted
+            by the inner steps it took (``algorithm.budget``). One fragment and no delay.
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -61,11 +65,17 @@ class OuterSync:
         defer_anchors: bool = False,
         streaming: StreamingOptions | None = None,
         shard: IslandShard | None = None,
+        budget: RoundBudget | None = None,
     ) -> None:
         params = dict(params)
         streaming = streaming or StreamingOptions()
         fragments = check_fragments(streaming.fragments, list(params))
         schedule = _build_schedule(sync_every, len(fragments), streaming)
+        if budget is not None and (len(fragments) > 1 or schedule.sync_delay > 0):
+            raise ValueError(
+                "a time budget (sync_every_s) runs whole-model rounds without delay; use one "
+                "fragment and sync_delay=0 with it."
+            )
         owned = [n for n in params if shard is None or shard.owns(n)]
         owned_set = set(owned)
         device = torch.device(anchor_device)
@@ -89,6 +99,7 @@ class OuterSync:
             placeholders=defer_anchors,
             fragment_rounds=[0] * len(fragments),
             synced_at=[None if defer_anchors else 0] * len(fragments),
+            budget=budget,
         )
         self.checkpoint = SyncCheckpoint(self.state)
         self.engine = OuterRound(self.state, self.checkpoint)
@@ -250,14 +261,30 @@ class OuterSync:
         """Anchors, outer optimizer state, counters and a round in flight (global state)."""
         return self.record().to_dict()
 
+    @property
+    def budget(self) -> RoundBudget | None:
+        """The island's time budget between rounds, or None (rounds every ``sync_every``)."""
+        return self.state.budget
+
     def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state (error-feedback residuals), after any round in flight;
-        collective over a sharded island with error feedback."""
+        """This island's own state (error-feedback residuals; under a time budget the budget
+        and the island's own inner-step count, since islands step at their own pace), after
+        any round in flight; collective over a sharded island with error feedback."""
         self.engine.drain()
-        return {"residuals": self.checkpoint.island_residuals()}
+        state: dict[str, Any] = {"residuals": self.checkpoint.island_residuals()}
+        budget = self.state.budget
+        if budget is not None:
+            state["budget"] = {**budget.state_dict(), "inner_steps": self.state.inner_steps}
+        return state
 
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install an ``island_state_dict`` (after ``load_state_dict``, whose counters are the
+        saving island's: a budgeted island takes back its own inner-step count here)."""
         self.engine.install_residuals(state)
+        budget, saved = self.state.budget, state.get("budget")
+        if budget is not None and saved is not None:
+            budget.load_state_dict(saved)
+            self.state.inner_steps = int(saved["inner_steps"])
 
     def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Refuse a saved state this sync cannot install (``SyncCheckpoint.check_state_dict``)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
 from lightning_swarm.outer.shard import IslandShard
@@ -87,6 +88,8 @@ class SyncState:
         ended_at: the inner step of the last end-of-fit round, or None.
         residuals: error-feedback residuals by owned name (this island's own state).
         in_flight: the round sent and not applied yet, or None.
+        budget: the island's time budget between rounds (``sync_every_s``), or None: rounds
+            follow ``schedule`` (``budget`` replaces it: one fragment, no delay).
     """
 
     params: dict[str, torch.nn.Parameter]
@@ -110,3 +113,4 @@ class SyncState:
     ended_at: int | None = None
     residuals: dict[str, Tensor] = field(default_factory=dict)
     in_flight: RoundInFlight | None = None
+    budget: RoundBudget | None = None

@@ -20,9 +20,17 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundPlace,
+    RoundStats,
+    Work,
+)
 from lightning_swarm.transport.buckets import check_bucket
-from lightning_swarm.transport.checks import agree_finite_flag
+from lightning_swarm.transport.checks import agree_finite_and_work, agree_finite_flag
 
 
 def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
@@ -73,9 +81,22 @@ class AllReduceTransport:
         names: Mapping[str, torch.Size],
         place: RoundPlace | None = None,
         offer: Mapping[str, Any] | None = None,
+        work: Work | None = None,
     ) -> Opening:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
-        before any bucket moves; collective over the peer group."""
+        before any bucket moves; collective over the peer group. With ``work`` the islands'
+        weights ride with the flag (``checks.agree_finite_and_work``)."""
+        if work is not None:
+            position = 0 if self.num_islands <= 1 else dist.get_rank(self.group)
+            return agree_finite_and_work(
+                finite,
+                work,
+                self.group,
+                self.num_islands,
+                position,
+                self.device,
+                self.island_group,
+            )
         agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
         return Opening()
 

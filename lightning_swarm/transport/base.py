@@ -64,6 +64,19 @@ class RoundPlace:
 
 
 @dataclass(frozen=True)
+class Work:
+    """What an island brings to a time-budgeted round (``sync_every_s``).
+
+    Attributes:
+        steps: inner steps it took since it left the last round: its weight in the mean.
+        inner_steps: inner steps it has taken in all (the swarm's stopping rule reads the most).
+    """
+
+    steps: int
+    inner_steps: int
+
+
+@dataclass(frozen=True)
 class Opening:
     """What ``open`` decided for this island's round (static transports: the defaults).
 
@@ -73,10 +86,16 @@ class Opening:
             ``adopt.fragment``'s names, applies that fragment's mean if the round applies, and
             takes the swarm's clock (``adopt.apply_step``) either way. ``None``: its own round.
         abandon: no bucket moves; the round will not apply (``agree`` says so).
+        scale: with ``work``: the factor the island multiplies its pseudo-gradient by before
+            the plain mean, ``n * w_own / sum_i w_i``, so that the mean is weighted by each
+            island's ``Work.steps`` (exactly 1.0 when every weight is equal).
+        swarm_steps: with ``work``: the most ``Work.inner_steps`` of any island in the round.
     """
 
     adopt: RoundPlace | None = None
     abandon: bool = False
+    scale: float = 1.0
+    swarm_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,12 +154,15 @@ class Transport(Protocol):
         names: Mapping[str, torch.Size],
         place: RoundPlace | None = None,
         offer: Mapping[str, Any] | None = None,
+        work: Work | None = None,
     ) -> Opening:
         """Start round ``round_index`` over tensors of ``names`` (in order, packed into the
         buckets). Collective; raises ``NonFinitePseudoGradientError`` on every rank when an
         island is not ``finite``, where the transport refuses such rounds. ``place`` is where
         the round sits in the schedule; ``offer`` the outer state a healing peer may be sent
-        (read-only until the next ``open``; built by the engine on its own thread)."""
+        (read-only until the next ``open``; built by the engine on its own thread). ``work``
+        (time-budgeted rounds only; the engine passes it to no transport otherwise) travels
+        with the finite flag, and the ``Opening`` says how to weigh this island."""
         ...
 
     def start(self, bucket: Bucket) -> Handle: ...

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.transport.agree import agree, flags_direct, flags_over
+from lightning_swarm.transport.base import Opening, Work
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 
 
@@ -65,3 +67,46 @@ def _raise_if_any(bad: Sequence[int]) -> None:
             "its loss for NaN, lower the inner learning rate or enable gradient clipping, then "
             "resume from the last checkpoint."
         )
+
+
+def agree_finite_and_work(
+    local: bool,
+    work: Work,
+    group: dist.ProcessGroup | None,
+    num_islands: int,
+    island_index: int,
+    device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
+    *,
+    direct: bool = False,
+) -> Opening:
+    """``agree_finite_flag`` for a time-budgeted round: each island's ``work`` rides in the
+    same message as its flag (three float64 per island, exact for any step count below 2**53).
+
+    Returns the ``Opening`` that weighs this island (``budget.scale_of``) and carries the most
+    inner steps of any island; raises as ``agree_finite_flag`` does. Collective over the peer
+    group (``direct``: one ``all_to_all_single`` step, else an all-gather).
+    """
+    local = island_verdict(local, island_group, device)
+    mine = torch.tensor(
+        [1.0 if local else 0.0, float(work.steps), float(work.inner_steps)],
+        dtype=torch.float64,
+        device=device,
+    )
+    if num_islands <= 1:
+        rows = mine.view(1, 3)
+    elif direct:
+        rows = torch.empty(num_islands * 3, dtype=torch.float64, device=device)
+        dist.all_to_all_single(rows, mine.repeat(num_islands), group=group)
+        rows = rows.view(num_islands, 3)
+    else:
+        gathered = [torch.empty_like(mine) for _ in range(num_islands)]
+        dist.all_gather(gathered, mine, group=group)
+        rows = torch.stack(gathered)
+    table = rows.cpu().tolist()
+    _raise_if_any([i for i, row in enumerate(table) if row[0] != 1.0])
+    weights = [row[1] for row in table]
+    return Opening(
+        scale=scale_of(weights, island_index),
+        swarm_steps=int(max(row[2] for row in table)),
+    )

@@ -31,9 +31,17 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundPlace,
+    RoundStats,
+    Work,
+)
 from lightning_swarm.transport.buckets import Piece
-from lightning_swarm.transport.checks import agree_finite_flag
+from lightning_swarm.transport.checks import agree_finite_and_work, agree_finite_flag
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
 from lightning_swarm.transport.pieces import check_coded_options
 
@@ -101,9 +109,23 @@ class ReduceScatterTransport:
         names: Mapping[str, torch.Size],
         place: RoundPlace | None = None,
         offer: Mapping[str, Any] | None = None,
+        work: Work | None = None,
     ) -> Opening:
         """Every island agrees on ``finite`` in one message step before any bucket moves
-        (``checks.agree_finite_flag``, ``direct=True``)."""
+        (``checks.agree_finite_flag``, ``direct=True``); with ``work`` the islands' weights
+        ride in the same step (``checks.agree_finite_and_work``). The engine scales its
+        contribution before a bucket is started, so it is encoded scaled."""
+        if work is not None:
+            return agree_finite_and_work(
+                finite,
+                work,
+                self.group,
+                self.num_islands,
+                self.island_index,
+                self.device,
+                self.island_group,
+                direct=True,
+            )
         agree_finite_flag(
             finite, self.group, self.num_islands, self.device, self.island_group, direct=True
         )

@@ -62,7 +62,7 @@ from lightning_swarm.transport.aggregator.verdicts import (
     raise_if_failed,
     read_verdicts,
 )
-from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundPlace, RoundStats
+from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundPlace, RoundStats, Work
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
@@ -174,9 +174,11 @@ class SwarmAggregator:
         names: Mapping[str, torch.Size],
         place: RoundPlace | None = None,
         offer: Mapping[str, Any] | None = None,
+        work: Work | None = None,
     ) -> Opening:
         """Begin round ``round_index`` over tensors of ``names``; nothing moves yet. ``finite``
-        is not agreed on: every owner checks each contribution and drops a non-finite one."""
+        is not agreed on: every owner checks each contribution and drops a non-finite one.
+        ``work`` is not weighed yet (``config.check_budget_options`` refuses time budgets here)."""
         self._round_index, self._names = round_index, dict(names)
         self._buckets, self._stats = [], None
         return Opening()
