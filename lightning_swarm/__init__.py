@@ -12,6 +12,8 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import (
     CollectiveTimeoutError,
     DiskFullError,
+    PeerLostError,
+    RoundTimeoutError,
     SwarmCheckpointError,
     SwarmConfigError,
     SwarmConfigTypeError,
@@ -50,7 +52,9 @@ __all__ = [
     "MembershipError",
     "ModelMismatchError",
     "NonFinitePseudoGradientError",
+    "PeerLostError",
     "QuorumTimeoutError",
+    "RoundTimeoutError",
     "SettingsMismatchError",
     "ShareFailedError",
     "SpoolError",

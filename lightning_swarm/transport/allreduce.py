@@ -23,6 +23,7 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundPlace, RoundStats
 from lightning_swarm.transport.buckets import check_bucket
 from lightning_swarm.transport.checks import agree_finite_flag
+from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 
 
 def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
@@ -43,6 +44,9 @@ class AllReduceTransport:
         device: where the bucket lives (``cuda`` for NCCL, ``cpu`` for gloo).
         island_group: a model-sharded island's group: its ranks agree on one finite verdict
             first (``checks.agree_finite_flag``); ``None`` otherwise.
+        timeouts: where the peer group's collective timeout comes from (``transport.link``);
+            ``None`` keeps the group's own. A timeout or a peer that went away raises
+            ``RoundTimeoutError`` or ``PeerLostError`` either way.
     """
 
     def __init__(
@@ -53,8 +57,10 @@ class AllReduceTransport:
         bucket_numel: int,
         device: torch.device | str = "cpu",
         island_group: dist.ProcessGroup | None = None,
+        timeouts: LinkTimeouts | None = None,
     ) -> None:
         check_bucket(bucket_numel)
+        self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
         self.group = group
         self.island_group = island_group
         self.num_islands = num_islands
@@ -76,7 +82,10 @@ class AllReduceTransport:
     ) -> Opening:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
         before any bucket moves; collective over the peer group."""
-        agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
+        self.link.open(round_index, names)
+        with self.link.explained():
+            agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
+        self.link.started()
         return Opening()
 
     @record_function(labels.ALLREDUCE)
@@ -89,12 +98,14 @@ class AllReduceTransport:
         flat = bucket.flat
         if flat.device.type == "cpu" and self.device.type != "cpu":
             flat = flat.to(self.device)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        with self.link.explained():
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        return _Mean(work, flat, bucket.flat, self.num_islands)
+        return _Mean(work, flat, bucket.flat, self.num_islands, self.link)
 
     def agree(self) -> RoundStats:
         """A round that started every bucket applies (refusals raise at ``open``)."""
+        self.link.finished()
         return RoundStats()
 
     def close(self) -> None:
@@ -109,9 +120,11 @@ class _Mean:
     flat: Tensor
     out: Tensor  # the caller's bucket (``flat`` itself unless staged)
     num_islands: int
+    link: LinkWatch
 
     def wait(self) -> int:
-        self.work.wait()
+        with self.link.explained():
+            self.work.wait()
         self.flat.div_(self.num_islands)
         if self.out is not self.flat:
             self.out.copy_(self.flat)
