@@ -33,7 +33,9 @@ def test_a_killed_peer_island_is_named_with_the_round_and_what_to_do(
     assert result["exception"] == "PeerLostError", result
     message = result["message"]
     # Rank 1 dies after round 0 (step 4): round 1 (step 8) finds it gone.
-    assert message.startswith("round 1 on island 0: island 1 (global rank 1) went away"), message
+    assert message.startswith("rank 0, island 0, round 1: island 1 (global rank 1) went away"), (
+        message
+    )
     assert "Connection reset by peer" in message or "Connection closed by peer" in message
     assert "Restart the fit from the last checkpoint (ckpt_path=last)" in message
     assert "use elastic islands (membership='torchft'" in message

@@ -125,6 +125,7 @@ class _Mean:
     def wait(self) -> int:
         with self.link.explained():
             self.work.wait()
+        self.link.arrived()
         self.flat.div_(self.num_islands)
         if self.out is not self.flat:
             self.out.copy_(self.flat)

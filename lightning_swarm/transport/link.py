@@ -134,13 +134,14 @@ class LinkWatch:
         self.round_index = 0
         self.payload_bytes = 0
         self._started: float | None = None
+        self._arrived: float | None = None
 
     def open(self, round_index: int, names: Mapping[str, torch.Size]) -> None:
         """Round ``round_index`` over float32 tensors of ``names`` begins: bound the group's
         collectives by its timeout, before any of them runs."""
+        self.finished()  # a round the engine streamed ends without ``agree``
         self.round_index = round_index
         self.payload_bytes = 4 * sum(int(torch.Size(s).numel()) for s in names.values())
-        self._started = None
         t = self.timeouts
         if t is None or t.explicit_s is not None or self.num_islands <= 1:
             return
@@ -150,16 +151,21 @@ class LinkWatch:
 
     def started(self) -> None:
         """The round's opening agreement is done: its transfer starts now."""
-        self._started = time.perf_counter()
+        self._started, self._arrived = time.perf_counter(), None
+
+    def arrived(self) -> None:
+        """A bucket's mean arrived (the last one's time ends the round's transfer)."""
+        self._arrived = time.perf_counter()
 
     def finished(self) -> None:
-        """Every bucket of the round arrived: keep the rate this rank saw."""
-        if self._started is None or self.payload_bytes == 0 or self.num_islands <= 1:
+        """The round is over (``agree``, or the next ``open``): keep the rate this rank saw
+        from its opening agreement to its last bucket, once per round."""
+        started, arrived = self._started, self._arrived
+        self._started = self._arrived = None
+        if started is None or arrived is None or self.payload_bytes == 0:
             return
-        elapsed = time.perf_counter() - self._started
-        if elapsed > 0:
-            self.rate_bps = self.payload_bytes / elapsed
-        self._started = None
+        if self.num_islands > 1 and arrived > started:
+            self.rate_bps = self.payload_bytes / (arrived - started)
 
     @contextlib.contextmanager
     def explained(self) -> Iterator[None]:
@@ -182,8 +188,9 @@ class LinkWatch:
         return dist.get_rank(self.group)
 
     def _where(self, island: int | None) -> str:
-        on = "" if island is None else f" on island {island}"
-        return f"round {self.round_index}{on}"
+        if island is None:
+            return f"round {self.round_index}"
+        return f"rank {dist.get_rank()}, island {island}, round {self.round_index}"
 
     def timeout_message(self, cause: BaseException) -> str:
         """What a round that overran its timeout says (``RoundTimeoutError``)."""

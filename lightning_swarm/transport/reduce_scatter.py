@@ -125,7 +125,9 @@ class ReduceScatterTransport:
         runs = bucket.run_views()
         pieces = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
         with self.link.explained():
-            return Done(self._average_bucket(runs, pieces))
+            sent = self._average_bucket(runs, pieces)
+        self.link.arrived()
+        return Done(sent)
 
     def agree(self) -> RoundStats:
         """A round that started every bucket applies (refusals raise at ``open``)."""
