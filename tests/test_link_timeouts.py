@@ -126,3 +126,19 @@ def test_a_round_past_its_derived_timeout_raises_with_the_measured_rate(
     )
     assert "4,000-byte payload waited timeout_s=1 s (derived: 4x the payload's time" in error
     assert "the last round measured" in error and "MB/s" in error
+
+
+def test_the_strategys_transport_derives_unless_timeout_s_is_set() -> None:
+    from lightning_swarm.outer.build import transport_for
+
+    def timeouts(config: SwarmConfig) -> LinkTimeouts | None:
+        transport = transport_for(
+            config, None, num_islands=2, island_index=0, device=torch.device("cpu")
+        )
+        return transport.link.timeouts  # type: ignore[attr-defined]
+
+    assert timeouts(SwarmConfig()) == LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S, None)
+    assert timeouts(SwarmConfig(timeout_s=7)) == LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S, 7)
+    assert timeouts(SwarmConfig(quantize="int8")) == LinkTimeouts(
+        "timeout_s", DEFAULT_TIMEOUT_S, None
+    )
