@@ -13,6 +13,8 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import (
     CollectiveTimeoutError,
     DiskFullError,
+    PeerLostError,
+    RoundTimeoutError,
     SwarmCheckpointError,
     SwarmConfigError,
     SwarmConfigTypeError,
@@ -52,7 +54,9 @@ __all__ = [
     "MembershipError",
     "ModelMismatchError",
     "NonFinitePseudoGradientError",
+    "PeerLostError",
     "QuorumTimeoutError",
+    "RoundTimeoutError",
     "SettingsMismatchError",
     "ShareFailedError",
     "SpoolError",

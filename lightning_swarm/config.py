@@ -102,6 +102,9 @@ class AnchorConfig:
 
 
 MembershipName = Literal["static", "torchft"]
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""Every process group's timeout when ``timeout_s`` is not set (torch's own default)."""
 FrozenParams = Literal["exclude", "sync"]
 
 # Where an option must match (field metadata, so a new option is marked next to its
@@ -202,7 +205,9 @@ class SwarmConfig:
             round, a checkpoint's barriers) waits for the other ranks before every waiting
             rank raises ``CollectiveTimeoutError``: a rank that stopped or hung ends the run
             after this many seconds instead of blocking it (torch's default is 30 minutes).
-            Set it above your slowest step or checkpoint save.
+            ``None`` (the default) means ``DEFAULT_TIMEOUT_S`` for every group, except that
+            the peer group's bound grows with the round's payload over the link rate the last
+            round measured (``transport.link``); a value set here is used as it is everywhere.
     """
 
     sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))
@@ -234,7 +239,7 @@ class SwarmConfig:
     island_parallel: IslandParallel = "ddp"
     tensor_parallel_size: int = 1
     frozen_params: FrozenParams = "exclude"
-    timeout_s: float = 1800.0
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -258,7 +263,8 @@ class SwarmConfig:
         check_budget_options(self)
         _check_shard_outer(self)
         check_island_parallel(self)
-        _check_timeout(self.timeout_s)
+        if self.timeout_s is not None:
+            _check_timeout(self.timeout_s)
         check_frozen_params(self.frozen_params)
 
     def resume_options(self) -> dict[str, Any]:
@@ -269,6 +275,11 @@ class SwarmConfig:
         values["merge_alpha"] = float(self.merge_alpha)
         values["error_feedback"] = bool(self.error_feedback)
         return values
+
+    @property
+    def group_timeout_s(self) -> float:
+        """Every process group's timeout at creation: ``timeout_s``, or its default."""
+        return DEFAULT_TIMEOUT_S if self.timeout_s is None else float(self.timeout_s)
 
     @property
     def outer_sharded(self) -> bool:

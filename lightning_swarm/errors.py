@@ -52,3 +52,14 @@ class DiskFullError(SwarmError, OSError):
 
 class CollectiveTimeoutError(SwarmError, RuntimeError):
     """A collective waited ``timeout_s`` for a rank that never came (stopped, hung or dead)."""
+
+
+class RoundTimeoutError(CollectiveTimeoutError):
+    """An outer round's collective gave up: the message names the link rate the last round
+    measured, the round's payload bytes, the timeout it had and the option that raises it."""
+
+
+class PeerLostError(SwarmError, RuntimeError):
+    """A peer's connection closed mid-collective (its process died or its link went away):
+    the message names the island (and rank, where known) that went away, the round, and what
+    to do."""

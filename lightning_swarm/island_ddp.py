@@ -27,12 +27,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.errors import CollectiveTimeoutError, SwarmConfigError, SwarmError
+from lightning_swarm.errors import (
+    CollectiveTimeoutError,
+    PeerLostError,
+    SwarmConfigError,
+    SwarmError,
+)
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.factory import peer_backend
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
+from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_message
 
 
 class IslandDDPStrategy(DDPStrategy):
@@ -306,7 +312,7 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
+def process_group_timeout_s(timeout_s: float | None, kwargs: dict[str, Any]) -> float | None:
     """The one timeout of every process group, from ``timeout_s`` or DDPStrategy's ``timeout``.
 
     ``timeout=timedelta(...)`` (DDPStrategy's own keyword) is still accepted and removed from
@@ -319,7 +325,7 @@ def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
         raise SwarmConfigError(
             f"timeout={timeout!r} must be a datetime.timedelta; prefer timeout_s=<seconds>."
         )
-    if timeout_s not in (1800.0, timeout.total_seconds()):
+    if timeout_s not in (None, timeout.total_seconds()):
         raise SwarmConfigError(
             f"timeout={timeout} and timeout_s={timeout_s} disagree; give timeout_s only."
         )
@@ -328,15 +334,23 @@ def process_group_timeout_s(timeout_s: float, kwargs: dict[str, Any]) -> float:
 
 @contextlib.contextmanager
 def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iterator[None]:
-    """Turn a collective's timeout (torch's message names no option) into one that does.
+    """Turn a collective's timeout (torch's message names no option) into one that does, and
+    a peer's closed connection into ``PeerLostError``.
 
     Only for static runs (``static``): elastic islands bound their rounds with
-    ``round_timeout_s`` and report their own errors.
+    ``round_timeout_s`` and report their own errors. The outer round's transport explains its
+    own collectives (naming the island and the round, ``transport.link``); this catches the
+    others (DDP inside an island, Lightning's, a checkpoint's).
     """
     try:
         yield
     except RuntimeError as err:
-        if not static or isinstance(err, SwarmError) or not _is_timeout(err):
+        if not static or isinstance(err, SwarmError):
+            raise
+        if is_peer_loss(err):
+            gone = "a rank of this run (the one whose address torch names)"
+            raise PeerLostError(peer_lost_message(f"rank {rank}", gone, err)) from err
+        if not is_timeout(err):
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CollectiveTimeoutError(
@@ -345,9 +359,3 @@ def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iter
             "instead of blocking. Look for the rank whose log ends earliest; if a step or a "
             "checkpoint legitimately takes longer, raise timeout_s."
         ) from err
-
-
-def _is_timeout(err: BaseException) -> bool:
-    text = str(err).lower()
-    # gloo: "Timed out waiting 5000ms for recv ..."; NCCL: "collective operation timeout".
-    return "timed out" in text or "operation timeout" in text

@@ -105,7 +105,7 @@ class SwarmStrategy(IslandDDPStrategy):
     ) -> None:
         options = _pop_options(kwargs)
         if "timeout" in kwargs:  # DDPStrategy's own keyword, still accepted
-            default = config.timeout_s if isinstance(config, SwarmConfig) else 1800.0
+            default = config.timeout_s if isinstance(config, SwarmConfig) else None
             options["timeout_s"] = process_group_timeout_s(
                 options.get("timeout_s", default), kwargs
             )
@@ -121,7 +121,7 @@ class SwarmStrategy(IslandDDPStrategy):
             peer_transport=self.config.transport,
             island_parallel=self.config.island_parallel,
             tensor_parallel_size=self.config.tensor_parallel_size,
-            timeout=datetime.timedelta(seconds=self.config.timeout_s),
+            timeout=datetime.timedelta(seconds=self.config.group_timeout_s),
             **kwargs,
         )
         self._loop: OuterLoop | None = None
@@ -348,7 +348,9 @@ class SwarmStrategy(IslandDDPStrategy):
             self._loop.check_optimizer(optimizer)
         # The step's collectives (DDP's in backward, the outer round's): a rank that stopped
         # shows here as a timeout, which is told apart from other errors by its message.
-        with timeouts_explained(self.config.timeout_s, self.global_rank, self._elastic is None):
+        with timeouts_explained(
+            self.config.group_timeout_s, self.global_rank, self._elastic is None
+        ):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._loop is not None:
                 metrics = self._loop.on_inner_step(optimizer)
@@ -367,7 +369,9 @@ class SwarmStrategy(IslandDDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with timeouts_explained(self.config.timeout_s, self.global_rank, self._elastic is None):
+        with timeouts_explained(
+            self.config.group_timeout_s, self.global_rank, self._elastic is None
+        ):
             output = super().training_step(*args, **kwargs)
             # Manual optimization steps its optimizers inside training_step: all are done.
             self._end_of_fit_round(manual=True)

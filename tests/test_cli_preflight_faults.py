@@ -93,3 +93,37 @@ def test_cli_refuses_a_gpt_without_blocks(compose) -> None:
     cfg = compose("model.n_layer=-1")
     with pytest.raises(Exception, match=r"model\.n_layer=-1 must be a positive integer"):
         build(cfg)
+
+
+def test_an_unreachable_lighthouse_is_reported_before_anything_starts(compose) -> None:
+    from lightning_swarm import LighthouseUnreachableError
+    from tests.dist_utils import free_port
+
+    address = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    cfg = compose(
+        "strategy.membership=torchft", f"strategy.lighthouse={address}", "strategy.island_id=a"
+    )
+    with pytest.raises(LighthouseUnreachableError) as info:
+        build(cfg)
+    message = str(info.value)
+    assert message.startswith(f"strategy.lighthouse={address}: nothing accepted a connection")
+    assert "Start the lighthouse first (`swarm-lighthouse --min-islands N --port P`" in message
+    assert "The run stopped before training." in message
+
+
+def test_a_lighthouse_that_listens_passes_the_check() -> None:
+    import socket
+
+    from lightning_swarm import LighthouseUnreachableError, SwarmConfig
+    from lightning_swarm.cli.preflight import check_lighthouse
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        config = SwarmConfig(
+            membership="torchft", lighthouse=f"http://127.0.0.1:{port}", island_id="a"
+        )
+        check_lighthouse(config)  # raises if the connect failed
+    with pytest.raises(LighthouseUnreachableError, match="names no host and port"):
+        check_lighthouse(SwarmConfig(membership="torchft", lighthouse="lighthouse", island_id="a"))

@@ -29,6 +29,7 @@ from lightning_swarm.callbacks import HostMemoryCensus
 from lightning_swarm.cli.preflight import (
     check_accelerator,
     check_islands,
+    check_lighthouse,
     make_hparams_plain,
     plain,
     resolve_ckpt_path,
@@ -85,6 +86,7 @@ def build(cfg: DictConfig) -> Run:
             trainer_options.get("num_nodes", 1),
             strategy.config.island_size,
         )
+        check_lighthouse(strategy.config)
     callbacks = [
         instantiate(c, _convert_="all")
         for c in (cfg.get("callbacks") or {}).values()

@@ -17,7 +17,10 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator,
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import Container, OmegaConf
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
+from lightning_swarm.membership.errors import LighthouseUnreachableError
+from lightning_swarm.membership.quorum import lighthouse_problem
 from lightning_swarm.resume.complete import checkpoint_problem
 from lightning_swarm.topology import IslandTopology
 
@@ -104,6 +107,31 @@ def check_islands(accelerator: str, devices: Any, num_nodes: int, island_size: i
             f"node on the {check_accelerator(accelerator)} accelerator, and "
             f"trainer.num_nodes={num_nodes}."
         ) from err
+
+
+LIGHTHOUSE_CONNECT_S = 3.0
+"""How long the launch waits for the lighthouse to accept a connection: a TCP handshake, which
+takes one round trip on a live link, so a few seconds tell a dead address from a slow one."""
+
+
+def check_lighthouse(config: SwarmConfig, timeout_s: float = LIGHTHOUSE_CONNECT_S) -> None:
+    """Fail now, before any rank starts, when an elastic run's lighthouse accepts no connection.
+
+    Raises:
+        LighthouseUnreachableError: ``membership=torchft`` and nothing answered at
+            ``lighthouse`` within ``timeout_s``; the message names the address and the fix.
+    """
+    if config.membership != "torchft" or not config.lighthouse:
+        return
+    problem = lighthouse_problem(config.lighthouse, timeout_s)
+    if problem is not None:
+        raise LighthouseUnreachableError(
+            f"strategy.lighthouse={config.lighthouse}: {problem}. Start "
+            "the lighthouse first (`swarm-lighthouse --min-islands N --port P`, on a host "
+            "every island reaches) and pass its address as strategy.lighthouse=http://host:P; "
+            "check the host, the port and any firewall between them. The run stopped before "
+            "training."
+        )
 
 
 def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:

@@ -45,14 +45,25 @@ def quorum_retries_for(quorum_timeout_s: float) -> int:
 
 def lighthouse_answers(address: str, timeout_s: float = 2.0) -> bool:
     """Whether anything accepts a TCP connection at the lighthouse's address."""
+    return lighthouse_problem(address, timeout_s) is None
+
+
+def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
+    """Why nothing accepts a TCP connection at the lighthouse's ``address`` within
+    ``timeout_s`` (the address has no host or port, or the connect's error); ``None`` when
+    something does."""
     parts = urlsplit(address if "://" in address else f"http://{address}")
-    if parts.hostname is None or parts.port is None:
-        return False
     try:
-        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+        host, port = parts.hostname, parts.port
+    except ValueError as err:  # a port that is not a number
+        return f"the address has no valid port ({err})"
+    if host is None or port is None:
+        return "the address names no host and port (e.g. http://host:29510)"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return f"nothing accepted a connection within {timeout_s:g} s ({err})"
 
 
 def request_quorum(

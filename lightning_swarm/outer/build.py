@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.algorithm.codecs import Codec, codec_for
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.config import DEFAULT_TIMEOUT_S, SwarmConfig
 from lightning_swarm.transport import Transport, build_transport
+from lightning_swarm.transport.link import LinkTimeouts
 
 
 def codec_of(config: SwarmConfig) -> Codec | None:
@@ -41,6 +42,7 @@ def transport_for(
     their own device either way. ``island_group`` is given for model-sharded islands only
     (``transport.factory.build_transport``).
     """
+    timeouts = LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S, config.timeout_s)
     return build_transport(
         config.transport,
         group=peers,
@@ -51,4 +53,5 @@ def transport_for(
         bucket_numel=config.bucket_numel,
         swarm=config.swarm,
         island_group=island_group,
+        timeouts=timeouts,
     )

@@ -31,6 +31,7 @@ from lightning_swarm.transport.base import (
 )
 from lightning_swarm.transport.buckets import check_bucket
 from lightning_swarm.transport.checks import agree_finite_and_work, agree_finite_flag
+from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 
 
 def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
@@ -51,6 +52,9 @@ class AllReduceTransport:
         device: where the bucket lives (``cuda`` for NCCL, ``cpu`` for gloo).
         island_group: a model-sharded island's group: its ranks agree on one finite verdict
             first (``checks.agree_finite_flag``); ``None`` otherwise.
+        timeouts: where the peer group's collective timeout comes from (``transport.link``);
+            ``None`` keeps the group's own. A timeout or a peer that went away raises
+            ``RoundTimeoutError`` or ``PeerLostError`` either way.
     """
 
     def __init__(
@@ -61,8 +65,10 @@ class AllReduceTransport:
         bucket_numel: int,
         device: torch.device | str = "cpu",
         island_group: dist.ProcessGroup | None = None,
+        timeouts: LinkTimeouts | None = None,
     ) -> None:
         check_bucket(bucket_numel)
+        self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
         self.group = group
         self.island_group = island_group
         self.num_islands = num_islands
@@ -86,19 +92,26 @@ class AllReduceTransport:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
         before any bucket moves; collective over the peer group. With ``work`` the islands'
         weights ride with the flag (``checks.agree_finite_and_work``)."""
-        if work is not None:
-            position = 0 if self.num_islands <= 1 else dist.get_rank(self.group)
-            return agree_finite_and_work(
-                finite,
-                work,
-                self.group,
-                self.num_islands,
-                position,
-                self.device,
-                self.island_group,
-            )
-        agree_finite_flag(finite, self.group, self.num_islands, self.device, self.island_group)
-        return Opening()
+        self.link.open(round_index, names)
+        opening = Opening()
+        with self.link.explained():
+            if work is not None:
+                position = 0 if self.num_islands <= 1 else dist.get_rank(self.group)
+                opening = agree_finite_and_work(
+                    finite,
+                    work,
+                    self.group,
+                    self.num_islands,
+                    position,
+                    self.device,
+                    self.island_group,
+                )
+            else:
+                agree_finite_flag(
+                    finite, self.group, self.num_islands, self.device, self.island_group
+                )
+        self.link.started()
+        return opening
 
     @record_function(labels.ALLREDUCE)
     def start(self, bucket: Bucket) -> Handle:
@@ -110,12 +123,14 @@ class AllReduceTransport:
         flat = bucket.flat
         if flat.device.type == "cpu" and self.device.type != "cpu":
             flat = flat.to(self.device)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        with self.link.explained():
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
-        return _Mean(work, flat, bucket.flat, self.num_islands)
+        return _Mean(work, flat, bucket.flat, self.num_islands, self.link)
 
     def agree(self) -> RoundStats:
         """A round that started every bucket applies (refusals raise at ``open``)."""
+        self.link.finished()
         return RoundStats()
 
     def close(self) -> None:
@@ -130,9 +145,12 @@ class _Mean:
     flat: Tensor
     out: Tensor  # the caller's bucket (``flat`` itself unless staged)
     num_islands: int
+    link: LinkWatch
 
     def wait(self) -> int:
-        self.work.wait()
+        with self.link.explained():
+            self.work.wait()
+        self.link.arrived()
         self.flat.div_(self.num_islands)
         if self.out is not self.flat:
             self.out.copy_(self.flat)

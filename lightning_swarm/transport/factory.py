@@ -17,6 +17,7 @@ from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransp
 from lightning_swarm.transport.allreduce import AllReduceTransport
 from lightning_swarm.transport.base import Transport
 from lightning_swarm.transport.config import SwarmTransportConfig, check_transport
+from lightning_swarm.transport.link import LinkTimeouts
 from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
 
 CPU_BACKEND = "gloo"
@@ -46,6 +47,7 @@ def build_transport(
     bucket_numel: int,
     swarm: SwarmTransportConfig,
     island_group: dist.ProcessGroup | None = None,
+    timeouts: LinkTimeouts | None = None,
 ) -> Transport:
     """The transport named ``transport`` over the peer group ``group``.
 
@@ -65,6 +67,8 @@ def build_transport(
             agree on one finite verdict per island before the peer groups compare theirs, and
             the swarm transport's aggregators on one verdict (and norm) per island. For
             ``"swarm"`` in an NCCL world it must have ``peer_backend``'s backend.
+        timeouts: where the all-reduce transports' peer-group timeout comes from
+            (``transport.link``); ``None`` keeps the group's own.
 
     Raises:
         ValueError: an unknown transport, or options out of range for this topology.
@@ -98,6 +102,7 @@ def build_transport(
             bucket_numel=bucket_numel,
             device=device,
             island_group=island_group,
+            timeouts=timeouts,
         )
     return AllReduceTransport(
         group,
@@ -105,4 +110,5 @@ def build_transport(
         bucket_numel=bucket_numel,
         device=device,
         island_group=island_group,
+        timeouts=timeouts,
     )

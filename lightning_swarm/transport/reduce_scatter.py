@@ -43,6 +43,7 @@ from lightning_swarm.transport.base import (
 from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.checks import agree_finite_and_work, agree_finite_flag
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
+from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 from lightning_swarm.transport.pieces import check_coded_options
 
 __all__ = ["ReduceScatterTransport", "reduce_scatter_bytes"]
@@ -63,6 +64,9 @@ class ReduceScatterTransport:
             for gloo); the caller's tensors stay where they are.
         island_group: a model-sharded island's group: its ranks agree on one finite verdict
             first (``checks.island_verdict``); ``None`` otherwise.
+        timeouts: where the peer group's collective timeout comes from (``transport.link``);
+            ``None`` keeps the group's own. A timeout or a peer that went away raises
+            ``RoundTimeoutError`` or ``PeerLostError`` either way.
 
     Raises:
         ValueError: ``num_islands < 1``, ``island_index`` outside the group, or
@@ -79,6 +83,7 @@ class ReduceScatterTransport:
         bucket_numel: int,
         device: torch.device | str = "cpu",
         island_group: dist.ProcessGroup | None = None,
+        timeouts: LinkTimeouts | None = None,
     ) -> None:
         check_coded_options(num_islands, codec, bucket_numel)
         if not 0 <= island_index < num_islands:
@@ -93,6 +98,7 @@ class ReduceScatterTransport:
         self.bucket_numel = bucket_numel
         self.device = torch.device(device)
         self.island_group = island_group
+        self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
 
     # The contract (``transport.base.Transport``).
     pipelined = True
@@ -115,21 +121,27 @@ class ReduceScatterTransport:
         (``checks.agree_finite_flag``, ``direct=True``); with ``work`` the islands' weights
         ride in the same step (``checks.agree_finite_and_work``). The engine scales its
         contribution before a bucket is started, so it is encoded scaled."""
-        if work is not None:
-            return agree_finite_and_work(
-                finite,
-                work,
-                self.group,
-                self.num_islands,
-                self.island_index,
-                self.device,
-                self.island_group,
-                direct=True,
-            )
-        agree_finite_flag(
-            finite, self.group, self.num_islands, self.device, self.island_group, direct=True
-        )
-        return Opening()
+        self.link.open(round_index, names)
+        opening = Opening()
+        with self.link.explained():
+            if work is not None:
+                opening = agree_finite_and_work(
+                    finite,
+                    work,
+                    self.group,
+                    self.num_islands,
+                    self.island_index,
+                    self.device,
+                    self.island_group,
+                    direct=True,
+                )
+            else:
+                agree_finite_flag(
+                    finite, self.group, self.num_islands, self.device, self.island_group,
+                    direct=True,
+                )  # fmt: skip
+        self.link.started()
+        return opening
 
     @record_function(labels.REDUCE_SCATTER)
     def start(self, bucket: Bucket) -> Handle:
@@ -137,10 +149,14 @@ class ReduceScatterTransport:
         would be); the handle is complete."""
         runs = bucket.run_views()
         pieces = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
-        return Done(self._average_bucket(runs, pieces))
+        with self.link.explained():
+            sent = self._average_bucket(runs, pieces)
+        self.link.arrived()
+        return Done(sent)
 
     def agree(self) -> RoundStats:
         """A round that started every bucket applies (refusals raise at ``open``)."""
+        self.link.finished()
         return RoundStats()
 
     def _average_bucket(self, flats: list[Tensor], bucket: list[Piece]) -> int:

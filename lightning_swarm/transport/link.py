@@ -1,0 +1,257 @@
+"""How long a round may take over this link, and what a round that cannot finish says.
+
+A ``LinkWatch`` belongs to one transport over one peer group. Each round it is told the payload
+(``open``), times the exchange from the end of the round's opening agreement (a barrier over the
+peers, so the time counts the transfer and not a late peer's inner steps) to ``agree``, and
+keeps the rate ``payload bytes / seconds`` this rank saw. Before the next round's first
+collective it bounds the group's collectives by ``round_timeout_s`` of that payload and rate:
+``FACTOR`` times the time the payload needs at the measured rate, never under the option's
+default (``LinkTimeouts.floor_s``). The first round, with nothing measured, assumes
+``ASSUMED_RATE_BPS``. A timeout the user set (``LinkTimeouts.explicit_s``) is used as it is.
+
+``explained`` turns what torch raises at this boundary into errors that say what happened:
+a collective's timeout into ``RoundTimeoutError`` (the measured rate, the payload, the timeout
+and the option to raise), a connection a peer closed into ``PeerLostError`` (which island went
+away, in which round, and what to do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_swarm.errors import PeerLostError, RoundTimeoutError, SwarmError
+
+FACTOR = 4.0
+"""Derived timeout over the payload's time at the measured rate. A round's rate varies with
+what shares the link (another fragment's round, heartbeats, other traffic) and with TCP backing
+off after a loss; 4x lets the link run at a quarter of the last round's rate before a live
+round is cut, while a hung peer is still found within a few round-times."""
+
+ASSUMED_RATE_BPS = 1.25e6
+"""Bytes per second the first round assumes before any round measured the link: 10 Mbit/s,
+the slowest link this library is measured on (docs/wan.md), so that a first round over such a
+link is not cut while the default floor still bounds small payloads."""
+
+
+def round_timeout_s(
+    payload_bytes: int, rate_bps: float | None, floor_s: float, factor: float = FACTOR
+) -> float:
+    """Seconds a round of ``payload_bytes`` may take at ``rate_bps`` bytes per second:
+    ``factor`` times the payload's time at that rate, and at least ``floor_s``.
+
+    ``rate_bps=None`` (nothing measured yet) uses ``ASSUMED_RATE_BPS``.
+    """
+    rate = ASSUMED_RATE_BPS if rate_bps is None or rate_bps <= 0 else rate_bps
+    return max(float(floor_s), factor * payload_bytes / rate)
+
+
+@dataclass(frozen=True)
+class LinkTimeouts:
+    """Where a transport's collective timeout comes from.
+
+    Attributes:
+        option: the option that sets it, named in messages (``timeout_s``).
+        floor_s: the option's default: a derived timeout is never under it.
+        explicit_s: the value the user set; ``None`` derives it per round.
+    """
+
+    option: str
+    floor_s: float
+    explicit_s: float | None = None
+
+
+def _mbit(rate_bps: float) -> str:
+    return f"{rate_bps * 8 / 1e6:.3g} Mbit/s"
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is torch's report that a collective timed out."""
+    text = str(err).lower()
+    # gloo: "Timed out waiting 5000ms for recv ..."; NCCL: "collective operation timeout".
+    return "timed out" in text or "operation timeout" in text
+
+
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+)
+
+
+def is_peer_loss(err: BaseException) -> bool:
+    """Whether ``err`` is torch's report that a peer's connection closed under a collective
+    (gloo's ``Connection closed by peer``, ``Connection reset by peer``, a broken pipe)."""
+    return isinstance(err, RuntimeError) and any(t in str(err).lower() for t in _PEER_GONE)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its class name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def peer_lost_message(where: str, gone: str, cause: BaseException) -> str:
+    """``PeerLostError``'s message: ``where`` this rank was, ``gone`` who went away."""
+    return (
+        f"{where}: {gone} went away: its connection closed under a collective (its process "
+        f"died or its link dropped; {first_line(cause)}). A static run cannot continue without "
+        "it. Restart the fit from the last checkpoint (ckpt_path=last), after finding why it "
+        "stopped in that island's log; to train on through islands that die, use elastic "
+        "islands (membership='torchft', docs/elastic.md)."
+    )
+
+
+class LinkWatch:
+    """One transport's link rate, the timeout it derives, and its errors (module docstring).
+
+    Args:
+        group: the peer group (one rank per island, ordered by island); ``None``: the world.
+        num_islands: size of the peer group.
+        timeouts: where the timeout comes from; ``None`` leaves the group's own timeout as it
+            is (the transport was built without options, e.g. in a test).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        timeouts: LinkTimeouts | None = None,
+    ) -> None:
+        self.group = group
+        self.num_islands = num_islands
+        self.timeouts = timeouts
+        self.rate_bps: float | None = None
+        self.timeout_s: float | None = None if timeouts is None else timeouts.explicit_s
+        self.round_index = 0
+        self.payload_bytes = 0
+        self._started: float | None = None
+        self._arrived: float | None = None
+
+    def open(self, round_index: int, names: Mapping[str, torch.Size]) -> None:
+        """Round ``round_index`` over float32 tensors of ``names`` begins: bound the group's
+        collectives by its timeout, before any of them runs."""
+        self.finished()  # a round the engine streamed ends without ``agree``
+        self.round_index = round_index
+        self.payload_bytes = 4 * sum(int(torch.Size(s).numel()) for s in names.values())
+        t = self.timeouts
+        if t is None or t.explicit_s is not None or self.num_islands <= 1:
+            return
+        timeout = round_timeout_s(self.payload_bytes, self.rate_bps, t.floor_s)
+        if timeout != self.timeout_s and set_group_timeout(self.group, timeout):
+            self.timeout_s = timeout
+
+    def started(self) -> None:
+        """The round's opening agreement is done: its transfer starts now."""
+        self._started, self._arrived = time.perf_counter(), None
+
+    def arrived(self) -> None:
+        """A bucket's mean arrived (the last one's time ends the round's transfer)."""
+        self._arrived = time.perf_counter()
+
+    def finished(self) -> None:
+        """The round is over (``agree``, or the next ``open``): keep the rate this rank saw
+        from its opening agreement to its last bucket, once per round."""
+        started, arrived = self._started, self._arrived
+        self._started = self._arrived = None
+        if started is None or arrived is None or self.payload_bytes == 0:
+            return
+        if self.num_islands > 1 and arrived > started:
+            self.rate_bps = self.payload_bytes / (arrived - started)
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """Raise ``RoundTimeoutError`` for a collective's timeout and ``PeerLostError`` for a
+        peer's closed connection; every other error passes unchanged."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, SwarmError):
+                raise
+            if is_timeout(err):
+                raise RoundTimeoutError(self.timeout_message(err)) from err
+            if is_peer_loss(err):
+                raise PeerLostError(self.peer_lost_message(err)) from err
+            raise
+
+    def _island(self) -> int | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.get_rank(self.group)
+
+    def _where(self, island: int | None) -> str:
+        if island is None:
+            return f"round {self.round_index}"
+        return f"rank {dist.get_rank()}, island {island}, round {self.round_index}"
+
+    def timeout_message(self, cause: BaseException) -> str:
+        """What a round that overran its timeout says (``RoundTimeoutError``)."""
+        t = self.timeouts
+        option = "timeout_s" if t is None else t.option
+        timeout = (
+            "the process group's timeout"
+            if self.timeout_s is None
+            else (f"{option}={self.timeout_s:g} s")
+        )
+        if self.rate_bps is None:
+            rate = (
+                f"no round had measured the link yet (a derived first-round timeout assumes "
+                f"{_mbit(ASSUMED_RATE_BPS)})"
+            )
+        else:
+            rate = (
+                f"the last round measured {self.rate_bps / 1e6:.3g} MB/s ({_mbit(self.rate_bps)}), "
+                f"so this payload needs about {self.payload_bytes / self.rate_bps:.3g} s"
+            )
+        if t is None:
+            how = "the group's own"
+        elif t.explicit_s is None:
+            how = f"derived: {FACTOR:g}x the payload's time, at least {t.floor_s:g} s"
+        else:
+            how = "set explicitly"
+        return (
+            f"{self._where(self._island())}: a collective of its "
+            f"{self.payload_bytes:,}-byte payload waited {timeout} ({how}) and gave up "
+            f"({first_line(cause)}); {rate}. A peer stopped or hung, or the link slowed below "
+            f"what the timeout allows: look for the island whose log ends earliest; if the link "
+            f"is just slow, set {option} above the payload's time at the link's rate."
+        )
+
+    def peer_lost_message(self, cause: BaseException) -> str:
+        """What a round whose peer went away says (``PeerLostError``)."""
+        island = self._island()
+        where = self._where(island)
+        if island is not None and self.num_islands == 2:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else [0, 1]
+            gone = f"island {1 - island} (global rank {ranks[1 - island]})"
+        else:
+            others = [i for i in range(self.num_islands) if i != island]
+            gone = f"one of islands {others} (the peer whose address torch names)"
+        return peer_lost_message(where, gone, cause)
+
+
+def set_group_timeout(group: dist.ProcessGroup | None, timeout_s: float) -> bool:
+    """Bound ``group``'s later collectives by ``timeout_s``; whether its backend allowed it.
+
+    torch's private ``ProcessGroup._get_backend`` and ``Backend._set_default_timeout``: a
+    backend takes its timeout at construction and no public call changes it afterwards. Where
+    they are missing the group keeps its own timeout, which messages then name.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    pg = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+    try:
+        backend = pg._get_backend(device)  # type: ignore[union-attr]
+        backend._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+    except (AttributeError, RuntimeError):
+        return False
+    return True

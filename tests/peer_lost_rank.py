@@ -1,0 +1,75 @@
+"""One rank of a static run of two islands of one rank each; rank 1 SIGKILLs itself.
+
+Run by ``tests/test_peer_lost.py`` once per rank, with the rank in the environment:
+``python -m tests.peer_lost_rank <out_dir> <when>``. ``when`` is ``between`` (rank 1 dies
+before an inner step between rounds) or ``mid`` (rank 1 dies inside a round, after its first
+bucket started). The survivor writes the class and message of the error its fit ended with to
+``<out_dir>/rank0.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_swarm import SwarmStrategy
+from lightning_swarm.transport.allreduce import AllReduceTransport
+from tests.helpers import QUIET, TinyRegressor, regression_data
+
+WORLD = 2
+SYNC_EVERY = 4
+KILL_STEP = 5  # between rounds: after round 1 (step 4), before round 2 (step 8)
+
+
+class KillOnce(pl.Callback):
+    """Rank 1 dies as from the OOM killer; rank 0 records how its fit ended."""
+
+    def __init__(self, out_dir: Path, when: str) -> None:
+        self.out_dir = out_dir
+        self.when = when
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_rank != 1:
+            return
+        if self.when == "between" and trainer.global_step == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.when == "mid" and trainer.global_step == KILL_STEP:
+            start = AllReduceTransport.start
+
+            def start_then_die(transport: AllReduceTransport, bucket: Any) -> Any:
+                handle = start(transport, bucket)
+                os.kill(os.getpid(), signal.SIGKILL)
+                return handle
+
+            AllReduceTransport.start = start_then_die  # type: ignore[method-assign]
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        result = {"exception": type(exception).__name__, "message": str(exception)}
+        torch.save(result, self.out_dir / f"rank{trainer.global_rank}.pt")
+
+
+def main(out_dir: Path, when: str) -> None:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=SwarmStrategy(sync_every=SYNC_EVERY),
+        max_steps=40,
+        callbacks=[KillOnce(out_dir, when)],
+        **QUIET,
+    )
+    trainer.fit(TinyRegressor(), regression_data())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

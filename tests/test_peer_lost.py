@@ -1,0 +1,52 @@
+"""A peer that goes away says so (issue 27, item 5): a static rank whose peer island was killed
+stops with ``PeerLostError`` naming the island, its rank and the round, and what to do.
+
+Each rank is its own process (``tests/peer_lost_rank.py``), so the killed one dies alone and the
+survivor's error is its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_swarm import PeerLostError, SwarmError
+from lightning_swarm.island_ddp import timeouts_explained
+from tests.cli_utils import run_rank_processes
+from tests.peer_lost_rank import WORLD
+
+
+@pytest.mark.parametrize("when", ["between", "mid"])
+def test_a_killed_peer_island_is_named_with_the_round_and_what_to_do(
+    tmp_path: Path, when: str
+) -> None:
+    # The bound is the test's own, far above the 2-3 s the survivor takes (not a timing test).
+    procs, outputs = run_rank_processes(
+        "tests.peer_lost_rank", [str(tmp_path), when], WORLD, 90, wait_for=1
+    )
+    survivor, err = procs[0], outputs[0][1]
+    assert survivor.returncode != 0, err[-3000:]
+    assert procs[1].returncode == -9, "rank 1 was to kill itself"
+    result = torch.load(tmp_path / "rank0.pt")
+    assert result["exception"] == "PeerLostError", result
+    message = result["message"]
+    # Rank 1 dies after round 0 (step 4): round 1 (step 8) finds it gone.
+    assert message.startswith("rank 0, island 0, round 1: island 1 (global rank 1) went away"), (
+        message
+    )
+    assert "Connection reset by peer" in message or "Connection closed by peer" in message
+    assert "Restart the fit from the last checkpoint (ckpt_path=last)" in message
+    assert "use elastic islands (membership='torchft'" in message
+
+
+def test_a_peer_lost_outside_the_round_names_this_rank() -> None:
+    with pytest.raises(PeerLostError) as caught, timeouts_explained(60, rank=3):
+        raise RuntimeError(
+            "[gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:4"
+        )
+    message = str(caught.value)
+    assert message.startswith("rank 3: a rank of this run (the one whose address torch names)")
+    assert "Connection closed by peer [10.0.0.2]:4" in message
+    assert isinstance(caught.value, SwarmError) and isinstance(caught.value, RuntimeError)
