@@ -522,6 +522,7 @@ def elastic_island_command(
         f"GLOO_SOCKET_IFNAME={plan.veth(k)}",
         f"PYTHONPATH={plan.checkout}{os.pathsep}{ROOT / 'benchmarks'}",
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
+        "PYTHONUNBUFFERED=1",  # the kill watches torchft's round lines in the log as they come
     ]
     # $0 is the host name; the shell sets it in the new UTS namespace and becomes the launch.
     named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name]
@@ -580,6 +581,19 @@ def busy_spans(
     return [(a, b - a, int(n)) for a, b, n in spans]
 
 
+def full_commits(log: str, islands: int) -> int:
+    """Rounds an island's log shows committed in a quorum of all ``islands`` (torchft's
+    ``got lighthouse quorum`` line lists the members; ``should_commit=True`` ends a round). An
+    island's join, healed in such a quorum, counts too."""
+    count, full = 0, False
+    for line in log.splitlines():
+        if "got lighthouse quorum" in line:
+            full = line.count("QuorumMember {") == islands
+        elif "should_commit=True" in line and full:
+            count += 1
+    return count
+
+
 @dataclass
 class BurstWatch:
     """Finds the inside of a round's transfer on one link end: a burst is a stretch of
@@ -613,15 +627,16 @@ def run_elastic(
     timeout_s: float,
     *,
     kill_island: int | None = None,
-    kill_burst: int = 3,
+    kill_round: int = 3,
     kill_after_s: float = 1.0,
     heartbeat_timeout_ms: int = 5_000,
     join_timeout_ms: int = 120_000,
 ) -> dict[str, Any]:
     """Build ``plan`` (with its lighthouse), start the lighthouse, then every island as its own
-    elastic launch; SIGKILL island ``kill_island``'s process group ``kill_after_s`` into the
-    ``kill_burst``-th burst of its link's queue (inside a round's transfer); tear everything
-    down. Every link's queue is sampled throughout. Returns ``elastic_report``'s figures.
+    elastic launch; once island ``kill_island``'s log shows ``kill_round`` rounds committed with
+    every island, SIGKILL its process group ``kill_after_s`` into its link's next transfer
+    (inside the next round's exchange); tear everything down. Every link's queue is sampled
+    throughout. Returns ``elastic_report``'s figures.
     Raises RuntimeError if the lighthouse does not start or a surviving island fails."""
     if not plan.lighthouse or plan.rate is None:
         raise ValueError("run_elastic needs a plan with lighthouse=True and a rate")
@@ -629,7 +644,8 @@ def run_elastic(
     runs: list[IslandRun] = []
     samples: list[Sample] = []
     kill: dict[str, Any] | None = None
-    watch = BurstWatch(kill_burst, kill_after_s)
+    watch = BurstWatch(1, kill_after_s)
+    armed = False  # the victim committed kill_round full rounds: watch its next transfer
     try:
         for cmd in setup_commands(plan):
             _run(cmd)
@@ -667,13 +683,16 @@ def run_elastic(
             seen: dict[str, tuple[int, int]] = {}
             for ns in namespaces:
                 seen.update(qdisc_stats(ns))
-            if kill_island is not None and kill is None and samples:
+            if kill_island is not None and not armed:
+                text = islands[kill_island].log.read_text(errors="replace")
+                armed = full_commits(text, plan.islands) >= kill_round
+            if kill_island is not None and armed and kill is None and samples:
                 dev = plan.veth(kill_island)
                 t_prev, prev = samples[-1]
                 sent = seen.get(dev, (0, 0))[0] - prev.get(dev, (0, 0))[0]
                 if watch.due(now, sent * 8 / max(now - t_prev, 1e-3) >= bps / 2):
                     os.killpg(islands[kill_island].proc.pid, signal.SIGKILL)
-                    kill = {"island": kill_island, "t": now, "burst": watch.count}
+                    kill = {"island": kill_island, "t": now, "after_full_rounds": kill_round}
                     kill["queued_bytes"] = seen.get(dev, (0, 0))[1]
             samples.append((now, seen))
             failed = [
@@ -693,8 +712,8 @@ def run_elastic(
             raise RuntimeError(f"island {k} {why} ({' '.join(r.cmd)}):\n{tail}")
         if kill_island is not None and kill is None:
             raise RuntimeError(
-                f"island {kill_island}'s link never reached burst {kill_burst} (bursts seen: "
-                f"{watch.count}): run more rounds or kill at an earlier burst"
+                f"island {kill_island} was not killed: it did not commit {kill_round} rounds "
+                "with every island and start another; run more steps or lower kill_round"
             )
     finally:
         _teardown(plan, runs)
@@ -800,6 +819,13 @@ def elastic_report(
         "islands": islands,
         "first_full_round_s": first_full - t_start if full else None,
         "short_rounds_before_kill": short,
+        "full_rounds_before_kill": max(
+            (
+                sum(1 for r in one["rounds"] if r["islands"] == plan.islands and r["t"] < kill_t)
+                for one in survivors
+            ),
+            default=0,
+        ),
         "kill_to_round_end_s": min(ended) if ended else None,
         "kill_to_next_commit_s": min(after) if after else None,
         "survivors_equal": len(digests) == 1 and None not in digests,
@@ -857,7 +883,7 @@ RATES = ["unlimited", "100mbit", "10mbit"]
 ELASTIC_OVERRIDES = [
     "model.n_embd=160",
     "strategy.sync_every=10",
-    "trainer.max_steps=60",
+    "trainer.max_steps=80",
     "trainer.limit_val_batches=0",
     "trainer.log_every_n_steps=1",
     "logger=csv",
@@ -935,7 +961,7 @@ def _elastic_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
         args.out,
         args.timeout,
         kill_island=kill,
-        kill_burst=args.kill_burst,
+        kill_round=args.kill_round,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         join_timeout_ms=args.join_timeout_ms,
     )
@@ -971,7 +997,9 @@ def main(argv: list[str] | None = None) -> None:
     elastic = parser.add_argument_group("elastic (a lighthouse namespace, torchft islands)")
     elastic.add_argument("--kill-island", type=int, default=None, help="default: the last")
     elastic.add_argument("--no-kill", action="store_true", help="kill no island")
-    elastic.add_argument("--kill-burst", type=int, default=3, help="inside its Nth transfer")
+    elastic.add_argument(
+        "--kill-round", type=int, default=3, help="kill after N rounds with every island"
+    )
     elastic.add_argument("--heartbeat-timeout-ms", type=int, default=5_000)
     elastic.add_argument("--join-timeout-ms", type=int, default=120_000)
     args = parser.parse_args(argv)
