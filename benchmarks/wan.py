@@ -594,32 +594,6 @@ def full_commits(log: str, islands: int) -> int:
     return count
 
 
-@dataclass
-class BurstWatch:
-    """Finds the inside of a round's transfer on one link end: a burst is a stretch of
-    samples in which it sends at half its rate or more, after ``quiet_s`` without; ``due`` is
-    true ``after_s`` into burst number ``burst`` (from 1)."""
-
-    burst: int
-    after_s: float
-    quiet_s: float = 1.0
-    count: int = 0
-    busy_since: float | None = None
-    idle_since: float = 0.0
-
-    def due(self, t: float, busy: bool) -> bool:
-        if not busy:
-            if self.busy_since is not None:
-                self.idle_since = t
-            self.busy_since = None
-            return False
-        if self.busy_since is None:
-            if self.count == 0 or t - self.idle_since >= self.quiet_s:
-                self.count += 1
-            self.busy_since = t
-        return self.count == self.burst and t - self.busy_since >= self.after_s
-
-
 def run_elastic(
     plan: Plan,
     overrides: Sequence[str],
@@ -628,14 +602,15 @@ def run_elastic(
     *,
     kill_island: int | None = None,
     kill_round: int = 3,
-    kill_after_s: float = 1.0,
+    kill_after_s: float = 2.0,
     heartbeat_timeout_ms: int = 5_000,
     join_timeout_ms: int = 120_000,
 ) -> dict[str, Any]:
     """Build ``plan`` (with its lighthouse), start the lighthouse, then every island as its own
     elastic launch; once island ``kill_island``'s log shows ``kill_round`` rounds committed with
-    every island, SIGKILL its process group ``kill_after_s`` into its link's next transfer
-    (inside the next round's exchange); tear everything down. Every link's queue is sampled
+    every island, SIGKILL its process group ``kill_after_s`` after its next round's quorum
+    (inside that round's exchange; the kill records the link's rate then); tear everything
+    down. Every link's queue is sampled
     throughout. Returns ``elastic_report``'s figures.
     Raises RuntimeError if the lighthouse does not start or a surviving island fails."""
     if not plan.lighthouse or plan.rate is None:
@@ -644,8 +619,8 @@ def run_elastic(
     runs: list[IslandRun] = []
     samples: list[Sample] = []
     kill: dict[str, Any] | None = None
-    watch = BurstWatch(1, kill_after_s)
-    armed = False  # the victim committed kill_round full rounds: watch its next transfer
+    armed_at: int | None = None  # the victim's quorum count once it had kill_round full rounds
+    round_seen: float | None = None  # when the victim's next round began
     try:
         for cmd in setup_commands(plan):
             _run(cmd)
@@ -677,22 +652,26 @@ def run_elastic(
         namespaces = [plan.namespace(k) for k in range(plan.endpoints)]
         if plan.hub is not None:
             namespaces.append(plan.hub)
-        bps = rate_bps(plan.rate)
         while any(r.proc.poll() is None for r in islands):
             now = time.time()
             seen: dict[str, tuple[int, int]] = {}
             for ns in namespaces:
                 seen.update(qdisc_stats(ns))
-            if kill_island is not None and not armed:
+            if kill_island is not None and kill is None:
                 text = islands[kill_island].log.read_text(errors="replace")
-                armed = full_commits(text, plan.islands) >= kill_round
-            if kill_island is not None and armed and kill is None and samples:
-                dev = plan.veth(kill_island)
-                t_prev, prev = samples[-1]
-                sent = seen.get(dev, (0, 0))[0] - prev.get(dev, (0, 0))[0]
-                if watch.due(now, sent * 8 / max(now - t_prev, 1e-3) >= bps / 2):
+                quorums = text.count("got lighthouse quorum")
+                if armed_at is None and full_commits(text, plan.islands) >= kill_round:
+                    armed_at = quorums
+                elif armed_at is not None and quorums > armed_at and round_seen is None:
+                    round_seen = now  # the next round's quorum: its exchange starts now
+                if round_seen is not None and now - round_seen >= kill_after_s and samples:
                     os.killpg(islands[kill_island].proc.pid, signal.SIGKILL)
+                    dev = plan.veth(kill_island)
+                    t_prev, prev = samples[-1]
+                    sent = seen.get(dev, (0, 0))[0] - prev.get(dev, (0, 0))[0]
                     kill = {"island": kill_island, "t": now, "after_full_rounds": kill_round}
+                    kill["into_round_s"] = now - round_seen
+                    kill["link_mbit_s"] = sent * 8 / max(now - t_prev, 1e-3) / 1e6
                     kill["queued_bytes"] = seen.get(dev, (0, 0))[1]
             samples.append((now, seen))
             failed = [
@@ -962,6 +941,7 @@ def _elastic_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
         args.timeout,
         kill_island=kill,
         kill_round=args.kill_round,
+        kill_after_s=args.kill_after_s,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         join_timeout_ms=args.join_timeout_ms,
     )
@@ -1000,6 +980,7 @@ def main(argv: list[str] | None = None) -> None:
     elastic.add_argument(
         "--kill-round", type=int, default=3, help="kill after N rounds with every island"
     )
+    elastic.add_argument("--kill-after-s", type=float, default=2.0, help="into the next round")
     elastic.add_argument("--heartbeat-timeout-ms", type=int, default=5_000)
     elastic.add_argument("--join-timeout-ms", type=int, default=120_000)
     args = parser.parse_args(argv)

@@ -225,16 +225,6 @@ def test_elastic_islands_are_named_launches_that_meet_at_the_lighthouse(tmp_path
     assert "--heartbeat-timeout-ms 5000" in lighthouse
 
 
-def test_burst_watch_fires_inside_the_requested_transfer() -> None:
-    watch = wan.BurstWatch(burst=2, after_s=1.0)
-    busy = [(0.0, True), (0.5, True), (1.0, False), (3.0, True), (3.5, True), (4.0, True)]
-    assert [watch.due(t, b) for t, b in busy] == [False, False, False, False, False, True]
-    assert watch.count == 2
-    # a pause shorter than quiet_s is the same transfer, not the next one
-    short = wan.BurstWatch(burst=2, after_s=0.0)
-    assert not any(short.due(t, b) for t, b in [(0.0, True), (0.2, False), (0.5, True)])
-
-
 def test_full_commits_counts_rounds_committed_with_every_island() -> None:
     member = "QuorumMember { replica_id: x }"
     log = "\n".join(
