@@ -19,6 +19,7 @@ Usage (as root):
     python benchmarks/wan.py --rate 10mbit --steps 30 -- strategy.sync_every=50
     python benchmarks/wan.py --rate unlimited --slow-island 1 --cpu-quota 0.4 -- ...
     python benchmarks/wan.py campaign [--only NAME ...]   # the runs of docs/wan.md
+    python benchmarks/wan.py elastic [--kill-round 3]    # lighthouse + 3 torchft islands, a kill
     python benchmarks/wan.py plot                         # docs/wan.png from the results
     python benchmarks/wan.py --cleanup
 Everything after ``--`` is passed to the Hydra app unchanged.
