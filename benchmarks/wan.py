@@ -19,6 +19,7 @@ Usage (as root):
     python benchmarks/wan.py --rate 10mbit --steps 30 -- strategy.sync_every=50
     python benchmarks/wan.py --rate unlimited --slow-island 1 --cpu-quota 0.4 -- ...
     python benchmarks/wan.py campaign [--only NAME ...]   # the runs of docs/wan.md
+    python benchmarks/wan.py elastic [--kill-round 3]    # lighthouse + 3 torchft islands, a kill
     python benchmarks/wan.py plot                         # docs/wan.png from the results
     python benchmarks/wan.py --cleanup
 Everything after ``--`` is passed to the Hydra app unchanged.
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lsw"
 SUBNET = "10.77.0"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+NETNS_ETC = Path("/etc/netns")  # ip netns exec bind-mounts /etc/netns/<ns>/<file> on /etc/<file>
 RESULTS = ROOT / "docs" / "wan_results.json"
 PLOT = ROOT / "docs" / "wan.png"
 
@@ -64,6 +66,11 @@ class Plan:
         port: torchrun's rendezvous port on island 0.
         checkout: the library checkout the islands import (another worktree, e.g. an older
             commit, measured with this harness); this one by default.
+        lighthouse: elastic islands: one more namespace (``<prefix>-lh``, endpoint index
+            ``islands``) holds ``swarm-lighthouse``, behind its own limited link; every
+            namespace gets an ``/etc/netns/<ns>/hosts`` naming every endpoint, so the host names
+            torchft advertises resolve to veth addresses.
+        lighthouse_port: the lighthouse's port.
     """
 
     islands: int
@@ -73,6 +80,8 @@ class Plan:
     cpu_quota: float = 0.4
     port: int = 29571
     checkout: Path = ROOT
+    lighthouse: bool = False
+    lighthouse_port: int = 29510
 
     def __post_init__(self) -> None:
         if self.islands < 2:
@@ -93,12 +102,18 @@ class Plan:
             )
 
     @property
+    def endpoints(self) -> int:
+        """Namespaces with a link: the islands, then the lighthouse's where there is one."""
+        return self.islands + int(self.lighthouse)
+
+    @property
     def hub(self) -> str | None:
-        """The hub namespace holding the bridge (more than two islands), else None."""
-        return f"{self.prefix}-hub" if self.islands > 2 else None
+        """The hub namespace holding the bridge (more than two endpoints), else None."""
+        return f"{self.prefix}-hub" if self.endpoints > 2 else None
 
     def namespace(self, k: int) -> str:
-        return f"{self.prefix}-i{k}"
+        """Endpoint k's namespace: island k, or the lighthouse's at k == islands."""
+        return f"{self.prefix}-lh" if k == self.islands else f"{self.prefix}-i{k}"
 
     def veth(self, k: int) -> str:
         """Island k's end of its link (what GLOO_SOCKET_IFNAME names)."""
@@ -115,7 +130,7 @@ class Plan:
         return CGROUP_CPU / f"{self.prefix}-slow" if self.slow_island is not None else None
 
     def namespaces(self) -> list[str]:
-        names = [self.namespace(k) for k in range(self.islands)]
+        names = [self.namespace(k) for k in range(self.endpoints)]
         return [*names, self.hub] if self.hub else names
 
 
@@ -141,7 +156,7 @@ def setup_commands(plan: Plan) -> list[list[str]]:
         bridge = f"{plan.prefix}br"
         cmds.append(["ip", "-n", hub, "link", "add", bridge, "type", "bridge"])
         cmds.append(["ip", "-n", hub, "link", "set", bridge, "up"])
-        for k in range(plan.islands):
+        for k in range(plan.endpoints):
             island, spoke = plan.veth(k), plan.hub_veth(k)
             cmds.append(["ip", "link", "add", island, "type", "veth", "peer", "name", spoke])
             cmds.append(["ip", "link", "set", island, "netns", plan.namespace(k)])
@@ -150,7 +165,7 @@ def setup_commands(plan: Plan) -> list[list[str]]:
             cmds.append(["ip", "-n", hub, "link", "set", spoke, "up"])
             ends.append((plan.namespace(k), island))
             ends.append((hub, spoke))
-    for k in range(plan.islands):
+    for k in range(plan.endpoints):
         ns = plan.namespace(k)
         cmds.append(["ip", "-n", ns, "addr", "add", f"{plan.address(k)}/24", "dev", plan.veth(k)])
         cmds.append(["ip", "-n", ns, "link", "set", plan.veth(k), "up"])
@@ -200,7 +215,7 @@ def island_command(
     elif trainer != "lightning":
         raise ValueError(f"--trainer must be lightning or torchft (got {trainer!r})")
     else:
-        cmd += ["-m", "lightning_swarm.cli", *_hydra_args(plan, island_dir, overrides)]
+        cmd += ["-m", "lightning_swarm.cli", *_hydra_args(plan.islands, island_dir, overrides)]
     if plan.cgroup is not None and k == plan.slow_island:
         # $0 is the cgroup directory; the shell joins it and becomes the launch command.
         join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
@@ -208,9 +223,9 @@ def island_command(
     return cmd
 
 
-def _hydra_args(plan: Plan, island_dir: Path, overrides: Sequence[str]) -> list[str]:
+def _hydra_args(num_nodes: int, island_dir: Path, overrides: Sequence[str]) -> list[str]:
     return [
-        f"trainer.num_nodes={plan.islands}",
+        f"trainer.num_nodes={num_nodes}",
         "trainer.devices=1",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={island_dir}",
@@ -268,6 +283,18 @@ def probe_namespaces(prefix: str) -> str | None:
     return None
 
 
+def _remove_hosts_files(prefix: str) -> list[str]:
+    """Remove the ``/etc/netns/<prefix>-*/hosts`` files (and their folders) made here."""
+    removed: list[str] = []
+    for folder in NETNS_ETC.glob(f"{prefix}-*"):
+        with contextlib.suppress(FileNotFoundError):
+            (folder / "hosts").unlink()
+            removed.append(f"hosts {folder / 'hosts'}")
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    return removed
+
+
 def _kill_namespace_pids(ns: str) -> None:
     pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
     for pid in pids:
@@ -291,6 +318,7 @@ def cleanup(prefix: str = PREFIX) -> list[str]:
         ours = name.startswith(prefix) and name[len(prefix) :][:1].isdigit()
         if ours and _run(["ip", "link", "del", name], check=False).returncode == 0:
             removed.append(f"link {name}")
+    removed += _remove_hosts_files(prefix)
     if CGROUP_CPU.is_dir():
         for group in CGROUP_CPU.glob(f"{prefix}-*"):
             procs = (group / "cgroup.procs").read_text().split()
@@ -382,6 +410,22 @@ def _stop(runs: list[IslandRun]) -> None:
         run.proc.wait()
 
 
+def _teardown(plan: Plan, runs: list[IslandRun], made_cgroup: bool = False) -> None:
+    """Kill what ``plan`` launched, then remove its namespaces, hosts files and cgroup."""
+    _stop(runs)
+    for ns in plan.namespaces():
+        _kill_namespace_pids(ns)
+        _run(["ip", "netns", "del", ns], check=False)
+    _remove_hosts_files(plan.prefix)
+    if made_cgroup and plan.cgroup is not None:
+        for _ in range(50):
+            try:
+                plan.cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def run_plan(
     plan: Plan,
     overrides: Sequence[str],
@@ -427,17 +471,7 @@ def run_plan(
             tail = r.log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"island {k} {why} ({' '.join(r.cmd)}):\n{tail}")
     finally:
-        _stop(runs)
-        for ns in plan.namespaces():
-            _kill_namespace_pids(ns)
-            _run(["ip", "netns", "del", ns], check=False)
-        if made_cgroup and plan.cgroup is not None:
-            for _ in range(50):
-                try:
-                    plan.cgroup.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        _teardown(plan, runs, made_cgroup)
     result: dict[str, Any] = {"wall_s": wall, "islands": []}
     for k in range(plan.islands):
         record = json.loads((out / f"island{k}" / "steps.json").read_text())
@@ -446,6 +480,341 @@ def run_plan(
     if summary.exists():
         result["summary"] = json.loads(summary.read_text())
     return result
+
+
+# -- elastic islands: the lighthouse and each island in a namespace of its own ----------------
+
+
+def hosts_file(plan: Plan) -> str:
+    """The ``/etc/hosts`` of every namespace of an elastic plan: each endpoint's namespace name,
+    which its processes take as their host name, at its veth address. torchft advertises the
+    host name (its manager server, the island's store), so every island must resolve every
+    other island's name to an address on the link."""
+    lines = ["127.0.0.1 localhost"]
+    lines += [f"{plan.address(k)} {plan.namespace(k)}" for k in range(plan.endpoints)]
+    return "\n".join(lines) + "\n"
+
+
+def lighthouse_url(plan: Plan) -> str:
+    return f"http://{plan.address(plan.islands)}:{plan.lighthouse_port}"
+
+
+def lighthouse_command(
+    plan: Plan, heartbeat_timeout_ms: int, join_timeout_ms: int, python: str = sys.executable
+) -> list[str]:
+    """``swarm-lighthouse`` in the lighthouse's namespace (a quorum needs two islands)."""
+    env = [f"PYTHONPATH={plan.checkout}"]
+    cmd = ["ip", "netns", "exec", plan.namespace(plan.islands), "env", *env, python]
+    cmd += ["-m", "lightning_swarm.membership.lighthouse", "--bind", "0.0.0.0"]
+    cmd += ["--port", str(plan.lighthouse_port), "--min-islands", "2"]
+    cmd += ["--join-timeout-ms", str(join_timeout_ms)]
+    return [*cmd, "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)]
+
+
+def elastic_island_command(
+    plan: Plan, k: int, overrides: Sequence[str], out: Path, python: str = sys.executable
+) -> list[str]:
+    """Island ``k`` as its own launch of the Hydra app (one rank, ``membership=torchft``, island
+    id ``i<k>``), in its namespace and in a UTS namespace of its own whose host name is the
+    namespace's name (``hosts_file`` resolves it on every endpoint)."""
+    island_dir = out / f"island{k}"
+    name = plan.namespace(k)
+    env = [
+        f"GLOO_SOCKET_IFNAME={plan.veth(k)}",
+        f"PYTHONPATH={plan.checkout}{os.pathsep}{ROOT / 'benchmarks'}",
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
+        "PYTHONUNBUFFERED=1",  # the kill watches torchft's round lines in the log as they come
+    ]
+    # $0 is the host name; the shell sets it in the new UTS namespace and becomes the launch.
+    named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name]
+    cmd = ["ip", "netns", "exec", name, *named, "env", *env, python, "-m", "lightning_swarm.cli"]
+    elastic = [
+        "strategy.membership=torchft",
+        f"strategy.lighthouse={lighthouse_url(plan)}",
+        f"strategy.island_id=i{k}",
+    ]
+    return [*cmd, *_hydra_args(1, island_dir, [*elastic, *overrides])]
+
+
+def rate_bps(rate: str) -> float:
+    """Bits per second of a tc rate such as ``10mbit``."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: give a number with kbit, mbit or gbit (tc syntax)")
+
+
+def qdisc_stats(ns: str) -> dict[str, tuple[int, int]]:
+    """(bytes sent, bytes queued) of each tbf qdisc of namespace ``ns``, by device."""
+    done = _run(["tc", "-n", ns, "-j", "-s", "qdisc", "show"], check=False)
+    try:
+        rows = json.loads(done.stdout or "[]")
+    except json.JSONDecodeError:
+        return {}
+    return {
+        r["dev"]: (int(r.get("bytes", 0)), int(r.get("backlog", 0)))
+        for r in rows
+        if r.get("kind") == "tbf"
+    }
+
+
+Sample = tuple[float, dict[str, tuple[int, int]]]
+"""(unix time, device -> (bytes sent, bytes queued)): one look at every link end's qdisc."""
+
+
+def busy_spans(
+    samples: Sequence[Sample], dev: str, bps: float, gap_s: float = 1.0
+) -> list[tuple[float, float, int]]:
+    """(start, seconds, bytes) of each stretch in which ``dev`` sent at half its rate or more,
+    stretches less than ``gap_s`` apart joined: the transfers on that link end."""
+    spans: list[list[float]] = []
+    for (t0, a), (t1, b) in itertools.pairwise(samples):
+        if dev not in a or dev not in b or t1 <= t0:
+            continue
+        sent = b[dev][0] - a[dev][0]
+        if sent * 8 / (t1 - t0) < bps / 2:
+            continue
+        if spans and t0 - spans[-1][1] < gap_s:
+            spans[-1][1], spans[-1][2] = t1, spans[-1][2] + sent
+        else:
+            spans.append([t0, t1, sent])
+    return [(a, b - a, int(n)) for a, b, n in spans]
+
+
+def full_commits(log: str, islands: int) -> int:
+    """Rounds an island's log shows committed in a quorum of all ``islands`` (torchft's
+    ``got lighthouse quorum`` line lists the members; ``should_commit=True`` ends a round). An
+    island's join, healed in such a quorum, counts too."""
+    count, full = 0, False
+    for line in log.splitlines():
+        if "got lighthouse quorum" in line:
+            full = line.count("QuorumMember {") == islands
+        elif "should_commit=True" in line and full:
+            count += 1
+    return count
+
+
+def run_elastic(
+    plan: Plan,
+    overrides: Sequence[str],
+    out: Path,
+    timeout_s: float,
+    *,
+    kill_island: int | None = None,
+    kill_round: int = 3,
+    kill_after_s: float = 2.0,
+    heartbeat_timeout_ms: int = 5_000,
+    join_timeout_ms: int = 120_000,
+) -> dict[str, Any]:
+    """Build ``plan`` (with its lighthouse), start the lighthouse, then every island as its own
+    elastic launch; once island ``kill_island``'s log shows ``kill_round`` rounds committed with
+    every island, SIGKILL its process group ``kill_after_s`` after its next round's quorum
+    (inside that round's exchange; the kill records the link's rate then); tear everything
+    down. Every link's queue is sampled
+    throughout. Returns ``elastic_report``'s figures.
+    Raises RuntimeError if the lighthouse does not start or a surviving island fails."""
+    if not plan.lighthouse or plan.rate is None:
+        raise ValueError("run_elastic needs a plan with lighthouse=True and a rate")
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[IslandRun] = []
+    samples: list[Sample] = []
+    kill: dict[str, Any] | None = None
+    armed_at: int | None = None  # the victim's quorum count once it had kill_round full rounds
+    round_seen: float | None = None  # when the victim's next round began
+    try:
+        for cmd in setup_commands(plan):
+            _run(cmd)
+        for k in range(plan.endpoints):
+            folder = NETNS_ETC / plan.namespace(k)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(hosts_file(plan))
+        log = out / "lighthouse.log"
+        cmd = lighthouse_command(plan, heartbeat_timeout_ms, join_timeout_ms)
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        runs.append(IslandRun(cmd, proc, log))
+        deadline = time.perf_counter() + 60
+        while "lighthouse at" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.perf_counter() > deadline:
+                raise RuntimeError(f"the lighthouse did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        islands: list[IslandRun] = []
+        for k in range(plan.islands):
+            cmd = elastic_island_command(plan, k, overrides, out)
+            log = out / f"island{k}.log"
+            with open(log, "wb") as f:
+                proc = subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, cwd=out, start_new_session=True
+                )
+            islands.append(IslandRun(cmd, proc, log))
+        runs += islands
+        start = time.perf_counter()
+        namespaces = [plan.namespace(k) for k in range(plan.endpoints)]
+        if plan.hub is not None:
+            namespaces.append(plan.hub)
+        while any(r.proc.poll() is None for r in islands):
+            now = time.time()
+            seen: dict[str, tuple[int, int]] = {}
+            for ns in namespaces:
+                seen.update(qdisc_stats(ns))
+            if kill_island is not None and kill is None:
+                text = islands[kill_island].log.read_text(errors="replace")
+                quorums = text.count("got lighthouse quorum")
+                if armed_at is None and full_commits(text, plan.islands) >= kill_round:
+                    armed_at = quorums
+                elif armed_at is not None and quorums > armed_at and round_seen is None:
+                    round_seen = now  # the next round's quorum: its exchange starts now
+                if round_seen is not None and now - round_seen >= kill_after_s and samples:
+                    os.killpg(islands[kill_island].proc.pid, signal.SIGKILL)
+                    dev = plan.veth(kill_island)
+                    t_prev, prev = samples[-1]
+                    sent = seen.get(dev, (0, 0))[0] - prev.get(dev, (0, 0))[0]
+                    kill = {"island": kill_island, "t": now, "after_full_rounds": kill_round}
+                    kill["into_round_s"] = now - round_seen
+                    kill["link_mbit_s"] = sent * 8 / max(now - t_prev, 1e-3) / 1e6
+                    kill["queued_bytes"] = seen.get(dev, (0, 0))[1]
+            samples.append((now, seen))
+            failed = [
+                k
+                for k, r in enumerate(islands)
+                if r.proc.returncode not in (None, 0) and k != kill_island
+            ]
+            if failed or time.perf_counter() > start + timeout_s:
+                break
+            time.sleep(0.25)
+        wall = time.perf_counter() - start
+        bad = [(k, r) for k, r in enumerate(islands) if r.proc.returncode != 0 and k != kill_island]
+        if bad:
+            k, r = bad[0]
+            why = "timed out" if r.proc.returncode is None else f"exit {r.proc.returncode}"
+            tail = r.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"island {k} {why} ({' '.join(r.cmd)}):\n{tail}")
+        if kill_island is not None and kill is None:
+            raise RuntimeError(
+                f"island {kill_island} was not killed: it did not commit {kill_round} rounds "
+                "with every island and start another; run more steps or lower kill_round"
+            )
+    finally:
+        _teardown(plan, runs)
+    return elastic_report(plan, out, wall, kill, samples)
+
+
+def _round_rows(island_dir: Path) -> list[dict[str, float]]:
+    """The rows of an island's CSV log that hold an outer round's metrics."""
+    import csv
+
+    rows: list[dict[str, float]] = []
+    for path in sorted(island_dir.glob("logs/version_*/metrics.csv")):
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                if row.get("swarm/islands_in_round"):
+                    rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return rows
+
+
+def elastic_report(
+    plan: Plan,
+    out: Path,
+    wall_s: float,
+    kill: dict[str, Any] | None,
+    samples: list[Sample],
+) -> dict[str, Any]:
+    """The figures of an elastic run, from the islands' files and the queue samples.
+
+    Per island: its rounds (islands in each, from the CSV log; the killed island's log may end
+    before it did), abandoned rounds, committed rounds and their times (``steps.json``), and the
+    digest of its final parameters. Across them: rounds before the kill with fewer than all
+    islands (a quorum lost to a starved heartbeat would show there), the seconds from the kill
+    to the survivors' next committed round, whether the survivors end bitwise equal, and each
+    link end's longest queue in bytes and in seconds at the link's rate (what a heartbeat
+    behind a round waits)."""
+    assert plan.rate is not None
+    bps = rate_bps(plan.rate)
+    islands: list[dict[str, Any]] = []
+    for k in range(plan.islands):
+        island_dir = out / f"island{k}"
+        rows = _round_rows(island_dir)
+        one: dict[str, Any] = {
+            "island": k,
+            "rounds": [
+                {"step": r.get("step", -1), "islands": r["swarm/islands_in_round"]} for r in rows
+            ],
+            "rounds_abandoned": max((r.get("swarm/rounds_abandoned", 0) for r in rows), default=0),
+        }
+        steps_path = island_dir / "steps.json"
+        if steps_path.exists():
+            record = json.loads(steps_path.read_text())
+            ends = [record["t0_unix"] + t for t in record["step_end_s"]]
+            outer = record["outer_steps_at"]
+            one["commit_times"] = [
+                ends[i] for i in range(len(ends)) if outer[i] > (outer[i - 1] if i else 0)
+            ]
+            step_time = dict(zip(record["global_step"], ends, strict=True))
+            for r in one["rounds"]:
+                r["t"] = step_time.get(int(r["step"]), float("nan"))
+            one.update(
+                steps=len(ends),
+                outer_steps=record["outer_steps"],
+                params_sha256=record["params_sha256"],
+                fit_s=record["fit_s"],
+            )
+        islands.append(one)
+    survivors = [i for i in islands if kill is None or i["island"] != kill["island"]]
+    kill_t = kill["t"] if kill is not None else float("inf")
+    # From the first round with every island in it (islands that start a moment apart join
+    # over the first rounds) to the kill: a round short of an island there is a lost quorum.
+    # A round is before the kill when its step ended before it; the killed island's log holds
+    # nothing after it.
+    full = [r["t"] for one in survivors for r in one["rounds"] if r["islands"] == plan.islands]
+    first_full = min((t for t in full if t == t), default=float("inf"))
+    short = [
+        (one["island"], r["step"], r["islands"])
+        for one in survivors
+        for r in one["rounds"]
+        if first_full < r.get("t", float("nan")) < kill_t and r["islands"] < plan.islands
+    ]
+    after = [t - kill_t for s in survivors for t in s.get("commit_times", []) if t > kill_t]
+    # The survivors' first round to end after the kill: the round in flight, abandoned when
+    # its collectives lose the killed island (a committed round does not count it).
+    ended = [r["t"] - kill_t for s in survivors for r in s["rounds"] if r.get("t", 0) > kill_t]
+    queues: dict[str, int] = {}
+    for _, seen in samples:
+        for dev, (_, backlog) in seen.items():
+            queues[dev] = max(queues.get(dev, 0), backlog)
+    digests = {s.get("params_sha256") for s in survivors}
+    t_start = samples[0][0] if samples else 0.0
+    transfers = {
+        plan.veth(k): [
+            (round(a - t_start, 1), round(d, 1), n)
+            for a, d, n in busy_spans(samples, plan.veth(k), bps)
+        ]
+        for k in range(plan.islands)
+    }
+    return {
+        "wall_s": wall_s,
+        "rate": plan.rate,
+        "kill": kill,
+        "kill_at_s": kill_t - t_start if kill is not None else None,
+        "islands": islands,
+        "first_full_round_s": first_full - t_start if full else None,
+        "short_rounds_before_kill": short,
+        "full_rounds_before_kill": max(
+            (
+                sum(1 for r in one["rounds"] if r["islands"] == plan.islands and r["t"] < kill_t)
+                for one in survivors
+            ),
+            default=0,
+        ),
+        "kill_to_round_end_s": min(ended) if ended else None,
+        "kill_to_next_commit_s": min(after) if after else None,
+        "survivors_equal": len(digests) == 1 and None not in digests,
+        "survivor_outer_steps": [s.get("outer_steps") for s in survivors],
+        "max_queue_bytes": queues,
+        "max_queue_s": {dev: b * 8 / bps for dev, b in queues.items()},
+        "transfers": transfers,
+        "samples": len(samples),
+    }
 
 
 def _rate(text: str) -> str | None:
@@ -488,6 +857,18 @@ CONFIGS: dict[str, list[str]] = {
 # Runs of benchmarks/wan_torchft.py (torchft's own DiLoCo): name -> its arguments.
 TORCHFT_CONFIGS: dict[str, list[str]] = {"torchft_diloco": ["--sync-every=50"]}
 RATES = ["unlimited", "100mbit", "10mbit"]
+# The elastic run's Hydra overrides: the main job's GPT widened to 1.34M parameters, so one fp32
+# round is 5.4 MB (a ring over three islands sends 7.1 MB from each: about 6 s at 10 Mbit/s),
+# a round every 10 inner steps, no validation (each island would validate alone).
+ELASTIC_OVERRIDES = [
+    "model.n_embd=160",
+    "strategy.sync_every=10",
+    "trainer.max_steps=80",
+    "trainer.limit_val_batches=0",
+    "trainer.log_every_n_steps=1",
+    "logger=csv",
+    "callbacks=none",
+]
 
 
 def campaign_overrides(name: str, steps: int, val_every: int) -> list[str]:
@@ -535,6 +916,38 @@ def _main_run(
     return run_plan(plan, overrides, args.out, args.timeout, trainer=trainer)
 
 
+def _elastic_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    plan = Plan(
+        islands=args.islands,
+        rate=_rate(args.rate),
+        prefix=args.prefix,
+        checkout=args.checkout.resolve(),
+        lighthouse=True,
+    )
+    if plan.rate is None:
+        sys.exit("elastic: give a --rate (the run measures queues on a limited link)")
+    kill = (
+        None
+        if args.no_kill
+        else (plan.islands - 1 if args.kill_island is None else args.kill_island)
+    )
+    if kill is not None and not 0 <= kill < plan.islands:
+        sys.exit(f"--kill-island {kill} is not an island of {plan.islands} (0..{plan.islands - 1})")
+    check_or_exit(plan.prefix, False)
+    cleanup(plan.prefix)
+    return run_elastic(
+        plan,
+        [*ELASTIC_OVERRIDES, *overrides],
+        args.out,
+        args.timeout,
+        kill_island=kill,
+        kill_round=args.kill_round,
+        kill_after_s=args.kill_after_s,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        join_timeout_ms=args.join_timeout_ms,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides: list[str] = []
@@ -543,10 +956,13 @@ def main(argv: list[str] | None = None) -> None:
         argv, overrides = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "mode", nargs="?", default="run", choices=["run", "campaign", "plot", "table", "restat"]
+        "mode",
+        nargs="?",
+        default="run",
+        choices=["run", "campaign", "plot", "table", "restat", "elastic"],
     )
     parser.add_argument("--rate", default="10mbit", help="tbf rate, or 'unlimited'")
-    parser.add_argument("--islands", type=int, default=2)
+    parser.add_argument("--islands", type=int, default=None, help="2; elastic: 3")
     parser.add_argument("--slow-island", type=int, default=None)
     parser.add_argument("--cpu-quota", type=float, default=0.4)
     parser.add_argument("--prefix", default=PREFIX)
@@ -559,7 +975,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", default=None, help="campaign: NAME@RATE or NAME")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
+    elastic = parser.add_argument_group("elastic (a lighthouse namespace, torchft islands)")
+    elastic.add_argument("--kill-island", type=int, default=None, help="default: the last")
+    elastic.add_argument("--no-kill", action="store_true", help="kill no island")
+    elastic.add_argument(
+        "--kill-round", type=int, default=3, help="kill after N rounds with every island"
+    )
+    elastic.add_argument("--kill-after-s", type=float, default=2.0, help="into the next round")
+    elastic.add_argument("--heartbeat-timeout-ms", type=int, default=5_000)
+    elastic.add_argument("--join-timeout-ms", type=int, default=120_000)
     args = parser.parse_args(argv)
+    if args.islands is None:
+        args.islands = 3 if args.mode == "elastic" else 2
     if args.cleanup:
         if os.geteuid() != 0:
             sys.exit(refusal(os.geteuid(), shutil.which, None))
@@ -587,6 +1014,11 @@ def main(argv: list[str] | None = None) -> None:
         campaign_runs(args.only)  # an unknown name stops here, before anything is made
     check_or_exit(args.prefix, args.slow_island is not None)
     _raise_on_sigterm()
+    if args.mode == "elastic":
+        result = _elastic_run(args, overrides)
+        (args.out / "elastic.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: v for k, v in result.items() if k != "islands"}, indent=1))
+        return
     if args.mode == "run":
         if not any(o.startswith("trainer.max_steps=") for o in overrides):
             overrides.insert(0, f"trainer.max_steps={args.steps}")

@@ -12,12 +12,15 @@ running ``sync_wall_s`` (the time the training thread spent blocked in outer rou
 left of a step's wall time after CPU and run-queue time is time the training thread slept:
 waiting on a lock (the GIL included), a future or a socket. Validation passes are recorded as
 spans so that step times can leave them out. At the end of the fit it writes one JSON file with
-these series, the validation losses with their times, the rank's outer totals, and each Python
-thread's CPU time. The file belongs to the rank that writes it; ``wan.py`` only reads it.
+these series, the validation losses with their times, the rank's outer totals, each Python
+thread's CPU time and a digest of the final parameters. Per step it also keeps the rank's
+committed outer rounds, so a round's commit can be placed in wall-clock time (``t0_unix``).
+The file belongs to the rank that writes it; ``wan.py`` only reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 
 def schedstat(path: str) -> tuple[float, float]:
@@ -54,6 +58,16 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def params_digest(module: pl.LightningModule) -> str:
+    """SHA-256 of the module's parameters (sorted by name, raw bytes): equal digests are
+    bitwise equal models."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class StepTimes(pl.Callback):
     """Records this rank's step and validation timeline and writes it to ``path`` at the end.
 
@@ -64,6 +78,8 @@ class StepTimes(pl.Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.t0 = 0.0
+        self.t0_unix = 0.0
+        self.outer_steps_at: list[int] = []
         self.step_end_s: list[float] = []
         self.global_step: list[int] = []
         self.thread_cpu_s: list[float] = []
@@ -79,6 +95,7 @@ class StepTimes(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.t0 = time.perf_counter()
+        self.t0_unix = time.time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         on_cpu, waiting = schedstat("/proc/thread-self/schedstat")
@@ -89,6 +106,7 @@ class StepTimes(pl.Callback):
         self.process_cpu_s.append(time.process_time())
         totals = getattr(trainer.strategy, "totals", None)
         self.sync_wall_s.append(float(getattr(totals, "sync_wall_s", 0.0)))
+        self.outer_steps_at.append(int(getattr(totals, "outer_steps", 0)))
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._val_start = self._now()
@@ -105,6 +123,9 @@ class StepTimes(pl.Callback):
         record = {
             "global_rank": trainer.global_rank,
             "fit_s": self._now(),
+            "t0_unix": self.t0_unix,
+            "outer_steps_at": self.outer_steps_at,
+            "params_sha256": params_digest(pl_module),
             "step_end_s": self.step_end_s,
             "global_step": self.global_step,
             "thread_cpu_s": self.thread_cpu_s,

@@ -191,3 +191,88 @@ def test_cleanup_refuses_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit, match="must run as root"):
         wan.main(["--cleanup"])
+
+
+def test_elastic_plan_puts_the_lighthouse_behind_its_own_limited_link() -> None:
+    plan = Plan(islands=3, rate="10mbit", lighthouse=True)
+    assert plan.namespaces() == ["lsw-i0", "lsw-i1", "lsw-i2", "lsw-lh", "lsw-hub"]
+    cmds = _flat(setup_commands(plan))
+    assert "ip -n lsw-lh addr add 10.77.0.4/24 dev lsw3" in cmds
+    # 4 endpoints on the bridge, every link limited at both ends: the lighthouse's too
+    assert sum(" master lswbr" in c for c in cmds) == 4
+    assert sum(" tbf " in c for c in cmds) == 8
+    assert any(c.startswith("ip netns exec lsw-lh tc qdisc add dev lsw3 ") for c in cmds)
+    hosts = wan.hosts_file(plan).splitlines()
+    assert "10.77.0.1 lsw-i0" in hosts and "10.77.0.4 lsw-lh" in hosts
+    assert "127.0.0.1 localhost" in hosts
+
+
+def test_elastic_islands_are_named_launches_that_meet_at_the_lighthouse(tmp_path: Path) -> None:
+    plan = Plan(islands=3, rate="10mbit", lighthouse=True)
+    cmd = wan.elastic_island_command(plan, 2, ["strategy.sync_every=5"], tmp_path, python="py")
+    joined = " ".join(cmd)
+    assert cmd[:4] == ["ip", "netns", "exec", "lsw-i2"]
+    # its own host name, which every namespace's hosts file resolves to its veth address
+    assert cmd[4:7] == ["unshare", "--uts", "sh"] and cmd[9] == "lsw-i2"
+    assert "torch.distributed.run" not in joined  # one launch per island, no shared world
+    assert "strategy.membership=torchft" in cmd and "strategy.island_id=i2" in cmd
+    assert "strategy.lighthouse=http://10.77.0.4:29510" in cmd
+    assert "trainer.num_nodes=1" in cmd and "GLOO_SOCKET_IFNAME=lsw2" in cmd
+    assert cmd[-1] == "strategy.sync_every=5"
+    lighthouse = " ".join(wan.lighthouse_command(plan, 5000, 120_000, python="py"))
+    assert lighthouse.startswith("ip netns exec lsw-lh ")
+    assert "--port 29510 --min-islands 2" in lighthouse
+    assert "--heartbeat-timeout-ms 5000" in lighthouse
+
+
+def test_full_commits_counts_rounds_committed_with_every_island() -> None:
+    member = "QuorumMember { replica_id: x }"
+    log = "\n".join(
+        [
+            f"got lighthouse quorum {member}, {member}",
+            "should_commit=True enough_replicas=True",  # two islands of three: not full
+            f"got lighthouse quorum {member}, {member}, {member}",
+            "should_commit=False enough_replicas=True",
+            f"got lighthouse quorum {member}, {member}, {member}",
+            "should_commit=True enough_replicas=True",
+        ]
+    )
+    assert wan.full_commits(log, 3) == 1
+    assert wan.full_commits(log, 2) == 1
+
+
+def test_busy_spans_are_the_transfers_at_half_the_rate_or_more() -> None:
+    # 10 Mbit/s = 1.25 MB/s: 0.25 s samples of 312 KB are full rate, 1 KB is a heartbeat
+    sent = [0, 312_500, 625_000, 626_000, 627_000, 627_000, 627_000, 939_500, 1_252_000]
+    samples = [(0.25 * i, {"lsw0": (n, 0)}) for i, n in enumerate(sent)]
+    spans = wan.busy_spans(samples, "lsw0", 10e6, gap_s=0.5)
+    assert [(a, round(d, 2), n) for a, d, n in spans] == [
+        (0.0, 0.5, 625_000),
+        (1.5, 0.5, 625_000),
+    ]
+    assert wan.rate_bps("10mbit") == 10e6 and wan.rate_bps("512kbit") == 512e3
+    with pytest.raises(ValueError, match="kbit, mbit or gbit"):
+        wan.rate_bps("fast")
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores: a lighthouse and three Lightning islands
+@pytest.mark.skipif(_root_and_tools() is not None, reason="needs root, ip and tc")
+def test_elastic_islands_over_10mbit_survive_a_kill_mid_transfer(tmp_path: Path) -> None:
+    prefix = "lswe"
+    if wan.probe_namespaces(prefix) is not None:
+        pytest.skip("network namespaces cannot be made here")
+    plan = Plan(islands=3, rate="10mbit", prefix=prefix, lighthouse=True, lighthouse_port=29591)
+    # the default model (3.5 MB fp32 rounds: about 3 s of transfer each), a round every 5 steps
+    overrides = [*wan.ELASTIC_OVERRIDES, "model.n_embd=128", "strategy.sync_every=5"]
+    overrides.append("trainer.max_steps=40")
+    result = wan.run_elastic(plan, overrides, tmp_path, timeout_s=420, kill_island=2)
+    assert result["kill"] is not None and result["kill"]["after_full_rounds"] == 3
+    # rounds of all three islands went over the full link, and none lost an island
+    assert result["full_rounds_before_kill"] >= 2
+    assert result["short_rounds_before_kill"] == []
+    assert result["kill_to_next_commit_s"] is not None
+    assert result["survivors_equal"]
+    survivors = [i for i in result["islands"] if i["island"] != 2]
+    assert all(i["rounds"][-1]["islands"] == 2 for i in survivors)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in names and not list(wan.NETNS_ETC.glob(f"{prefix}-*"))
