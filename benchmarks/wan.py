@@ -4,7 +4,8 @@ Each island is one torchrun node in its own network namespace. Two islands are j
 pair; more hang off a bridge in a hub namespace, one veth pair each. Every veth end gets a tbf
 qdisc at ``--rate`` (both directions of every link are limited), or none with ``--rate
 unlimited``. ``--slow-island K --cpu-quota Q`` puts island K in a cgroup v1 ``cpu`` group
-limited to Q of one core. Each island runs
+limited to Q of one core; ``--fast-quota F`` puts every other island in a group of its own at F
+of a core (more islands than cores, each still at a known speed). Each island runs
 
     ip netns exec NS env GLOO_SOCKET_IFNAME=VETH ... python -m torch.distributed.run \\
         --nnodes N --nproc-per-node 1 --node-rank K --master-addr ISLAND0 --master-port PORT \\
@@ -12,7 +13,7 @@ limited to Q of one core. Each island runs
 
 with ``benchmarks/wan_steps.StepTimes`` added as a callback, which writes each rank's step
 times, validation losses and outer totals to ``OUT/island<K>/steps.json``. Everything made here
-(namespaces, links, qdiscs, the cgroup) is removed when the run ends, fails or is interrupted;
+(namespaces, links, qdiscs, the cgroups) is removed when the run ends, fails or is interrupted;
 ``--cleanup`` removes leftovers of a killed harness by their name prefix.
 
 Usage (as root):
@@ -63,6 +64,10 @@ class Plan:
             for it.
         slow_island: the island put in a cpu-quota cgroup, or None.
         cpu_quota: that island's share of one core (0 < q).
+        fast_quota: every other island's share of one core, each in a cgroup of its own, or
+            None (no quota). With more islands than cores this keeps "one slow island" one:
+            the fast islands share the cores evenly and the slow one runs at
+            ``cpu_quota / fast_quota`` of their speed.
         port: torchrun's rendezvous port on island 0.
         checkout: the library checkout the islands import (another worktree, e.g. an older
             commit, measured with this harness); this one by default.
@@ -78,6 +83,7 @@ class Plan:
     prefix: str = PREFIX
     slow_island: int | None = None
     cpu_quota: float = 0.4
+    fast_quota: float | None = None
     port: int = 29571
     checkout: Path = ROOT
     lighthouse: bool = False
@@ -95,6 +101,10 @@ class Plan:
             )
         if self.cpu_quota <= 0:
             raise ValueError(f"--cpu-quota must be above 0 (got {self.cpu_quota})")
+        if self.fast_quota is not None and (self.fast_quota <= 0 or self.slow_island is None):
+            raise ValueError(
+                f"--fast-quota {self.fast_quota} needs --slow-island and a value above 0"
+            )
         if len(self.prefix) > 6 or not self.prefix.isalnum():
             raise ValueError(
                 f"--prefix {self.prefix!r} must be 1-6 letters or digits (interface names "
@@ -125,9 +135,20 @@ class Plan:
     def address(self, k: int) -> str:
         return f"{SUBNET}.{k + 1}"
 
-    @property
-    def cgroup(self) -> Path | None:
-        return CGROUP_CPU / f"{self.prefix}-slow" if self.slow_island is not None else None
+    def cgroup(self, k: int) -> Path | None:
+        """Island k's cpu cgroup, or None where it runs without a quota."""
+        if k == self.slow_island:
+            return CGROUP_CPU / f"{self.prefix}-slow"
+        if self.fast_quota is not None:
+            return CGROUP_CPU / f"{self.prefix}-q{k}"
+        return None
+
+    def quota(self, k: int) -> float:
+        """Island k's share of one core (where ``cgroup(k)`` is not None)."""
+        return self.cpu_quota if k == self.slow_island else float(self.fast_quota or 0)
+
+    def cgroups(self) -> list[Path]:
+        return [g for g in (self.cgroup(k) for k in range(self.islands)) if g is not None]
 
     def namespaces(self) -> list[str]:
         names = [self.namespace(k) for k in range(self.endpoints)]
@@ -175,14 +196,14 @@ def setup_commands(plan: Plan) -> list[list[str]]:
     return cmds
 
 
-def cgroup_settings(plan: Plan) -> dict[str, str]:
-    """File -> value to write into the slow island's cgroup (empty without one)."""
-    if plan.cgroup is None:
+def cgroup_settings(plan: Plan, k: int) -> dict[str, str]:
+    """File -> value to write into island k's cgroup (empty without one)."""
+    if plan.cgroup(k) is None:
         return {}
     period = 100_000
     return {
         "cpu.cfs_period_us": str(period),
-        "cpu.cfs_quota_us": str(round(plan.cpu_quota * period)),
+        "cpu.cfs_quota_us": str(round(plan.quota(k) * period)),
     }
 
 
@@ -216,10 +237,11 @@ def island_command(
         raise ValueError(f"--trainer must be lightning or torchft (got {trainer!r})")
     else:
         cmd += ["-m", "lightning_swarm.cli", *_hydra_args(plan.islands, island_dir, overrides)]
-    if plan.cgroup is not None and k == plan.slow_island:
+    group = plan.cgroup(k)
+    if group is not None:
         # $0 is the cgroup directory; the shell joins it and becomes the launch command.
         join = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
-        cmd = ["sh", "-c", join, str(plan.cgroup), *cmd]
+        cmd = ["sh", "-c", join, str(group), *cmd]
     return cmd
 
 
@@ -410,17 +432,18 @@ def _stop(runs: list[IslandRun]) -> None:
         run.proc.wait()
 
 
-def _teardown(plan: Plan, runs: list[IslandRun], made_cgroup: bool = False) -> None:
-    """Kill what ``plan`` launched, then remove its namespaces, hosts files and cgroup."""
+def _teardown(plan: Plan, runs: list[IslandRun], made: Sequence[Path] = ()) -> None:
+    """Kill what ``plan`` launched, then remove its namespaces, hosts files and the cgroups
+    ``made``."""
     _stop(runs)
     for ns in plan.namespaces():
         _kill_namespace_pids(ns)
         _run(["ip", "netns", "del", ns], check=False)
     _remove_hosts_files(plan.prefix)
-    if made_cgroup and plan.cgroup is not None:
+    for group in made:
         for _ in range(50):
             try:
-                plan.cgroup.rmdir()
+                group.rmdir()
                 break
             except OSError:
                 time.sleep(0.1)
@@ -438,15 +461,18 @@ def run_plan(
     fails (with the end of its log)."""
     out.mkdir(parents=True, exist_ok=True)
     runs: list[IslandRun] = []
-    made_cgroup = False
+    made: list[Path] = []
     try:
         for cmd in setup_commands(plan):
             _run(cmd)
-        if plan.cgroup is not None:
-            plan.cgroup.mkdir(exist_ok=True)
-            made_cgroup = True
-            for name, value in cgroup_settings(plan).items():
-                (plan.cgroup / name).write_text(value)
+        for k in range(plan.islands):
+            group = plan.cgroup(k)
+            if group is None:
+                continue
+            group.mkdir(exist_ok=True)
+            made.append(group)
+            for name, value in cgroup_settings(plan, k).items():
+                (group / name).write_text(value)
         start = time.perf_counter()
         for k in range(plan.islands):
             cmd = island_command(plan, k, overrides, out, trainer=trainer)
@@ -471,7 +497,7 @@ def run_plan(
             tail = r.log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"island {k} {why} ({' '.join(r.cmd)}):\n{tail}")
     finally:
-        _teardown(plan, runs, made_cgroup)
+        _teardown(plan, runs, made)
     result: dict[str, Any] = {"wall_s": wall, "islands": []}
     for k in range(plan.islands):
         record = json.loads((out / f"island{k}" / "steps.json").read_text())
@@ -909,6 +935,7 @@ def _main_run(
         prefix=args.prefix,
         slow_island=args.slow_island,
         cpu_quota=args.cpu_quota,
+        fast_quota=args.fast_quota,
         checkout=args.checkout.resolve(),
     )
     check_or_exit(plan.prefix, plan.slow_island is not None)
@@ -965,6 +992,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--islands", type=int, default=None, help="2; elastic: 3")
     parser.add_argument("--slow-island", type=int, default=None)
     parser.add_argument("--cpu-quota", type=float, default=0.4)
+    parser.add_argument(
+        "--fast-quota", type=float, default=None, help="each other island's share of a core"
+    )
     parser.add_argument("--prefix", default=PREFIX)
     parser.add_argument("--checkout", type=Path, default=ROOT, help="library checkout to run")
     parser.add_argument("--tag", default="", help="campaign: suffix of the results' keys")

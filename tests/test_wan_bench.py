@@ -59,13 +59,29 @@ def test_island_command_runs_torchrun_in_its_namespace(tmp_path: Path) -> None:
 
 def test_slow_island_joins_its_cgroup_before_entering_the_namespace(tmp_path: Path) -> None:
     plan = Plan(islands=2, rate=None, slow_island=1, cpu_quota=0.4)
-    assert wan.cgroup_settings(plan) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "40000"}
+    settings = wan.cgroup_settings(plan, 1)
+    assert settings == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "40000"}
     slow = island_command(plan, 1, [], tmp_path, python="py")
-    assert slow[:2] == ["sh", "-c"] and slow[3] == str(plan.cgroup)
+    assert slow[:2] == ["sh", "-c"] and slow[3] == str(plan.cgroup(1))
     assert slow.index("ip") > 3  # ip netns exec remounts /sys: the cgroup must come first
     fast = island_command(plan, 0, [], tmp_path, python="py")
-    assert fast[0] == "ip"
-    assert wan.cgroup_settings(Plan(islands=2, rate=None)) == {}
+    assert fast[0] == "ip" and plan.cgroups() == [plan.cgroup(1)]
+    assert wan.cgroup_settings(plan, 0) == {}
+
+
+def test_fast_quota_puts_every_other_island_in_a_cgroup_of_its_own(tmp_path: Path) -> None:
+    plan = Plan(islands=4, rate=None, slow_island=3, cpu_quota=0.2, fast_quota=0.45)
+    groups = plan.cgroups()
+    assert len(set(groups)) == 4
+    assert [wan.cgroup_settings(plan, k)["cpu.cfs_quota_us"] for k in range(4)] == [
+        "45000",
+        "45000",
+        "45000",
+        "20000",
+    ]
+    for k in range(4):
+        cmd = island_command(plan, k, [], tmp_path, python="py")
+        assert cmd[:2] == ["sh", "-c"] and cmd[3] == str(plan.cgroup(k))
 
 
 @pytest.mark.parametrize(
@@ -74,6 +90,7 @@ def test_slow_island_joins_its_cgroup_before_entering_the_namespace(tmp_path: Pa
         ({"islands": 1}, "--islands must be at least 2"),
         ({"islands": 2, "slow_island": 2}, "--slow-island 2 is not an island of 2"),
         ({"islands": 2, "cpu_quota": 0.0}, "--cpu-quota must be above 0"),
+        ({"islands": 2, "fast_quota": 0.5}, "--fast-quota 0.5 needs --slow-island"),
         ({"islands": 2, "prefix": "far-too-long"}, "must be 1-6 letters or digits"),
     ],
 )
