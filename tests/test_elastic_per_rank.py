@@ -90,12 +90,16 @@ def test_two_rank_islands_each_rank_sends_half_and_they_end_equal(tmp_path: Path
     [
         # The plain heal is also covered by the resume test below; kept for -m slow.
         pytest.param([], id="plain", marks=pytest.mark.slow),
-        # The same without sync_delay; the delayed case below runs in the default suite.
+        # The same without sync_delay.
         pytest.param(
             ["--fragments", "2", "--quantize", "int8"], id="int8_fragments", marks=pytest.mark.slow
         ),
         # Each rank's round on the worker thread, the island's agreements on a gloo side group.
-        pytest.param(["--fragments", "2", "--quantize", "int8", "--delay", "1"], id="delayed"),
+        pytest.param(
+            ["--fragments", "2", "--quantize", "int8", "--delay", "1"],
+            id="delayed",
+            marks=pytest.mark.slow,  # ~27 s; the per-rank resume below heals by share too
+        ),
     ],
 )
 def test_two_rank_joiner_is_healed_share_by_share_and_ends_equal(

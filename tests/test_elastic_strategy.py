@@ -146,6 +146,7 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
             assert value.equal(state[key]), f"{name}: {key} differs from a's"
 
 
+@pytest.mark.slow  # ~23 s; the membership-level refusals run by default (test_membership_torchft)
 @pytest.mark.timeout(400)
 def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path: Path) -> None:
     """Refused on every rank of the joining island, while a and b go on and end equal."""
@@ -180,6 +181,7 @@ def test_lightning_joiners_with_another_model_or_a_taken_id_are_refused(tmp_path
     assert all(a[k].equal(b[k]) for k in a)
 
 
+@pytest.mark.slow  # ~23 s; a kill and a heal run by default (test_lightning_islands_survive_...)
 @pytest.mark.timeout(480)  # ~40 s on 2 busy cores
 def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
     tmp_path: Path,
@@ -344,6 +346,7 @@ def test_lightning_islands_on_cuda(tmp_path: Path) -> None:
     assert all(a[k].equal(b[k]) for k in a)
 
 
+@pytest.mark.slow  # ~20 s; two-rank islands in a swarm run by default (test_elastic_per_rank)
 @pytest.mark.timeout(400)
 def test_lightning_streaming_int8_joiner_of_two_ranks_ends_equal(tmp_path: Path) -> None:
     """Streaming DiLoCo under torchft through Lightning: 2 fragments, sync_delay 1 (rounds on

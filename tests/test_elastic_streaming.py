@@ -115,6 +115,7 @@ def test_kill_mid_fragment_round_then_a_joiner_heals_mid_stream(
     assert heal["anchors"] == anchors_by_round(tmp_path, "a")[heal["outer_steps"]]
 
 
+@pytest.mark.slow  # ~12 s; a heal mid-stream runs by default (the kill test above)
 @pytest.mark.timeout(300)
 def test_a_frozen_island_with_a_fragment_round_in_flight_is_healed(tmp_path: Path) -> None:
     """c stops itself (SIGSTOP) in the quantized mean of a fragment round running on its

@@ -170,7 +170,14 @@ _DEATHS = ["quorum", "pg_setup", "header", "mean", "commit", "heal_recv", "heal_
 @pytest.mark.parametrize(
     "phase",
     # A healer's death: heal_recv (the joiner's) stays in the suite, for its time.
-    [pytest.param(p, marks=pytest.mark.slow) if p == "heal_send" else p for p in _DEATHS],
+    # A death in the quorum, the mean and a heal run by default; the other phases (about 50 s
+    # together) under -m slow.
+    [
+        pytest.param(p, marks=pytest.mark.slow)
+        if p in ("heal_send", "commit", "header", "pg_setup")
+        else p
+        for p in _DEATHS
+    ],
 )
 @pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 60 + 30)
 def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) -> None:
@@ -212,7 +219,11 @@ def test_survivors_go_on_after_a_death_in_any_phase(tmp_path: Path, phase: str) 
 @pytest.mark.parametrize(
     "phase",
     # mean: a round in flight; commit runs in -m slow, for the suite's time.
-    ["quorum", "mean", pytest.param("commit", marks=pytest.mark.slow)],
+    [
+        "quorum",
+        pytest.param("mean", marks=pytest.mark.slow),
+        pytest.param("commit", marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.timeout(60 + 90 + 2 * (QUORUM_TIMEOUT_S + 30) + 90 + 60 + 30)
 def test_a_frozen_island_is_healed_and_rejoins(tmp_path: Path, phase: str) -> None:
@@ -342,6 +353,7 @@ def test_every_quorum_group_is_set_up_on_one_kept_store_connection(tmp_path: Pat
     _in_a_fresh_process("group_per_quorum", tmp_path)
 
 
+@pytest.mark.slow  # ~17 s
 @pytest.mark.timeout(60 + 30 + QUORUM_TIMEOUT_S + 30 + 60 + 30)  # its waits, one after the other
 def test_islands_go_on_when_the_lighthouse_restarts_on_its_address(tmp_path: Path) -> None:
     """SIGKILL the lighthouse mid-run and restart it on the same port once both islands' quorum
