@@ -3,8 +3,9 @@
 Each input is the JSON ``benchmarks/wan.py`` prints for one run (``python benchmarks/wan.py
 --rate unlimited --slow-island 1 --cpu-quota 0.4 ... > RUN.json``), named ``LABEL=RUN.json``.
 
-Usage: .venv/bin/python benchmarks/speeds.py fixed=/tmp/fixed2.json budget=/tmp/budget2.json
-Writes docs/speeds_results.json and docs/speeds.png and prints the Markdown table.
+Usage: .venv/bin/python benchmarks/speeds.py fixed2=/tmp/fixed2.json budget2=/tmp/budget2.json
+Adds (or replaces) the named runs in docs/speeds_results.json, then prints the Markdown table
+and draws docs/speeds.png (one panel per island count) from every run recorded there.
 
 Per run and island: inner steps, rounds, fit seconds, the seconds spent inside outer rounds
 (the harness's ``sync_in_inner_s`` plus the last step's round), their share of the fit (for
@@ -48,11 +49,12 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    runs = {}
+    results = DOCS / "speeds_results.json"
+    runs = json.loads(results.read_text()) if results.exists() else {}
     for item in argv:
         label, _, path = item.partition("=")
         runs[label] = summary(json.loads(Path(path).read_text()))
-    (DOCS / "speeds_results.json").write_text(json.dumps(runs, indent=1) + "\n")
+    results.write_text(json.dumps(runs, indent=1) + "\n")
     print(
         "| run | island | inner steps | rounds | fit (s) | in rounds (s) | share | last val loss |"
     )
@@ -65,15 +67,20 @@ def main(argv: list[str]) -> None:
                 f"| {label} | {k} | {island['steps']} | {island['rounds']} | {island['fit_s']} "
                 f"| {island['in_rounds_s']} | {island['in_rounds_share']:.0%} | {val} |"
             )
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, run in runs.items():
-        for k, island in enumerate(run["islands"]):
-            if island["val"]:
-                t, _, loss = zip(*island["val"], strict=True)
-                ax.plot(t, loss, marker="o", markersize=3, label=f"{label}, island {k}")
-    ax.set_xlabel("seconds since the fit started")
-    ax.set_ylabel("validation loss (each island's own)")
-    ax.legend()
+    counts = sorted({len(run["islands"]) for run in runs.values()})
+    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4), squeeze=False)
+    for ax, count in zip(axes[0], counts, strict=True):
+        for label, run in runs.items():
+            if len(run["islands"]) != count:
+                continue
+            for k, island in enumerate(run["islands"]):
+                if island["val"]:
+                    t, _, loss = zip(*island["val"], strict=True)
+                    ax.plot(t, loss, marker="o", markersize=2, label=f"{label}, island {k}")
+        ax.set_title(f"{count} islands, the last one slow")
+        ax.set_xlabel("seconds since the fit started")
+        ax.set_ylabel("validation loss (each island's own)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(DOCS / "speeds.png", dpi=110)
 
