@@ -452,6 +452,13 @@ class TorchftMembership:
             nbytes = flat.numel() * flat.element_size()
             self.last_round_bytes += ring_allreduce_bytes(nbytes, self._pg.size())
 
+    @property
+    def link_rate_bps(self) -> float | None:
+        """Bytes per second this rank's last measured round crossed the link at (float32
+        bytes over the time from its opening to its last bucket); ``None`` before any round
+        with another island measured it."""
+        return self._link.rate_bps
+
     def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
         """The bound of a heal moving ``nbytes`` of state (torchft's quorum thread calls it;
         the rate it reads changes only between rounds)."""
