@@ -14,6 +14,12 @@ the plan, ``start`` averages a bucket with ``Manager.allreduce`` (or the coded m
 runs the vote. torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer,
 ``load_fn`` keeps the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine
 to install on its training thread.
+
+Each round is bounded by its own timeout (``ElasticConfig.timeouts``): ``round_timeout_s`` as
+set, or derived from its payload and the rate this rank's last round measured
+(``transport.link``). It bounds the quorum group's collectives (torchft 0.2.0's
+``Manager.allreduce`` takes no timeout: the group's own bounds it), the commit vote and a heal's
+tensors; torchft's Manager keeps the base timeout for the rest.
 """
 
 from __future__ import annotations
