@@ -105,6 +105,9 @@ MembershipName = Literal["static", "torchft"]
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Every process group's timeout when ``timeout_s`` is not set (torch's own default)."""
+ROUND_TIMEOUT_FLOOR_S = 60.0
+"""An elastic round's least timeout when ``round_timeout_s`` is not set, and the bound of what
+does not grow with the payload (group set-ups, a heal's header)."""
 FrozenParams = Literal["exclude", "sync"]
 
 # Where an option must match (field metadata, so a new option is marked next to its
@@ -178,7 +181,10 @@ class SwarmConfig:
         island_id: torchft only: this island's name, unique among live islands.
         min_islands: torchft only: a round commits only with at least this many islands.
         quorum_timeout_s: torchft only: how long a round waits for enough islands.
-        round_timeout_s: torchft only: bound on a round's collectives and commit gate.
+        round_timeout_s: torchft only: bound on a round's collectives, its heal and its
+            commit gate. ``None`` (the default) derives it per round as ``timeout_s`` does for
+            the peer group: 4x the payload's time at the link rate this rank measured in its
+            last round (10 Mbit/s before any), at least 60 s; a value set here is used as it is.
         shard_outer: with ``island_size = k > 1``, each rank of an island owns about 1/k of
             the anchors and outer state (balanced by bytes) and exchanges only that share
             across islands; the island then gathers the new parameters over its own group.
@@ -234,7 +240,7 @@ class SwarmConfig:
     island_id: str | None = None
     min_islands: int = 2
     quorum_timeout_s: float = 60.0
-    round_timeout_s: float = 60.0
+    round_timeout_s: float | None = None
     shard_outer: bool = True
     island_parallel: IslandParallel = "ddp"
     tensor_parallel_size: int = 1
@@ -264,7 +270,14 @@ class SwarmConfig:
         _check_shard_outer(self)
         check_island_parallel(self)
         if self.timeout_s is not None:
-            _check_timeout(self.timeout_s)
+            after = "600 (a stopped rank then ends the run after 10 minutes)"
+            _check_timeout("timeout_s", self.timeout_s, after)
+        if self.round_timeout_s is not None:
+            _check_timeout(
+                "round_timeout_s",
+                self.round_timeout_s,
+                "300, or None to derive it from each round's payload and the measured link rate",
+            )
         check_frozen_params(self.frozen_params)
 
     def resume_options(self) -> dict[str, Any]:
@@ -383,13 +396,14 @@ def check_frozen_params(value: object) -> None:
         )
 
 
-def _check_timeout(timeout_s: object) -> None:
-    """A finite number of seconds above zero."""
-    ok = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-    if not ok or not 0 < float(timeout_s) < float("inf"):  # type: ignore[arg-type]
+def _check_timeout(option: str, value: object, example: str) -> None:
+    """``option``'s ``value`` is a finite number of seconds above zero; ``example`` follows
+    ``option=`` in the message."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not 0 < float(value) < float("inf"):  # type: ignore[arg-type]
         raise SwarmConfigError(
-            f"timeout_s={timeout_s!r} must be a finite number of seconds above 0, e.g. "
-            "timeout_s=600 (a stopped rank then ends the run after 10 minutes)."
+            f"{option}={value!r} must be a finite number of seconds above 0, e.g. "
+            f"{option}={example}."
         )
 
 

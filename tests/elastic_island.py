@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--fault", action="append", default=[], help="see tests/elastic_faults.py")
     parser.add_argument("--min-islands", type=int, default=2)
     parser.add_argument("--quorum-timeout", type=float, default=20.0)
-    parser.add_argument("--round-timeout", type=float, default=10.0)
+    parser.add_argument("--round-timeout", type=float, default=10.0, help="0: derived (None)")
     parser.add_argument("--fragments", type=int, default=1, help="num_fragments")
     parser.add_argument("--delay", type=int, default=0, help="sync_delay")
     parser.add_argument("--alpha", type=float, default=0.0, help="merge_alpha")
@@ -83,7 +83,7 @@ def main() -> None:
                 island_id=args.island,
                 min_islands=args.min_islands,
                 quorum_timeout_s=args.quorum_timeout,
-                round_timeout_s=args.round_timeout,
+                round_timeout_s=args.round_timeout or None,
                 connect_timeout_s=3.0,
             ),
             layout=model_layout(params),
@@ -121,6 +121,8 @@ def main() -> None:
                 "anchors": digest(outer.anchors),
                 "residuals": digest(outer.residuals),
                 "bytes_sent": report.bytes_sent,  # type: ignore[attr-defined]
+                "round_timeout_s": membership.round_timeout_s,  # type: ignore[union-attr]
+                "rate_bps": membership.link_rate_bps,  # type: ignore[union-attr]
                 "params": digest({k: v.detach() for k, v in params.items()}),
             }
             log.write(json.dumps(line) + "\n")

@@ -44,10 +44,13 @@ def _assert_equal(out: Path, names: str) -> None:
 @pytest.mark.timeout(240)
 def test_streaming_int8_islands_end_bitwise_equal(tmp_path: Path) -> None:
     """Three islands, 2 fragments, sync_delay 1, int8 + error feedback, merge_alpha 0.5: every
-    fragment's round commits, bytes move, residuals are kept, and the islands end equal."""
+    fragment's round commits, bytes move, residuals are kept, and the islands end equal. With
+    ``round_timeout_s`` unset, each island measures its link from its first round with others
+    and bounds these small rounds by the 60 s floor."""
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse(min_islands=3) as address, reaped(started):
-        opts = [*STREAM, "--alpha", "0.5", *TIMEOUTS, "--rounds", "8", "--step-s", "0.02"]
+        derived = ["--quorum-timeout", "20", "--round-timeout", "0"]
+        opts = [*STREAM, "--alpha", "0.5", *derived, "--rounds", "8", "--step-s", "0.02"]
         procs = {n: start_island(tmp_path, address, n, *opts, "--min-islands", "3") for n in "abc"}
         started.extend(procs.values())
         finish_all(procs, tmp_path, 200)
@@ -58,6 +61,8 @@ def test_streaming_int8_islands_end_bitwise_equal(tmp_path: Path) -> None:
         assert len(applied) >= 8 - 1, log  # the join round is the genesis: 8 rounds after it
         assert all(r["islands"] == 3 and r["bytes_sent"] > 0 for r in applied), applied
         assert len({r["residuals"] for r in applied}) > 1  # error feedback kept a residual
+        assert all(r["round_timeout_s"] == 60.0 for r in applied), applied
+        assert all(r["rate_bps"] is not None and r["rate_bps"] > 0 for r in applied), applied
     by_round = [anchors_by_round(tmp_path, n) for n in "abc"]
     assert by_round[0] == by_round[1] == by_round[2]  # bitwise-equal anchors every round
 

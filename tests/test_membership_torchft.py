@@ -353,6 +353,12 @@ def test_every_quorum_group_is_set_up_on_one_kept_store_connection(tmp_path: Pat
     _in_a_fresh_process("group_per_quorum", tmp_path)
 
 
+def test_an_elastic_rounds_payload_sets_its_timeout_unless_round_timeout_s_is_set(
+    tmp_path: Path,
+) -> None:
+    _in_a_fresh_process("derived_round_timeout", tmp_path)
+
+
 @pytest.mark.slow  # ~17 s
 @pytest.mark.timeout(60 + 30 + QUORUM_TIMEOUT_S + 30 + 60 + 30)  # its waits, one after the other
 def test_islands_go_on_when_the_lighthouse_restarts_on_its_address(tmp_path: Path) -> None:

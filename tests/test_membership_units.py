@@ -6,6 +6,7 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from lightning_swarm.algorithm.model_layout import (
     fingerprint,
     model_layout,
 )
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.config import ROUND_TIMEOUT_FLOOR_S, SwarmConfig
 from lightning_swarm.membership import check_membership
 from lightning_swarm.membership.config import ElasticConfig, elastic_options
 from lightning_swarm.membership.lighthouse import parse_args
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
+from lightning_swarm.transport.link import LinkRate, LinkTimeouts
 from tests.transport_rounds import NamedRound
 
 
@@ -75,7 +77,10 @@ def test_layout_differences_are_named() -> None:
         ({"min_islands": 0}, "min_islands must be >= 1"),
         ({"min_islands": 1.5}, "min_islands must be an integer"),
         ({"quorum_timeout_s": 0}, "quorum_timeout_s must be a positive number"),
-        ({"round_timeout_s": "5"}, "round_timeout_s must be a positive number"),
+        (
+            {"round_timeout_s": "5"},
+            r"round_timeout_s must be a positive number of seconds \(or None",
+        ),
     ],
 )
 def test_elastic_options_are_checked(options: dict[str, object], message: str) -> None:
@@ -312,11 +317,59 @@ def test_the_quorum_mean_of_a_bucket_counts_ring_bytes(errored: bool) -> None:
     from lightning_swarm.membership.torchft_quorum import TorchftMembership
 
     manager = _HalvingManager(errored)
+    link = LinkRate(num_islands=2)
     member = SimpleNamespace(
-        codec=None, _manager=manager, _pg=SimpleNamespace(size=lambda: 2), last_round_bytes=0
+        codec=None,
+        _manager=manager,
+        _pg=SimpleNamespace(size=lambda: 2),
+        last_round_bytes=0,
+        _link=link,
     )
     flat = torch.tensor([5.0, 10.0, 20.0, 30.0])
+    link.begin(0, {"w": flat.shape})
+    link.started()
     TorchftMembership._allreduce(member, [flat])  # type: ignore[arg-type]
+    link.finished()
     assert manager.buckets == [[5.0, 10.0, 20.0, 30.0]]
     assert torch.equal(flat, torch.tensor([2.5, 5.0, 10.0, 15.0]))
     assert member.last_round_bytes == (0 if errored else 16)
+    # The bucket's arrival times the round; a failed exchange measures nothing.
+    assert (link.rate_bps is None) if errored else (link.rate_bps is not None and link.rate_bps > 0)
+
+
+def test_an_elastic_rounds_timeout_grows_with_its_payload_and_falls_with_the_measured_rate() -> (
+    None
+):
+    """``round_timeout_s`` unset: 4x the payload's time at this rank's last measured rate
+    (10 Mbit/s before any), at least 60 s; set: used as it is, whatever the payload."""
+    base: dict[str, Any] = {"lighthouse": "http://h:1", "island_id": "a"}
+    derived = ElasticConfig(**base).timeouts
+    assert derived == LinkTimeouts("round_timeout_s", ROUND_TIMEOUT_FLOOR_S, None)
+    assert derived.base_s == ROUND_TIMEOUT_FLOOR_S == 60.0
+    # A small payload keeps the floor.
+    assert derived.for_round(1_000_000, 12.5e6) == 60.0
+    # A 1.2 GB fp32 round at 100 Mbit/s (12.5 MB/s) needs 96 s: 384 s, past the floor.
+    assert derived.for_round(1_200_000_000, 12.5e6) == pytest.approx(384)
+    assert derived.for_round(2_400_000_000, 12.5e6) == pytest.approx(768)  # twice the payload
+    assert derived.for_round(1_200_000_000, 25e6) == pytest.approx(192)  # twice the rate
+    assert derived.for_round(1_200_000_000, None) == pytest.approx(3840)  # 10 Mbit/s assumed
+    explicit = ElasticConfig(**base, round_timeout_s=7).timeouts
+    assert explicit.base_s == 7.0
+    assert explicit.for_round(1_200_000_000, 1.0) == explicit.for_round(10, None) == 7.0
+    # The strategy's option reaches the membership as it is.
+    torchft = {**base, "membership": "torchft"}
+    assert SwarmConfig().round_timeout_s is None
+    assert elastic_options(SwarmConfig(**torchft)).round_timeout_s is None  # type: ignore[union-attr]
+    options = elastic_options(SwarmConfig(**torchft, round_timeout_s=7))
+    assert options is not None and options.round_timeout_s == 7
+
+
+@pytest.mark.parametrize("value", [0, -5, float("inf"), "60", True])
+def test_round_timeout_s_must_be_positive_seconds_or_none(value: object) -> None:
+    with pytest.raises(ValueError) as caught:
+        SwarmConfig(round_timeout_s=value)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"round_timeout_s={value!r} must be a finite number of seconds above 0, e.g. "
+        "round_timeout_s=300, or None to derive it from each round's payload and the measured "
+        "link rate."
+    )

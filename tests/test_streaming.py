@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import threading
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
 from torch import Tensor
 
 import lightning_swarm.profiling as labels
+from lightning_swarm import RoundTimeoutError
 from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.outer import OuterSync, StreamingOptions, SyncWorker
@@ -33,15 +36,21 @@ PLAIN = functools.partial(torch.optim.SGD, lr=1.0)
 class FakePeer(NamedRound):
     """Two islands where the other one always contributes ``0.5 * x``: mean = ``0.75 * x``."""
 
-    def __init__(self, applied: bool = True, fail_at: int | None = None) -> None:
+    def __init__(
+        self,
+        applied: bool = True,
+        fail_at: int | None = None,
+        failure: Callable[[], Exception] = lambda: ConnectionError("peer vanished"),
+    ) -> None:
         self.calls: list[tuple[list[str], str]] = []
         self.applied = applied
         self.fail_at = fail_at
+        self.failure = failure
 
     def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         self.calls.append((list(tensors), threading.current_thread().name))
         if self.fail_at is not None and len(self.calls) == self.fail_at:
-            raise ConnectionError("peer vanished")
+            raise self.failure()
         for t in tensors.values():
             t.mul_(0.75)
         return RoundStats(bytes_sent=4, bytes_received=4, applied=self.applied)
@@ -174,6 +183,73 @@ def test_worker_failure_surfaces_at_the_apply_step() -> None:
             outer.on_inner_step()
     finally:
         worker.close()
+
+
+def _round_timeout() -> RoundTimeoutError:
+    """What ``LinkWatch.explained`` raises for a gloo timeout: torch's error as the cause."""
+    try:
+        raise RuntimeError("Timed out waiting 1000ms for recv")
+    except RuntimeError as gloo:
+        try:
+            raise RoundTimeoutError("round 1: the payload waited timeout_s=1 s") from gloo
+        except RoundTimeoutError as err:
+            return err
+
+
+def test_a_library_error_of_a_delayed_round_reaches_the_training_thread_as_itself() -> None:
+    """A ``RoundTimeoutError`` raised on the worker is caught by ``except RoundTimeoutError``
+    at the apply step, with its cause and the worker's frames; others keep the wrapper."""
+    worker = SyncWorker()
+    try:
+        outer = _streaming_outer(
+            _params(), FakePeer(fail_at=2, failure=_round_timeout), worker, sync_delay=1
+        )
+        for _ in range(4):
+            outer.on_inner_step()
+        with pytest.raises(RoundTimeoutError, match="waited timeout_s=1 s") as caught:
+            outer.on_inner_step()
+    finally:
+        worker.close()
+    err = caught.value
+    assert not isinstance(err, SyncWorkerError)
+    assert isinstance(err.__cause__, RuntimeError) and "Timed out" in str(err.__cause__)
+    frames = [frame.name for frame in traceback.extract_tb(err.__traceback__)]
+    assert "average_named" in frames, frames  # raised on the worker, traceback kept
+    if sys.version_info >= (3, 11):
+        assert err.__notes__ == [
+            "(raised by the outer sync of fragment 0 (sent after inner step 4) in the "
+            "background sync worker)"
+        ]
+
+
+def test_a_library_error_at_teardown_warns_instead_of_masking_the_fits() -> None:
+    """The round in flight at teardown failed with a ``SwarmError``: ``OuterLoop.close`` warns
+    (the error that ended the fit stays the one raised), and asking the worker again raises
+    the same error with its note once."""
+    from lightning_swarm import SwarmConfig
+    from lightning_swarm.outer import OuterLoop
+
+    params = _params()
+    optimizer = torch.optim.SGD(list(params.values()), lr=0.1)
+    loop = OuterLoop(
+        [optimizer],
+        {id(p): n for n, p in params.items()},
+        config=SwarmConfig(sync_every=4, num_fragments=2, sync_delay=1),
+        transport=FakePeer(fail_at=1, failure=_round_timeout),
+        num_islands=2,
+        outer_optimizer=PLAIN,
+    )
+    for _ in range(2):  # fragment 0 sends after inner step 2, fails on the worker
+        loop.on_inner_step(optimizer)
+    outer = loop._outer_syncs[0]
+    rnd = outer.engine.state.in_flight
+    assert rnd is not None and rnd.future is not None
+    for _ in range(2):
+        with pytest.raises(RoundTimeoutError) as caught:
+            SyncWorker.wait(rnd.future, "the round")
+    assert len(getattr(caught.value, "__notes__", [None])) == 1
+    with pytest.warns(RuntimeWarning, match="waited timeout_s=1 s.*dropped at teardown"):
+        loop.close()
 
 
 def test_delay_needs_a_worker() -> None:

@@ -29,7 +29,7 @@ from tests.dist_utils import free_port
 from tests.elastic_utils import lighthouse, start_lighthouse
 
 
-def _membership(address: str, **options: float) -> TorchftMembership:
+def _membership(address: str, **options: float | None) -> TorchftMembership:
     params = {"w": torch.zeros(3)}
     config = ElasticConfig(lighthouse=address, island_id="solo", **options)  # type: ignore[arg-type]
     return TorchftMembership(config, layout=model_layout(params))
@@ -122,11 +122,55 @@ def group_per_quorum(tmp: Path) -> None:
     assert gone not in group._stores and address in group._stores
 
 
+def derived_round_timeout(tmp: Path) -> None:
+    """``round_timeout_s`` unset: a round's payload sets the bound of its group's collectives,
+    its commit vote and a heal (4x its time at 10 Mbit/s before any rate is measured, over
+    the 60 s floor); set: that value everywhere. A round alone measures no rate."""
+    _bounded_round(None, expected=80.0, heal_s=1280.0)
+    _bounded_round(7.0, expected=7.0, heal_s=7.0)
+
+
+def _bounded_round(explicit: float | None, *, expected: float, heal_s: float) -> None:
+    """One solo round of 25 MB of float32 (80 s at the assumed 10 Mbit/s, 4x over): the bound
+    its group, its vote and a 400 MB heal got."""
+    import datetime
+
+    numel = 6_250_000
+    with lighthouse(min_islands=1) as address:
+        membership = _membership(address, min_islands=1, round_timeout_s=explicit)
+        votes: list[datetime.timedelta | None] = []
+        vote = membership._manager.should_commit
+
+        def recorded(timeout: datetime.timedelta | None = None) -> bool:
+            votes.append(timeout)
+            return bool(vote(timeout=timeout))
+
+        membership._manager.should_commit = recorded
+        try:
+            flat = torch.ones(numel)
+            membership.open(round_index=0, finite=True, names={"w": flat.shape})
+            backend = membership._pg.parent._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == datetime.timedelta(seconds=expected), (
+                backend.options._timeout
+            )
+            membership.start(Bucket(flat, (numel,))).wait()
+            assert membership.agree() is not None
+            assert votes == [datetime.timedelta(seconds=expected)], votes
+            assert membership.round_timeout_s == expected
+            assert membership.link_rate_bps is None  # its bytes crossed no link
+            heal = membership.heal_transport.timeout_for
+            assert heal is not None
+            assert heal(400_000_000) == datetime.timedelta(seconds=heal_s)
+        finally:
+            membership.close()
+
+
 CHECKS: dict[str, Callable[[Path], None]] = {
     "lighthouse_down": lighthouse_down,
     "too_few_islands": too_few_islands,
     "lighthouse_gone": lighthouse_gone,
     "group_per_quorum": group_per_quorum,
+    "derived_round_timeout": derived_round_timeout,
 }
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.config import ROUND_TIMEOUT_FLOOR_S, SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.static import check_membership
+from lightning_swarm.transport.link import LinkTimeouts
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,8 @@ class ElasticConfig:
         min_islands: a round commits only with at least this many islands in it.
         quorum_timeout_s: how long a round waits for ``min_islands`` islands; also how long
             rounds may keep falling short of ``min_islands`` before the island gives up.
-        round_timeout_s: bound on every collective and on the commit gate of a round; a dead
-            peer is noticed within it.
+        round_timeout_s: bound on every collective, heal and commit gate of a round; a dead
+            peer is noticed within it. ``None`` derives it per round (``timeouts``).
         connect_timeout_s: how long to try to reach the lighthouse at start.
     """
 
@@ -33,7 +34,7 @@ class ElasticConfig:
     island_id: str
     min_islands: int = 2
     quorum_timeout_s: float = 60.0
-    round_timeout_s: float = 60.0
+    round_timeout_s: float | None = None
     connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -53,10 +54,20 @@ class ElasticConfig:
             raise SwarmConfigError(f"min_islands must be >= 1, got {self.min_islands}")
         for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
+            if name == "round_timeout_s" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                derive = " (or None to derive it per round)" if name == "round_timeout_s" else ""
                 raise SwarmConfigError(
-                    f"{name} must be a positive number of seconds, got {value!r}"
+                    f"{name} must be a positive number of seconds{derive}, got {value!r}"
                 )
+
+    @property
+    def timeouts(self) -> LinkTimeouts:
+        """Where a round's timeout comes from: ``round_timeout_s`` as set, or derived from the
+        round's payload and this rank's measured link rate, at least ``ROUND_TIMEOUT_FLOOR_S``
+        (``transport.link``)."""
+        return LinkTimeouts("round_timeout_s", ROUND_TIMEOUT_FLOOR_S, self.round_timeout_s)
 
 
 def _refuse_torchft_only_options(config: SwarmConfig) -> None:

@@ -23,7 +23,12 @@ _TAG_LENGTH, _TAG_HEADER, _TAG_FIRST_TENSOR = 1, 2, 3
 
 
 class TensorHealTransport(CheckpointTransport[Any]):
-    """Moves a state tree between islands as a JSON header plus tensors over ``pg``."""
+    """Moves a state tree between islands as a JSON header plus tensors over ``pg``.
+
+    The length and header wait the ``timeout`` torchft passes; the tensors wait
+    ``timeout_for(their bytes)`` when the owner set it (a bound that grows with the state),
+    else torchft's too.
+    """
 
     def __init__(
         self, pg: ProcessGroup, timeout: timedelta, on_phase: Callable[[str], None] | None = None
@@ -32,8 +37,12 @@ class TensorHealTransport(CheckpointTransport[Any]):
         # The membership's fault hook (tests): "heal_send" / "heal_recv" after the header.
         self._on_phase = on_phase
         self._timeout = timeout
+        self.timeout_for: Callable[[int], timedelta] | None = None
         self.last_heal_bytes = 0
         self.last_heal_s = 0.0
+
+    def _tensor_timeout(self, nbytes: int, timeout: timedelta) -> timedelta:
+        return timeout if self.timeout_for is None else self.timeout_for(nbytes)
 
     def metadata(self) -> str:
         return "lightning_swarm-tensor-heal"
@@ -56,8 +65,9 @@ class TensorHealTransport(CheckpointTransport[Any]):
                 for i, t in enumerate(tensors)
                 if t.numel()
             ]
+            wait = self._tensor_timeout(sum(t.numel() for t in tensors), timeout)  # uint8
             for work in works:
-                work.wait(timeout)
+                work.wait(wait)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
         start = time.perf_counter()
@@ -76,8 +86,9 @@ class TensorHealTransport(CheckpointTransport[Any]):
             for i, t in enumerate(payload)
             if t.numel()
         ]
+        wait = self._tensor_timeout(sum(t.numel() for t in payload), timeout)
         for work in works:
-            work.wait(timeout)
+            work.wait(wait)
         tree = decode_tree(header, payload)
         if not isinstance(tree, dict) or tree.get("step") != step:
             raise ValueError(f"a healing peer sent the state of another step (expected {step})")

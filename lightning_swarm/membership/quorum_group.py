@@ -33,7 +33,8 @@ class QuorumGroup(ProcessGroupGloo):
     ``prefix`` maps the store address torchft asks for (``host:port/torchft/<id>/<rank>``) to the
     one to use (``QuorumIdentity.store_prefix``); ``on_setup`` runs first (a test's fault hook).
     The group's private fields are written through ``torchft_private``. ``timeout`` bounds its
-    collectives and store connects, a fifth of it gloo's first connects.
+    store connects and, a fifth of it, gloo's first connects; its collectives get
+    ``collective_timeout`` (``timeout`` until ``bound_collectives`` sets another).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class QuorumGroup(ProcessGroupGloo):
     ) -> None:
         super().__init__(timeout=timeout)
         self._round_timeout = timeout
+        self.collective_timeout = timeout
         self._prefix = prefix
         self._on_setup = on_setup
         self._stores: OrderedDict[str, dist.TCPStore] = OrderedDict()
@@ -63,6 +65,12 @@ class QuorumGroup(ProcessGroupGloo):
         while len(self._stores) > KEPT_STORES:
             self._stores.popitem(last=False)
         return store
+
+    def bound_collectives(self, timeout: datetime.timedelta) -> None:
+        """Bound the collectives of the groups set up from now on (every quorum sets one up)
+        by ``timeout``: the round's, which grows with its payload. Call it before the quorum
+        request, on the thread that makes it, so no set-up runs meanwhile."""
+        self.collective_timeout = timeout
 
     def configure(
         self,
@@ -94,18 +102,18 @@ class QuorumGroup(ProcessGroupGloo):
             store = dist.PrefixStore(prefix, self._store(address))
             # gloo waits five times its timeout for a group's first connects, all of it when a
             # peer froze right after publishing its address (50 s at round_timeout_s=10, seen
-            # in the chaos benchmark), so the connects get a fifth of the round timeout and the
-            # collectives the whole of it back.
+            # in the chaos benchmark), so the connects get a fifth of the base timeout and the
+            # collectives the round's timeout.
             pg = create_gloo_group(
                 self,
                 store,
                 rank,
                 world_size,
                 connect_timeout=self._round_timeout / CONNECT_WAITS,
-                collective_timeout=self._round_timeout,
+                collective_timeout=self.collective_timeout,
             )
         except Exception:
             self._stores.pop(address, None)  # maybe broken: connect anew next time
             raise
-        set_collective_timeout(pg, self._round_timeout)
+        set_collective_timeout(pg, self.collective_timeout)
         install_group(self, pg)

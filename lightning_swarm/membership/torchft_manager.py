@@ -144,13 +144,17 @@ def start_manager(
     from lightning_swarm.membership.quorum_group import QuorumGroup
 
     holder: list[QuorumIdentity] = []
+    # torchft takes one timeout at construction for everything (set-ups, RPCs, heals, votes):
+    # the base one here; the membership passes each round's own (which grows with its
+    # payload) to the calls that take one and to the group's collectives.
+    base = seconds(config.timeouts.base_s)
     # Set up in torchft's quorum thread for every quorum, under the quorum's own prefix.
     pg = QuorumGroup(
-        seconds(config.round_timeout_s),
+        base,
         prefix=lambda store_addr: holder[0].store_prefix(store_addr),
         on_setup=lambda: on_phase("pg_setup"),
     )
-    heal_transport = TensorHealTransport(pg, seconds(config.round_timeout_s), on_phase=on_phase)
+    heal_transport = TensorHealTransport(pg, base, on_phase=on_phase)
     try:
         manager = Manager(
             pg=pg,
@@ -158,7 +162,7 @@ def start_manager(
             state_dict=state_fn,
             min_replica_size=config.min_islands,
             use_async_quorum=True,
-            timeout=seconds(config.round_timeout_s),
+            timeout=base,
             quorum_timeout=seconds(config.quorum_timeout_s),
             connect_timeout=seconds(config.connect_timeout_s),
             rank=rank,

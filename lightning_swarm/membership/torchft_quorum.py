@@ -14,10 +14,17 @@ the plan, ``start`` averages a bucket with ``Manager.allreduce`` (or the coded m
 runs the vote. torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer,
 ``load_fn`` keeps the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine
 to install on its training thread.
+
+Each round is bounded by its own timeout (``ElasticConfig.timeouts``): ``round_timeout_s`` as
+set, or derived from its payload and the rate this rank's last round measured
+(``transport.link``). It bounds the quorum group's collectives (torchft 0.2.0's
+``Manager.allreduce`` takes no timeout: the group's own bounds it), the commit vote and a heal's
+tensors; torchft's Manager keeps the base timeout for the rest.
 """
 
 from __future__ import annotations
 
+import datetime
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -67,6 +74,7 @@ from lightning_swarm.transport.base import (
     RoundStats,
     Work,
 )
+from lightning_swarm.transport.link import LinkRate
 
 PhaseHook = Callable[[str, int], None]
 """Called with (phase, round) as each phase of a round starts on each rank that talks to
@@ -165,6 +173,10 @@ class TorchftMembership:
         self._healed: dict[str, Any] | None = None
         self._rows: list[HeaderRow] = []  # the last round header's
         self._island_healed = False
+        # This rank's link rate, measured by its own exchanges, and the bound of the round in
+        # progress (``ElasticConfig.timeouts``).
+        self._link = LinkRate(num_islands=1)
+        self.round_timeout_s = config.timeouts.base_s
         self._start_managers()
 
     def _start_managers(self) -> None:
@@ -181,6 +193,7 @@ class TorchftMembership:
             self._parts = parts  # keeps the island's store alive on its rank 0
             self._manager, self._pg = parts.manager, parts.pg
             self.heal_transport, self._identity = parts.heal_transport, parts.identity
+            self.heal_transport.timeout_for = self._heal_timeout
             self._watch = SuspensionWatch()
 
     def agree_on(self, settings: Settings) -> None:
@@ -240,7 +253,7 @@ class TorchftMembership:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
             finite = self._fanout.all_true(finite)
             try:
-                return self._lead_open(finite, place)
+                return self._lead_open(finite, place, round_index, names)
             except MembershipError as err:
                 self._error = err  # the island agrees on it at ``agree``
             except Exception:  # e.g. position 0's manager server went away
@@ -250,7 +263,7 @@ class TorchftMembership:
         opening, error = Opening(), None
         if self._fanout.is_leader:
             try:
-                opening = self._lead_open(finite, place)
+                opening = self._lead_open(finite, place, round_index, names)
             except MembershipError as err:
                 error = err
         self._fanout.share_error(error)
@@ -313,17 +326,25 @@ class TorchftMembership:
         )
         return outcome
 
-    def _lead_open(self, finite: bool, place: RoundPlace) -> Opening:
+    def _lead_open(
+        self, finite: bool, place: RoundPlace, round_index: int, names: Mapping[str, torch.Size]
+    ) -> Opening:
         """Quorum, header and plan as this rank sees them (no island collective)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
+        # The round's bound, before the quorum sets its group up with it.
+        self._link.begin(round_index, names)
+        timeouts = self.config.timeouts
+        self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
+        self._pg.bound_collectives(seconds(self.round_timeout_s))
         self._phase("quorum")
         self._quorum()
         healing = not manager.is_participating()
         self._outcome = RoundOutcome(
             genesis=manager.current_step() == 0, participants=manager.num_participants()
         )
+        self._link.num_islands = self._outcome.participants
         self._phase("header")
         self._row.fragment, self._row.send_step, self._row.apply_step = astuple(place)
         conflict = self._check_round_header(healing, finite)
@@ -332,11 +353,15 @@ class TorchftMembership:
             manager.report_error(MembershipError("the islands were at different fragments"))
         if not opening.abandon:
             self._phase("mean")
+            self._link.started()
         return opening
 
     def _lead_agree(self) -> RoundOutcome:
         """The vote as this rank sees it, with any heal it delivered (no island collective)."""
         outcome = self._outcome
+        if self._manager.errored():
+            self._link.discard()
+        self._link.finished()
         self._phase("commit")
         outcome.committed = self._commit_gate()
         self._short_rounds.see(outcome.participants, outcome.committed)
@@ -352,7 +377,7 @@ class TorchftMembership:
         """torchft's vote; a timeout of the vote itself (this island was suspended across it)
         counts as an abandoned round: the next quorum heals the island if the others went on."""
         try:
-            return bool(self._manager.should_commit(timeout=seconds(self.config.round_timeout_s)))
+            return bool(self._manager.should_commit(timeout=seconds(self.round_timeout_s)))
         except TimeoutError:
             count_failed_vote(self._manager)
             return False
@@ -410,7 +435,7 @@ class TorchftMembership:
             self._manager.shutdown(wait=False)
         if verdict is Verdict.MODEL and healing:
             # The healed layout names the difference (raised by _load_healed in the vote).
-            self._manager.should_commit(timeout=seconds(self.config.round_timeout_s))
+            self._manager.should_commit(timeout=seconds(self.round_timeout_s))
         model = rows[reference_index(rows)].model
         raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
 
@@ -420,6 +445,8 @@ class TorchftMembership:
         healing island's share and records a failure instead of raising)."""
         if self.codec is not None:
             self.last_round_bytes += coded_quorum_mean(self._manager, self._pg, tensors, self.codec)
+            if not self._manager.errored():
+                self._link.arrived()
             return
         (flat,) = tensors
         staged = flat if flat.device.type == "cpu" else flat.cpu()  # the quorum's group is gloo
@@ -427,8 +454,21 @@ class TorchftMembership:
         if staged is not flat:
             flat.copy_(staged)
         if not self._manager.errored():
+            self._link.arrived()
             nbytes = flat.numel() * flat.element_size()
             self.last_round_bytes += ring_allreduce_bytes(nbytes, self._pg.size())
+
+    @property
+    def link_rate_bps(self) -> float | None:
+        """Bytes per second this rank's last measured round crossed the link at (float32
+        bytes over the time from its opening to its last bucket); ``None`` before any round
+        with another island measured it."""
+        return self._link.rate_bps
+
+    def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
+        """The bound of a heal moving ``nbytes`` of state (torchft's quorum thread calls it;
+        the rate it reads changes only between rounds)."""
+        return seconds(self.config.timeouts.for_round(nbytes, self._link.rate_bps))
 
     def close(self) -> None:
         """Leave the swarm: stop heartbeats and the manager. Idempotent."""

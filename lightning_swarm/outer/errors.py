@@ -9,9 +9,10 @@ from lightning_swarm.errors import SwarmError
 
 
 class SyncWorkerError(SwarmError, RuntimeError):
-    """An exchange failed in the background worker; raised in the training thread.
+    """An exchange failed in the background worker with an error that is not a ``SwarmError``
+    (those reach the training thread as themselves); raised in the training thread.
 
-    The failure itself (a ``SwarmRoundError``, a ``MembershipError``, ...) is its ``__cause__``.
+    The failure itself (torch's, or a bug's) is its ``__cause__``.
     """
 
 

@@ -22,9 +22,8 @@ from torch.optim import Optimizer
 from lightning_swarm.algorithm.budget import Clock, RoundBudget
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
 from lightning_swarm.config import SwarmConfig
-from lightning_swarm.errors import SwarmConfigError
+from lightning_swarm.errors import SwarmConfigError, SwarmError
 from lightning_swarm.outer.build import codec_of
-from lightning_swarm.outer.errors import SyncWorkerError
 from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.reset import island_must_reset, reset_island
@@ -345,7 +344,7 @@ class OuterLoop:
         if self._worker is not None:
             try:
                 self.drain()
-            except SyncWorkerError as err:
+            except SwarmError as err:  # a SyncWorkerError, or the round's own error
                 warnings.warn(
                     f"{err}; the round was dropped at teardown", RuntimeWarning, stacklevel=2
                 )

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 
+from lightning_swarm.errors import SwarmError
 from lightning_swarm.outer.errors import SyncWorkerError
 
 _T = TypeVar("_T")
@@ -62,10 +63,20 @@ class SyncWorker:
         """Block until ``future`` is done and return its result.
 
         Raises:
-            SyncWorkerError: the job raised; the message names ``what`` and the cause.
+            SwarmError: the job raised one (``RoundTimeoutError``, ``PeerLostError``,
+                ``MembershipError``, ...): that same error, its traceback and cause kept, so
+                ``except`` clauses for it catch it as they would without ``sync_delay``.
+            SyncWorkerError: the job raised anything else; the message names ``what`` and the
+                cause, which is its ``__cause__``.
         """
         try:
             return future.result()
+        except SwarmError as err:
+            note = f"(raised by {what} in the background sync worker)"
+            # Python 3.11+ prints notes under the traceback; a second wait adds none.
+            if hasattr(err, "add_note") and note not in getattr(err, "__notes__", ()):
+                err.add_note(note)
+            raise
         except Exception as err:
             raise SyncWorkerError(
                 f"{what} failed in the background sync worker: {type(err).__name__}: {err}"

@@ -1,13 +1,15 @@
 """How long a round may take over this link, and what a round that cannot finish says.
 
-A ``LinkWatch`` belongs to one transport over one peer group. Each round it is told the payload
-(``open``), times the exchange from the end of the round's opening agreement (a barrier over the
-peers, so the time counts the transfer and not a late peer's inner steps) to ``agree``, and
-keeps the rate ``payload bytes / seconds`` this rank saw. Before the next round's first
-collective it bounds the group's collectives by ``round_timeout_s`` of that payload and rate:
-``FACTOR`` times the time the payload needs at the measured rate, never under the option's
-default (``LinkTimeouts.floor_s``). The first round, with nothing measured, assumes
-``ASSUMED_RATE_BPS``. A timeout the user set (``LinkTimeouts.explicit_s``) is used as it is.
+A ``LinkRate`` is one rank's measure of its link. Each round it is told the payload (``begin``),
+times the exchange from the end of the round's opening agreement (a barrier over the peers, so
+the time counts the transfer and not a late peer's inner steps) to ``agree``, and keeps the rate
+``payload bytes / seconds`` this rank saw. ``LinkTimeouts.for_round`` turns a payload and that
+rate into the round's bound, ``round_timeout_s``: ``FACTOR`` times the time the payload needs at
+the measured rate, never under the option's default (``LinkTimeouts.floor_s``). The first round,
+with nothing measured, assumes ``ASSUMED_RATE_BPS``. A timeout the user set
+(``LinkTimeouts.explicit_s``) is used as it is. The static transports hold a ``LinkWatch`` (a
+``LinkRate`` over one peer group that bounds the group's collectives before each round's first
+one); the elastic membership holds a ``LinkRate`` and hands the bound to torchft's calls.
 
 ``explained`` turns what torch raises at this boundary into errors that say what happened:
 a collective's timeout into ``RoundTimeoutError`` (the measured rate, the payload, the timeout
@@ -66,6 +68,19 @@ class LinkTimeouts:
     floor_s: float
     explicit_s: float | None = None
 
+    def for_round(self, payload_bytes: int, rate_bps: float | None) -> float:
+        """Seconds a round of ``payload_bytes`` may take: ``explicit_s`` when the user set it,
+        else ``round_timeout_s`` of the payload at ``rate_bps`` (``None``: nothing measured)."""
+        if self.explicit_s is not None:
+            return float(self.explicit_s)
+        return round_timeout_s(payload_bytes, rate_bps, self.floor_s)
+
+    @property
+    def base_s(self) -> float:
+        """The bound of what does not grow with a payload (set-ups, small messages):
+        ``explicit_s`` when set, else ``floor_s``."""
+        return float(self.floor_s if self.explicit_s is None else self.explicit_s)
+
 
 def _mbit(rate_bps: float) -> str:
     return f"{rate_bps * 8 / 1e6:.3g} Mbit/s"
@@ -109,7 +124,57 @@ def peer_lost_message(where: str, gone: str, cause: BaseException) -> str:
     )
 
 
-class LinkWatch:
+def payload_bytes_of(names: Mapping[str, torch.Size]) -> int:
+    """Bytes of float32 tensors of the shapes in ``names`` (a round's payload before any codec)."""
+    return 4 * sum(int(torch.Size(s).numel()) for s in names.values())
+
+
+class LinkRate:
+    """The rate this rank's rounds crossed the link at (module docstring).
+
+    Args:
+        num_islands: size of the peer group; a round among fewer than two islands measures
+            nothing (its bytes crossed no link). The owner updates it when the group changes.
+    """
+
+    def __init__(self, *, num_islands: int) -> None:
+        self.num_islands = num_islands
+        self.rate_bps: float | None = None
+        self.round_index = 0
+        self.payload_bytes = 0
+        self._started: float | None = None
+        self._arrived: float | None = None
+
+    def begin(self, round_index: int, names: Mapping[str, torch.Size]) -> None:
+        """Round ``round_index`` over float32 tensors of ``names`` begins."""
+        self.finished()  # a round the engine streamed ends without ``agree``
+        self.round_index = round_index
+        self.payload_bytes = payload_bytes_of(names)
+
+    def started(self) -> None:
+        """The round's opening agreement is done: its transfer starts now."""
+        self._started, self._arrived = time.perf_counter(), None
+
+    def arrived(self) -> None:
+        """A bucket's mean arrived (the last one's time ends the round's transfer)."""
+        self._arrived = time.perf_counter()
+
+    def discard(self) -> None:
+        """The round failed part-way: it measures nothing (the last rate stays)."""
+        self._started = self._arrived = None
+
+    def finished(self) -> None:
+        """The round is over (``agree``, or the next ``begin``): keep the rate this rank saw
+        from its opening agreement to its last bucket, once per round."""
+        started, arrived = self._started, self._arrived
+        self._started = self._arrived = None
+        if started is None or arrived is None or self.payload_bytes == 0:
+            return
+        if self.num_islands > 1 and arrived > started:
+            self.rate_bps = self.payload_bytes / (arrived - started)
+
+
+class LinkWatch(LinkRate):
     """One transport's link rate, the timeout it derives, and its errors (module docstring).
 
     Args:
@@ -126,46 +191,21 @@ class LinkWatch:
         num_islands: int,
         timeouts: LinkTimeouts | None = None,
     ) -> None:
+        super().__init__(num_islands=num_islands)
         self.group = group
-        self.num_islands = num_islands
         self.timeouts = timeouts
-        self.rate_bps: float | None = None
         self.timeout_s: float | None = None if timeouts is None else timeouts.explicit_s
-        self.round_index = 0
-        self.payload_bytes = 0
-        self._started: float | None = None
-        self._arrived: float | None = None
 
     def open(self, round_index: int, names: Mapping[str, torch.Size]) -> None:
         """Round ``round_index`` over float32 tensors of ``names`` begins: bound the group's
         collectives by its timeout, before any of them runs."""
-        self.finished()  # a round the engine streamed ends without ``agree``
-        self.round_index = round_index
-        self.payload_bytes = 4 * sum(int(torch.Size(s).numel()) for s in names.values())
+        self.begin(round_index, names)
         t = self.timeouts
         if t is None or t.explicit_s is not None or self.num_islands <= 1:
             return
-        timeout = round_timeout_s(self.payload_bytes, self.rate_bps, t.floor_s)
+        timeout = t.for_round(self.payload_bytes, self.rate_bps)
         if timeout != self.timeout_s and set_group_timeout(self.group, timeout):
             self.timeout_s = timeout
-
-    def started(self) -> None:
-        """The round's opening agreement is done: its transfer starts now."""
-        self._started, self._arrived = time.perf_counter(), None
-
-    def arrived(self) -> None:
-        """A bucket's mean arrived (the last one's time ends the round's transfer)."""
-        self._arrived = time.perf_counter()
-
-    def finished(self) -> None:
-        """The round is over (``agree``, or the next ``open``): keep the rate this rank saw
-        from its opening agreement to its last bucket, once per round."""
-        started, arrived = self._started, self._arrived
-        self._started = self._arrived = None
-        if started is None or arrived is None or self.payload_bytes == 0:
-            return
-        if self.num_islands > 1 and arrived > started:
-            self.rate_bps = self.payload_bytes / (arrived - started)
 
     @contextlib.contextmanager
     def explained(self) -> Iterator[None]:
