@@ -440,8 +440,8 @@ def check_budget_options(config: SwarmConfig) -> None:
 
     Fragments stagger rounds by steps and a delay applies a round steps after its send: both
     count steps an island takes at its own pace, so under a time budget their rounds would
-    fall at different times on different islands. torchft's rounds and the swarm transport's
-    aggregator do not carry the islands' weights yet.
+    fall at different times on different islands. Every transport weighs a budgeted round by
+    the islands' inner steps (docs/speeds.md); torchft's rounds do not carry them yet.
     """
     check_budget(config.sync_every_s)
     if config.sync_every_s is None:
@@ -454,18 +454,13 @@ def check_budget_options(config: SwarmConfig) -> None:
             f"membership={config.membership!r}",
             "membership='static'",
         ),
-        (
-            config.transport != "allreduce",
-            f"transport={config.transport!r}",
-            "transport='allreduce'",
-        ),
     ]
     for bad, given, fix in refused:
         if bad:
             raise SwarmConfigError(
                 f"sync_every_s={config.sync_every_s} cannot be combined with {given}: rounds on "
-                f"a time budget are whole-model rounds, weighted over a static world's "
-                f"all-reduce; set {fix}, or drop sync_every_s to sync every sync_every steps."
+                f"a time budget are whole-model rounds, weighted over a static world; set "
+                f"{fix}, or drop sync_every_s to sync every sync_every steps."
             )
 
 

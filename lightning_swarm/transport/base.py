@@ -42,6 +42,9 @@ class RoundStats:
             receiver) this rank must install before it applies the round (elastic membership).
         island_healed: some rank of this island installs a heal in this round (identical on
             every rank of the island): the island gathers its parameters and counters after.
+        swarm_steps: under a time budget, the most inner steps of any island in the round,
+            where the transport learns it only as the round runs (the aggregator; the others
+            answer in ``Opening.swarm_steps``).
     """
 
     bytes_sent: int = 0
@@ -52,6 +55,7 @@ class RoundStats:
     rejected_own: bool = False
     heal: Mapping[str, Any] | None = None
     island_healed: bool = False
+    swarm_steps: int | None = None
 
 
 @dataclass(frozen=True)
