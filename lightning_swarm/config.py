@@ -211,7 +211,7 @@ class SwarmConfig:
     """
 
     sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))
-    sync_every_s: float | None = None
+    sync_every_s: float | None = field(default=None, metadata=_must_match("islands"))
     island_size: int = field(default=1, metadata=_must_match("resume"))
     transport: TransportName = field(default="allreduce", metadata=_must_match("resume"))
     anchor_device: str = "cpu"
@@ -440,8 +440,8 @@ def check_budget_options(config: SwarmConfig) -> None:
 
     Fragments stagger rounds by steps and a delay applies a round steps after its send: both
     count steps an island takes at its own pace, so under a time budget their rounds would
-    fall at different times on different islands. Every transport weighs a budgeted round by
-    the islands' inner steps (docs/speeds.md); torchft's rounds do not carry them yet.
+    fall at different times on different islands. Every transport and torchft's quorum weigh
+    a budgeted round by the islands' inner steps (docs/speeds.md).
     """
     check_budget(config.sync_every_s)
     if config.sync_every_s is None:
@@ -449,18 +449,13 @@ def check_budget_options(config: SwarmConfig) -> None:
     refused = [
         (config.num_fragments != 1, f"num_fragments={config.num_fragments}", "num_fragments=1"),
         (config.sync_delay != 0, f"sync_delay={config.sync_delay}", "sync_delay=0"),
-        (
-            config.membership != "static",
-            f"membership={config.membership!r}",
-            "membership='static'",
-        ),
     ]
     for bad, given, fix in refused:
         if bad:
             raise SwarmConfigError(
                 f"sync_every_s={config.sync_every_s} cannot be combined with {given}: rounds on "
-                f"a time budget are whole-model rounds, weighted over a static world; set "
-                f"{fix}, or drop sync_every_s to sync every sync_every steps."
+                f"a time budget are whole-model rounds without delay; set {fix}, or drop "
+                "sync_every_s to sync every sync_every steps."
             )
 
 

@@ -3,6 +3,7 @@ bitwise the plain mean when the steps are equal, a bad weight refused, a stalled
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -11,16 +12,19 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.errors import SwarmError
+from lightning_swarm.membership.adopt import weighed
+from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
-from lightning_swarm.transport.base import Transport, Work
+from lightning_swarm.transport.base import Opening, Transport, Work
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkTimeouts
 from tests.dist_utils import run_ranks
@@ -280,3 +284,88 @@ def test_an_island_that_stalls_for_many_budgets_is_not_waited_on_forever(tmp_pat
     head, message = (tmp_path / "1.txt").read_text().split("\n", 1)
     assert head.split()[2] in ("PeerLostError", "RoundTimeoutError"), head
     assert message.startswith("rank 1, island 1, round 0: "), message
+
+
+# -- torchft: the quorum's participants, weighed ---------------------------------------------
+def _row(nonce: int, work: int, inner: int, healing: int = 0) -> HeaderRow:
+    return HeaderRow(
+        island=nonce, model=1, healing=healing, joined_ns=0, nonce=nonce, finite=1,
+        settings=1, settings_len=1, work=work, inner_steps=inner,
+    )  # fmt: skip
+
+
+def test_the_quorums_participants_are_weighed_and_a_healed_member_brings_no_weight() -> None:
+    rows = [_row(1, 3, 9), _row(2, 5, 50, healing=1), _row(3, 1, 4)]
+    # Participants 1 and 3: torchft divides their sum by 2, so 2 * 3 / 4 and 2 * 1 / 4.
+    assert weighed(rows, rows[0], Opening()) == Opening(scale=1.5, swarm_steps=9)
+    assert weighed(rows, rows[2], Opening()) == Opening(scale=0.5, swarm_steps=9)
+    assert weighed(rows, rows[1], Opening()).scale == 1.0  # it sends zeros
+    equal = [_row(1, 2, 9), _row(2, 2, 4)]
+    assert weighed(equal, equal[1], Opening()) == Opening(scale=1.0, swarm_steps=9)
+    with pytest.raises(
+        BadWorkError,
+        match=r"^the island at place 2 of the quorum \(island_id hash 3\) sent the weight 0\.0",
+    ):
+        weighed([_row(1, 2, 9), _row(2, 7, 7, healing=1), _row(3, 0, 4)], rows[0], Opening())
+
+
+SCRIPT = "tests/torchft_weighted_island.py"
+
+
+def test_torchft_rounds_weigh_the_mean_by_the_steps(tmp_path: Path) -> None:
+    from tests.elastic_utils import finish_all, lighthouse, reaped, start_island
+    from tests.torchft_weighted_island import contribution
+
+    pytest.importorskip("torchft")
+    steps = {"a": 3, "b": 1, "c": 2}
+    with lighthouse(min_islands=3) as address:
+        procs = {
+            name: start_island(tmp_path, address, name, "--steps", str(s), script=SCRIPT)
+            for name, s in steps.items()
+        }
+        with reaped(list(procs.values())):
+            finish_all(procs, tmp_path, 90)
+    got = {name: torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in steps}
+    a = got["a"]
+    assert [r["applied"] for r in a] == [False, True, True, True, False]
+    assert all(r["participants"] == 3 for r in a[1:4])
+    expected = sum(s * contribution(n).double() for n, s in steps.items()) / sum(steps.values())
+    torch.testing.assert_close(a[1]["mean"].double(), expected, rtol=1e-6, atol=1e-6)
+    for name, result in got.items():
+        for r in range(1, 4):  # the same bits on every island
+            assert torch.equal(result[r]["mean"], a[r]["mean"]), (name, r)
+        assert result[1]["swarm_steps"] == 13 and result[2]["swarm_steps"] == 20
+        assert result[3]["scale"] == 1.0 and result[3]["swarm_steps"] is None
+        assert not result[4]["applied"]  # b's broken weight: abandoned everywhere
+    assert torch.equal(a[2]["mean"], a[3]["mean"])  # equal steps: bit for bit unweighted
+    assert not torch.equal(a[1]["mean"], a[3]["mean"])
+    for name in steps:
+        log = (tmp_path / f"{name}.stderr").read_text()
+        assert f"island '{name}' abandons this round: the island at place" in log, log[-2000:]
+        assert "sent the weight 0.0" in log
+
+
+def test_lightning_islands_of_different_speeds_on_torchft_end_equal(tmp_path: Path) -> None:
+    """Two elastic islands on a budget, one five times slower: the fit ends on both at the
+    round where the fast one reached max_steps, with the same model."""
+    from tests.elastic_utils import finish_all, lighthouse, reaped, start_island
+
+    pytest.importorskip("torchft")
+    script = "tests/elastic_lightning_island.py"
+    opts = ["--budget-s", "0.3", "--max-steps", "30"]
+    with lighthouse() as address:
+        procs = {
+            name: start_island(tmp_path, address, name, *opts, "--step-s", pace, script=script)
+            for name, pace in (("a", "0.01"), ("b", "0.05"))
+        }
+        with reaped(list(procs.values())):
+            finish_all(procs, tmp_path, 90)
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max() for k in a}
+    steps = {}
+    for name in "ab":
+        rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        rounds = [r for r in rows if "swarm/islands_in_round" in r]
+        steps[name] = max(r["step"] for r in rows)
+        assert rounds and all(r["swarm/islands_in_round"] == 2 for r in rounds[1:]), name
+    assert steps["a"] >= 30 > steps["b"], steps

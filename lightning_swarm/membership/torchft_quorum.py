@@ -18,6 +18,7 @@ to install on its training thread.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +32,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.adopt import opening_of
+from lightning_swarm.membership.adopt import opening_of, weighed
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     MembershipError,
@@ -67,6 +68,9 @@ from lightning_swarm.transport.base import (
     RoundStats,
     Work,
 )
+from lightning_swarm.transport.errors import BadWorkError
+
+log = logging.getLogger(__name__)
 
 PhaseHook = Callable[[str, int], None]
 """Called with (phase, round) as each phase of a round starts on each rank that talks to
@@ -165,6 +169,7 @@ class TorchftMembership:
         self._healed: dict[str, Any] | None = None
         self._rows: list[HeaderRow] = []  # the last round header's
         self._island_healed = False
+        self._weighed = False  # the round in progress carries work (a time budget)
         self._start_managers()
 
     def _start_managers(self) -> None:
@@ -225,13 +230,17 @@ class TorchftMembership:
     ) -> Opening:
         """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
         what torchft sends a healing peer during the quorum. Collective over the island.
-        ``work`` is not weighed yet (``config.check_budget_options`` refuses time budgets here).
+        ``work`` (a time-budgeted round) rides in the round header, and the ``Opening`` scales
+        this island's pseudo-gradient by it over the round's participants (``adopt.weighed``);
+        a participant's bad work abandons the round on every member, logged with its name.
 
         Raises:
             MembershipError: this island was refused (on every rank of the island; per rank,
                 at ``agree``), or no quorum came.
         """
         self._offer = offer
+        self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
+        self._weighed = work is not None
         self._started, self.last_round_bytes = [], 0
         self._error, self._failed, self._island_healed = None, False, False
         self._outcome = RoundOutcome()
@@ -330,6 +339,14 @@ class TorchftMembership:
         opening = Opening(abandon=True) if conflict else opening_of(self._rows, self._row)
         if opening.abandon and not conflict:
             manager.report_error(MembershipError("the islands were at different fragments"))
+        if self._weighed and not opening.abandon:
+            try:
+                opening = weighed(self._rows, self._row, opening)
+            except BadWorkError as err:  # every member reads the same rows: all abandon
+                if self._fanout.is_leader:
+                    log.error("island %r abandons this round: %s", self.config.island_id, err)
+                manager.report_error(err)
+                opening = Opening(abandon=True)
         if not opening.abandon:
             self._phase("mean")
         return opening
