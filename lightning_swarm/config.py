@@ -135,8 +135,8 @@ class SwarmConfig:
             the next round (at most one inner step late), and the round's mean weighs each
             island by the inner steps it took. The fit ends at the first round where some
             island reached ``Trainer(max_steps)``. ``None`` (default): every ``sync_every``
-            steps. Needs one fragment, ``sync_delay=0``, ``membership="static"`` and
-            ``transport="allreduce"`` (checked by ``check_budget_options``).
+            steps. Needs one fragment and ``sync_delay=0`` (checked by
+            ``check_budget_options``).
         island_size: ranks per island; must divide the world size (checked at setup).
         transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` (a
             bucketed all-reduce over the peer group) or ``"swarm"`` (a rotating aggregator that

@@ -166,7 +166,8 @@ class Transport(Protocol):
         the round sits in the schedule; ``offer`` the outer state a healing peer may be sent
         (read-only until the next ``open``; built by the engine on its own thread). ``work``
         (time-budgeted rounds only; the engine passes it to no transport otherwise) travels
-        with the finite flag, and the ``Opening`` says how to weigh this island."""
+        in a message the round sends anyway; the mean is weighted by every island's
+        ``Work.steps``, with the ``Opening``'s scale where the transport needs one."""
         ...
 
     def start(self, bucket: Bucket) -> Handle: ...
