@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
+from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.errors import SwarmError
 from lightning_swarm.membership.adopt import weighed
 from lightning_swarm.membership.round_header import HeaderRow
@@ -37,7 +38,8 @@ STEPS = [3, 1, 2]  # each island's inner steps this round: its weight
 ISLAND_WEIGHTS = [1.0, 2.0, 1.0]  # weighted_mean's samples per step
 
 # name -> (transport factory, weights the mean takes besides the steps)
-KINDS = ("allreduce", "rotating", "sharded", "sharded_spooled", "weighted", "median")
+KINDS = ("allreduce", "rotating", "sharded", "sharded_spooled", "weighted", "median", "int8")
+CODEC = Codec("int8", 4)
 
 
 def _transport(kind: str, rank: int) -> Transport:
@@ -54,6 +56,8 @@ def _transport(kind: str, rank: int) -> Transport:
         return AggregatorTransport(
             None, **common, aggregation="weighted_mean", island_weights=ISLAND_WEIGHTS
         )
+    if kind == "int8":  # contributions (the owner's own too) are weighed decoded
+        return AggregatorTransport(None, **common, codec=CODEC)
     assert kind == "median"
     return AggregatorTransport(None, **common, aggregation="median")
 
@@ -80,10 +84,15 @@ def _weights_worker(rank: int, world: int, out: Path) -> None:
     torch.save(results, out / f"{rank}.pt")
 
 
-def _reference(weights: list[float]) -> dict[str, Tensor]:
-    """The weighted mean in float64."""
+def _reference(weights: list[float], codec: Codec | None = None) -> dict[str, Tensor]:
+    """The weighted mean in float64 (of the contributions' round trips through ``codec``)."""
     total = sum(weights)
     contributions = [_contribution(i) for i in range(WORLD)]
+    if codec is not None:
+        contributions = [
+            {n: codec.roundtrip(t.reshape(-1)).view_as(t) for n, t in c.items()}
+            for c in contributions
+        ]
     return {
         name: sum(w * c[name].double() for w, c in zip(weights, contributions, strict=True)) / total
         for name in contributions[0]
@@ -108,7 +117,7 @@ def test_the_mean_is_weighted_by_the_steps_on_every_transport(tmp_path: Path) ->
         weights = [float(s) for s in STEPS]
         if kind == "weighted":  # samples per step times steps
             weights = [w * s for w, s in zip(ISLAND_WEIGHTS, STEPS, strict=True)]
-        expected = _reference(weights)
+        expected = _reference(weights, CODEC if kind == "int8" else None)
         for name, got in unequal.items():
             torch.testing.assert_close(got.double(), expected[name], rtol=1e-6, atol=1e-6)
             assert not torch.equal(got, plain[name]), f"{kind}: the weights changed nothing"
