@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,13 +26,13 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
-from lightning_swarm.transport.base import Opening, Transport, Work
+from lightning_swarm.transport.base import Opening, RoundStats, Transport, Work
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkTimeouts
 from tests.dist_utils import run_ranks
 from tests.helpers import QUIET, Recorder, load_ranks, regression_data
 from tests.test_budget import PLAIN_OUTER, FakeClock, SleepyRegressor, _locals, _params, _train
-from tests.transport_rounds import average
+from tests.transport_rounds import NamedRound, average
 
 WORLD = 3
 STEPS = [3, 1, 2]  # each island's inner steps this round: its weight
@@ -378,3 +379,36 @@ def test_lightning_islands_of_different_speeds_on_torchft_end_equal(tmp_path: Pa
         steps[name] = max(r["step"] for r in rows)
         assert rounds and all(r["swarm/islands_in_round"] == 2 for r in rounds[1:]), name
     assert steps["a"] >= 30 > steps["b"], steps
+
+
+class _Verdict(NamedRound):
+    """A stand-in round that reports 100 inner steps for the swarm and the given outcome."""
+
+    def __init__(self, applied: bool) -> None:
+        self.applied = applied
+
+    def open(self, **kwargs: Any) -> Opening:
+        super().open(**kwargs)
+        return Opening(swarm_steps=100)
+
+    def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+        return RoundStats(applied=self.applied)
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_only_an_applied_round_counts_for_the_stopping_rule(applied: bool) -> None:
+    # torchft's vote or the aggregator's min_contributions can leave a round unapplied on
+    # every island: a fit that stopped there would end on local models.
+    clock = FakeClock()
+    budget = RoundBudget(1.0, clock=clock)
+    outer = OuterSync(
+        _params(),
+        outer_optimizer=PLAIN_OUTER,
+        transport=cast(Transport, _Verdict(applied)),
+        sync_every=10**6,
+        budget=budget,
+    )
+    budget.restart(0)
+    clock.now += 1.0
+    assert outer.on_inner_step() is not None
+    assert budget.swarm_steps == (100 if applied else None)
