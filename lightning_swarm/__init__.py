@@ -36,6 +36,7 @@ from lightning_swarm.outer.errors import ShareFailedError, SyncWorkerError
 from lightning_swarm.resume.global_weights import load_global_state_dict
 from lightning_swarm.strategy import SwarmStrategy
 from lightning_swarm.transport.errors import (
+    BadWorkError,
     NonFinitePseudoGradientError,
     SpoolError,
     SwarmRoundError,
@@ -44,6 +45,7 @@ from lightning_swarm.transport.errors import (
 SwarmStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "BadWorkError",
     "CollectiveTimeoutError",
     "DiskFullError",
     "DivergedIslandError",

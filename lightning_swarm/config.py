@@ -138,8 +138,8 @@ class SwarmConfig:
             the next round (at most one inner step late), and the round's mean weighs each
             island by the inner steps it took. The fit ends at the first round where some
             island reached ``Trainer(max_steps)``. ``None`` (default): every ``sync_every``
-            steps. Needs one fragment, ``sync_delay=0``, ``membership="static"`` and
-            ``transport="allreduce"`` (checked by ``check_budget_options``).
+            steps. Needs one fragment and ``sync_delay=0`` (checked by
+            ``check_budget_options``).
         island_size: ranks per island; must divide the world size (checked at setup).
         transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` (a
             bucketed all-reduce over the peer group) or ``"swarm"`` (a rotating aggregator that
@@ -217,7 +217,7 @@ class SwarmConfig:
     """
 
     sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))
-    sync_every_s: float | None = None
+    sync_every_s: float | None = field(default=None, metadata=_must_match("islands"))
     island_size: int = field(default=1, metadata=_must_match("resume"))
     transport: TransportName = field(default="allreduce", metadata=_must_match("resume"))
     anchor_device: str = "cpu"
@@ -454,8 +454,8 @@ def check_budget_options(config: SwarmConfig) -> None:
 
     Fragments stagger rounds by steps and a delay applies a round steps after its send: both
     count steps an island takes at its own pace, so under a time budget their rounds would
-    fall at different times on different islands. torchft's rounds and the swarm transport's
-    aggregator do not carry the islands' weights yet.
+    fall at different times on different islands. Every transport and torchft's quorum weigh
+    a budgeted round by the islands' inner steps (docs/speeds.md).
     """
     check_budget(config.sync_every_s)
     if config.sync_every_s is None:
@@ -463,23 +463,13 @@ def check_budget_options(config: SwarmConfig) -> None:
     refused = [
         (config.num_fragments != 1, f"num_fragments={config.num_fragments}", "num_fragments=1"),
         (config.sync_delay != 0, f"sync_delay={config.sync_delay}", "sync_delay=0"),
-        (
-            config.membership != "static",
-            f"membership={config.membership!r}",
-            "membership='static'",
-        ),
-        (
-            config.transport != "allreduce",
-            f"transport={config.transport!r}",
-            "transport='allreduce'",
-        ),
     ]
     for bad, given, fix in refused:
         if bad:
             raise SwarmConfigError(
                 f"sync_every_s={config.sync_every_s} cannot be combined with {given}: rounds on "
-                f"a time budget are whole-model rounds, weighted over a static world's "
-                f"all-reduce; set {fix}, or drop sync_every_s to sync every sync_every steps."
+                f"a time budget are whole-model rounds without delay; set {fix}, or drop "
+                "sync_every_s to sync every sync_every steps."
             )
 
 

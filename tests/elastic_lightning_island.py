@@ -206,6 +206,7 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1, help="num_fragments")
     parser.add_argument("--delay", type=int, default=0, help="sync_delay")
     parser.add_argument("--quantize", default="none", help="int8 / int4, with error feedback")
+    parser.add_argument("--budget-s", type=float, default=None, help="sync_every_s")
     args = parser.parse_args()
     out = Path(args.out)
     seed = sum(args.island.encode())
@@ -216,6 +217,7 @@ def main() -> None:
     model = Regression(args.width, args.step_s, args.fast_file)
     strategy = SwarmStrategy(
         sync_every=args.every,
+        sync_every_s=args.budget_s,
         membership="torchft",
         lighthouse=args.lighthouse,
         island_id=args.island,

@@ -97,8 +97,6 @@ def test_a_bad_budget_is_refused(seconds: Any) -> None:
     [
         ({"num_fragments": 2, "sync_every": 4}, "num_fragments=2", "num_fragments=1"),
         ({"sync_delay": 1}, "sync_delay=1", "sync_delay=0"),
-        ({"transport": "swarm"}, "transport='swarm'", "transport='allreduce'"),
-        ({"membership": "torchft"}, "membership='torchft'", "membership='static'"),
     ],
 )
 def test_what_a_budget_cannot_combine_with_is_refused_by_name(

@@ -172,6 +172,7 @@ def test_must_match_lists_derive_from_field_metadata() -> None:
     )
     islands_before = (
         "sync_every",
+        "sync_every_s",
         "num_fragments",
         "fragment_layout",
         "sync_delay",

@@ -17,13 +17,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundStats, Transport
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundStats,
+    Transport,
+    Work,
+)
 from lightning_swarm.transport.buckets import numel_of, plan_buckets
 
 
-def average(transport: Transport, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
+def average(
+    transport: Transport,
+    tensors: Mapping[str, Tensor],
+    *,
+    round_index: int,
+    work: Work | None = None,
+) -> RoundStats:
     """Overwrite ``tensors`` (contiguous float32, the same names and shapes on every rank) with
-    their mean over ``transport``'s islands; collective as the transport's round is.
+    their mean over ``transport``'s islands; collective as the transport's round is. ``work``
+    (a time-budgeted round) goes to ``open``, and the tensors are scaled as its ``Opening``
+    says, as the round engine does.
 
     Raises:
         ValueError: a tensor is not contiguous float32 (the contract moves float32 buckets).
@@ -36,9 +52,13 @@ def average(transport: Transport, tensors: Mapping[str, Tensor], *, round_index:
     values = list(tensors.values())
     flat = torch.cat([t.reshape(-1) for t in values]) if values else torch.empty(0)
     finite = bool(torch.isfinite(flat).all())
-    transport.open(
-        round_index=round_index, finite=finite, names={n: t.shape for n, t in tensors.items()}
-    )
+    names = {n: t.shape for n, t in tensors.items()}
+    if work is None:
+        transport.open(round_index=round_index, finite=finite, names=names)
+    else:
+        opening = transport.open(round_index=round_index, finite=finite, names=names, work=work)
+        if opening.scale != 1.0:
+            flat.mul_(opening.scale)
     plan = plan_buckets([t.numel() for t in values], transport.bucket_numel, transport.block_size)
     handles: list[Handle] = []
     offset = 0

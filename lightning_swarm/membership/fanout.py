@@ -88,13 +88,22 @@ class IslandFanout:
         if self.size == 1:
             return opening
         place = (0, 0, 0) if opening.adopt is None else astuple(opening.adopt)
+        steps = -1 if opening.swarm_steps is None else opening.swarm_steps
+        # float64: the scale as rank 0 computed it; the counts are exact below 2**53.
         head = torch.tensor(
-            [int(opening.adopt is not None), *place, int(opening.abandon)], dtype=torch.int64
+            [int(opening.adopt is not None), *place, int(opening.abandon), steps, opening.scale],
+            dtype=torch.float64,
         )
         self._broadcast(head)
-        adopted, fragment, send_step, apply_step, abandon = (int(v) for v in head.tolist())
+        values = head.tolist()
+        adopted, fragment, send_step, apply_step, abandon, steps = (int(v) for v in values[:6])
         adopt = RoundPlace(fragment, send_step, apply_step) if adopted else None
-        return Opening(adopt=adopt, abandon=bool(abandon))
+        return Opening(
+            adopt=adopt,
+            abandon=bool(abandon),
+            scale=values[6],
+            swarm_steps=None if steps < 0 else steps,
+        )
 
     def share_text(self, text: str) -> str:
         """Rank 0's ``text`` on every rank of the island (e.g. its store address)."""

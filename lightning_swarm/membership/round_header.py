@@ -101,6 +101,10 @@ class HeaderRow:
     fragment: int = 0
     send_step: int = 0
     apply_step: int = 0
+    # Under a time budget (``transport.base.Work``): inner steps since its last round (its
+    # weight) and in all; 0 without a budget.
+    work: int = 0
+    inner_steps: int = 0
 
     def tensor(self) -> Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64)

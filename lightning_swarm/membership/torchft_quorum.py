@@ -25,6 +25,7 @@ tensors; torchft's Manager keeps the base timeout for the rest.
 from __future__ import annotations
 
 import datetime
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -38,7 +39,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.adopt import opening_of
+from lightning_swarm.membership.adopt import opening_of, weighed
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
     MembershipError,
@@ -74,7 +75,10 @@ from lightning_swarm.transport.base import (
     RoundStats,
     Work,
 )
+from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkRate
+
+log = logging.getLogger(__name__)
 
 PhaseHook = Callable[[str, int], None]
 """Called with (phase, round) as each phase of a round starts on each rank that talks to
@@ -177,6 +181,7 @@ class TorchftMembership:
         # progress (``ElasticConfig.timeouts``).
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
+        self._weighed = False  # the round in progress carries work (a time budget)
         self._start_managers()
 
     def _start_managers(self) -> None:
@@ -238,13 +243,17 @@ class TorchftMembership:
     ) -> Opening:
         """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
         what torchft sends a healing peer during the quorum. Collective over the island.
-        ``work`` is not weighed yet (``config.check_budget_options`` refuses time budgets here).
+        ``work`` (a time-budgeted round) rides in the round header, and the ``Opening`` scales
+        this island's pseudo-gradient by it over the round's participants (``adopt.weighed``);
+        a participant's bad work abandons the round on every member, logged with its name.
 
         Raises:
             MembershipError: this island was refused (on every rank of the island; per rank,
                 at ``agree``), or no quorum came.
         """
         self._offer = offer
+        self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
+        self._weighed = work is not None
         self._started, self.last_round_bytes = [], 0
         self._error, self._failed, self._island_healed = None, False, False
         self._outcome = RoundOutcome()
@@ -351,6 +360,14 @@ class TorchftMembership:
         opening = Opening(abandon=True) if conflict else opening_of(self._rows, self._row)
         if opening.abandon and not conflict:
             manager.report_error(MembershipError("the islands were at different fragments"))
+        if self._weighed and not opening.abandon:
+            try:
+                opening = weighed(self._rows, self._row, opening)
+            except BadWorkError as err:  # every member reads the same rows: all abandon
+                if self._fanout.is_leader:
+                    log.error("island %r abandons this round: %s", self.config.island_id, err)
+                manager.report_error(err)
+                opening = Opening(abandon=True)
         if not opening.abandon:
             self._phase("mean")
             self._link.started()

@@ -526,6 +526,12 @@ class OuterRound:
                 if not opening.abandon:
                     sent = self._buckets(flat, [d.numel() for d in deltas.values()])
                 stats = t.agree()
+                if s.budget is not None and not stats.applied:
+                    # The stopping rule counts applied rounds only (the same on every island):
+                    # a fit ends holding the global model, never at an abandoned round.
+                    s.budget.swarm_steps = None
+                elif s.budget is not None and stats.swarm_steps is not None:
+                    s.budget.swarm_steps = stats.swarm_steps
         except BaseException:
             # The round did not happen anywhere (anchors unchanged): neither did its feedback.
             restore_residuals(s.residuals, previous)

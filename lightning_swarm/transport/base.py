@@ -42,6 +42,9 @@ class RoundStats:
             receiver) this rank must install before it applies the round (elastic membership).
         island_healed: some rank of this island installs a heal in this round (identical on
             every rank of the island): the island gathers its parameters and counters after.
+        swarm_steps: under a time budget, the most inner steps of any island in the round,
+            where the transport learns it only as the round runs (the aggregator; the others
+            answer in ``Opening.swarm_steps``).
     """
 
     bytes_sent: int = 0
@@ -52,6 +55,7 @@ class RoundStats:
     rejected_own: bool = False
     heal: Mapping[str, Any] | None = None
     island_healed: bool = False
+    swarm_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,8 @@ class Transport(Protocol):
         the round sits in the schedule; ``offer`` the outer state a healing peer may be sent
         (read-only until the next ``open``; built by the engine on its own thread). ``work``
         (time-budgeted rounds only; the engine passes it to no transport otherwise) travels
-        with the finite flag, and the ``Opening`` says how to weigh this island."""
+        in a message the round sends anyway; the mean is weighted by every island's
+        ``Work.steps``, with the ``Opening``'s scale where the transport needs one."""
         ...
 
     def start(self, bucket: Bucket) -> Handle: ...

@@ -8,6 +8,7 @@ rank raise the same error, naming the islands at fault.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor
 from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.transport.agree import agree, flags_direct, flags_over
 from lightning_swarm.transport.base import Opening, Work
-from lightning_swarm.transport.errors import NonFinitePseudoGradientError
+from lightning_swarm.transport.errors import BadWorkError, NonFinitePseudoGradientError
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:
@@ -105,8 +106,35 @@ def agree_finite_and_work(
         rows = torch.stack(gathered)
     table = rows.cpu().tolist()
     _raise_if_any([i for i, row in enumerate(table) if row[0] != 1.0])
-    weights = [row[1] for row in table]
-    return Opening(
-        scale=scale_of(weights, island_index),
-        swarm_steps=int(max(row[2] for row in table)),
-    )
+    weights, swarm_steps = checked_work([(row[1], row[2]) for row in table])
+    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
+
+
+def checked_work(
+    rows: Sequence[tuple[float, float]], names: Sequence[str] | None = None
+) -> tuple[list[float], int]:
+    """Every island's weight and the swarm's most inner steps, from the ``(Work.steps,
+    Work.inner_steps)`` each island sent (untrusted: a peer's bytes).
+
+    ``names`` says how the message names each row's sender (``island i`` by default).
+
+    Raises:
+        BadWorkError: some row is not a pair of finite whole numbers with ``steps >= 1`` and
+            ``inner_steps >= steps``; the message names the first such sender. Every rank
+            that reads the same rows raises the same error.
+    """
+    for i, (steps, inner) in enumerate(rows):
+        if not (_whole(steps) and _whole(inner) and 1 <= steps <= inner):
+            who = names[i] if names is not None else f"island {i}"
+            raise BadWorkError(
+                f"{who} sent the weight {steps!r} (inner steps since the last round) with "
+                f"{inner!r} inner steps in all; a weight must be a whole number >= 1 and at "
+                "most its inner steps, so the round was not run on any island (anchors "
+                "unchanged). That island runs a different or modified lightning_swarm: run "
+                "the same version with the same sync_every_s on every island."
+            )
+    return [float(steps) for steps, _ in rows], int(max(inner for _, inner in rows))
+
+
+def _whole(value: float) -> bool:
+    return math.isfinite(value) and value == math.floor(value)

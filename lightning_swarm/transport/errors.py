@@ -12,6 +12,11 @@ class NonFinitePseudoGradientError(SwarmError, ValueError):
     """Some island's pseudo-gradient holds NaN or inf; the round was not run anywhere."""
 
 
+class BadWorkError(SwarmError, ValueError):
+    """An island's weight in a time-budgeted round (its inner steps since the last round) is
+    not a whole number >= 1; the round was not run anywhere."""
+
+
 class SwarmRoundError(SwarmError, RuntimeError):
     """A swarm round failed on the aggregator (spool trouble or an error while validating or
     aggregating); anchors must stay unchanged."""

@@ -143,6 +143,7 @@ class SwarmAggregator:
         # The round between ``open`` and ``agree``: its names, buckets and, once run, stats.
         self._round_index = 0
         self._names: dict[str, torch.Size] = {}
+        self._work: Work | None = None
         self._buckets: list[Tensor] = []
         self._stats: RoundStats | None = None
 
@@ -178,8 +179,10 @@ class SwarmAggregator:
     ) -> Opening:
         """Begin round ``round_index`` over tensors of ``names``; nothing moves yet. ``finite``
         is not agreed on: every owner checks each contribution and drops a non-finite one.
-        ``work`` is not weighed yet (``config.check_budget_options`` refuses time budgets here)."""
-        self._round_index, self._names = round_index, dict(names)
+        ``work`` travels with the round's terms (``terms``), and the owners weigh the mean by
+        it (``AggregationRule.weights_of``): the ``Opening`` asks for no scale, and the
+        swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
+        self._round_index, self._names, self._work = round_index, dict(names), work
         self._buckets, self._stats = [], None
         return Opening()
 
@@ -238,7 +241,8 @@ class SwarmAggregator:
                 report.accepted = [0]
                 if self.codec is not None:
                     CodedPayload(layout, self.codec).roundtrip_into(rnd.targets)
-                return RoundStats(wall_s=time.perf_counter() - start)
+                steps = None if self._work is None else self._work.inner_steps
+                return RoundStats(wall_s=time.perf_counter() - start, swarm_steps=steps)
             self._agree(rnd, layout, round_index)
             try:
                 self._run(rnd, layout, round_id)
@@ -258,6 +262,7 @@ class SwarmAggregator:
             stats.wall_s = time.perf_counter() - start
             stats.non_finite_islands = tuple(report.non_finite)
             stats.rejected_own = self.island_index in report.non_finite
+            stats.swarm_steps = rnd.terms.swarm_steps
             return stats
 
     # -- the phases ------------------------------------------------------------------------
@@ -272,12 +277,12 @@ class SwarmAggregator:
         if rnd.owner is None:
             rnd.terms = agree_shards(
                 self.group, rnd.shards, rnd.wires, self.codec, self.rule, self.chunk_bytes,
-                round_index, self.island_group, rnd.stats,
+                round_index, self.island_group, rnd.stats, self._work,
             )  # fmt: skip
         else:
             rnd.terms = agree_owner(
                 self.group, self.island_index, rnd.owner, layout, rnd.wires[rnd.owner],
-                self.codec, self.rule, self.chunk_bytes, rnd.stats,
+                self.codec, self.rule, self.chunk_bytes, rnd.stats, self._work,
             )  # fmt: skip
         silent = frozenset(rnd.terms.mismatched)
         rnd.exchange = Exchange(
@@ -307,7 +312,7 @@ class SwarmAggregator:
         every shard was finite, all are accepted and the mean is in ``own``; False: some sum was
         not, judge island by island (every rank reads the same table and returns the same)."""
         me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
-        weights = rule.island_weights if rule.aggregation == "weighted_mean" else None
+        weights = rule.weights_of(list(range(n)), rnd.terms.work)
         mine = rnd.shards[me]
         fold = ShardFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
         with record_function(labels.SEND):
@@ -406,8 +411,9 @@ class SwarmAggregator:
             if mine.layout.specs:  # an empty shard has nothing to aggregate
                 with record_function(labels.AGGREGATE):
                     rnd.terms.rule.aggregate(
-                        own, rnd.contributions, rnd.report.accepted, mine.layout, block_numel
-                    )
+                        own, rnd.contributions, rnd.report.accepted, mine.layout, block_numel,
+                        rnd.terms.work,
+                    )  # fmt: skip
         except Exception as err:
             error = err
             log.exception(

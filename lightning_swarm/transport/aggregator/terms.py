@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,8 @@ from lightning_swarm.algorithm.robust import AGGREGATIONS
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
 from lightning_swarm.transport.aggregator.shards import Shard
-from lightning_swarm.transport.base import RoundStats
+from lightning_swarm.transport.base import RoundStats, Work
+from lightning_swarm.transport.checks import checked_work
 from lightning_swarm.transport.payload import PayloadLayout
 
 
@@ -54,6 +55,29 @@ class AggregationRule:
         ``min_contributions``, or ``zero_weight``."""
         return len(accepted) < self.min_contributions or self.zero_weight(accepted)
 
+    def weights_of(self, accepted: list[int], work: Sequence[float] | None) -> list[float] | None:
+        """The weights of the mean over the ``accepted`` islands (in their order), or ``None``
+        for the rule's own unweighted form.
+
+        ``work``: each island's inner steps this round, under a time budget. When the accepted
+        islands' steps differ, ``mean`` weighs each island by its steps and ``weighted_mean``
+        by ``island_weights[i]`` times them (samples per step times steps); when they are
+        equal, or without ``work``, the rule is as configured, bit for bit. ``median`` and
+        ``trimmed_mean`` are order statistics and take no weights.
+        """
+        if self.aggregation not in ("mean", "weighted_mean"):
+            return None
+        configured = None
+        if self.aggregation == "weighted_mean":
+            assert self.island_weights is not None
+            configured = [self.island_weights[i] for i in accepted]
+        if work is None or len({work[i] for i in accepted}) <= 1:
+            return configured
+        steps = [work[i] for i in accepted]
+        if configured is None:
+            return steps
+        return [c * w for c, w in zip(configured, steps, strict=True)]
+
     def problem(self, finite: bool, norm: float, *, where: str = "", over: str = "") -> str | None:
         """Why a contribution must not count (not every value ``finite``, or its L2 ``norm``
         above ``max_norm``), or ``None``. ``where`` names what held a non-finite value and
@@ -71,17 +95,17 @@ class AggregationRule:
         accepted: list[int],
         layout: PayloadLayout,
         block_numel: int,
+        work: Sequence[float] | None = None,
     ) -> None:
         """Overwrite ``targets`` with the rule over the ``accepted`` islands' contributions,
-        in island order, block by block (``contributions.aggregate_into``)."""
-        weights = None
-        if self.island_weights is not None:
-            weights = [self.island_weights[i] for i in accepted]
+        in island order, block by block (``contributions.aggregate_into``); ``work`` as in
+        ``weights_of``."""
+        weights = self.weights_of(accepted, work)
         aggregate_into(
             targets,
             [contributions[i] for i in accepted],
             layout,
-            rule=self.aggregation,
+            rule="weighted_mean" if weights is not None else self.aggregation,
             weights=weights,
             trim_ratio=self.trim_ratio,
             block_numel=block_numel,
@@ -98,6 +122,10 @@ class RoundTerms:
     scatter_steps: int  # chunks of the longest contribution
     gather_steps: int  # chunks of the longest result shard
     mismatched: dict[int, str] = field(default_factory=dict)
+    # Under a time budget: each island's inner steps this round (its weight) and the most
+    # inner steps of any island (``checks.checked_work``); ``None`` otherwise.
+    work: list[float] | None = None
+    swarm_steps: int | None = None
 
 
 def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundStats) -> Tensor:
@@ -171,13 +199,20 @@ def agree_shards(
     round_index: int,
     island_group: dist.ProcessGroup | None,
     stats: RoundStats,
+    work: Work | None = None,
 ) -> RoundTerms:
     """Several owners: raise ``ValueError`` on every rank unless every island cut the same
-    shards and runs the same rule in the same chunks."""
+    shards and runs the same rule in the same chunks. ``work`` (a time-budgeted round) rides
+    in the same row; a bad one raises ``BadWorkError`` on every rank (``checks.checked_work``)."""
     blob = b"".join(s.layout.to_json() for s in shards)
     blob += f"{codec!r} {rule!r} {chunk_bytes}".encode()
-    crcs = all_gather_rows(torch.tensor([zlib.crc32(blob)], dtype=torch.int64), group, stats)
-    odd = [i for i, c in enumerate(crcs) if int(c) != int(crcs[0])]
+    if work is None:
+        row = torch.tensor([zlib.crc32(blob)], dtype=torch.int64)
+    else:  # float64 carries the CRC (< 2**32) exactly, and a weight as each island sent it
+        row = torch.tensor([zlib.crc32(blob), *_work_columns(work)], dtype=torch.float64)
+    table = all_gather_rows(row, group, stats)
+    crcs = [int(c) for c in table[:, 0]]
+    odd = [i for i, c in enumerate(crcs) if c != crcs[0]]
     (same,) = island_all([not odd], island_group)
     if not same and not odd:
         raise SwarmConfigError(elsewhere_message(round_index, "the layout or swarm options differ"))
@@ -191,7 +226,8 @@ def agree_shards(
         )
     scatter = max(w.num_chunks(chunk_bytes) for w in wires)
     gather = max(s.layout.num_chunks(chunk_bytes) for s in shards)
-    return RoundTerms(rule, chunk_bytes, scatter, gather)
+    terms = RoundTerms(rule, chunk_bytes, scatter, gather)
+    return terms if work is None else _with_work(terms, table[:, 1:])
 
 
 def agree_owner(
@@ -204,9 +240,10 @@ def agree_owner(
     rule: AggregationRule,
     chunk_bytes: int,
     stats: RoundStats,
+    work: Work | None = None,
 ) -> RoundTerms:
     """One owner: the owner's rule and chunk size for every island, and the mismatched
-    islands (see the module docstring)."""
+    islands (see the module docstring). ``work`` as in ``agree_shards``."""
     description = wire.to_json()
     n = dist.get_world_size(group)
     weights = rule.island_weights if rule.island_weights and len(rule.island_weights) == n else None
@@ -221,6 +258,7 @@ def agree_owner(
         float(rule.min_contributions),
         math.nan if rule.max_norm is None else rule.max_norm,
     ] + (list(weights) if weights is not None else [math.nan] * n)
+    row += _work_columns(work) if work is not None else []
     table = all_gather_rows(torch.tensor(row, dtype=torch.float64), group, stats)
     theirs = [float(v) for v in table[owner]]
     if island_index != owner:  # the owner's rule, read back from its row
@@ -229,13 +267,25 @@ def agree_owner(
             theirs[6],
             int(theirs[7]),
             None if math.isnan(theirs[8]) else theirs[8],
-            None if math.isnan(theirs[9]) else theirs[9:],
+            None if math.isnan(theirs[9]) else theirs[9 : 9 + n],
         )
     odd = [i for i in range(n) if float(table[i, 0]) != theirs[0]]
     mismatched = {i: "payload layout differs from the aggregator's" for i in odd}
     if odd:
         _name_differences(group, island_index, owner, wire, table, odd, mismatched, stats)
-    return RoundTerms(rule, int(theirs[1]), int(theirs[2]), int(theirs[3]), mismatched)
+    terms = RoundTerms(rule, int(theirs[1]), int(theirs[2]), int(theirs[3]), mismatched)
+    return terms if work is None else _with_work(terms, table[:, 9 + n :])
+
+
+def _work_columns(work: Work) -> list[float]:
+    return [float(work.steps), float(work.inner_steps)]
+
+
+def _with_work(terms: RoundTerms, columns: Tensor) -> RoundTerms:
+    """``terms`` with every island's work, from its two columns of the gathered rows."""
+    pairs = [(float(steps), float(inner)) for steps, inner in columns.tolist()]
+    weights, swarm_steps = checked_work(pairs)
+    return replace(terms, work=weights, swarm_steps=swarm_steps)
 
 
 def _name_differences(
