@@ -48,7 +48,7 @@ from torch import nn
 
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport, RoundStats, Transport
-from lightning_swarm.transport.base import Bucket, Handle, Opening
+from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundRequest
 
 OUTER_SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
@@ -73,13 +73,15 @@ class Held:
     formed into one buffer, every bucket started before any wait)."""
 
     pipelined = False
+    heals = False
+    every_rank_in_round = False
 
     def __init__(self, transport: AllReduceTransport) -> None:
         self.transport = transport
         self.bucket_numel, self.block_size = transport.bucket_numel, transport.block_size
 
-    def open(self, **kwargs: Any) -> Opening:
-        return self.transport.open(**kwargs)
+    def open(self, request: RoundRequest) -> Opening:
+        return self.transport.open(request)
 
     def start(self, bucket: Bucket) -> Handle:
         return self.transport.start(bucket)

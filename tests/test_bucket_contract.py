@@ -13,7 +13,7 @@ from lightning_swarm.transport import (
     AllReduceTransport,
     ReduceScatterTransport,
 )
-from lightning_swarm.transport.base import Bucket, Transport
+from lightning_swarm.transport.base import Bucket, RoundRequest, Transport
 from lightning_swarm.transport.buckets import numel_of, plan_buckets
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from tests.transport_rounds import average
@@ -56,7 +56,7 @@ def test_coded_buckets_by_runs_equal_one_bucket_per_tensor_bitwise() -> None:
     flat = torch.cat([t.reshape(-1) for t in tensors.values()])
     plan = plan_buckets([t.numel() for t in tensors.values()], 8, codec.block_size)
     assert len(plan) > 2
-    transport.open(round_index=0, finite=True, names={n: t.shape for n, t in tensors.items()})
+    transport.open(RoundRequest(0, True, {n: t.shape for n, t in tensors.items()}))
     offset = 0
     for bucket in plan:
         runs = tuple(p.length for p in bucket)
@@ -66,14 +66,14 @@ def test_coded_buckets_by_runs_equal_one_bucket_per_tensor_bitwise() -> None:
     expected = torch.cat([t.reshape(-1) for t in reference.values()])
     assert torch.equal(flat, expected) and not torch.equal(flat, _tensors()["a"].new_zeros(24))
     with pytest.raises(NonFinitePseudoGradientError, match=r"island\(s\) \[0\]"):
-        transport.open(round_index=1, finite=False, names={})
+        transport.open(RoundRequest(1, False, {}))
 
 
 def test_the_aggregator_runs_its_round_once_over_every_bucket_at_the_first_wait() -> None:
     aggregator = AggregatorTransport(None, num_islands=1, island_index=0)
     flat = torch.arange(24, dtype=torch.float32)
     names = {"a": torch.Size([3, 5]), "b": torch.Size([9])}
-    aggregator.open(round_index=3, finite=True, names=names)
+    aggregator.open(RoundRequest(3, True, names))
     handles = [aggregator.start(Bucket(flat[i : i + 8], (8,))) for i in (0, 8, 16)]
     assert aggregator.last_round is None  # nothing moves until a wait
     assert [h.wait() for h in handles] == [0, 0, 0]
@@ -84,7 +84,7 @@ def test_the_aggregator_runs_its_round_once_over_every_bucket_at_the_first_wait(
 
 def test_the_aggregator_refuses_buckets_that_are_not_back_to_back() -> None:
     aggregator = AggregatorTransport(None, num_islands=1, island_index=0)
-    aggregator.open(round_index=0, finite=True, names={"a": torch.Size([8])})
+    aggregator.open(RoundRequest(0, True, {"a": torch.Size([8])}))
     aggregator.start(Bucket(torch.zeros(4), (4,)))
     aggregator.start(Bucket(torch.zeros(4), (4,)))
     with pytest.raises(ValueError, match="back to back in one buffer"):

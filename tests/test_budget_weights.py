@@ -26,7 +26,7 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
 from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
-from lightning_swarm.transport.base import Opening, RoundStats, Transport, Work
+from lightning_swarm.transport.base import Opening, RoundRequest, RoundStats, Transport, Work
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkTimeouts
 from tests.dist_utils import run_ranks
@@ -387,8 +387,8 @@ class _Verdict(NamedRound):
     def __init__(self, applied: bool) -> None:
         self.applied = applied
 
-    def open(self, **kwargs: Any) -> Opening:
-        super().open(**kwargs)
+    def open(self, request: RoundRequest) -> Opening:
+        super().open(request)
         return Opening(swarm_steps=100)
 
     def average_named(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:

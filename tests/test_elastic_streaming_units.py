@@ -18,7 +18,7 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.membership.adopt import RoundPlace, plan_round
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundStats
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
 from tests.transport_rounds import NamedRound
 
 SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -52,14 +52,15 @@ class Adopting:
     block_size = 1
     bucket_numel = 1 << 20
     heals = True
+    every_rank_in_round = False
 
     def __init__(self, place: RoundPlace, mean: Tensor, heal: dict[str, Any]) -> None:
         self.place, self.mean, self.heal = place, mean, heal
         self.offers: list[Any] = []
         self._at = 0
 
-    def open(self, *, offer: Any = None, **_: Any) -> Opening:
-        self.offers.append(offer)
+    def open(self, request: RoundRequest) -> Opening:
+        self.offers.append(request.offer)
         return Opening(adopt=self.place)
 
     def start(self, bucket: Bucket) -> Handle:

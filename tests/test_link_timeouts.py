@@ -13,7 +13,7 @@ import torch
 from lightning_swarm import PeerLostError, RoundTimeoutError, SwarmConfig
 from lightning_swarm.config import DEFAULT_TIMEOUT_S
 from lightning_swarm.transport.allreduce import AllReduceTransport
-from lightning_swarm.transport.base import Bucket
+from lightning_swarm.transport.base import Bucket, RoundRequest
 from lightning_swarm.transport.link import (
     ASSUMED_RATE_BPS,
     FACTOR,
@@ -97,7 +97,7 @@ def _derived_then_overrun(rank: int, world: int, out: Path, agree: bool) -> None
             time.sleep(3)  # the peer that hangs
         flat = torch.ones(1000)
         try:
-            transport.open(round_index=round_index, finite=True, names=names)
+            transport.open(RoundRequest(round_index, True, names))
             transport.start(Bucket(flat, (1000,))).wait()
             if agree:  # the streamed engine ends a round at its last wait
                 transport.agree()

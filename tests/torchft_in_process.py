@@ -24,7 +24,7 @@ from lightning_swarm.membership import (
 )
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.transport.base import Bucket, RoundStats
+from lightning_swarm.transport.base import Bucket, RoundRequest, RoundStats
 from tests.dist_utils import free_port
 from tests.elastic_utils import lighthouse, start_lighthouse
 
@@ -38,7 +38,7 @@ def _membership(address: str, **options: float | None) -> TorchftMembership:
 def _round(membership: TorchftMembership, round_index: int) -> RoundStats:
     """One round of a 3-element zero tensor, as the round engine drives it."""
     flat = torch.zeros(3)
-    membership.open(round_index=round_index, finite=True, names={"w": flat.shape})
+    membership.open(RoundRequest(round_index, True, {"w": flat.shape}))
     membership.start(Bucket(flat, (3,))).wait()
     return membership.agree()
 
@@ -148,7 +148,7 @@ def _bounded_round(explicit: float | None, *, expected: float, heal_s: float) ->
         membership._manager.should_commit = recorded
         try:
             flat = torch.ones(numel)
-            membership.open(round_index=0, finite=True, names={"w": flat.shape})
+            membership.open(RoundRequest(0, True, {"w": flat.shape}))
             backend = membership._pg.parent._get_backend(torch.device("cpu"))
             assert backend.options._timeout == datetime.timedelta(seconds=expected), (
                 backend.options._timeout

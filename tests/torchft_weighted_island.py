@@ -17,7 +17,7 @@ import torch
 from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.transport.base import Bucket, Work
+from lightning_swarm.transport.base import Bucket, RoundRequest, Work
 
 
 def contribution(island: str) -> torch.Tensor:
@@ -54,9 +54,7 @@ def main() -> None:
     try:
         for round_index, work in enumerate(works):
             flat = contribution(args.island)
-            opening = membership.open(
-                round_index=round_index, finite=True, names={"w": flat.shape}, work=work
-            )
+            opening = membership.open(RoundRequest(round_index, True, {"w": flat.shape}, work=work))
             if opening.adopt is not None:  # a member being healed sends zeros
                 flat.zero_()
             elif opening.scale != 1.0:  # as the round engine does

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +21,7 @@ from lightning_swarm.transport.base import (
     Done,
     Handle,
     Opening,
+    RoundRequest,
     RoundStats,
     Transport,
     Work,
@@ -53,12 +53,9 @@ def average(
     flat = torch.cat([t.reshape(-1) for t in values]) if values else torch.empty(0)
     finite = bool(torch.isfinite(flat).all())
     names = {n: t.shape for n, t in tensors.items()}
-    if work is None:
-        transport.open(round_index=round_index, finite=finite, names=names)
-    else:
-        opening = transport.open(round_index=round_index, finite=finite, names=names, work=work)
-        if opening.scale != 1.0:
-            flat.mul_(opening.scale)
+    opening = transport.open(RoundRequest(round_index, finite, names, work=work))
+    if opening.scale != 1.0:
+        flat.mul_(opening.scale)
     plan = plan_buckets([t.numel() for t in values], transport.bucket_numel, transport.block_size)
     handles: list[Handle] = []
     offset = 0
@@ -87,11 +84,13 @@ class NamedRound:
     returns the verdict. Not pipelined: every bucket arrives before ``agree``."""
 
     pipelined = False
+    heals = False
+    every_rank_in_round = False
     block_size = 1
     bucket_numel = 1 << 30
 
-    def open(self, *, round_index: int, names: Mapping[str, torch.Size], **_: Any) -> Opening:
-        self._round_index, self._names = round_index, dict(names)
+    def open(self, request: RoundRequest) -> Opening:
+        self._round_index, self._names = request.round_index, dict(request.names)
         self._flats: list[Tensor] = []
         return Opening()
 

@@ -72,8 +72,8 @@ from lightning_swarm.transport.base import (
     Handle,
     Opening,
     RoundPlace,
+    RoundRequest,
     RoundStats,
-    Work,
 )
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkRate
@@ -231,16 +231,7 @@ class TorchftMembership:
     def block_size(self) -> int:
         return 1 if self.codec is None else self.codec.block_size
 
-    def open(
-        self,
-        *,
-        round_index: int,
-        finite: bool,
-        names: Mapping[str, torch.Size],
-        place: RoundPlace | None = None,
-        offer: Mapping[str, Any] | None = None,
-        work: Work | None = None,
-    ) -> Opening:
+    def open(self, request: RoundRequest) -> Opening:
         """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
         what torchft sends a healing peer during the quorum. Collective over the island.
         ``work`` (a time-budgeted round) rides in the round header, and the ``Opening`` scales
@@ -251,13 +242,15 @@ class TorchftMembership:
             MembershipError: this island was refused (on every rank of the island; per rank,
                 at ``agree``), or no quorum came.
         """
-        self._offer = offer
+        self._offer = request.offer
+        work = request.work
         self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
         self._weighed = work is not None
+        finite, names, round_index = request.finite, request.names, request.round_index
         self._started, self.last_round_bytes = [], 0
         self._error, self._failed, self._island_healed = None, False, False
         self._outcome = RoundOutcome()
-        place = place or RoundPlace(0, 0, 0)
+        place = request.place or RoundPlace(0, 0, 0)
         if self.per_rank:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
             finite = self._fanout.all_true(finite)

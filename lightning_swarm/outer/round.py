@@ -68,6 +68,7 @@ from lightning_swarm.transport.base import (
     Handle,
     Opening,
     RoundPlace,
+    RoundRequest,
     RoundStats,
     Work,
 )
@@ -290,16 +291,16 @@ class OuterRound:
         finally:
             budget.restart(self.state.inner_steps)
 
-    def _open(self, **kwargs: Any) -> Opening:
+    def _open(self, request: RoundRequest) -> Opening:
         """``Transport.open``, with this island's work under a time budget: the transport
         answers with the weight's scale (kept for this round's buckets) and the swarm's most
         inner steps (kept on the budget, for the stopping rule)."""
         s, budget = self.state, self.state.budget
         if budget is None:
             self._scale = 1.0
-            return self.transport.open(**kwargs)
+            return self.transport.open(request)
         work = Work(budget.work(s.inner_steps), s.inner_steps)
-        opening = self.transport.open(**kwargs, work=work)
+        opening = self.transport.open(replace(request, work=work))
         self._scale = opening.scale
         budget.swarm_steps = opening.swarm_steps
         return opening
@@ -360,7 +361,7 @@ class OuterRound:
         if on_cuda:
             pin_round_memory(s.outer_optimizer, s.anchors)
         finite = bool(torch.isfinite(max_abs(list(params))).item())
-        self._open(round_index=s.outer_steps, finite=finite, names=_shapes(s.params, names))
+        self._open(RoundRequest(s.outer_steps, finite, _shapes(s.params, names)))
         allocate = self.staging.allocate_state if on_cuda else state_beside
         kind = self.kind()
         assert kind is not None
@@ -466,7 +467,7 @@ class OuterRound:
         place = RoundPlace(fragment, s.inner_steps, s.inner_steps + delay)
         s.in_flight = rnd
         # A transport that heals peers sends them this (references; nothing moves until apply).
-        offer = self.checkpoint.peer_offer() if getattr(self.transport, "heals", False) else None
+        offer = self.checkpoint.peer_offer() if self.transport.heals else None
         exchange = functools.partial(self._exchange, flat, deltas, s.outer_steps, place, offer)
         if inline:
             try:
@@ -499,7 +500,7 @@ class OuterRound:
         s, t = self.state, self.transport
         # This rank's share of the fragment is empty: nothing to exchange, unless the
         # transport's round needs every rank of the island (elastic islands, one Manager a rank).
-        if not deltas and not getattr(s.transport, "every_rank_in_round", False):
+        if not deltas and not s.transport.every_rank_in_round:
             return Exchanged(RoundStats(applied=True), 0.0)
         codec, start, sent = self._codec(), time.perf_counter(), 0
         previous: dict[str, Tensor | None] = {}
@@ -509,13 +510,8 @@ class OuterRound:
                 # Residuals are finite (a refused round restores them), so the flag is the
                 # pseudo-gradient's; it is opened before feedback so a weight scales first.
                 finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
-                opening = self._open(
-                    round_index=round_index,
-                    finite=finite,
-                    names=_shapes(deltas, deltas),
-                    place=place,
-                    offer=offer,
-                )
+                shapes = _shapes(deltas, deltas)
+                opening = self._open(RoundRequest(round_index, finite, shapes, place, offer))
                 if opening.adopt is not None:  # the swarm's fragment, contributing zeros
                     names = s.owned_fragments[opening.adopt.fragment]
                     flat, deltas = _zeros(s.params, names, flat.device)

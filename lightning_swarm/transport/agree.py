@@ -41,12 +41,14 @@ class Agreement:
         bad: the positions (in the group) of the ranks that did.
         sums: the element-wise sums of every rank's ``values``.
         shares: every rank's ``share``, in the group's order.
+        values: every rank's ``values``, in the group's order.
     """
 
     all_ok: bool
     bad: tuple[int, ...]
     sums: tuple[float, ...]
     shares: tuple[Any, ...]
+    values: tuple[tuple[float, ...], ...] = ()
 
 
 def agree(
@@ -92,7 +94,8 @@ def agree(
         raise rebuilt from error
     width = len(outcomes[0].values) if outcomes else 0
     sums = tuple(sum(o.values[k] for o in outcomes) for k in range(width))
-    return Agreement(not bad, bad, sums, tuple(o.share for o in outcomes))
+    shares = tuple(o.share for o in outcomes)
+    return Agreement(not bad, bad, sums, shares, tuple(o.values for o in outcomes))
 
 
 def rebuild(described: tuple[str, str, str], position: int) -> Exception:
@@ -146,40 +149,56 @@ def objects_over(group: dist.ProcessGroup | None = None) -> Gather:
 
 
 def flags_over(group: dist.ProcessGroup | None, size: int, device: torch.device) -> Gather:
-    """An all-gather of one float per rank on ``device`` (NCCL groups included): carries
-    ``ok`` only, so errors, values and shares cannot travel. ``size`` ranks; 1: no collective."""
+    """An all-gather of one row of float64 per rank on ``device`` (NCCL groups included):
+    ``ok`` and the ``values`` (exact for whole numbers below 2**53; every rank the same count),
+    so errors and shares cannot travel. ``size`` ranks; 1: no collective."""
 
     def gather(outcome: Outcome) -> list[Outcome]:
-        _require_flag_only(outcome)
         if size <= 1:
-            return [outcome]
-        flag = torch.tensor([1.0 if outcome.ok else 0.0], device=device)
-        flags = [torch.empty_like(flag) for _ in range(size)]
-        dist.all_gather(flags, flag, group=group)
-        return [Outcome(bool(f.item() == 1.0)) for f in flags]
+            return [_flag_only(outcome)]
+        row = _row(outcome, device)
+        rows = [torch.empty_like(row) for _ in range(size)]
+        dist.all_gather(rows, row, group=group)
+        return [_outcome(r) for r in torch.stack(rows).cpu().tolist()]
 
     return gather
 
 
 def flags_direct(group: dist.ProcessGroup | None, size: int, device: torch.device) -> Gather:
-    """``flags_over`` in one step: every rank sends its one-byte flag straight to every other
+    """``flags_over`` in one step: every rank sends its row straight to every other
     (``all_to_all_single``) instead of around a ring (``size - 1`` steps in sequence), so over
-    long-latency links it costs one message time whatever the number of ranks."""
+    long-latency links it costs one message time whatever the number of ranks. A bare flag
+    travels as one byte."""
 
     def gather(outcome: Outcome) -> list[Outcome]:
-        _require_flag_only(outcome)
         if size <= 1:
-            return [outcome]
-        mine = torch.full((size,), 1 if outcome.ok else 0, dtype=torch.uint8, device=device)
-        flags = torch.empty_like(mine)
-        dist.all_to_all_single(flags, mine, group=group)
-        return [Outcome(f == 1) for f in flags.tolist()]
+            return [_flag_only(outcome)]
+        if not outcome.values:
+            _flag_only(outcome)
+            mine = torch.full((size,), int(outcome.ok), dtype=torch.uint8, device=device)
+            flags = torch.empty_like(mine)
+            dist.all_to_all_single(flags, mine, group=group)
+            return [Outcome(f == 1) for f in flags.tolist()]
+        row = _row(outcome, device)
+        rows = torch.empty(size * row.numel(), dtype=row.dtype, device=device)
+        dist.all_to_all_single(rows, row.repeat(size), group=group)
+        return [_outcome(r) for r in rows.view(size, -1).cpu().tolist()]
 
     return gather
 
 
-def _require_flag_only(outcome: Outcome) -> None:
+def _flag_only(outcome: Outcome) -> Outcome:
     # A tensor carries no message: an error here would be lost on the other ranks.
-    assert outcome.error is None and not outcome.values and outcome.share is None, (
-        "a flag gather carries ok only; use objects_over for errors, values or shares"
+    assert outcome.error is None and outcome.share is None, (
+        "a flag gather carries ok and values only; use objects_over for errors or shares"
     )
+    return outcome
+
+
+def _row(outcome: Outcome, device: torch.device) -> torch.Tensor:
+    _flag_only(outcome)
+    return torch.tensor([float(outcome.ok), *outcome.values], dtype=torch.float64, device=device)
+
+
+def _outcome(row: list[float]) -> Outcome:
+    return Outcome(row[0] == 1.0, values=tuple(row[1:]))

@@ -10,9 +10,7 @@ moves, not a measurement of the NIC.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,12 +23,11 @@ from lightning_swarm.transport.base import (
     Done,
     Handle,
     Opening,
-    RoundPlace,
+    RoundRequest,
     RoundStats,
-    Work,
 )
 from lightning_swarm.transport.buckets import check_bucket
-from lightning_swarm.transport.checks import agree_finite_and_work, agree_finite_flag
+from lightning_swarm.transport.checks import agree_finite
 from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 
 
@@ -51,7 +48,7 @@ class AllReduceTransport:
         bucket_numel: float32 elements per bucket; bounds the extra memory.
         device: where the bucket lives (``cuda`` for NCCL, ``cpu`` for gloo).
         island_group: a model-sharded island's group: its ranks agree on one finite verdict
-            first (``checks.agree_finite_flag``); ``None`` otherwise.
+            first (``checks.agree_finite``); ``None`` otherwise.
         timeouts: where the peer group's collective timeout comes from (``transport.link``);
             ``None`` keeps the group's own. A timeout or a peer that went away raises
             ``RoundTimeoutError`` or ``PeerLostError`` either way.
@@ -78,38 +75,20 @@ class AllReduceTransport:
     # The contract (``transport.base.Transport``).
     block_size = 1
     pipelined = True
+    heals = False
+    every_rank_in_round = False
 
-    def open(
-        self,
-        *,
-        round_index: int,
-        finite: bool,
-        names: Mapping[str, torch.Size],
-        place: RoundPlace | None = None,
-        offer: Mapping[str, Any] | None = None,
-        work: Work | None = None,
-    ) -> Opening:
+    def open(self, request: RoundRequest) -> Opening:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
         before any bucket moves; collective over the peer group. With ``work`` the islands'
-        weights ride with the flag (``checks.agree_finite_and_work``)."""
-        self.link.open(round_index, names)
-        opening = Opening()
+        weights ride with the flag (``checks.agree_finite``)."""
+        self.link.open(request.round_index, request.names)
         with self.link.explained():
-            if work is not None:
-                position = 0 if self.num_islands <= 1 else dist.get_rank(self.group)
-                opening = agree_finite_and_work(
-                    finite,
-                    work,
-                    self.group,
-                    self.num_islands,
-                    position,
-                    self.device,
-                    self.island_group,
-                )
-            else:
-                agree_finite_flag(
-                    finite, self.group, self.num_islands, self.device, self.island_group
-                )
+            position = 0 if self.num_islands <= 1 else dist.get_rank(self.group)
+            opening = agree_finite(
+                request.finite, self.group, self.num_islands, self.device, self.island_group,
+                work=request.work, island_index=position,
+            )  # fmt: skip
         self.link.started()
         return opening
 

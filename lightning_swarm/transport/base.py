@@ -81,6 +81,28 @@ class Work:
 
 
 @dataclass(frozen=True)
+class RoundRequest:
+    """What the engine asks of ``Transport.open``: the round it opens.
+
+    Attributes:
+        round_index: the round (the outer step count it starts from).
+        finite: this island's pseudo-gradient holds no NaN or inf.
+        names: the tensors of the round, in order, packed into its buckets.
+        place: where the round sits in the schedule (``None``: its own, inline).
+        offer: the outer state a healing peer may be sent (transports that ``heals``; built by
+            the engine on its own thread, read-only until the next ``open``).
+        work: with a time budget only: what this island brings (its weight).
+    """
+
+    round_index: int
+    finite: bool
+    names: Mapping[str, torch.Size]
+    place: RoundPlace | None = None
+    offer: Mapping[str, Any] | None = None
+    work: Work | None = None
+
+
+@dataclass(frozen=True)
 class Opening:
     """What ``open`` decided for this island's round (static transports: the defaults).
 
@@ -139,7 +161,14 @@ class Transport(Protocol):
         bucket_numel: most elements of one bucket the engine should start.
         block_size: buckets are planned on these blocks (a codec's; 1 without one).
         pipelined: a bucket's mean is final when its handle's ``wait`` returns.
+        heals: ``open`` sends ``RoundRequest.offer`` to peers it heals, so the engine builds
+            one for every round.
+        every_rank_in_round: every rank of the island takes part in every round, even one
+            whose share of the fragment is empty (elastic islands: a Manager per rank).
     """
+
+    heals: bool
+    every_rank_in_round: bool
 
     @property
     def bucket_numel(self) -> int: ...
@@ -150,24 +179,11 @@ class Transport(Protocol):
     @property
     def pipelined(self) -> bool: ...
 
-    def open(
-        self,
-        *,
-        round_index: int,
-        finite: bool,
-        names: Mapping[str, torch.Size],
-        place: RoundPlace | None = None,
-        offer: Mapping[str, Any] | None = None,
-        work: Work | None = None,
-    ) -> Opening:
-        """Start round ``round_index`` over tensors of ``names`` (in order, packed into the
-        buckets). Collective; raises ``NonFinitePseudoGradientError`` on every rank when an
-        island is not ``finite``, where the transport refuses such rounds. ``place`` is where
-        the round sits in the schedule; ``offer`` the outer state a healing peer may be sent
-        (read-only until the next ``open``; built by the engine on its own thread). ``work``
-        (time-budgeted rounds only; the engine passes it to no transport otherwise) travels
-        in a message the round sends anyway; the mean is weighted by every island's
-        ``Work.steps``, with the ``Opening``'s scale where the transport needs one."""
+    def open(self, request: RoundRequest) -> Opening:
+        """Start the round ``request`` names. Collective; raises
+        ``NonFinitePseudoGradientError`` on every rank when an island is not ``finite``, where
+        the transport refuses such rounds. With ``work`` the ``Opening`` says how to weigh this
+        island."""
         ...
 
     def start(self, bucket: Bucket) -> Handle: ...

@@ -37,7 +37,7 @@ def island_verdict(
     return agree(local, gather=gather).all_ok
 
 
-def agree_finite_flag(
+def agree_finite(
     local: bool,
     group: dist.ProcessGroup | None,
     num_islands: int,
@@ -45,19 +45,33 @@ def agree_finite_flag(
     island_group: dist.ProcessGroup | None = None,
     *,
     direct: bool = False,
-) -> None:
+    work: Work | None = None,
+    island_index: int = 0,
+) -> Opening:
     """Raise ``NonFinitePseudoGradientError`` on every rank unless every island's ``local``
     verdict is true. Collective over the peer group (ordered by island); with one island only
-    the local verdict counts.
-
-    ``direct``: one step (``agree.flags_direct``: one byte straight to every peer instead of
-    around a ring), so over long-latency links the vote costs one message time whatever the
-    number of islands. With ``island_group`` the island agrees on one verdict first
+    the local verdict counts. With ``island_group`` the island agrees on one verdict first
     (``island_verdict``).
+
+    ``direct``: one step (``agree.flags_direct``: straight to every peer instead of around a
+    ring), so over long-latency links the vote costs one message time whatever the number of
+    islands. ``work`` (a time-budgeted round): each island's rides in the same message as its
+    flag; the returned ``Opening`` weighs island ``island_index`` (``budget.scale_of``) and
+    carries the most inner steps of any island. Without it the ``Opening`` is the default.
+
+    Raises:
+        NonFinitePseudoGradientError: some island is not finite, on every rank.
+        BadWorkError: some island's work is malformed (``checked_work``), on every rank.
     """
     local = island_verdict(local, island_group, device)
     flags = flags_direct if direct else flags_over
-    _raise_if_any(agree(local, gather=flags(group, num_islands, device)).bad)
+    values = () if work is None else (float(work.steps), float(work.inner_steps))
+    agreed = agree(local, gather=flags(group, num_islands, device), values=values)
+    _raise_if_any(agreed.bad)
+    if work is None:
+        return Opening()
+    weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
+    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
 
 
 def _raise_if_any(bad: Sequence[int]) -> None:
@@ -68,46 +82,6 @@ def _raise_if_any(bad: Sequence[int]) -> None:
             "its loss for NaN, lower the inner learning rate or enable gradient clipping, then "
             "resume from the last checkpoint."
         )
-
-
-def agree_finite_and_work(
-    local: bool,
-    work: Work,
-    group: dist.ProcessGroup | None,
-    num_islands: int,
-    island_index: int,
-    device: torch.device,
-    island_group: dist.ProcessGroup | None = None,
-    *,
-    direct: bool = False,
-) -> Opening:
-    """``agree_finite_flag`` for a time-budgeted round: each island's ``work`` rides in the
-    same message as its flag (three float64 per island, exact for any step count below 2**53).
-
-    Returns the ``Opening`` that weighs this island (``budget.scale_of``) and carries the most
-    inner steps of any island; raises as ``agree_finite_flag`` does. Collective over the peer
-    group (``direct``: one ``all_to_all_single`` step, else an all-gather).
-    """
-    local = island_verdict(local, island_group, device)
-    mine = torch.tensor(
-        [1.0 if local else 0.0, float(work.steps), float(work.inner_steps)],
-        dtype=torch.float64,
-        device=device,
-    )
-    if num_islands <= 1:
-        rows = mine.view(1, 3)
-    elif direct:
-        rows = torch.empty(num_islands * 3, dtype=torch.float64, device=device)
-        dist.all_to_all_single(rows, mine.repeat(num_islands), group=group)
-        rows = rows.view(num_islands, 3)
-    else:
-        gathered = [torch.empty_like(mine) for _ in range(num_islands)]
-        dist.all_gather(gathered, mine, group=group)
-        rows = torch.stack(gathered)
-    table = rows.cpu().tolist()
-    _raise_if_any([i for i, row in enumerate(table) if row[0] != 1.0])
-    weights, swarm_steps = checked_work([(row[1], row[2]) for row in table])
-    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
 
 
 def checked_work(

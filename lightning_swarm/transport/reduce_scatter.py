@@ -21,9 +21,6 @@ and one decoded share at a time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -36,12 +33,11 @@ from lightning_swarm.transport.base import (
     Done,
     Handle,
     Opening,
-    RoundPlace,
+    RoundRequest,
     RoundStats,
-    Work,
 )
 from lightning_swarm.transport.buckets import Piece
-from lightning_swarm.transport.checks import agree_finite_and_work, agree_finite_flag
+from lightning_swarm.transport.checks import agree_finite
 from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
 from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 from lightning_swarm.transport.pieces import check_coded_options
@@ -102,44 +98,24 @@ class ReduceScatterTransport:
 
     # The contract (``transport.base.Transport``).
     pipelined = True
+    heals = False
+    every_rank_in_round = False
 
     @property
     def block_size(self) -> int:
         return self.codec.block_size
 
-    def open(
-        self,
-        *,
-        round_index: int,
-        finite: bool,
-        names: Mapping[str, torch.Size],
-        place: RoundPlace | None = None,
-        offer: Mapping[str, Any] | None = None,
-        work: Work | None = None,
-    ) -> Opening:
+    def open(self, request: RoundRequest) -> Opening:
         """Every island agrees on ``finite`` in one message step before any bucket moves
-        (``checks.agree_finite_flag``, ``direct=True``); with ``work`` the islands' weights
-        ride in the same step (``checks.agree_finite_and_work``). The engine scales its
+        (``checks.agree_finite``, ``direct=True``); with ``work`` the islands' weights
+        ride in the same step. The engine scales its
         contribution before a bucket is started, so it is encoded scaled."""
-        self.link.open(round_index, names)
-        opening = Opening()
+        self.link.open(request.round_index, request.names)
         with self.link.explained():
-            if work is not None:
-                opening = agree_finite_and_work(
-                    finite,
-                    work,
-                    self.group,
-                    self.num_islands,
-                    self.island_index,
-                    self.device,
-                    self.island_group,
-                    direct=True,
-                )
-            else:
-                agree_finite_flag(
-                    finite, self.group, self.num_islands, self.device, self.island_group,
-                    direct=True,
-                )  # fmt: skip
+            opening = agree_finite(
+                request.finite, self.group, self.num_islands, self.device, self.island_group,
+                direct=True, work=request.work, island_index=self.island_index,
+            )  # fmt: skip
         self.link.started()
         return opening
 

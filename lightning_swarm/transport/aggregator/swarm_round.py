@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +61,7 @@ from lightning_swarm.transport.aggregator.verdicts import (
     raise_if_failed,
     read_verdicts,
 )
-from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundPlace, RoundStats, Work
+from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundRequest, RoundStats, Work
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
@@ -98,6 +97,8 @@ class SwarmAggregator:
     # The whole payload is one round (see the module docstring): buckets as large as the engine
     # plans them, on the codec's blocks.
     pipelined = False
+    heals = False
+    every_rank_in_round = False
     bucket_numel = 1 << 30
 
     def __init__(
@@ -167,22 +168,14 @@ class SwarmAggregator:
     def block_size(self) -> int:
         return 1 if self.codec is None else self.codec.block_size
 
-    def open(
-        self,
-        *,
-        round_index: int,
-        finite: bool,
-        names: Mapping[str, torch.Size],
-        place: RoundPlace | None = None,
-        offer: Mapping[str, Any] | None = None,
-        work: Work | None = None,
-    ) -> Opening:
+    def open(self, request: RoundRequest) -> Opening:
         """Begin round ``round_index`` over tensors of ``names``; nothing moves yet. ``finite``
         is not agreed on: every owner checks each contribution and drops a non-finite one.
         ``work`` travels with the round's terms (``terms``), and the owners weigh the mean by
         it (``AggregationRule.weights_of``): the ``Opening`` asks for no scale, and the
         swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
-        self._round_index, self._names, self._work = round_index, dict(names), work
+        self._round_index, self._names = request.round_index, dict(request.names)
+        self._work = request.work
         self._buckets, self._stats = [], None
         return Opening()
 
