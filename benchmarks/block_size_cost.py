@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_swarm.transport import AggregatorTransport, AllReduceTransport
+from lightning_swarm.transport import AllReduceTransport, SwarmAggregator
 from tests.dist_utils import free_port
 from tests.transport_rounds import average
 
@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[float], out: str) -> Non
                         None, num_islands=world, bucket_numel=int(size * MIB) // 4
                     )
                 else:
-                    t = AggregatorTransport(
+                    t = SwarmAggregator(
                         None,
                         num_islands=world,
                         island_index=rank,

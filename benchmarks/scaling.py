@@ -9,9 +9,9 @@ rank's payload, after a barrier:
 - ``fp32 allreduce``: ``AllReduceTransport`` (``quantize="none"``);
 - ``int8 rs`` / ``int4 rs``: ``ReduceScatterTransport``, what ``quantize="int8"`` / ``"int4"``
   builds (block 128);
-- ``swarm``: ``AggregatorTransport`` (``transport="swarm"``: the rotating aggregator, spool on
+- ``swarm``: ``SwarmAggregator`` (``transport="swarm"``: the rotating aggregator, spool on
   disk, float32, default options);
-- ``swarm sharded``: ``ShardedAggregatorTransport`` (``swarm.aggregator="sharded"``): every
+- ``swarm sharded``: ``SwarmAggregator(owners="sharded")`` (``swarm.aggregator="sharded"``): every
   island aggregates 1/n of the payload, same spool and defaults.
 
 A round's time is the slowest rank's ``average`` wall time; reported: the median over
@@ -44,12 +44,11 @@ import torch.multiprocessing as mp
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import (
-    AggregatorTransport,
     AllReduceTransport,
     ReduceScatterTransport,
+    SwarmAggregator,
     Transport,
 )
-from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
 from tests.transport_rounds import average
 
 METHODS = ("fp32 allreduce", "int8 rs", "int4 rs", "swarm", "swarm sharded")
@@ -71,10 +70,10 @@ def build(method: str, world: int, rank: int, spool_dir: str) -> Transport:
     if method == "fp32 allreduce":
         return AllReduceTransport(None, num_islands=world, bucket_numel=bucket_numel)
     if method == "swarm":
-        return AggregatorTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
+        return SwarmAggregator(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     if method == "swarm sharded":
-        return ShardedAggregatorTransport(
-            None, num_islands=world, island_index=rank, spool_dir=spool_dir
+        return SwarmAggregator(
+            None, owners="sharded", num_islands=world, island_index=rank, spool_dir=spool_dir
         )
     codec = Codec(method.split()[0], BLOCK_SIZE)
     return ReduceScatterTransport(

@@ -32,8 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
-from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from tests.transport_rounds import average
 
 MIB = 2**20
@@ -97,15 +96,16 @@ KINDS = ("swarm_offload", "swarm_memory", "allreduce", "swarm_sharded")
 def build(kind: str, rank: int, world: int, chunk_mb: float, spool_dir: str) -> Any:
     if kind == "allreduce":
         return AllReduceTransport(None, num_islands=world, bucket_numel=32 * MIB // 4)
-    if kind == "swarm_sharded":  # every island aggregates its shard; island 0 is measured
-        return ShardedAggregatorTransport(
+    if kind == "swarm_sharded":  # every island aggregates its part; island 0 is measured
+        return SwarmAggregator(
             None,
+            owners="sharded",
             num_islands=world,
             island_index=rank,
             spool_dir=spool_dir,
             chunk_bytes=int(chunk_mb * MIB),
         )
-    return AggregatorTransport(
+    return SwarmAggregator(
         None,
         num_islands=world,
         island_index=rank,

@@ -34,7 +34,7 @@ GATHER_MEANS = _TRANSPORT + "gather_means"
 
 # The aggregator transports (lightning_swarm.transport.aggregator): their rounds and steps.
 AGGREGATOR_ROUND = _AGGREGATOR + "round"
-SHARDED_ROUND = _AGGREGATOR + "sharded_round"  # every island aggregates its own shard
+SHARDED_ROUND = _AGGREGATOR + "sharded_round"  # every island aggregates its own part
 SEND = _AGGREGATOR + "send"
 RECEIVE = _AGGREGATOR + "receive"
 AGGREGATE = _AGGREGATOR + "aggregate"

@@ -9,9 +9,9 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.transport import (
-    AggregatorTransport,
     AllReduceTransport,
     ReduceScatterTransport,
+    SwarmAggregator,
 )
 from lightning_swarm.transport.base import Bucket, RoundRequest, Transport
 from lightning_swarm.transport.buckets import numel_of, plan_buckets
@@ -34,7 +34,7 @@ def test_every_transport_implements_the_contract() -> None:
     for transport in native:
         assert isinstance(transport, Transport) and transport.pipelined
     assert native[1].block_size == 4 and native[0].block_size == 1
-    aggregator = AggregatorTransport(None, num_islands=1, island_index=0, codec=codec)
+    aggregator = SwarmAggregator(None, num_islands=1, island_index=0, codec=codec)
     assert isinstance(aggregator, Transport) and not aggregator.pipelined
     assert aggregator.block_size == 4
 
@@ -70,7 +70,7 @@ def test_coded_buckets_by_runs_equal_one_bucket_per_tensor_bitwise() -> None:
 
 
 def test_the_aggregator_runs_its_round_once_over_every_bucket_at_the_first_wait() -> None:
-    aggregator = AggregatorTransport(None, num_islands=1, island_index=0)
+    aggregator = SwarmAggregator(None, num_islands=1, island_index=0)
     flat = torch.arange(24, dtype=torch.float32)
     names = {"a": torch.Size([3, 5]), "b": torch.Size([9])}
     aggregator.open(RoundRequest(3, True, names))
@@ -83,7 +83,7 @@ def test_the_aggregator_runs_its_round_once_over_every_bucket_at_the_first_wait(
 
 
 def test_the_aggregator_refuses_buckets_that_are_not_back_to_back() -> None:
-    aggregator = AggregatorTransport(None, num_islands=1, island_index=0)
+    aggregator = SwarmAggregator(None, num_islands=1, island_index=0)
     aggregator.open(RoundRequest(0, True, {"a": torch.Size([8])}))
     aggregator.start(Bucket(torch.zeros(4), (4,)))
     aggregator.start(Bucket(torch.zeros(4), (4,)))

@@ -24,8 +24,7 @@ from lightning_swarm.membership.adopt import weighed
 from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
-from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from lightning_swarm.transport.base import Opening, RoundRequest, RoundStats, Transport, Work
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkTimeouts
@@ -48,19 +47,19 @@ def _transport(kind: str, rank: int) -> Transport:
     if kind == "allreduce":
         return AllReduceTransport(None, num_islands=WORLD, bucket_numel=7)
     if kind == "rotating":
-        return AggregatorTransport(None, **common)
+        return SwarmAggregator(None, **common)
     if kind == "sharded":  # mean without max_norm: summed as the chunks arrive (fold)
-        return ShardedAggregatorTransport(None, **common, chunk_bytes=64)
+        return SwarmAggregator(None, owners="sharded", **common, chunk_bytes=64)
     if kind == "sharded_spooled":  # max_norm needs each island's norm: spooled and judged
-        return ShardedAggregatorTransport(None, **common, chunk_bytes=64, max_norm=1e9)
+        return SwarmAggregator(None, owners="sharded", **common, chunk_bytes=64, max_norm=1e9)
     if kind == "weighted":
-        return AggregatorTransport(
+        return SwarmAggregator(
             None, **common, aggregation="weighted_mean", island_weights=ISLAND_WEIGHTS
         )
     if kind == "int8":  # contributions (the owner's own too) are weighed decoded
-        return AggregatorTransport(None, **common, codec=CODEC)
+        return SwarmAggregator(None, **common, codec=CODEC)
     assert kind == "median"
-    return AggregatorTransport(None, **common, aggregation="median")
+    return SwarmAggregator(None, **common, aggregation="median")
 
 
 def _contribution(island: int) -> dict[str, Tensor]:
@@ -193,11 +192,13 @@ def _engine_worker(rank: int, world: int, out: Path, kind: str) -> None:
     steps = [3, 1][rank]
     clock = FakeClock()
     budget = RoundBudget(1.0, clock=clock)
-    cls = AggregatorTransport if kind == "rotating" else ShardedAggregatorTransport
+    transport = SwarmAggregator(
+        None, num_islands=world, island_index=rank, owners=kind, offload=False
+    )
     outer = OuterSync(
         _params(),
         outer_optimizer=PLAIN_OUTER,
-        transport=cls(None, num_islands=world, island_index=rank, offload=False),
+        transport=transport,
         sync_every=10**6,
         budget=budget,
     )

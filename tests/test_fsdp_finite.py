@@ -132,13 +132,13 @@ def _disk_full(fd: int, data: memoryview, offset: int) -> int:
 
 def _spool_fails_on_one_shard(rank: int, world: int, out: Path) -> None:
     """Round 0's aggregators are island 0's ranks; rank 0's spool cannot be written."""
-    from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
     from lightning_swarm.transport.aggregator.spool import Spool
+    from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 
     topology = IslandTopology(world_size=world, island_size=2, global_rank=rank)
     groups = build_groups(topology)
     spool = Spool(out / "spool", write_at=_disk_full if rank == 0 else os.pwrite)
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         groups.peers,
         num_islands=2,
         island_index=topology.island_index,

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from tests.helpers import TinyRegressor, regression_data
 
 POISON_STEP = 1
@@ -48,7 +48,7 @@ class Watch(pl.Callback):
         strategy = trainer.strategy
         assert isinstance(strategy, SwarmStrategy) and strategy.outer_loop is not None
         transport = strategy.outer_loop.transport
-        assert isinstance(transport, AggregatorTransport)
+        assert isinstance(transport, SwarmAggregator)
         last = transport.last_round
         params: list[Tensor] = [p.detach() for p in module.parameters()]
         self.steps.append(

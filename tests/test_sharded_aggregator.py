@@ -15,16 +15,15 @@ import torch
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport import (
-    AggregatorTransport,
     RoundStats,
+    SwarmAggregator,
     SwarmTransportConfig,
     build_transport,
 )
-from lightning_swarm.transport.aggregator.fold import ShardFold, folds
-from lightning_swarm.transport.aggregator.round_status import AggregatorOutcome
-from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
-from lightning_swarm.transport.aggregator.shards import plan_shards
+from lightning_swarm.transport.aggregator.fold import PartFold, folds
+from lightning_swarm.transport.aggregator.parts import plan_parts
 from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.aggregator.verdicts import AggregatorOutcome
 from lightning_swarm.transport.errors import SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 from lightning_swarm.transport.pieces import Piece
@@ -42,20 +41,20 @@ def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
 
 
 # -- planning ---------------------------------------------------------------------------------
-def test_shards_cover_the_payload_on_alignment_units() -> None:
+def test_parts_cover_the_payload_on_alignment_units() -> None:
     layout = PayloadLayout.from_tensors(_contribution(0, 0))
-    shards = plan_shards(layout, 3, 32)
+    parts = plan_parts(layout, 3, 32)
     # 1412 elements: 13 + 1 + 0 + 32 units of 32 = 46 units over 3 islands: 15, 15, 16
-    assert [sum(p.length for p in s.pieces) for s in shards] == [407 + 5 + 32, 480, 488]
-    assert shards[0].pieces == (Piece(0, 0, 407), Piece(1, 0, 5), Piece(3, 0, 32))
-    assert shards[2].pieces == (Piece(3, 512, 488),)
-    assert [spec.name for spec in shards[0].layout.specs] == ["a[0:407]", "b[0:5]", "c[0:32]"]
-    assert all(p.start % 32 == 0 for s in shards for p in s.pieces)
+    assert [sum(p.length for p in s.pieces) for s in parts] == [407 + 5 + 32, 480, 488]
+    assert parts[0].pieces == (Piece(0, 0, 407), Piece(1, 0, 5), Piece(3, 0, 32))
+    assert parts[2].pieces == (Piece(3, 512, 488),)
+    assert [spec.name for spec in parts[0].layout.specs] == ["a[0:407]", "b[0:5]", "c[0:32]"]
+    assert all(p.start % 32 == 0 for s in parts for p in s.pieces)
     tensors = list(_contribution(0, 0).values())
-    joined = torch.cat([v for s in shards for v in s.views(tensors)])
+    joined = torch.cat([v for s in parts for v in s.views(tensors)])
     assert torch.equal(joined, torch.cat([t.reshape(-1) for t in tensors]))
     with pytest.raises(ValueError, match="align must be >= 1, got 0"):
-        plan_shards(layout, 2, 0)
+        plan_parts(layout, 2, 0)
 
 
 def test_option_is_validated_and_built() -> None:
@@ -66,9 +65,9 @@ def test_option_is_validated_and_built() -> None:
     common: dict[str, Any] = {"group": None, "num_islands": 1, "island_index": 0, "codec": None}
     common |= {"device": torch.device("cpu"), "bucket_numel": 1024}
     built = build_transport("swarm", swarm=SwarmTransportConfig(aggregator="sharded"), **common)
-    assert isinstance(built, ShardedAggregatorTransport)
+    assert isinstance(built, SwarmAggregator) and built.owners == "sharded"
     rotating = build_transport("swarm", swarm=SwarmTransportConfig(), **common)
-    assert isinstance(rotating, AggregatorTransport)
+    assert isinstance(rotating, SwarmAggregator) and rotating.owners == "rotating"
     built.close()
     rotating.close()
 
@@ -88,7 +87,7 @@ def test_fold_sums_in_island_order_chunk_by_chunk() -> None:
     flat = [torch.randn(9, generator=g) * 10.0 ** (3 * i) for i in range(3)]
     own = [flat[1][:5].clone(), flat[1][5:].clone()]
     for weights in (None, [0.5, 3.0, 1.5]):
-        fold = ShardFold(layout, own, 1, 3, 8, weights)
+        fold = PartFold(layout, own, 1, 3, 8, weights)
         for k in range(5):
             fold.add(k, {i: flat[i][2 * k : 2 * k + 2].view(torch.uint8) for i in (0, 2)})
         assert fold.finish()
@@ -106,7 +105,7 @@ def test_fold_sums_in_island_order_chunk_by_chunk() -> None:
         assert torch.equal(torch.cat(out), expected)
         assert torch.equal(own[0], flat[1][:5]), "own contribution was written before the end"
     flat[2][7] = float("inf")
-    fold = ShardFold(layout, own, 1, 3, 8, None)
+    fold = PartFold(layout, own, 1, 3, 8, None)
     for k in range(5):
         fold.add(k, {i: flat[i][2 * k : 2 * k + 2].view(torch.uint8) for i in (0, 2)})
     assert not fold.finish(), "an inf in one island's chunk must make the sum non-finite"
@@ -160,8 +159,8 @@ def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
             kw["island_weights"] = kw["island_weights"][:world]
         kw |= {"num_islands": world, "island_index": rank}
         kw.setdefault("chunk_bytes", 1000)
-        rotating = AggregatorTransport(None, spool_dir=spool_dir, **kw)
-        sharded = ShardedAggregatorTransport(None, spool_dir=spool_dir, **kw)
+        rotating = SwarmAggregator(None, spool_dir=spool_dir, **kw)
+        sharded = SwarmAggregator(None, owners="sharded", spool_dir=spool_dir, **kw)
         for r in range(2):
             a, b = _inputs(rank, r, case), _inputs(rank, r, case)
             # A float64 payload is the aggregator's own round's (the contract moves float32).
@@ -208,8 +207,9 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         return os.pwrite(fd, data, offset)
 
     spool = Spool(spool_dir, write_at=disk_fills_up) if rank == 1 else None
-    transport = ShardedAggregatorTransport(
+    transport = SwarmAggregator(
         None,
+        owners="sharded",
         num_islands=world,
         island_index=rank,
         spool=spool,
@@ -233,8 +233,9 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
     with pytest.raises(ValueError, match=r"layout .* of island\(s\) \[2\] differs from island 0"):
         average(transport, odd, round_index=1)
     # so do islands whose rules differ: one would sum the mean, the other spool it
-    rules = ShardedAggregatorTransport(
+    rules = SwarmAggregator(
         None,
+        owners="sharded",
         num_islands=world,
         island_index=rank,
         spool_dir=spool_dir,
@@ -244,8 +245,13 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         average(rules, _contribution(rank, 3), round_index=3)
     rules.close()
     # too few accepted contributions: skipped on every island, with the same warning
-    skipped = ShardedAggregatorTransport(
-        None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=3
+    skipped = SwarmAggregator(
+        None,
+        owners="sharded",
+        num_islands=world,
+        island_index=rank,
+        spool_dir=spool_dir,
+        min_contributions=3,
     )
     nan = _contribution(rank, 2)
     if rank == 0:
@@ -265,7 +271,7 @@ def _broken_rule(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("injected aggregation bug")
 
 
-class _BrokenFold(ShardFold):
+class _BrokenFold(PartFold):
     def add(self, k: int, chunks: Mapping[int, torch.Tensor]) -> None:
         _broken_rule()
 
@@ -276,11 +282,16 @@ def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation
 
     if rank == 0:  # a forked child: the patch dies with it
         if aggregation == "mean":  # summed as the chunks arrive
-            round_module.ShardFold = _BrokenFold  # type: ignore[misc]
+            round_module.PartFold = _BrokenFold  # type: ignore[misc]
         else:
             terms_module.aggregate_into = _broken_rule  # type: ignore[assignment]
-    transport = ShardedAggregatorTransport(
-        None, num_islands=world, island_index=rank, spool_dir=spool_dir, aggregation=aggregation
+    transport = SwarmAggregator(
+        None,
+        owners="sharded",
+        num_islands=world,
+        island_index=rank,
+        spool_dir=spool_dir,
+        aggregation=aggregation,
     )
     assert transport.spool is not None
     tensors = _contribution(rank, 0)

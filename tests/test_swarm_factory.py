@@ -14,9 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import (
-    AggregatorTransport,
     AllReduceTransport,
     ReduceScatterTransport,
+    SwarmAggregator,
     SwarmTransportConfig,
     build_transport,
     peer_backend,
@@ -55,7 +55,7 @@ def _groups_worker(rank: int, world: int, out: str) -> None:
     # The accelerator's device is what the strategy passes with NCCL: the swarm transport
     # still works on the CPU (this machine has no CUDA, so any CUDA buffer would fail).
     swarm = build_transport("swarm", group=groups.peers, device=torch.device("cuda"), **common)
-    assert isinstance(swarm, AggregatorTransport) and swarm.device == torch.device("cpu")
+    assert isinstance(swarm, SwarmAggregator) and swarm.device == torch.device("cpu")
     tensors = {"w": torch.full((5,), float(rank))}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         assert average(swarm, tensors, round_index=0).applied

@@ -29,10 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.transport.aggregator.fold import ShardFold
-from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
-from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from lightning_swarm.transport.aggregator.fold import PartFold
 from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from tests.dist_utils import free_port
 from tests.transport_rounds import average
 
@@ -85,21 +84,24 @@ def _rank(
     if kind == "sharded_mean" and rank == 0:  # a forked child: the patch dies with it
         import lightning_swarm.transport.aggregator.swarm_round as round_module
 
-        class SlowFold(ShardFold):
+        class SlowFold(PartFold):
             def add(self, k: int, chunks: Mapping[int, torch.Tensor]) -> None:
                 collect_slowly()
                 super().add(k, chunks)
 
-        round_module.ShardFold = SlowFold  # type: ignore[misc]
+        round_module.PartFold = SlowFold  # type: ignore[misc]
     options: dict[str, Any] = {"spool": spool, "chunk_bytes": 4096}
     if kind == "rotating":
-        transport: AggregatorTransport | ShardedAggregatorTransport = AggregatorTransport(
-            None, num_islands=2, island_index=rank, **options
-        )
+        transport = SwarmAggregator(None, num_islands=2, island_index=rank, **options)
     else:
         aggregation = "mean" if kind == "sharded_mean" else "median"
-        transport = ShardedAggregatorTransport(
-            None, num_islands=2, island_index=rank, aggregation=aggregation, **options
+        transport = SwarmAggregator(
+            None,
+            owners="sharded",
+            num_islands=2,
+            island_index=rank,
+            aggregation=aggregation,
+            **options,
         )
     start = time.monotonic()
     outcome = ["no error"]

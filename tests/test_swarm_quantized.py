@@ -16,7 +16,7 @@ from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm import robust
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.aggregator.coded import CodedPayload, encode_marked
-from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
@@ -28,7 +28,7 @@ BLOCK = 16
 CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
-def _num_accepted(transport: AggregatorTransport) -> int:
+def _num_accepted(transport: SwarmAggregator) -> int:
     assert transport.last_round is not None
     return len(transport.last_round.accepted)
 
@@ -62,9 +62,9 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         codec = Codec(name, BLOCK)
         wire = CodedPayload(layout, codec).wire
         common: dict[str, Any] = {"num_islands": world, "island_index": rank, "codec": codec}
-        offload = AggregatorTransport(None, spool_dir=spool_dir, chunk_bytes=1000, **common)
-        memory = AggregatorTransport(None, offload=False, chunk_bytes=333, **common)
-        median = AggregatorTransport(None, aggregation="median", spool_dir=spool_dir, **common)
+        offload = SwarmAggregator(None, spool_dir=spool_dir, chunk_bytes=1000, **common)
+        memory = SwarmAggregator(None, offload=False, chunk_bytes=333, **common)
+        median = SwarmAggregator(None, aggregation="median", spool_dir=spool_dir, **common)
         for r in range(world):  # every island aggregates once
             tensors = _contribution(rank, r)
             average(median, tensors, round_index=r)
@@ -79,9 +79,7 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
                 for k in tensors:
                     assert torch.equal(tensors[k], expected[k]), f"{name} {transport} round {r} {k}"
                 assert stats.applied
-                assert (
-                    isinstance(transport, AggregatorTransport) and _num_accepted(transport) == world
-                )
+                assert isinstance(transport, SwarmAggregator) and _num_accepted(transport) == world
                 control = CONTROL_BYTES(world)
                 if rank == r:
                     assert (stats.bytes_sent, stats.bytes_received) == (
@@ -111,7 +109,7 @@ def test_quantized_swarm_equals_the_quantized_reference_exactly(tmp_path: Path, 
 
 def test_one_island_gets_its_own_round_trip() -> None:
     codec = Codec("int4", BLOCK)
-    transport = AggregatorTransport(None, num_islands=1, island_index=0, codec=codec)
+    transport = SwarmAggregator(None, num_islands=1, island_index=0, codec=codec)
     tensors = _contribution(0, 0)
     average(transport, tensors, round_index=0)
     assert all(torch.equal(v, _quantized_mean(codec, 1, 0)[k]) for k, v in tensors.items())
@@ -133,7 +131,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     assert abs(raw_norm - decoded_norm) > 1e-3 * raw_norm  # int4 changes the norm measurably
     # Between the two norms: whether island 0 counts tells which values were checked.
     max_norm = (raw_norm + decoded_norm) / 2
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         None,
         num_islands=world,
         island_index=rank,
@@ -161,7 +159,7 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
             assert f"exceeds max_norm={max_norm:g}" in report.rejected[0]
     # round 1 (aggregator 1): island 2 was configured with another codec; it alone fails
     if rank == 2:
-        other = AggregatorTransport(
+        other = SwarmAggregator(
             None, num_islands=world, island_index=rank, offload=False, codec=Codec("int8", BLOCK)
         )
         with pytest.raises(ValueError, match="the same quantize and quantize_block_size"):

@@ -19,8 +19,9 @@ from lightning_swarm.algorithm import robust
 from lightning_swarm.config import SwarmConfig, SwarmTransportConfig
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
-from lightning_swarm.transport.aggregator.rotating import AggregatorOutcome, AggregatorTransport
 from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
+from lightning_swarm.transport.aggregator.verdicts import AggregatorOutcome
 from lightning_swarm.transport.errors import SpoolError, SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
@@ -34,7 +35,7 @@ from tests.transport_rounds import average
 CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
-def _num_accepted(transport: AggregatorTransport) -> int:
+def _num_accepted(transport: SwarmAggregator) -> int:
     assert transport.last_round is not None
     return len(transport.last_round.accepted)
 
@@ -73,24 +74,24 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
     common = {"num_islands": world, "island_index": rank, "spool_dir": spool_dir}
     weights = [float(i + 1) for i in range(world)]
     cases = {
-        "offload": (AggregatorTransport(None, chunk_bytes=1000, **common), "mean", {}),
+        "offload": (SwarmAggregator(None, chunk_bytes=1000, **common), "mean", {}),
         "memory": (
-            AggregatorTransport(None, offload=False, chunk_bytes=1000, **common),
+            SwarmAggregator(None, offload=False, chunk_bytes=1000, **common),
             "mean",
             {},
         ),
         "median": (
-            AggregatorTransport(None, aggregation="median", chunk_bytes=600, **common),
+            SwarmAggregator(None, aggregation="median", chunk_bytes=600, **common),
             "median",
             {},
         ),
         "trimmed": (
-            AggregatorTransport(None, aggregation="trimmed_mean", trim_ratio=0.25, **common),
+            SwarmAggregator(None, aggregation="trimmed_mean", trim_ratio=0.25, **common),
             "trimmed_mean",
             {"trim_ratio": 0.25},
         ),
         "weighted": (
-            AggregatorTransport(
+            SwarmAggregator(
                 None, aggregation="weighted_mean", island_weights=weights, chunk_bytes=999, **common
             ),
             "weighted_mean",
@@ -149,7 +150,7 @@ def _poison(tensors: dict[str, torch.Tensor], rank: int, bad: dict[int, str]) ->
 
 def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
     messages = _capture_log()
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         None,
         num_islands=world,
         island_index=rank,
@@ -210,7 +211,7 @@ def _owner_terms_worker(rank: int, world: int, spool_dir: str) -> None:
     # Island 1 runs other options: with the rotating aggregator the owner's rule and chunk size
     # rule each round, as they always did, on every rank alike.
     options: dict[str, Any] = {"chunk_bytes": 300, "max_norm": 1e-9} if rank == 1 else {}
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, **options
     )
     tensors = _contribution(rank, 0)
@@ -234,7 +235,7 @@ def test_the_owners_options_rule_its_round(tmp_path: Path) -> None:
 
 
 def _anchors_worker(rank: int, world: int, spool_dir: str) -> None:
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         None, num_islands=world, island_index=rank, spool_dir=spool_dir, min_contributions=2
     )
     param = torch.nn.Parameter(torch.arange(6.0))
@@ -282,7 +283,7 @@ def _failures_worker(rank: int, world: int, spool_dir: str) -> None:
         spool = Spool(spool_dir, write_at=disk_fills_up)
     elif rank == 2:
         spool = _TruncatingSpool(spool_dir)
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         None,
         num_islands=world,
         island_index=rank,
@@ -318,7 +319,7 @@ def test_spool_failures_fail_the_round_cleanly_on_every_rank(tmp_path: Path) -> 
 
 # -- errors on the aggregator ----------------------------------------------------------------
 def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
-    transport = AggregatorTransport(
+    transport = SwarmAggregator(
         None,
         num_islands=world,
         island_index=rank,
@@ -366,7 +367,7 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
 
     if rank == 0:  # a forked child: the patch dies with it
         aggregator_module.aggregate_into = _broken_rule
-    transport = AggregatorTransport(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
+    transport = SwarmAggregator(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
     if rank == 0:
@@ -402,15 +403,19 @@ def test_unexpected_error_on_the_aggregator_raises_on_every_rank(tmp_path: Path)
 def test_transport_options_are_checked(tmp_path: Path) -> None:
     common: dict[str, Any] = {"num_islands": 3, "island_index": 0, "offload": False}
     with pytest.raises(ValueError, match=r"min_contributions=4 must lie in 1..3"):
-        AggregatorTransport(None, min_contributions=4, **common)
+        SwarmAggregator(None, min_contributions=4, **common)
     with pytest.raises(ValueError, match="needs island_weights with one weight per island"):
-        AggregatorTransport(None, aggregation="weighted_mean", island_weights=[1.0], **common)
+        SwarmAggregator(None, aggregation="weighted_mean", island_weights=[1.0], **common)
     with pytest.raises(ValueError, match="aggregation='vote' is not known"):
-        AggregatorTransport(None, aggregation="vote", **common)
+        SwarmAggregator(None, aggregation="vote", **common)
+    with pytest.raises(
+        ValueError, match=r"owners must be one of \['rotating', 'sharded'\], got 'x'"
+    ):
+        SwarmAggregator(None, owners="x", **common)
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(SpoolError, match="cannot create the spool under spool_dir"):
-        AggregatorTransport(None, num_islands=2, island_index=0, spool_dir=str(blocker))
+        SwarmAggregator(None, num_islands=2, island_index=0, spool_dir=str(blocker))
 
 
 def test_swarm_config_validates_and_converts_dicts() -> None:

@@ -168,8 +168,8 @@ class SwarmTransportConfig:
         return int(self.chunk_mb * 2**20)
 
     def transport_kwargs(self) -> dict[str, Any]:
-        """These options as ``AggregatorTransport``'s keywords (``chunk_mb`` as bytes)."""
-        # ``aggregator`` picks the class (``factory.build_transport``), it is no keyword of it.
+        """These options as ``SwarmAggregator``'s keywords (``chunk_mb`` as bytes)."""
+        # ``aggregator`` is the aggregator's ``owners`` (``factory.build_transport`` passes it).
         skip = ("chunk_mb", "aggregator")
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         kwargs["chunk_bytes"] = self.chunk_bytes

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.aggregator.rotating import AggregatorTransport
-from lightning_swarm.transport.aggregator.sharded import ShardedAggregatorTransport
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from lightning_swarm.transport.allreduce import AllReduceTransport
 from lightning_swarm.transport.base import Transport
 from lightning_swarm.transport.config import SwarmTransportConfig, check_transport
@@ -75,20 +74,12 @@ def build_transport(
         SpoolError: the swarm transport's spool root cannot be created.
     """
     check_transport(transport)
-    if transport == "swarm" and swarm.aggregator == "sharded":
-        return ShardedAggregatorTransport(
-            group,
-            num_islands=num_islands,
-            island_index=island_index,
-            codec=codec,
-            island_group=island_group,
-            **swarm.transport_kwargs(),
-        )
     if transport == "swarm":
-        return AggregatorTransport(
+        return SwarmAggregator(
             group,
             num_islands=num_islands,
             island_index=island_index,
+            owners=swarm.aggregator,
             codec=codec,
             island_group=island_group,
             **swarm.transport_kwargs(),

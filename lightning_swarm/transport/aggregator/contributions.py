@@ -206,7 +206,7 @@ def measure(
     contribution: Contribution, layout: PayloadLayout, *, block_numel: int, sum_sq: bool = True
 ) -> Measure:
     """One validation pass over ``contribution``, one block at a time (the only one: every
-    verdict, whole or per shard, is read from it). Without ``max_norm`` callers pass
+    verdict, whole or per part, is read from it). Without ``max_norm`` callers pass
     ``sum_sq=False``: the float64 squares cost half a validation pass."""
     total = 0.0
     for spec in layout.specs:

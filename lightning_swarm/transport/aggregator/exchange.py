@@ -1,8 +1,8 @@
 """The two exchanges of a swarm round, in chunks over ``all_to_all_single``.
 
-``scatter`` sends shard j of every payload to island j, step k moving chunk k of each payload
+``scatter`` sends part j of every payload to island j, step k moving chunk k of each payload
 into the owner's sinks (a spool error turns a sink into a discard sink and is returned, so no
-peer blocks); ``gather`` sends every owner's result shard to every island, into its tensors.
+peer blocks); ``gather`` sends every owner's result part to every island, into its tensors.
 Every island runs the same steps with split sizes that follow from the agreed layouts; a refused
 island sends and receives nothing.
 """
@@ -53,7 +53,7 @@ class Exchange:
         steps: int,
     ) -> SpoolError | None:
         """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j; write what
-        each peer i sends for this island's shard (``wires[me]``) into ``sinks[i]``."""
+        each peer i sends for this island's part (``wires[me]``) into ``sinks[i]``."""
         failure: SpoolError | None = None
         for k, chunks in self.scatter_steps(sources, wires, stats, steps):
             for i, chunk in chunks.items():
@@ -72,8 +72,8 @@ class Exchange:
         steps: int,
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
         """The scatter, step by step: yields ``(k, {peer: chunk k of its contribution to this
-        island's shard})`` (uint8 views of the receive buffer, valid until the next step; no
-        entries past the shard's end). The caller must run the generator to its end, or the
+        island's part})`` (uint8 views of the receive buffer, valid until the next step; no
+        entries past the part's end). The caller must run the generator to its end, or the
         other islands wait in the step it left."""
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
         # One send and one receive buffer for the whole exchange: buffers allocated per step

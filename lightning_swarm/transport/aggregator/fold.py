@@ -1,10 +1,10 @@
 """The mean of a round with several owners, summed as chunks arrive (``mean``, ``weighted_mean``).
 
 Each scatter step brings chunk k of every contribution; the owner adds them and its own in
-island order into a float32 accumulator of its shard, with the rule's operations in its order
+island order into a float32 accumulator of its part, with the rule's operations in its order
 (``algorithm.robust``), so the result is bitwise the spooled path's whenever every island is
 accepted. A non-finite sum cannot name the island, so the caller judges the round again through
-the spool. Memory: one float32 shard, plus one chunk for weighted means.
+the spool. Memory: one float32 part, plus one chunk for weighted means.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def folds(
     """Whether a round of ``layout`` can be summed as it arrives: a running-sum rule, no
     ``max_norm`` (that needs each island's norm), float32 tensors only and chunks of whole
     elements (the caller also rules out codecs). Pass the round's whole layout, which every
-    island agreed on, not a shard's: every island must take the same way."""
+    island agreed on, not a part's: every island must take the same way."""
     return (
         aggregation in FOLDED_RULES
         and max_norm is None
@@ -39,12 +39,12 @@ def folds(
     )
 
 
-class ShardFold:
-    """The running (weighted) sum of every island's contribution to one shard.
+class PartFold:
+    """The running (weighted) sum of every island's contribution to one part.
 
     Args:
-        layout: the shard's layout (float32 tensors; ``folds`` said yes).
-        own: this island's flat views of the shard, in ``layout`` order; read, never written
+        layout: the part's layout (float32 tensors; ``folds`` said yes).
+        own: this island's flat views of the part, in ``layout`` order; read, never written
             until ``write_into``.
         island_index: this island; its contribution enters the sum at its place.
         num_islands: every island is summed.
@@ -71,7 +71,7 @@ class ShardFold:
 
     def add(self, k: int, chunks: Mapping[int, Tensor]) -> None:
         """Add chunk ``k`` of every island: ``chunks`` maps each peer to its chunk (uint8);
-        this island's own comes from ``own``. A step past the shard's end has no chunks."""
+        this island's own comes from ``own``. A step past the part's end has no chunks."""
         if not chunks:
             return
         base = k * self.chunk_bytes // 4
@@ -131,7 +131,7 @@ class ShardFold:
 
     def finish(self) -> bool:
         """Divide the sum into the mean; whether every value is finite (so every island's
-        shard was)."""
+        part was)."""
         self.acc.div_(self.n if self.weights is None else sum(self.weights))
         return all_finite(self.acc)
 

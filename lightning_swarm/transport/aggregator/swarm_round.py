@@ -1,11 +1,19 @@
-"""One swarm round, whatever its owners: agree, scatter, judge, aggregate, gather.
+"""The swarm transport's aggregator and its round: agree, scatter, judge, aggregate, gather.
 
-Island j owns shard j of the payload; the subclass's ``_shards`` cuts them (rotating: the whole
-payload to one island; sharded: 1/n each); ``docs/swarm_transport.md`` walks a round through. The
-caller owns the buckets; the round writes them only once every island's verdicts are read (a
-round that raises may leave them partly written: the caller keeps its anchors). A round's spool
-files live from the scatter to the end of the round: any exception aborts the writers at once
-(their leases go) and ``Spool.release_round`` removes the files.
+Island j owns part j of a round's payload; ``owners`` cuts the parts. ``"rotating"`` (the
+default) gives the whole payload to island ``r % num_islands`` in round ``r`` and empty parts to
+the others: its rule and chunk size rule the round, and a peer whose layout or codec differs is
+left out and raises ``ValueError`` alone. ``"sharded"`` gives every island 1/n, cut on codec
+blocks, so no island's load grows with the islands: an island whose layout or options differ
+from island 0's makes every island raise, and ``mean`` / ``weighted_mean`` without codec or
+``max_norm`` are summed as the chunks arrive (``fold``). Both spool peer payloads as they arrive
+(memory flat in peers), judge the whole contribution and give bitwise the same results;
+``docs/swarm_transport.md`` walks a round through.
+
+The caller owns the buckets; the round writes them only once every island's verdicts are read
+(a round that raises may leave them partly written: the caller keeps its anchors). A round's
+spool files live from the scatter to the end of the round: any exception aborts the writers at
+once (their leases go) and ``Spool.release_round`` removes the files.
 
 The bucket contract (``transport.base.Transport``) is served whole: the aggregator validates
 untrusted contributions against the whole payload (its layout, ``max_norm``, the robust rules),
@@ -38,19 +46,14 @@ from lightning_swarm.transport.aggregator.contributions import (
     open_sinks,
 )
 from lightning_swarm.transport.aggregator.exchange import Exchange
-from lightning_swarm.transport.aggregator.fold import ShardFold, folds
-from lightning_swarm.transport.aggregator.round_status import (
-    AggregatorOutcome,
-    RoundReport,
-    bad_layout_message,
-)
-from lightning_swarm.transport.aggregator.shards import Shard
+from lightning_swarm.transport.aggregator.fold import PartFold, folds
+from lightning_swarm.transport.aggregator.parts import Part, plan_parts, whole_part
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.terms import (
     AggregationRule,
     RoundTerms,
     agree_owner,
-    agree_shards,
+    agree_parts,
     all_gather_rows,
     island_all,
 )
@@ -58,10 +61,14 @@ from lightning_swarm.transport.aggregator.verdicts import (
     FAILED,
     JUDGED,
     SPOOL_FAILED,
+    AggregatorOutcome,
+    RoundReport,
+    bad_layout_message,
     raise_if_failed,
     read_verdicts,
 )
 from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundRequest, RoundStats, Work
+from lightning_swarm.transport.config import AGGREGATORS
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
@@ -71,8 +78,8 @@ log = logging.getLogger(__name__)
 class _Round:
     """One round's state, handed from phase to phase; nothing outlives the round."""
 
-    def __init__(self, report: RoundReport, targets: list[Tensor], shards: list[Shard]) -> None:
-        self.report, self.targets, self.shards = report, targets, shards
+    def __init__(self, report: RoundReport, targets: list[Tensor], parts: list[Part]) -> None:
+        self.report, self.targets, self.parts = report, targets, parts
         self.owner: int | None = None
         self.terms: RoundTerms
         self.exchange: Exchange
@@ -84,16 +91,38 @@ class _Round:
 
 
 class SwarmAggregator:
-    """A swarm aggregator: options, the run-scoped spool, and the round; the owner layout is
-    the subclass's ``_shards``. Arguments as ``AggregatorTransport``'s. The aggregator owns its
+    """The swarm transport (``transport="swarm"``); see the module docstring. It owns its
     ``Spool`` (created here unless injected) and removes it in ``close``.
+
+    Args:
+        group: the peer group (one rank per island, ordered by island); ``None`` = default.
+            Payloads and messages live on the CPU: with NCCL as the default backend, pass a
+            gloo peer group (``groups.build_groups(peer_backend="gloo")``).
+        num_islands: size of the peer group.
+        island_index: this rank's island.
+        owners: ``"rotating"`` (one owner per round, in turn) or ``"sharded"`` (every island
+            owns 1/n of every round): the ``swarm.aggregator`` option.
+        offload: spool peer payloads to disk (``True``) or hold them in memory.
+        spool_dir: where the run's spool root is created (``None``: TMPDIR).
+        aggregation: one of ``mean``, ``weighted_mean``, ``median``, ``trimmed_mean``.
+        trim_ratio: fraction trimmed at each end by ``trimmed_mean``.
+        min_contributions: accepted contributions (the owner's own included) a round needs.
+        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
+        island_weights: one weight per island for ``weighted_mean``.
+        chunk_bytes: bytes per message and the block size of validation and aggregation.
+        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+        codec: encode contributions with this codec (``coded``); ``None`` sends float32 as
+            is. Every island must pass the same codec.
+        spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
+        island_group: a model-sharded island's group (CPU-capable, e.g. gloo): every verdict
+            is agreed over the island's model shards (``terms.agree_island``); ``None``
+            otherwise.
 
     Raises:
         ValueError: an option is out of range for this topology.
         SpoolError: the spool root cannot be created.
     """
 
-    ROUND_LABEL = labels.AGGREGATOR_ROUND
     # The whole payload is one round (see the module docstring): buckets as large as the engine
     # plans them, on the codec's blocks.
     pipelined = False
@@ -107,6 +136,7 @@ class SwarmAggregator:
         *,
         num_islands: int,
         island_index: int,
+        owners: str = "rotating",
         offload: bool = True,
         spool_dir: str | None = None,
         aggregation: str = "mean",
@@ -121,6 +151,11 @@ class SwarmAggregator:
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_topology(num_islands, island_index, min_contributions, chunk_bytes)
+        if owners not in AGGREGATORS:
+            raise SwarmConfigError(
+                f"owners must be one of {list(AGGREGATORS)}, got {owners!r}; 'rotating' "
+                "gives each round to one island in turn, 'sharded' 1/n of it to every island."
+            )
         check_aggregation(aggregation)
         weights = None
         if island_weights is not None:
@@ -131,6 +166,7 @@ class SwarmAggregator:
                 f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
             )
         self.group, self.num_islands, self.island_index = group, num_islands, island_index
+        self.owners = owners
         self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
         self.island_group = island_group
         self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
@@ -207,9 +243,18 @@ class SwarmAggregator:
             offset += shape.numel()
         return named
 
-    def _shards(self, layout: PayloadLayout, round_index: int) -> tuple[list[Shard], int | None]:
-        """The round's shards, one per island, and its one owner (``None``: several)."""
-        raise NotImplementedError
+    def aggregator_of(self, round_index: int) -> int | None:
+        """The one island that aggregates round ``round_index`` (round-robin); ``None`` when
+        every island owns a part (``owners="sharded"``)."""
+        return round_index % self.num_islands if self.owners == "rotating" else None
+
+    def _parts(self, layout: PayloadLayout, round_index: int) -> tuple[list[Part], int | None]:
+        """The round's parts, one per island, and its one owner (``None``: several)."""
+        owner = self.aggregator_of(round_index)
+        if owner is not None:
+            return whole_part(layout, self.num_islands, owner), owner
+        align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
+        return plan_parts(layout, self.num_islands, align), None
 
     def _average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
@@ -219,12 +264,13 @@ class SwarmAggregator:
                 round, on this island only) or from island 0's (several: on every island).
             SwarmRoundError: a spool or an owner failed; anchors are unchanged.
         """
-        with record_function(self.ROUND_LABEL):
+        label = labels.AGGREGATOR_ROUND if self.owners == "rotating" else labels.SHARDED_ROUND
+        with record_function(label):
             start = time.perf_counter()
             layout = PayloadLayout.from_tensors(tensors)
-            shards, owner = self._shards(layout, round_index)
+            parts, owner = self._parts(layout, round_index)
             report = RoundReport(round_index, self.island_index if owner is None else owner)
-            rnd = _Round(report, list(tensors.values()), shards)
+            rnd = _Round(report, list(tensors.values()), parts)
             rnd.owner = owner
             self.last_round, round_id = report, self._sequence
             self._sequence += 1
@@ -261,15 +307,15 @@ class SwarmAggregator:
     # -- the phases ------------------------------------------------------------------------
     def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
         """Step 1: the round's terms, codecs, wire layouts and exchange."""
-        for s in rnd.shards:
-            empty = not s.layout.specs
+        for p in rnd.parts:
+            empty = not p.layout.specs
             rnd.coded.append(
-                CodedPayload(s.layout, self.codec) if self.codec and not empty else None
+                CodedPayload(p.layout, self.codec) if self.codec and not empty else None
             )
-        rnd.wires = [c.wire if c else s.layout for c, s in zip(rnd.coded, rnd.shards, strict=True)]
+        rnd.wires = [c.wire if c else p.layout for c, p in zip(rnd.coded, rnd.parts, strict=True)]
         if rnd.owner is None:
-            rnd.terms = agree_shards(
-                self.group, rnd.shards, rnd.wires, self.codec, self.rule, self.chunk_bytes,
+            rnd.terms = agree_parts(
+                self.group, rnd.parts, rnd.wires, self.codec, self.rule, self.chunk_bytes,
                 round_index, self.island_group, rnd.stats, self._work,
             )  # fmt: skip
         else:
@@ -285,37 +331,37 @@ class SwarmAggregator:
     def _run(self, rnd: _Round, layout: PayloadLayout, round_id: int) -> None:
         """Steps 2-5."""
         rule, chunk_bytes = rnd.terms.rule, rnd.terms.chunk_bytes
-        # Decided on the whole layout, which every island agreed on: a shard's own dtypes
+        # Decided on the whole layout, which every island agreed on: a part's own dtypes
         # could send two islands different ways, and their collectives would not match.
         fold = rnd.owner is None and self.codec is None
         fold = fold and folds(layout, rule.aggregation, rule.max_norm, chunk_bytes)
         if rnd.owner is None:
             (fold,) = island_all([fold], self.island_group)  # every peer group the same way
-        own = rnd.shards[self.island_index].views(rnd.targets)
+        own = rnd.parts[self.island_index].views(rnd.targets)
         if not (fold and self._fold_round(rnd, own)):
             self._spooled_round(rnd, own, round_id)
         if rnd.report.outcome == AggregatorOutcome.APPLIED:
             with record_function(labels.RECEIVE):
-                views = [[byte_view(v) for v in s.views(rnd.targets)] for s in rnd.shards]
-                layouts = [s.layout for s in rnd.shards]
+                views = [[byte_view(v) for v in p.views(rnd.targets)] for p in rnd.parts]
+                layouts = [p.layout for p in rnd.parts]
                 rnd.exchange.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
 
     def _fold_round(self, rnd: _Round, own: list[Tensor]) -> bool:
-        """Sum the shard's contributions as they arrive (``fold``), with no spool. True:
-        every shard was finite, all are accepted and the mean is in ``own``; False: some sum was
+        """Sum the part's contributions as they arrive (``fold``), with no spool. True:
+        every part was finite, all are accepted and the mean is in ``own``; False: some sum was
         not, judge island by island (every rank reads the same table and returns the same)."""
         me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
         weights = rule.weights_of(list(range(n)), rnd.terms.work)
-        mine = rnd.shards[me]
-        fold = ShardFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
+        mine = rnd.parts[me]
+        fold = PartFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
         with record_function(labels.SEND):
-            sources = [[byte_view(t) for t in s.views(rnd.targets)] if j != me else []
-                       for j, s in enumerate(rnd.shards)]  # fmt: skip
+            sources = [[byte_view(t) for t in p.views(rnd.targets)] if j != me else []
+                       for j, p in enumerate(rnd.parts)]  # fmt: skip
             finite, error = fold.collect(
                 rnd.exchange, sources, rnd.wires, rnd.stats, rnd.terms.scatter_steps
             )
         if error is not None:
-            log.error("swarm round %d: summing this island's shard failed",
+            log.error("swarm round %d: summing this island's part failed",
                       rnd.report.round_index, exc_info=error)  # fmt: skip
         row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
         table = all_gather_rows(row, self.group, rnd.stats)
@@ -329,7 +375,7 @@ class SwarmAggregator:
         return True
 
     def _spooled_round(self, rnd: _Round, own: list[Tensor], round_id: int) -> None:
-        """Every rule: spool the shard's contributions, judge each island, aggregate."""
+        """Every rule: spool the part's contributions, judge each island, aggregate."""
         failure = self._scatter(rnd, round_id)
         failure = finish_sinks(rnd.sinks, rnd.contributions, failure)
         me = self.island_index
@@ -339,19 +385,19 @@ class SwarmAggregator:
             self._aggregate(rnd, own, block_numel)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
-        """Send shard j of this island's payload to island j, and every peer's contribution
-        to this island's shard into ``rnd.sinks``; returns the first spool error met."""
+        """Send part j of this island's payload to island j, and every peer's contribution
+        to this island's part into ``rnd.sinks``; returns the first spool error met."""
         me, wire = self.island_index, rnd.wires[self.island_index]
         peers = [i for i in range(self.num_islands) if i != me]
         matched = [i for i in peers if i not in rnd.terms.mismatched]
-        spool = self._spool if wire.specs else None  # an empty shard needs no files
+        spool = self._spool if wire.specs else None  # an empty part needs no files
         failure = open_sinks(
             rnd.sinks, peers, matched, wire, spool, round_id, remap_bytes=rnd.terms.chunk_bytes
         )
         with record_function(labels.SEND):
             sources: list[list[Tensor]] = []
-            for j, (shard, c) in enumerate(zip(rnd.shards, rnd.coded, strict=True)):
-                views = shard.views(rnd.targets) if j != me else []
+            for j, (part, c) in enumerate(zip(rnd.parts, rnd.coded, strict=True)):
+                views = part.views(rnd.targets) if j != me else []
                 encoded = c.encode(views) if c is not None and j != me else views
                 sources.append([byte_view(t) for t in encoded])
             sent = rnd.exchange.scatter(
@@ -367,12 +413,12 @@ class SwarmAggregator:
         """Step 3: this owner's row of the verdict table; every rank reads the same verdicts
         and outcome from the table (``verdicts``)."""
         n, rule = self.num_islands, rnd.terms.rule
-        mine = rnd.shards[self.island_index]
+        mine = rnd.parts[self.island_index]
         row = torch.zeros(1 + 2 * n, dtype=torch.float64)
         row[0] = JUDGED if failure is None else SPOOL_FAILED
         error: BaseException | None = failure
         where: dict[int, str] = {}
-        # An empty shard holds nothing non-finite; a refused island's, no payload.
+        # An empty part holds nothing non-finite; a refused island's, no payload.
         for island in range(n):
             row[1 + island] = 0.0 if island in rnd.terms.mismatched else 1.0
         if failure is None and mine.layout.specs:
@@ -386,7 +432,7 @@ class SwarmAggregator:
                             where[island] = f" in tensor {found.bad_tensor!r}"
             except Exception as err:
                 row[0], error = FAILED, err
-                log.exception("swarm round %d: validating this island's shard failed",
+                log.exception("swarm round %d: validating this island's part failed",
                               rnd.report.round_index)  # fmt: skip
         table = all_gather_rows(row, self.group, rnd.stats)
         read_verdicts(
@@ -396,12 +442,12 @@ class SwarmAggregator:
         )  # fmt: skip
 
     def _aggregate(self, rnd: _Round, own: list[Tensor], block_numel: int) -> None:
-        """Step 4: the rule over this island's shard; then every rank learns whether every
+        """Step 4: the rule over this island's part; then every rank learns whether every
         owner's aggregation succeeded."""
         error: Exception | None = None
-        mine = rnd.shards[self.island_index]
+        mine = rnd.parts[self.island_index]
         try:
-            if mine.layout.specs:  # an empty shard has nothing to aggregate
+            if mine.layout.specs:  # an empty part has nothing to aggregate
                 with record_function(labels.AGGREGATE):
                     rnd.terms.rule.aggregate(
                         own, rnd.contributions, rnd.report.accepted, mine.layout, block_numel,
@@ -410,7 +456,7 @@ class SwarmAggregator:
         except Exception as err:
             error = err
             log.exception(
-                "swarm round %d: aggregating this island's shard failed", rnd.report.round_index
+                "swarm round %d: aggregating this island's part failed", rnd.report.round_index
             )
         flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
         flags = all_gather_rows(flag, self.group, rnd.stats)

@@ -2,15 +2,16 @@
 
 Every island sends one row (over ``all_to_all_single``; its bytes are counted), so every rank
 holds the same ``RoundTerms``:
-- several owners (``agree_shards``): a CRC of the island's shard layouts, codec and options; an
+- several owners (``agree_parts``): a CRC of the island's part layouts, codec and options; an
   island that differs from island 0 makes every rank raise ``ValueError`` naming it.
 - one owner (``agree_owner``): the owner's ``AggregationRule`` and chunk size rule the round. An
   island whose wire layout or codec differs is *mismatched*: it moves nothing, its contribution
   is rejected, and it alone raises ``ValueError`` after the round's collectives; the owner's log
   names the first difference.
-A model-sharded island's peer groups see one part of every contribution each: ``island_all`` and
-``agree_island`` combine their flags and measures over the island's group (every rank calls them
-once per round, failures included), so no part of an island moves unless all do.
+A model-sharded island's peer groups see one model shard of every contribution each:
+``island_all`` and ``agree_island`` combine their flags and measures over the island's group
+(every rank calls them once per round, failures included), so no model shard of an island moves
+unless all do.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import AGGREGATIONS
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
-from lightning_swarm.transport.aggregator.shards import Shard
+from lightning_swarm.transport.aggregator.parts import Part
 from lightning_swarm.transport.base import RoundStats, Work
 from lightning_swarm.transport.checks import checked_work
 from lightning_swarm.transport.payload import PayloadLayout
@@ -36,7 +37,7 @@ from lightning_swarm.transport.payload import PayloadLayout
 
 @dataclass(frozen=True)
 class AggregationRule:
-    """The validated rule options of a swarm round (see ``AggregatorTransport``)."""
+    """The validated rule options of a swarm round (see ``SwarmAggregator``)."""
 
     aggregation: str
     trim_ratio: float
@@ -120,7 +121,7 @@ class RoundTerms:
     rule: AggregationRule
     chunk_bytes: int
     scatter_steps: int  # chunks of the longest contribution
-    gather_steps: int  # chunks of the longest result shard
+    gather_steps: int  # chunks of the longest result part
     mismatched: dict[int, str] = field(default_factory=dict)
     # Under a time budget: each island's inner steps this round (its weight) and the most
     # inner steps of any island (``checks.checked_work``); ``None`` otherwise.
@@ -141,7 +142,7 @@ def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundSt
     return rows
 
 
-# (every shard arrived and is finite, the sum of squares of its values)
+# (every model shard arrived and is finite, the sum of squares of its values)
 IslandMeasure = tuple[bool, float]
 
 
@@ -149,7 +150,7 @@ def agree_island(
     measures: Mapping[int, IslandMeasure] | None, num_islands: int, group: dist.ProcessGroup
 ) -> tuple[bool, list[IslandMeasure]]:
     """Combine this rank's ``measures`` (island -> finite, sum of squares) with the
-    other shards' (collective over ``group``).
+    island's other model shards' (collective over ``group``).
 
     ``None`` means this rank's peer group failed before validating. An island missing from
     ``measures`` (its payload was refused or never arrived) counts as not finite.
@@ -171,9 +172,10 @@ def agree_island(
 
 
 def island_all(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:
-    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``): the sharded
-    aggregator's peer groups take every decision of a round together, so no shard of an island
-    moves unless all do. ``None`` (an island of one rank per peer group) returns ``flags``."""
+    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``): a
+    model-sharded island's peer groups take every decision of a round together, so no model
+    shard of an island moves unless all do. ``None`` (an island of one rank per peer group)
+    returns ``flags``."""
     if group is None:
         return flags
     t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
@@ -189,9 +191,9 @@ def elsewhere_message(round_index: int, what: str) -> str:
     )
 
 
-def agree_shards(
+def agree_parts(
     group: dist.ProcessGroup | None,
-    shards: list[Shard],
+    parts: list[Part],
     wires: list[PayloadLayout],
     codec: Codec | None,
     rule: AggregationRule,
@@ -202,9 +204,9 @@ def agree_shards(
     work: Work | None = None,
 ) -> RoundTerms:
     """Several owners: raise ``ValueError`` on every rank unless every island cut the same
-    shards and runs the same rule in the same chunks. ``work`` (a time-budgeted round) rides
+    parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round) rides
     in the same row; a bad one raises ``BadWorkError`` on every rank (``checks.checked_work``)."""
-    blob = b"".join(s.layout.to_json() for s in shards)
+    blob = b"".join(p.layout.to_json() for p in parts)
     blob += f"{codec!r} {rule!r} {chunk_bytes}".encode()
     if work is None:
         row = torch.tensor([zlib.crc32(blob)], dtype=torch.int64)
@@ -225,7 +227,7 @@ def agree_shards(
             "island_weights, chunk_mb)."
         )
     scatter = max(w.num_chunks(chunk_bytes) for w in wires)
-    gather = max(s.layout.num_chunks(chunk_bytes) for s in shards)
+    gather = max(p.layout.num_chunks(chunk_bytes) for p in parts)
     terms = RoundTerms(rule, chunk_bytes, scatter, gather)
     return terms if work is None else _with_work(terms, table[:, 1:])
 
@@ -243,7 +245,7 @@ def agree_owner(
     work: Work | None = None,
 ) -> RoundTerms:
     """One owner: the owner's rule and chunk size for every island, and the mismatched
-    islands (see the module docstring). ``work`` as in ``agree_shards``."""
+    islands (see the module docstring). ``work`` as in ``agree_parts``."""
     description = wire.to_json()
     n = dist.get_world_size(group)
     weights = rule.island_weights if rule.island_weights and len(rule.island_weights) == n else None

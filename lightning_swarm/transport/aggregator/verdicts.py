@@ -1,26 +1,24 @@
-"""The verdicts of a swarm round, read from a table every island holds.
+"""The verdicts of a swarm round: how it ended (``AggregatorOutcome``), what a rank knows of it
+(``RoundReport``), and how every rank reads them from one table.
 
-Each owner measured its shard of every contribution; one all-gather of their rows (``[how it
+Each owner measured its part of every contribution; one all-gather of their rows (``[how it
 fared, finite per island..., sum of squares per island...]``) gives every rank the same table,
-so every rank derives the same verdicts and outcome: a mismatched island (``terms``) or one
-non-finite on any owner is rejected; ``max_norm`` bounds the whole contribution's norm; too
-few accepted islands (or zero accepted weights) skip the round with the same warning everywhere.
+so every rank derives the same verdicts, outcome and messages: a mismatched island (``terms``)
+or one non-finite on any owner is rejected; ``max_norm`` bounds the whole contribution's norm;
+too few accepted islands (or zero accepted weights) skip the round with the same warning
+everywhere.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import warnings
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_swarm.transport.aggregator.round_status import (
-    AggregatorOutcome,
-    RoundReport,
-    peer_failure_message,
-    skip_message,
-)
 from lightning_swarm.transport.aggregator.terms import (
     AggregationRule,
     agree_island,
@@ -31,6 +29,72 @@ from lightning_swarm.transport.errors import SwarmRoundError
 log = logging.getLogger(__name__)
 
 SPOOL_FAILED, JUDGED, FAILED = 0.0, 1.0, 2.0  # column 0 of an owner's row
+
+
+class AggregatorOutcome(enum.IntEnum):
+    """How a round ended, the same word on every rank."""
+
+    APPLIED = 0  # the aggregate is in every island's tensors
+    SKIPPED = 1  # too few accepted contributions (or weights summing to 0): anchors unchanged
+    SPOOL_FAILED = 2  # the spool could not be written or read
+    ERROR = 3  # anything else raised on an owner once the payloads were in
+
+
+@dataclass
+class RoundReport:
+    """What this rank knows about one round (every rank knows which islands were accepted and
+    which were non-finite; a one-owner round's owner also knows where)."""
+
+    round_index: int
+    aggregator: int
+    outcome: AggregatorOutcome = AggregatorOutcome.APPLIED
+    accepted: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    # Islands rejected for NaN or inf: every rank reads it from the verdict table.
+    non_finite: list[int] = field(default_factory=list)
+
+
+def bad_layout_message(report: RoundReport) -> str:
+    """Why a peer whose layout the aggregator rejected raises."""
+    return (
+        f"swarm round {report.round_index}: this island's pseudo-gradient layout (names, "
+        f"shapes, dtypes) differs from the aggregator's (island {report.aggregator}); its log "
+        "names the first difference. Every island must train the same parameters with the same "
+        "quantize and quantize_block_size."
+    )
+
+
+def peer_failure_message(report: RoundReport) -> str:
+    """What a peer raises when the aggregator reports ``ERROR`` or ``SPOOL_FAILED``."""
+    head = f"swarm round {report.round_index} failed on the aggregator (island {report.aggregator})"
+    if report.outcome == AggregatorOutcome.ERROR:
+        return (
+            f"{head}: it raised an error while validating or aggregating; read island "
+            f"{report.aggregator}'s log for the cause. Anchors are unchanged."
+        )
+    return (
+        f"{head}: it could not spool the contributions (disk full, unwritable spool_dir, or a "
+        "truncated/corrupt spool file; its own error says which). Anchors are unchanged."
+    )
+
+
+def skip_message(report: RoundReport, num_islands: int, min_contributions: int) -> str:
+    """The warning of a ``SKIPPED`` round; every rank derives it from the same verdicts."""
+    accepted = report.accepted
+    if len(accepted) < min_contributions:
+        cause = (
+            f"{len(accepted)} of {num_islands} contributions were accepted, fewer than "
+            f"min_contributions={min_contributions}"
+        )
+    else:
+        cause = (
+            f"the accepted islands {accepted} have island_weights summing to 0, so "
+            "weighted_mean has nothing to average"
+        )
+    return (
+        f"swarm round {report.round_index} skipped: {cause}; anchors are unchanged (see the "
+        "aggregator's log for the rejected islands)"
+    )
 
 
 def read_verdicts(
@@ -48,7 +112,7 @@ def read_verdicts(
     """Fill ``report`` (accepted, rejected, non_finite, outcome) from ``table`` (one row per
     owner: ``[how it fared, finite per island..., sum of squares per island...]``).
     ``failure`` is this island's own error, ``owner`` the round's one owner (``None``: every
-    island owns a shard), ``where`` this island's own finding of where a non-finite value sat.
+    island owns a part), ``where`` this island's own finding of where a non-finite value sat.
     With ``island_group`` (a model-sharded island) the peer groups' findings are combined over
     the island first (``terms.agree_island``): one verdict per island, ``max_norm`` on the
     island's norm.
@@ -73,7 +137,7 @@ def read_verdicts(
         raise_if_failed(report, failure if island_index in raised else None, raised, owner=owner)
     if not failed and not validated and owner is not None:
         # One owner: the other peer groups of a model-sharded island whose round failed skip
-        # it (no shard moves); the failing peer group's ranks raise.
+        # it (no model shard moves); the failing peer group's ranks raise.
         report.outcome = AggregatorOutcome.SKIPPED
         message = elsewhere_message(report.round_index, "the round failed")
         warnings.warn(message, RuntimeWarning, stacklevel=6)
