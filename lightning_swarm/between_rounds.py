@@ -24,6 +24,9 @@ from lightning.pytorch.callbacks.timer import Interval
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_swarm.errors import PeerLostError, SwarmError
+from lightning_swarm.transport.link import is_peer_loss, peer_lost_message
+
 log = logging.getLogger(__name__)
 
 
@@ -81,7 +84,17 @@ class IslandSigterm:
         if self._island_group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._island_group)
         self._island_signalled = self._island_signalled or bool(flag.item())
-        if self._agreed_to_stop():
+        try:
+            stop = self._agreed_to_stop()
+        except RuntimeError as err:
+            # The last round's agreement crosses islands: a peer island that died after that
+            # round shows here, outside any round.
+            if isinstance(err, SwarmError) or not is_peer_loss(err):
+                raise
+            where = f"rank {self._trainer.global_rank}, after the last round"
+            gone = "a rank of another island (the one whose address torch names)"
+            raise PeerLostError(peer_lost_message(where, gone, err)) from err
+        if stop:
             self._trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
 

@@ -2,9 +2,9 @@
 
 Run by ``tests/test_peer_lost.py`` once per rank, with the rank in the environment:
 ``python -m tests.peer_lost_rank <out_dir> <when>``. ``when`` is ``between`` (rank 1 dies
-before an inner step between rounds) or ``mid`` (rank 1 dies inside a round, after its first
-bucket started). The survivor writes the class and message of the error its fit ended with to
-``<out_dir>/rank0.pt``.
+before an inner step between rounds) or ``mid`` (rank 1 dies inside a round, after its opening
+agreement, before its bucket starts). The survivor writes the class and message of the error
+its fit ended with to ``<out_dir>/rank0.pt``.
 """
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ class KillOnce(pl.Callback):
         if self.when == "mid" and trainer.global_step == KILL_STEP:
             start = AllReduceTransport.start
 
-            def start_then_die(transport: AllReduceTransport, bucket: Any) -> Any:
-                handle = start(transport, bucket)
+            def die_at_start(transport: AllReduceTransport, bucket: Any) -> Any:
+                # After the round's opening agreement, before its bucket moves: the survivor's
+                # bucket cannot complete (had rank 1 sent it first, the survivor's mean could
+                # complete and the death show only at the next cross-island message).
                 os.kill(os.getpid(), signal.SIGKILL)
-                return handle
+                return start(transport, bucket)
 
-            AllReduceTransport.start = start_then_die  # type: ignore[method-assign]
+            AllReduceTransport.start = die_at_start  # type: ignore[method-assign]
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -21,8 +22,8 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch import Tensor
 
-from lightning_swarm import SwarmStrategy
-from lightning_swarm.between_rounds import warn_of_world_collectives
+from lightning_swarm import PeerLostError, SwarmStrategy
+from lightning_swarm.between_rounds import IslandSigterm, warn_of_world_collectives
 from tests.cli_utils import run_rank_processes
 from tests.collective_probe import CollectiveProbe
 from tests.helpers import QUIET, TinyRegressor, regression_data
@@ -137,3 +138,24 @@ def test_the_lightning_internals_it_replaces_are_where_it_expects_them() -> None
     assert timer._duration == 60 and timer._interval == Interval.step
     checkpoint = ModelCheckpoint(train_time_interval=datetime.timedelta(seconds=5))
     assert checkpoint._train_time_interval == datetime.timedelta(seconds=5)
+
+
+class _ClosedWork:
+    """A world agreement in flight whose peer died: its wait fails as gloo's does."""
+
+    def wait(self) -> None:
+        raise RuntimeError(
+            "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:5"
+        )
+
+
+def test_a_peer_island_lost_after_a_round_is_named_at_the_next_batch() -> None:
+    trainer = SimpleNamespace(global_rank=0)
+    sigterm = IslandSigterm(trainer, None, torch.device("cpu"))  # type: ignore[arg-type]
+    sigterm._pending.append((_ClosedWork(), torch.zeros(1)))  # type: ignore[arg-type]
+    with pytest.raises(PeerLostError) as caught:
+        sigterm.check()
+    message = str(caught.value)
+    assert message.startswith("rank 0, after the last round: a rank of another island"), message
+    assert "Connection closed by peer [10.0.0.2]:5" in message
+    assert "Restart the fit from the last checkpoint (ckpt_path=last)" in message
