@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
-from lightning_swarm.resume.records import SwarmRecord, check_loop_state
+from lightning_swarm.resume.records import SwarmRecord, check_loop_state, use_island_loops
 from lightning_swarm.resume.restore import (
     Loaded,
     Source,
@@ -63,8 +62,22 @@ class SwarmCheckpointer:
         """A swarm checkpoint was captured and its state is not installed yet."""
         return self._pending is not None
 
-    def capture(self, ckpt_path: Any, checkpoint: Mapping[str, Any], *, rank: int) -> None:
-        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read)."""
+    def capture(
+        self,
+        ckpt_path: Any,
+        checkpoint: dict[str, Any],
+        *,
+        rank: int,
+        island: int = 0,
+        own_pace: bool = False,
+    ) -> None:
+        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read).
+
+        When the record holds every island's own Lightning loop state (islands that stepped at
+        their own pace), island ``island``'s replaces the Lightning file's in ``checkpoint``,
+        before Lightning restores its loops from it (``records.use_island_loops``; ``own_pace``:
+        this run's islands step at their own pace too).
+        """
         self.summary = None
         self._pending = None
         payload = checkpoint.get("swarm")
@@ -80,6 +93,7 @@ class SwarmCheckpointer:
             return
         record = SwarmRecord.from_dict(payload, f"the swarm record of {ckpt_path}")
         check_loop_state(record, checkpoint, ckpt_path)
+        use_island_loops(record, checkpoint, ckpt_path, island=island, own_pace=own_pace)
         self._pending = Source(require_local_path(ckpt_path, what="ckpt_path"), record)
 
     def defer_anchors(self, *, resuming: bool) -> bool:
