@@ -49,7 +49,7 @@ class BudgetStop:
     round's global model. ``max_epochs`` is refused: epochs also end at each island's pace.
     The rule holds across a resume: the count it reads is restored with each island's budget,
     and ``after_round`` at the start of a resumed fit ends one whose count was already reached.
-    (Checkpoints during such a fit are taken at rounds: ``callbacks.round_saves``.)
+    (Checkpoints during such a fit are taken at rounds: ``round_saves``.)
 
     Raises:
         SwarmConfigError: without ``max_steps`` or with ``max_epochs``.

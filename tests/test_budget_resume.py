@@ -26,12 +26,12 @@ from torch import Tensor
 import lightning_swarm.strategy as strategy_module
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
-from lightning_swarm.callbacks.round_saves import RoundSaves, check_round_saves
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.resume import SwarmCheckpointer
 from lightning_swarm.resume.records import IslandLoops, OptionsRecord, SwarmRecord
+from lightning_swarm.round_saves import RoundSaves, check_round_saves
 from tests.helpers import QUIET
 from tests.resume_utils import DumpFinal, StepDataModel, assert_bitwise_equal, load_ranks
 
