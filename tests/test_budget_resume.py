@@ -359,6 +359,7 @@ def test_a_fit_on_a_budget_resumes_bitwise_with_islands_at_their_own_steps(
         assert start == {"global_step": [7, 11][rank], "loaded": positions[rank]["position"]}
     a, b = load_ranks(whole / "out", 2), load_ranks(resumed / "out", 2)
     for rank in range(2):
+        assert f"at inner step(s) [{[7, 11][rank]}]" in b[rank]["summary"]
         assert_bitwise_equal(a[rank], b[rank], f"island {rank}")
         assert b[rank]["global_step"] == [13, 21][rank]  # the stopping rule held after resume
     for name, value in b[0]["params"].items():  # every island ends on the round's model

@@ -186,6 +186,8 @@ def _summary(
     kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
     size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
     rounds, steps = own.record.outer_steps, own.record.inner_steps
+    if host.loops_per_island:  # islands at their own pace: the island's own count, installed
+        steps = [o.inner_steps for o in host.outer_syncs]
     legacy = ", legacy format read eagerly" if loaded.legacy else ""
     verified = "checksums verified" if host.anchors.verify else "unverified"
     caught = (
