@@ -30,6 +30,7 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.resume import SwarmCheckpointer
+from lightning_swarm.resume.errors import RecordError
 from lightning_swarm.resume.records import IslandLoops, OptionsRecord, SwarmRecord
 from lightning_swarm.round_saves import RoundSaves, check_round_saves
 from tests.helpers import QUIET
@@ -222,7 +223,7 @@ def test_a_record_of_islands_in_step_has_no_loops_and_changes_nothing() -> None:
 def test_the_loop_states_are_sealed_by_the_record_checksum() -> None:
     record = _record([7, 11])
     record["island_loops"][1]["global_step"] = 12
-    with pytest.raises(Exception, match="was changed after it was written"):
+    with pytest.raises(RecordError, match="was changed after it was written"):
         SwarmCheckpointer().capture("/c.ckpt", {"swarm": record}, rank=0, island=1, own_pace=True)
 
 
