@@ -273,13 +273,14 @@ class ClockedModel(StepDataModel):
     """``StepDataModel`` (its batch drawn from the island's own step) whose inner steps take
     ``STEP_S[island]`` seconds on ``clock``."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: FakeClock, island_size: int) -> None:
         super().__init__()
         self.clock = clock
+        self.island_size = island_size
         self.data = Positions()
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        self.clock.now += STEP_S[self.global_rank]
+        self.clock.now += STEP_S[self.global_rank // self.island_size]
         return super().training_step(batch, batch_idx)
 
     def train_dataloader(self) -> Any:
@@ -312,8 +313,13 @@ class DumpStart(pl.Callback):
 
 
 def _clocked_fit(
-    out: Path, ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, ckpt_path: Path | None = None
+    out: Path,
+    ckpt_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    island_size: int,
+    ckpt_path: Path | None = None,
 ) -> None:
+    """Two islands of ``island_size`` ranks."""
     clock = FakeClock()
     # The forked ranks inherit the patched name and the model's clock (one object per rank).
     monkeypatch.setattr(strategy_module, "OuterLoop", functools.partial(OuterLoop, clock=clock))
@@ -323,26 +329,28 @@ def _clocked_fit(
     )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy=SwarmStrategy(sync_every_s=BUDGET_S, start_method="fork"),
+        devices=2 * island_size,
+        strategy=SwarmStrategy(sync_every_s=BUDGET_S, island_size=island_size, start_method="fork"),
         max_steps=MAX_STEPS,
         callbacks=[DumpFinal(out), DumpStart(out), checkpoint],
         plugins=[SlowIO(clock)],
         num_sanity_val_steps=0,
         **{**QUIET, "enable_checkpointing": True},
     )
-    trainer.fit(ClockedModel(clock), ckpt_path=ckpt_path)
+    trainer.fit(ClockedModel(clock, island_size), ckpt_path=ckpt_path)
 
 
 def _island_loops(ckpt: Path) -> list[dict[str, Any]]:
     return torch.load(ckpt, weights_only=True)["swarm"]["island_loops"]
 
 
+@pytest.mark.parametrize("island_size", [1, 2])
 def test_a_fit_on_a_budget_resumes_bitwise_with_islands_at_their_own_steps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, island_size: int
 ) -> None:
+    world = 2 * island_size
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    _clocked_fit(whole / "out", whole / "ckpts", monkeypatch)
+    _clocked_fit(whole / "out", whole / "ckpts", monkeypatch, island_size)
     # Saved after rounds 2 and 4 only, named by island 0's step count (global rank 0's).
     assert sorted(p.name for p in (whole / "ckpts").glob("*.ckpt")) == [
         "step=13.ckpt",
@@ -354,17 +362,19 @@ def test_a_fit_on_a_budget_resumes_bitwise_with_islands_at_their_own_steps(
     assert positions[0] != positions[1]
 
     # A fresh fit (new processes) from the save after round 2, to the end.
-    _clocked_fit(resumed / "out", resumed / "ckpts", monkeypatch, whole / "ckpts" / "step=7.ckpt")
-    for rank in range(2):
+    ckpt = whole / "ckpts" / "step=7.ckpt"
+    _clocked_fit(resumed / "out", resumed / "ckpts", monkeypatch, island_size, ckpt)
+    a, b = load_ranks(whole / "out", world), load_ranks(resumed / "out", world)
+    for rank in range(world):
+        island = rank // island_size
         start = torch.load(resumed / "out" / f"start{rank}.pt")
-        assert start == {"global_step": [7, 11][rank], "loaded": positions[rank]["position"]}
-    a, b = load_ranks(whole / "out", 2), load_ranks(resumed / "out", 2)
-    for rank in range(2):
-        assert f"at inner step(s) [{[7, 11][rank]}]" in b[rank]["summary"]
-        assert_bitwise_equal(a[rank], b[rank], f"island {rank}")
-        assert b[rank]["global_step"] == [13, 21][rank]  # the stopping rule held after resume
-    for name, value in b[0]["params"].items():  # every island ends on the round's model
-        assert torch.equal(value, b[1]["params"][name]), name
+        assert start == {"global_step": [7, 11][island], "loaded": positions[island]["position"]}
+        assert f"at inner step(s) [{[7, 11][island]}]" in b[rank]["summary"]
+        assert_bitwise_equal(a[rank], b[rank], f"rank {rank}")
+        # The stopping rule held after the resume; every island ends on the round's model.
+        assert b[rank]["global_step"] == [13, 21][island]
+        for name, value in b[rank]["params"].items():
+            assert torch.equal(value, b[0]["params"][name]), name
     # The resumed fit saved after round 4 too, with the same loop states as the whole fit.
     final = [_island_loops(run / "ckpts" / "step=13.ckpt") for run in (whole, resumed)]
     assert [s["global_step"] for s in final[1]] == [13, 21]
@@ -374,9 +384,11 @@ def test_a_fit_on_a_budget_resumes_bitwise_with_islands_at_their_own_steps(
 
     # From the save after the last round: the stop count was reached, no step is taken.
     ended = tmp_path / "ended"
-    _clocked_fit(ended / "out", ended / "ckpts", monkeypatch, whole / "ckpts" / "step=13.ckpt")
-    c = load_ranks(ended / "out", 2)
-    for rank in range(2):
-        assert_bitwise_equal(a[rank], c[rank], f"island {rank}, resumed at the end")
-        assert c[rank]["global_step"] == [13, 21][rank]
+    _clocked_fit(
+        ended / "out", ended / "ckpts", monkeypatch, island_size, ckpt.parent / "step=13.ckpt"
+    )
+    c = load_ranks(ended / "out", world)
+    for rank in range(world):
+        assert_bitwise_equal(a[rank], c[rank], f"rank {rank}, resumed at the end")
+        assert c[rank]["global_step"] == [13, 21][rank // island_size]
     assert not list((ended / "ckpts").glob("*.ckpt"))
