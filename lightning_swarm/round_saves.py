@@ -79,9 +79,9 @@ class RoundSaves(pl.Callback):
         seconds: the budget (for messages).
 
     Lifetime: built at the strategy's setup (which checks the callbacks, ``check_round_saves``),
-    ``install`` right after it, ``after_round`` after each round, ``restore`` when the fit
-    ends (idempotent): the checkpoints get their own trigger back and this callback leaves
-    ``trainer.callbacks``.
+    ``install`` right after it, ``start`` before the first step, ``after_round`` after each
+    round, ``restore`` when the fit ends (idempotent): the checkpoints get their own trigger
+    back and this callback leaves ``trainer.callbacks``.
 
     Raises:
         SwarmConfigError: as ``check_round_saves``.
@@ -93,6 +93,7 @@ class RoundSaves(pl.Callback):
         self._every = {id(c): c._every_n_train_steps for c in self._checkpoints}
         self._due: list[ModelCheckpoint] = []
         self._installed = False
+        self._last = 0  # the swarm's step count at the last round
 
     @property
     def checkpoints(self) -> list[ModelCheckpoint]:
@@ -111,15 +112,20 @@ class RoundSaves(pl.Callback):
         callbacks.insert(first, self)
         self._installed = True
 
-    def after_round(self, before: int | None, after: int | None) -> None:
-        """After a round: ``before`` and ``after`` are the swarm's most inner steps at the
-        previous round and at this one (the same on every rank; ``None``: none yet). Marks the
-        checkpoints whose next multiple of ``every_n_train_steps`` was reached."""
-        if after is None:
-            return
-        start = before or 0
-        every = self._every
-        self._due = [c for c in self._checkpoints if after // every[id(c)] > start // every[id(c)]]
+    def start(self, swarm_steps: int) -> None:
+        """Before the first step: the swarm's step count at the last round (0 for a fresh fit;
+        a resumed one's, the same on every rank)."""
+        self._last = swarm_steps
+
+    def after_round(self, swarm_steps: int) -> None:
+        """After a round at which the most inner steps of any island was ``swarm_steps`` (the
+        same on every rank): marks the checkpoints whose next multiple of
+        ``every_n_train_steps`` was reached since the last round."""
+        last, every = self._last, self._every
+        self._due = [
+            c for c in self._checkpoints if swarm_steps // every[id(c)] > last // every[id(c)]
+        ]
+        self._last = swarm_steps
 
     @override
     def on_train_batch_end(

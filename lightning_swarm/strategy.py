@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
@@ -366,11 +368,24 @@ class SwarmStrategy(IslandDDPStrategy):
             # After any resume: its budget runs from the first step, and a fit whose stopping
             # count was already reached when it was saved ends before taking one.
             self._loop.continue_budgets()
-            stop = self._budget_stop
-            stop.after_round(self._loop.budget_ended(stop.max_steps))
+            swarm_steps = self._agreed_swarm_steps()
+            self._budget_stop.after_round(swarm_steps >= self._budget_stop.max_steps)
+            if self._round_saves is not None:
+                self._round_saves.start(swarm_steps)
         if self._elastic is not None and trainer is not None:
             # After any resume restored this island's state: heal it from the swarm now.
             self._log_round(self._elastic.join(trainer), steps_pending=0)
+
+    def _agreed_swarm_steps(self) -> int:
+        """Under a time budget, before the first step: the most inner steps any island had at
+        its last round (0 in a fresh fit). Islands resumed from different checkpoints
+        (``island_ckpt_paths``) restored different counts, so this one message over the world,
+        once per fit, makes the stop and the saves decide alike everywhere."""
+        assert self._loop is not None
+        steps = torch.tensor([self._loop.swarm_steps or 0], device=self.root_device)
+        if self.world_size > 1:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        return int(steps.item())
 
     @override
     def optimizer_step(
@@ -389,7 +404,6 @@ class SwarmStrategy(IslandDDPStrategy):
         ):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._loop is not None:
-                swarm_steps = self._loop.swarm_steps  # under a budget, at the last round
                 metrics = self._loop.on_inner_step(optimizer)
                 trainer = self.lightning_module.trainer if self.lightning_module else None
                 if metrics is not None and self._elastic is not None and trainer is not None:
@@ -399,8 +413,9 @@ class SwarmStrategy(IslandDDPStrategy):
                 if metrics is not None and self._budget_stop is not None:
                     stop = self._budget_stop
                     stop.after_round(self._loop.budget_ended(stop.max_steps))
-                if metrics is not None and self._round_saves is not None:
-                    self._round_saves.after_round(swarm_steps, self._loop.swarm_steps)
+                swarm_steps = self._loop.swarm_steps
+                if metrics is not None and self._round_saves is not None and swarm_steps:
+                    self._round_saves.after_round(swarm_steps)
                 # global_step counts this step only once optimizer_step has returned.
                 self._log_round(metrics, steps_pending=1)
                 self._end_of_fit_round(manual=False)

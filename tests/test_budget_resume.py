@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
 import lightning_swarm.strategy as strategy_module
-from lightning_swarm import SwarmStrategy
+from lightning_swarm import SwarmResume, SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
@@ -153,10 +153,11 @@ def test_round_saves_take_over_the_step_trigger_and_give_it_back() -> None:
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     assert callbacks.index(saves) == callbacks.index(every5) - 1  # runs right before them
     due = []
-    for before, after in [(None, 2), (2, 4), (4, 6), (6, 9), (9, 10)]:
-        saves.after_round(before, after)
+    saves.start(2)  # a resumed fit: the swarm had taken 2 steps at its last round
+    for swarm_steps in [4, 6, 9, 10, 16]:
+        saves.after_round(swarm_steps)
         due.append(list(saves._due))
-    assert due == [[], [every3], [every5, every3], [every3], [every5]]
+    assert due == [[every3], [every5, every3], [every3], [every5], [every5, every3]]
     saves.restore()
     saves.restore()  # idempotent
     assert every5._every_n_train_steps == 5 and every3._every_n_train_steps == 3
@@ -242,6 +243,27 @@ def test_islands_saved_apart_cannot_resume_in_step() -> None:
     SwarmCheckpointer().capture("/c.ckpt", checkpoint, rank=0, island=1, own_pace=False)
 
 
+@pytest.mark.parametrize(
+    ("own_record", "step"),
+    [
+        (_record([5, 9]), 9),  # its own checkpoint kept one loop state per island: its own
+        (_record(None), 11),  # saved with islands in step: the newest checkpoint's serves
+        ("not a record", 11),  # unreadable here: the restore refuses it on every rank
+    ],
+)
+def test_an_island_rejoining_from_its_own_checkpoint_keeps_its_own_loop_state(
+    tmp_path: Path, own_record: Any, step: int
+) -> None:
+    own = tmp_path / "own.ckpt"
+    torch.save({"swarm": own_record, "global_step": 5, "loops": {"island 0's": 5}}, own)
+    checkpointer = SwarmCheckpointer()
+    checkpointer.island_ckpt_paths = {1: own}
+    checkpoint = {"swarm": _record([7, 11]), "global_step": 7}
+    checkpointer.capture("/c.ckpt", checkpoint, rank=0, island=1, own_pace=True)
+    assert checkpoint["global_step"] == step
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["k"] == step
+
+
 def test_an_island_the_record_has_no_loops_for_is_refused() -> None:
     checkpoint = {"swarm": _record([7, 11]), "global_step": 7}
     with pytest.raises(SwarmCheckpointError, match=r"loop state of 2 island\(s\), but this run's"):
@@ -318,6 +340,9 @@ def _clocked_fit(
     monkeypatch: pytest.MonkeyPatch,
     island_size: int,
     ckpt_path: Path | None = None,
+    *,
+    every: int = EVERY,
+    callbacks: tuple[pl.Callback, ...] = (),
 ) -> None:
     """Two islands of ``island_size`` ranks."""
     clock = FakeClock()
@@ -325,14 +350,14 @@ def _clocked_fit(
     monkeypatch.setattr(strategy_module, "OuterLoop", functools.partial(OuterLoop, clock=clock))
     pl.seed_everything(0)
     checkpoint = ModelCheckpoint(
-        dirpath=ckpt_dir, filename="{step}", every_n_train_steps=EVERY, save_top_k=-1
+        dirpath=ckpt_dir, filename="{step}", every_n_train_steps=every, save_top_k=-1
     )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2 * island_size,
         strategy=SwarmStrategy(sync_every_s=BUDGET_S, island_size=island_size, start_method="fork"),
         max_steps=MAX_STEPS,
-        callbacks=[DumpFinal(out), DumpStart(out), checkpoint],
+        callbacks=[DumpFinal(out), DumpStart(out), *callbacks, checkpoint],
         plugins=[SlowIO(clock)],
         num_sanity_val_steps=0,
         **{**QUIET, "enable_checkpointing": True},
@@ -392,3 +417,30 @@ def test_a_fit_on_a_budget_resumes_bitwise_with_islands_at_their_own_steps(
         assert_bitwise_equal(a[rank], c[rank], f"rank {rank}, resumed at the end")
         assert c[rank]["global_step"] == [13, 21][rank // island_size]
     assert not list((ended / "ckpts").glob("*.ckpt"))
+
+
+def test_an_island_rejoining_from_an_older_save_keeps_its_own_pace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Island 1 from the save after round 2, island 0 from the one after round 3: each resumes
+    at its own step, they agree on the swarm's count at the start (no island stops or saves
+    alone), and they end on one model."""
+    whole, rejoined = tmp_path / "whole", tmp_path / "rejoined"
+    _clocked_fit(whole / "out", whole / "ckpts", monkeypatch, 1, every=5)  # after every round
+    assert sorted(p.name for p in (whole / "ckpts").glob("*.ckpt")) == [
+        "step=10.ckpt",
+        "step=13.ckpt",
+        "step=4.ckpt",
+        "step=7.ckpt",
+    ]
+    older = SwarmResume(island_ckpt_paths={1: whole / "ckpts" / "step=7.ckpt"})
+    newest = whole / "ckpts" / "step=10.ckpt"
+    _clocked_fit(
+        rejoined / "out", rejoined / "ckpts", monkeypatch, 1, newest, every=5, callbacks=(older,)
+    )
+    starts = [torch.load(rejoined / "out" / f"start{r}.pt")["global_step"] for r in range(2)]
+    assert starts == [10, 11]  # island 1 at its own step in the older save
+    ends = load_ranks(rejoined / "out", 2)
+    assert "caught up optimizer(s) [0]" in ends[1]["summary"]
+    for name, value in ends[0]["params"].items():
+        assert torch.equal(value, ends[1]["params"][name]), name

@@ -18,6 +18,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_swarm.resume.files import (
     prune_saves,
     require_local_path,
@@ -76,7 +78,9 @@ class SwarmCheckpointer:
         When the record holds every island's own Lightning loop state (islands that stepped at
         their own pace), island ``island``'s replaces the Lightning file's in ``checkpoint``,
         before Lightning restores its loops from it (``records.use_island_loops``; ``own_pace``:
-        this run's islands step at their own pace too).
+        this run's islands step at their own pace too). An island that rejoins from its own
+        checkpoint (``island_ckpt_paths``) keeps its own pace: its loop state comes from there,
+        like its budget and step count, when that checkpoint recorded one per island.
         """
         self.summary = None
         self._pending = None
@@ -94,6 +98,8 @@ class SwarmCheckpointer:
         record = SwarmRecord.from_dict(payload, f"the swarm record of {ckpt_path}")
         check_loop_state(record, checkpoint, ckpt_path)
         use_island_loops(record, checkpoint, ckpt_path, island=island, own_pace=own_pace)
+        if own_pace and island in self.island_ckpt_paths:
+            _use_own_checkpoint_loops(checkpoint, self.island_ckpt_paths[island], island)
         self._pending = Source(require_local_path(ckpt_path, what="ckpt_path"), record)
 
     def defer_anchors(self, *, resuming: bool) -> bool:
@@ -162,6 +168,22 @@ class SwarmCheckpointer:
     def remove(filepath: Any) -> None:
         """Delete a removed checkpoint's swarm directory (global rank 0)."""
         remove_swarm_state(filepath)
+
+
+def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: int) -> None:
+    """Island ``island``'s own loop state from its own checkpoint ``path``, if that one holds
+    one per island. A file that cannot be read, or holds no such state, changes nothing here:
+    the restore reads it again and refuses a bad one on every rank (only this island reads it
+    now, and a lone error would leave the others waiting)."""
+    try:
+        own = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        record = SwarmRecord.from_dict(own["swarm"], str(path))
+        if record.island_loops is None:
+            return  # its islands kept one step: the newest checkpoint's loop state serves
+        use_island_loops(record, own, path, island=island, own_pace=True)
+    except Exception:  # see the docstring
+        return
+    checkpoint["loops"], checkpoint["global_step"] = own["loops"], own["global_step"]
 
 
 def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: bool) -> None:
