@@ -10,7 +10,6 @@ do not.
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_swarm.errors import SwarmConfigError
 
@@ -47,12 +46,13 @@ class BudgetStop:
     lifts Lightning's own step limit for the fit (``install``, at setup; ``restore`` puts it
     back when the fit ends) and ends the fit on every island at the first round where some
     island had taken ``max_steps`` inner steps (``after_round``): every island then holds the
-    round's global model. ``max_epochs`` is refused: epochs also end at each island's pace, and
-    so is a ``ModelCheckpoint`` that saves during the fit: a save is collective over every
-    rank, and the islands would reach it at different rounds.
+    round's global model. ``max_epochs`` is refused: epochs also end at each island's pace.
+    The rule holds across a resume: the count it reads is restored with each island's budget,
+    and ``after_round`` at the start of a resumed fit ends one whose count was already reached.
+    (Checkpoints during such a fit are taken at rounds: ``round_saves``.)
 
     Raises:
-        SwarmConfigError: without ``max_steps``, with ``max_epochs`` or with such a checkpoint.
+        SwarmConfigError: without ``max_steps`` or with ``max_epochs``.
     """
 
     def __init__(self, trainer: pl.Trainer, seconds: float) -> None:
@@ -70,33 +70,17 @@ class BudgetStop:
                 f"{trainer.max_epochs}): islands step at their own pace, so their epochs end at "
                 "different rounds; pass max_steps only (max_epochs=-1)."
             )
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and _saves_during_fit(callback):
-                raise SwarmConfigError(
-                    f"sync_every_s={seconds} cannot run a ModelCheckpoint that saves during the "
-                    "fit (every_n_train_steps, every_n_epochs or train_time_interval): a save "
-                    "is collective and each island would reach it at a different round; pass "
-                    "Trainer(enable_checkpointing=False) and call trainer.save_checkpoint(...) "
-                    "after fit, when every island holds the global model."
-                )
 
     def install(self) -> None:
         """Lift Lightning's per-process step limit (the swarm's rule replaces it)."""
         self._trainer.fit_loop.epoch_loop.max_steps = -1
 
     def after_round(self, reached: bool) -> None:
-        """After a round: ``reached`` (the same on every rank) ends the fit after this batch."""
+        """After a round (or before the first step of a resumed fit): ``reached`` (the same on
+        every rank) ends the fit after this batch (before any, at the start)."""
         if reached:
             self._trainer.should_stop = True
 
     def restore(self) -> None:
-        """Give Lightning its ``max_steps`` back (the fit ended)."""
+        """Give Lightning its ``max_steps`` back (the fit ended). Idempotent."""
         self._trainer.fit_loop.epoch_loop.max_steps = self.max_steps
-
-
-def _saves_during_fit(callback: ModelCheckpoint) -> bool:
-    return bool(
-        callback._every_n_train_steps
-        or callback._every_n_epochs
-        or callback._train_time_interval is not None
-    )

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
@@ -48,6 +50,7 @@ from lightning_swarm.outer import (
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.resume.training_view import ModelShards
+from lightning_swarm.round_saves import RoundSaves
 from lightning_swarm.transport import Transport
 from lightning_swarm.transport.agree import agree, objects_over
 
@@ -127,6 +130,7 @@ class SwarmStrategy(IslandDDPStrategy):
         self._loop: OuterLoop | None = None
         self._sigterm: IslandSigterm | None = None
         self._budget_stop: BudgetStop | None = None
+        self._round_saves: RoundSaves | None = None
         self.totals = SwarmTotals()
 
     @classmethod
@@ -171,9 +175,11 @@ class SwarmStrategy(IslandDDPStrategy):
             resuming = trainer.ckpt_path is not None
             if self.config.sync_every_s is not None:
                 self._budget_stop = BudgetStop(trainer, self.config.sync_every_s)
+                self._round_saves = RoundSaves(trainer, self.config.sync_every_s)
             self._build_outer_loop(defer_anchors=self.checkpointer.defer_anchors(resuming=resuming))
-            if self._budget_stop is not None:
+            if self._budget_stop is not None and self._round_saves is not None:
                 self._budget_stop.install()
+                self._round_saves.install()
             if self._elastic is None and self.topology.num_islands > 1:
                 # Lightning's per-batch SIGTERM broadcast would cross islands at every step.
                 island = self.groups.between_rounds
@@ -240,7 +246,14 @@ class SwarmStrategy(IslandDDPStrategy):
             anchors=self.config.anchors,
             collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
             model_shards=self._model_shards(module),
+            loops_per_island=self._own_pace,
         )
+
+    @property
+    def _own_pace(self) -> bool:
+        """Islands step at their own pace (rounds on a time budget): each keeps its own
+        ``global_step`` and data position, which checkpoints record per island."""
+        return self.config.sync_every_s is not None
 
     def _model_shards(self, module: Module) -> ModelShards | None:
         """The island mesh and global shapes, when each rank holds only its shards."""
@@ -283,7 +296,15 @@ class SwarmStrategy(IslandDDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self.checkpointer.capture(checkpoint_path, checkpoint, rank=self.global_rank)
+            # Before Lightning restores its loops from it: under a time budget each island
+            # takes its own loop state from the swarm record.
+            self.checkpointer.capture(
+                checkpoint_path,
+                checkpoint,
+                rank=self.global_rank,
+                island=self.topology.island_index,
+                own_pace=self._own_pace,
+            )
         return checkpoint
 
     @override
@@ -303,6 +324,17 @@ class SwarmStrategy(IslandDDPStrategy):
             # Not fitting, or a weights-only file: nothing of the swarm to resume from.
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
+        if self._own_pace:
+            # Each island names the file by its own step count: global rank 0's name is the
+            # save's, so that every rank writes its swarm files next to the same file.
+            filepath = self.broadcast(filepath)
+        assert self._loop is not None
+        with self._loop.saving():  # a budget's clock stops during the save
+            self._save_swarm_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_swarm_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
+    ) -> None:
         save_id = self.checkpointer.save(self._resume_host(), checkpoint, filepath)
         error: Exception | None = None
         try:
@@ -332,9 +364,28 @@ class SwarmStrategy(IslandDDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer if self.lightning_module else None
+        if self._loop is not None and self._budget_stop is not None:
+            # After any resume: its budget runs from the first step, and a fit whose stopping
+            # count was already reached when it was saved ends before taking one.
+            self._loop.continue_budgets()
+            swarm_steps = self._agreed_swarm_steps()
+            self._budget_stop.after_round(swarm_steps >= self._budget_stop.max_steps)
+            if self._round_saves is not None:
+                self._round_saves.start(swarm_steps)
         if self._elastic is not None and trainer is not None:
             # After any resume restored this island's state: heal it from the swarm now.
             self._log_round(self._elastic.join(trainer), steps_pending=0)
+
+    def _agreed_swarm_steps(self) -> int:
+        """Under a time budget, before the first step: the most inner steps any island had at
+        its last round (0 in a fresh fit). Islands resumed from different checkpoints
+        (``island_ckpt_paths``) restored different counts, so this one message over the world,
+        once per fit, makes the stop and the saves decide alike everywhere."""
+        assert self._loop is not None
+        steps = torch.tensor([self._loop.swarm_steps or 0], device=self.root_device)
+        if self.world_size > 1:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        return int(steps.item())
 
     @override
     def optimizer_step(
@@ -362,6 +413,9 @@ class SwarmStrategy(IslandDDPStrategy):
                 if metrics is not None and self._budget_stop is not None:
                     stop = self._budget_stop
                     stop.after_round(self._loop.budget_ended(stop.max_steps))
+                swarm_steps = self._loop.swarm_steps
+                if metrics is not None and self._round_saves is not None and swarm_steps:
+                    self._round_saves.after_round(swarm_steps)
                 # global_step counts this step only once optimizer_step has returned.
                 self._log_round(metrics, steps_pending=1)
                 self._end_of_fit_round(manual=False)
@@ -394,8 +448,7 @@ class SwarmStrategy(IslandDDPStrategy):
         super().on_train_end()
         if self._sigterm is not None:
             self._sigterm.close()
-        if self._budget_stop is not None:
-            self._budget_stop.restore()
+        self._restore_budget_hooks()
         # A fit that ended where fit_end could not foresee it (EarlyStopping, max_time).
         if self._loop is not None and self._sync_at_end:
             self._log_round(self._loop.finish(), steps_pending=0)
@@ -409,8 +462,17 @@ class SwarmStrategy(IslandDDPStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step + steps_pending)
 
+    def _restore_budget_hooks(self) -> None:
+        """Give Lightning back what a budgeted fit took over (idempotent: a failed fit gets
+        here from ``teardown`` only)."""
+        if self._budget_stop is not None:
+            self._budget_stop.restore()
+        if self._round_saves is not None:
+            self._round_saves.restore()
+
     @override
     def teardown(self) -> None:
+        self._restore_budget_hooks()
         # Before the groups go (the base class destroys them last): the worker and the
         # transport use the peer group.
         if self._loop is not None:

@@ -51,7 +51,10 @@ class RoundBudget:
 
     A fresh budget starts when the first step is counted (``spent``), not at construction, so
     setup is not charged to the first round; a loaded one continues from the moment it is
-    loaded (a resume loads right before the first step).
+    loaded, or from ``continue_now`` (the strategy calls it right before the first step, so the
+    rest of a resume's setup is not charged either). A save stops the clock (``pause`` ..
+    ``unpause``); a save right after a round stores, and continues, the budget as if the island
+    had just left that round.
     """
 
     def __init__(
@@ -66,7 +69,9 @@ class RoundBudget:
         self.clock = clock
         self.island_decision = island_decision
         self._started_at: float | None = None
-        self._carried_s = 0.0  # spent before a resume, in this budget
+        self._carried_s = 0.0  # spent before a resume or a save, in this budget
+        self._paused = False  # a save is under way (``pause``)
+        self._loaded = False  # loaded, and no step counted since (``continue_now``)
         self.round_started_step = 0  # the inner step the island left the last round after
         # The most inner steps any island had taken at the last round (None before one).
         self.swarm_steps: int | None = None
@@ -82,6 +87,7 @@ class RoundBudget:
         island when it has several ranks (every rank calls it after the same step)."""
         if self._started_at is None:
             self._started_at = self.clock()
+        self._loaded = False
         verdict = self.elapsed_s() >= self.seconds
         if self.island_decision is not None:
             verdict = self.island_decision(verdict)
@@ -97,6 +103,30 @@ class RoundBudget:
         self._carried_s = 0.0
         self.round_started_step = inner_steps
 
+    def pause(self, inner_steps: int) -> None:
+        """A save begins after ``inner_steps``: the clock stops until ``unpause``, so the save's
+        own time is not charged. When no inner step was taken since the island left the last
+        round, the time since is dropped too: the budget is saved, and goes on, as if the
+        island had just left that round. A budget not started yet stays so."""
+        if self._started_at is None:
+            return
+        at_round = inner_steps == self.round_started_step
+        self._carried_s = 0.0 if at_round else self.elapsed_s()
+        self._started_at = None
+        self._paused = True
+
+    def unpause(self) -> None:
+        """The save is over: the clock runs again from now."""
+        if self._paused:
+            self._started_at = self.clock()
+            self._paused = False
+
+    def continue_now(self) -> None:
+        """A budget loaded by a resume, before its first step: its clock runs from now, not
+        from the load (what happened in between is setup). No effect otherwise."""
+        if self._loaded:
+            self._started_at = self.clock()
+
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs to continue this budget: the time spent and where it began."""
         return {
@@ -109,6 +139,8 @@ class RoundBudget:
         """Continue a saved budget from now."""
         self._carried_s = float(state["elapsed_s"])
         self._started_at = self.clock()
+        self._paused = False
+        self._loaded = True
         self.round_started_step = int(state["round_started_step"])
         steps = state.get("swarm_steps")
         self.swarm_steps = None if steps is None else int(steps)

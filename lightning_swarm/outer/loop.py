@@ -8,10 +8,11 @@ module's, written in place; a DTensor is handed over as its local shard, a view 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,8 +251,38 @@ class OuterLoop:
     def budget_ended(self, max_steps: int) -> bool:
         """Under a time budget, after a round: whether some island had reached ``max_steps``
         at it (the same answer on every rank: the count rode with the round's agreement)."""
-        budgets = [o.budget for o in self._outer_syncs if o.budget is not None]
-        return any(b.swarm_steps is not None and b.swarm_steps >= max_steps for b in budgets)
+        steps = self.swarm_steps
+        return steps is not None and steps >= max_steps
+
+    @property
+    def swarm_steps(self) -> int | None:
+        """Under a time budget: the most inner steps any island had taken at the last round
+        (the same on every rank; restored by a resume). ``None`` before the first round and
+        without a budget."""
+        counts = [o.budget.swarm_steps for o in self._outer_syncs if o.budget is not None]
+        known = [c for c in counts if c is not None]
+        return max(known) if known else None
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a checkpoint save: under a time budget the clock stops (``RoundBudget.pause``:
+        a save right after a round is stored, and continued, as if the island had just left
+        it). Nothing happens without a budget."""
+        paused = [(o.budget, o.inner_steps) for o in self._outer_syncs if o.budget is not None]
+        for budget, inner_steps in paused:
+            budget.pause(inner_steps)
+        try:
+            yield
+        finally:
+            for budget, _ in paused:
+                budget.unpause()
+
+    def continue_budgets(self) -> None:
+        """Right before the first inner step of a fit: a budget a resume loaded runs from now
+        (``RoundBudget.continue_now``)."""
+        for outer in self._outer_syncs:
+            if outer.budget is not None:
+                outer.budget.continue_now()
 
     @property
     def outer_syncs(self) -> list[OuterSync]:

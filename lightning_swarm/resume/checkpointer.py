@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lightning_swarm.resume.files import (
     prune_saves,
@@ -28,7 +29,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.option_changes import describe_changes
 from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
-from lightning_swarm.resume.records import SwarmRecord, check_loop_state
+from lightning_swarm.resume.records import SwarmRecord, check_loop_state, use_island_loops
 from lightning_swarm.resume.restore import (
     Loaded,
     Source,
@@ -63,8 +64,24 @@ class SwarmCheckpointer:
         """A swarm checkpoint was captured and its state is not installed yet."""
         return self._pending is not None
 
-    def capture(self, ckpt_path: Any, checkpoint: Mapping[str, Any], *, rank: int) -> None:
-        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read)."""
+    def capture(
+        self,
+        ckpt_path: Any,
+        checkpoint: dict[str, Any],
+        *,
+        rank: int,
+        island: int = 0,
+        own_pace: bool = False,
+    ) -> None:
+        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read).
+
+        When the record holds every island's own Lightning loop state (islands that stepped at
+        their own pace), island ``island``'s replaces the Lightning file's in ``checkpoint``,
+        before Lightning restores its loops from it (``records.use_island_loops``; ``own_pace``:
+        this run's islands step at their own pace too). An island that rejoins from its own
+        checkpoint (``island_ckpt_paths``) keeps its own pace: its loop state comes from there,
+        like its budget and step count, when that checkpoint recorded one per island.
+        """
         self.summary = None
         self._pending = None
         payload = checkpoint.get("swarm")
@@ -80,6 +97,9 @@ class SwarmCheckpointer:
             return
         record = SwarmRecord.from_dict(payload, f"the swarm record of {ckpt_path}")
         check_loop_state(record, checkpoint, ckpt_path)
+        use_island_loops(record, checkpoint, ckpt_path, island=island, own_pace=own_pace)
+        if own_pace and island in self.island_ckpt_paths:
+            _use_own_checkpoint_loops(checkpoint, self.island_ckpt_paths[island], island)
         self._pending = Source(require_local_path(ckpt_path, what="ckpt_path"), record)
 
     def defer_anchors(self, *, resuming: bool) -> bool:
@@ -150,6 +170,22 @@ class SwarmCheckpointer:
         remove_swarm_state(filepath)
 
 
+def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: int) -> None:
+    """Island ``island``'s own loop state from its own checkpoint ``path``, if that one holds
+    one per island. A file that cannot be read, or holds no such state, changes nothing here:
+    the restore reads it again and refuses a bad one on every rank (only this island reads it
+    now, and a lone error would leave the others waiting)."""
+    try:
+        own = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        record = SwarmRecord.from_dict(own["swarm"], str(path))
+        if record.island_loops is None:
+            return  # its islands kept one step: the newest checkpoint's loop state serves
+        use_island_loops(record, own, path, island=island, own_pace=True)
+    except Exception:  # see the docstring
+        return
+    checkpoint["loops"], checkpoint["global_step"] = own["loops"], own["global_step"]
+
+
 def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: bool) -> None:
     """Rank 0's one warning of the changed options that make this resume inexact."""
     lines = describe_changes(
@@ -172,6 +208,8 @@ def _summary(
     kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
     size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
     rounds, steps = own.record.outer_steps, own.record.inner_steps
+    if host.loops_per_island:  # islands at their own pace: the island's own count, installed
+        steps = [o.inner_steps for o in host.outer_syncs]
     legacy = ", legacy format read eagerly" if loaded.legacy else ""
     verified = "checksums verified" if host.anchors.verify else "unverified"
     caught = (

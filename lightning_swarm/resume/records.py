@@ -7,13 +7,16 @@ per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re
 An ``OuterSync``'s global state inside ``AnchorsRecord`` is an ``OuterRecord`` (``outer_record``).
 ``SwarmRecord`` also repeats Lightning's step counters: ``check_loop_state`` refuses a Lightning
 file whose counters differ, which would otherwise resume at a step the anchors were not saved at.
+Under a time budget (``sync_every_s``) islands step at their own pace, so the record also holds
+each island's own Lightning loop state (``IslandLoops``; the Lightning file holds island 0's),
+which ``use_island_loops`` hands to Lightning before it restores its loops.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -29,6 +32,7 @@ from lightning_swarm.resume.outer_record import OuterRecord
 FORMAT_VERSION = 3
 DIGEST_ALGORITHM = "xxh3_128"
 _CHECKSUM = "checksum"
+_ISLAND_LOOPS = "island_loops"
 
 
 def check_format(payload: object, what: str) -> dict[str, Any]:
@@ -106,7 +110,10 @@ class SwarmRecord:
     """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it.
 
     ``global_step`` and ``optimizer_steps`` are ``None`` where the Lightning checkpoint had no
-    such counter (then they are not compared on resume).
+    such counter (then they are not compared on resume). ``island_loops`` holds every island's
+    own Lightning loop state, by island index, when the islands stepped at their own pace (a
+    time budget); ``None`` otherwise (every island shares the Lightning file's, and the saved
+    payload has no such key).
     """
 
     save_id: str
@@ -118,6 +125,7 @@ class SwarmRecord:
     options: OptionsRecord
     global_step: int | None = None
     optimizer_steps: int | None = None
+    island_loops: list[IslandLoops] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record as saved, sealed by ``record_checksum``."""
@@ -137,6 +145,11 @@ class SwarmRecord:
             "options": self.options.to_dict(),
             "global_step": self.global_step,
             "optimizer_steps": self.optimizer_steps,
+            **(
+                {}
+                if self.island_loops is None
+                else {_ISLAND_LOOPS: [loops.to_dict() for loops in self.island_loops]}
+            ),
         }
 
     @classmethod
@@ -150,6 +163,7 @@ class SwarmRecord:
         data = check_format(payload, what)
         check_seal(data, what)
         steps = data["global_step"], data["optimizer_steps"]
+        loops = data.get(_ISLAND_LOOPS)
         return cls(
             save_id=str(data["save_id"]),
             fingerprint=dict(data["fingerprint"]),
@@ -160,12 +174,17 @@ class SwarmRecord:
             options=OptionsRecord.from_dict(data["options"]),
             global_step=None if steps[0] is None else int(steps[0]),
             optimizer_steps=None if steps[1] is None else int(steps[1]),
+            island_loops=None if loops is None else [IslandLoops.from_dict(x) for x in loops],
         )
 
 
 def record_checksum(body: Mapping[str, Any]) -> str:
     """XXH3-128 of the record's fields (all but the checksum) in a canonical JSON form."""
     fields = {k: v for k, v in body.items() if k != _CHECKSUM}
+    if _ISLAND_LOOPS in fields:
+        # Lightning's loop state may hold a dataloader's own state, whose keys need not all be
+        # strings (JSON cannot sort mixed keys); the stored value keeps its keys as they were.
+        fields[_ISLAND_LOOPS] = _text_keys(fields[_ISLAND_LOOPS])
     text = json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(text.encode())
 
@@ -180,6 +199,15 @@ def check_seal(data: Mapping[str, Any], what: str) -> None:
             "the round or step counters, no longer holds what the save wrote. Resume from "
             "another checkpoint."
         )
+
+
+def _text_keys(value: Any) -> Any:
+    """``value`` with every dict key turned into text, recursively (for the checksum only)."""
+    if isinstance(value, Mapping):
+        return {str(k): _text_keys(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_text_keys(v) for v in value]
+    return value
 
 
 def reseal(data: dict[str, Any]) -> None:
@@ -351,6 +379,79 @@ def optimizer_steps(checkpoint: Mapping[str, Any]) -> int | None:
     except (KeyError, TypeError, ValueError):
         return None
     return automatic + manual
+
+
+@dataclass(frozen=True)
+class IslandLoops:
+    """One island's own Lightning loop state, for islands that step at their own pace.
+
+    Attributes:
+        global_step: the island's ``trainer.global_step`` (``None`` if Lightning saved none).
+        loops: the island's ``checkpoint["loops"]``: its progress counters and the state of a
+            stateful dataloader (its position in the data), restored by Lightning.
+    """
+
+    global_step: int | None
+    loops: dict[str, Any]
+
+    @classmethod
+    def of(cls, checkpoint: Mapping[str, Any]) -> IslandLoops:
+        """This rank's loop state, from the Lightning checkpoint it dumped."""
+        return cls(global_step(checkpoint), dict(checkpoint.get("loops") or {}))
+
+    @property
+    def optimizer_steps(self) -> int | None:
+        return optimizer_steps({"loops": self.loops})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "loops": self.loops}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> IslandLoops:
+        step = data["global_step"]
+        return cls(None if step is None else int(step), dict(data["loops"]))
+
+
+def use_island_loops(
+    record: SwarmRecord,
+    checkpoint: MutableMapping[str, Any],
+    ckpt_path: Any,
+    *,
+    island: int,
+    own_pace: bool,
+) -> None:
+    """Before Lightning restores its loops from ``checkpoint``: give it island ``island``'s own.
+
+    ``own_pace``: this run's islands step at their own pace (a time budget). A record without
+    ``island_loops`` leaves ``checkpoint`` as it is: every island resumes from the Lightning
+    file's loop state, as they all had the same one.
+
+    Raises:
+        SwarmCheckpointError: the record holds no loop state for ``island`` (another island
+            count), or this run keeps the islands in step (rounds every ``sync_every``) while
+            the saved islands stood at different steps.
+    """
+    saved = record.island_loops
+    if saved is None:
+        return
+    steps = [loops.global_step for loops in saved]
+    if not own_pace:
+        if len(set(steps)) > 1:
+            raise SwarmCheckpointError(
+                f"{ckpt_path} was saved with rounds on a time budget (sync_every_s), where each "
+                f"island keeps its own step count (global_step by island: {steps}), but this run "
+                "syncs every sync_every steps, which needs every island at the same step. "
+                "Resume with sync_every_s set (any budget), or from a checkpoint where the "
+                "islands stood at one step."
+            )
+        return
+    if not 0 <= island < len(saved):
+        raise SwarmCheckpointError(
+            f"{ckpt_path} holds the loop state of {len(saved)} island(s), but this run's island "
+            f"{island} has none: resume with the island count the checkpoint was written by."
+        )
+    checkpoint["loops"] = saved[island].loops
+    checkpoint["global_step"] = saved[island].global_step
 
 
 def global_step(checkpoint: Mapping[str, Any]) -> int | None:

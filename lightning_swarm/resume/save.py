@@ -36,6 +36,7 @@ from lightning_swarm.resume.integrity import file_digest
 from lightning_swarm.resume.records import (
     AnchorsRecord,
     FileDigest,
+    IslandLoops,
     IslandRecord,
     SwarmRecord,
     TotalsRecord,
@@ -86,7 +87,11 @@ def save_swarm_state(
     """Write this rank's share of the swarm state and put the record in ``checkpoint["swarm"]``.
 
     ``write`` writes the files this rank owns (default: each island's file and the anchors;
-    ``resume.per_rank`` passes its own), ``fingerprint`` gives the record's layout.
+    ``resume.per_rank`` passes its own), ``fingerprint`` gives the record's layout. With
+    ``host.loops_per_island`` each island's first rank hands its Lightning loop state
+    (``checkpoint["loops"]``) to the agreement that already gathers the file digests, and the
+    record keeps every island's (``SwarmRecord.island_loops``; its counters are island 0's, as
+    in the Lightning file that global rank 0 writes).
     Returns the save id; the caller writes the Lightning file and then prunes older saves.
     """
     comm = host.collectives
@@ -113,12 +118,28 @@ def save_swarm_state(
         # end the others at once.
         comm.barrier("swarm_save_failed")
 
+    topology = host.topology
+    own_loops = None
+    if host.loops_per_island and topology.local_index == 0:
+        own_loops = (topology.island_index, IslandLoops.of(checkpoint))
     agreed = agree(
-        gather=comm.all_gather_object, error=error, share=written, before_raise=remove_this_save
+        gather=comm.all_gather_object,
+        error=error,
+        share=(written, own_loops),
+        before_raise=remove_this_save,
     )
     files: dict[str, FileDigest] = {}
-    for part in agreed.shares:
+    by_island: dict[int, IslandLoops] = {}
+    for part, loops in agreed.shares:
         files.update(part)
+        if loops is not None:
+            by_island[loops[0]] = loops[1]
+    island_loops = [by_island[i] for i in sorted(by_island)] if host.loops_per_island else None
+    steps = (
+        (island_loops[0].global_step, island_loops[0].optimizer_steps)
+        if island_loops
+        else (global_step(checkpoint), optimizer_steps(checkpoint))
+    )
     outers = host.outer_syncs
     record = SwarmRecord(
         save_id=save_id,
@@ -129,8 +150,9 @@ def save_swarm_state(
         files=dict(sorted(files.items())),
         options=host.options,
         # Lightning's own counters, which a resume cross-checks against the Lightning file.
-        global_step=global_step(checkpoint),
-        optimizer_steps=optimizer_steps(checkpoint),
+        global_step=steps[0],
+        optimizer_steps=steps[1],
+        island_loops=island_loops,
     )
     comm.barrier("swarm_save")
     checkpoint["swarm"] = record.to_dict()

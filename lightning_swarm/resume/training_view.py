@@ -120,7 +120,9 @@ class TrainingView:
     """The training state a save reads and a restore writes, on one rank.
 
     ``model_shards`` is set when each rank holds only its shard of the model: the swarm files
-    are then written per rank (``resume.per_rank``).
+    are then written per rank (``resume.per_rank``). ``loops_per_island`` is set when the
+    islands step at their own pace (a time budget): a save then records each island's own
+    Lightning loop state (``records.IslandLoops``).
     """
 
     topology: IslandTopology
@@ -133,6 +135,7 @@ class TrainingView:
     anchors: AnchorConfig
     collectives: Collectives
     model_shards: ModelShards | None = None
+    loops_per_island: bool = False
 
 
 def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> OptionsRecord:
