@@ -33,11 +33,10 @@ def checkpoint_problem(path: Path) -> str | None:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # any failure to read is a reason not to choose it
         return f"unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-    payload = checkpoint.get("swarm") if isinstance(checkpoint, dict) else None
-    if payload is None:
-        return None  # a plain Lightning checkpoint: nothing more to check
     try:
-        record = SwarmRecord.from_dict(payload, "its swarm record")
+        record = SwarmRecord.of(checkpoint, "its swarm record")
+        if record is None:
+            return None  # a plain Lightning checkpoint: nothing more to check
         check_loop_state(record, checkpoint, path)
     except SwarmCheckpointError as err:
         return str(err)

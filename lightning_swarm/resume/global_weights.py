@@ -41,13 +41,12 @@ def load_global_state_dict(ckpt_path: str | os.PathLike[str]) -> dict[str, Tenso
     """
     path = Path(ckpt_path)
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    payload = ckpt.get("swarm") if isinstance(ckpt, dict) else None
-    if payload is None:
+    record = SwarmRecord.of(ckpt, f"the swarm record of {path}")
+    if record is None:
         raise SwarmCheckpointError(
             f"{path} holds no swarm state; if a plain Lightning strategy wrote it, its "
             "state_dict already is the model: load that."
         )
-    record = SwarmRecord.from_dict(payload, f"the swarm record of {path}")
     if any("-rank-" in name and name.startswith("island-") for name in record.files):
         raise SwarmCheckpointError(
             f"{path} was written by model-sharded islands (island_parallel='fsdp'): each rank "

@@ -153,6 +153,13 @@ class SwarmRecord:
         }
 
     @classmethod
+    def of(cls, checkpoint: object, what: str) -> SwarmRecord | None:
+        """The record in a loaded Lightning checkpoint, or None where it holds none (a plain
+        Lightning strategy wrote it). Raises as ``from_dict``."""
+        payload = checkpoint.get("swarm") if isinstance(checkpoint, dict) else None
+        return None if payload is None else cls.from_dict(payload, what)
+
+    @classmethod
     def from_dict(cls, payload: object, what: str) -> SwarmRecord:
         """Parse a saved record; its checksum must match its fields.
 

@@ -102,13 +102,12 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
             f"island {island}'s checkpoint {path} cannot be read ({err}); fix "
             "island_ckpt_paths or resume that island from the main checkpoint."
         ) from err
-    payload = ckpt.get("swarm") if isinstance(ckpt, dict) else None
-    if payload is None:
+    record = SwarmRecord.of(ckpt, f"the swarm record of {path}")
+    if record is None:
         raise SwarmCheckpointError(
             f"island {island}'s checkpoint {path} holds no swarm state; give "
             "island_ckpt_paths a checkpoint written by SwarmStrategy."
         )
-    record = SwarmRecord.from_dict(payload, f"the swarm record of {path}")
     compare_fingerprints(record.fingerprint, current_fingerprint(host))
     return Source(path, record)
 
