@@ -17,6 +17,10 @@ writes its process id to ``<island>.pid.rank<r>`` when training starts).
 membership kills or stops its own process as that phase of that round starts.
 ``--stall-in-heal``: the island stalls while being healed, after the healing peer's
 header arrived and before its tensors do, and writes ``<island>.stalled``.
+
+Under ``--budget-s`` the first rank also appends each round's weighing to
+``<out>/<island>.weights.jsonl``: the header rows it weighed (island_id hash, healing, work,
+inner steps), its own hash and the scale it got (a wrapper around ``adopt.weighed``).
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.membership import heal
+from lightning_swarm.membership import heal, torchft_quorum
+from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
+from lightning_swarm.transport.base import Opening
 from tests.elastic_faults import fault_hook
 
 
@@ -82,6 +88,25 @@ def inject_faults(args: argparse.Namespace, out: Path) -> None:
             return specs(header)
 
         heal.tensor_specs = stalling_specs  # type: ignore[assignment]
+
+
+def record_weights(path: Path) -> None:
+    """Wrap the membership's ``weighed`` to append what each round weighed to ``path``."""
+    weigh = torchft_quorum.weighed
+
+    def recording(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening:
+        result = weigh(rows, mine, opening)
+        line = {
+            "t": time.time(),
+            "mine": mine.island,
+            "scale": result.scale,
+            "rows": [[r.island, r.healing, r.work, r.inner_steps] for r in rows],
+        }
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        return result
+
+    torchft_quorum.weighed = recording
 
 
 class Snapshots(pl.Callback):
@@ -214,6 +239,8 @@ def main() -> None:
     x = torch.randn(256, 8, generator=gen)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True) * (1 + seed % 3))
     inject_faults(args, out)
+    if args.budget_s is not None:
+        record_weights(out / f"{args.island}.weights.jsonl")
     model = Regression(args.width, args.step_s, args.fast_file)
     strategy = SwarmStrategy(
         sync_every=args.every,

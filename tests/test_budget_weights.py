@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.errors import SwarmError
 from lightning_swarm.membership.adopt import weighed
-from lightning_swarm.membership.round_header import HeaderRow
+from lightning_swarm.membership.round_header import HeaderRow, island_hash
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
@@ -380,6 +381,83 @@ def test_lightning_islands_of_different_speeds_on_torchft_end_equal(tmp_path: Pa
         steps[name] = max(r["step"] for r in rows)
         assert rounds and all(r["swarm/islands_in_round"] == 2 for r in rounds[1:]), name
     assert steps["a"] >= 30 > steps["b"], steps
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_dead_island_under_torchft_on_a_budget_is_left_out_with_its_weight(
+    tmp_path: Path,
+) -> None:
+    """Three elastic islands of different speeds on a budget; c is SIGKILLed inside its fourth
+    round. a and b abandon that round, then commit rounds weighed over the two of them alone,
+    and end with the same model."""
+    from tests.elastic_utils import finish_all, lighthouse, reaped, start_island
+
+    pytest.importorskip("torchft")
+    script = "tests/elastic_lightning_island.py"
+    opts = ["--budget-s", "0.3", "--max-steps", "240"]
+    paces = {"a": "0.01", "b": "0.03", "c": "0.02"}
+    with lighthouse() as address:
+        procs = {
+            name: start_island(
+                tmp_path,
+                address,
+                name,
+                *opts,
+                "--step-s",
+                pace,
+                *(["--fault", "mean:3:kill"] if name == "c" else []),
+                script=script,
+            )
+            for name, pace in paces.items()
+        }
+        with reaped(list(procs.values())):
+            assert procs["c"].wait(timeout=90) == -signal.SIGKILL
+            killed_at = (tmp_path / "c.kill").stat().st_mtime  # written just before the kill
+            survivors = {n: procs[n] for n in "ab"}
+            finish_all(survivors, tmp_path, 90)
+    assert (tmp_path / "c.kill").read_text() == "mean 3"
+    a, b = (load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "ab")
+    assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max() for k in a}
+    dead = island_hash("c")
+    scales: dict[str, dict[str, float]] = {"a": {}, "b": {}}
+    for name in "ab":
+        assert not list(tmp_path.glob(f"{name}.error.*")), name
+        rows = [r for r in _jsonl(tmp_path / f"{name}.jsonl") if "swarm/islands_in_round" in r]
+        before = [r for r in rows if r["t"] < killed_at]
+        after = [r for r in rows if r["t"] > killed_at]
+        assert before[-1]["swarm/islands_in_round"] == 3, name
+        # The round c died in: abandoned, the anchors unchanged.
+        assert after[0]["swarm/islands_in_round"] == 3, (name, after[0])
+        assert after[0]["swarm/rounds_abandoned"] == before[-1]["swarm/rounds_abandoned"] + 1
+        assert after[0]["swarm/outer_steps"] == before[-1]["swarm/outer_steps"]
+        # Then rounds of the two survivors, committed: training went on without c.
+        later = after[1:]
+        assert len(later) >= 2 and all(r["swarm/islands_in_round"] == 2 for r in later), name
+        assert later[-1]["swarm/outer_steps"] >= after[0]["swarm/outer_steps"] + 2, name
+        assert later[-1]["swarm/rounds_abandoned"] == after[0]["swarm/rounds_abandoned"]
+        weighings = _jsonl(tmp_path / f"{name}.weights.jsonl")
+        with_c = [dead in [row[0] for row in w["rows"]] for w in weighings]
+        # c weighed in the first rounds (the one it died in too), never again after them.
+        first_without = with_c.index(False)
+        assert first_without >= 3 and not any(with_c[first_without:]), (name, with_c)
+        for w in weighings[first_without:]:
+            assert w["t"] > killed_at and len(w["rows"]) == 2, (name, w)
+            # The round, named by every island's inner steps in it: the same rows on a and b.
+            key = json.dumps(sorted(w["rows"]))
+            scales[name][key] = w["scale"]
+    rounds = scales["a"].keys() & scales["b"].keys()
+    assert len(rounds) >= 2, scales
+    for key in rounds:
+        work = {island: steps for island, _, steps, _ in json.loads(key)}
+        total = sum(work.values())
+        # Each survivor's scale is 2 * its steps over the two survivors' steps: c's are gone.
+        for name in "ab":
+            expected = 2 * work[island_hash(name)] / total if len(set(work.values())) > 1 else 1
+            assert scales[name][key] == pytest.approx(expected, rel=1e-12), (name, key)
+        assert scales["a"][key] + scales["b"][key] == pytest.approx(2.0, rel=1e-12)
 
 
 class _Verdict(NamedRound):
