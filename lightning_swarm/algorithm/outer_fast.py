@@ -31,9 +31,7 @@ def fast_outer_kind(optimizer: torch.optim.Optimizer) -> FastKind | None:
     else:
         return None
     for group in optimizer.param_groups:
-        if group.get("fused") or group.get("differentiable") or group.get("capturable"):
-            return None
-        if group.get("amsgrad"):
+        if any(group.get(flag) for flag in ("fused", "differentiable", "capturable", "amsgrad")):
             return None
         values = [group[key] for key in numbers] + list(group.get("betas", ()))
         if any(isinstance(v, Tensor) for v in values):
@@ -44,11 +42,6 @@ def fast_outer_kind(optimizer: torch.optim.Optimizer) -> FastKind | None:
 def groups_by_param(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """Map ``id(parameter)`` to its param group (a live reference, valid until groups change)."""
     return {id(p): group for group in optimizer.param_groups for p in group["params"]}
-
-
-def _scalar_dtype() -> torch.dtype:
-    # torch.optim keeps Adam's "step" as float32, or float64 when that is the default dtype.
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def ensure_state(
@@ -76,7 +69,9 @@ def ensure_state(
     state = optimizer.state[anchor]
     if "step" in state:
         return False
-    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+    # torch.optim keeps Adam's "step" as float32, or float64 when that is the default dtype.
+    float64 = torch.get_default_dtype() == torch.float64
+    state["step"] = torch.tensor(0.0, dtype=torch.float64 if float64 else torch.float32)
     state["exp_avg"] = allocate(anchor).zero_()
     state["exp_avg_sq"] = allocate(anchor).zero_()
     return True

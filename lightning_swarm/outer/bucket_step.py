@@ -47,17 +47,11 @@ Feedback = tuple[list[str], dict[str, Tensor], Codec]
 # One bucket's mean across islands, in place: (flat, its pieces) -> bytes sent.
 Exchange = Callable[[Tensor, list[Piece]], int]
 
+# The state tensors the functional step reads and writes, in its argument order.
 STATE_KEYS: dict[FastKind, tuple[str, ...]] = {
     "sgd": ("momentum_buffer",),
     "adam": ("exp_avg", "exp_avg_sq"),
 }
-
-
-def state_tensors(optimizer: torch.optim.Optimizer, anchor: Tensor, kind: FastKind) -> list[Tensor]:
-    """The anchor's state tensors the functional step reads and writes, in ``STATE_KEYS`` order."""
-    state = optimizer.state.get(anchor, {})
-    return [state[key] for key in STATE_KEYS[kind] if state.get(key) is not None]
-
 
 # A piece's slice of a bucket-sized buffer, from its offset in the bucket and the piece.
 PieceView = Callable[[int, Piece], Tensor]
@@ -84,8 +78,11 @@ class BucketJob:
         self.kind, self.groups, self.fresh = kind, groups, fresh
         self.merge_alpha = merge_alpha
         self.device = params[0].device
-        self.total_numel = sum(p.numel() for p in params)
-        self.states_per_tensor = [state_tensors(optimizer, a, kind) for a in anchors]
+        states = [optimizer.state.get(a, {}) for a in anchors]
+        self.states_per_tensor = [
+            [state[key] for key in STATE_KEYS[kind] if state.get(key) is not None]
+            for state in states
+        ]
         # Stochastic rounding of bf16 anchors draws its noise per piece, in order, from one
         # generator seeded like OuterSync's: on the CPU that is the same stream of numbers as
         # drawing per whole tensor, so the result is bitwise the slow path's.
@@ -113,16 +110,13 @@ class BucketJob:
     def param_slice(self, p: Piece) -> Tensor:
         return self.params[p.tensor_index].data.view(-1)[p.start : p.stop]
 
-    def anchor_slice(self, p: Piece) -> Tensor:
-        return self.anchors[p.tensor_index].view(-1)[p.start : p.stop]
-
     def state_at(self, at: int, p: Piece) -> list[Tensor]:
         """The piece's slices of its outer state tensors (a ``StateView``, stepped in place)."""
         return [t.view(-1)[p.start : p.stop] for t in self.state(p)]
 
     def anchor_at(self, at: int, p: Piece) -> Tensor:
-        """``anchor_slice`` as a ``PieceView`` (anchors stepped in place, not staged)."""
-        return self.anchor_slice(p)
+        """The piece's slice of its anchor (a ``PieceView``; ``at`` is unused)."""
+        return self.anchors[p.tensor_index].view(-1)[p.start : p.stop]
 
     @staticmethod
     def cut(flat: Tensor, at: int, p: Piece) -> Tensor:

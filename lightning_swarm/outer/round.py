@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -277,7 +277,10 @@ class OuterRound:
         if sending is not None:
             self.send(sending, inline=s.schedule.sync_delay == 0)
         applying = s.schedule.applies_at(step)
-        if applying is None or _applied_by_finish(s, step - s.schedule.sync_delay):
+        # A round sent by the end-of-fit round's step was applied by it.
+        if applying is None or (
+            s.ended_at is not None and step - s.schedule.sync_delay <= s.ended_at
+        ):
             return None
         return self.apply(applying)
 
@@ -361,7 +364,7 @@ class OuterRound:
         if on_cuda:
             pin_round_memory(s.outer_optimizer, s.anchors)
         finite = bool(torch.isfinite(max_abs(list(params))).item())
-        self._open(RoundRequest(s.outer_steps, finite, _shapes(s.params, names)))
+        self._open(RoundRequest(s.outer_steps, finite, {n: s.params[n].shape for n in names}))
         allocate = self.staging.allocate_state if on_cuda else state_beside
         kind = self.kind()
         assert kind is not None
@@ -510,7 +513,7 @@ class OuterRound:
                 # Residuals are finite (a refused round restores them), so the flag is the
                 # pseudo-gradient's; it is opened before feedback so a weight scales first.
                 finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
-                shapes = _shapes(deltas, deltas)
+                shapes = {n: d.shape for n, d in deltas.items()}
                 opening = self._open(RoundRequest(round_index, finite, shapes, place, offer))
                 if opening.adopt is not None:  # the swarm's fragment, contributing zeros
                     names = s.owned_fragments[opening.adopt.fragment]
@@ -540,14 +543,12 @@ class OuterRound:
         )
         if opening.adopt is not None or not stats.applied:  # the own round is not applied
             restore_residuals(s.residuals, previous)
-        if opening.adopt is not None:
-            norm = global_norm(list(deltas.values())) if stats.applied else 0.0
-            adopted = Exchanged(stats, norm, adopted=opening.adopt, adopted_flat=flat)
-            adopted.adopted_deltas = deltas
-            return adopted
-        if not stats.applied:
-            return Exchanged(stats, 0.0)
-        return Exchanged(stats, global_norm(list(deltas.values())))
+        norm = global_norm(list(deltas.values())) if stats.applied else 0.0
+        if opening.adopt is None:
+            return Exchanged(stats, norm)
+        return Exchanged(
+            stats, norm, adopted=opening.adopt, adopted_flat=flat, adopted_deltas=deltas
+        )
 
     def _buckets(self, flat: Tensor, numels: list[int]) -> int:
         """Start every bucket of ``flat`` (tensors of ``numels`` back to back) and wait for
@@ -555,8 +556,10 @@ class OuterRound:
         t, sent = self.transport, 0
         plan = plan_buckets(numels, t.bucket_numel, t.block_size)
         handles: list[Handle] = []
-        for bucket, at in zip(plan, _offsets(plan), strict=True):
+        at = 0
+        for bucket in plan:
             handles.append(t.start(Bucket(flat[at : at + numel_of(bucket)], _runs(bucket))))
+            at += numel_of(bucket)
             if t.pipelined and len(handles) > self.in_flight:
                 sent += handles.pop(0).wait()
         return sent + sum(handle.wait() for handle in handles)
@@ -664,15 +667,6 @@ def _runs(bucket: Sequence[Piece]) -> tuple[int, ...]:
     return tuple(p.length for p in bucket)
 
 
-def _offsets(plan: list[list[Piece]]) -> list[int]:
-    """Each bucket's offset in the buffer that holds the plan's buckets back to back."""
-    offsets, at = [], 0
-    for bucket in plan:
-        offsets.append(at)
-        at += numel_of(bucket)
-    return offsets
-
-
 def _zeros(
     params: Mapping[str, Tensor], names: Sequence[str], device: torch.device
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -684,15 +678,6 @@ def _zeros(
         views[name] = flat[offset : offset + numel].view(params[name].shape)
         offset += numel
     return flat, views
-
-
-def _shapes(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, torch.Size]:
-    return {n: params[n].shape for n in names}
-
-
-def _applied_by_finish(state: SyncState, send_step: int) -> bool:
-    """Whether the end-of-fit round already applied a round sent after ``send_step``."""
-    return state.ended_at is not None and send_step <= state.ended_at
 
 
 def _wait_exchange(rnd: RoundInFlight) -> Exchanged:

@@ -166,10 +166,8 @@ def _start_broadcast(
     flats: list[Tensor], bucket: list[Piece], group: dist.ProcessGroup, position: int
 ) -> tuple[list[Tensor], list[Piece], Tensor, Any]:
     """Start broadcasting ``bucket`` from ``position`` (a lone piece travels in place)."""
-    if len(bucket) == 1:
-        flat = _piece(flats, bucket[0])
-    else:
-        flat = torch.cat([_piece(flats, p) for p in bucket])
+    pieces = [_piece(flats, p) for p in bucket]
+    flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     work = dist.broadcast(flat, group=group, group_src=position, async_op=True)
     return flats, bucket, flat, work
 

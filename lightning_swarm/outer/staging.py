@@ -190,7 +190,7 @@ class CudaStaging:
         with torch.cuda.stream(stream):
             stream.wait_event(slot.free)  # the slot's previous bucket has been copied out
             for at, p in placed(bucket):
-                job.cut(slot.anchor, at, p).copy_(job.anchor_slice(p), non_blocking=True)
+                job.cut(slot.anchor, at, p).copy_(job.anchor_at(at, p), non_blocking=True)
                 for dev, host in zip(slot.state, job.state(p), strict=False):
                     job.cut(dev, at, p).copy_(host.view(-1)[p.start : p.stop], non_blocking=True)
             slot.loaded.record(stream)
@@ -200,7 +200,7 @@ class CudaStaging:
         with torch.cuda.stream(stream):
             stream.wait_event(slot.computed)
             for at, p in placed(bucket):
-                job.anchor_slice(p).copy_(job.cut(slot.anchor, at, p), non_blocking=True)
+                job.anchor_at(at, p).copy_(job.cut(slot.anchor, at, p), non_blocking=True)
                 for host, dev in zip(job.state(p), slot.state, strict=False):
                     host.view(-1)[p.start : p.stop].copy_(job.cut(dev, at, p), non_blocking=True)
             slot.free.record(stream)
