@@ -320,8 +320,6 @@ class OuterLoop:
         self.totals.sync_wall_s += report.wall_s
         index = self._outer_syncs.index(outer)
         suffix = "" if len(self._outer_syncs) == 1 else f"_opt{index}"
-        if self.config.transport == "swarm":
-            self._reset_poisoned(report, outer)
         metrics = {
             f"swarm/outer_steps{suffix}": float(report.outer_steps),
             f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
@@ -331,6 +329,7 @@ class OuterLoop:
             f"swarm/transport_time_s{suffix}": report.transport_s,
         }
         if self.config.transport == "swarm":
+            self._reset_poisoned(report, outer)
             metrics["swarm/islands_reset"] = float(self.islands_reset)
         if self.config.num_fragments > 1:
             metrics[f"swarm/fragment{report.fragment}_rounds{suffix}"] = float(

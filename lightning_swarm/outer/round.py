@@ -22,7 +22,7 @@ adopts the swarm's round; ``apply`` installs a heal the verdict carries, takes t
 and applies the adopted fragment, all on the training thread.
 The engine is the one writer of its ``SyncState`` (counters, anchors and outer optimizer installs,
 residuals, the round in flight); ``SyncCheckpoint`` only reads it and builds what an install puts
-in place. The engine owns its buffers and staging until ``close``.
+in place. The engine owns its reused buffers and staging for its whole life.
 """
 
 from __future__ import annotations
@@ -128,12 +128,6 @@ class OuterRound:
         """The codec error feedback uses, or None without feedback."""
         streaming = self.state.streaming
         return streaming.codec if streaming.error_feedback else None
-
-    def close(self) -> None:
-        """Release the pipeline and held-round buffers and staging (the next round allocates
-        them again)."""
-        self._delta = self._hold = None
-        self.staging.close()
 
     def buffer_bytes(self) -> int:
         """Bytes of the reused buffers held (pipeline buckets and staging slots)."""

@@ -3,7 +3,7 @@
 ``pin_round_memory`` pins the anchors and their state once, at the first such round.
 ``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed, and bucket
 k out on another once computed; two slots alternate, ordered by CUDA events. It owns its slots
-and streams until ``close``; host anchors and state stay the ``OuterSync``'s and are complete
+and streams for its whole life; host anchors and state stay the ``OuterSync``'s and are complete
 when ``run`` returns. Extra GPU memory stays within ``BUDGET_BUCKETS`` transport buckets
 (``staged_bucket_numel``; ``docs/performance.md``).
 """
@@ -107,10 +107,6 @@ class CudaStaging:
 
     def buffer_bytes(self) -> int:
         return sum(slot.nbytes() for slot in self.slots)
-
-    def close(self) -> None:
-        """Release the slots and streams (the next round allocates them again)."""
-        self.slots, self.streams = [], None
 
     @staticmethod
     def allocate_state(anchor: Tensor) -> Tensor:

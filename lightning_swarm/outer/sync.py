@@ -168,12 +168,9 @@ class OuterSync:
 
     def outer_state_bytes(self) -> int:
         """Bytes held by the outer optimizer's state tensors (e.g. momentum)."""
-        total = 0
-        for state in self.state.outer_optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, Tensor):
-                    total += value.numel() * value.element_size()
-        return total
+        states = self.state.outer_optimizer.state.values()
+        tensors = [v for state in states for v in state.values() if isinstance(v, Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def in_flight(self) -> int | None:
@@ -243,11 +240,8 @@ class OuterSync:
 
     @torch.no_grad()
     def reset_to_anchors(self) -> None:
-        """Every parameter becomes its anchor again; error-feedback residuals are dropped.
-
-        For an island whose state went non-finite (``outer.reset``). Sharded, each rank writes
-        its own names and the island gathers the rest (collective over the island).
-        """
+        """``OuterRound.reset_to_anchors``, for an island whose state went non-finite
+        (``outer.reset``); collective over a sharded island."""
         self.engine.reset_to_anchors()
 
     # -- checkpoint state (SyncCheckpoint reads it, the engine installs it) -----------------
