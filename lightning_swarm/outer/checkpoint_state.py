@@ -15,7 +15,7 @@ ones stay file-backed) and keeps only owned names when sharded. ``island_residua
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -198,14 +198,12 @@ class SyncCheckpoint:
         keep_state_float32(optimizer, optimizer_state)
         c = record.counters
         # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
-        counters = OuterCounters(
-            inner_steps=c.inner_steps,
-            outer_steps=c.outer_steps,
+        counters = replace(
+            c,
             fragment_rounds=[0] * len(s.fragments)
             if c.fragment_rounds is None
             else list(c.fragment_rounds),
             synced_at=[None] * len(s.fragments) if c.synced_at is None else list(c.synced_at),
-            ended_at=c.ended_at,
         )
         return Installable(anchors, optimizer, counters, self._restore_round(record.pending))
 

@@ -70,7 +70,14 @@ class OuterSync:
         params = dict(params)
         streaming = streaming or StreamingOptions()
         fragments = check_fragments(streaming.fragments, list(params))
-        schedule = _build_schedule(sync_every, len(fragments), streaming)
+        schedule = FragmentSchedule(
+            sync_every=sync_every,
+            num_fragments=len(fragments),
+            sync_delay=streaming.sync_delay,
+            merge_alpha=streaming.merge_alpha,
+        )
+        if schedule.sync_delay > 0 and streaming.worker is None:
+            raise ValueError("sync_delay > 0 needs a SyncWorker to run the delayed exchanges")
         if budget is not None and (len(fragments) > 1 or schedule.sync_delay > 0):
             raise ValueError(
                 "a time budget (sync_every_s) runs whole-model rounds without delay; use one "
@@ -297,20 +304,6 @@ class OuterSync:
     def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Install a state that passed ``check_state_dict``."""
         self.engine.install(OuterRecord.of(state))
-
-
-def _build_schedule(
-    sync_every: int, num_fragments: int, streaming: StreamingOptions
-) -> FragmentSchedule:
-    schedule = FragmentSchedule(
-        sync_every=sync_every,
-        num_fragments=num_fragments,
-        sync_delay=streaming.sync_delay,
-        merge_alpha=streaming.merge_alpha,
-    )
-    if schedule.sync_delay > 0 and streaming.worker is None:
-        raise ValueError("sync_delay > 0 needs a SyncWorker to run the delayed exchanges")
-    return schedule
 
 
 @torch.no_grad()
