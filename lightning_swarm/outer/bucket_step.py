@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
+from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.algorithm.fused import pseudo_gradient_into
 from lightning_swarm.algorithm.outer_fast import (
@@ -72,8 +73,6 @@ class BucketJob:
         merge_alpha: float,
         seed: int,
     ) -> None:
-        if not 0.0 <= merge_alpha <= 1.0:
-            raise ValueError(f"merge alpha must lie in [0, 1], got {merge_alpha}")
         self.params, self.anchors, self.optimizer = params, anchors, optimizer
         self.kind, self.groups, self.fresh = kind, groups, fresh
         self.merge_alpha = merge_alpha
@@ -105,7 +104,7 @@ class BucketJob:
                 self.step(anchor_of(at, p), self.cut(delta, at, p), state_of(at, p), p)
         with record_function(labels.MERGE):
             for at, p in placed(bucket):
-                self.merge(self.param_slice(p), anchor_of(at, p))
+                merge_into_local(self.param_slice(p), anchor_of(at, p), self.merge_alpha)
 
     def param_slice(self, p: Piece) -> Tensor:
         return self.params[p.tensor_index].data.view(-1)[p.start : p.stop]
@@ -144,13 +143,6 @@ class BucketJob:
             anchor.copy_(stochastic_round_to_bf16(work, self._generator))
         else:
             anchor.copy_(work)
-
-    def merge(self, local: Tensor, anchor: Tensor) -> None:
-        incoming = anchor.to(device=local.device, dtype=local.dtype)
-        if self.merge_alpha == 0.0:
-            local.copy_(incoming)
-        else:
-            local.lerp_(incoming, 1.0 - self.merge_alpha)
 
 
 def form_fragment(
