@@ -134,10 +134,6 @@ class OuterSync:
         return self.state.anchor_dtype
 
     @property
-    def anchor_device(self) -> torch.device:
-        return self.state.anchor_device
-
-    @property
     def fragments(self) -> list[list[str]]:
         return self.state.fragments
 

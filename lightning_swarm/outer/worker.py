@@ -22,17 +22,16 @@ _T = TypeVar("_T")
 
 
 class SyncWorker:
-    """A single-thread executor with a clear error when a job fails.
+    """A single-thread executor (thread ``swarm-sync``) with a clear error when a job fails.
 
     Args:
-        name: prefix of the thread's name (visible in stack dumps and thread listings).
         device: the rank's accelerator; a CUDA device makes jobs run on their own stream
             (not exercised on a GPU yet: the CPU suite covers the thread, not the streams).
     """
 
-    def __init__(self, name: str = "swarm-sync", device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name
+            max_workers=1, thread_name_prefix="swarm-sync"
         )
         # On CUDA the worker binds to the rank's device and issues its copies and collectives
         # on a stream of its own, so they neither land on another GPU nor queue behind (or in
