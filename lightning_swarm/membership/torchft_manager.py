@@ -10,6 +10,7 @@ group and heal transport until ``TorchftMembership.close``.
 from __future__ import annotations
 
 import datetime
+import functools
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,20 +81,18 @@ def start_island_managers(
         LighthouseUnreachableError: on every rank of the island, when a position could not
             reach the lighthouse (or position 0's manager server).
     """
-    world_size = fanout.size if per_rank else 1
+    start = functools.partial(
+        start_manager,
+        config,
+        world_size=fanout.size if per_rank else 1,
+        load_fn=load_fn,
+        state_fn=state_fn,
+        on_phase=on_phase,
+    )
     parts, error = None, None
     if fanout.is_leader:
         try:
-            store = IslandStore.host_here()
-            parts = start_manager(
-                config,
-                store,
-                rank=0,
-                world_size=world_size,
-                load_fn=load_fn,
-                state_fn=state_fn,
-                on_phase=on_phase,
-            )
+            parts = start(IslandStore.host_here(), rank=0)
         except MembershipError as err:
             error = err
     fanout.share_error(error)
@@ -102,15 +101,7 @@ def start_island_managers(
     address = fanout.share_text(parts.store.address() if parts is not None else "")
     if not fanout.is_leader:
         try:
-            parts = start_manager(
-                config,
-                IslandStore.parse(address),
-                rank=fanout.position,
-                world_size=world_size,
-                load_fn=load_fn,
-                state_fn=state_fn,
-                on_phase=on_phase,
-            )
+            parts = start(IslandStore.parse(address), rank=fanout.position)
         except MembershipError as err:
             error = err
     fanout.agree_round(error, committed=True, healed=False)

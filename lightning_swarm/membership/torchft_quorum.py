@@ -46,7 +46,7 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
-from lightning_swarm.membership.quorum import ShortRounds, count_failed_vote, request_quorum
+from lightning_swarm.membership.quorum import ShortRounds, request_quorum
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
@@ -65,6 +65,7 @@ from lightning_swarm.membership.round_header import (
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
+from lightning_swarm.membership.torchft_private import count_commit_failure
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 from lightning_swarm.transport.base import (
     Bucket,
@@ -260,7 +261,7 @@ class TorchftMembership:
                 self._error = err  # the island agrees on it at ``agree``
             except Exception:  # e.g. position 0's manager server went away
                 self._failed = True  # abandoned, as torchft's own errors are
-                count_failed_vote(self._manager)
+                count_commit_failure(self._manager)
             return Opening(abandon=True)
         opening, error = Opening(), None
         if self._fanout.is_leader:
@@ -321,7 +322,7 @@ class TorchftMembership:
             except MembershipError as err:
                 error = err
             except Exception:  # e.g. position 0's manager server went away
-                count_failed_vote(self._manager)
+                count_commit_failure(self._manager)
                 outcome = RoundOutcome()
         outcome.committed, self._island_healed = self._fanout.agree_round(
             error, outcome.committed, outcome.healed is not None
@@ -341,7 +342,8 @@ class TorchftMembership:
         self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
         self._pg.bound_collectives(seconds(self.round_timeout_s))
         self._phase("quorum")
-        self._quorum()
+        assert self._watch is not None, "a rank that talks to torchft watches for suspensions"
+        request_quorum(manager, self.config, self._watch, self._last_commit_at)
         healing = not manager.is_participating()
         self._outcome = RoundOutcome(
             genesis=manager.current_step() == 0, participants=manager.num_participants()
@@ -389,17 +391,13 @@ class TorchftMembership:
         try:
             return bool(self._manager.should_commit(timeout=seconds(self.round_timeout_s)))
         except TimeoutError:
-            count_failed_vote(self._manager)
+            count_commit_failure(self._manager)
             return False
 
     def _phase(self, name: str) -> None:
         """Tell the fault hook (tests only) which phase of which round starts now."""
         if self.on_phase is not None:
             self.on_phase(name, self._rounds_started - 1)
-
-    def _quorum(self) -> None:
-        assert self._watch is not None, "the island's rank 0 watches for suspensions"
-        request_quorum(self._manager, self.config, self._watch, self._last_commit_at)
 
     def _check_round_header(self, healing: bool, finite: bool) -> bool:
         """All-gather the round header (``round_header``); True when the round is abandoned.
