@@ -9,8 +9,9 @@ rank it returns its input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from lightning_swarm.membership.errors import MembershipError
 from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
 from lightning_swarm.transport.agree import Gather, agree, objects_over
 from lightning_swarm.transport.base import Opening, RoundPlace
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,6 +85,18 @@ class IslandFanout:
         """Raise rank 0's error (or none) on every rank of the island (``transport.agree``:
         an error on another rank is raised alike, the lowest rank's first)."""
         agree(gather=self._gather(), error=error)
+
+    def on_leader(self, run: Callable[[], T], default: T) -> T:
+        """``run()`` on rank 0, ``default`` on the other ranks; a ``MembershipError`` it raises
+        is raised on every rank (collective)."""
+        result, error = default, None
+        if self.is_leader:
+            try:
+                result = run()
+            except MembershipError as err:
+                error = err
+        self.share_error(error)
+        return result
 
     def share_opening(self, opening: Opening) -> Opening:
         """Rank 0's ``opening`` on every rank of the island (collective)."""

@@ -59,7 +59,6 @@ class RankManager:
     manager: Any
     pg: Any
     heal_transport: Any
-    identity: QuorumIdentity
     store: IslandStore
 
 
@@ -89,16 +88,11 @@ def start_island_managers(
         state_fn=state_fn,
         on_phase=on_phase,
     )
-    parts, error = None, None
-    if fanout.is_leader:
-        try:
-            parts = start(IslandStore.host_here(), rank=0)
-        except MembershipError as err:
-            error = err
-    fanout.share_error(error)
+    parts = fanout.on_leader(lambda: start(IslandStore.host_here(), rank=0), None)
     if not per_rank:
         return parts
     address = fanout.share_text(parts.store.address() if parts is not None else "")
+    error = None
     if not fanout.is_leader:
         try:
             parts = start(IslandStore.parse(address), rank=fanout.position)
@@ -173,6 +167,5 @@ def start_manager(
             f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
             "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
         ) from err
-    identity = QuorumIdentity(manager)
-    holder.append(identity)
-    return RankManager(manager, pg, heal_transport, identity, store)
+    holder.append(QuorumIdentity(manager))  # kept alive by ``pg``'s prefix
+    return RankManager(manager, pg, heal_transport, store)

@@ -198,7 +198,7 @@ class TorchftMembership:
         if parts is not None:
             self._parts = parts  # keeps the island's store alive on its rank 0
             self._manager, self._pg = parts.manager, parts.pg
-            self.heal_transport, self._identity = parts.heal_transport, parts.identity
+            self.heal_transport = parts.heal_transport
             self.heal_transport.timeout_for = self._heal_timeout
             self._watch = SuspensionWatch()
 
@@ -263,13 +263,9 @@ class TorchftMembership:
                 self._failed = True  # abandoned, as torchft's own errors are
                 count_commit_failure(self._manager)
             return Opening(abandon=True)
-        opening, error = Opening(), None
-        if self._fanout.is_leader:
-            try:
-                opening = self._lead_open(finite, place, round_index, names)
-            except MembershipError as err:
-                error = err
-        self._fanout.share_error(error)
+        opening = self._fanout.on_leader(
+            lambda: self._lead_open(finite, place, round_index, names), Opening()
+        )
         return self._fanout.share_opening(opening)
 
     def start(self, bucket: Bucket) -> Handle:
@@ -302,13 +298,7 @@ class TorchftMembership:
 
     def _fanned_agree(self) -> RoundOutcome:
         """Rank 0 votes; the island's other ranks receive its outcome and the means."""
-        outcome, error = RoundOutcome(), None
-        if self._fanout.is_leader:
-            try:
-                outcome = self._lead_agree()
-            except MembershipError as err:
-                error = err
-        self._fanout.share_error(error)
+        outcome = self._fanout.on_leader(self._lead_agree, RoundOutcome())
         outcome = self._fanout.share_outcome(outcome, self._started)
         self._island_healed = outcome.healed is not None
         return outcome
@@ -340,7 +330,8 @@ class TorchftMembership:
         self._link.begin(round_index, names)
         timeouts = self.config.timeouts
         self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
-        self._pg.bound_collectives(seconds(self.round_timeout_s))
+        # Before the quorum request, on its thread: no set-up runs meanwhile.
+        self._pg.collective_timeout = seconds(self.round_timeout_s)
         self._phase("quorum")
         assert self._watch is not None, "a rank that talks to torchft watches for suspensions"
         request_quorum(manager, self.config, self._watch, self._last_commit_at)
