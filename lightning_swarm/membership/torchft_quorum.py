@@ -247,16 +247,14 @@ class TorchftMembership:
         work = request.work
         self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
         self._weighed = work is not None
-        finite, names, round_index = request.finite, request.names, request.round_index
         self._started, self.last_round_bytes = [], 0
         self._error, self._failed, self._island_healed = None, False, False
         self._outcome = RoundOutcome()
-        place = request.place or RoundPlace(0, 0, 0)
         if self.per_rank:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
-            finite = self._fanout.all_true(finite)
+            finite = self._fanout.all_true(request.finite)
             try:
-                return self._lead_open(finite, place, round_index, names)
+                return self._lead_open(request, finite)
             except MembershipError as err:
                 self._error = err  # the island agrees on it at ``agree``
             except Exception:  # e.g. position 0's manager server went away
@@ -264,7 +262,7 @@ class TorchftMembership:
                 count_commit_failure(self._manager)
             return Opening(abandon=True)
         opening = self._fanout.on_leader(
-            lambda: self._lead_open(finite, place, round_index, names), Opening()
+            lambda: self._lead_open(request, request.finite), Opening()
         )
         return self._fanout.share_opening(opening)
 
@@ -319,15 +317,14 @@ class TorchftMembership:
         )
         return outcome
 
-    def _lead_open(
-        self, finite: bool, place: RoundPlace, round_index: int, names: Mapping[str, torch.Size]
-    ) -> Opening:
-        """Quorum, header and plan as this rank sees them (no island collective)."""
+    def _lead_open(self, request: RoundRequest, finite: bool) -> Opening:
+        """Quorum, header and plan as this rank sees them (no island collective); ``finite``
+        replaces ``request.finite`` (per rank: the island's)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
         # The round's bound, before the quorum sets its group up with it.
-        self._link.begin(round_index, names)
+        self._link.begin(request.round_index, request.names)
         timeouts = self.config.timeouts
         self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
         # Before the quorum request, on its thread: no set-up runs meanwhile.
@@ -341,7 +338,8 @@ class TorchftMembership:
         )
         self._link.num_islands = self._outcome.participants
         self._phase("header")
-        self._row.fragment, self._row.send_step, self._row.apply_step = astuple(place)
+        place = astuple(request.place or RoundPlace(0, 0, 0))
+        self._row.fragment, self._row.send_step, self._row.apply_step = place
         conflict = self._check_round_header(healing, finite)
         opening = Opening(abandon=True) if conflict else opening_of(self._rows, self._row)
         if opening.abandon and not conflict:
@@ -397,7 +395,7 @@ class TorchftMembership:
         """
         self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
-            rows = self._gather_rows()
+            rows = [HeaderRow.of(r) for r in self._allgather(self._row.tensor())]
             swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
@@ -413,17 +411,15 @@ class TorchftMembership:
             return True
         return False
 
-    def _gather_rows(self) -> list[HeaderRow]:
-        mine = self._row.tensor()
-        rows = [torch.empty_like(mine) for _ in range(self._pg.size())]
-        self._pg.allgather([rows], [mine], AllgatherOptions()).wait()
-        return [HeaderRow.of(r) for r in rows]
+    def _allgather(self, mine: Tensor) -> list[Tensor]:
+        """Every member's ``mine`` (equal shapes) over the quorum's group, in its order."""
+        gathered = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+        return gathered
 
     def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
         """Every member's settings (the hashes disagree); returns the swarm's reference."""
-        mine = settings_tensor(encode_settings(self._settings), rows)
-        gathered = [torch.empty_like(mine) for _ in rows]
-        self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+        gathered = self._allgather(settings_tensor(encode_settings(self._settings), rows))
         index = reference_index(rows)
         return decode_settings(gathered[index], rows[index].settings_len)
 
