@@ -183,12 +183,9 @@ class TorchftMembership:
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
         self._weighed = False  # the round in progress carries work (a time budget)
-        self._start_managers()
-
-    def _start_managers(self) -> None:
-        """This rank's Manager, if it talks to torchft; rank 0's first (collective)."""
+        # This rank's Manager, if it talks to torchft; rank 0's first (collective).
         parts = start_island_managers(
-            self.config,
+            config,
             self._fanout,
             per_rank=self.per_rank,
             load_fn=self._load_healed,
