@@ -30,13 +30,10 @@ class TensorHealTransport(CheckpointTransport[Any]):
     else torchft's too.
     """
 
-    def __init__(
-        self, pg: ProcessGroup, timeout: timedelta, on_phase: Callable[[str], None]
-    ) -> None:
+    def __init__(self, pg: ProcessGroup, on_phase: Callable[[str], None]) -> None:
         self._pg = pg
         # The membership's fault hook (tests): "heal_send" / "heal_recv" after the header.
         self._on_phase = on_phase
-        self._timeout = timeout
         self.timeout_for: Callable[[int], timedelta] | None = None
         self.last_heal_bytes = 0
         self.last_heal_s = 0.0

@@ -139,7 +139,7 @@ def start_manager(
         prefix=lambda store_addr: holder[0].store_prefix(store_addr),
         on_setup=lambda: on_phase("pg_setup"),
     )
-    heal_transport = TensorHealTransport(pg, base, on_phase=on_phase)
+    heal_transport = TensorHealTransport(pg, on_phase=on_phase)
     try:
         manager = Manager(
             pg=pg,

@@ -176,7 +176,6 @@ class TorchftMembership:
         self._last_commit_at = time.monotonic()
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
-        self._rows: list[HeaderRow] = []  # the last round header's
         self._island_healed = False
         # This rank's link rate, measured by its own exchanges, and the bound of the round in
         # progress (``ElasticConfig.timeouts``).
@@ -337,13 +336,13 @@ class TorchftMembership:
         self._phase("header")
         place = astuple(request.place or RoundPlace(0, 0, 0))
         self._row.fragment, self._row.send_step, self._row.apply_step = place
-        conflict = self._check_round_header(healing, finite)
-        opening = Opening(abandon=True) if conflict else opening_of(self._rows, self._row)
-        if opening.abandon and not conflict:
+        rows = self._check_round_header(healing, finite)
+        opening = Opening(abandon=True) if rows is None else opening_of(rows, self._row)
+        if opening.abandon and rows is not None:
             manager.report_error(MembershipError("the islands were at different fragments"))
-        if self._weighed and not opening.abandon:
+        if self._weighed and rows is not None and not opening.abandon:
             try:
-                opening = weighed(self._rows, self._row, opening)
+                opening = weighed(rows, self._row, opening)
             except BadWorkError as err:  # every member reads the same rows: all abandon
                 if self._fanout.is_leader:
                     log.error("island %r abandons this round: %s", self.config.island_id, err)
@@ -385,8 +384,9 @@ class TorchftMembership:
         if self.on_phase is not None:
             self.on_phase(name, self._rounds_started - 1)
 
-    def _check_round_header(self, healing: bool, finite: bool) -> bool:
-        """All-gather the round header (``round_header``); True when the round is abandoned.
+    def _check_round_header(self, healing: bool, finite: bool) -> list[HeaderRow] | None:
+        """All-gather the round header (``round_header``): its rows, ``None`` when the round
+        is abandoned.
 
         Raises the refusal of this island when the header shows it is at fault.
         """
@@ -396,8 +396,7 @@ class TorchftMembership:
             swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
-            return True
-        self._rows = rows
+            return None
         verdict = judge(rows, self._row)
         if self._fanout.is_leader:  # one warning per island
             self._quorum_watch.see(rows)
@@ -405,8 +404,8 @@ class TorchftMembership:
             self._refuse(verdict, rows, healing, swarm_settings)
         if verdict is Verdict.ABANDON:
             self._manager.report_error(MembershipError("a refused island was in the round"))
-            return True
-        return False
+            return None
+        return rows
 
     def _allgather(self, mine: Tensor) -> list[Tensor]:
         """Every member's ``mine`` (equal shapes) over the quorum's group, in its order."""
