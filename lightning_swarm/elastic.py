@@ -33,7 +33,6 @@ class ElasticIsland:
     def __init__(self, options: ElasticConfig, config: SwarmConfig) -> None:
         self.options = options
         self.config = config
-        self.sync_every = config.sync_every
         self.membership: TorchftMembership | None = None
         self.outer_shares = 1  # ranks that share the outer state (1: rank 0 exchanges all)
         self._outer: OuterSync | None = None
@@ -94,7 +93,7 @@ class ElasticIsland:
         """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""
         if trainer.max_steps > 0:
             per_sync = self.config.num_fragments  # each fragment syncs once per sync_every
-            self._target_rounds = math.ceil(trainer.max_steps / self.sync_every) * per_sync
+            self._target_rounds = math.ceil(trainer.max_steps / self.config.sync_every) * per_sync
             trainer.fit_loop.epoch_loop.max_steps = -1
         report = self._outer_sync.join()
         return self.after_round(trainer, {"swarm/outer_steps": float(report.outer_steps)})

@@ -258,7 +258,8 @@ def test_every_quorum_sets_a_group_up_under_a_prefix_of_its_own() -> None:
     holds), and the store prefix differs once any member committed since."""
     from types import SimpleNamespace
 
-    from lightning_swarm.membership.quorum import QuorumIdentity, count_failed_vote
+    from lightning_swarm.membership.quorum import QuorumIdentity
+    from lightning_swarm.membership.torchft_private import count_commit_failure
 
     handed_out: list[SimpleNamespace] = []
 
@@ -285,7 +286,7 @@ def test_every_quorum_sets_a_group_up_under_a_prefix_of_its_own() -> None:
     restarted = quorum(1, ["a", "b", "c"], 11)  # a new lighthouse counts ids from 1 again
     assert len({first, after_a_commit, other_members}) == 3
     assert restarted == after_a_commit  # the same name on every member; set up anew all the same
-    count_failed_vote(manager)
+    count_commit_failure(manager)
     assert manager._commit_failures == 1  # the next request reports it: the lighthouse bumps the id
 
 

@@ -70,18 +70,6 @@ class ElasticConfig:
         return LinkTimeouts("round_timeout_s", ROUND_TIMEOUT_FLOOR_S, self.round_timeout_s)
 
 
-def _refuse_torchft_only_options(config: SwarmConfig) -> None:
-    """A lighthouse or island id with the static membership would train alone, silently."""
-    for option in ("lighthouse", "island_id"):
-        value = getattr(config, option)
-        if value is not None:
-            raise SwarmConfigError(
-                f"{option}={value!r} is used only with membership='torchft', but membership="
-                f"'static': this launch would train alone, ignoring it. Set membership='torchft' "
-                f"to join the swarm at the lighthouse, or drop {option}."
-            )
-
-
 def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
     """``None`` for ``membership="static"``; the checked torchft options otherwise.
 
@@ -89,7 +77,15 @@ def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
         ValueError: an option that needs the other membership, or one torchft cannot serve.
     """
     if check_membership(config.membership) == "static":
-        _refuse_torchft_only_options(config)
+        # With a lighthouse or island id, this launch would silently train alone.
+        for option in ("lighthouse", "island_id"):
+            value = getattr(config, option)
+            if value is not None:
+                raise SwarmConfigError(
+                    f"{option}={value!r} is used only with membership='torchft', but membership="
+                    f"'static': this launch would train alone, ignoring it. Set membership="
+                    f"'torchft' to join the swarm at the lighthouse, or drop {option}."
+                )
         return None
     if config.transport != "allreduce":
         raise SwarmConfigError(

@@ -9,8 +9,9 @@ rank it returns its input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from lightning_swarm.membership.errors import MembershipError
 from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
 from lightning_swarm.transport.agree import Gather, agree, objects_over
 from lightning_swarm.transport.base import Opening, RoundPlace
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,6 +75,12 @@ class IslandFanout:
         dist.broadcast(staged, src=self._src, group=self.group)
         tensor.copy_(staged)
 
+    def _share_numbers(self, values: list[Any], dtype: torch.dtype) -> list[Any]:
+        """Rank 0's ``values`` on every rank (the others pass as many placeholders)."""
+        row = torch.tensor(values, dtype=dtype)
+        self._broadcast(row)
+        return row.tolist()
+
     def _share_bytes(self, data: bytes, length: int) -> bytes:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader else None
         buf = buf if buf is not None else torch.empty(length, dtype=torch.uint8)
@@ -83,6 +92,18 @@ class IslandFanout:
         an error on another rank is raised alike, the lowest rank's first)."""
         agree(gather=self._gather(), error=error)
 
+    def on_leader(self, run: Callable[[], T], default: T) -> T:
+        """``run()`` on rank 0, ``default`` on the other ranks; a ``MembershipError`` it raises
+        is raised on every rank (collective)."""
+        result, error = default, None
+        if self.is_leader:
+            try:
+                result = run()
+            except MembershipError as err:
+                error = err
+        self.share_error(error)
+        return result
+
     def share_opening(self, opening: Opening) -> Opening:
         """Rank 0's ``opening`` on every rank of the island (collective)."""
         if self.size == 1:
@@ -90,12 +111,10 @@ class IslandFanout:
         place = (0, 0, 0) if opening.adopt is None else astuple(opening.adopt)
         steps = -1 if opening.swarm_steps is None else opening.swarm_steps
         # float64: the scale as rank 0 computed it; the counts are exact below 2**53.
-        head = torch.tensor(
+        values = self._share_numbers(
             [int(opening.adopt is not None), *place, int(opening.abandon), steps, opening.scale],
-            dtype=torch.float64,
+            torch.float64,
         )
-        self._broadcast(head)
-        values = head.tolist()
         adopted, fragment, send_step, apply_step, abandon, steps = (int(v) for v in values[:6])
         adopt = RoundPlace(fragment, send_step, apply_step) if adopted else None
         return Opening(
@@ -110,9 +129,8 @@ class IslandFanout:
         if self.size == 1:
             return text
         data = text.encode() if self.is_leader else b""
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        self._broadcast(length)
-        return self._share_bytes(data, int(length.item())).decode()
+        (length,) = self._share_numbers([len(data)], torch.int64)
+        return self._share_bytes(data, length).decode()
 
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank of the island (collective)."""
@@ -144,19 +162,11 @@ class IslandFanout:
         header, heal_tensors = (
             encode_tree(outcome.healed) if outcome.healed is not None else (b"", [])
         )
-        status = torch.tensor(
-            [
-                int(outcome.committed),
-                int(outcome.genesis),
-                outcome.participants,
-                len(header),
-                outcome.heal_bytes,
-                int(outcome.heal_s * 1e6),
-            ],
-            dtype=torch.int64,
+        status = [outcome.committed, outcome.genesis, outcome.participants, len(header)]
+        status += [outcome.heal_bytes, int(outcome.heal_s * 1e6)]
+        committed, genesis, participants, header_len, heal_bytes, heal_us = self._share_numbers(
+            [int(v) for v in status], torch.int64
         )
-        self._broadcast(status)
-        committed, genesis, participants, header_len, heal_bytes, heal_us = status.tolist()
         shared = RoundOutcome(bool(committed), bool(genesis), participants, None, heal_bytes)
         shared.heal_s = heal_us / 1e6
         if header_len:

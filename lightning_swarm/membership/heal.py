@@ -30,13 +30,10 @@ class TensorHealTransport(CheckpointTransport[Any]):
     else torchft's too.
     """
 
-    def __init__(
-        self, pg: ProcessGroup, timeout: timedelta, on_phase: Callable[[str], None] | None = None
-    ) -> None:
+    def __init__(self, pg: ProcessGroup, on_phase: Callable[[str], None]) -> None:
         self._pg = pg
         # The membership's fault hook (tests): "heal_send" / "heal_recv" after the header.
         self._on_phase = on_phase
-        self._timeout = timeout
         self.timeout_for: Callable[[int], timedelta] | None = None
         self.last_heal_bytes = 0
         self.last_heal_s = 0.0
@@ -58,8 +55,7 @@ class TensorHealTransport(CheckpointTransport[Any]):
                 self._pg.send([length], dst, tag=_TAG_LENGTH),
                 self._pg.send([header_t], dst, tag=_TAG_HEADER),
             ]
-            if self._on_phase is not None:
-                self._on_phase("heal_send")
+            self._on_phase("heal_send")
             works += [
                 self._pg.send([t], dst, tag=_TAG_FIRST_TENSOR + i)
                 for i, t in enumerate(tensors)
@@ -78,8 +74,7 @@ class TensorHealTransport(CheckpointTransport[Any]):
         header_t = torch.empty(int(length.item()), dtype=torch.uint8)
         self._pg.recv([header_t], src_rank, tag=_TAG_HEADER).wait(timeout)
         header = header_t.numpy().tobytes()
-        if self._on_phase is not None:
-            self._on_phase("heal_recv")
+        self._on_phase("heal_recv")
         payload = [torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)]
         works = [
             self._pg.recv([t], src_rank, tag=_TAG_FIRST_TENSOR + i)

@@ -28,7 +28,6 @@ from lightning_swarm.membership.errors import (
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.membership.torchft_private import (
-    count_commit_failure,
     forget_failed_quorum,
     set_up_group_for_this_quorum,
     tap_quorums,
@@ -41,11 +40,6 @@ RETRY_SPACING_S = 1.0
 def quorum_retries_for(quorum_timeout_s: float) -> int:
     """torchft's ``quorum_retries`` that spaces its attempts about ``RETRY_SPACING_S`` apart."""
     return max(1, math.ceil(quorum_timeout_s / RETRY_SPACING_S))
-
-
-def lighthouse_answers(address: str, timeout_s: float = 2.0) -> bool:
-    """Whether anything accepts a TCP connection at the lighthouse's address."""
-    return lighthouse_problem(address, timeout_s) is None
 
 
 def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
@@ -98,7 +92,7 @@ def request_quorum(
 def quorum_error(config: ElasticConfig, away_s: float) -> MembershipError:
     """The error of a quorum that did not come, naming the likely cause."""
     name, timeout = config.island_id, config.quorum_timeout_s
-    if not lighthouse_answers(config.lighthouse):
+    if lighthouse_problem(config.lighthouse) is not None:
         return LighthouseLostError(
             f"island {name!r}: the lighthouse at {config.lighthouse} stopped answering and did "
             f"not come back within quorum_timeout_s={timeout}; this island stops here (its "
@@ -130,9 +124,9 @@ class QuorumIdentity:
     (``torchft_private.tap_quorums``) and has torchft set the group up anew, under a prefix named
     by the quorum's id, members and ``max_step``. Within one lighthouse's life that name is new
     for every quorum (a committed round raises ``max_step``; one committed nowhere is reported
-    by ``count_failed_vote``, on which the lighthouse raises the id). Across a restart a repeated
-    name fails its set-up within about twice the round timeout, is reported, and the next quorum
-    has a new id. The price is one group set-up per round.
+    by ``count_commit_failure``, on which the lighthouse raises the id). Across a restart a
+    repeated name fails its set-up within about twice the round timeout, is reported, and the
+    next quorum has a new id. The price is one group set-up per round.
     """
 
     def __init__(self, manager: Any) -> None:
@@ -153,14 +147,6 @@ def quorum_name(quorum_id: int, replica_ids: Sequence[str], max_step: int) -> st
     """A quorum's name: the same on every member, new for every quorum of one lighthouse."""
     members = ",".join(replica_ids)
     return hashlib.sha256(f"{quorum_id}/{members}/{max_step}".encode()).hexdigest()[:16]
-
-
-def count_failed_vote(manager: Any) -> None:
-    """Count a round that ended without torchft's vote (the vote timed out, or the island's
-    manager server went away) as torchft counts a "no": the island's next quorum request then
-    reports a commit failure, and the lighthouse gives that quorum a new id, so no member
-    reuses the rendezvous prefix of a round that failed."""
-    count_commit_failure(manager)
 
 
 class ShortRounds:

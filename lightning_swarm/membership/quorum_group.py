@@ -33,8 +33,9 @@ class QuorumGroup(ProcessGroupGloo):
     ``prefix`` maps the store address torchft asks for (``host:port/torchft/<id>/<rank>``) to the
     one to use (``QuorumIdentity.store_prefix``); ``on_setup`` runs first (a test's fault hook).
     The group's private fields are written through ``torchft_private``. ``timeout`` bounds its
-    store connects and, a fifth of it, gloo's first connects; its collectives get
-    ``collective_timeout`` (``timeout`` until ``bound_collectives`` sets another).
+    store connects and, a fifth of it, gloo's first connects; the collectives of the groups set
+    up later get ``collective_timeout`` (``timeout`` until the owner sets the round's, which grows
+    with its payload, before the quorum request that sets the next one up).
     """
 
     def __init__(
@@ -65,12 +66,6 @@ class QuorumGroup(ProcessGroupGloo):
         while len(self._stores) > KEPT_STORES:
             self._stores.popitem(last=False)
         return store
-
-    def bound_collectives(self, timeout: datetime.timedelta) -> None:
-        """Bound the collectives of the groups set up from now on (every quorum sets one up)
-        by ``timeout``: the round's, which grows with its payload. Call it before the quorum
-        request, on the thread that makes it, so no set-up runs meanwhile."""
-        self.collective_timeout = timeout
 
     def configure(
         self,

@@ -3,7 +3,7 @@
 A lighthouse forms a quorum once its join timeout ran out for the earliest asker, so a timeout
 shorter than the spread of the islands' round ends leaves live islands out (``docs/elastic.md``).
 ``QuorumWatch`` reads each header's (island id hash, nonce): a member missing from one round and
-back with the same nonce was alive all along. After ``returns_to_warn`` such returns it warns
+back with the same nonce was alive all along. After ``RETURNS_TO_WARN`` such returns it warns
 once, naming the fix; one return alone may be a suspended island.
 """
 
@@ -14,13 +14,14 @@ from collections.abc import Sequence
 
 from lightning_swarm.membership.round_header import HeaderRow
 
+RETURNS_TO_WARN = 2
+
 
 class QuorumWatch:
     """Counts live islands that quorums left out, and warns once (see the module docstring)."""
 
-    def __init__(self, island_id: str, returns_to_warn: int = 2) -> None:
+    def __init__(self, island_id: str) -> None:
         self.island_id = island_id
-        self.returns_to_warn = returns_to_warn
         self.returns = 0
         self._previous: set[tuple[int, int]] = set()
         self._missing: set[tuple[int, int]] = set()
@@ -32,7 +33,7 @@ class QuorumWatch:
         self.returns += len(members & self._missing)
         self._missing = (self._missing | self._previous) - members
         self._previous = members
-        if self.returns >= self.returns_to_warn and not self._warned:
+        if self.returns >= RETURNS_TO_WARN and not self._warned:
             self._warned = True
             warnings.warn(
                 f"island {self.island_id!r}: live islands were left out of quorums and came back "

@@ -49,11 +49,9 @@ def _json_value(value: object) -> Any:
     return repr(value)
 
 
-def optimizer_settings(
-    optimizer: torch.optim.Optimizer, prefix: str = "outer_optimizer"
-) -> Settings:
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> Settings:
     """An optimizer's class and the hyper-parameters of each of its parameter groups."""
-    cls = type(optimizer)
+    prefix, cls = "outer_optimizer", type(optimizer)
     settings: Settings = {prefix: f"{cls.__module__}.{cls.__qualname__}"}
     for index, group in enumerate(optimizer.param_groups):
         key = prefix if len(optimizer.param_groups) == 1 else f"{prefix}[{index}]"

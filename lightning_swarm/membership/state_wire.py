@@ -9,6 +9,8 @@ The byte tensors alias the caller's contiguous tensors: valid only for the durat
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,7 +68,7 @@ def _encode(value: Any, tensors: list[Tensor]) -> Any:
 def tensor_specs(header: bytes) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """(dtype, shape) of every tensor the header names, in wire order."""
     specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
-    _walk_specs(_load(header), specs)
+    _decode(_load(header), lambda body: specs.append(_spec(body)))
     return specs
 
 
@@ -77,19 +79,11 @@ def _load(header: bytes) -> Any:
         raise ValueError(f"a healing header is not valid JSON ({err})") from err
 
 
-def _walk_specs(node: Any, specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> None:
-    kind, body = _node(node)
-    if kind == "T":
-        dtype_name, shape = body
-        if dtype_name not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"a healing header names an unknown tensor {body!r}")
-        specs.append((_DTYPES[dtype_name], tuple(shape)))
-    elif kind == "D":
-        for _key, item in body:
-            _walk_specs(item, specs)
-    elif kind in ("L", "U"):
-        for item in body:
-            _walk_specs(item, specs)
+def _spec(body: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype_name, shape = body
+    if dtype_name not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ValueError(f"a healing header names an unknown tensor {body!r}")
+    return _DTYPES[dtype_name], tuple(shape)
 
 
 def _node(node: Any) -> tuple[str, Any]:
@@ -102,10 +96,7 @@ def _node(node: Any) -> tuple[str, Any]:
 
 
 def byte_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for s in shape:
-        numel *= s
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
@@ -118,19 +109,21 @@ def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
         if raw.numel() != byte_size(dtype, shape):
             raise ValueError(f"a healing tensor of {shape} {dtype} arrived with {raw.numel()} B")
         tensors.append(raw.view(dtype).reshape(shape))
-    return _decode(_load(header), iter(tensors))
+    received = iter(tensors)
+    return _decode(_load(header), lambda _body: next(received))
 
 
-def _decode(node: Any, tensors: Any) -> Any:
+def _decode(node: Any, tensor: Callable[[Any], Any]) -> Any:
+    """The tree under ``node``, each tensor node's body passed to ``tensor`` in wire order."""
     kind, body = _node(node)
     if kind == "T":
-        return next(tensors)
+        return tensor(body)
     if kind == "D":
-        return {key: _decode(item, tensors) for key, item in body}
+        return {key: _decode(item, tensor) for key, item in body}
     if kind == "L":
-        return [_decode(item, tensors) for item in body]
+        return [_decode(item, tensor) for item in body]
     if kind == "U":
-        return tuple(_decode(item, tensors) for item in body)
+        return tuple(_decode(item, tensor) for item in body)
     if body is not None and not isinstance(body, bool | int | float | str):
         raise ValueError(f"a healing header holds a non-scalar value {body!r:.80}")
     return body

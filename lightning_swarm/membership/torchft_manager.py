@@ -10,6 +10,7 @@ group and heal transport until ``TorchftMembership.close``.
 from __future__ import annotations
 
 import datetime
+import functools
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +59,6 @@ class RankManager:
     manager: Any
     pg: Any
     heal_transport: Any
-    identity: QuorumIdentity
     store: IslandStore
 
 
@@ -80,37 +80,22 @@ def start_island_managers(
         LighthouseUnreachableError: on every rank of the island, when a position could not
             reach the lighthouse (or position 0's manager server).
     """
-    world_size = fanout.size if per_rank else 1
-    parts, error = None, None
-    if fanout.is_leader:
-        try:
-            store = IslandStore.host_here()
-            parts = start_manager(
-                config,
-                store,
-                rank=0,
-                world_size=world_size,
-                load_fn=load_fn,
-                state_fn=state_fn,
-                on_phase=on_phase,
-            )
-        except MembershipError as err:
-            error = err
-    fanout.share_error(error)
+    start = functools.partial(
+        start_manager,
+        config,
+        world_size=fanout.size if per_rank else 1,
+        load_fn=load_fn,
+        state_fn=state_fn,
+        on_phase=on_phase,
+    )
+    parts = fanout.on_leader(lambda: start(IslandStore.host_here(), rank=0), None)
     if not per_rank:
         return parts
     address = fanout.share_text(parts.store.address() if parts is not None else "")
+    error = None
     if not fanout.is_leader:
         try:
-            parts = start_manager(
-                config,
-                IslandStore.parse(address),
-                rank=fanout.position,
-                world_size=world_size,
-                load_fn=load_fn,
-                state_fn=state_fn,
-                on_phase=on_phase,
-            )
+            parts = start(IslandStore.parse(address), rank=fanout.position)
         except MembershipError as err:
             error = err
     fanout.agree_round(error, committed=True, healed=False)
@@ -154,7 +139,7 @@ def start_manager(
         prefix=lambda store_addr: holder[0].store_prefix(store_addr),
         on_setup=lambda: on_phase("pg_setup"),
     )
-    heal_transport = TensorHealTransport(pg, base, on_phase=on_phase)
+    heal_transport = TensorHealTransport(pg, on_phase=on_phase)
     try:
         manager = Manager(
             pg=pg,
@@ -182,6 +167,5 @@ def start_manager(
             f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
             "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
         ) from err
-    identity = QuorumIdentity(manager)
-    holder.append(identity)
-    return RankManager(manager, pg, heal_transport, identity, store)
+    holder.append(QuorumIdentity(manager))  # kept alive by ``pg``'s prefix
+    return RankManager(manager, pg, heal_transport, store)

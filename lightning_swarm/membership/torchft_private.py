@@ -86,9 +86,10 @@ def count_commit_failure(manager: Any) -> None:
     """Add one to ``Manager._commit_failures``, which the next quorum request reports.
 
     torchft 0.2.0 counts only votes that returned (``should_commit``); a round whose vote
-    timed out, or whose manager server went away, must count too so the lighthouse gives the
-    next quorum a new id (``quorum.count_failed_vote``). No public call counts a failure.
-    If it changes, a failed round's quorum id may repeat, and so its rendezvous prefix.
+    timed out, or whose manager server went away, must count as a "no" too, so the lighthouse
+    gives the next quorum a new id and no member reuses a failed round's rendezvous prefix
+    (``quorum.QuorumIdentity``). No public call counts a failure. If it changes, a failed
+    round's quorum id may repeat, and so its rendezvous prefix.
     """
     _require(manager, MANAGER, "_commit_failures")
     manager._commit_failures += 1

@@ -46,7 +46,7 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
-from lightning_swarm.membership.quorum import ShortRounds, count_failed_vote, request_quorum
+from lightning_swarm.membership.quorum import ShortRounds, request_quorum
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
@@ -65,6 +65,7 @@ from lightning_swarm.membership.round_header import (
 )
 from lightning_swarm.membership.suspension import SuspensionWatch
 from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
+from lightning_swarm.membership.torchft_private import count_commit_failure
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 from lightning_swarm.transport.base import (
     Bucket,
@@ -175,19 +176,15 @@ class TorchftMembership:
         self._last_commit_at = time.monotonic()
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
-        self._rows: list[HeaderRow] = []  # the last round header's
         self._island_healed = False
         # This rank's link rate, measured by its own exchanges, and the bound of the round in
         # progress (``ElasticConfig.timeouts``).
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
         self._weighed = False  # the round in progress carries work (a time budget)
-        self._start_managers()
-
-    def _start_managers(self) -> None:
-        """This rank's Manager, if it talks to torchft; rank 0's first (collective)."""
+        # This rank's Manager, if it talks to torchft; rank 0's first (collective).
         parts = start_island_managers(
-            self.config,
+            config,
             self._fanout,
             per_rank=self.per_rank,
             load_fn=self._load_healed,
@@ -197,7 +194,7 @@ class TorchftMembership:
         if parts is not None:
             self._parts = parts  # keeps the island's store alive on its rank 0
             self._manager, self._pg = parts.manager, parts.pg
-            self.heal_transport, self._identity = parts.heal_transport, parts.identity
+            self.heal_transport = parts.heal_transport
             self.heal_transport.timeout_for = self._heal_timeout
             self._watch = SuspensionWatch()
 
@@ -246,29 +243,23 @@ class TorchftMembership:
         work = request.work
         self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
         self._weighed = work is not None
-        finite, names, round_index = request.finite, request.names, request.round_index
         self._started, self.last_round_bytes = [], 0
         self._error, self._failed, self._island_healed = None, False, False
         self._outcome = RoundOutcome()
-        place = request.place or RoundPlace(0, 0, 0)
         if self.per_rank:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
-            finite = self._fanout.all_true(finite)
+            finite = self._fanout.all_true(request.finite)
             try:
-                return self._lead_open(finite, place, round_index, names)
+                return self._lead_open(request, finite)
             except MembershipError as err:
                 self._error = err  # the island agrees on it at ``agree``
             except Exception:  # e.g. position 0's manager server went away
                 self._failed = True  # abandoned, as torchft's own errors are
-                count_failed_vote(self._manager)
+                count_commit_failure(self._manager)
             return Opening(abandon=True)
-        opening, error = Opening(), None
-        if self._fanout.is_leader:
-            try:
-                opening = self._lead_open(finite, place, round_index, names)
-            except MembershipError as err:
-                error = err
-        self._fanout.share_error(error)
+        opening = self._fanout.on_leader(
+            lambda: self._lead_open(request, request.finite), Opening()
+        )
         return self._fanout.share_opening(opening)
 
     def start(self, bucket: Bucket) -> Handle:
@@ -301,13 +292,7 @@ class TorchftMembership:
 
     def _fanned_agree(self) -> RoundOutcome:
         """Rank 0 votes; the island's other ranks receive its outcome and the means."""
-        outcome, error = RoundOutcome(), None
-        if self._fanout.is_leader:
-            try:
-                outcome = self._lead_agree()
-            except MembershipError as err:
-                error = err
-        self._fanout.share_error(error)
+        outcome = self._fanout.on_leader(self._lead_agree, RoundOutcome())
         outcome = self._fanout.share_outcome(outcome, self._started)
         self._island_healed = outcome.healed is not None
         return outcome
@@ -321,41 +306,43 @@ class TorchftMembership:
             except MembershipError as err:
                 error = err
             except Exception:  # e.g. position 0's manager server went away
-                count_failed_vote(self._manager)
+                count_commit_failure(self._manager)
                 outcome = RoundOutcome()
         outcome.committed, self._island_healed = self._fanout.agree_round(
             error, outcome.committed, outcome.healed is not None
         )
         return outcome
 
-    def _lead_open(
-        self, finite: bool, place: RoundPlace, round_index: int, names: Mapping[str, torch.Size]
-    ) -> Opening:
-        """Quorum, header and plan as this rank sees them (no island collective)."""
+    def _lead_open(self, request: RoundRequest, finite: bool) -> Opening:
+        """Quorum, header and plan as this rank sees them (no island collective); ``finite``
+        replaces ``request.finite`` (per rank: the island's)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
         # The round's bound, before the quorum sets its group up with it.
-        self._link.begin(round_index, names)
+        self._link.begin(request.round_index, request.names)
         timeouts = self.config.timeouts
         self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
-        self._pg.bound_collectives(seconds(self.round_timeout_s))
+        # Before the quorum request, on its thread: no set-up runs meanwhile.
+        self._pg.collective_timeout = seconds(self.round_timeout_s)
         self._phase("quorum")
-        self._quorum()
+        assert self._watch is not None, "a rank that talks to torchft watches for suspensions"
+        request_quorum(manager, self.config, self._watch, self._last_commit_at)
         healing = not manager.is_participating()
         self._outcome = RoundOutcome(
             genesis=manager.current_step() == 0, participants=manager.num_participants()
         )
         self._link.num_islands = self._outcome.participants
         self._phase("header")
-        self._row.fragment, self._row.send_step, self._row.apply_step = astuple(place)
-        conflict = self._check_round_header(healing, finite)
-        opening = Opening(abandon=True) if conflict else opening_of(self._rows, self._row)
-        if opening.abandon and not conflict:
+        place = astuple(request.place or RoundPlace(0, 0, 0))
+        self._row.fragment, self._row.send_step, self._row.apply_step = place
+        rows = self._check_round_header(healing, finite)
+        opening = Opening(abandon=True) if rows is None else opening_of(rows, self._row)
+        if opening.abandon and rows is not None:
             manager.report_error(MembershipError("the islands were at different fragments"))
-        if self._weighed and not opening.abandon:
+        if self._weighed and rows is not None and not opening.abandon:
             try:
-                opening = weighed(self._rows, self._row, opening)
+                opening = weighed(rows, self._row, opening)
             except BadWorkError as err:  # every member reads the same rows: all abandon
                 if self._fanout.is_leader:
                     log.error("island %r abandons this round: %s", self.config.island_id, err)
@@ -389,7 +376,7 @@ class TorchftMembership:
         try:
             return bool(self._manager.should_commit(timeout=seconds(self.round_timeout_s)))
         except TimeoutError:
-            count_failed_vote(self._manager)
+            count_commit_failure(self._manager)
             return False
 
     def _phase(self, name: str) -> None:
@@ -397,23 +384,19 @@ class TorchftMembership:
         if self.on_phase is not None:
             self.on_phase(name, self._rounds_started - 1)
 
-    def _quorum(self) -> None:
-        assert self._watch is not None, "the island's rank 0 watches for suspensions"
-        request_quorum(self._manager, self.config, self._watch, self._last_commit_at)
-
-    def _check_round_header(self, healing: bool, finite: bool) -> bool:
-        """All-gather the round header (``round_header``); True when the round is abandoned.
+    def _check_round_header(self, healing: bool, finite: bool) -> list[HeaderRow] | None:
+        """All-gather the round header (``round_header``): its rows, ``None`` when the round
+        is abandoned.
 
         Raises the refusal of this island when the header shows it is at fault.
         """
         self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
-            rows = self._gather_rows()
+            rows = [HeaderRow.of(r) for r in self._allgather(self._row.tensor())]
             swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
-            return True
-        self._rows = rows
+            return None
         verdict = judge(rows, self._row)
         if self._fanout.is_leader:  # one warning per island
             self._quorum_watch.see(rows)
@@ -421,20 +404,18 @@ class TorchftMembership:
             self._refuse(verdict, rows, healing, swarm_settings)
         if verdict is Verdict.ABANDON:
             self._manager.report_error(MembershipError("a refused island was in the round"))
-            return True
-        return False
+            return None
+        return rows
 
-    def _gather_rows(self) -> list[HeaderRow]:
-        mine = self._row.tensor()
-        rows = [torch.empty_like(mine) for _ in range(self._pg.size())]
-        self._pg.allgather([rows], [mine], AllgatherOptions()).wait()
-        return [HeaderRow.of(r) for r in rows]
+    def _allgather(self, mine: Tensor) -> list[Tensor]:
+        """Every member's ``mine`` (equal shapes) over the quorum's group, in its order."""
+        gathered = [torch.empty_like(mine) for _ in range(self._pg.size())]
+        self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+        return gathered
 
     def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
         """Every member's settings (the hashes disagree); returns the swarm's reference."""
-        mine = settings_tensor(encode_settings(self._settings), rows)
-        gathered = [torch.empty_like(mine) for _ in rows]
-        self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
+        gathered = self._allgather(settings_tensor(encode_settings(self._settings), rows))
         index = reference_index(rows)
         return decode_settings(gathered[index], rows[index].settings_len)
 
