@@ -129,12 +129,7 @@ class SwarmRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The record as saved, sealed by ``record_checksum``."""
-        body = self._body()
-        body[_CHECKSUM] = record_checksum(body)
-        return body
-
-    def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": FORMAT_VERSION,
             "save_id": self.save_id,
             "fingerprint": self.fingerprint,
@@ -151,6 +146,8 @@ class SwarmRecord:
                 else {_ISLAND_LOOPS: [loops.to_dict() for loops in self.island_loops]}
             ),
         }
+        body[_CHECKSUM] = record_checksum(body)
+        return body
 
     @classmethod
     def of(cls, checkpoint: object, what: str) -> SwarmRecord | None:
@@ -263,18 +260,11 @@ class TotalsRecord:
 
     @classmethod
     def of(cls, totals: Totals) -> TotalsRecord:
-        return cls(
-            outer_steps=totals.outer_steps,
-            bytes_sent=totals.bytes_sent,
-            bytes_received=totals.bytes_received,
-            sync_wall_s=totals.sync_wall_s,
-        )
+        return cls(**{f.name: getattr(totals, f.name) for f in fields(cls)})
 
     def install(self, totals: Totals) -> None:
-        totals.outer_steps = self.outer_steps
-        totals.bytes_sent = self.bytes_sent
-        totals.bytes_received = self.bytes_received
-        totals.sync_wall_s = self.sync_wall_s
+        for f in fields(self):
+            setattr(totals, f.name, getattr(self, f.name))
 
 
 @dataclass(frozen=True)
