@@ -8,7 +8,7 @@ saves older than the per-fragment counters. Tensors are never copied.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import Tensor
@@ -43,18 +43,11 @@ class PendingRound:
     share_norm: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "fragment": self.fragment,
-            "send_step": self.send_step,
-            "deltas": self.deltas,
-            "applied": self.applied,
-            "norm": self.norm,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "transport_s": self.transport_s,
-        }
-        if self.share_norm is not None:
-            out["share_norm"] = self.share_norm
+        """Every field by name (the tensors themselves, not copies); ``share_norm`` only when
+        set."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.share_norm is None:
+            del out["share_norm"]
         return out
 
     @classmethod
