@@ -5,11 +5,9 @@ Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here onl
 per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
 ``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
 An ``OuterSync``'s global state inside ``AnchorsRecord`` is an ``OuterRecord`` (``outer_record``).
-``SwarmRecord`` also repeats Lightning's step counters: ``check_loop_state`` refuses a Lightning
-file whose counters differ, which would otherwise resume at a step the anchors were not saved at.
-Under a time budget (``sync_every_s``) islands step at their own pace, so the record also holds
-each island's own Lightning loop state (``IslandLoops``; the Lightning file holds island 0's),
-which ``use_island_loops`` hands to Lightning before it restores its loops.
+``SwarmRecord`` also repeats Lightning's step counters, so that ``check_loop_state`` can refuse a
+Lightning file saved at another step than the anchors, and, under a time budget, each island's
+own loop state (``IslandLoops``, handed to Lightning by ``use_island_loops``).
 """
 
 from __future__ import annotations

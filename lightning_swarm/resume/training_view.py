@@ -30,9 +30,6 @@ class OuterState(Protocol):
     def params(self) -> Mapping[str, torch.nn.Parameter]: ...
 
     @property
-    def anchors(self) -> Mapping[str, Tensor]: ...
-
-    @property
     def owned(self) -> Sequence[str]: ...
 
     @property
