@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from lightning_swarm.resume.restore import (
     load_sources,
     newest_source,
 )
-from lightning_swarm.resume.save import discard_save, remove_swarm_state, save_swarm_state
+from lightning_swarm.resume.save import discard_save, save_swarm_state
 from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
@@ -166,8 +167,9 @@ class SwarmCheckpointer:
 
     @staticmethod
     def remove(filepath: Any) -> None:
-        """Delete a removed checkpoint's swarm directory (global rank 0)."""
-        remove_swarm_state(filepath)
+        """Delete a removed checkpoint's swarm directory (ModelCheckpoint's top-k pruning;
+        global rank 0)."""
+        shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
 
 def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: int) -> None:

@@ -228,8 +228,3 @@ def discard_save(root: Path, save_id: str) -> None:
     release_save(root, save_id)
     with contextlib.suppress(OSError):  # not empty: an older save lives there
         root.rmdir()
-
-
-def remove_swarm_state(filepath: Any) -> None:
-    """Delete the swarm directory of a Lightning checkpoint (ModelCheckpoint's top-k pruning)."""
-    shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
