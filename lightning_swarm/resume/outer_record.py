@@ -111,15 +111,14 @@ class OuterRecord:
         Raises:
             KeyError: a key every layout has is missing.
         """
-        rounds, synced, ended = data.get("fragment_rounds"), data.get("synced_at"), None
-        if data.get("ended_at") is not None:
-            ended = int(data["ended_at"])
+        rounds, synced = data.get("fragment_rounds"), data.get("synced_at")
+        ended = data.get("ended_at")
         counters = OuterCounters(
             inner_steps=int(data["inner_steps"]),
             outer_steps=int(data["outer_steps"]),
             fragment_rounds=None if rounds is None else [int(v) for v in rounds],
             synced_at=None if synced is None else [None if v is None else int(v) for v in synced],
-            ended_at=ended,
+            ended_at=None if ended is None else int(ended),
         )
         pending, names, share = data.get("pending"), data.get("param_names"), data.get("share")
         return cls(
