@@ -13,7 +13,6 @@ callback. Mapped tensors are held by the ``OuterSync`` objects only, never here.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -158,12 +157,12 @@ class SwarmCheckpointer:
     @staticmethod
     def prune(filepath: Any, keep: str) -> None:
         """After the Lightning file names ``keep``: remove older saves (global rank 0)."""
-        prune_saves(swarm_root(os.fspath(filepath)), keep=keep)
+        prune_saves(swarm_root(filepath), keep=keep)
 
     @staticmethod
     def discard(filepath: Any, save_id: str) -> None:
         """Remove save ``save_id`` when its Lightning file could not be written (rank 0)."""
-        discard_save(swarm_root(os.fspath(filepath)), save_id)
+        discard_save(swarm_root(filepath), save_id)
 
     @staticmethod
     def remove(filepath: Any) -> None:
