@@ -4,8 +4,8 @@ Lightning's ``TorchCheckpointIO`` writes to the system's temporary folder and mo
 over the checkpoint; across filesystems that move is a copy, and a full disk leaves a truncated
 ``.ckpt`` under the real name. Here the file goes through ``resume.atomic.atomic_save``: the old
 file or the whole new one, and a full disk raises ``DiskFullError``. A user's own checkpoint IO
-is kept; remote paths and loading are ``TorchCheckpointIO``'s. ``save_failure`` and
-``read_lightning_file`` serve the strategy's checkpoint hooks.
+is kept; remote paths and loading are ``TorchCheckpointIO``'s. ``read_lightning_file`` serves
+the strategy's checkpoint hooks.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
-from lightning_swarm.resume.atomic import atomic_save, is_disk_full
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.atomic import atomic_save
 
 _T = TypeVar("_T")
 
@@ -39,18 +39,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(text.removeprefix("file://"))
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_save(checkpoint, target)
-
-
-def save_failure(error: Exception, filepath: Any, where: str) -> Exception:
-    """The error every rank raises when ``where`` (e.g. ``"global rank 0: "``, or ``""``
-    alone) could not write the Lightning file ``filepath``; ``error`` is its cause."""
-    text = (
-        f"checkpoint {filepath} was not saved ({where}{type(error).__name__}: {error}); the "
-        "files of this save were removed and the previous checkpoint is untouched."
-    )
-    failure = DiskFullError(text) if is_disk_full(error) else SwarmCheckpointError(text)
-    failure.__cause__ = error
-    return failure
 
 
 def read_lightning_file(path: Any, load: Callable[[], _T]) -> _T:

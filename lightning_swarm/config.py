@@ -269,15 +269,10 @@ class SwarmConfig:
         check_budget_options(self)
         _check_shard_outer(self)
         check_island_parallel(self)
-        if self.timeout_s is not None:
-            after = "600 (a stopped rank then ends the run after 10 minutes)"
-            _check_timeout("timeout_s", self.timeout_s, after)
-        if self.round_timeout_s is not None:
-            _check_timeout(
-                "round_timeout_s",
-                self.round_timeout_s,
-                "300, or None to derive it from each round's payload and the measured link rate",
-            )
+        after = "600 (a stopped rank then ends the run after 10 minutes)"
+        _check_timeout("timeout_s", self.timeout_s, after)
+        derive = "300, or None to derive it from each round's payload and the measured link rate"
+        _check_timeout("round_timeout_s", self.round_timeout_s, derive)
         check_frozen_params(self.frozen_params)
 
     def resume_options(self) -> dict[str, Any]:
@@ -397,8 +392,10 @@ def check_frozen_params(value: object) -> None:
 
 
 def _check_timeout(option: str, value: object, example: str) -> None:
-    """``option``'s ``value`` is a finite number of seconds above zero; ``example`` follows
-    ``option=`` in the message."""
+    """``option``'s ``value`` is None (its default applies) or a finite number of seconds above
+    zero; ``example`` follows ``option=`` in the message."""
+    if value is None:
+        return
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not 0 < float(value) < float("inf"):  # type: ignore[arg-type]
         raise SwarmConfigError(

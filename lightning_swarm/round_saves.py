@@ -92,7 +92,6 @@ class RoundSaves(pl.Callback):
         self._checkpoints = check_round_saves(trainer, seconds)
         self._every = {id(c): c._every_n_train_steps for c in self._checkpoints}
         self._due: list[ModelCheckpoint] = []
-        self._installed = False
         self._last = 0  # the swarm's step count at the last round
 
     @property
@@ -110,7 +109,6 @@ class RoundSaves(pl.Callback):
         callbacks: list[pl.Callback] = self._trainer.callbacks  # type: ignore[attr-defined]
         first = next(i for i, c in enumerate(callbacks) if c in self._checkpoints)
         callbacks.insert(first, self)
-        self._installed = True
 
     def start(self, swarm_steps: int) -> None:
         """Before the first step: the swarm's step count at the last round (0 for a fresh fit;
@@ -152,10 +150,8 @@ class RoundSaves(pl.Callback):
             checkpoint._save_last_checkpoint(trainer, candidates)
 
     def restore(self) -> None:
-        """Give the checkpoints their own trigger back and leave ``trainer.callbacks``."""
-        if not self._installed:
-            return
-        self._installed = False
+        """Give the checkpoints their own trigger back and leave ``trainer.callbacks`` (a no-op
+        when ``install`` never ran: each trigger is then still its own)."""
         for checkpoint in self._checkpoints:
             checkpoint._every_n_train_steps = self._every[id(checkpoint)]
         callbacks: list[pl.Callback] = self._trainer.callbacks  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.between_rounds import IslandSigterm, warn_of_world_collectives
-from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file, save_failure
+from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file
 from lightning_swarm.config import (
     SwarmConfig,
     dtype_name,
@@ -49,6 +49,7 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
+from lightning_swarm.resume.save import save_failure
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.round_saves import RoundSaves
 from lightning_swarm.transport import Transport

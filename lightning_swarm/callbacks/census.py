@@ -179,9 +179,9 @@ class HostMemoryCensus(Callback):
             return {None: metrics}
         if trainer.world_size == 1 or not torch.distributed.is_initialized():
             return {trainer.global_rank: metrics}
-        gathered: list[Any] | None = None
-        if trainer.global_rank == 0:
-            gathered = [None] * trainer.world_size
+        gathered: list[Any] | None = (
+            [None] * trainer.world_size if trainer.global_rank == 0 else None
+        )
         torch.distributed.gather_object(metrics, gathered, dst=0)
         if gathered is None:
             return None
@@ -215,12 +215,8 @@ class HostMemoryCensus(Callback):
         """Anchor bytes inside file-backed mappings; None when unmeasurable (no maps, no CPU
         anchors)."""
         spans = report.anchor_spans()
-        if not spans:
-            return None
-        regions = self.reader.maps()
-        if regions is None:
-            return None
-        return file_backed_overlap(spans, regions)
+        regions = self.reader.maps() if spans else None
+        return None if regions is None else file_backed_overlap(spans, regions)
 
 
 def _summary_line(rank: int | None, metrics: Mapping[str, float]) -> str:

@@ -13,7 +13,7 @@ callback. Mapped tensors are held by the ``OuterSync`` objects only, never here.
 from __future__ import annotations
 
 import logging
-import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from lightning_swarm.resume.restore import (
     load_sources,
     newest_source,
 )
-from lightning_swarm.resume.save import discard_save, remove_swarm_state, save_swarm_state
+from lightning_swarm.resume.save import discard_save, save_swarm_state
 from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
@@ -157,17 +157,18 @@ class SwarmCheckpointer:
     @staticmethod
     def prune(filepath: Any, keep: str) -> None:
         """After the Lightning file names ``keep``: remove older saves (global rank 0)."""
-        prune_saves(swarm_root(os.fspath(filepath)), keep=keep)
+        prune_saves(swarm_root(filepath), keep=keep)
 
     @staticmethod
     def discard(filepath: Any, save_id: str) -> None:
         """Remove save ``save_id`` when its Lightning file could not be written (rank 0)."""
-        discard_save(swarm_root(os.fspath(filepath)), save_id)
+        discard_save(swarm_root(filepath), save_id)
 
     @staticmethod
     def remove(filepath: Any) -> None:
-        """Delete a removed checkpoint's swarm directory (global rank 0)."""
-        remove_swarm_state(filepath)
+        """Delete a removed checkpoint's swarm directory (ModelCheckpoint's top-k pruning;
+        global rank 0)."""
+        shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
 
 def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: int) -> None:

@@ -7,7 +7,7 @@ mapped anchors stay file-backed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,23 +58,16 @@ def check_file(path: Path, expected: FileDigest, *, verify: bool) -> None:
         )
 
 
-def first_non_finite(tensors: Iterable[tuple[str, Any]]) -> str | None:
-    """The name of the first floating tensor holding NaN or inf, or ``None``."""
-    for name, value in tensors:
-        if isinstance(value, Tensor) and value.is_floating_point() and not _finite(value):
-            return name
-    return None
-
-
 def check_finite(tensors: Mapping[str, Any], *, source: Path, what: str) -> None:
-    """Raise ``IntegrityError`` naming ``source`` and the tensor if any value is NaN or inf."""
-    name = first_non_finite(tensors.items())
-    if name is not None:
-        raise IntegrityError(
-            f"non-finite values in {source}: {name} ({what} holds NaN or inf). The run had "
-            "diverged before this checkpoint was saved; the file itself is intact. Resume from "
-            "an earlier checkpoint."
-        )
+    """Raise ``IntegrityError`` naming ``source`` and the first floating tensor holding NaN or
+    inf (values that are not floating tensors are skipped)."""
+    for name, value in tensors.items():
+        if isinstance(value, Tensor) and value.is_floating_point() and not _finite(value):
+            raise IntegrityError(
+                f"non-finite values in {source}: {name} ({what} holds NaN or inf). The run "
+                "had diverged before this checkpoint was saved; the file itself is intact. "
+                "Resume from an earlier checkpoint."
+            )
 
 
 def _finite(tensor: Tensor) -> bool:

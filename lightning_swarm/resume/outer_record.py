@@ -8,7 +8,7 @@ saves older than the per-fragment counters. Tensors are never copied.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import Tensor
@@ -43,18 +43,11 @@ class PendingRound:
     share_norm: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "fragment": self.fragment,
-            "send_step": self.send_step,
-            "deltas": self.deltas,
-            "applied": self.applied,
-            "norm": self.norm,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "transport_s": self.transport_s,
-        }
-        if self.share_norm is not None:
-            out["share_norm"] = self.share_norm
+        """Every field by name (the tensors themselves, not copies); ``share_norm`` only when
+        set."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.share_norm is None:
+            del out["share_norm"]
         return out
 
     @classmethod
@@ -118,15 +111,14 @@ class OuterRecord:
         Raises:
             KeyError: a key every layout has is missing.
         """
-        rounds, synced, ended = data.get("fragment_rounds"), data.get("synced_at"), None
-        if data.get("ended_at") is not None:
-            ended = int(data["ended_at"])
+        rounds, synced = data.get("fragment_rounds"), data.get("synced_at")
+        ended = data.get("ended_at")
         counters = OuterCounters(
             inner_steps=int(data["inner_steps"]),
             outer_steps=int(data["outer_steps"]),
             fragment_rounds=None if rounds is None else [int(v) for v in rounds],
             synced_at=None if synced is None else [None if v is None else int(v) for v in synced],
-            ended_at=ended,
+            ended_at=None if ended is None else int(ended),
         )
         pending, names, share = data.get("pending"), data.get("param_names"), data.get("share")
         return cls(

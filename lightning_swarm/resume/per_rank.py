@@ -17,18 +17,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.resume.files import (
-    anchor_shard_file_name,
-)
+from lightning_swarm.resume.files import anchor_shard_file_name
 from lightning_swarm.resume.fingerprint import compare_fingerprints
 from lightning_swarm.resume.integrity import check_finite
 from lightning_swarm.resume.option_changes import refuse_unusable
-from lightning_swarm.resume.records import (
-    AnchorsRecord,
-    FileDigest,
-    IslandRecord,
-    TotalsRecord,
-)
+from lightning_swarm.resume.records import AnchorsRecord, FileDigest, IslandRecord, TotalsRecord
 from lightning_swarm.resume.restore import (
     Source,
     attempt,
@@ -38,7 +31,7 @@ from lightning_swarm.resume.restore import (
     read_file,
 )
 from lightning_swarm.resume.save import current_fingerprint, save_swarm_state, write_file
-from lightning_swarm.resume.training_view import ModelShards, TrainingView
+from lightning_swarm.resume.training_view import TrainingView
 
 MESH_KEY = "island_mesh"
 
@@ -47,14 +40,10 @@ def island_rank_file_name(island: int, position: int) -> str:
     return f"island-{island:05d}-rank-{position:05d}.pt"
 
 
-def shards_of(host: TrainingView) -> ModelShards:
-    assert host.model_shards is not None, "a per-rank save needs a model-sharded view"
-    return host.model_shards
-
-
 def mesh_fingerprint(host: TrainingView) -> dict[str, Any]:
     """``current_fingerprint`` with global shapes (equal on every rank) and the island mesh."""
-    shards = shards_of(host)
+    shards = host.model_shards
+    assert shards is not None, "a per-rank save needs a model-sharded view"
     fingerprint = current_fingerprint(host, shards.global_shapes)
     fingerprint[MESH_KEY] = dict(shards.mesh)
     return fingerprint

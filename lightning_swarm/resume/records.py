@@ -5,11 +5,9 @@ Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here onl
 per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
 ``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
 An ``OuterSync``'s global state inside ``AnchorsRecord`` is an ``OuterRecord`` (``outer_record``).
-``SwarmRecord`` also repeats Lightning's step counters: ``check_loop_state`` refuses a Lightning
-file whose counters differ, which would otherwise resume at a step the anchors were not saved at.
-Under a time budget (``sync_every_s``) islands step at their own pace, so the record also holds
-each island's own Lightning loop state (``IslandLoops``; the Lightning file holds island 0's),
-which ``use_island_loops`` hands to Lightning before it restores its loops.
+``SwarmRecord`` also repeats Lightning's step counters, so that ``check_loop_state`` can refuse a
+Lightning file saved at another step than the anchors, and, under a time budget, each island's
+own loop state (``IslandLoops``, handed to Lightning by ``use_island_loops``).
 """
 
 from __future__ import annotations
@@ -129,12 +127,7 @@ class SwarmRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The record as saved, sealed by ``record_checksum``."""
-        body = self._body()
-        body[_CHECKSUM] = record_checksum(body)
-        return body
-
-    def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": FORMAT_VERSION,
             "save_id": self.save_id,
             "fingerprint": self.fingerprint,
@@ -151,6 +144,8 @@ class SwarmRecord:
                 else {_ISLAND_LOOPS: [loops.to_dict() for loops in self.island_loops]}
             ),
         }
+        body[_CHECKSUM] = record_checksum(body)
+        return body
 
     @classmethod
     def of(cls, checkpoint: object, what: str) -> SwarmRecord | None:
@@ -263,18 +258,11 @@ class TotalsRecord:
 
     @classmethod
     def of(cls, totals: Totals) -> TotalsRecord:
-        return cls(
-            outer_steps=totals.outer_steps,
-            bytes_sent=totals.bytes_sent,
-            bytes_received=totals.bytes_received,
-            sync_wall_s=totals.sync_wall_s,
-        )
+        return cls(**{f.name: getattr(totals, f.name) for f in fields(cls)})
 
     def install(self, totals: Totals) -> None:
-        totals.outer_steps = self.outer_steps
-        totals.bytes_sent = self.bytes_sent
-        totals.bytes_received = self.bytes_received
-        totals.sync_wall_s = self.sync_wall_s
+        for f in fields(self):
+            setattr(totals, f.name, getattr(self, f.name))
 
 
 @dataclass(frozen=True)

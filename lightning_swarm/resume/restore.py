@@ -39,12 +39,7 @@ from lightning_swarm.resume.files import (
 from lightning_swarm.resume.fingerprint import compare_fingerprints
 from lightning_swarm.resume.integrity import check_file, check_finite
 from lightning_swarm.resume.option_changes import refuse_unusable
-from lightning_swarm.resume.records import (
-    AnchorsRecord,
-    IslandRecord,
-    SwarmRecord,
-    merge_shards,
-)
+from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, merge_shards
 from lightning_swarm.resume.save import current_fingerprint
 from lightning_swarm.resume.training_view import Collectives, TrainingView
 from lightning_swarm.transport.agree import agree
@@ -75,20 +70,17 @@ class Loaded:
     legacy: list[Path] = field(default_factory=list)
 
 
-def check_island_paths(paths: Mapping[int, Path], num_islands: int) -> None:
-    """``SwarmResume(island_ckpt_paths=...)`` may name only islands that exist."""
-    bad = sorted(i for i in paths if not 0 <= i < num_islands)
+def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> Source:
+    """This island's source after checking ``main`` and the keys of ``island_paths`` against
+    this run (collective-free)."""
+    num_islands = host.topology.num_islands
+    bad = sorted(i for i in island_paths if not 0 <= i < num_islands)
     if bad:
         raise SwarmCheckpointError(
             f"SwarmResume(island_ckpt_paths=...) names island(s) {bad}, but this run has "
             f"{num_islands} island(s), numbered 0 .. {num_islands - 1}; fix the keys of "
             "island_ckpt_paths."
         )
-
-
-def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> Source:
-    """This island's source after checking ``main`` against this run (collective-free)."""
-    check_island_paths(island_paths, host.topology.num_islands)
     compare_fingerprints(main.record.fingerprint, current_fingerprint(host))
     refuse_unusable(main.record.options, host.options)
     island = host.topology.island_index

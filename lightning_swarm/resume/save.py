@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
-from lightning_swarm.resume.atomic import atomic_save
+from lightning_swarm.resume.atomic import atomic_save, is_disk_full
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
@@ -105,7 +105,8 @@ def save_swarm_state(
     try:
         (write or _write_own_files)(host, directory, save_id, written)
     except Exception as err:
-        error = _save_error(err, comm.rank, host.topology.world_size, filepath)
+        where = "" if host.topology.world_size == 1 else f"rank {comm.rank}: "
+        error = save_failure(err, filepath, where)
 
     def remove_this_save() -> None:
         # Every writer is done (the gather waited for all): nothing of this save is kept, and
@@ -193,20 +194,19 @@ def _write_own_files(
         write_file(directory, name, anchors.to_dict(), written)
 
 
-def _save_error(
-    err: Exception, rank: int, world: int, filepath: Any
+def save_failure(
+    error: Exception, filepath: Any, where: str
 ) -> SwarmCheckpointError | DiskFullError:
-    """The error every rank raises when this rank's write failed, naming the rank and why."""
-    where = "" if world == 1 else f"rank {rank}: "
-    message = (
-        f"checkpoint {filepath} was not saved ({where}{type(err).__name__}: {err}); the files "
-        "of this save were removed and the previous checkpoint is untouched."
+    """The error every rank raises when ``where`` (e.g. ``"rank 3: "``, or ``""`` alone) could
+    not write its part of checkpoint ``filepath`` (a swarm file, or the Lightning file);
+    ``error`` is its cause. A full device gives a ``DiskFullError``."""
+    text = (
+        f"checkpoint {filepath} was not saved ({where}{type(error).__name__}: {error}); the "
+        "files of this save were removed and the previous checkpoint is untouched."
     )
-    error = (
-        DiskFullError(message) if isinstance(err, DiskFullError) else SwarmCheckpointError(message)
-    )
-    error.__cause__ = err
-    return error
+    failure = DiskFullError(text) if is_disk_full(error) else SwarmCheckpointError(text)
+    failure.__cause__ = error
+    return failure
 
 
 def begin_save(root: Path) -> str:
@@ -228,8 +228,3 @@ def discard_save(root: Path, save_id: str) -> None:
     release_save(root, save_id)
     with contextlib.suppress(OSError):  # not empty: an older save lives there
         root.rmdir()
-
-
-def remove_swarm_state(filepath: Any) -> None:
-    """Delete the swarm directory of a Lightning checkpoint (ModelCheckpoint's top-k pruning)."""
-    shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,7 @@ from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.resume.records import OptionsRecord, Totals, plain_values
 from lightning_swarm.topology import IslandTopology
-
-_T = TypeVar("_T")
+from lightning_swarm.transport.agree import objects_over
 
 
 class OuterState(Protocol):
@@ -28,9 +27,6 @@ class OuterState(Protocol):
 
     @property
     def params(self) -> Mapping[str, torch.nn.Parameter]: ...
-
-    @property
-    def anchors(self) -> Mapping[str, Tensor]: ...
 
     @property
     def owned(self) -> Sequence[str]: ...
@@ -82,7 +78,7 @@ class Collectives:
     size: int  # ranks in the world
     broadcast: Callable[[Any], Any]  # rank 0's object, on every rank
     barrier: Callable[[str], None]
-    all_gather_object: Callable[[Any], list[Any]]  # every rank's object, in rank order
+    all_gather_object: Callable[[Any], Sequence[Any]]  # every rank's object, in rank order
 
     @classmethod
     def of_world(
@@ -90,16 +86,7 @@ class Collectives:
     ) -> Collectives:
         """The default process group (or one process when none is initialised)."""
         size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return cls(rank, size, broadcast, barrier, gather_objects)
-
-
-def gather_objects(obj: _T) -> list[_T]:
-    """``dist.all_gather_object`` over the default group; ``[obj]`` without one."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+        return cls(rank, size, broadcast, barrier, objects_over())
 
 
 @dataclass(frozen=True)
