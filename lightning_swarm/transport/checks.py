@@ -67,21 +67,17 @@ def agree_finite(
     flags = flags_direct if direct else flags_over
     values = () if work is None else (float(work.steps), float(work.inner_steps))
     agreed = agree(local, gather=flags(group, num_islands, device), values=values)
-    _raise_if_any(agreed.bad)
-    if work is None:
-        return Opening()
-    weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
-    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
-
-
-def _raise_if_any(bad: Sequence[int]) -> None:
-    if bad:
+    if bad := list(agreed.bad):
         raise NonFinitePseudoGradientError(
-            f"the pseudo-gradient of island(s) {list(bad)} holds NaN or inf, so the outer step was "
+            f"the pseudo-gradient of island(s) {bad} holds NaN or inf, so the outer step was "
             "not taken on any island (anchors unchanged): that island's training diverged; check "
             "its loss for NaN, lower the inner learning rate or enable gradient clipping, then "
             "resume from the last checkpoint."
         )
+    if work is None:
+        return Opening()
+    weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
+    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
 
 
 def checked_work(
