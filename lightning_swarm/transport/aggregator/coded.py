@@ -91,13 +91,10 @@ class CodedPayload:
             flat = t.detach().reshape(-1)
             flat.copy_(self.codec.decode(encode_marked(self.codec, flat)))
 
-    def decoded(self, contribution: Contribution) -> DecodedContribution:
-        """``contribution`` (holding the wire layout) read back as decoded float32."""
-        return DecodedContribution(self, contribution)
-
 
 class DecodedContribution:
-    """A wire contribution whose float blocks are decoded on read; see the module docstring."""
+    """``inner`` (holding ``payload``'s wire layout) read back as decoded float32 blocks; see
+    the module docstring."""
 
     def __init__(self, payload: CodedPayload, inner: Contribution) -> None:
         self.payload, self.inner = payload, inner

@@ -36,7 +36,7 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.coded import CodedPayload, DecodedContribution
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
     MemoryContribution,
@@ -495,7 +495,7 @@ def _join_own(
     if coded is None:
         return max(1, chunk_bytes // 4)
     for i, c in contributions.items():
-        contributions[i] = coded.decoded(c)
+        contributions[i] = DecodedContribution(coded, c)
     return coded.block_numel(chunk_bytes)
 
 
