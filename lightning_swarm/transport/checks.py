@@ -9,20 +9,15 @@ rank raise the same error, naming the islands at fault.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.transport.agree import agree, flags_direct, flags_over
 from lightning_swarm.transport.base import Opening, Work
 from lightning_swarm.transport.errors import BadWorkError, NonFinitePseudoGradientError
-
-
-def all_finite(tensors: Iterable[Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def island_verdict(

@@ -124,11 +124,6 @@ def peer_lost_message(where: str, gone: str, cause: BaseException) -> str:
     )
 
 
-def payload_bytes_of(names: Mapping[str, torch.Size]) -> int:
-    """Bytes of float32 tensors of the shapes in ``names`` (a round's payload before any codec)."""
-    return 4 * sum(int(torch.Size(s).numel()) for s in names.values())
-
-
 class LinkRate:
     """The rate this rank's rounds crossed the link at (module docstring).
 
@@ -149,7 +144,7 @@ class LinkRate:
         """Round ``round_index`` over float32 tensors of ``names`` begins."""
         self.finished()  # a round the engine streamed ends without ``agree``
         self.round_index = round_index
-        self.payload_bytes = payload_bytes_of(names)
+        self.payload_bytes = 4 * sum(int(torch.Size(s).numel()) for s in names.values())
 
     def started(self) -> None:
         """The round's opening agreement is done: its transfer starts now."""
