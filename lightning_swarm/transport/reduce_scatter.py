@@ -28,14 +28,7 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.base import (
-    Bucket,
-    Done,
-    Handle,
-    Opening,
-    RoundRequest,
-    RoundStats,
-)
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
 from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.checks import agree_finite
 from lightning_swarm.transport.coded_mean import coded_bucket_mean
