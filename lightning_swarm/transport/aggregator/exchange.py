@@ -65,11 +65,7 @@ class Exchange:
         return failure
 
     def scatter_steps(
-        self,
-        sources: list[list[Tensor]],
-        wires: list[PayloadLayout],
-        stats: RoundStats,
-        steps: int,
+        self, sources: list[list[Tensor]], wires: list[PayloadLayout], stats: RoundStats, steps: int
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
         """The scatter, step by step: yields ``(k, {peer: chunk k of its contribution to this
         island's part})`` (uint8 views of the receive buffer, valid until the next step; no
@@ -93,11 +89,7 @@ class Exchange:
             yield k, self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
 
     def gather(
-        self,
-        views: list[list[Tensor]],
-        layouts: list[PayloadLayout],
-        stats: RoundStats,
-        steps: int,
+        self, views: list[list[Tensor]], layouts: list[PayloadLayout], stats: RoundStats, steps: int
     ) -> None:
         """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
         island, and unpack every other island's into ``views[i]``."""
