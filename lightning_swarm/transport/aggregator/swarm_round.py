@@ -103,15 +103,10 @@ class SwarmAggregator:
         island_index: this rank's island.
         owners: ``"rotating"`` (one owner per round, in turn) or ``"sharded"`` (every island
             owns 1/n of every round): the ``swarm.aggregator`` option.
-        offload: spool peer payloads to disk (``True``) or hold them in memory.
-        spool_dir: where the run's spool root is created (``None``: TMPDIR).
-        aggregation: one of ``mean``, ``weighted_mean``, ``median``, ``trimmed_mean``.
-        trim_ratio: fraction trimmed at each end by ``trimmed_mean``.
-        min_contributions: accepted contributions (the owner's own included) a round needs.
-        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
-        island_weights: one weight per island for ``weighted_mean``.
-        chunk_bytes: bytes per message and the block size of validation and aggregation.
-        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+        offload, spool_dir, aggregation, trim_ratio, min_contributions, max_norm,
+            island_weights, cleanup_timeout_s: the ``SwarmTransportConfig`` options of the
+            same names.
+        chunk_bytes: ``SwarmTransportConfig.chunk_mb`` in bytes.
         codec: encode contributions with this codec (``coded``); ``None`` sends float32 as
             is. Every island must pass the same codec.
         spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
