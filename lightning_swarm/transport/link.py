@@ -37,16 +37,14 @@ the slowest link this library is measured on (docs/wan.md), so that a first roun
 link is not cut while the default floor still bounds small payloads."""
 
 
-def round_timeout_s(
-    payload_bytes: int, rate_bps: float | None, floor_s: float, factor: float = FACTOR
-) -> float:
+def round_timeout_s(payload_bytes: int, rate_bps: float | None, floor_s: float) -> float:
     """Seconds a round of ``payload_bytes`` may take at ``rate_bps`` bytes per second:
-    ``factor`` times the payload's time at that rate, and at least ``floor_s``.
+    ``FACTOR`` times the payload's time at that rate, and at least ``floor_s``.
 
     ``rate_bps=None`` (nothing measured yet) uses ``ASSUMED_RATE_BPS``.
     """
     rate = ASSUMED_RATE_BPS if rate_bps is None or rate_bps <= 0 else rate_bps
-    return max(float(floor_s), factor * payload_bytes / rate)
+    return max(float(floor_s), FACTOR * payload_bytes / rate)
 
 
 @dataclass(frozen=True)
