@@ -18,14 +18,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.transport.base import (
-    Bucket,
-    Done,
-    Handle,
-    Opening,
-    RoundRequest,
-    RoundStats,
-)
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
 from lightning_swarm.transport.buckets import check_bucket
 from lightning_swarm.transport.checks import agree_finite
 from lightning_swarm.transport.link import LinkTimeouts, LinkWatch

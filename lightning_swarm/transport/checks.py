@@ -9,20 +9,15 @@ rank raise the same error, naming the islands at fault.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.transport.agree import agree, flags_direct, flags_over
 from lightning_swarm.transport.base import Opening, Work
 from lightning_swarm.transport.errors import BadWorkError, NonFinitePseudoGradientError
-
-
-def all_finite(tensors: Iterable[Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def island_verdict(
@@ -67,21 +62,17 @@ def agree_finite(
     flags = flags_direct if direct else flags_over
     values = () if work is None else (float(work.steps), float(work.inner_steps))
     agreed = agree(local, gather=flags(group, num_islands, device), values=values)
-    _raise_if_any(agreed.bad)
-    if work is None:
-        return Opening()
-    weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
-    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
-
-
-def _raise_if_any(bad: Sequence[int]) -> None:
-    if bad:
+    if bad := list(agreed.bad):
         raise NonFinitePseudoGradientError(
-            f"the pseudo-gradient of island(s) {list(bad)} holds NaN or inf, so the outer step was "
+            f"the pseudo-gradient of island(s) {bad} holds NaN or inf, so the outer step was "
             "not taken on any island (anchors unchanged): that island's training diverged; check "
             "its loss for NaN, lower the inner learning rate or enable gradient clipping, then "
             "resume from the last checkpoint."
         )
+    if work is None:
+        return Opening()
+    weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
+    return Opening(scale=scale_of(weights, island_index), swarm_steps=swarm_steps)
 
 
 def checked_work(

@@ -1,20 +1,15 @@
 """How long a round may take over this link, and what a round that cannot finish says.
 
-A ``LinkRate`` is one rank's measure of its link. Each round it is told the payload (``begin``),
-times the exchange from the end of the round's opening agreement (a barrier over the peers, so
-the time counts the transfer and not a late peer's inner steps) to ``agree``, and keeps the rate
-``payload bytes / seconds`` this rank saw. ``LinkTimeouts.for_round`` turns a payload and that
-rate into the round's bound, ``round_timeout_s``: ``FACTOR`` times the time the payload needs at
-the measured rate, never under the option's default (``LinkTimeouts.floor_s``). The first round,
-with nothing measured, assumes ``ASSUMED_RATE_BPS``. A timeout the user set
-(``LinkTimeouts.explicit_s``) is used as it is. The static transports hold a ``LinkWatch`` (a
-``LinkRate`` over one peer group that bounds the group's collectives before each round's first
-one); the elastic membership holds a ``LinkRate`` and hands the bound to torchft's calls.
+A ``LinkRate`` keeps the rate (payload bytes / seconds) at which this rank's last round crossed
+the link, timed from the end of the round's opening agreement (a barrier over the peers, so a
+late peer's inner steps do not count) to its last bucket. ``LinkTimeouts.for_round`` turns a
+payload and that rate into the round's bound (``round_timeout_s``) unless the user set one. The
+static transports hold a ``LinkWatch`` (a ``LinkRate`` that bounds its peer group's collectives
+before each round); the elastic membership hands the bound to torchft's calls.
 
-``explained`` turns what torch raises at this boundary into errors that say what happened:
-a collective's timeout into ``RoundTimeoutError`` (the measured rate, the payload, the timeout
-and the option to raise), a connection a peer closed into ``PeerLostError`` (which island went
-away, in which round, and what to do).
+``LinkWatch.explained`` turns what torch raises at this boundary into errors that say what
+happened and what to do: a collective's timeout into ``RoundTimeoutError``, a connection a peer
+closed into ``PeerLostError``.
 """
 
 from __future__ import annotations
@@ -42,16 +37,14 @@ the slowest link this library is measured on (docs/wan.md), so that a first roun
 link is not cut while the default floor still bounds small payloads."""
 
 
-def round_timeout_s(
-    payload_bytes: int, rate_bps: float | None, floor_s: float, factor: float = FACTOR
-) -> float:
+def round_timeout_s(payload_bytes: int, rate_bps: float | None, floor_s: float) -> float:
     """Seconds a round of ``payload_bytes`` may take at ``rate_bps`` bytes per second:
-    ``factor`` times the payload's time at that rate, and at least ``floor_s``.
+    ``FACTOR`` times the payload's time at that rate, and at least ``floor_s``.
 
     ``rate_bps=None`` (nothing measured yet) uses ``ASSUMED_RATE_BPS``.
     """
     rate = ASSUMED_RATE_BPS if rate_bps is None or rate_bps <= 0 else rate_bps
-    return max(float(floor_s), factor * payload_bytes / rate)
+    return max(float(floor_s), FACTOR * payload_bytes / rate)
 
 
 @dataclass(frozen=True)
@@ -124,11 +117,6 @@ def peer_lost_message(where: str, gone: str, cause: BaseException) -> str:
     )
 
 
-def payload_bytes_of(names: Mapping[str, torch.Size]) -> int:
-    """Bytes of float32 tensors of the shapes in ``names`` (a round's payload before any codec)."""
-    return 4 * sum(int(torch.Size(s).numel()) for s in names.values())
-
-
 class LinkRate:
     """The rate this rank's rounds crossed the link at (module docstring).
 
@@ -149,7 +137,7 @@ class LinkRate:
         """Round ``round_index`` over float32 tensors of ``names`` begins."""
         self.finished()  # a round the engine streamed ends without ``agree``
         self.round_index = round_index
-        self.payload_bytes = payload_bytes_of(names)
+        self.payload_bytes = 4 * sum(int(torch.Size(s).numel()) for s in names.values())
 
     def started(self) -> None:
         """The round's opening agreement is done: its transfer starts now."""
@@ -236,11 +224,9 @@ class LinkWatch(LinkRate):
         """What a round that overran its timeout says (``RoundTimeoutError``)."""
         t = self.timeouts
         option = "timeout_s" if t is None else t.option
-        timeout = (
-            "the process group's timeout"
-            if self.timeout_s is None
-            else (f"{option}={self.timeout_s:g} s")
-        )
+        timeout = "the process group's timeout"
+        if self.timeout_s is not None:
+            timeout = f"{option}={self.timeout_s:g} s"
         if self.rate_bps is None:
             rate = (
                 f"no round had measured the link yet (a derived first-round timeout assumes "

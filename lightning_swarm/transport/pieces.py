@@ -68,7 +68,7 @@ def encoded_nbytes(codec: Codec, pieces: Sequence[Piece]) -> int:
 
 def piece_view(flats: Sequence[Tensor], piece: Piece) -> Tensor:
     """The elements of ``piece`` as a view of its flat tensor."""
-    return flats[piece.tensor_index][piece.start : piece.start + piece.length]
+    return flats[piece.tensor_index][piece.start : piece.stop]
 
 
 def encode_flat(codec: Codec, values: Tensor, pieces: Sequence[Piece]) -> Tensor:
@@ -82,9 +82,7 @@ def encode_flat(codec: Codec, values: Tensor, pieces: Sequence[Piece]) -> Tensor
     for p in pieces:
         parts.append(codec.to_bytes(codec.encode(values[offset : offset + p.length])))
         offset += p.length
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8, device=values.device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _joined(parts, torch.uint8, values.device)
 
 
 def encode_pieces(
@@ -92,9 +90,7 @@ def encode_pieces(
 ) -> Tensor:
     """The payload (uint8, on ``device``) of ``pieces`` of the caller's flat tensors."""
     parts = [codec.to_bytes(codec.encode(piece_view(flats, p).to(device))) for p in pieces]
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _joined(parts, torch.uint8, device)
 
 
 def decode_flat(codec: Codec, payload: Tensor, pieces: Sequence[Piece]) -> Tensor:
@@ -110,8 +106,13 @@ def decode_flat(codec: Codec, payload: Tensor, pieces: Sequence[Piece]) -> Tenso
             f"a payload of {payload.numel()} bytes does not hold pieces of {offset} bytes; "
             "islands disagree on the layout (same model, quantize and block_size everywhere?)."
         )
+    return _joined(parts, torch.float32, payload.device)
+
+
+def _joined(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``parts`` back to back (the one part itself, uncopied); empty of ``dtype`` if none."""
     if not parts:
-        return torch.empty(0, dtype=torch.float32, device=payload.device)
+        return torch.empty(0, dtype=dtype, device=device)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

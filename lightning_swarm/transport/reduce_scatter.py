@@ -28,21 +28,12 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.base import (
-    Bucket,
-    Done,
-    Handle,
-    Opening,
-    RoundRequest,
-    RoundStats,
-)
+from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
 from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.checks import agree_finite
-from lightning_swarm.transport.coded_mean import coded_bucket_mean, reduce_scatter_bytes
+from lightning_swarm.transport.coded_mean import coded_bucket_mean
 from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 from lightning_swarm.transport.pieces import check_coded_options
-
-__all__ = ["ReduceScatterTransport", "reduce_scatter_bytes"]
 
 
 class ReduceScatterTransport:
@@ -126,7 +117,16 @@ class ReduceScatterTransport:
         runs = bucket.run_views()
         pieces = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
         with self.link.explained():
-            sent = self._average_bucket(runs, pieces)
+            sent = coded_bucket_mean(
+                runs,
+                pieces,
+                codec=self.codec,
+                num_islands=self.num_islands,
+                island_index=self.island_index,
+                divisor=self.num_islands,
+                exchange=self._exchange,
+                device=self.device,
+            )
         self.link.arrived()
         return Done(sent)
 
@@ -134,19 +134,6 @@ class ReduceScatterTransport:
         """A round that started every bucket applies (refusals raise at ``open``)."""
         self.link.finished()
         return RoundStats()
-
-    def _average_bucket(self, flats: list[Tensor], bucket: list[Piece]) -> int:
-        """Average one bucket in place; returns the bytes this rank sent (= received)."""
-        return coded_bucket_mean(
-            flats,
-            bucket,
-            codec=self.codec,
-            num_islands=self.num_islands,
-            island_index=self.island_index,
-            divisor=self.num_islands,
-            exchange=self._exchange,
-            device=self.device,
-        )
 
     def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         """``send`` cut into ``send_sizes`` goes to islands 0 .. n - 1; returns what islands

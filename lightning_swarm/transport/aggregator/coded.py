@@ -62,13 +62,6 @@ class CodedPayload:
     def _data_numel(self, numel: int) -> int:
         return (numel + 1) // 2 if self.codec.name == "int4" else numel
 
-    def _wire_specs(self, spec: TensorSpec) -> tuple[TensorSpec, TensorSpec | None]:
-        """The data spec and (block codecs) scales spec of float spec ``spec``."""
-        if not self.blocked:
-            return self.wire.specs[spec.index], None
-        count = len(self.layout.specs)
-        return self.wire.specs[count + spec.index], self.wire.specs[spec.index]
-
     def block_numel(self, block_bytes: int) -> int:
         """Elements per validation / aggregation block: about ``block_bytes`` of float32,
         a multiple of ``align`` (at least one ``align``)."""
@@ -91,13 +84,10 @@ class CodedPayload:
             flat = t.detach().reshape(-1)
             flat.copy_(self.codec.decode(encode_marked(self.codec, flat)))
 
-    def decoded(self, contribution: Contribution) -> DecodedContribution:
-        """``contribution`` (holding the wire layout) read back as decoded float32."""
-        return DecodedContribution(self, contribution)
-
 
 class DecodedContribution:
-    """A wire contribution whose float blocks are decoded on read; see the module docstring."""
+    """``inner`` (holding ``payload``'s wire layout) read back as decoded float32 blocks; see
+    the module docstring."""
 
     def __init__(self, payload: CodedPayload, inner: Contribution) -> None:
         self.payload, self.inner = payload, inner
@@ -107,17 +97,16 @@ class DecodedContribution:
         """Decode float elements ``[start, start + out.numel())`` of ``spec`` into ``out``."""
         payload, codec = self.payload, self.payload.codec
         assert start % payload.align == 0, "decoded blocks must start on a codec block"
-        n = out.numel()
-        data_spec, scales_spec = payload._wire_specs(spec)
+        n, wire = out.numel(), payload.wire.specs
+        # The wire holds every tensor's scales (block codecs) and then every tensor's data.
+        data_spec = wire[spec.index + (len(payload.layout.specs) if payload.blocked else 0)]
         lo = start // 2 if codec.name == "int4" else start
-        hi = lo + payload._data_numel(n)
-        data = torch.empty(hi - lo, dtype=data_spec.dtype)
+        data = torch.empty(payload._data_numel(n), dtype=data_spec.dtype)
         self.inner.read_into(data_spec, lo, data)
         scales = torch.empty(0, dtype=torch.float32)
-        if scales_spec is not None:
-            first = start // codec.block_size
+        if payload.blocked:
             scales = torch.empty(-(-n // codec.block_size), dtype=torch.float32)
-            self.inner.read_into(scales_spec, first, scales)
+            self.inner.read_into(wire[spec.index], start // codec.block_size, scales)
         decoded = codec.decode(Encoded(codec.name, n, codec.block_size, data, scales))
         out.copy_(decoded.view_as(out))
 

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.robust import aggregate
-from lightning_swarm.transport.aggregator.spool import Spool, SpoolReader, SpoolWriter
+from lightning_swarm.transport.aggregator.spool import Spool
+from lightning_swarm.transport.aggregator.spool_files import SpoolReader, SpoolWriter
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
@@ -45,13 +46,6 @@ class MemoryContribution:
     def __init__(self, island: int, views: Sequence[Tensor]) -> None:
         self.island = island
         self._views = [v.detach().reshape(-1) for v in views]
-
-    @classmethod
-    def from_buffer(cls, island: int, layout: PayloadLayout, buffer: Tensor) -> MemoryContribution:
-        """Views of a flat uint8 payload buffer, one per tensor of ``layout``."""
-        return cls(
-            island, [buffer[s.offset : s.offset + s.nbytes].view(s.dtype) for s in layout.specs]
-        )
 
     def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
         out.copy_(self._views[spec.index][start : start + out.numel()])
@@ -85,7 +79,10 @@ class MemorySink:
         self.buffer[data_offset : data_offset + chunk.numel()].copy_(chunk)
 
     def finish(self) -> Contribution:
-        return MemoryContribution.from_buffer(self.island, self.layout, self.buffer)
+        b, specs = self.buffer, self.layout.specs
+        return MemoryContribution(
+            self.island, [b[s.offset : s.offset + s.nbytes].view(s.dtype) for s in specs]
+        )
 
     def abort(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)

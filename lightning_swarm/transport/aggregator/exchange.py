@@ -65,11 +65,7 @@ class Exchange:
         return failure
 
     def scatter_steps(
-        self,
-        sources: list[list[Tensor]],
-        wires: list[PayloadLayout],
-        stats: RoundStats,
-        steps: int,
+        self, sources: list[list[Tensor]], wires: list[PayloadLayout], stats: RoundStats, steps: int
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
         """The scatter, step by step: yields ``(k, {peer: chunk k of its contribution to this
         island's part})`` (uint8 views of the receive buffer, valid until the next step; no
@@ -90,21 +86,10 @@ class Exchange:
                     pack_chunk(sources[j], wires[j], k, self.chunk_bytes, send_buf[offset:])
                 offset += size
             recv_sizes = [size_in[k] if self._talks(i) else 0 for i in range(self.n)]
-            received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
-            chunks: dict[int, Tensor] = {}
-            offset = 0
-            for i, size in enumerate(recv_sizes):
-                if size:
-                    chunks[i] = received[offset : offset + size]
-                offset += size
-            yield k, chunks
+            yield k, self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
 
     def gather(
-        self,
-        views: list[list[Tensor]],
-        layouts: list[PayloadLayout],
-        stats: RoundStats,
-        steps: int,
+        self, views: list[list[Tensor]], layouts: list[PayloadLayout], stats: RoundStats, steps: int
     ) -> None:
         """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
         island, and unpack every other island's into ``views[i]``."""
@@ -123,12 +108,8 @@ class Exchange:
                 for i in range(self.n)
             ]
             received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
-            offset = 0
-            for i, size in enumerate(recv_sizes):
-                if size:
-                    piece = received[offset : offset + size]
-                    unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
-                offset += size
+            for i, piece in received.items():
+                unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
 
     def _buffers(self) -> tuple[Tensor, Tensor]:
         """A send and a receive buffer of one chunk per peer, for one exchange."""
@@ -142,7 +123,9 @@ class Exchange:
         send_sizes: list[int],
         recv_sizes: list[int],
         stats: RoundStats,
-    ) -> Tensor:
+    ) -> dict[int, Tensor]:
+        """One step; returns ``{island: what it sent here}`` (views of ``recv_buf``) for every
+        island that sent something."""
         received = recv_buf[: sum(recv_sizes)]
         dist.all_to_all_single(
             received,
@@ -153,4 +136,10 @@ class Exchange:
         )
         stats.bytes_sent += sum(send_sizes)
         stats.bytes_received += sum(recv_sizes)
-        return received
+        chunks: dict[int, Tensor] = {}
+        offset = 0
+        for i, size in enumerate(recv_sizes):
+            if size:
+                chunks[i] = received[offset : offset + size]
+            offset += size
+        return chunks

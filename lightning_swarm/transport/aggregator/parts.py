@@ -29,7 +29,7 @@ class Part:
 
     def views(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Flat views of the part's elements of ``tensors`` (in the full layout's order)."""
-        return [tensors[p.tensor_index].view(-1)[p.start : p.start + p.length] for p in self.pieces]
+        return [tensors[p.tensor_index].view(-1)[p.start : p.stop] for p in self.pieces]
 
 
 def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part]:
@@ -46,9 +46,7 @@ def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part
         entries = []
         for p in pieces:
             spec = layout.specs[p.tensor_index]
-            entries.append(
-                (f"{spec.name}[{p.start}:{p.start + p.length}]", (p.length,), spec.dtype)
-            )
+            entries.append((f"{spec.name}[{p.start}:{p.stop}]", (p.length,), spec.dtype))
         parts.append(Part(island, tuple(pieces), PayloadLayout(entries)))
     return parts
 

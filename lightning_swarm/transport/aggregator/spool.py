@@ -24,7 +24,9 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from lightning_swarm.memory.procfs import pid_alive
 from lightning_swarm.transport.aggregator.spool_files import (
@@ -37,6 +39,7 @@ from lightning_swarm.transport.aggregator.spool_files import (
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout
 
+_T = TypeVar("_T")
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _ROOT_PREFIX = "lightning_swarm-"
 # <pid>, then (since the host was added) @<host>, then mkdtemp's 8 random characters.
@@ -210,20 +213,23 @@ class Spool:
     # -- verbs ----------------------------------------------------------------------------
     def writer(self, round_id: int, island: int, layout: PayloadLayout) -> SpoolWriter:
         """Create, size and lease the file for ``island``'s contribution to ``round_id``."""
-        lease = self._acquire(round_id, self.path(round_id, island))
-        try:
-            return SpoolWriter(lease, layout, {"round": str(round_id), "island": str(island)})
-        except BaseException:
-            lease.release()
-            raise
+        metadata = {"round": str(round_id), "island": str(island)}
+        return self._leased(round_id, island, lambda lease: SpoolWriter(lease, layout, metadata))
 
     def reader(
         self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
     ) -> SpoolReader:
         """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
+        return self._leased(
+            round_id, island, lambda lease: SpoolReader(lease, layout, remap_bytes=remap_bytes)
+        )
+
+    def _leased(self, round_id: int, island: int, make: Callable[[Lease], _T]) -> _T:
+        """``make`` over a new lease on ``island``'s file of ``round_id``; the lease goes if
+        ``make`` raises."""
         lease = self._acquire(round_id, self.path(round_id, island))
         try:
-            return SpoolReader(lease, layout, remap_bytes=remap_bytes)
+            return make(lease)
         except BaseException:
             lease.release()
             raise
@@ -277,13 +283,3 @@ class Spool:
     def files(self) -> list[Path]:
         """Files currently in the root (committed or partial), for tests and diagnostics."""
         return sorted(self.root.iterdir()) if self.root.exists() else []
-
-
-__all__ = [
-    "Lease",
-    "Spool",
-    "SpoolReader",
-    "SpoolWriter",
-    "filesystem_type",
-    "sweep_dead_roots",
-]

@@ -36,7 +36,7 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.transport.aggregator.coded import CodedPayload
+from lightning_swarm.transport.aggregator.coded import CodedPayload, DecodedContribution
 from lightning_swarm.transport.aggregator.contributions import (
     Contribution,
     MemoryContribution,
@@ -78,9 +78,10 @@ log = logging.getLogger(__name__)
 class _Round:
     """One round's state, handed from phase to phase; nothing outlives the round."""
 
-    def __init__(self, report: RoundReport, targets: list[Tensor], parts: list[Part]) -> None:
-        self.report, self.targets, self.parts = report, targets, parts
-        self.owner: int | None = None
+    def __init__(
+        self, report: RoundReport, targets: list[Tensor], parts: list[Part], owner: int | None
+    ) -> None:
+        self.report, self.targets, self.parts, self.owner = report, targets, parts, owner
         self.terms: RoundTerms
         self.exchange: Exchange
         self.coded: list[CodedPayload | None] = []
@@ -102,15 +103,10 @@ class SwarmAggregator:
         island_index: this rank's island.
         owners: ``"rotating"`` (one owner per round, in turn) or ``"sharded"`` (every island
             owns 1/n of every round): the ``swarm.aggregator`` option.
-        offload: spool peer payloads to disk (``True``) or hold them in memory.
-        spool_dir: where the run's spool root is created (``None``: TMPDIR).
-        aggregation: one of ``mean``, ``weighted_mean``, ``median``, ``trimmed_mean``.
-        trim_ratio: fraction trimmed at each end by ``trimmed_mean``.
-        min_contributions: accepted contributions (the owner's own included) a round needs.
-        max_norm: reject a contribution whose L2 norm exceeds this; ``None`` = no bound.
-        island_weights: one weight per island for ``weighted_mean``.
-        chunk_bytes: bytes per message and the block size of validation and aggregation.
-        cleanup_timeout_s: how long spool cleanup waits for in-flight writes and reads.
+        offload, spool_dir, aggregation, trim_ratio, min_contributions, max_norm,
+            island_weights, cleanup_timeout_s: the ``SwarmTransportConfig`` options of the
+            same names.
+        chunk_bytes: ``SwarmTransportConfig.chunk_mb`` in bytes.
         codec: encode contributions with this codec (``coded``); ``None`` sends float32 as
             is. Every island must pass the same codec.
         spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
@@ -150,7 +146,15 @@ class SwarmAggregator:
         spool: Spool | None = None,
         island_group: dist.ProcessGroup | None = None,
     ) -> None:
-        _check_topology(num_islands, island_index, min_contributions, chunk_bytes)
+        if not 0 <= island_index < num_islands:
+            raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
+        if not 1 <= min_contributions <= num_islands:
+            raise ValueError(
+                f"min_contributions={min_contributions} must lie in 1..{num_islands} (the number "
+                "of islands); a larger value would skip every round"
+            )
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}; e.g. 4 MiB per chunk")
         if owners not in AGGREGATORS:
             raise SwarmConfigError(
                 f"owners must be one of {list(AGGREGATORS)}, got {owners!r}; 'rotating' "
@@ -170,9 +174,9 @@ class SwarmAggregator:
         self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
         self.island_group = island_group
         self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
-        self._spool = spool
-        if self._spool is None and offload and num_islands > 1:
-            self._spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self.spool = spool
+        if self.spool is None and offload and num_islands > 1:
+            self.spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
         # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
         self.device = torch.device("cpu")
         self._sequence = 0  # rounds so far: names spool rounds uniquely
@@ -184,21 +188,17 @@ class SwarmAggregator:
         self._buckets: list[Tensor] = []
         self._stats: RoundStats | None = None
 
-    @property
-    def spool(self) -> Spool | None:
-        return self._spool
-
     def spool_bytes(self) -> int:
         """Bytes the spool currently holds on disk (0 without offload)."""
-        return self._spool.disk_bytes if self._spool is not None else 0
+        return self.spool.disk_bytes if self.spool is not None else 0
 
     def peak_spool_bytes(self) -> int:
-        return self._spool.peak_disk_bytes if self._spool is not None else 0
+        return self.spool.peak_disk_bytes if self.spool is not None else 0
 
     def close(self) -> None:
         """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
-        if self._spool is not None:
-            self._spool.close()
+        if self.spool is not None:
+            self.spool.close()
 
     @property
     def block_size(self) -> int:
@@ -243,15 +243,11 @@ class SwarmAggregator:
             offset += shape.numel()
         return named
 
-    def aggregator_of(self, round_index: int) -> int | None:
-        """The one island that aggregates round ``round_index`` (round-robin); ``None`` when
-        every island owns a part (``owners="sharded"``)."""
-        return round_index % self.num_islands if self.owners == "rotating" else None
-
     def _parts(self, layout: PayloadLayout, round_index: int) -> tuple[list[Part], int | None]:
-        """The round's parts, one per island, and its one owner (``None``: several)."""
-        owner = self.aggregator_of(round_index)
-        if owner is not None:
+        """The round's parts, one per island, and its one owner (``"rotating"``: round-robin;
+        ``None``: every island owns a part)."""
+        if self.owners == "rotating":
+            owner = round_index % self.num_islands
             return whole_part(layout, self.num_islands, owner), owner
         align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
         return plan_parts(layout, self.num_islands, align), None
@@ -270,8 +266,7 @@ class SwarmAggregator:
             layout = PayloadLayout.from_tensors(tensors)
             parts, owner = self._parts(layout, round_index)
             report = RoundReport(round_index, self.island_index if owner is None else owner)
-            rnd = _Round(report, list(tensors.values()), parts)
-            rnd.owner = owner
+            rnd = _Round(report, list(tensors.values()), parts, owner)
             self.last_round, round_id = report, self._sequence
             self._sequence += 1
             if self.num_islands == 1:
@@ -292,8 +287,8 @@ class SwarmAggregator:
             finally:
                 for c in rnd.contributions.values():
                     c.close()
-                if self._spool is not None:
-                    self._spool.release_round(round_id)
+                if self.spool is not None:
+                    self.spool.release_round(round_id)
             if self.island_index in rnd.terms.mismatched:
                 raise SwarmConfigError(bad_layout_message(report))
             stats = rnd.stats
@@ -386,11 +381,12 @@ class SwarmAggregator:
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
         """Send part j of this island's payload to island j, and every peer's contribution
-        to this island's part into ``rnd.sinks``; returns the first spool error met."""
+        to this island's part into ``rnd.sinks``; returns the first spool error met (the caller's
+        ``finish_sinks`` then aborts every sink)."""
         me, wire = self.island_index, rnd.wires[self.island_index]
         peers = [i for i in range(self.num_islands) if i != me]
         matched = [i for i in peers if i not in rnd.terms.mismatched]
-        spool = self._spool if wire.specs else None  # an empty part needs no files
+        spool = self.spool if wire.specs else None  # an empty part needs no files
         failure = open_sinks(
             rnd.sinks, peers, matched, wire, spool, round_id, remap_bytes=rnd.terms.chunk_bytes
         )
@@ -403,11 +399,7 @@ class SwarmAggregator:
             sent = rnd.exchange.scatter(
                 sources, rnd.wires, rnd.sinks, rnd.stats, rnd.terms.scatter_steps
             )
-        failure = failure or sent
-        if failure is not None:
-            for sink in rnd.sinks.values():
-                sink.abort()
-        return failure
+        return failure or sent
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
         """Step 3: this owner's row of the verdict table; every rank reads the same verdicts
@@ -495,19 +487,5 @@ def _join_own(
     if coded is None:
         return max(1, chunk_bytes // 4)
     for i, c in contributions.items():
-        contributions[i] = coded.decoded(c)
+        contributions[i] = DecodedContribution(coded, c)
     return coded.block_numel(chunk_bytes)
-
-
-def _check_topology(
-    num_islands: int, island_index: int, min_contributions: int, chunk: int
-) -> None:
-    if not 0 <= island_index < num_islands:
-        raise ValueError(f"island_index {island_index} outside 0..{num_islands - 1}")
-    if not 1 <= min_contributions <= num_islands:
-        raise ValueError(
-            f"min_contributions={min_contributions} must lie in 1..{num_islands} (the number of "
-            "islands); a larger value would skip every round"
-        )
-    if chunk < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk}; e.g. 4 MiB per chunk")

@@ -45,16 +45,13 @@ class AggregationRule:
     max_norm: float | None
     island_weights: list[float] | None
 
-    def zero_weight(self, accepted: list[int]) -> bool:
-        """``weighted_mean`` over accepted islands whose weights are all 0: nothing to average."""
-        if self.aggregation != "weighted_mean" or self.island_weights is None:
-            return False
-        return sum(self.island_weights[i] for i in accepted) <= 0
-
     def skips(self, accepted: list[int]) -> bool:
         """Whether a round with these accepted islands is skipped: fewer than
-        ``min_contributions``, or ``zero_weight``."""
-        return len(accepted) < self.min_contributions or self.zero_weight(accepted)
+        ``min_contributions``, or ``weighted_mean`` over weights that are all 0."""
+        if len(accepted) < self.min_contributions:
+            return True
+        weights = self.island_weights if self.aggregation == "weighted_mean" else None
+        return weights is not None and sum(weights[i] for i in accepted) <= 0
 
     def weights_of(self, accepted: list[int], work: Sequence[float] | None) -> list[float] | None:
         """The weights of the mean over the ``accepted`` islands (in their order), or ``None``

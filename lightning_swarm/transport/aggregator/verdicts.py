@@ -145,18 +145,12 @@ def read_verdicts(
     if failed or not validated:
         report.outcome = AggregatorOutcome.SPOOL_FAILED
         raise _spool_failed(report, failed, failure, owner, island_index)
+    over = "" if island_group is None else " over the island's shards"
     for island in range(n):
-        problem = mismatched.get(island)
-        if problem is None:
-            if island_group is None:
-                problem = rule.problem(finite[island], norms[island], where=where.get(island, ""))
-            else:
-                problem = rule.problem(
-                    finite[island],
-                    norms[island],
-                    where=" or no payload in some shard",
-                    over=" over the island's shards",
-                )
+        here = where.get(island, "") if island_group is None else " or no payload in some shard"
+        problem = mismatched.get(island) or rule.problem(
+            finite[island], norms[island], where=here, over=over
+        )
         if problem is None:
             report.accepted.append(island)
             continue
