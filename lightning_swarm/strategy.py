@@ -414,9 +414,10 @@ class SwarmStrategy(IslandDDPStrategy):
                 if metrics is not None and self._budget_stop is not None:
                     stop = self._budget_stop
                     stop.after_round(self._loop.budget_ended(stop.max_steps))
-                swarm_steps = self._loop.swarm_steps
-                if metrics is not None and self._round_saves is not None and swarm_steps:
-                    self._round_saves.after_round(swarm_steps)
+                if metrics is not None and self._round_saves is not None:
+                    swarm_steps = self._loop.swarm_steps  # after a round only: not every step
+                    if swarm_steps:
+                        self._round_saves.after_round(swarm_steps)
                 # global_step counts this step only once optimizer_step has returned.
                 self._log_round(metrics, steps_pending=1)
                 self._end_of_fit_round(manual=False)
