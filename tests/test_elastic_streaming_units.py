@@ -300,9 +300,8 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
     import threading
 
     from lightning_swarm.membership.quorum_coded import coded_quorum_mean
-    from lightning_swarm.transport.buckets import plan_buckets
-    from lightning_swarm.transport.coded_mean import reduce_scatter_bytes
-    from lightning_swarm.transport.pieces import encoded_nbytes, plan_shares
+    from lightning_swarm.transport.buckets import plan_buckets, plan_shares
+    from lightning_swarm.transport.reduce_scatter import encoded_nbytes, reduce_scatter_bytes
 
     codec = Codec("int8", block_size=4)
     g = torch.Generator().manual_seed(3)

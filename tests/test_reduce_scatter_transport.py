@@ -9,9 +9,12 @@ import torch
 
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
 from lightning_swarm.transport.base import Transport
-from lightning_swarm.transport.buckets import Piece, plan_buckets
-from lightning_swarm.transport.pieces import decode_flat, encode_pieces, plan_shares
-from lightning_swarm.transport.reduce_scatter import ReduceScatterTransport
+from lightning_swarm.transport.buckets import Piece, plan_buckets, plan_shares
+from lightning_swarm.transport.reduce_scatter import (
+    ReduceScatterTransport,
+    decode_flat,
+    encode_pieces,
+)
 from tests.dist_utils import run_ranks
 from tests.transport_rounds import average
 

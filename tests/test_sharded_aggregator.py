@@ -24,9 +24,9 @@ from lightning_swarm.transport.aggregator.fold import PartFold, folds
 from lightning_swarm.transport.aggregator.parts import plan_parts
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.verdicts import AggregatorOutcome
+from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.errors import SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
-from lightning_swarm.transport.pieces import Piece
 from tests.dist_utils import run_ranks
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 from tests.transport_rounds import average

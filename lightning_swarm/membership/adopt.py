@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 
 from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.membership.round_header import HeaderRow, reference_index
-from lightning_swarm.transport.base import Opening, RoundPlace
-from lightning_swarm.transport.checks import checked_work
+from lightning_swarm.transport.base import Opening, RoundPlace, checked_work
 
 __all__ = ["RoundPlace", "RoundPlan", "opening_of", "plan_round", "weighed"]
 
@@ -61,7 +60,7 @@ def weighed(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening
     in the header's ``rows`` (a time-budgeted round; see the module docstring).
 
     Raises:
-        BadWorkError: a participant's work is not a whole number >= 1 (``checks.checked_work``,
+        BadWorkError: a participant's work is not a whole number >= 1 (``base.checked_work``,
             naming it by its place in the quorum); every member reads the same rows.
     """
     participants = [(k, r) for k, r in enumerate(rows) if not r.healing]

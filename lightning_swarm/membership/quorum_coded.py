@@ -17,8 +17,7 @@ from torch.distributed.distributed_c10d import AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.membership.torchft_private import quorum_rank
-from lightning_swarm.transport.buckets import Piece
-from lightning_swarm.transport.coded_mean import coded_bucket_mean
+from lightning_swarm.transport.reduce_scatter import coded_bucket_mean
 
 
 def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -> int:
@@ -42,7 +41,6 @@ def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -
     try:
         return coded_bucket_mean(
             runs,
-            [Piece(i, 0, run.numel()) for i, run in enumerate(runs)],
             codec=codec,
             num_islands=num_islands,
             island_index=island_index,

@@ -1,8 +1,8 @@
 """Agree on a failure across ranks, then raise it on every rank.
 
 One gather brings every rank's outcome (ok or its error, numbers to sum, an object to share) to
-every rank; then every rank raises the lowest failing rank's error (its class and message) or
-returns the same ``Agreement``. A rank that failed must still call ``agree``.
+every rank; every rank then raises the lowest failing rank's error or returns the same
+``Agreement``. A rank that failed must still call ``agree``.
 """
 
 from __future__ import annotations
@@ -34,15 +34,9 @@ Gather = Callable[[Outcome], Sequence[Outcome]]
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank agreed on, the same on each.
-
-    Attributes:
-        all_ok: no rank reported a failure.
-        bad: the positions (in the group) of the ranks that did.
-        sums: the element-wise sums of every rank's ``values``.
-        shares: every rank's ``share``, in the group's order.
-        values: every rank's ``values``, in the group's order.
-    """
+    """What every rank agreed on, the same on each: whether ``all_ok``, the group positions of
+    the ``bad`` ranks, the element-wise ``sums`` of every rank's values, and every rank's
+    ``shares`` and ``values`` in the group's order."""
 
     all_ok: bool
     bad: tuple[int, ...]
@@ -65,13 +59,12 @@ def agree(
     Args:
         ok: this rank's verdict (``False`` when ``error`` is given).
         gather: the collective (``objects_over``, ``flags_over``, ``flags_direct``, or any
-            callable with the same contract, e.g. a checkpoint's ``all_gather_object``).
-        error: what failed on this rank, if anything.
+            callable with the same contract).
         values: numbers to sum across ranks (the same count on every rank).
         share: an object every rank receives (object gathers only).
         before_raise: runs on every rank when an error is to be raised, after every rank's
-            outcome is in (e.g. to remove the files of a failed save before a launcher that
-            sees one rank fail ends the others).
+            outcome is in (e.g. to remove a failed save's files before a launcher that sees
+            one rank fail ends the others).
 
     Raises:
         Exception: the error of the lowest rank that passed one. It keeps its class and
@@ -135,8 +128,8 @@ def _known_classes() -> dict[tuple[str, str], type[Exception]]:
 
 
 def objects_over(group: dist.ProcessGroup | None = None) -> Gather:
-    """``dist.all_gather_object`` over ``group`` (the default group when ``None``); one
-    process alone when torch.distributed is not initialised. Carries everything."""
+    """``dist.all_gather_object`` over ``group`` (``None``: the default group; alone without
+    torch.distributed). Carries everything."""
 
     def gather(outcome: Outcome) -> list[Outcome]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -149,9 +142,9 @@ def objects_over(group: dist.ProcessGroup | None = None) -> Gather:
 
 
 def flags_over(group: dist.ProcessGroup | None, size: int, device: torch.device) -> Gather:
-    """An all-gather of one row of float64 per rank on ``device`` (NCCL groups included):
-    ``ok`` and the ``values`` (exact for whole numbers below 2**53; every rank the same count),
-    so errors and shares cannot travel. ``size`` ranks; 1: no collective."""
+    """An all-gather over ``size`` ranks of one float64 row per rank on ``device`` (NCCL
+    included): ``ok`` and the ``values`` (exact for whole numbers below 2**53), not errors or
+    shares. One rank: no collective."""
 
     def gather(outcome: Outcome) -> list[Outcome]:
         if size <= 1:
@@ -165,10 +158,9 @@ def flags_over(group: dist.ProcessGroup | None, size: int, device: torch.device)
 
 
 def flags_direct(group: dist.ProcessGroup | None, size: int, device: torch.device) -> Gather:
-    """``flags_over`` in one step: every rank sends its row straight to every other
-    (``all_to_all_single``) instead of around a ring (``size - 1`` steps in sequence), so over
-    long-latency links it costs one message time whatever the number of ranks. A bare flag
-    travels as one byte."""
+    """``flags_over`` in one step (``all_to_all_single`` instead of a ring of ``size - 1``
+    steps): one message time over long-latency links whatever the ranks. A bare flag travels
+    as one byte."""
 
     def gather(outcome: Outcome) -> list[Outcome]:
         if size <= 1:

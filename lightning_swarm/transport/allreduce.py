@@ -1,11 +1,8 @@
-"""All-reduce transport: the mean across islands through torch.distributed collectives.
+"""All-reduce over a static peer group, and the round every static transport shares.
 
-Each bucket the round engine starts is all-reduced (sum) over the peer group and divided by the
-number of islands, asynchronously (pipelined). The bucket moves where the backend needs it: a
-host bucket visits the device under NCCL (anchors and pseudo-gradients stay on the CPU), CPU
-buckets go to gloo as they are.
-Bytes are a ring all-reduce's, ``2 (n - 1) / n`` of the payload per rank: what the algorithm
-moves, not a measurement of the NIC.
+``PeerTransport``: a finite vote before any bucket moves, and link timeouts. The all-reduce sums
+each bucket asynchronously and divides by the islands (a host bucket is staged on the device
+under NCCL); a rank moves a ring all-reduce's ``2 (n - 1) / n`` of the payload.
 """
 
 from __future__ import annotations
@@ -18,9 +15,19 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
+from lightning_swarm.algorithm.budget import scale_of
+from lightning_swarm.transport.agree import agree, flags_direct, flags_over
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundRequest,
+    RoundStats,
+    checked_work,
+)
 from lightning_swarm.transport.buckets import check_bucket
-from lightning_swarm.transport.checks import agree_finite
+from lightning_swarm.transport.errors import NonFinitePseudoGradientError
 from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 
 
@@ -31,21 +38,90 @@ def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
     return (2 * (num_participants - 1) * payload_bytes) // num_participants
 
 
-class AllReduceTransport:
-    """Bucketed mean over a peer process group.
+class PeerTransport:
+    """A transport over a static peer group (one rank per island, ordered by island; ``None``:
+    the default group) of ``num_islands``.
 
-    Args:
-        group: the peer group (one rank per island); ``None`` means the default group.
-        num_islands: size of the peer group. With one island a round is the identity and moves
-            nothing.
-        bucket_numel: float32 elements per bucket; bounds the extra memory.
-        device: where the bucket lives (``cuda`` for NCCL, ``cpu`` for gloo).
-        island_group: a model-sharded island's group: its ranks agree on one finite verdict
-            first (``checks.agree_finite``); ``None`` otherwise.
-        timeouts: where the peer group's collective timeout comes from (``transport.link``);
-            ``None`` keeps the group's own. A timeout or a peer that went away raises
-            ``RoundTimeoutError`` or ``PeerLostError`` either way.
+    ``device``: where buckets are exchanged (``cuda`` for NCCL, ``cpu`` for gloo).
+    ``island_group``: a model-sharded island's group, whose ranks agree on one finite verdict
+    before the peers compare theirs; ``None`` otherwise. ``timeouts``: where the peer group's
+    collective timeout comes from (``transport.link``); ``None`` keeps the group's own. A
+    timeout or a peer that went away raises ``RoundTimeoutError`` or ``PeerLostError``.
     """
+
+    pipelined = True
+    heals = False
+    every_rank_in_round = False
+    direct_vote = False  # vote in one all-to-all step instead of an all-gather ring
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_islands: int,
+        bucket_numel: int,
+        block_size: int,
+        device: torch.device | str,
+        island_group: dist.ProcessGroup | None,
+        timeouts: LinkTimeouts | None,
+    ) -> None:
+        check_bucket(bucket_numel, block_size)
+        self.group = group
+        self.num_islands = num_islands
+        self.bucket_numel = bucket_numel
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.island_group = island_group
+        self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
+
+    def _position(self) -> int:  # this rank's island
+        return 0 if self.num_islands <= 1 else dist.get_rank(self.group)
+
+    def open(self, request: RoundRequest) -> Opening:
+        """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
+        before any bucket moves (collective). With ``work`` each island's rides with its flag:
+        a malformed one raises ``BadWorkError`` on every rank, and the ``Opening`` weighs this
+        island (``budget.scale_of``) and carries the most inner steps of any island."""
+        self.link.open(request.round_index, request.names)
+        with self.link.explained():
+            opening = self._vote(request)
+        self.link.started()
+        return opening
+
+    def _vote(self, request: RoundRequest) -> Opening:
+        finite = request.finite
+        if self.island_group is not None:  # every peer group of the island raises together
+            size = dist.get_world_size(self.island_group)
+            finite = agree(finite, gather=flags_over(self.island_group, size, self.device)).all_ok
+        work = request.work
+        values = () if work is None else (float(work.steps), float(work.inner_steps))
+        flags = flags_direct if self.direct_vote else flags_over
+        agreed = agree(
+            finite, gather=flags(self.group, self.num_islands, self.device), values=values
+        )
+        if bad := list(agreed.bad):
+            raise NonFinitePseudoGradientError(
+                f"the pseudo-gradient of island(s) {bad} holds NaN or inf, so the outer step was "
+                "not taken on any island (anchors unchanged): that island's training diverged; "
+                "check its loss for NaN, lower the inner learning rate or enable gradient "
+                "clipping, then resume from the last checkpoint."
+            )
+        if work is None:
+            return Opening()
+        weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
+        return Opening(scale=scale_of(weights, self._position()), swarm_steps=swarm_steps)
+
+    def agree(self) -> RoundStats:
+        """A round that started every bucket applies (refusals raise at ``open``)."""
+        self.link.finished()
+        return RoundStats()
+
+    def close(self) -> None:
+        """Nothing to release: a bucket is the engine's."""
+
+
+class AllReduceTransport(PeerTransport):
+    """Bucketed mean over a peer group by all-reduce; one island: the identity, nothing moves."""
 
     def __init__(
         self,
@@ -57,39 +133,15 @@ class AllReduceTransport:
         island_group: dist.ProcessGroup | None = None,
         timeouts: LinkTimeouts | None = None,
     ) -> None:
-        check_bucket(bucket_numel)
-        self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
-        self.group = group
-        self.island_group = island_group
-        self.num_islands = num_islands
-        self.bucket_numel = bucket_numel
-        self.device = torch.device(device)
-
-    # The contract (``transport.base.Transport``).
-    block_size = 1
-    pipelined = True
-    heals = False
-    every_rank_in_round = False
-
-    def open(self, request: RoundRequest) -> Opening:
-        """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
-        before any bucket moves; collective over the peer group. With ``work`` the islands'
-        weights ride with the flag (``checks.agree_finite``)."""
-        self.link.open(request.round_index, request.names)
-        with self.link.explained():
-            position = 0 if self.num_islands <= 1 else dist.get_rank(self.group)
-            opening = agree_finite(
-                request.finite, self.group, self.num_islands, self.device, self.island_group,
-                work=request.work, island_index=position,
-            )  # fmt: skip
-        self.link.started()
-        return opening
+        super().__init__(
+            group, num_islands=num_islands, bucket_numel=bucket_numel, block_size=1,
+            device=device, island_group=island_group, timeouts=timeouts,
+        )  # fmt: skip
 
     @record_function(labels.ALLREDUCE)
     def start(self, bucket: Bucket) -> Handle:
-        """Start the all-reduce of ``bucket.flat``; its handle's ``wait`` divides by the islands
-        and returns the bytes sent. A host bucket under a device backend (NCCL) is staged
-        through ``device`` and copied back at the wait."""
+        """Start the all-reduce of ``bucket.flat``; a host bucket under a device backend (NCCL)
+        is staged through ``device`` and copied back at the wait."""
         if self.num_islands <= 1:
             return Done()
         flat = bucket.flat
@@ -99,14 +151,6 @@ class AllReduceTransport:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
         return _Mean(work, flat, bucket.flat, self.num_islands, self.link)
-
-    def agree(self) -> RoundStats:
-        """A round that started every bucket applies (refusals raise at ``open``)."""
-        self.link.finished()
-        return RoundStats()
-
-    def close(self) -> None:
-        """Nothing to release: a bucket is the engine's."""
 
 
 @dataclass

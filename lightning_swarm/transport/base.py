@@ -1,50 +1,44 @@
 """The transport contract: "average these pseudo-gradients across islands", bucket by bucket.
 
-The transport is the only component that moves pseudo-gradients between islands. The round
-engine drives every transport through ``Transport``: ``open`` (one agreement on the finite flag,
-before anything moves), ``start(bucket) -> Handle`` per bucket in the same order on every rank,
-every handle's ``wait``, then ``agree`` (whether the round applies). A ``Bucket``'s ``flat``
-belongs to the transport from ``start`` until its handle's ``wait`` returns; it then holds the
-mean. ``pipelined`` transports finish a bucket at its wait; the others may finish every bucket
-only at the first wait, so the engine starts all of a round's buckets (back to back in one
-buffer) before it waits for any.
-
-With ``RoundStats.applied`` every rank holds the identical mean; otherwise the round was skipped,
-the contents are unspecified and the caller leaves its anchors unchanged. A non-finite
-pseudo-gradient: all-reduce transports raise ``NonFinitePseudoGradientError`` on every rank at
-``open``; the swarm transport drops that island's contribution.
+The engine calls ``open`` (one agreement, before anything moves), ``start(bucket)`` per bucket in
+the same order on every rank, every handle's ``wait``, then ``agree`` (whether the round applies).
+A ``Bucket``'s ``flat`` belongs to the transport from ``start`` until its ``wait`` returns; it then
+holds the mean. ``pipelined`` transports finish a bucket at its wait; the others may finish every
+bucket only at the first wait, so the engine starts all of a round's buckets (back to back in one
+buffer) first. With ``RoundStats.applied`` every rank holds the identical mean; otherwise the
+contents are unspecified and the caller leaves its anchors unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from lightning_swarm.transport.errors import BadWorkError
+
 
 @dataclass
 class RoundStats:
-    """What one round cost, as seen by this rank.
+    """What one round cost and decided, as seen by this rank (payload bytes; ``wall_s`` from
+    ``open`` to ``agree``).
 
     Attributes:
-        bytes_sent: payload bytes this rank put on the wire for the round.
-        bytes_received: payload bytes this rank took off the wire.
-        wall_s: wall-clock seconds of the round, from ``open`` to ``agree``.
         applied: False when the round was skipped and anchors must stay unchanged.
-        non_finite_islands: islands whose contribution was rejected for NaN or inf (the swarm
-            transport; the same on every rank that took part). Other transports raise instead.
+        non_finite_islands: islands whose contribution the swarm transport rejected for NaN or
+            inf (the same on every rank that took part); other transports raise instead.
         rejected_own: this island's own contribution was one of them: it received the round's
             result but its inner state is poisoned (the outer loop resets it).
         heal: a live island's outer state (an ``OuterRecord`` dict, fresh tensors owned by the
             receiver) this rank must install before it applies the round (elastic membership).
         island_healed: some rank of this island installs a heal in this round (identical on
             every rank of the island): the island gathers its parameters and counters after.
-        swarm_steps: under a time budget, the most inner steps of any island in the round,
-            where the transport learns it only as the round runs (the aggregator; the others
-            answer in ``Opening.swarm_steps``).
+        swarm_steps: under a time budget, the most inner steps of any island, where the
+            transport learns it only as the round runs (others answer in ``Opening``).
     """
 
     bytes_sent: int = 0
@@ -69,29 +63,49 @@ class RoundPlace:
 
 @dataclass(frozen=True)
 class Work:
-    """What an island brings to a time-budgeted round (``sync_every_s``).
-
-    Attributes:
-        steps: inner steps it took since it left the last round: its weight in the mean.
-        inner_steps: inner steps it has taken in all (the swarm's stopping rule reads the most).
-    """
+    """What an island brings to a time-budgeted round (``sync_every_s``): its weight in the mean
+    (inner ``steps`` since it left the last round) and its ``inner_steps`` in all (the swarm's
+    stopping rule reads the most)."""
 
     steps: int
     inner_steps: int
 
 
+def checked_work(
+    rows: Sequence[tuple[float, float]], names: Sequence[str] | None = None
+) -> tuple[list[float], int]:
+    """Every island's weight and the swarm's most inner steps, from the ``(steps, inner_steps)``
+    each island sent (untrusted: a peer's bytes; ``names`` names the senders in messages).
+
+    Raises:
+        BadWorkError: some row is not a pair of finite whole numbers with ``steps >= 1`` and
+            ``inner_steps >= steps``, naming the first such sender (the same on every rank).
+    """
+    for i, (steps, inner) in enumerate(rows):
+        if not (_whole(steps) and _whole(inner) and 1 <= steps <= inner):
+            who = names[i] if names is not None else f"island {i}"
+            raise BadWorkError(
+                f"{who} sent the weight {steps!r} (inner steps since the last round) with "
+                f"{inner!r} inner steps in all; a weight must be a whole number >= 1 and at "
+                "most its inner steps, so the round was not run on any island (anchors "
+                "unchanged). That island runs a different or modified lightning_swarm: run "
+                "the same version with the same sync_every_s on every island."
+            )
+    return [float(steps) for steps, _ in rows], int(max(inner for _, inner in rows))
+
+
+def _whole(value: float) -> bool:
+    return math.isfinite(value) and value == math.floor(value)
+
+
 @dataclass(frozen=True)
 class RoundRequest:
-    """What the engine asks of ``Transport.open``: the round it opens.
+    """The round ``Transport.open`` opens: ``round_index`` (the outer step count it starts
+    from), whether this island is ``finite``, the ``names`` packed into its buckets in order,
+    its ``place`` (``None``: inline), and with a time budget its ``work``.
 
-    Attributes:
-        round_index: the round (the outer step count it starts from).
-        finite: this island's pseudo-gradient holds no NaN or inf.
-        names: the tensors of the round, in order, packed into its buckets.
-        place: where the round sits in the schedule (``None``: its own, inline).
-        offer: the outer state a healing peer may be sent (transports that ``heals``; built by
-            the engine on its own thread, read-only until the next ``open``).
-        work: with a time budget only: what this island brings (its weight).
+    ``offer``: the outer state a healing peer may be sent (transports that ``heals``; built by
+    the engine on its own thread, read-only until the next ``open``).
     """
 
     round_index: int
@@ -107,14 +121,13 @@ class Opening:
     """What ``open`` decided for this island's round (static transports: the defaults).
 
     Attributes:
-        adopt: the swarm's round this island takes in place of its own (elastic membership:
-            an island being healed, or out of step): it exchanges zeros in the shape of
+        adopt: the swarm's round this island takes in place of its own (elastic membership: an
+            island being healed, or out of step): it exchanges zeros in the shape of
             ``adopt.fragment``'s names, applies that fragment's mean if the round applies, and
-            takes the swarm's clock (``adopt.apply_step``) either way. ``None``: its own round.
+            takes the swarm's clock (``adopt.apply_step``) either way.
         abandon: no bucket moves; the round will not apply (``agree`` says so).
-        scale: with ``work``: the factor the island multiplies its pseudo-gradient by before
-            the plain mean, ``n * w_own / sum_i w_i``, so that the mean is weighted by each
-            island's ``Work.steps`` (exactly 1.0 when every weight is equal).
+        scale: with ``work``: the island multiplies its pseudo-gradient by
+            ``n * w_own / sum_i w_i`` before the plain mean (1.0 when the weights are equal).
         swarm_steps: with ``work``: the most ``Work.inner_steps`` of any island in the round.
     """
 
@@ -126,14 +139,13 @@ class Opening:
 
 @dataclass(frozen=True)
 class Bucket:
-    """One bucket of a round: contiguous float32 ``flat``, made of ``runs`` (element counts,
-    back to back, each a piece of one tensor that starts on a codec block of that tensor)."""
+    """A round's contiguous float32 ``flat``, made of ``runs`` (element counts, back to back,
+    each a piece of one tensor starting on a codec block of that tensor)."""
 
     flat: Tensor
     runs: tuple[int, ...]
 
     def run_views(self) -> list[Tensor]:
-        """``flat`` cut into its runs (views)."""
         return list(self.flat.split(list(self.runs)))
 
 
@@ -155,11 +167,10 @@ class Done:
 
 @runtime_checkable
 class Transport(Protocol):
-    """Averages a round's float32 buckets across islands (see the module docstring).
+    """Averages a round's float32 buckets across islands (module docstring).
 
     Attributes:
-        bucket_numel: most elements of one bucket the engine should start.
-        block_size: buckets are planned on these blocks (a codec's; 1 without one).
+        bucket_numel, block_size: the most elements of one bucket, planned on these blocks.
         pipelined: a bucket's mean is final when its handle's ``wait`` returns.
         heals: ``open`` sends ``RoundRequest.offer`` to peers it heals, so the engine builds
             one for every round.
@@ -180,17 +191,14 @@ class Transport(Protocol):
     def pipelined(self) -> bool: ...
 
     def open(self, request: RoundRequest) -> Opening:
-        """Start the round ``request`` names. Collective; raises
-        ``NonFinitePseudoGradientError`` on every rank when an island is not ``finite``, where
-        the transport refuses such rounds. With ``work`` the ``Opening`` says how to weigh this
-        island."""
+        """Start the round (collective). Where the transport refuses non-finite islands (all
+        but the swarm's), raises ``NonFinitePseudoGradientError`` on every rank."""
         ...
 
     def start(self, bucket: Bucket) -> Handle: ...
 
     def agree(self) -> RoundStats:
-        """After every handle waited: whether the round applies, and bytes not yet counted by
-        the handles."""
+        """After every wait: whether the round applies, and bytes the handles did not count."""
         ...
 
     def close(self) -> None: ...

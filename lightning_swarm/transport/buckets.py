@@ -1,14 +1,9 @@
-"""The bucket packer: how every exchange cuts a sequence of flat tensors into buckets.
+"""The one packer: how every exchange cuts flat tensors into buckets, and buckets into shares.
 
-A bucket is a list of ``Piece``s (runs of consecutive elements of one tensor) back to back in
-its flat buffer; a tensor larger than a bucket is split, small tensors share one. Invariants
-every caller relies on for bitwise reproducibility:
-- The plan depends on element counts, ``bucket_numel`` and ``block_size`` only, so every island
-  computes the same plan without a message.
-- Every piece starts at a multiple of ``block_size`` inside its tensor, so it encodes exactly as
-  the whole tensor would; a bucket that cannot take another whole block is closed under-filled.
-- Every element appears in exactly one piece, in tensor order; no bucket is empty; empty tensors
-  contribute no piece.
+A bucket is a list of ``Piece``s (runs of one tensor's elements) back to back in its flat
+buffer. Every plan depends on element counts and sizes only, so every island computes the same
+plan without a message; every piece starts on a ``block_size`` boundary of its tensor, so it
+encodes exactly as the whole tensor would; every element lies in exactly one piece, in order.
 """
 
 from __future__ import annotations
@@ -46,21 +41,13 @@ def check_bucket(bucket_numel: int, block_size: int = 1) -> None:
 def plan_buckets(
     numels: Sequence[int], bucket_numel: int, block_size: int = 1
 ) -> list[list[Piece]]:
-    """Pack tensors of ``numels`` elements, in order, into buckets of at most ``bucket_numel``.
-
-    Args:
-        numels: element count of each flat tensor (zero allowed).
-        bucket_numel: most elements one bucket holds.
-        block_size: pieces start at multiples of it inside their tensor (a codec's block size;
-            1 for raw float32, which packs every bucket but the last full).
-
-    Returns:
-        The buckets, each a non-empty list of pieces lying back to back; ``[]`` when there is
-        no element.
+    """Pack tensors of ``numels`` elements, in order, into non-empty buckets of at most
+    ``bucket_numel``; ``[]`` when there is no element. A tensor larger than a bucket is split,
+    small ones share a bucket; a bucket that cannot take another whole block is closed
+    under-filled (with ``block_size`` 1 every bucket but the last is full).
 
     Raises:
-        ValueError: ``block_size < 1``, ``bucket_numel < 1``, or ``bucket_numel`` smaller than
-            one block.
+        ValueError: ``check_bucket`` refuses the sizes.
     """
     check_bucket(bucket_numel, block_size)
     buckets: list[list[Piece]] = []
@@ -87,6 +74,34 @@ def plan_buckets(
     if current:
         buckets.append(current)
     return buckets
+
+
+def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> list[list[Piece]]:
+    """Cut ``bucket`` (pieces starting on block boundaries) into ``num_islands`` shares of whole
+    blocks, in bucket order: share j holds blocks ``[j * U // n, (j + 1) * U // n)`` of the
+    bucket's U blocks, so shares differ by at most one block and may be empty.
+
+    Raises:
+        ValueError: ``num_islands < 1``.
+    """
+    if num_islands < 1:
+        raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+    num_blocks = [-(-p.length // block_size) for p in bucket]
+    total = sum(num_blocks)
+    shares: list[list[Piece]] = []
+    for island in range(num_islands):
+        lo, hi = island * total // num_islands, (island + 1) * total // num_islands
+        share: list[Piece] = []
+        first = 0  # index of the current piece's first block among the bucket's blocks
+        for piece, count in zip(bucket, num_blocks, strict=True):
+            a, b = max(lo, first), min(hi, first + count)
+            if a < b:
+                start = (a - first) * block_size
+                stop = min(piece.length, (b - first) * block_size)
+                share.append(Piece(piece.tensor_index, piece.start + start, stop - start))
+            first += count
+        shares.append(share)
+    return shares
 
 
 def numel_of(pieces: Sequence[Piece]) -> int:

@@ -1,8 +1,6 @@
 """The transport's options as plain data, validated where they are made.
 
-``SwarmTransportConfig`` lives beside the transport it configures; ``TRANSPORTS`` names what
-``factory.build_transport`` builds; ``check_block_mb`` is the one check of a block size (the
-floors' reasons: ``docs/swarm_transport.md``). Imports neither torch.distributed nor lightning.
+Imports neither torch.distributed nor lightning (the strategy's options build on it).
 """
 
 from __future__ import annotations
@@ -20,14 +18,13 @@ from lightning_swarm.errors import SwarmConfigError
 TransportName = Literal["allreduce", "swarm"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 # Who aggregates a swarm round: one island in turn, or every island its own shard.
-AggregatorName = Literal["rotating", "sharded"]
-AGGREGATORS: tuple[str, ...] = get_args(AggregatorName)
+AGGREGATORS = ("rotating", "sharded")
 MIN_BUCKET_MB = 1.0
 MIN_CHUNK_MB = 0.25
 
 
 def is_number(value: object) -> bool:
-    """A finite int or float (``bool`` excluded)."""
+    """A finite int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -38,11 +35,8 @@ def check_bool(option: str, value: object, fix: str = "") -> None:
 
 
 def check_block_mb(option: str, value: object, *, floor: float, default: float) -> None:
-    """The one check of a block size in MiB: a finite number at or above ``floor``.
-
-    Raises:
-        ValueError: naming ``option``, the floor and ``default`` as the fix.
-    """
+    """The one check of a block size in MiB: a finite number at or above ``floor``; raise
+    naming ``option``, the floor and ``default`` as the fix."""
     if not is_number(value):
         raise SwarmConfigError(
             f"{option} must be a finite number of MiB, got {value!r}; e.g. {option}={default:g}."
@@ -100,9 +94,7 @@ class SwarmTransportConfig:
     island_weights: list[float] | None = None
     chunk_mb: float = 4.0
     cleanup_timeout_s: float = 60.0
-    # str, not AggregatorName: this dataclass is the Hydra schema of ``swarm:`` as is, and
-    # OmegaConf refuses Literal annotations.
-    aggregator: str = "rotating"
+    aggregator: str = "rotating"  # not a Literal: OmegaConf refuses them in this Hydra schema
 
     def __post_init__(self) -> None:
         check_bool("swarm.offload", self.offload)
@@ -168,8 +160,8 @@ class SwarmTransportConfig:
         return int(self.chunk_mb * 2**20)
 
     def transport_kwargs(self) -> dict[str, Any]:
-        """These options as ``SwarmAggregator``'s keywords (``chunk_mb`` as bytes)."""
-        # ``aggregator`` is the aggregator's ``owners`` (``factory.build_transport`` passes it).
+        """These options as ``SwarmAggregator``'s keywords but ``owners`` (``aggregator``), with
+        ``chunk_mb`` as ``chunk_bytes``."""
         skip = ("chunk_mb", "aggregator")
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         kwargs["chunk_bytes"] = self.chunk_bytes

@@ -1,9 +1,7 @@
 """Build the transport a run's options name: the one place that knows every transport class.
 
-``build_transport`` turns the plain options into an all-reduce, a reduce-scatter (any codec) or
-an aggregator transport (``swarm.aggregator``) over a peer group the caller built;
-``peer_backend`` says which backend that group needs (the aggregators work on the CPU, so a gloo
-group beside NCCL). The caller owns the groups and must ``close`` the transport before them.
+The caller builds the peer group (with ``peer_backend``'s backend), owns it, and must ``close``
+the transport before destroying it.
 """
 
 from __future__ import annotations
@@ -24,11 +22,8 @@ CPU_BACKEND = "gloo"
 
 def peer_backend(transport: str, backend: str) -> str | None:
     """The backend the peer group of ``transport`` needs in a world whose default is
-    ``backend``; ``None`` means the default backend serves.
-
-    NCCL moves device tensors only; the swarm transport's traffic is CPU tensors, so with NCCL
-    it needs a gloo peer group. The all-reduce transports stage buckets on the device instead.
-    """
+    ``backend``; ``None``: the default serves. The swarm transport moves CPU tensors, which
+    NCCL cannot; the all-reduce transports stage buckets on the device instead."""
     check_transport(transport)
     if transport == "swarm" and backend != CPU_BACKEND:
         return CPU_BACKEND
@@ -48,26 +43,11 @@ def build_transport(
     island_group: dist.ProcessGroup | None = None,
     timeouts: LinkTimeouts | None = None,
 ) -> Transport:
-    """The transport named ``transport`` over the peer group ``group``.
-
-    Args:
-        transport: one of ``options.TRANSPORTS``.
-        group: the peer group (one rank per island, ordered by island); for ``"swarm"`` in an
-            NCCL world, a group with ``peer_backend``'s backend.
-        num_islands: size of the peer group.
-        island_index: this rank's island.
-        device: where the all-reduce transports stage buckets (the accelerator with NCCL, the
-            CPU with gloo); the swarm transport always works on the CPU.
-        codec: the pseudo-gradient codec; ``None`` (``codecs.codec_for("none")``) sends
-            float32 as is.
-        bucket_numel: float32 elements per all-reduce bucket.
-        swarm: the swarm transport's options (used only by ``"swarm"``).
-        island_group: a model-sharded island's group, over which the all-reduce transports
-            agree on one finite verdict per island before the peer groups compare theirs, and
-            the swarm transport's aggregators on one verdict (and norm) per island. For
-            ``"swarm"`` in an NCCL world it must have ``peer_backend``'s backend.
-        timeouts: where the all-reduce transports' peer-group timeout comes from
-            (``transport.link``); ``None`` keeps the group's own.
+    """The transport named ``transport`` (one of ``TRANSPORTS``) over the peer group ``group``
+    (one rank per island, ordered by island): the swarm aggregator, else a reduce-scatter with a
+    ``codec`` or a plain all-reduce (``codec=None`` sends float32 as is), staged on ``device``.
+    ``swarm`` is read by ``"swarm"`` only, ``timeouts`` by the others (``PeerTransport``). For
+    ``"swarm"`` in an NCCL world, ``group`` and ``island_group`` need ``peer_backend``'s backend.
 
     Raises:
         ValueError: an unknown transport, or options out of range for this topology.
@@ -86,20 +66,11 @@ def build_transport(
         )
     if codec is not None:
         return ReduceScatterTransport(
-            group,
-            num_islands=num_islands,
-            island_index=island_index,
-            codec=codec,
-            bucket_numel=bucket_numel,
-            device=device,
-            island_group=island_group,
+            group, num_islands=num_islands, island_index=island_index, codec=codec,
+            bucket_numel=bucket_numel, device=device, island_group=island_group,
             timeouts=timeouts,
-        )
+        )  # fmt: skip
     return AllReduceTransport(
-        group,
-        num_islands=num_islands,
-        bucket_numel=bucket_numel,
-        device=device,
-        island_group=island_group,
-        timeouts=timeouts,
-    )
+        group, num_islands=num_islands, bucket_numel=bucket_numel, device=device,
+        island_group=island_group, timeouts=timeouts,
+    )  # fmt: skip

@@ -1,10 +1,7 @@
-"""Process groups for islands and peer groups, built from an ``IslandTopology``.
+"""Process groups for islands, peer groups and island meshes, built from an ``IslandTopology``.
 
-``torch.distributed.new_group`` is collective over the whole world: every rank must create every
-group in the same order, even those it is not in. This is the one place that does so, so the
-order cannot drift. The peer group may use another backend than the island groups
-(``peer_backend``); an FSDP island's device mesh (``build_island_mesh``) is built from groups
-created here.
+``new_group`` is collective over the whole world: every rank creates every group in the same
+order, even those it is not in. This is the one place that does so, so the order cannot drift.
 """
 
 from __future__ import annotations
@@ -21,19 +18,16 @@ from lightning_swarm.topology import IslandTopology
 
 @dataclass
 class SwarmGroups:
-    """The groups one rank takes part in.
+    """The groups one rank takes part in; ``destroy`` destroys those ``created`` here.
 
     Attributes:
         island: this rank's island (DDP's group); ``None`` when islands are single ranks.
-        peers: this rank's peer group across islands (the transport's group); ``None`` when there
-            is a single island, or the default group when every rank is its own island (unless
-            ``build_groups`` was asked for a dedicated one).
+        peers: this rank's peer group across islands (the transport's); ``None`` with a single
+            island, the default group when every rank is its own island (unless dedicated).
         between_rounds: this rank's island again, in a group of its own, for the training
-            thread's small messages between rounds (Lightning's SIGTERM agreement, a
-            ``sync_dist`` log in ``training_step``); no round and no worker thread uses it, so
-            their collectives never interleave. ``None`` unless there are several islands of
-            several ranks.
-        created: groups created here, destroyed by ``destroy``.
+            thread's small messages between rounds (SIGTERM agreement, ``sync_dist`` logs), so
+            they never interleave with a round's. ``None`` unless several islands of several
+            ranks.
     """
 
     island: dist.ProcessGroup | None
@@ -42,9 +36,13 @@ class SwarmGroups:
     between_rounds: dist.ProcessGroup | None = None
 
     def destroy(self) -> None:
-        for group in self.created:
-            dist.destroy_process_group(group)
-        self.created.clear()
+        _destroy(self.created)
+
+
+def _destroy(created: list[dist.ProcessGroup]) -> None:
+    for group in created:
+        dist.destroy_process_group(group)
+    created.clear()
 
 
 def build_groups(
@@ -58,14 +56,11 @@ def build_groups(
 ) -> SwarmGroups:
     """Create the island and peer groups for ``topology`` (collective on every rank).
 
-    With ``dedicated_peers`` the peer group is always a group of its own, never the default
-    group: a transport driven from a background thread must not share a group with the
-    training thread's collectives (their order would differ between ranks). A
-    ``peer_backend`` (e.g. ``"gloo"`` in an NCCL world) also gives the peer group a group of
-    its own, with that backend. ``island_backend`` overrides ``backend`` for the island
-    groups (model-sharded islands, whose island group serves the outer round only and must
-    carry the swarm transport's CPU agreement: ``peer_backend``). ``timeout`` bounds every
-    collective of the new groups (``None``: torch's default, not the world's).
+    ``dedicated_peers`` (implied by a ``peer_backend``) never reuses the default group for the
+    peers: a transport on a background thread must not share a group with the training
+    thread's collectives. ``island_backend`` overrides ``backend`` for the island groups
+    (model-sharded islands, whose island group carries the swarm transport's CPU agreement).
+    ``timeout`` bounds the new groups' collectives (``None``: torch's default).
     """
     if peer_backend is not None:
         dedicated_peers = True
@@ -94,19 +89,13 @@ def build_groups(
 def _own_groups(
     rank_lists: list[list[int]], mine: list[int], backend: str | None, timeout: timedelta | None
 ) -> list[dist.ProcessGroup]:
-    """Create one group per rank list and return this rank's, ``rank_lists[i]`` for each ``i``
-    of ``mine``. ``new_group`` is collective over the world: every rank creates every group, in
-    the same order."""
+    """Create one group per rank list (every rank, in order) and return ``mine`` of them."""
     groups = [dist.new_group(ranks, backend=backend, timeout=timeout) for ranks in rank_lists]
     return [_member(groups[i]) for i in mine]
 
 
 def _member(group: object) -> dist.ProcessGroup:
-    """The group handle of a group this rank belongs to.
-
-    ``new_group`` returns a sentinel for non-members (typed as such from torch 2.14 on); every
-    caller here asks only for groups that contain this rank.
-    """
+    # ``new_group`` returns a sentinel for non-members (typed as such from torch 2.14 on).
     assert isinstance(group, dist.ProcessGroup), "asked for a group this rank is not in"
     return group
 
@@ -118,17 +107,10 @@ MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
 class IslandMesh:
     """One rank's view of its island's ``(data_parallel, tensor_parallel)`` device mesh.
 
-    Inside an island, position ``p`` (``topology.local_index``) sits at data-parallel
-    coordinate ``p // tensor_parallel_size`` and tensor-parallel coordinate
-    ``p % tensor_parallel_size``. Ranks at the same position of every island hold the same
-    shard, so the topology's peer group is exactly "the same (dp, tp) coordinate".
-
-    Attributes:
-        mesh: this island's mesh only: it never has an island dimension (that would be HSDP,
-            a gradient reduction across islands at every step).
-        data_parallel_size, tensor_parallel_size: the mesh's shape.
-        created: groups created for the mesh, destroyed by ``destroy`` (after the module that
-            used them is gone).
+    Position ``p`` in an island sits at ``divmod(p, tensor_parallel_size)``, so ranks at the
+    same position of every island hold the same shard (the topology's peer group). ``mesh``
+    never has an island dimension (that would be HSDP). ``destroy`` the ``created`` groups
+    after the module that used them is gone.
     """
 
     mesh: DeviceMesh
@@ -145,9 +127,7 @@ class IslandMesh:
         }
 
     def destroy(self) -> None:
-        for group in self.created:
-            dist.destroy_process_group(group)
-        self.created.clear()
+        _destroy(self.created)
 
 
 def build_island_mesh(
@@ -157,14 +137,11 @@ def build_island_mesh(
     device_type: str,
     backend: str | None = None,
 ) -> IslandMesh:
-    """The device mesh of this rank's island (collective on every rank).
-
-    ``init_device_mesh`` can only build one mesh over the whole world; per-island meshes are
-    built with ``DeviceMesh.from_group`` from groups created here, every island's in the same
-    order on every rank (``new_group`` is collective over the world). The data-parallel group
-    is never the island's own group (``SwarmGroups.island``), even when it has the same ranks:
-    that one carries the outer round's island-wide agreement, possibly from the sync worker's
-    thread, while FSDP's collectives run on the training thread.
+    """The device mesh of this rank's island (collective on every rank), by
+    ``DeviceMesh.from_group`` (``init_device_mesh`` builds one mesh over the whole world only).
+    The data-parallel group is never ``SwarmGroups.island``, even with the same ranks: that one
+    carries the outer round's agreement, maybe on the sync worker's thread, while FSDP's
+    collectives run on the training thread.
     """
     tp = tensor_parallel_size
     dp = topology.island_size // tp

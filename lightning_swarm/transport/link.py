@@ -1,15 +1,9 @@
 """How long a round may take over this link, and what a round that cannot finish says.
 
-A ``LinkRate`` keeps the rate (payload bytes / seconds) at which this rank's last round crossed
-the link, timed from the end of the round's opening agreement (a barrier over the peers, so a
-late peer's inner steps do not count) to its last bucket. ``LinkTimeouts.for_round`` turns a
-payload and that rate into the round's bound (``round_timeout_s``) unless the user set one. The
-static transports hold a ``LinkWatch`` (a ``LinkRate`` that bounds its peer group's collectives
-before each round); the elastic membership hands the bound to torchft's calls.
-
-``LinkWatch.explained`` turns what torch raises at this boundary into errors that say what
-happened and what to do: a collective's timeout into ``RoundTimeoutError``, a connection a peer
-closed into ``PeerLostError``.
+``LinkRate`` keeps the rate this rank's last round crossed the link at (from the end of its
+opening agreement to its last bucket); ``LinkTimeouts.for_round`` derives a round's bound from it
+unless the user set one. ``LinkWatch.explained`` turns torch's timeouts and closed connections
+into ``RoundTimeoutError`` and ``PeerLostError``, which say what happened and what to do.
 """
 
 from __future__ import annotations
@@ -25,53 +19,39 @@ import torch.distributed as dist
 
 from lightning_swarm.errors import PeerLostError, RoundTimeoutError, SwarmError
 
+# A round's rate varies with what shares the link and with TCP backing off: a live round is cut
+# only below a quarter of the last round's rate, while a hung peer is found in a few round-times.
 FACTOR = 4.0
-"""Derived timeout over the payload's time at the measured rate. A round's rate varies with
-what shares the link (another fragment's round, heartbeats, other traffic) and with TCP backing
-off after a loss; 4x lets the link run at a quarter of the last round's rate before a live
-round is cut, while a hung peer is still found within a few round-times."""
-
+# Before any round measured the link: 10 Mbit/s, the slowest link measured (docs/wan.md).
 ASSUMED_RATE_BPS = 1.25e6
-"""Bytes per second the first round assumes before any round measured the link: 10 Mbit/s,
-the slowest link this library is measured on (docs/wan.md), so that a first round over such a
-link is not cut while the default floor still bounds small payloads."""
 
 
 def round_timeout_s(payload_bytes: int, rate_bps: float | None, floor_s: float) -> float:
-    """Seconds a round of ``payload_bytes`` may take at ``rate_bps`` bytes per second:
-    ``FACTOR`` times the payload's time at that rate, and at least ``floor_s``.
-
-    ``rate_bps=None`` (nothing measured yet) uses ``ASSUMED_RATE_BPS``.
-    """
+    """``FACTOR`` times the payload's time at ``rate_bps`` bytes per second (``None``:
+    ``ASSUMED_RATE_BPS``), and at least ``floor_s``."""
     rate = ASSUMED_RATE_BPS if rate_bps is None or rate_bps <= 0 else rate_bps
     return max(float(floor_s), FACTOR * payload_bytes / rate)
 
 
 @dataclass(frozen=True)
 class LinkTimeouts:
-    """Where a transport's collective timeout comes from.
-
-    Attributes:
-        option: the option that sets it, named in messages (``timeout_s``).
-        floor_s: the option's default: a derived timeout is never under it.
-        explicit_s: the value the user set; ``None`` derives it per round.
-    """
+    """Where a transport's collective timeout comes from: the ``option`` that sets it (named in
+    messages), its default ``floor_s`` (a derived timeout is never under it) and the value the
+    user set, ``explicit_s`` (``None``: derived per round)."""
 
     option: str
     floor_s: float
     explicit_s: float | None = None
 
     def for_round(self, payload_bytes: int, rate_bps: float | None) -> float:
-        """Seconds a round of ``payload_bytes`` may take: ``explicit_s`` when the user set it,
-        else ``round_timeout_s`` of the payload at ``rate_bps`` (``None``: nothing measured)."""
+        """``explicit_s`` when the user set it, else ``round_timeout_s``."""
         if self.explicit_s is not None:
             return float(self.explicit_s)
         return round_timeout_s(payload_bytes, rate_bps, self.floor_s)
 
     @property
     def base_s(self) -> float:
-        """The bound of what does not grow with a payload (set-ups, small messages):
-        ``explicit_s`` when set, else ``floor_s``."""
+        """The bound of what does not grow with a payload (set-ups, small messages)."""
         return float(self.floor_s if self.explicit_s is None else self.explicit_s)
 
 
@@ -80,7 +60,6 @@ def _mbit(rate_bps: float) -> str:
 
 
 def is_timeout(err: BaseException) -> bool:
-    """Whether ``err`` is torch's report that a collective timed out."""
     text = str(err).lower()
     # gloo: "Timed out waiting 5000ms for recv ..."; NCCL: "collective operation timeout".
     return "timed out" in text or "operation timeout" in text
@@ -95,13 +74,10 @@ _PEER_GONE = (
 
 
 def is_peer_loss(err: BaseException) -> bool:
-    """Whether ``err`` is torch's report that a peer's connection closed under a collective
-    (gloo's ``Connection closed by peer``, ``Connection reset by peer``, a broken pipe)."""
     return isinstance(err, RuntimeError) and any(t in str(err).lower() for t in _PEER_GONE)
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of ``err``'s message (its class name when it has none)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
@@ -118,12 +94,8 @@ def peer_lost_message(where: str, gone: str, cause: BaseException) -> str:
 
 
 class LinkRate:
-    """The rate this rank's rounds crossed the link at (module docstring).
-
-    Args:
-        num_islands: size of the peer group; a round among fewer than two islands measures
-            nothing (its bytes crossed no link). The owner updates it when the group changes.
-    """
+    """The rate this rank's rounds crossed the link at. A round among fewer than two of
+    ``num_islands`` measures nothing; the owner updates it when the group changes."""
 
     def __init__(self, *, num_islands: int) -> None:
         self.num_islands = num_islands
@@ -134,26 +106,22 @@ class LinkRate:
         self._arrived: float | None = None
 
     def begin(self, round_index: int, names: Mapping[str, torch.Size]) -> None:
-        """Round ``round_index`` over float32 tensors of ``names`` begins."""
         self.finished()  # a round the engine streamed ends without ``agree``
         self.round_index = round_index
         self.payload_bytes = 4 * sum(int(torch.Size(s).numel()) for s in names.values())
 
     def started(self) -> None:
-        """The round's opening agreement is done: its transfer starts now."""
         self._started, self._arrived = time.perf_counter(), None
 
     def arrived(self) -> None:
-        """A bucket's mean arrived (the last one's time ends the round's transfer)."""
         self._arrived = time.perf_counter()
 
     def discard(self) -> None:
-        """The round failed part-way: it measures nothing (the last rate stays)."""
+        """The round failed part-way: it measures nothing."""
         self._started = self._arrived = None
 
     def finished(self) -> None:
-        """The round is over (``agree``, or the next ``begin``): keep the rate this rank saw
-        from its opening agreement to its last bucket, once per round."""
+        """The round is over (``agree``, or the next ``begin``): keep its rate."""
         started, arrived = self._started, self._arrived
         self._started = self._arrived = None
         if started is None or arrived is None or self.payload_bytes == 0:
@@ -163,14 +131,8 @@ class LinkRate:
 
 
 class LinkWatch(LinkRate):
-    """One transport's link rate, the timeout it derives, and its errors (module docstring).
-
-    Args:
-        group: the peer group (one rank per island, ordered by island); ``None``: the world.
-        num_islands: size of the peer group.
-        timeouts: where the timeout comes from; ``None`` leaves the group's own timeout as it
-            is (the transport was built without options, e.g. in a test).
-    """
+    """A static transport's link rate, the timeout it sets on ``group`` (one rank per island;
+    ``None``: the world) and its errors; ``timeouts=None`` leaves the group's own timeout."""
 
     def __init__(
         self,
@@ -186,7 +148,7 @@ class LinkWatch(LinkRate):
 
     def open(self, round_index: int, names: Mapping[str, torch.Size]) -> None:
         """Round ``round_index`` over float32 tensors of ``names`` begins: bound the group's
-        collectives by its timeout, before any of them runs."""
+        collectives by its timeout before any of them runs."""
         self.begin(round_index, names)
         t = self.timeouts
         if t is None or t.explicit_s is not None or self.num_islands <= 1:
@@ -221,7 +183,6 @@ class LinkWatch(LinkRate):
         return f"rank {dist.get_rank()}, island {island}, round {self.round_index}"
 
     def timeout_message(self, cause: BaseException) -> str:
-        """What a round that overran its timeout says (``RoundTimeoutError``)."""
         t = self.timeouts
         option = "timeout_s" if t is None else t.option
         timeout = "the process group's timeout"
@@ -252,7 +213,6 @@ class LinkWatch(LinkRate):
         )
 
     def peer_lost_message(self, cause: BaseException) -> str:
-        """What a round whose peer went away says (``PeerLostError``)."""
         island = self._island()
         where = self._where(island)
         if island is not None and self.num_islands == 2:
@@ -267,9 +227,8 @@ class LinkWatch(LinkRate):
 def set_group_timeout(group: dist.ProcessGroup | None, timeout_s: float) -> bool:
     """Bound ``group``'s later collectives by ``timeout_s``; whether its backend allowed it.
 
-    torch's private ``ProcessGroup._get_backend`` and ``Backend._set_default_timeout``: a
-    backend takes its timeout at construction and no public call changes it afterwards. Where
-    they are missing the group keeps its own timeout, which messages then name.
+    No public call changes a backend's timeout after construction: this uses torch's private
+    ``_get_backend`` and ``_set_default_timeout``; without them the group keeps its own.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return False

@@ -1,10 +1,8 @@
 """The layout of one round's payload: names, shapes and dtypes, in order, and their bytes.
 
-A payload is its tensors' raw bytes in layout order, and those bytes are the wire's chunks
-(``chunk_pieces``), a safetensors file's data section whose header is known ahead
-(``safetensors_header``, so chunk ``k`` lands at a fixed offset), and a flat buffer in memory.
-Spool files declare every tensor flat, so ``get_slice`` takes any element range. Peer
-descriptions are untrusted: ``from_json`` validates them and raises ``ValueError``.
+A payload is its tensors' raw bytes in layout order: the wire's chunks, and the data section of
+a safetensors file whose header is known ahead (every tensor declared flat), so chunk ``k`` lands
+at a fixed offset. Peer descriptions are untrusted: ``from_json`` raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -81,11 +79,8 @@ class PayloadLayout:
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, Tensor]) -> PayloadLayout:
-        """The layout of ``tensors`` in mapping order.
-
-        Raises:
-            ValueError: a tensor is not contiguous, or its dtype cannot travel.
-        """
+        """The layout of ``tensors`` in mapping order; ``ValueError`` unless each is contiguous
+        with a dtype that can travel."""
         entries = []
         for name, t in tensors.items():
             if t.dtype not in DTYPE_CODES:
@@ -107,7 +102,6 @@ class PayloadLayout:
     def key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         return tuple((s.name, s.shape, DTYPE_CODES[s.dtype]) for s in self.specs)
 
-    # -- wire description ---------------------------------------------------------------------
     def to_json(self) -> bytes:
         """Deterministic description (names, shapes, dtype codes) sent ahead of a payload."""
         items = [[s.name, list(s.shape), DTYPE_CODES[s.dtype]] for s in self.specs]
@@ -115,11 +109,7 @@ class PayloadLayout:
 
     @classmethod
     def from_json(cls, blob: bytes) -> PayloadLayout:
-        """Parse a peer's description.
-
-        Raises:
-            ValueError: the description is not valid JSON of the expected form.
-        """
+        """Parse a peer's description; ``ValueError`` unless it is JSON of the expected form."""
         try:
             items = json.loads(blob.decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -160,12 +150,9 @@ class PayloadLayout:
                 )
         return "tensor order differs"
 
-    # -- safetensors file ---------------------------------------------------------------------
     def safetensors_header(self, metadata: Mapping[str, str] | None = None) -> bytes:
-        """The first bytes of the spool file: 8-byte little-endian length + padded JSON.
-
-        Tensors are declared flat (shape ``[numel]``) at their payload offsets.
-        """
+        """The first bytes of a spool file: 8-byte little-endian length + padded JSON, every
+        tensor declared flat at its payload offset."""
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = dict(metadata)
@@ -179,7 +166,6 @@ class PayloadLayout:
         blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
         return struct.pack("<Q", len(blob)) + blob
 
-    # -- chunking -----------------------------------------------------------------------------
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.data_bytes // chunk_bytes)
 

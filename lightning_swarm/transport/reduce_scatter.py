@@ -1,25 +1,16 @@
 """Quantized reduce-scatter + all-gather: the mean of encoded pseudo-gradients, flat in islands.
 
-An all-reduce cannot sum int8 or int4 codes (each island's block scales differ). Instead each of
-the n islands owns a share of every bucket (whole codec blocks, ``transport.pieces``): every
-island encodes its shares and sends share j to island j (``all_to_all_single``); the owner
-decodes the n contributions in island order, sums them in float32, divides by n and encodes the
-mean once; a second ``all_to_all_single`` (shares' sizes differ, and gloo's all-gather wants
-equal ones) hands every island every share's encoded mean, which every island, the owner
-included, decodes: the anchors stay bitwise equal. A rank moves about ``2 (n - 1) / n`` of the
-encoded bucket (exact bytes: ``docs/scaling.md``).
-
-Result, elementwise: ``decode(encode(mean_i decode(encode(x_i))))``, independent of buckets and
-shares since pieces start on the tensors' own blocks, so the caller's error feedback with the same
-codec stays exact. Error: ``mean_i`` of each island's codec bound plus ``Codec.error_bound(mean)``;
-that second error is the same on every island and is not fed back.
-
-Memory, only while a bucket is in flight: about four encoded buckets (to send, received
-contributions, copies of the mean to send, gathered means), a float32 accumulator of one share
-and one decoded share at a time.
+Each of n islands owns a share of every bucket (whole codec blocks, ``buckets.plan_shares``),
+decodes the n contributions in island order, sums them in float32, divides and encodes the mean
+once; every island, the owner included, decodes the same bytes, so anchors stay bitwise equal.
+Result: ``decode(encode(mean_i decode(encode(x_i))))`` elementwise, independent of buckets and
+shares (pieces start on their tensors' own blocks), so error feedback with the same codec stays
+exact. A payload's size follows from piece lengths alone: no header travels.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,37 +19,119 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
-from lightning_swarm.transport.buckets import Piece
-from lightning_swarm.transport.checks import agree_finite
-from lightning_swarm.transport.coded_mean import coded_bucket_mean
-from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
-from lightning_swarm.transport.pieces import check_coded_options
+from lightning_swarm.transport.allreduce import PeerTransport
+from lightning_swarm.transport.base import Bucket, Done, Handle
+from lightning_swarm.transport.buckets import Piece, numel_of, placed, plan_shares
+from lightning_swarm.transport.link import LinkTimeouts
+
+Exchange = Callable[[Tensor, list[int], list[int]], Tensor]
+"""(send, send_sizes, recv_sizes) -> received: one all-to-all of uint8 bytes."""
 
 
-class ReduceScatterTransport:
-    """Mean over a peer group of codec-encoded tensors by a quantized reduce-scatter and
-    all-gather; see the module docstring for the result, its error, bytes and memory.
+def encoded_nbytes(codec: Codec, pieces: Sequence[Piece]) -> int:
+    """Bytes of the payload of ``pieces`` (each piece encoded on its own)."""
+    return sum(codec.encoded_nbytes(p.length) for p in pieces)
 
-    Args:
-        group: the peer group (one rank per island, group rank = island index); ``None`` means
-            the default group.
-        num_islands: size of the peer group.
-        island_index: this rank's island (its rank in ``group``).
-        codec: how payloads are encoded (``Codec("int8", block_size=128)`` etc.).
-        bucket_numel: float32 elements per bucket; bounds the extra memory.
-        device: where encoding, exchange and accumulation happen (``cuda`` for NCCL, ``cpu``
-            for gloo); the caller's tensors stay where they are.
-        island_group: a model-sharded island's group: its ranks agree on one finite verdict
-            first (``checks.island_verdict``); ``None`` otherwise.
-        timeouts: where the peer group's collective timeout comes from (``transport.link``);
-            ``None`` keeps the group's own. A timeout or a peer that went away raises
-            ``RoundTimeoutError`` or ``PeerLostError`` either way.
+
+def encode_pieces(
+    codec: Codec, flats: Sequence[Tensor], pieces: Sequence[Piece], device: torch.device
+) -> Tensor:
+    """The payload (uint8, on ``device``) of ``pieces`` of the flat tensors ``flats``."""
+    parts = [
+        codec.to_bytes(codec.encode(flats[p.tensor_index][p.start : p.stop].to(device)))
+        for p in pieces
+    ]
+    return _joined(parts, torch.uint8, device)
+
+
+def decode_flat(codec: Codec, payload: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """Decode the payload of ``pieces`` into one new flat float32 tensor, pieces back to back."""
+    parts = []
+    offset = 0
+    for p in pieces:
+        size = codec.encoded_nbytes(p.length)
+        parts.append(codec.decode(codec.from_bytes(payload[offset : offset + size], p.length)))
+        offset += size
+    if offset != payload.numel():
+        raise ValueError(
+            f"a payload of {payload.numel()} bytes does not hold pieces of {offset} bytes; "
+            "islands disagree on the layout (same model, quantize and block_size everywhere?)."
+        )
+    return _joined(parts, torch.float32, payload.device)
+
+
+def _joined(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``parts`` back to back (the one part itself, uncopied); empty of ``dtype`` if none."""
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def reduce_scatter_bytes(share_nbytes: Sequence[int], island_index: int) -> int:
+    """Bytes one rank sends (= receives) for a bucket whose shares encode to ``share_nbytes``:
+    every other share out, then its own share's encoded mean to n - 1 islands."""
+    others = sum(share_nbytes) - share_nbytes[island_index]
+    return others + (len(share_nbytes) - 1) * share_nbytes[island_index]
+
+
+@torch.no_grad()
+def coded_bucket_mean(
+    runs: list[Tensor],
+    *,
+    codec: Codec,
+    num_islands: int,
+    island_index: int,
+    divisor: int,
+    exchange: Exchange,
+    device: torch.device,
+) -> int:
+    """Overwrite ``runs`` (one bucket's flat float32 views, each starting on a codec block of
+    its tensor) with the decoded, encoded sum over the islands divided by ``divisor``
+    (collective through ``exchange``); returns the bytes this rank sent (= received)."""
+    bucket = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
+    shares = plan_shares(bucket, num_islands, codec.block_size)
+    sizes = [encoded_nbytes(codec, share) for share in shares]
+    own = shares[island_index]
+    with record_function(labels.SCATTER_SHARES):
+        payload = torch.cat([encode_pieces(codec, runs, share, device) for share in shares])
+        contributions = exchange(payload, sizes, [sizes[island_index]] * num_islands)
+        del payload
+    with record_function(labels.REDUCE_SHARE):
+        mean = torch.empty(0, dtype=torch.uint8, device=device)
+        if own:
+            size = contributions.numel() // num_islands
+            total = torch.zeros(numel_of(own), dtype=torch.float32, device=device)
+            for island in range(num_islands):  # fixed order: the same float sum everywhere
+                raw = contributions[island * size : (island + 1) * size]
+                total.add_(decode_flat(codec, raw, own))
+            total.div_(divisor)
+            flat = [Piece(0, at, p.length) for at, p in placed(own)]
+            mean = encode_pieces(codec, [total], flat, device)
+        del contributions
+    with record_function(labels.GATHER_MEANS):
+        means = exchange(mean.repeat(num_islands), [mean.numel()] * num_islands, sizes)
+        del mean
+    offset = 0
+    for share, size in zip(shares, sizes, strict=True):
+        # Every island decodes the same bytes, its own share's included: bitwise equal.
+        values = decode_flat(codec, means[offset : offset + size], share)
+        for at, p in placed(share):
+            runs[p.tensor_index][p.start : p.stop].copy_(values[at : at + p.length])
+        offset += size
+    return reduce_scatter_bytes(sizes, island_index)
+
+
+class ReduceScatterTransport(PeerTransport):
+    """Mean over a peer group of ``codec``-encoded buckets (module docstring); the static
+    group's ``island_index`` is this rank's rank in it. Only while a bucket is in flight it
+    holds about four encoded buckets, a float32 share and one decoded share.
 
     Raises:
         ValueError: ``num_islands < 1``, ``island_index`` outside the group, or
             ``bucket_numel`` below the codec's block size.
     """
+
+    direct_vote = True
 
     def __init__(
         self,
@@ -72,54 +145,31 @@ class ReduceScatterTransport:
         island_group: dist.ProcessGroup | None = None,
         timeouts: LinkTimeouts | None = None,
     ) -> None:
-        check_coded_options(num_islands, codec, bucket_numel)
+        if num_islands < 1:
+            raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+        super().__init__(
+            group, num_islands=num_islands, bucket_numel=bucket_numel,
+            block_size=codec.block_size, device=device, island_group=island_group,
+            timeouts=timeouts,
+        )  # fmt: skip
         if not 0 <= island_index < num_islands:
             raise ValueError(
                 f"island_index={island_index} is outside the peer group of {num_islands} "
                 "islands; pass this rank's rank in the peer group."
             )
-        self.group = group
-        self.num_islands = num_islands
         self.island_index = island_index
         self.codec = codec
-        self.bucket_numel = bucket_numel
-        self.device = torch.device(device)
-        self.island_group = island_group
-        self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
 
-    # The contract (``transport.base.Transport``).
-    pipelined = True
-    heals = False
-    every_rank_in_round = False
-
-    @property
-    def block_size(self) -> int:
-        return self.codec.block_size
-
-    def open(self, request: RoundRequest) -> Opening:
-        """Every island agrees on ``finite`` in one message step before any bucket moves
-        (``checks.agree_finite``, ``direct=True``); with ``work`` the islands' weights
-        ride in the same step. The engine scales its
-        contribution before a bucket is started, so it is encoded scaled."""
-        self.link.open(request.round_index, request.names)
-        with self.link.explained():
-            opening = agree_finite(
-                request.finite, self.group, self.num_islands, self.device, self.island_group,
-                direct=True, work=request.work, island_index=self.island_index,
-            )  # fmt: skip
-        self.link.started()
-        return opening
+    def _position(self) -> int:
+        return self.island_index
 
     @record_function(labels.REDUCE_SCATTER)
     def start(self, bucket: Bucket) -> Handle:
-        """Average ``bucket`` in place now (each run encoded on its own blocks, as its tensor's
-        would be); the handle is complete."""
-        runs = bucket.run_views()
-        pieces = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
+        """Average ``bucket`` in place now, each run encoded on its own blocks (scaled by the
+        engine first, under ``work``); the handle is complete."""
         with self.link.explained():
             sent = coded_bucket_mean(
-                runs,
-                pieces,
+                bucket.run_views(),
                 codec=self.codec,
                 num_islands=self.num_islands,
                 island_index=self.island_index,
@@ -130,14 +180,7 @@ class ReduceScatterTransport:
         self.link.arrived()
         return Done(sent)
 
-    def agree(self) -> RoundStats:
-        """A round that started every bucket applies (refusals raise at ``open``)."""
-        self.link.finished()
-        return RoundStats()
-
     def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
-        """``send`` cut into ``send_sizes`` goes to islands 0 .. n - 1; returns what islands
-        0 .. n - 1 sent here, back to back in ``recv_sizes``."""
         if self.num_islands == 1:
             return send
         received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
@@ -149,6 +192,3 @@ class ReduceScatterTransport:
             group=self.group,
         )
         return received
-
-    def close(self) -> None:
-        """Nothing to release: buffers live only inside ``start``."""

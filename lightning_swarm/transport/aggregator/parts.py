@@ -1,7 +1,7 @@
 """Which part of a round's payload each island owns (pure planning, torch only).
 
 ``plan_parts`` cuts the tensors, in layout order, into ``num_islands`` contiguous runs of
-alignment units (``transport.pieces.plan_shares``): balanced within one unit, possibly empty,
+alignment units (``transport.buckets.plan_shares``): balanced within one unit, possibly empty,
 every piece starting on a codec block so that encoding a piece equals encoding the whole tensor.
 ``whole_part`` gives the whole payload to one owner. A ``Part`` is itself a payload (``layout``
 names each piece ``"<tensor>[start:stop]"``), and its ``views`` are flat views of the caller's
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from lightning_swarm.transport.buckets import Piece, plan_shares
 from lightning_swarm.transport.payload import PayloadLayout
-from lightning_swarm.transport.pieces import Piece, plan_shares
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ from lightning_swarm.algorithm.robust import AGGREGATIONS
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
 from lightning_swarm.transport.aggregator.parts import Part
-from lightning_swarm.transport.base import RoundStats, Work
-from lightning_swarm.transport.checks import checked_work
+from lightning_swarm.transport.base import RoundStats, Work, checked_work
 from lightning_swarm.transport.payload import PayloadLayout
 
 
@@ -121,7 +120,7 @@ class RoundTerms:
     gather_steps: int  # chunks of the longest result part
     mismatched: dict[int, str] = field(default_factory=dict)
     # Under a time budget: each island's inner steps this round (its weight) and the most
-    # inner steps of any island (``checks.checked_work``); ``None`` otherwise.
+    # inner steps of any island (``base.checked_work``); ``None`` otherwise.
     work: list[float] | None = None
     swarm_steps: int | None = None
 
@@ -202,7 +201,7 @@ def agree_parts(
 ) -> RoundTerms:
     """Several owners: raise ``ValueError`` on every rank unless every island cut the same
     parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round) rides
-    in the same row; a bad one raises ``BadWorkError`` on every rank (``checks.checked_work``)."""
+    in the same row; a bad one raises ``BadWorkError`` on every rank (``base.checked_work``)."""
     blob = b"".join(p.layout.to_json() for p in parts)
     blob += f"{codec!r} {rule!r} {chunk_bytes}".encode()
     if work is None:
