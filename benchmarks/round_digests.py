@@ -24,8 +24,8 @@ import torch
 from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.worker import SyncWorker
+from lightning_swarm.transport import build_transport
 from lightning_swarm.transport.config import SwarmTransportConfig
-from lightning_swarm.transport.factory import build_transport
 
 DIGESTS = Path(__file__).resolve().parents[1] / "tests" / "data" / "round_digests.json"
 SHAPES = [(4, 3), (11,), (2, 2, 5), (1,), (130,)]

@@ -36,7 +36,7 @@ from lightning_swarm.errors import (
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
-from lightning_swarm.transport.factory import peer_backend
+from lightning_swarm.transport import peer_backend
 from lightning_swarm.transport.groups import SwarmGroups, build_groups
 from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_message
 
@@ -49,7 +49,7 @@ class IslandDDPStrategy(DDPStrategy):
         dedicated_peers: give the peer group a group of its own even when it is the whole
             world (a background thread that drives it must not share the default group).
         peer_transport: the transport that will run over the peer group (its backend may
-            differ from the world's: ``transport.factory.peer_backend``).
+            differ from the world's: ``transport.peer_backend``).
         island_parallel: ``"ddp"`` or ``"fsdp"`` (model-sharded islands, ``IslandFSDP``).
         tensor_parallel_size: the island mesh's tensor-parallel size (``"fsdp"`` only).
         **kwargs: ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.

@@ -1,8 +1,8 @@
 """The transport a ``SwarmConfig`` asks for, over this rank's peer group (never lightning).
 
 ``transport_for`` runs once per fit, at setup; the ``OuterLoop`` owns and closes what it returns.
-Transport classes are known only to ``transport.factory``; ``codec_of`` maps the options onto
-``algorithm.codecs.codec_for``, for the transport and error feedback alike.
+Transport classes are known only to ``transport.build_transport``; ``codec_of`` maps the
+options onto ``algorithm.codecs.codec_for``, for the transport and error feedback alike.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def transport_for(
 
     ``device`` is where all-reduce buckets are staged (``staging_device``); anchors stay on
     their own device either way. ``island_group`` is given for model-sharded islands only
-    (``transport.factory.build_transport``).
+    (``transport.build_transport``).
     """
     timeouts = LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S, config.timeout_s)
     return build_transport(

@@ -67,11 +67,9 @@ def agree(
             one rank fail ends the others).
 
     Raises:
-        Exception: the error of the lowest rank that passed one. It keeps its class and
-            message on every rank when the class is a ``SwarmError`` subclass or a builtin
-            exception, and ``cls(message)`` gives back an error of that class and message;
-            otherwise every rank raises a ``SwarmError`` naming the class, the rank and the
-            message (the failing rank chains its own error to it).
+        Exception: the lowest failing rank's error, with its class and message where
+            ``rebuild`` can make it, else a ``SwarmError`` naming class, rank and message (the
+            failing rank chains its own error to it).
     """
     wire = None if error is None else _describe(error)
     outcomes = gather(Outcome(ok and error is None, wire, tuple(float(v) for v in values), share))
@@ -92,8 +90,8 @@ def agree(
 
 
 def rebuild(described: tuple[str, str, str], position: int) -> Exception:
-    """The error ``described`` names, rebuilt as ``cls(message)`` from the ``SwarmError``
-    subclasses imported here or from ``builtins``; a ``SwarmError`` naming it otherwise."""
+    """The error ``described`` names, as ``cls(message)`` for a builtin or an imported
+    ``SwarmError`` subclass that gives back that class and message; a ``SwarmError`` otherwise."""
     module, qualname, message = described
     cls = _known_classes().get((module, qualname))
     if cls is not None:

@@ -1,8 +1,8 @@
-"""All-reduce over a static peer group, and the round every static transport shares.
+"""All-reduce over a static peer group: each bucket summed asynchronously, divided by the islands.
 
-``PeerTransport``: a finite vote before any bucket moves, and link timeouts. The all-reduce sums
-each bucket asynchronously and divides by the islands (a host bucket is staged on the device
-under NCCL); a rank moves a ring all-reduce's ``2 (n - 1) / n`` of the payload.
+Every static transport shares its round: a finite vote before any bucket moves, and link
+timeouts. A host bucket is staged on the device under NCCL; a rank moves a ring all-reduce's
+``2 (n - 1) / n`` of the payload.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
     return (2 * (num_participants - 1) * payload_bytes) // num_participants
 
 
-class PeerTransport:
-    """A transport over a static peer group (one rank per island, ordered by island; ``None``:
-    the default group) of ``num_islands``.
+class AllReduceTransport:
+    """Bucketed mean over a static peer group (one rank per island, ordered by island; ``None``:
+    the default group) of ``num_islands``; one island: the identity, nothing moves.
 
     ``device``: where buckets are exchanged (``cuda`` for NCCL, ``cpu`` for gloo).
     ``island_group``: a model-sharded island's group, whose ranks agree on one finite verdict
@@ -49,6 +49,7 @@ class PeerTransport:
     timeout or a peer that went away raises ``RoundTimeoutError`` or ``PeerLostError``.
     """
 
+    block_size = 1
     pipelined = True
     heals = False
     every_rank_in_round = False
@@ -60,16 +61,14 @@ class PeerTransport:
         *,
         num_islands: int,
         bucket_numel: int,
-        block_size: int,
-        device: torch.device | str,
-        island_group: dist.ProcessGroup | None,
-        timeouts: LinkTimeouts | None,
+        device: torch.device | str = "cpu",
+        island_group: dist.ProcessGroup | None = None,
+        timeouts: LinkTimeouts | None = None,
     ) -> None:
-        check_bucket(bucket_numel, block_size)
+        check_bucket(bucket_numel)
         self.group = group
         self.num_islands = num_islands
         self.bucket_numel = bucket_numel
-        self.block_size = block_size
         self.device = torch.device(device)
         self.island_group = island_group
         self.link = LinkWatch(group, num_islands=num_islands, timeouts=timeouts)
@@ -111,33 +110,6 @@ class PeerTransport:
         weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
         return Opening(scale=scale_of(weights, self._position()), swarm_steps=swarm_steps)
 
-    def agree(self) -> RoundStats:
-        """A round that started every bucket applies (refusals raise at ``open``)."""
-        self.link.finished()
-        return RoundStats()
-
-    def close(self) -> None:
-        """Nothing to release: a bucket is the engine's."""
-
-
-class AllReduceTransport(PeerTransport):
-    """Bucketed mean over a peer group by all-reduce; one island: the identity, nothing moves."""
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        *,
-        num_islands: int,
-        bucket_numel: int,
-        device: torch.device | str = "cpu",
-        island_group: dist.ProcessGroup | None = None,
-        timeouts: LinkTimeouts | None = None,
-    ) -> None:
-        super().__init__(
-            group, num_islands=num_islands, bucket_numel=bucket_numel, block_size=1,
-            device=device, island_group=island_group, timeouts=timeouts,
-        )  # fmt: skip
-
     @record_function(labels.ALLREDUCE)
     def start(self, bucket: Bucket) -> Handle:
         """Start the all-reduce of ``bucket.flat``; a host bucket under a device backend (NCCL)
@@ -151,6 +123,14 @@ class AllReduceTransport(PeerTransport):
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         assert work is not None
         return _Mean(work, flat, bucket.flat, self.num_islands, self.link)
+
+    def agree(self) -> RoundStats:
+        """A round that started every bucket applies (refusals raise at ``open``)."""
+        self.link.finished()
+        return RoundStats()
+
+    def close(self) -> None:
+        """Nothing to release: a bucket is the engine's."""
 
 
 @dataclass

@@ -1,12 +1,9 @@
 """The transport contract: "average these pseudo-gradients across islands", bucket by bucket.
 
-The engine calls ``open`` (one agreement, before anything moves), ``start(bucket)`` per bucket in
-the same order on every rank, every handle's ``wait``, then ``agree`` (whether the round applies).
-A ``Bucket``'s ``flat`` belongs to the transport from ``start`` until its ``wait`` returns; it then
-holds the mean. ``pipelined`` transports finish a bucket at its wait; the others may finish every
-bucket only at the first wait, so the engine starts all of a round's buckets (back to back in one
-buffer) first. With ``RoundStats.applied`` every rank holds the identical mean; otherwise the
-contents are unspecified and the caller leaves its anchors unchanged.
+The engine calls ``open``, ``start(bucket)`` per bucket in the same order on every rank, every
+handle's ``wait``, then ``agree``. A bucket's ``flat`` is the transport's from ``start`` until its
+``wait`` returns, then holds the mean, identical on every rank if ``RoundStats.applied``; if not,
+it holds garbage and the caller leaves its anchors unchanged.
 """
 
 from __future__ import annotations
@@ -171,7 +168,8 @@ class Transport(Protocol):
 
     Attributes:
         bucket_numel, block_size: the most elements of one bucket, planned on these blocks.
-        pipelined: a bucket's mean is final when its handle's ``wait`` returns.
+        pipelined: a bucket's mean is final when its handle's ``wait`` returns; else perhaps
+            only at the first wait, so the engine starts all buckets (one buffer) first.
         heals: ``open`` sends ``RoundRequest.offer`` to peers it heals, so the engine builds
             one for every round.
         every_rank_in_round: every rank of the island takes part in every round, even one

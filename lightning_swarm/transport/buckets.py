@@ -42,13 +42,9 @@ def plan_buckets(
     numels: Sequence[int], bucket_numel: int, block_size: int = 1
 ) -> list[list[Piece]]:
     """Pack tensors of ``numels`` elements, in order, into non-empty buckets of at most
-    ``bucket_numel``; ``[]`` when there is no element. A tensor larger than a bucket is split,
-    small ones share a bucket; a bucket that cannot take another whole block is closed
-    under-filled (with ``block_size`` 1 every bucket but the last is full).
-
-    Raises:
-        ValueError: ``check_bucket`` refuses the sizes.
-    """
+    ``bucket_numel`` (``[]`` without elements); ``ValueError`` where ``check_bucket`` refuses.
+    A bucket that cannot take another whole block is closed under-filled (with ``block_size``
+    1, every bucket but the last is full)."""
     check_bucket(bucket_numel, block_size)
     buckets: list[list[Piece]] = []
     current: list[Piece] = []
@@ -77,13 +73,9 @@ def plan_buckets(
 
 
 def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> list[list[Piece]]:
-    """Cut ``bucket`` (pieces starting on block boundaries) into ``num_islands`` shares of whole
-    blocks, in bucket order: share j holds blocks ``[j * U // n, (j + 1) * U // n)`` of the
-    bucket's U blocks, so shares differ by at most one block and may be empty.
-
-    Raises:
-        ValueError: ``num_islands < 1``.
-    """
+    """Cut ``bucket`` into ``num_islands`` shares of whole blocks, in bucket order: share j
+    holds blocks ``[j * U // n, (j + 1) * U // n)`` of the bucket's U blocks (so shares differ
+    by at most one block and may be empty). ``ValueError`` if ``num_islands < 1``."""
     if num_islands < 1:
         raise ValueError(f"num_islands must be >= 1, got {num_islands}")
     num_blocks = [-(-p.length // block_size) for p in bucket]
@@ -105,7 +97,6 @@ def plan_shares(bucket: Sequence[Piece], num_islands: int, block_size: int) -> l
 
 
 def numel_of(pieces: Sequence[Piece]) -> int:
-    """Elements in ``pieces`` (a bucket's fill)."""
     return sum(p.length for p in pieces)
 
 

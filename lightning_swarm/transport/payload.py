@@ -68,9 +68,7 @@ class PayloadLayout:
         specs: list[TensorSpec] = []
         offset = 0
         for index, (name, shape, dtype) in enumerate(entries):
-            spec = TensorSpec(
-                name=name, shape=tuple(shape), dtype=dtype, offset=offset, index=index
-            )
+            spec = TensorSpec(name, tuple(shape), dtype, offset, index)
             specs.append(spec)
             offset += spec.nbytes
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
@@ -104,8 +102,7 @@ class PayloadLayout:
 
     def to_json(self) -> bytes:
         """Deterministic description (names, shapes, dtype codes) sent ahead of a payload."""
-        items = [[s.name, list(s.shape), DTYPE_CODES[s.dtype]] for s in self.specs]
-        return json.dumps(items, separators=(",", ":")).encode()
+        return json.dumps(self.key(), separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, blob: bytes) -> PayloadLayout:

@@ -19,17 +19,16 @@ from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.allreduce import PeerTransport
+from lightning_swarm.transport.allreduce import AllReduceTransport
 from lightning_swarm.transport.base import Bucket, Done, Handle
-from lightning_swarm.transport.buckets import Piece, numel_of, placed, plan_shares
+from lightning_swarm.transport.buckets import Piece, check_bucket, numel_of, placed, plan_shares
 from lightning_swarm.transport.link import LinkTimeouts
 
+# (send, send_sizes, recv_sizes) -> received: one all-to-all of uint8 bytes.
 Exchange = Callable[[Tensor, list[int], list[int]], Tensor]
-"""(send, send_sizes, recv_sizes) -> received: one all-to-all of uint8 bytes."""
 
 
 def encoded_nbytes(codec: Codec, pieces: Sequence[Piece]) -> int:
-    """Bytes of the payload of ``pieces`` (each piece encoded on its own)."""
     return sum(codec.encoded_nbytes(p.length) for p in pieces)
 
 
@@ -61,7 +60,6 @@ def decode_flat(codec: Codec, payload: Tensor, pieces: Sequence[Piece]) -> Tenso
 
 
 def _joined(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``parts`` back to back (the one part itself, uncopied); empty of ``dtype`` if none."""
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -121,7 +119,7 @@ def coded_bucket_mean(
     return reduce_scatter_bytes(sizes, island_index)
 
 
-class ReduceScatterTransport(PeerTransport):
+class ReduceScatterTransport(AllReduceTransport):
     """Mean over a peer group of ``codec``-encoded buckets (module docstring); the static
     group's ``island_index`` is this rank's rank in it. Only while a bucket is in flight it
     holds about four encoded buckets, a float32 share and one decoded share.
@@ -147,10 +145,10 @@ class ReduceScatterTransport(PeerTransport):
     ) -> None:
         if num_islands < 1:
             raise ValueError(f"num_islands must be >= 1, got {num_islands}")
+        check_bucket(bucket_numel, codec.block_size)
         super().__init__(
-            group, num_islands=num_islands, bucket_numel=bucket_numel,
-            block_size=codec.block_size, device=device, island_group=island_group,
-            timeouts=timeouts,
+            group, num_islands=num_islands, bucket_numel=bucket_numel, device=device,
+            island_group=island_group, timeouts=timeouts,
         )  # fmt: skip
         if not 0 <= island_index < num_islands:
             raise ValueError(
@@ -159,6 +157,7 @@ class ReduceScatterTransport(PeerTransport):
             )
         self.island_index = island_index
         self.codec = codec
+        self.block_size = codec.block_size
 
     def _position(self) -> int:
         return self.island_index
