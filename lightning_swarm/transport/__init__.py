@@ -58,8 +58,8 @@ def build_transport(
     """The transport named ``transport`` (one of ``TRANSPORTS``) over the peer group ``group``
     (one rank per island, ordered by island): the swarm aggregator, else a reduce-scatter with a
     ``codec`` or a plain all-reduce (``codec=None`` sends float32 as is), staged on ``device``.
-    ``swarm`` is read by ``"swarm"`` only, ``timeouts`` by the others. For
-    ``"swarm"`` in an NCCL world, ``group`` and ``island_group`` need ``peer_backend``'s backend.
+    ``swarm`` is read by ``"swarm"`` only, ``timeouts`` by the others. For ``"swarm"`` in an
+    NCCL world, ``group`` and ``island_group`` need ``peer_backend``'s backend.
 
     Raises:
         ValueError: an unknown transport, or options out of range for this topology.

@@ -78,9 +78,8 @@ class AllReduceTransport:
 
     def open(self, request: RoundRequest) -> Opening:
         """Raise ``NonFinitePseudoGradientError`` on every rank unless every island is finite,
-        before any bucket moves (collective). With ``work`` each island's rides with its flag:
-        a malformed one raises ``BadWorkError`` on every rank, and the ``Opening`` weighs this
-        island (``budget.scale_of``) and carries the most inner steps of any island."""
+        before any bucket moves (collective). With ``work`` each island's rides with its flag
+        (``BadWorkError`` if malformed), and the ``Opening`` weighs this island."""
         self.link.open(request.round_index, request.names)
         with self.link.explained():
             opening = self._vote(request)

@@ -21,15 +21,13 @@ from lightning_swarm.transport.errors import BadWorkError
 
 @dataclass
 class RoundStats:
-    """What one round cost and decided, as seen by this rank (payload bytes; ``wall_s`` from
-    ``open`` to ``agree``).
+    """What one round cost and decided, as seen by this rank (``wall_s``: ``open`` to ``agree``).
 
     Attributes:
         applied: False when the round was skipped and anchors must stay unchanged.
-        non_finite_islands: islands whose contribution the swarm transport rejected for NaN or
-            inf (the same on every rank that took part); other transports raise instead.
-        rejected_own: this island's own contribution was one of them: it received the round's
-            result but its inner state is poisoned (the outer loop resets it).
+        non_finite_islands: islands the swarm transport rejected for NaN or inf (the same on
+            every rank that took part); ``rejected_own``: this island was one of them, so its
+            inner state is poisoned (the outer loop resets it).
         heal: a live island's outer state (an ``OuterRecord`` dict, fresh tensors owned by the
             receiver) this rank must install before it applies the round (elastic membership).
         island_healed: some rank of this island installs a heal in this round (identical on
@@ -99,11 +97,8 @@ def _whole(value: float) -> bool:
 class RoundRequest:
     """The round ``Transport.open`` opens: ``round_index`` (the outer step count it starts
     from), whether this island is ``finite``, the ``names`` packed into its buckets in order,
-    its ``place`` (``None``: inline), and with a time budget its ``work``.
-
-    ``offer``: the outer state a healing peer may be sent (transports that ``heals``; built by
-    the engine on its own thread, read-only until the next ``open``).
-    """
+    its ``place`` (``None``: inline), its ``work`` under a time budget, and the ``offer`` a
+    healing peer may be sent (read-only until the next ``open``)."""
 
     round_index: int
     finite: bool
@@ -170,8 +165,7 @@ class Transport(Protocol):
         bucket_numel, block_size: the most elements of one bucket, planned on these blocks.
         pipelined: a bucket's mean is final when its handle's ``wait`` returns; else perhaps
             only at the first wait, so the engine starts all buckets (one buffer) first.
-        heals: ``open`` sends ``RoundRequest.offer`` to peers it heals, so the engine builds
-            one for every round.
+        heals: ``open`` may send ``RoundRequest.offer``, so the engine builds one every round.
         every_rank_in_round: every rank of the island takes part in every round, even one
             whose share of the fragment is empty (elastic islands: a Manager per rank).
     """

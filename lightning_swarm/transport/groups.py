@@ -24,10 +24,9 @@ class SwarmGroups:
         island: this rank's island (DDP's group); ``None`` when islands are single ranks.
         peers: this rank's peer group across islands (the transport's); ``None`` with a single
             island, the default group when every rank is its own island (unless dedicated).
-        between_rounds: this rank's island again, in a group of its own, for the training
-            thread's small messages between rounds (SIGTERM agreement, ``sync_dist`` logs), so
-            they never interleave with a round's. ``None`` unless several islands of several
-            ranks.
+        between_rounds: this rank's island again, for the training thread's messages between
+            rounds (SIGTERM agreement, ``sync_dist`` logs), which must never interleave with a
+            round's. ``None`` unless several islands of several ranks.
     """
 
     island: dist.ProcessGroup | None
@@ -121,10 +120,7 @@ class IslandMesh:
     @property
     def shape(self) -> dict[str, int]:
         """``{"data_parallel": dp, "tensor_parallel": tp}``, as checkpoints record it."""
-        return {
-            "data_parallel": self.data_parallel_size,
-            "tensor_parallel": self.tensor_parallel_size,
-        }
+        return dict(zip(MESH_DIM_NAMES, (self.data_parallel_size, self.tensor_parallel_size)))
 
     def destroy(self) -> None:
         _destroy(self.created)
@@ -154,9 +150,8 @@ def build_island_mesh(
     my_dp, my_tp = divmod(topology.local_index, tp)
     base = topology.island_index * (tp + dp)
     created = _own_groups(lists, [base + my_tp, base + tp + my_dp], backend, None)
-    dp_group, tp_group = created
     layout = torch.tensor(topology.island_ranks(topology.island_index)).view(dp, tp)
     mesh = DeviceMesh.from_group(
-        [dp_group, tp_group], device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
+        list(created), device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
     )
     return IslandMesh(mesh, dp, tp, created)

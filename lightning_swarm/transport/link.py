@@ -172,15 +172,12 @@ class LinkWatch(LinkRate):
                 raise PeerLostError(self.peer_lost_message(err)) from err
             raise
 
-    def _island(self) -> int | None:
+    def _where(self) -> tuple[int | None, str]:
+        """This rank's island (``None`` without torch.distributed), and how messages place it."""
         if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return dist.get_rank(self.group)
-
-    def _where(self, island: int | None) -> str:
-        if island is None:
-            return f"round {self.round_index}"
-        return f"rank {dist.get_rank()}, island {island}, round {self.round_index}"
+            return None, f"round {self.round_index}"
+        island = dist.get_rank(self.group)
+        return island, f"rank {dist.get_rank()}, island {island}, round {self.round_index}"
 
     def timeout_message(self, cause: BaseException) -> str:
         t = self.timeouts
@@ -205,7 +202,7 @@ class LinkWatch(LinkRate):
         else:
             how = "set explicitly"
         return (
-            f"{self._where(self._island())}: a collective of its "
+            f"{self._where()[1]}: a collective of its "
             f"{self.payload_bytes:,}-byte payload waited {timeout} ({how}) and gave up "
             f"({first_line(cause)}); {rate}. A peer stopped or hung, or the link slowed below "
             f"what the timeout allows: look for the island whose log ends earliest; if the link "
@@ -213,8 +210,7 @@ class LinkWatch(LinkRate):
         )
 
     def peer_lost_message(self, cause: BaseException) -> str:
-        island = self._island()
-        where = self._where(island)
+        island, where = self._where()
         if island is not None and self.num_islands == 2:
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else [0, 1]
             gone = f"island {1 - island} (global rank {ranks[1 - island]})"

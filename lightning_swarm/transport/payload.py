@@ -7,7 +7,6 @@ at a fixed offset. Peer descriptions are untrusted: ``from_json`` raises ``Value
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import struct
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lightning_swarm.transport.buckets import placed, plan_buckets
 
 # safetensors dtype codes for the dtypes a payload may carry.
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -73,7 +74,7 @@ class PayloadLayout:
             offset += spec.nbytes
         self.specs: tuple[TensorSpec, ...] = tuple(specs)
         self.data_bytes = offset
-        self._starts = [s.offset for s in specs]
+        self._chunks: dict[int, list[list[ChunkPiece]]] = {}
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, Tensor]) -> PayloadLayout:
@@ -167,19 +168,16 @@ class PayloadLayout:
         return -(-self.data_bytes // chunk_bytes)
 
     def chunk_pieces(self, k: int, chunk_bytes: int) -> list[ChunkPiece]:
-        """Which tensor bytes make up chunk ``k`` of the payload."""
-        lo = k * chunk_bytes
-        hi = min(lo + chunk_bytes, self.data_bytes)
-        pieces = []
-        index = max(0, bisect.bisect_right(self._starts, lo) - 1)
-        while index < len(self.specs) and self.specs[index].offset < hi:
-            s = self.specs[index]
-            start = max(lo, s.offset)
-            stop = min(hi, s.offset + s.nbytes)
-            if stop > start:
-                pieces.append(ChunkPiece(index, start - s.offset, start - lo, stop - start))
-            index += 1
-        return pieces
+        """Which tensor bytes make up chunk ``k`` of the payload (the one packer's plan of the
+        tensors' bytes, kept per ``chunk_bytes``)."""
+        if chunk_bytes not in self._chunks:
+            plan = plan_buckets([s.nbytes for s in self.specs], chunk_bytes)
+            self._chunks[chunk_bytes] = [
+                [ChunkPiece(p.tensor_index, p.start, at, p.length) for at, p in placed(chunk)]
+                for chunk in plan
+            ]
+        chunks = self._chunks[chunk_bytes]
+        return chunks[k] if k < len(chunks) else []
 
 
 def byte_view(t: Tensor) -> Tensor:

@@ -120,13 +120,10 @@ def coded_bucket_mean(
 
 
 class ReduceScatterTransport(AllReduceTransport):
-    """Mean over a peer group of ``codec``-encoded buckets (module docstring); the static
-    group's ``island_index`` is this rank's rank in it. Only while a bucket is in flight it
-    holds about four encoded buckets, a float32 share and one decoded share.
-
-    Raises:
-        ValueError: ``num_islands < 1``, ``island_index`` outside the group, or
-            ``bucket_numel`` below the codec's block size.
+    """``AllReduceTransport``'s round with ``codec``-encoded buckets (module docstring);
+    ``island_index`` is this rank's rank in ``group``. Only while a bucket is in flight it holds
+    about four encoded buckets, a float32 share and one decoded share. ``ValueError``:
+    ``num_islands < 1``, ``island_index`` outside the group, or a bucket under one block.
     """
 
     direct_vote = True
@@ -183,11 +180,5 @@ class ReduceScatterTransport(AllReduceTransport):
         if self.num_islands == 1:
             return send
         received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(
-            received,
-            send,
-            output_split_sizes=recv_sizes,
-            input_split_sizes=send_sizes,
-            group=self.group,
-        )
+        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=self.group)
         return received
