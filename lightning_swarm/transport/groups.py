@@ -120,7 +120,8 @@ class IslandMesh:
     @property
     def shape(self) -> dict[str, int]:
         """``{"data_parallel": dp, "tensor_parallel": tp}``, as checkpoints record it."""
-        return dict(zip(MESH_DIM_NAMES, (self.data_parallel_size, self.tensor_parallel_size)))
+        dp, tp = self.data_parallel_size, self.tensor_parallel_size
+        return {"data_parallel": dp, "tensor_parallel": tp}
 
     def destroy(self) -> None:
         _destroy(self.created)
