@@ -68,14 +68,9 @@ def build_transport(
     check_transport(transport)
     if transport == "swarm":
         return SwarmAggregator(
-            group,
-            num_islands=num_islands,
-            island_index=island_index,
-            owners=swarm.aggregator,
-            codec=codec,
-            island_group=island_group,
-            **swarm.transport_kwargs(),
-        )
+            group, num_islands=num_islands, island_index=island_index, owners=swarm.aggregator,
+            codec=codec, island_group=island_group, **swarm.transport_kwargs(),
+        )  # fmt: skip
     if codec is not None:
         return ReduceScatterTransport(
             group, num_islands=num_islands, island_index=island_index, codec=codec,

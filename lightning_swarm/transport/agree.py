@@ -54,12 +54,10 @@ def agree(
     share: Any = None,
     before_raise: Callable[[], None] | None = None,
 ) -> Agreement:
-    """Agree on every rank's outcome; raise the lowest failing rank's error on every rank.
+    """Agree on every rank's outcome (``ok``, or the ``error`` it failed with) through the
+    collective ``gather``; raise the lowest failing rank's error on every rank.
 
     Args:
-        ok: this rank's verdict (``False`` when ``error`` is given).
-        gather: the collective (``objects_over``, ``flags_over``, ``flags_direct``, or any
-            callable with the same contract).
         values: numbers to sum across ranks (the same count on every rank).
         share: an object every rank receives (object gathers only).
         before_raise: runs on every rank when an error is to be raised, after every rank's

@@ -71,10 +71,7 @@ def checked_work(
 ) -> tuple[list[float], int]:
     """Every island's weight and the swarm's most inner steps, from the ``(steps, inner_steps)``
     each island sent (untrusted: a peer's bytes; ``names`` names the senders in messages).
-
-    Raises:
-        BadWorkError: some row is not a pair of finite whole numbers with ``steps >= 1`` and
-            ``inner_steps >= steps``, naming the first such sender (the same on every rank).
+    ``BadWorkError`` names the first that is not finite whole numbers ``1 <= steps <= inner``.
     """
     for i, (steps, inner) in enumerate(rows):
         if not (_whole(steps) and _whole(inner) and 1 <= steps <= inner):

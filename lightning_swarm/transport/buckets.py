@@ -1,9 +1,9 @@
 """The one packer: how every exchange cuts flat tensors into buckets, and buckets into shares.
 
-A bucket is a list of ``Piece``s (runs of one tensor's elements) back to back in its flat
-buffer. Every plan depends on element counts and sizes only, so every island computes the same
-plan without a message; every piece starts on a ``block_size`` boundary of its tensor, so it
-encodes exactly as the whole tensor would; every element lies in exactly one piece, in order.
+A bucket is a list of ``Piece``s back to back in its flat buffer. Plans depend on sizes only, so
+every island computes the same plan without a message; every piece starts on a ``block_size``
+boundary of its tensor (so it encodes as the whole tensor would); every element lies in exactly
+one piece, in order.
 """
 
 from __future__ import annotations

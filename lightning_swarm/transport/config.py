@@ -104,14 +104,11 @@ class SwarmTransportConfig:
             raise SwarmConfigError(
                 f"swarm.trim_ratio must lie in [0, 0.5), got {self.trim_ratio!r}; e.g. 0.1."
             )
-        if (
-            isinstance(self.min_contributions, bool)
-            or not isinstance(self.min_contributions, int)
-            or self.min_contributions < 1
-        ):
+        needed = self.min_contributions
+        if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
             raise SwarmConfigError(
-                f"swarm.min_contributions must be a positive integer, got "
-                f"{self.min_contributions!r}; 1 applies any round."
+                f"swarm.min_contributions must be a positive integer, got {needed!r}; 1 applies "
+                "any round."
             )
         if self.max_norm is not None and (not is_number(self.max_norm) or self.max_norm <= 0):
             raise SwarmConfigError(

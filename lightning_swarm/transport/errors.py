@@ -1,7 +1,5 @@
-"""Errors of the transport layer: a round that could not average the islands' pseudo-gradients.
-
-Each is a ``SwarmError`` and keeps the builtin base callers already catch.
-"""
+"""Errors of a round that could not average the islands' pseudo-gradients: each a ``SwarmError``
+that keeps the builtin base callers already catch."""
 
 from __future__ import annotations
 

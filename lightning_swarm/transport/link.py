@@ -1,9 +1,9 @@
 """How long a round may take over this link, and what a round that cannot finish says.
 
-``LinkRate`` keeps the rate this rank's last round crossed the link at (from the end of its
-opening agreement to its last bucket); ``LinkTimeouts.for_round`` derives a round's bound from it
-unless the user set one. ``LinkWatch.explained`` turns torch's timeouts and closed connections
-into ``RoundTimeoutError`` and ``PeerLostError``, which say what happened and what to do.
+``LinkRate`` keeps the rate of this rank's last round (from its opening agreement to its last
+bucket), from which ``LinkTimeouts`` derives the next round's bound unless the user set one;
+``LinkWatch.explained`` turns torch's timeouts and closed connections into errors that say what
+happened and what to do.
 """
 
 from __future__ import annotations
@@ -221,11 +221,8 @@ class LinkWatch(LinkRate):
 
 
 def set_group_timeout(group: dist.ProcessGroup | None, timeout_s: float) -> bool:
-    """Bound ``group``'s later collectives by ``timeout_s``; whether its backend allowed it.
-
-    No public call changes a backend's timeout after construction: this uses torch's private
-    ``_get_backend`` and ``_set_default_timeout``; without them the group keeps its own.
-    """
+    """Bound ``group``'s later collectives by ``timeout_s`` through torch's private
+    ``_get_backend`` and ``_set_default_timeout`` (no public call can); whether it could."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     pg = group if group is not None else dist.group.WORLD

@@ -1,11 +1,10 @@
 """Quantized reduce-scatter + all-gather: the mean of encoded pseudo-gradients, flat in islands.
 
-Each of n islands owns a share of every bucket (whole codec blocks, ``buckets.plan_shares``),
-decodes the n contributions in island order, sums them in float32, divides and encodes the mean
-once; every island, the owner included, decodes the same bytes, so anchors stay bitwise equal.
-Result: ``decode(encode(mean_i decode(encode(x_i))))`` elementwise, independent of buckets and
-shares (pieces start on their tensors' own blocks), so error feedback with the same codec stays
-exact. A payload's size follows from piece lengths alone: no header travels.
+Each island owns a share of every bucket (``buckets.plan_shares``), sums the islands' decoded
+contributions in island order and encodes the mean once; every island decodes those same bytes,
+so anchors stay bitwise equal. Result: ``decode(encode(mean_i decode(encode(x_i))))``,
+independent of buckets and shares (pieces start on their tensors' blocks), so error feedback
+with the same codec stays exact. Sizes follow from piece lengths: no header travels.
 """
 
 from __future__ import annotations
@@ -165,14 +164,10 @@ class ReduceScatterTransport(AllReduceTransport):
         engine first, under ``work``); the handle is complete."""
         with self.link.explained():
             sent = coded_bucket_mean(
-                bucket.run_views(),
-                codec=self.codec,
-                num_islands=self.num_islands,
-                island_index=self.island_index,
-                divisor=self.num_islands,
-                exchange=self._exchange,
-                device=self.device,
-            )
+                bucket.run_views(), codec=self.codec, num_islands=self.num_islands,
+                island_index=self.island_index, divisor=self.num_islands,
+                exchange=self._exchange, device=self.device,
+            )  # fmt: skip
         self.link.arrived()
         return Done(sent)
 
