@@ -19,7 +19,6 @@ from lightning_swarm.transport.link import (
     FACTOR,
     LinkTimeouts,
     LinkWatch,
-    round_timeout_s,
 )
 from tests.dist_utils import run_ranks
 
@@ -32,20 +31,20 @@ GLOO_RESET = (
 def test_the_derived_timeout_is_the_factor_times_the_payloads_time_and_never_under_the_floor() -> (
     None
 ):
+    derived = LinkTimeouts("timeout_s", 60).for_round
     # 100 MB at 1 MB/s: 100 s of transfer, 400 s allowed.
-    assert round_timeout_s(100_000_000, 1e6, floor_s=60) == pytest.approx(FACTOR * 100)
+    assert derived(100_000_000, 1e6) == pytest.approx(FACTOR * 100)
     # A small payload on a fast link keeps the option's default.
-    assert round_timeout_s(1_000_000, 1e8, floor_s=60) == 60
+    assert derived(1_000_000, 1e8) == 60
     # A 1.2 GB fp32 round at 100 Mbit/s (12.5 MB/s) needs 96 s: 384 s, past the default 60 s.
-    assert round_timeout_s(1_200_000_000, 12.5e6, floor_s=60) == pytest.approx(384)
+    assert derived(1_200_000_000, 12.5e6) == pytest.approx(384)
 
 
 def test_the_first_round_assumes_a_slow_link() -> None:
     payload = 3_500_000_000  # 3.5 GB: 2800 s at 10 Mbit/s
-    assert round_timeout_s(payload, None, floor_s=DEFAULT_TIMEOUT_S) == pytest.approx(
-        FACTOR * payload / ASSUMED_RATE_BPS
-    )
-    assert round_timeout_s(1000, None, floor_s=DEFAULT_TIMEOUT_S) == DEFAULT_TIMEOUT_S
+    derived = LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S).for_round
+    assert derived(payload, None) == pytest.approx(FACTOR * payload / ASSUMED_RATE_BPS)
+    assert derived(1000, None) == DEFAULT_TIMEOUT_S
 
 
 def test_timeout_s_unset_means_derive_and_set_means_used_as_it_is() -> None:

@@ -26,13 +26,6 @@ FACTOR = 4.0
 ASSUMED_RATE_BPS = 1.25e6
 
 
-def round_timeout_s(payload_bytes: int, rate_bps: float | None, floor_s: float) -> float:
-    """``FACTOR`` times the payload's time at ``rate_bps`` bytes per second (``None``:
-    ``ASSUMED_RATE_BPS``), and at least ``floor_s``."""
-    rate = ASSUMED_RATE_BPS if rate_bps is None or rate_bps <= 0 else rate_bps
-    return max(float(floor_s), FACTOR * payload_bytes / rate)
-
-
 @dataclass(frozen=True)
 class LinkTimeouts:
     """Where a transport's collective timeout comes from: the ``option`` that sets it (named in
@@ -44,10 +37,12 @@ class LinkTimeouts:
     explicit_s: float | None = None
 
     def for_round(self, payload_bytes: int, rate_bps: float | None) -> float:
-        """``explicit_s`` when the user set it, else ``round_timeout_s``."""
+        """``explicit_s`` when the user set it, else ``FACTOR`` times the payload's time at
+        ``rate_bps`` bytes per second (``None``: ``ASSUMED_RATE_BPS``), at least ``floor_s``."""
         if self.explicit_s is not None:
             return float(self.explicit_s)
-        return round_timeout_s(payload_bytes, rate_bps, self.floor_s)
+        rate = ASSUMED_RATE_BPS if rate_bps is None or rate_bps <= 0 else rate_bps
+        return max(float(self.floor_s), FACTOR * payload_bytes / rate)
 
     @property
     def base_s(self) -> float:
