@@ -39,14 +39,11 @@ def ring_allreduce_bytes(payload_bytes: int, num_participants: int) -> int:
 
 
 class AllReduceTransport:
-    """Bucketed mean over a static peer group (one rank per island, ordered by island; ``None``:
-    the default group) of ``num_islands``; one island: the identity, nothing moves.
-
-    ``device``: where buckets are exchanged (``cuda`` for NCCL, ``cpu`` for gloo).
-    ``island_group``: a model-sharded island's group, whose ranks agree on one finite verdict
-    before the peers compare theirs; ``None`` otherwise. ``timeouts``: where the peer group's
-    collective timeout comes from (``transport.link``); ``None`` keeps the group's own. A
-    timeout or a peer that went away raises ``RoundTimeoutError`` or ``PeerLostError``.
+    """Bucketed mean over a static peer ``group`` (one rank per island, in island order;
+    ``None``: the default group); one island: the identity. Buckets are exchanged on ``device``
+    (``cuda`` for NCCL). A model-sharded island's ``island_group`` agrees on one finite verdict
+    before the peers compare theirs. ``timeouts=None`` keeps the group's own collective
+    timeout; a timeout or a lost peer raises ``RoundTimeoutError`` or ``PeerLostError``.
     """
 
     block_size = 1

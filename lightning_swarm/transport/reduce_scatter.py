@@ -94,16 +94,13 @@ def coded_bucket_mean(
         contributions = exchange(payload, sizes, [sizes[island_index]] * num_islands)
         del payload
     with record_function(labels.REDUCE_SHARE):
-        mean = torch.empty(0, dtype=torch.uint8, device=device)
-        if own:
-            size = contributions.numel() // num_islands
-            total = torch.zeros(numel_of(own), dtype=torch.float32, device=device)
-            for island in range(num_islands):  # fixed order: the same float sum everywhere
-                raw = contributions[island * size : (island + 1) * size]
-                total.add_(decode_flat(codec, raw, own))
-            total.div_(divisor)
-            flat = [Piece(0, at, p.length) for at, p in placed(own)]
-            mean = encode_pieces(codec, [total], flat, device)
+        size = contributions.numel() // num_islands  # an empty share: empty throughout
+        total = torch.zeros(numel_of(own), dtype=torch.float32, device=device)
+        for island in range(num_islands):  # fixed order: the same float sum everywhere
+            total.add_(decode_flat(codec, contributions[island * size : (island + 1) * size], own))
+        total.div_(divisor)
+        flat = [Piece(0, at, p.length) for at, p in placed(own)]
+        mean = encode_pieces(codec, [total], flat, device)
         del contributions
     with record_function(labels.GATHER_MEANS):
         means = exchange(mean.repeat(num_islands), [mean.numel()] * num_islands, sizes)
