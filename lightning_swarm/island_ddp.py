@@ -1,9 +1,10 @@
 """``IslandDDPStrategy``: Lightning's DDP confined to each island (Lightning glue).
 
 It splits the world into islands, creates the island and peer groups, starts every rank from
-rank 0's weights and wraps the module in DDP over its island (or an ``IslandFSDP`` member does).
-Groups are created in ``setup_distributed`` and destroyed at the very end of ``teardown``, after
-the DDP reducer bound to them is gone and a subclass closed what used the peer group.
+rank 0's weights and wraps the module in DDP over its island (or, with ``island_parallel="fsdp"``,
+gives ``configure_model`` the island's mesh: ``island_fsdp``). Groups are created in
+``setup_distributed`` and destroyed at the very end of ``teardown``, after the DDP reducer bound
+to them is gone and a subclass closed what used the peer group.
 """
 
 from __future__ import annotations
@@ -21,69 +22,61 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import (
     CollectiveTimeoutError,
     PeerLostError,
     SwarmConfigError,
     SwarmError,
 )
-from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
+from lightning_swarm.island_fsdp import (
+    ShardedResultsLauncher,
+    align_islands,
+    check_sharded,
+    sampler_kwargs,
+)
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.factory import peer_backend
-from lightning_swarm.transport.groups import SwarmGroups, build_groups
+from lightning_swarm.transport.groups import (
+    IslandMesh,
+    SwarmGroups,
+    build_groups,
+    build_island_mesh,
+)
 from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_message
 
 
 class IslandDDPStrategy(DDPStrategy):
-    """DDP inside islands of ``island_size`` ranks, no averaging across them.
+    """DDP (or FSDP) inside islands of ``config.island_size`` ranks, no averaging across them.
 
-    Args:
-        island_size: ranks per island; must divide the world size (checked at setup).
-        dedicated_peers: give the peer group a group of its own even when it is the whole
-            world (a background thread that drives it must not share the default group).
-        peer_transport: the transport that will run over the peer group (its backend may
-            differ from the world's: ``transport.factory.peer_backend``).
-        island_parallel: ``"ddp"`` or ``"fsdp"`` (model-sharded islands, ``IslandFSDP``).
-        tensor_parallel_size: the island mesh's tensor-parallel size (``"fsdp"`` only).
-        **kwargs: ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
+    ``**kwargs`` are ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
 
     Raises:
         ValueError: ``process_group`` was passed, or a keyword neither DDPStrategy nor
             DistributedDataParallel accepts.
     """
 
-    def __init__(
-        self,
-        *,
-        island_size: int,
-        dedicated_peers: bool = False,
-        peer_transport: str = "allreduce",
-        island_parallel: str = "ddp",
-        tensor_parallel_size: int = 1,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, config: SwarmConfig, **kwargs: Any) -> None:
         if "process_group" in kwargs:
             raise SwarmConfigError(
                 "process_group cannot be passed to SwarmStrategy: DDP runs over each island's "
                 "own group, which the strategy creates; set island_size instead."
             )
-        super().__init__(**kwargs)
+        super().__init__(timeout=datetime.timedelta(seconds=config.group_timeout_s), **kwargs)
         _check_ddp_kwargs(self._ddp_kwargs)
-        self._island_size = island_size
-        self._dedicated_peers = dedicated_peers
-        self._peer_transport = peer_transport
+        self.config = config
+        self._island_size = config.island_size  # an elastic island sets its own at setup
         self._topology: IslandTopology | None = None
         self._groups: SwarmGroups | None = None
-        self._model_sharded = island_parallel == "fsdp"
-        self._tensor_parallel_size = tensor_parallel_size
-        self._fsdp: IslandFSDP | None = None
+        self._mesh: IslandMesh | None = None  # model-sharded islands, from setup to teardown
 
     @property
     def topology(self) -> IslandTopology:
@@ -100,28 +93,29 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._topology = IslandTopology(
-            world_size=self.world_size,
-            island_size=self._island_size,
-            global_rank=self.global_rank,
+        topology = IslandTopology(
+            world_size=self.world_size, island_size=self._island_size, global_rank=self.global_rank
         )
-        peers_backend = peer_backend(self._peer_transport, dist.get_backend())
+        self._topology = topology
+        sharded = self.config.model_sharded
+        peers_backend = peer_backend(self.config.transport, dist.get_backend())
         self._groups = build_groups(
-            self._topology,
+            topology,
             backend=self._process_group_backend,
             # new_group does not inherit the world's timeout: every group gets the same one.
             timeout=self._timeout,
-            dedicated_peers=self._dedicated_peers,
+            # A delayed exchange's worker thread must not share the default group.
+            dedicated_peers=self.config.sync_delay > 0,
             # The swarm transport's CPU traffic needs a gloo peer group beside NCCL's.
             peer_backend=peers_backend,
             # Model-sharded, the island group carries the outer round's agreement only (FSDP
             # has its own groups), on the peer group's backend.
-            island_backend=peers_backend if self._model_sharded else None,
+            island_backend=peers_backend if sharded else None,
         )
-        if self._model_sharded:
-            self._fsdp = IslandFSDP(
-                self._topology,
-                self._tensor_parallel_size,
+        if sharded:
+            self._mesh = build_island_mesh(
+                topology,
+                self.config.tensor_parallel_size,
                 device_type=self.root_device.type,
                 backend=self._process_group_backend,
             )
@@ -129,41 +123,41 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._model_sharded and self._start_method != "popen":
+        if self.config.model_sharded and self._start_method != "popen":
             self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
 
     @property
     def island_mesh_shape(self) -> dict[str, int] | None:
         """``{"data_parallel": dp, "tensor_parallel": tp}`` of a model-sharded island; None
         under DDP islands (and before setup)."""
-        return self._fsdp.mesh.shape if self._fsdp is not None else None
+        return self._mesh.shape if self._mesh is not None else None
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """This island's ``(data_parallel, tensor_parallel)`` mesh (``island_parallel="fsdp"``)."""
-        if self._fsdp is None:
+        if self._mesh is None:
             raise RuntimeError("a device mesh exists only with island_parallel='fsdp', after setup")
-        return self._fsdp.device_mesh
+        return self._mesh.mesh
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._fsdp is not None:
+        if self._mesh is not None:
             # Read by the module's configure_model, which Lightning calls right after this.
             assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._fsdp.device_mesh
+            self.lightning_module._device_mesh = self._mesh.mesh
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._fsdp is not None:
-            return self._fsdp.sampler_kwargs()
+        if self._mesh is not None:
+            return sampler_kwargs(self.topology, self._mesh)
         return super().distributed_sampler_kwargs
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        if not self._model_sharded:
+        if not self.config.model_sharded:
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -178,7 +172,7 @@ class IslandDDPStrategy(DDPStrategy):
 
     @override
     def model_to_device(self) -> None:
-        if self._fsdp is not None:
+        if self._mesh is not None:
             assert self.model is not None
             _materialize_distributed_module(self.model, self.root_device)
         super().model_to_device()
@@ -187,11 +181,11 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Rank 0's shards alone would be neither the model nor loadable into other ranks.
-        return {} if self._model_sharded else super().lightning_module_state_dict()
+        return {} if self.config.model_sharded else super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {} if self._model_sharded else super().optimizer_state(optimizer)
+        return {} if self.config.model_sharded else super().optimizer_state(optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -199,19 +193,22 @@ class IslandDDPStrategy(DDPStrategy):
         if isinstance(swarm, Mapping) and isinstance(swarm.get("fingerprint"), Mapping):
             # Before Lightning loads weights that may not be there (a per-rank save has none).
             check_layout(swarm["fingerprint"], self.island_mesh_shape, self.topology.num_islands)
-        if self._fsdp is None:
+        if self._mesh is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         elif swarm is None and checkpoint.get("state_dict"):
-            # A plain Lightning checkpoint holds the full weights: each rank takes its shards.
-            # A swarm checkpoint's shards are installed by the swarm restore instead.
+            # A plain Lightning checkpoint holds the full weights on every rank: each keeps its
+            # shards (collective over the mesh). A swarm checkpoint's shards are installed by
+            # the swarm restore instead. set_model_state_dict replaces the dict's values as it
+            # distributes them: hand it a copy.
             assert self.lightning_module is not None
-            self._fsdp.load_full_state(
-                self.lightning_module, checkpoint["state_dict"], strict=strict
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(
+                self.lightning_module, dict(checkpoint["state_dict"]), options=options
             )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._model_sharded:
+        if not self.config.model_sharded:
             super().load_optimizer_state_dict(checkpoint)
         elif "swarm" not in checkpoint and self.is_global_zero:
             rank_zero_warn(
@@ -223,12 +220,11 @@ class IslandDDPStrategy(DDPStrategy):
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         """Wrap in DDP over the island's group; an island of one rank needs no wrapper, and
         a model-sharded island is already sharded by ``configure_model``."""
-        if self.topology.island_size == 1 or self._fsdp is not None:
+        if self.topology.island_size == 1 or self._mesh is not None:
             return model
-        device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
             module=model,
-            device_ids=device_ids,
+            device_ids=self.determine_ddp_device_ids(),
             process_group=self.groups.island,
             **self._ddp_kwargs,
         )
@@ -236,11 +232,11 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
-        if self._fsdp is not None:
+        if self._mesh is not None:
             assert self.lightning_module is not None
-            self._fsdp.check_module(self.lightning_module)
+            check_sharded(self.lightning_module, self._mesh)
             # Anchors must start identical in every island: island 0's shards everywhere.
-            self._fsdp.align_islands(self.model, self.groups.peers)
+            align_islands(self.model, self.groups.peers)
             return
         # Anchors must start identical on every rank: take global rank 0's weights everywhere,
         # before DDP (which would only sync inside the island) wraps the module.
@@ -250,12 +246,9 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Lightning's ``reduce``; with no group given, during training, over the island only
-        (``SwarmGroups.between_rounds``).
-
-        That is a ``self.log(..., sync_dist=True)`` in ``training_step``: over the world it
-        would cross islands at every inner step. Its value is then the island's mean. Validation
-        and every other stage keep the world.
-        """
+        (``SwarmGroups.between_rounds``): a ``self.log(..., sync_dist=True)`` in
+        ``training_step`` over the world would cross islands at every inner step. Its value is
+        then the island's mean. Every other stage keeps the world."""
         if group is None and self._between_rounds():
             if self.groups.between_rounds is None:
                 return tensor  # an island of one rank: nothing to reduce with
@@ -287,21 +280,18 @@ class IslandDDPStrategy(DDPStrategy):
         # reducer, bound to the island group): unwrap first, destroy the groups last. The other
         # way round, a rank can block forever inside the wrapper of a destroyed group.
         super().teardown()
-        if self._fsdp is not None:
-            self._fsdp.destroy()
-            self._fsdp = None
+        if self._mesh is not None:
+            self._mesh.destroy()
+            self._mesh = None
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None
 
 
 def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    """Reject keywords that neither DDPStrategy nor DistributedDataParallel accepts.
-
-    DDPStrategy forwards unknown keywords to the DDP wrapper, which is built only after the
-    processes have launched (and never for islands of one rank): a typo would surface late or
-    not at all, so it is caught here.
-    """
+    """Reject keywords that neither DDPStrategy nor DistributedDataParallel accepts: the DDP
+    wrapper is built only after launch (never for islands of one rank), so a typo would
+    surface late or not at all."""
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters)
     accepted -= {"self", "module", "device_ids", "process_group"}
     unknown = sorted(set(kwargs) - accepted)
@@ -312,26 +302,6 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-def process_group_timeout_s(timeout_s: float | None, kwargs: dict[str, Any]) -> float | None:
-    """The one timeout of every process group, from ``timeout_s`` or DDPStrategy's ``timeout``.
-
-    ``timeout=timedelta(...)`` (DDPStrategy's own keyword) is still accepted and removed from
-    ``kwargs``; giving both with different values is refused.
-    """
-    timeout = kwargs.pop("timeout", None)
-    if timeout is None:
-        return timeout_s
-    if not isinstance(timeout, datetime.timedelta):
-        raise SwarmConfigError(
-            f"timeout={timeout!r} must be a datetime.timedelta; prefer timeout_s=<seconds>."
-        )
-    if timeout_s not in (None, timeout.total_seconds()):
-        raise SwarmConfigError(
-            f"timeout={timeout} and timeout_s={timeout_s} disagree; give timeout_s only."
-        )
-    return timeout.total_seconds()
-
-
 @contextlib.contextmanager
 def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iterator[None]:
     """Turn a collective's timeout (torch's message names no option) into one that does, and
@@ -339,8 +309,8 @@ def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iter
 
     Only for static runs (``static``): elastic islands bound their rounds with
     ``round_timeout_s`` and report their own errors. The outer round's transport explains its
-    own collectives (naming the island and the round, ``transport.link``); this catches the
-    others (DDP inside an island, Lightning's, a checkpoint's).
+    own collectives (``transport.link``); this catches the others (DDP inside an island,
+    Lightning's, a checkpoint's).
     """
     try:
         yield

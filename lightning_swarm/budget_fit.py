@@ -1,24 +1,11 @@
-"""Checkpoints of a fit on a time budget, taken at rounds (Lightning glue).
+"""A fit on a time budget (``sync_every_s``): it ends and checkpoints at rounds (Lightning glue).
 
-Under ``sync_every_s`` the islands step at their own pace, so ``trainer.global_step`` differs
-between them, and a ``ModelCheckpoint(every_n_train_steps=N)`` left to itself would ask each
-island for a save at a different round, while a save is collective over every rank. The strategy
-moves that trigger to the rounds: ``N`` counts the swarm's steps the way ``max_steps`` does under
-a budget (the most inner steps any island has taken, agreed in each round's own message), and
-every such checkpoint callback saves right after the first round at which that count reached the
-next multiple of ``N``. Every rank reads the count from the round's agreement, so the saves cost
-no message of their own and land on the same round everywhere. A save right after a round also
-holds each island's own loop state and budget (``resume``): a resume puts every island back at
-its own ``global_step`` and data position.
-
-Kept as they are: ``save_top_k``, ``monitor`` (a monitored value must be logged by every island
-in ``training_step``: a save skips top-k, on every rank, when some island lacks it), ``save_last``
-and the file names, which come from global rank 0 (island 0's step count). Refused:
-``every_n_epochs``, ``train_time_interval`` and ``save_last="link"``, which fire at each
-island's own epoch ends or clock.
-
-The Lightning private names read here (``ModelCheckpoint``'s trigger fields and save methods) are
-read nowhere else; ``tests/test_budget_resume.py`` checks that each still exists.
+Islands step at their own pace, so ``Trainer(max_steps)`` and ``ModelCheckpoint(
+every_n_train_steps=N)`` left to themselves would fire at a different round on each island, while
+a save is collective and the fit must end holding one global model. ``BudgetFit`` moves both to
+the rounds, counting the swarm's steps (the most inner steps any island had taken, the same on
+every rank) so that every island stops and saves at the same round. The Lightning private names
+read here are read nowhere else; ``tests/test_budget_resume.py`` checks that each still exists.
 """
 
 from __future__ import annotations
@@ -34,12 +21,11 @@ from lightning_swarm.errors import SwarmConfigError
 
 
 def check_round_saves(trainer: pl.Trainer, seconds: float) -> list[ModelCheckpoint]:
-    """The trainer's ``ModelCheckpoint`` callbacks that save during the fit, each checked to be
-    one a budgeted fit can run at rounds.
+    """The trainer's ``ModelCheckpoint`` callbacks that save during the fit.
 
     Raises:
         SwarmConfigError: a checkpoint saves at epoch ends or on a clock, or links its last
-            checkpoint; the message names the setting and the alternative.
+            checkpoint (each island would do so at a different round).
     """
     during: list[ModelCheckpoint] = []
     for callback in trainer.checkpoint_callbacks:
@@ -70,25 +56,40 @@ def check_round_saves(trainer: pl.Trainer, seconds: float) -> list[ModelCheckpoi
     return during
 
 
-class RoundSaves(pl.Callback):
-    """Runs each step-triggered ``ModelCheckpoint`` of a budgeted fit at rounds (see the
-    module docstring).
+class BudgetFit(pl.Callback):
+    """Ends a budgeted fit, and runs its step-triggered checkpoints, at rounds.
 
-    Args:
-        trainer: the fitting trainer.
-        seconds: the budget (for messages).
+    The fit ends on every island at the first round where the swarm's step count reached
+    ``max_steps``; each step-triggered checkpoint saves right after the first round at which
+    that count reached its next multiple of ``every_n_train_steps``. ``save_top_k``,
+    ``monitor`` (which every island must log in ``training_step``), ``save_last`` and file
+    names (global rank 0's) are kept.
 
-    Lifetime: built at the strategy's setup (which checks the callbacks, ``check_round_saves``),
-    ``install`` right after it, ``start`` before the first step, ``after_round`` after each
-    round, ``restore`` when the fit ends (idempotent): the checkpoints get their own trigger
-    back and this callback leaves ``trainer.callbacks``.
+    Lifetime: built at the strategy's setup, ``install`` right after it, ``start`` before the
+    first step, ``after_round`` after each round, ``restore`` when the fit ends (idempotent):
+    Lightning gets ``max_steps`` and the checkpoints' triggers back, and this callback leaves
+    ``trainer.callbacks``.
 
     Raises:
-        SwarmConfigError: as ``check_round_saves``.
+        SwarmConfigError: without ``max_steps``, with ``max_epochs``, or as
+            ``check_round_saves``.
     """
 
     def __init__(self, trainer: pl.Trainer, seconds: float) -> None:
         self._trainer = trainer
+        self.max_steps = trainer.max_steps
+        if self.max_steps == -1:
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} ends the fit at the first round where some island "
+                "reached Trainer(max_steps=...), but max_steps is not set; pass "
+                "Trainer(max_steps=N)."
+            )
+        if trainer.max_epochs not in (None, -1):
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} cannot end a fit by Trainer(max_epochs="
+                f"{trainer.max_epochs}): islands step at their own pace, so their epochs end at "
+                "different rounds; pass max_steps only (max_epochs=-1)."
+            )
         self._checkpoints = check_round_saves(trainer, seconds)
         self._every = {id(c): c._every_n_train_steps for c in self._checkpoints}
         self._due: list[ModelCheckpoint] = []
@@ -100,25 +101,29 @@ class RoundSaves(pl.Callback):
         return list(self._checkpoints)
 
     def install(self) -> None:
-        """Take over the checkpoints' step trigger; join ``trainer.callbacks`` right before the
-        first checkpoint callback (Lightning runs those last, so this runs just before them)."""
+        """Lift Lightning's per-process step limit and the checkpoints' step trigger; join
+        ``trainer.callbacks`` right before the first checkpoint (so this runs just before it)."""
+        self._trainer.fit_loop.epoch_loop.max_steps = -1
         if not self._checkpoints:
             return
         for checkpoint in self._checkpoints:
-            checkpoint._every_n_train_steps = 0  # its own per-island trigger never fires
+            checkpoint._every_n_train_steps = 0
         callbacks: list[pl.Callback] = self._trainer.callbacks  # type: ignore[attr-defined]
         first = next(i for i, c in enumerate(callbacks) if c in self._checkpoints)
         callbacks.insert(first, self)
 
     def start(self, swarm_steps: int) -> None:
-        """Before the first step: the swarm's step count at the last round (0 for a fresh fit;
-        a resumed one's, the same on every rank)."""
+        """Before the first step: the swarm's step count at the last round (0 for a fresh fit);
+        a resumed fit whose count already reached ``max_steps`` ends before taking a step."""
         self._last = swarm_steps
+        if swarm_steps >= self.max_steps:
+            self._trainer.should_stop = True
 
     def after_round(self, swarm_steps: int) -> None:
-        """After a round at which the most inner steps of any island was ``swarm_steps`` (the
-        same on every rank): marks the checkpoints whose next multiple of
-        ``every_n_train_steps`` was reached since the last round."""
+        """After a round at which the swarm's step count was ``swarm_steps``: end the fit after
+        this batch if it reached ``max_steps``, and mark the checkpoints now due."""
+        if swarm_steps >= self.max_steps:
+            self._trainer.should_stop = True
         last, every = self._last, self._every
         self._due = [
             c for c in self._checkpoints if swarm_steps // every[id(c)] > last // every[id(c)]
@@ -139,7 +144,12 @@ class RoundSaves(pl.Callback):
             if checkpoint._should_skip_saving_checkpoint(trainer):
                 continue
             candidates = checkpoint._monitor_candidates(trainer)
-            if checkpoint.monitor is None or _everywhere(trainer, checkpoint.monitor in candidates):
+            # Collective over the world (every rank is at this save): a top-k save needs the
+            # monitored value on every island.
+            logged = checkpoint.monitor is None or trainer.strategy.reduce_boolean_decision(
+                checkpoint.monitor in candidates
+            )
+            if logged:
                 checkpoint._save_topk_checkpoint(trainer, candidates)
             else:
                 rank_zero_warn(
@@ -150,16 +160,11 @@ class RoundSaves(pl.Callback):
             checkpoint._save_last_checkpoint(trainer, candidates)
 
     def restore(self) -> None:
-        """Give the checkpoints their own trigger back and leave ``trainer.callbacks`` (a no-op
-        when ``install`` never ran: each trigger is then still its own)."""
+        """Give Lightning its ``max_steps`` and the checkpoints their trigger back; leave
+        ``trainer.callbacks``. Idempotent."""
+        self._trainer.fit_loop.epoch_loop.max_steps = self.max_steps
         for checkpoint in self._checkpoints:
             checkpoint._every_n_train_steps = self._every[id(checkpoint)]
         callbacks: list[pl.Callback] = self._trainer.callbacks  # type: ignore[attr-defined]
         if self in callbacks:
             callbacks.remove(self)
-
-
-def _everywhere(trainer: pl.Trainer, local: bool) -> bool:
-    """Whether ``local`` holds on every rank (collective over the world; at a save, where every
-    rank is anyway)."""
-    return bool(trainer.strategy.reduce_boolean_decision(local, all=True))
