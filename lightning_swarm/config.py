@@ -31,17 +31,8 @@ from lightning_swarm.transport.config import (
     check_block_mb,
     check_bool,
     check_transport,
+    is_number,
 )
-
-__all__ = [
-    "ISLAND_SETTINGS",
-    "RESUME_OPTIONS",
-    "AnchorConfig",
-    "SwarmConfig",
-    "SwarmTransportConfig",
-    "must_match",
-    "parse_dtype",
-]
 
 IslandParallel = Literal["ddp", "fsdp"]
 MembershipName = Literal["static", "torchft"]
@@ -107,59 +98,50 @@ class SwarmConfig:
 
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
-        sync_every_s: rounds on a time budget instead (docs/speeds.md): each island trains this
-            many seconds after the last round, and the round's mean weighs islands by their inner
-            steps; the fit ends at the first round where some island reached
-            ``Trainer(max_steps)``. Needs one fragment and ``sync_delay=0``.
-        island_size: ranks per island; must divide the world size (checked at setup).
+        sync_every_s: rounds on a time budget instead: each island trains this many seconds
+            between rounds, and the fit ends at the first round where some island reached
+            ``Trainer(max_steps)`` (docs/speeds.md). Needs one fragment and ``sync_delay=0``.
+        island_size: ranks per island; must divide the world size.
         transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` over the
-            peer group, or ``"swarm"`` (a rotating aggregator that spools, validates and
-            aggregates; options under ``swarm``).
-        anchor_device: where anchors and outer optimizer state live; an accelerator this build
-            cannot use is refused.
-        anchor_dtype: dtype of the stored anchors; ``None`` means float32. ``"bfloat16"``
-            halves anchor memory (stochastic rounding; the outer step still runs in float32).
-        bucket_mb: size of one all-reduce bucket in MiB, bounding the transport's extra memory
-            (at least ``MIN_BUCKET_MB``).
+            peer group, or ``"swarm"`` (an aggregator that spools, validates and aggregates).
+        anchor_device: where anchors and outer optimizer state live.
+        anchor_dtype: dtype of the stored anchors (``None``: float32); ``"bfloat16"`` halves
+            anchor memory (stochastic rounding; the outer step still runs in float32).
+        bucket_mb: MiB in one all-reduce bucket, bounding the transport's extra memory.
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
-        swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted);
-            with ``transport="allreduce"`` they have no effect and warn.
+        swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted).
         num_fragments: Streaming DiLoCo's F: the trained parameters sync in F fragments on
             staggered schedules; ``sync_every`` must be a multiple of F.
         fragment_layout: ``"strided"`` (layer i -> fragment i mod F), ``"sequential"`` or
-            explicit lists of module names, one list per fragment (checked at setup).
+            explicit lists of module names, one list per fragment.
         sync_delay: tau, inner steps between sending a fragment's pseudo-gradient and applying
-            the result, exchanged in a background thread meanwhile
-            (``0 <= sync_delay < sync_every / num_fragments``).
+            the result (``0 <= sync_delay < sync_every / num_fragments``).
         merge_alpha: on arrival, ``local <- (1 - alpha) x global + alpha x local``.
         quantize: codec of the exchanged pseudo-gradients: none, bf16, int8 or int4.
         quantize_block_size: elements sharing one absmax scale (int8 / int4).
         error_feedback: carry each island's quantization error into its next round.
-        sync_at_end: when fit ends with inner steps since the last round, run one last round so
-            every island ends holding the global model; ``False`` keeps the local weights.
+        sync_at_end: run one last round when fit ends between rounds, so every island ends
+            holding the global model; ``False`` keeps the local weights.
         membership: ``"static"`` (one torch.distributed world, every island in every round) or
-            ``"torchft"`` (each launch is one island; islands meet through a lighthouse and may
-            fail, restart and join; needs the ``elastic`` extra; docs/elastic.md).
+            ``"torchft"`` (each launch is one island that may fail, restart and join;
+            docs/elastic.md).
         lighthouse: torchft only: the lighthouse's address, as ``swarm-lighthouse`` prints it.
         island_id: torchft only: this island's name, unique among live islands.
         min_islands: torchft only: a round commits only with at least this many islands.
         quorum_timeout_s: torchft only: how long a round waits for enough islands.
         round_timeout_s: torchft only: bound on a round's collectives, heal and commit gate;
             ``None`` derives it from the payload and the measured link rate (at least 60 s).
-        shard_outer: with ``island_size = k > 1``, each rank owns about 1/k of the anchors and
-            outer state and exchanges only that share, dropping cross-island bytes and anchor
-            memory about k-fold; refused with ``swarm.max_norm``; no effect under FSDP islands.
+        shard_outer: with ``island_size = k > 1``, each rank owns and exchanges about 1/k of
+            the anchors and outer state; refused with ``swarm.max_norm``.
         island_parallel: ``"ddp"`` (every rank holds the whole model) or ``"fsdp"`` (the
-            module's ``configure_model`` shards it over the island's own ``(data_parallel,
-            tensor_parallel)`` mesh; docs/fsdp.md).
+            module's ``configure_model`` shards it over the island's mesh; docs/fsdp.md).
         tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island mesh's
             ``tensor_parallel`` dimension.
         frozen_params: parameters with ``requires_grad=False`` at setup: ``"exclude"`` (no
-            anchor, never exchanged; unfreezing one is refused) or ``"sync"`` (kept in the outer
-            loop, so they can be unfrozen mid-run).
-        timeout_s: how long any collective of a static run waits before every waiting rank
-            raises ``CollectiveTimeoutError``; ``None`` means ``DEFAULT_TIMEOUT_S``, the peer
-            group's bound growing with the round's payload over the measured link rate.
+            anchor, never exchanged) or ``"sync"`` (kept, so they can be unfrozen mid-run).
+        timeout_s: how long a static run's collectives wait before every waiting rank raises
+            ``CollectiveTimeoutError``; ``None``: ``DEFAULT_TIMEOUT_S``, the peer group's bound
+            growing with the round's payload.
     """
 
     sync_every: int = field(default=100, metadata=_RESUME_ISLANDS)
@@ -253,6 +235,11 @@ class SwarmConfig:
         return self.island_parallel == "fsdp"
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks of an island's ``data_parallel`` mesh dimension (``island_size`` under DDP)."""
+        return self.island_size // self.tensor_parallel_size
+
+    @property
     def anchor_torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.anchor_dtype, option="anchor_dtype") or torch.float32
 
@@ -320,10 +307,7 @@ def _check_parallel(config: SwarmConfig) -> None:
 
 def _check_timeout(option: str, value: object, example: str) -> None:
     """``value`` is None or a finite number of seconds above zero."""
-    if value is None:
-        return
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not 0 < float(value) < float("inf"):  # type: ignore[arg-type]
+    if value is not None and not (is_number(value) and value > 0):  # type: ignore[operator]
         raise SwarmConfigError(
             f"{option}={value!r} must be a finite number of seconds above 0, e.g. "
             f"{option}={example}."

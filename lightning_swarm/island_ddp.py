@@ -55,8 +55,7 @@ from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_m
 
 
 class IslandDDPStrategy(DDPStrategy):
-    """DDP (or FSDP) inside islands of ``config.island_size`` ranks, no averaging across them.
-
+    """DDP (or FSDP) inside islands of ``config.island_size`` ranks, no averaging across them;
     ``**kwargs`` are ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
 
     Raises:
@@ -249,7 +248,10 @@ class IslandDDPStrategy(DDPStrategy):
         (``SwarmGroups.between_rounds``): a ``self.log(..., sync_dist=True)`` in
         ``training_step`` over the world would cross islands at every inner step. Its value is
         then the island's mean. Every other stage keeps the world."""
-        if group is None and self._between_rounds():
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        training = trainer is not None and trainer.training
+        if group is None and training and self._topology and self._topology.num_islands > 1:
             if self.groups.between_rounds is None:
                 return tensor  # an island of one rank: nothing to reduce with
             group = self.groups.between_rounds
@@ -261,13 +263,6 @@ class IslandDDPStrategy(DDPStrategy):
         flag = torch.tensor(int(decision), device=self.root_device)
         total = super().reduce(flag, group=dist.group.WORLD, reduce_op="sum")
         return bool(total == self.world_size) if all else bool(total)
-
-    def _between_rounds(self) -> bool:
-        """True during the training stage of a swarm of several islands."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        islands = self._topology.num_islands if self._topology is not None else 1
-        return islands > 1 and trainer is not None and trainer.training
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -24,7 +24,6 @@ BUCKETED_ROUND = _OUTER + "bucketed_round"
 
 # Transports (lightning_swarm.transport): the collective under EXCHANGE.
 ALLREDUCE = _TRANSPORT + "allreduce"
-QUANTIZED = _TRANSPORT + "quantized"
 REDUCE_SCATTER = _TRANSPORT + "reduce_scatter"
 # Inside REDUCE_SCATTER, per bucket: each island's shares out, its own share averaged, the
 # encoded means of every share back.

@@ -26,8 +26,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_swarm.between_rounds import IslandSigterm, warn_of_world_collectives
-from lightning_swarm.budget_fit import BudgetFit
+from lightning_swarm.between_rounds import BudgetFit, IslandSigterm, warn_of_world_collectives
 from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.elastic import ElasticIsland

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget, scale_of
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.budget_fit import BudgetFit
+from lightning_swarm.between_rounds import BudgetFit
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.outer import OuterSync

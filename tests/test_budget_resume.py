@@ -26,7 +26,7 @@ from torch import Tensor
 import lightning_swarm.strategy as strategy_module
 from lightning_swarm import SwarmResume, SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
-from lightning_swarm.budget_fit import BudgetFit, check_round_saves
+from lightning_swarm.between_rounds import BudgetFit, check_round_saves
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
 from lightning_swarm.outer import OuterLoop
