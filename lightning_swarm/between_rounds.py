@@ -224,8 +224,7 @@ class BudgetFit(pl.Callback):
         """Before the first step: the swarm's step count at the last round (0 for a fresh fit);
         a resumed fit whose count already reached ``max_steps`` ends before taking a step."""
         self._last = swarm_steps
-        if swarm_steps >= self.max_steps:
-            self._trainer.should_stop = True
+        self.after_round(swarm_steps)  # no checkpoint is due: the count did not move
 
     def after_round(self, swarm_steps: int) -> None:
         """After a round at which the swarm's step count was ``swarm_steps``: end the fit after

@@ -194,7 +194,7 @@ class SwarmConfig:
                 UserWarning,
                 stacklevel=3,
             )
-        default_mb = _DEFAULTS["bucket_mb"]
+        default_mb = SwarmConfig.bucket_mb  # the field's default, stated once
         check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=default_mb)
         _check_streaming(self)
         _check_budget_options(self)
@@ -247,9 +247,6 @@ class SwarmConfig:
     def bucket_numel(self) -> int:
         """Float32 elements in one transport bucket (at least one)."""
         return max(1, int(self.bucket_mb * 2**20) // 4)
-
-
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(SwarmConfig)}
 
 
 def must_match(site: MustMatchSite) -> tuple[str, ...]:

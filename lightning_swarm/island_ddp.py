@@ -1,10 +1,10 @@
-"""``IslandDDPStrategy``: Lightning's DDP confined to each island (Lightning glue).
+"""``IslandDDPStrategy``: Lightning's DDP, or FSDP, confined to each island (Lightning glue).
 
-It splits the world into islands, creates the island and peer groups, starts every rank from
-rank 0's weights and wraps the module in DDP over its island (or, with ``island_parallel="fsdp"``,
-gives ``configure_model`` the island's mesh: ``island_fsdp``). Groups are created in
-``setup_distributed`` and destroyed at the very end of ``teardown``, after the DDP reducer bound
-to them is gone and a subclass closed what used the peer group.
+It creates the island and peer groups, starts every rank from rank 0's weights and wraps the
+module over its island. With ``island_parallel="fsdp"`` the module's ``configure_model`` shards it
+over the island's own mesh (Lightning's convention); every island starts from island 0's shards,
+and spawned launchers send back no weights. Groups are created in ``setup_distributed`` and
+destroyed at the very end of ``teardown``, after the DDP reducer and the peer group's users.
 """
 
 from __future__ import annotations
@@ -12,18 +12,26 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import os
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -34,13 +42,8 @@ from lightning_swarm.errors import (
     CollectiveTimeoutError,
     PeerLostError,
     SwarmConfigError,
+    SwarmConfigTypeError,
     SwarmError,
-)
-from lightning_swarm.island_fsdp import (
-    ShardedResultsLauncher,
-    align_islands,
-    check_sharded,
-    sampler_kwargs,
 )
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
@@ -55,12 +58,10 @@ from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_m
 
 
 class IslandDDPStrategy(DDPStrategy):
-    """DDP (or FSDP) inside islands of ``config.island_size`` ranks, no averaging across them;
-    ``**kwargs`` are ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
+    """DDP (or FSDP) inside islands of ``config.island_size`` ranks, no averaging across them.
 
-    Raises:
-        ValueError: ``process_group`` was passed, or a keyword neither DDPStrategy nor
-            DistributedDataParallel accepts.
+    Raises ``ValueError`` for ``process_group`` or a keyword in ``**kwargs`` that neither
+    ``DDPStrategy`` nor ``DistributedDataParallel`` accepts.
     """
 
     def __init__(self, config: SwarmConfig, **kwargs: Any) -> None:
@@ -123,7 +124,7 @@ class IslandDDPStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self.config.model_sharded and self._start_method != "popen":
-            self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
+            self._launcher = _ShardedResultsLauncher(self, start_method=self._start_method)
 
     @property
     def island_mesh_shape(self) -> dict[str, int] | None:
@@ -149,9 +150,12 @@ class IslandDDPStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._mesh is not None:
-            return sampler_kwargs(self.topology, self._mesh)
-        return super().distributed_sampler_kwargs
+        if self._mesh is None:
+            return super().distributed_sampler_kwargs
+        # One replica per (island, data-parallel rank): positions are row-major over (dp, tp),
+        # so the tensor-parallel ranks of one group share a batch.
+        tp = self._mesh.tensor_parallel_size
+        return {"num_replicas": self.world_size // tp, "rank": self.global_rank // tp}
 
     @contextmanager
     @override
@@ -233,9 +237,9 @@ class IslandDDPStrategy(DDPStrategy):
         assert self.model is not None
         if self._mesh is not None:
             assert self.lightning_module is not None
-            check_sharded(self.lightning_module, self._mesh)
+            _check_sharded(self.lightning_module, self._mesh)
             # Anchors must start identical in every island: island 0's shards everywhere.
-            align_islands(self.model, self.groups.peers)
+            _align_islands(self.model, self.groups.peers)
             return
         # Anchors must start identical on every rank: take global rank 0's weights everywhere,
         # before DDP (which would only sync inside the island) wraps the module.
@@ -297,15 +301,81 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
+_CONFIGURE_MODEL_HINT = """\
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        dp = self.device_mesh["data_parallel"]
+        for layer in self.layers:        # e.g. each transformer block
+            fully_shard(layer, mesh=dp)
+        fully_shard(self.model, mesh=dp)  # then the root"""
+
+
+def _check_sharded(module: Module, mesh: IslandMesh) -> None:
+    """Refuse a module that ``configure_model`` did not shard: ``TypeError`` without one,
+    ``ValueError`` for a trainable plain parameter with several data-parallel ranks (nothing
+    would average its gradient inside the island; a frozen one must stay frozen)."""
+    if not is_overridden("configure_model", module):
+        raise SwarmConfigTypeError(
+            "island_parallel='fsdp' requires the LightningModule to override "
+            "configure_model() and shard itself there, as with Lightning's "
+            "ModelParallelStrategy. Add, for example:\n" + _CONFIGURE_MODEL_HINT
+        )
+    if mesh.data_parallel_size == 1:
+        return
+    plain = [
+        n for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
+    ]
+    if plain:
+        raise SwarmConfigError(
+            f"island_parallel='fsdp': configure_model left {len(plain)} parameter(s) "
+            f"unsharded, e.g. {plain[:3]}; with data_parallel size "
+            f"{mesh.data_parallel_size} their gradients would never be averaged "
+            "inside the island. Call fully_shard(..., mesh=self.device_mesh"
+            '["data_parallel"]) on the modules holding them (the root last).'
+        )
+
+
+@torch.no_grad()
+def _align_islands(module: Module, peers: dist.ProcessGroup | None) -> None:
+    """Give every island island 0's shards, and every rank global rank 0's plain tensors
+    (collective). A shard goes over the peer group (the same shape in every island), so each
+    rank moves only its own shard, and all of them skip an empty one."""
+    tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+    for tensor in tensors:
+        if not isinstance(tensor, DTensor):
+            local, group = tensor.detach(), None
+        elif peers is not None:
+            local, group = tensor.to_local(), peers
+        else:
+            continue  # a single island: nothing to align a shard with
+        if local.numel() > 0:
+            dist.broadcast(local, group=group, group_src=0)
+
+
+class _ShardedResultsLauncher(_MultiProcessingLauncher):
+    """Lightning's fork / spawn launcher, minus the weights rank 0 would send back: its shards
+    would fail or corrupt the main process's unsharded module, which keeps its weights."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is None or output.weights_path is None:
+            return output
+        os.remove(output.weights_path)
+        os.rmdir(os.path.dirname(output.weights_path))
+        rank_zero_warn(
+            "island_parallel='fsdp' with a fork/spawn launcher: the main process keeps the "
+            "module's weights from before fit (each rank holds only shards); read the trained "
+            "weights from a checkpoint, or launch with start_method='popen'."
+        )
+        return output._replace(weights_path=None)
+
+
 @contextlib.contextmanager
 def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iterator[None]:
     """Turn a collective's timeout (torch's message names no option) into one that does, and
-    a peer's closed connection into ``PeerLostError``.
-
-    Only for static runs (``static``): elastic islands bound their rounds with
-    ``round_timeout_s`` and report their own errors. The outer round's transport explains its
-    own collectives (``transport.link``); this catches the others (DDP inside an island,
-    Lightning's, a checkpoint's).
+    a peer's closed connection into ``PeerLostError``: for the collectives of a static run that
+    the outer round's transport does not explain itself (DDP's, Lightning's, a checkpoint's).
+    Elastic islands (``static=False``) report their own errors.
     """
     try:
         yield

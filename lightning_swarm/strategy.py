@@ -78,12 +78,9 @@ def _config_from(config: SwarmConfig | None, kwargs: dict[str, Any]) -> SwarmCon
 
 
 def _fit_ends_after_step(trainer: pl.Trainer, *, steps_pending: int) -> bool:
-    """True when no inner optimizer step follows the one just taken in this fit.
-
-    Every input is identical on every rank, so every rank runs the same end-of-fit round.
-    ``steps_pending``: steps taken but not yet in ``global_step`` (1 inside ``optimizer_step``
-    under automatic optimization, 0 after a manual ``training_step``). Ends this cannot
-    foresee (``EarlyStopping``, ``max_time``) are caught in ``on_train_end``.
+    """True when no inner optimizer step follows the one just taken in this fit; the same on
+    every rank. ``steps_pending``: steps not yet in ``global_step`` (1 inside ``optimizer_step``
+    under automatic optimization, 0 after a manual ``training_step``).
     """
     if trainer.max_steps != -1 and trainer.global_step + steps_pending >= trainer.max_steps:
         return True
@@ -133,6 +130,11 @@ class SwarmStrategy(IslandDDPStrategy):
         self._sigterm: IslandSigterm | None = None
         self._budget: BudgetFit | None = None
         self.totals = SwarmTotals()
+        # Rounds on a time budget: each island keeps its own global_step and data position,
+        # which checkpoints record per island.
+        self._own_pace = config.sync_every_s is not None
+        # An elastic fit already ends on a committed round, the same one on every island.
+        self._sync_at_end = config.sync_at_end and self._elastic is None
 
     @classmethod
     @override
@@ -163,12 +165,6 @@ class SwarmStrategy(IslandDDPStrategy):
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module
         return module._trainer if module is not None else None
-
-    @property
-    def _own_pace(self) -> bool:
-        """Islands step at their own pace (rounds on a time budget): each keeps its own
-        ``global_step`` and data position, which checkpoints record per island."""
-        return self.config.sync_every_s is not None
 
     # -- setup ----------------------------------------------------------------------------
     @override
@@ -417,11 +413,6 @@ class SwarmStrategy(IslandDDPStrategy):
             # Manual optimization steps its optimizers inside training_step: all are done.
             self._end_of_fit_round(manual=True)
         return output
-
-    @property
-    def _sync_at_end(self) -> bool:
-        # An elastic fit already ends on a committed round, the same one on every island.
-        return self.config.sync_at_end and self._elastic is None
 
     def _end_of_fit_round(self, *, manual: bool) -> None:
         module, pending = self.lightning_module, 0 if manual else 1

@@ -6,7 +6,7 @@ cycle). The graph is built with ``ast`` from the source files, so nothing is exe
 
 Layers, top to bottom (a module may import its own layer or any layer below it):
 
-- glue: the package root, ``strategy``, ``island_ddp``, ``island_fsdp``, ``elastic``,
+- glue: the package root, ``strategy``, ``island_ddp``, ``elastic``,
   ``between_rounds``, ``cli/``, ``callbacks/``, ``demo/``;
 - outer loop: ``outer/``;
 - resume / records: ``resume/``;
@@ -37,7 +37,6 @@ LAYERS: list[tuple[str, int]] = [
     (f"{PACKAGE}.checkpoint_io", 7),
     (f"{PACKAGE}.between_rounds", 7),
     (f"{PACKAGE}.island_ddp", 7),
-    (f"{PACKAGE}.island_fsdp", 7),
     (f"{PACKAGE}.elastic", 7),
     (f"{PACKAGE}.cli", 7),
     (f"{PACKAGE}.callbacks", 7),
