@@ -47,14 +47,13 @@ from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
 from lightning_swarm.transport.agree import agree, objects_over
 
-_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(SwarmConfig))
-
 
 def _config_from(config: SwarmConfig | None, kwargs: dict[str, Any]) -> SwarmConfig:
     """``config`` (or the defaults) with the ``SwarmConfig`` fields among ``kwargs`` applied,
     validated again as a whole. Those fields and DDPStrategy's ``timeout`` (still accepted; it
     must agree with ``timeout_s``) leave ``kwargs``: the rest is DDP's."""
-    options = {name: kwargs.pop(name) for name in list(kwargs) if name in _OPTION_NAMES}
+    names = {f.name for f in dataclasses.fields(SwarmConfig)}
+    options = {name: kwargs.pop(name) for name in list(kwargs) if name in names}
     timeout = kwargs.pop("timeout", None)
     if timeout is not None:
         if not isinstance(timeout, datetime.timedelta):
