@@ -1,12 +1,9 @@
 """Quantized swarm payloads: encodings travel and are spooled; owners aggregate their decoding.
 
 The *wire layout* follows from the float layout and the codec alone: ``<name>#scales`` for every
-tensor (int8 / int4), then ``<name>#data`` for every tensor, flat in the codec's dtype; scales
-first keeps every tensor at an offset aligned to its element size. ``DecodedContribution``
-decodes one block of the float layout at a time (blocks start on ``align``, the codec block made
-even for int4), so memory stays contributions x one block and a block decodes bit for bit as in
-a whole-tensor decode. ``encode_marked`` encodes non-finite input as values that decode to NaN,
-so validation rejects it like an uncoded one instead of one island raising alone.
+tensor (int8 / int4), then ``<name>#data`` for every tensor, flat in the codec's dtype (scales
+first keeps every tensor aligned to its element size). Blocks start on ``align`` (the codec
+block, made even for int4), so a block decodes bit for bit as in a whole-tensor decode.
 """
 
 from __future__ import annotations
@@ -28,12 +25,8 @@ _BLOCK_CODECS = ("int8", "int4")
 class CodedPayload:
     """The wire layout of one float layout under one codec, and the verbs between the two.
 
-    Args:
-        layout: the caller's tensors (float32 only: codecs encode float32).
-        codec: the codec every island uses (``none`` is allowed and sends float32 unchanged).
-
     Raises:
-        ValueError: a tensor of ``layout`` is not float32.
+        ValueError: a tensor of ``layout`` is not float32 (codecs encode float32).
     """
 
     def __init__(self, layout: PayloadLayout, codec: Codec) -> None:
@@ -86,12 +79,11 @@ class CodedPayload:
 
 
 class DecodedContribution:
-    """``inner`` (holding ``payload``'s wire layout) read back as decoded float32 blocks; see
-    the module docstring."""
+    """``inner`` (holding ``payload``'s wire layout) read back as decoded float32 blocks, one
+    block at a time: memory stays contributions x one block."""
 
     def __init__(self, payload: CodedPayload, inner: Contribution) -> None:
         self.payload, self.inner = payload, inner
-        self.island = inner.island
 
     def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
         """Decode float elements ``[start, start + out.numel())`` of ``spec`` into ``out``."""
@@ -116,7 +108,8 @@ class DecodedContribution:
 
 def encode_marked(codec: Codec, flat: Tensor) -> Encoded:
     """``codec.encode(flat)``, except that non-finite values (and, for bf16, values beyond its
-    range) are encoded so that they decode non-finite instead of raising."""
+    range) decode non-finite instead of raising: validation rejects them like uncoded ones
+    instead of one island raising alone."""
     if codec.name == "bf16":
         bad = ~torch.isfinite(flat.to(torch.bfloat16))
     else:

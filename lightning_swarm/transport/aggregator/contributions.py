@@ -1,11 +1,7 @@
-"""Where a peer's payload lands (a *sink*) and how a finished one is read back (a *contribution*).
-
-Sinks: ``SpoolSink`` (a preallocated spool file), ``MemorySink`` (one flat buffer, offload off),
-``DiscardSink`` (a refused peer, whose chunks must still be received). Contributions:
-``MemoryContribution`` and ``SpooledContribution`` (a leased spool file). ``measure`` and
-``aggregate_into`` read one block at a time, so memory is contributions x one block, never
-contributions x model; no file-backed tensor leaves this module.
-"""
+"""Where a peer's payload lands (a *sink*: a ``spool.SpoolWriter``, ``MemorySink`` with offload
+off, ``DiscardSink`` for a refused peer) and how it is read back (a *contribution*). ``measure``
+and ``aggregate_into`` read one block at a time: memory is contributions x one block, never
+contributions x model."""
 
 from __future__ import annotations
 
@@ -19,9 +15,14 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.robust import aggregate
 from lightning_swarm.transport.aggregator.spool import Spool
-from lightning_swarm.transport.aggregator.spool_files import SpoolReader, SpoolWriter
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
+
+
+class Contribution(Protocol):
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Sink(Protocol):
@@ -32,19 +33,10 @@ class Sink(Protocol):
     def abort(self) -> None: ...
 
 
-class Contribution(Protocol):
-    island: int
-
-    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class MemoryContribution:
     """A payload held in memory as flat per-tensor views, in layout order (no copy)."""
 
-    def __init__(self, island: int, views: Sequence[Tensor]) -> None:
-        self.island = island
+    def __init__(self, views: Sequence[Tensor]) -> None:
         self._views = [v.detach().reshape(-1) for v in views]
 
     def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
@@ -54,25 +46,9 @@ class MemoryContribution:
         self._views = []
 
 
-class SpooledContribution:
-    """A payload in a leased spool file; ``close`` releases the lease."""
-
-    def __init__(self, island: int, reader: SpoolReader) -> None:
-        self.island = island
-        self.reader = reader
-
-    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
-        self.reader.read_into(spec.name, start, out)
-
-    def close(self) -> None:
-        self.reader.close()
-
-
 class MemorySink:
-    """Chunks land in one flat buffer of the payload's size (offload off)."""
-
-    def __init__(self, island: int, layout: PayloadLayout) -> None:
-        self.island, self.layout = island, layout
+    def __init__(self, layout: PayloadLayout) -> None:
+        self.layout = layout
         self.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
 
     def write(self, data_offset: int, chunk: Tensor) -> None:
@@ -80,41 +56,13 @@ class MemorySink:
 
     def finish(self) -> Contribution:
         b, specs = self.buffer, self.layout.specs
-        return MemoryContribution(
-            self.island, [b[s.offset : s.offset + s.nbytes].view(s.dtype) for s in specs]
-        )
+        return MemoryContribution([b[s.offset : s.offset + s.nbytes].view(s.dtype) for s in specs])
 
     def abort(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
-class SpoolSink:
-    """Chunks land in a spool file; ``finish`` commits it and opens a leased reader."""
-
-    def __init__(
-        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
-    ):
-        self.spool, self.round_id, self.island, self.layout = spool, round_id, island, layout
-        self.remap_bytes = remap_bytes
-        self.writer: SpoolWriter = spool.writer(round_id, island, layout)
-
-    def write(self, data_offset: int, chunk: Tensor) -> None:
-        self.writer.write(data_offset, chunk.cpu())
-
-    def finish(self) -> Contribution:
-        self.writer.commit()
-        reader = self.spool.reader(
-            self.round_id, self.island, self.layout, remap_bytes=self.remap_bytes
-        )
-        return SpooledContribution(self.island, reader)
-
-    def abort(self) -> None:
-        self.writer.abort()
-
-
 class DiscardSink:
-    """Receives and forgets; ``finish`` yields no contribution."""
-
     def write(self, data_offset: int, chunk: Tensor) -> None:
         pass
 
@@ -144,10 +92,10 @@ def open_sinks(
         if island not in accepted_layout or failure is not None:
             sinks[island] = DiscardSink()
         elif spool is None:
-            sinks[island] = MemorySink(island, layout)
+            sinks[island] = MemorySink(layout)
         else:
             try:
-                sinks[island] = SpoolSink(spool, round_id, island, layout, remap_bytes)
+                sinks[island] = spool.writer(round_id, island, layout, remap_bytes=remap_bytes)
             except SpoolError as err:
                 failure = err
                 sinks[island] = DiscardSink()
@@ -174,11 +122,8 @@ def finish_sinks(
 
 
 def all_finite(block: Tensor) -> bool:
-    """Whether every value of the floating ``block`` is finite.
-
-    A finite sum proves it (NaN and inf survive every addition) at a fraction of an elementwise
-    check's cost; only a non-finite sum (a bad value, or an overflow) pays for that check.
-    """
+    """Whether every value of the floating ``block`` is finite: a finite sum proves it (NaN and
+    inf survive every addition); only a non-finite sum pays for the elementwise check."""
     if math.isfinite(float(block.sum())):
         return True
     return bool(torch.isfinite(block).all())
@@ -190,9 +135,8 @@ def _blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Measure:
-    """What one pass over a contribution found: whether every floating value is finite, the
-    float64 sum of their squares (0.0 when not asked for, or once a value is not finite), and
-    the first tensor holding a non-finite value."""
+    """One pass over a contribution: every floating value finite, the float64 sum of their
+    squares (0.0 when not asked for or not finite), the first tensor holding a non-finite."""
 
     finite: bool
     sum_sq: float
@@ -202,9 +146,8 @@ class Measure:
 def measure(
     contribution: Contribution, layout: PayloadLayout, *, block_numel: int, sum_sq: bool = True
 ) -> Measure:
-    """One validation pass over ``contribution``, one block at a time (the only one: every
-    verdict, whole or per part, is read from it). Without ``max_norm`` callers pass
-    ``sum_sq=False``: the float64 squares cost half a validation pass."""
+    """The one validation pass over ``contribution``, block by block (``sum_sq=False`` without
+    ``max_norm``: the float64 squares cost half a pass)."""
     total = 0.0
     for spec in layout.specs:
         if not spec.dtype.is_floating_point:
@@ -230,12 +173,9 @@ def aggregate_into(
     trim_ratio: float,
     block_numel: int,
 ) -> None:
-    """Overwrite ``targets`` (in layout order) with the aggregate of ``contributions``.
-
-    ``contributions`` are in island order; a target may itself be one of the contributions
-    (the aggregator's own tensors): each block is read from every contribution before it is
-    overwritten.
-    """
+    """Overwrite ``targets`` (in layout order) with the aggregate of ``contributions`` (in
+    island order). A target may itself be a contribution (the owner's own tensors): each block
+    is read from every contribution before it is overwritten."""
     for spec, target in zip(layout.specs, targets, strict=True):
         flat = target.view(-1)
         scratch = torch.empty((len(contributions), min(block_numel, spec.numel)), dtype=spec.dtype)

@@ -1,24 +1,27 @@
-"""The two exchanges of a swarm round, in chunks over ``all_to_all_single``.
+"""A swarm round's two chunked ``all_to_all_single`` exchanges, and the fold of the scatter.
 
-``scatter`` sends part j of every payload to island j, step k moving chunk k of each payload
-into the owner's sinks (a spool error turns a sink into a discard sink and is returned, so no
-peer blocks); ``gather`` sends every owner's result part to every island, into its tensors.
-Every island runs the same steps with split sizes that follow from the agreed layouts; a refused
-island sends and receives nothing.
+``scatter`` sends part j of every payload to island j, into the owner's sinks (a spool error
+turns a sink into a discard sink and is returned, so no peer blocks); ``gather`` sends every
+owner's result part to every island. Every island runs the same steps, with split sizes from
+the agreed layouts; a refused island sends and receives nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
-from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink
+import lightning_swarm.profiling as labels
+from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink, all_finite
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.errors import SpoolError
-from lightning_swarm.transport.payload import PayloadLayout, pack_chunk, unpack_chunk
+from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+
+FOLDED_RULES = ("mean", "weighted_mean")
 
 
 def chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
@@ -41,7 +44,6 @@ class Exchange:
         self.chunk_bytes, self.silent = chunk_bytes, silent
 
     def _talks(self, peer: int) -> bool:
-        """Whether this island exchanges chunks with ``peer``."""
         return peer != self.me and peer not in self.silent and self.me not in self.silent
 
     def scatter(
@@ -53,7 +55,7 @@ class Exchange:
         steps: int,
     ) -> SpoolError | None:
         """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j; write what
-        each peer i sends for this island's part (``wires[me]``) into ``sinks[i]``."""
+        each peer i sends for this island's part into ``sinks[i]``."""
         failure: SpoolError | None = None
         for k, chunks in self.scatter_steps(sources, wires, stats, steps):
             for i, chunk in chunks.items():
@@ -67,9 +69,8 @@ class Exchange:
     def scatter_steps(
         self, sources: list[list[Tensor]], wires: list[PayloadLayout], stats: RoundStats, steps: int
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
-        """The scatter, step by step: yields ``(k, {peer: chunk k of its contribution to this
-        island's part})`` (uint8 views of the receive buffer, valid until the next step; no
-        entries past the part's end). The caller must run the generator to its end, or the
+        """Yields ``(k, {peer: chunk k of its contribution to this island's part})``: uint8
+        views valid until the next step. The caller must run the generator to its end, or the
         other islands wait in the step it left."""
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
         # One send and one receive buffer for the whole exchange: buffers allocated per step
@@ -112,7 +113,6 @@ class Exchange:
                 unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
 
     def _buffers(self) -> tuple[Tensor, Tensor]:
-        """A send and a receive buffer of one chunk per peer, for one exchange."""
         size = (self.n - 1) * self.chunk_bytes
         return torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
 
@@ -124,8 +124,7 @@ class Exchange:
         recv_sizes: list[int],
         stats: RoundStats,
     ) -> dict[int, Tensor]:
-        """One step; returns ``{island: what it sent here}`` (views of ``recv_buf``) for every
-        island that sent something."""
+        """One step; returns ``{island: what it sent here}`` (views of ``recv_buf``)."""
         received = recv_buf[: sum(recv_sizes)]
         dist.all_to_all_single(
             received,
@@ -143,3 +142,111 @@ class Exchange:
                 chunks[i] = received[offset : offset + size]
             offset += size
         return chunks
+
+
+def folds(
+    layout: PayloadLayout, aggregation: str, max_norm: float | None, chunk_bytes: int
+) -> bool:
+    """Whether a round can be summed as it arrives (``PartFold``): a running-sum rule, no
+    ``max_norm`` (it needs each island's norm), float32 only, chunks of whole elements (the
+    caller rules out codecs). Pass the whole layout, which every island agreed on, not a part's:
+    every island must take the same way."""
+    return (
+        aggregation in FOLDED_RULES
+        and max_norm is None
+        and chunk_bytes % 4 == 0
+        and all(spec.dtype == torch.float32 for spec in layout.specs)
+    )
+
+
+class PartFold:
+    """The running (weighted) sum of every island's contribution to this island's part.
+
+    Chunk k of every island (its own packed from ``own``, flat views of the part in ``layout``
+    order, read, never written until ``write_into``) is added in island order with
+    ``weighted_mean``'s operations, so the mean is bitwise the spooled path's when every
+    island is accepted. A non-finite sum cannot name the island: the caller judges the round
+    again through the spool. ``weights``: one per island, ``None`` for ``mean``.
+    """
+
+    def __init__(
+        self,
+        layout: PayloadLayout,
+        own: Sequence[Tensor],
+        island_index: int,
+        num_islands: int,
+        chunk_bytes: int,
+        weights: Sequence[float] | None,
+    ) -> None:
+        assert chunk_bytes % 4 == 0 and all(s.dtype == torch.float32 for s in layout.specs)
+        self.layout, self.own = layout, [byte_view(t) for t in own]
+        self.me, self.n, self.chunk_bytes = island_index, num_islands, chunk_bytes
+        self.weights = list(weights) if weights is not None else None
+        self.acc = torch.empty(layout.data_bytes // 4, dtype=torch.float32)
+        chunk = min(chunk_bytes, layout.data_bytes)
+        self._own_chunk = torch.empty(chunk, dtype=torch.uint8)
+        self._scratch = torch.empty(chunk // 4 if weights is not None else 0, dtype=torch.float32)
+
+    def add(self, k: int, chunks: Mapping[int, Tensor]) -> None:
+        """Add chunk ``k`` of every island (``chunks``: each peer's, uint8); none past the
+        part's end."""
+        if not chunks:
+            return
+        base = k * self.chunk_bytes // 4
+        for island in range(self.n):
+            if island == self.me:
+                size = pack_chunk(self.own, self.layout, k, self.chunk_bytes, self._own_chunk)
+                src = self._own_chunk[:size].view(torch.float32)
+            else:
+                src = chunks[island].view(torch.float32)
+            dst = self.acc[base : base + src.numel()]
+            if island == 0:
+                if self.weights is None:
+                    dst.copy_(src)
+                else:
+                    torch.mul(src, self.weights[0], out=dst)
+            elif self.weights is None:
+                dst.add_(src)
+            else:
+                # Multiply, then add, as weighted_mean does: add_(alpha=w) may fuse the two.
+                term = self._scratch[: src.numel()]
+                torch.mul(src, self.weights[island], out=term)
+                dst.add_(term)
+
+    def collect(
+        self,
+        exchange: Exchange,
+        sources: list[list[Tensor]],
+        wires: list[PayloadLayout],
+        stats: RoundStats,
+        steps: int,
+    ) -> tuple[bool, Exception | None]:
+        """Run the scatter, adding every step's chunks, then divide. Returns whether the mean
+        is finite, and the exception the sum raised, if any (the scatter still runs to its end,
+        so that no peer blocks in a step this island left)."""
+        error: Exception | None = None
+        for k, chunks in exchange.scatter_steps(sources, wires, stats, steps):
+            if error is None:
+                try:
+                    with record_function(labels.AGGREGATE):
+                        self.add(k, chunks)
+                except Exception as err:
+                    error = err
+        if error is not None:
+            return False, error
+        try:
+            with record_function(labels.AGGREGATE):
+                return self.finish(), None
+        except Exception as err:
+            return False, err
+
+    def finish(self) -> bool:
+        """Divide the sum into the mean; whether every value is finite."""
+        self.acc.div_(self.n if self.weights is None else sum(self.weights))
+        return all_finite(self.acc)
+
+    def write_into(self, targets: Sequence[Tensor]) -> None:
+        """Copy the mean into ``targets`` (flat float32 views in ``layout`` order)."""
+        for spec, target in zip(self.layout.specs, targets, strict=True):
+            start = spec.offset // 4
+            target.copy_(self.acc[start : start + spec.numel])

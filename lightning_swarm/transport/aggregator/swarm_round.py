@@ -1,24 +1,19 @@
 """The swarm transport's aggregator and its round: agree, scatter, judge, aggregate, gather.
 
-Island j owns part j of a round's payload; ``owners`` cuts the parts. ``"rotating"`` (the
-default) gives the whole payload to island ``r % num_islands`` in round ``r`` and empty parts to
-the others: its rule and chunk size rule the round, and a peer whose layout or codec differs is
-left out and raises ``ValueError`` alone. ``"sharded"`` gives every island 1/n, cut on codec
-blocks, so no island's load grows with the islands: an island whose layout or options differ
-from island 0's makes every island raise, and ``mean`` / ``weighted_mean`` without codec or
-``max_norm`` are summed as the chunks arrive (``fold``). Both spool peer payloads as they arrive
-(memory flat in peers), judge the whole contribution and give bitwise the same results;
-``docs/swarm_transport.md`` walks a round through.
+Island j owns part j of a round's payload. ``"rotating"`` (the default) gives the whole payload
+to island ``r % num_islands`` in round ``r``: its rule and chunk size rule the round, and a peer
+whose layout or codec differs is left out and raises ``ValueError`` alone. ``"sharded"`` gives
+every island 1/n, cut on codec blocks: an island whose layout or options differ makes every
+island raise, and ``mean`` / ``weighted_mean`` without codec or ``max_norm`` are summed as the
+chunks arrive (``exchange.PartFold``). Both spool peer payloads as they arrive (memory flat in
+peers), judge whole contributions and give bitwise the same results.
 
 The caller owns the buckets; the round writes them only once every island's verdicts are read
 (a round that raises may leave them partly written: the caller keeps its anchors). A round's
-spool files live from the scatter to the end of the round: any exception aborts the writers at
-once (their leases go) and ``Spool.release_round`` removes the files.
-
-The bucket contract (``transport.base.Transport``) is served whole: the aggregator validates
-untrusted contributions against the whole payload (its layout, ``max_norm``, the robust rules),
-so it collects a round's buckets and runs the round at the first ``wait`` (or at ``agree``, with
-no bucket), over the names and shapes given at ``open``. It is not pipelined.
+spool files live from the scatter to the end of the round: any exception aborts the writers
+(their leases go) and ``Spool.release_round`` removes the files. The aggregator validates
+contributions against the whole payload, so it runs the round at the first ``wait`` (or at
+``agree``) over every collected bucket: it is not pipelined.
 """
 
 from __future__ import annotations
@@ -45,23 +40,23 @@ from lightning_swarm.transport.aggregator.contributions import (
     measure,
     open_sinks,
 )
-from lightning_swarm.transport.aggregator.exchange import Exchange
-from lightning_swarm.transport.aggregator.fold import PartFold, folds
-from lightning_swarm.transport.aggregator.parts import Part, plan_parts, whole_part
+from lightning_swarm.transport.aggregator.exchange import Exchange, PartFold, folds
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.terms import (
     AggregationRule,
+    Part,
     RoundTerms,
     agree_owner,
     agree_parts,
     all_gather_rows,
     island_all,
+    plan_parts,
+    whole_part,
 )
 from lightning_swarm.transport.aggregator.verdicts import (
     FAILED,
     JUDGED,
     SPOOL_FAILED,
-    AggregatorOutcome,
     RoundReport,
     bad_layout_message,
     raise_if_failed,
@@ -92,35 +87,25 @@ class _Round:
 
 
 class SwarmAggregator:
-    """The swarm transport (``transport="swarm"``); see the module docstring. It owns its
-    ``Spool`` (created here unless injected) and removes it in ``close``.
+    """The swarm transport (``transport="swarm"``). It owns its ``Spool`` (created here
+    unless ``spool`` is injected) and removes it in ``close``.
 
     Args:
         group: the peer group (one rank per island, ordered by island); ``None`` = default.
             Payloads and messages live on the CPU: with NCCL as the default backend, pass a
             gloo peer group (``groups.build_groups(peer_backend="gloo")``).
-        num_islands: size of the peer group.
-        island_index: this rank's island.
-        owners: ``"rotating"`` (one owner per round, in turn) or ``"sharded"`` (every island
-            owns 1/n of every round): the ``swarm.aggregator`` option.
-        offload, spool_dir, aggregation, trim_ratio, min_contributions, max_norm,
-            island_weights, cleanup_timeout_s: the ``SwarmTransportConfig`` options of the
-            same names.
-        chunk_bytes: ``SwarmTransportConfig.chunk_mb`` in bytes.
-        codec: encode contributions with this codec (``coded``); ``None`` sends float32 as
-            is. Every island must pass the same codec.
-        spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
+        owners: ``"rotating"`` or ``"sharded"`` (the ``swarm.aggregator`` option); the other
+            options are ``SwarmTransportConfig``'s (``chunk_bytes``: ``chunk_mb`` in bytes).
+        codec: encode contributions with it; every island must pass the same.
         island_group: a model-sharded island's group (CPU-capable, e.g. gloo): every verdict
-            is agreed over the island's model shards (``terms.agree_island``); ``None``
-            otherwise.
+            is agreed over the island's model shards.
 
     Raises:
         ValueError: an option is out of range for this topology.
         SpoolError: the spool root cannot be created.
     """
 
-    # The whole payload is one round (see the module docstring): buckets as large as the engine
-    # plans them, on the codec's blocks.
+    # The whole payload is one round: buckets as large as the engine plans them.
     pipelined = False
     heals = False
     every_rank_in_round = False
@@ -189,7 +174,6 @@ class SwarmAggregator:
         self._stats: RoundStats | None = None
 
     def spool_bytes(self) -> int:
-        """Bytes the spool currently holds on disk (0 without offload)."""
         return self.spool.disk_bytes if self.spool is not None else 0
 
     def peak_spool_bytes(self) -> int:
@@ -206,10 +190,9 @@ class SwarmAggregator:
 
     def open(self, request: RoundRequest) -> Opening:
         """Begin round ``round_index`` over tensors of ``names``; nothing moves yet. ``finite``
-        is not agreed on: every owner checks each contribution and drops a non-finite one.
-        ``work`` travels with the round's terms (``terms``), and the owners weigh the mean by
-        it (``AggregationRule.weights_of``): the ``Opening`` asks for no scale, and the
-        swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
+        is not agreed on: every owner drops a non-finite contribution. ``work`` travels with
+        the round's terms and the owners weigh the mean by it: the ``Opening`` asks for no
+        scale, and the swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
         self._round_index, self._names = request.round_index, dict(request.names)
         self._work = request.work
         self._buckets, self._stats = [], None
@@ -234,7 +217,6 @@ class SwarmAggregator:
         return stats
 
     def _named(self) -> dict[str, Tensor]:
-        """The collected buckets as the named tensors of ``open``, laid over them."""
         whole = _joined(self._buckets)
         named: dict[str, Tensor] = {}
         offset = 0
@@ -244,8 +226,7 @@ class SwarmAggregator:
         return named
 
     def _parts(self, layout: PayloadLayout, round_index: int) -> tuple[list[Part], int | None]:
-        """The round's parts, one per island, and its one owner (``"rotating"``: round-robin;
-        ``None``: every island owns a part)."""
+        """The round's parts, one per island, and its one owner (``None``: sharded)."""
         if self.owners == "rotating":
             owner = round_index % self.num_islands
             return whole_part(layout, self.num_islands, owner), owner
@@ -256,8 +237,8 @@ class SwarmAggregator:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
 
         Raises:
-            ValueError: this island's layout differs from the owner's (one owner: after the
-                round, on this island only) or from island 0's (several: on every island).
+            ValueError: this island's layout differs from the owner's (rotating: after the
+                round, on this island only) or from island 0's (sharded: on every island).
             SwarmRoundError: a spool or an owner failed; anchors are unchanged.
         """
         label = labels.AGGREGATOR_ROUND if self.owners == "rotating" else labels.SHARDED_ROUND
@@ -292,14 +273,13 @@ class SwarmAggregator:
             if self.island_index in rnd.terms.mismatched:
                 raise SwarmConfigError(bad_layout_message(report))
             stats = rnd.stats
-            stats.applied = report.outcome == AggregatorOutcome.APPLIED
+            stats.applied = report.outcome == "applied"
             stats.wall_s = time.perf_counter() - start
             stats.non_finite_islands = tuple(report.non_finite)
             stats.rejected_own = self.island_index in report.non_finite
             stats.swarm_steps = rnd.terms.swarm_steps
             return stats
 
-    # -- the phases ------------------------------------------------------------------------
     def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
         """Step 1: the round's terms, codecs, wire layouts and exchange."""
         for p in rnd.parts:
@@ -335,16 +315,16 @@ class SwarmAggregator:
         own = rnd.parts[self.island_index].views(rnd.targets)
         if not (fold and self._fold_round(rnd, own)):
             self._spooled_round(rnd, own, round_id)
-        if rnd.report.outcome == AggregatorOutcome.APPLIED:
+        if rnd.report.outcome == "applied":
             with record_function(labels.RECEIVE):
                 views = [[byte_view(v) for v in p.views(rnd.targets)] for p in rnd.parts]
                 layouts = [p.layout for p in rnd.parts]
                 rnd.exchange.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
 
     def _fold_round(self, rnd: _Round, own: list[Tensor]) -> bool:
-        """Sum the part's contributions as they arrive (``fold``), with no spool. True:
-        every part was finite, all are accepted and the mean is in ``own``; False: some sum was
-        not, judge island by island (every rank reads the same table and returns the same)."""
+        """Sum the part's contributions as they arrive, with no spool. True: every part was
+        finite, all are accepted and the mean is in ``own``; False (on every rank): some sum
+        was not, judge island by island."""
         me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
         weights = rule.weights_of(list(range(n)), rnd.terms.work)
         mine = rnd.parts[me]
@@ -358,11 +338,7 @@ class SwarmAggregator:
         if error is not None:
             log.error("swarm round %d: summing this island's part failed",
                       rnd.report.round_index, exc_info=error)  # fmt: skip
-        row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
-        table = all_gather_rows(row, self.group, rnd.stats)
-        failed = [j for j in range(n) if table[j, 0] == 0.0]
-        ok, finite = island_all([not failed, bool((table[:, 1] == 1.0).all())], self.island_group)
-        raise_if_failed(rnd.report, error, failed, ok, owner=None)
+        (finite,) = self._settle(rnd, error, finite)
         if not finite:
             return False
         rnd.report.accepted = list(range(n))
@@ -376,13 +352,12 @@ class SwarmAggregator:
         me = self.island_index
         block_numel = _join_own(rnd.contributions, me, own, rnd.coded[me], rnd.terms.chunk_bytes)
         self._judge(rnd, failure, block_numel)
-        if rnd.report.outcome == AggregatorOutcome.APPLIED:
+        if rnd.report.outcome == "applied":
             self._aggregate(rnd, own, block_numel)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
         """Send part j of this island's payload to island j, and every peer's contribution
-        to this island's part into ``rnd.sinks``; returns the first spool error met (the caller's
-        ``finish_sinks`` then aborts every sink)."""
+        to this island's part into ``rnd.sinks``; returns the first spool error met."""
         me, wire = self.island_index, rnd.wires[self.island_index]
         peers = [i for i in range(self.num_islands) if i != me]
         matched = [i for i in peers if i not in rnd.terms.mismatched]
@@ -402,8 +377,7 @@ class SwarmAggregator:
         return failure or sent
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
-        """Step 3: this owner's row of the verdict table; every rank reads the same verdicts
-        and outcome from the table (``verdicts``)."""
+        """Step 3: this owner's row of the verdict table, which every rank reads."""
         n, rule = self.num_islands, rnd.terms.rule
         mine = rnd.parts[self.island_index]
         row = torch.zeros(1 + 2 * n, dtype=torch.float64)
@@ -434,8 +408,7 @@ class SwarmAggregator:
         )  # fmt: skip
 
     def _aggregate(self, rnd: _Round, own: list[Tensor], block_numel: int) -> None:
-        """Step 4: the rule over this island's part; then every rank learns whether every
-        owner's aggregation succeeded."""
+        """Step 4: the rule over this island's part."""
         error: Exception | None = None
         mine = rnd.parts[self.island_index]
         try:
@@ -450,16 +423,23 @@ class SwarmAggregator:
             log.exception(
                 "swarm round %d: aggregating this island's part failed", rnd.report.round_index
             )
-        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
-        flags = all_gather_rows(flag, self.group, rnd.stats)
-        failed = [j for j, f in enumerate(flags) if int(f) == 0]
-        (ok,) = island_all([not failed], self.island_group)
+        self._settle(rnd, error)
+
+    def _settle(self, rnd: _Round, error: BaseException | None, *flags: bool) -> list[bool]:
+        """Every rank learns whether every owner's step succeeded (the one that failed
+        re-raises its error, the others raise ``SwarmRoundError``); returns each of ``flags``
+        ANDed over every rank."""
+        row = torch.tensor([float(error is None), *map(float, flags)], dtype=torch.float64)
+        table = all_gather_rows(row, self.group, rnd.stats)
+        failed = [j for j in range(self.num_islands) if table[j, 0] == 0.0]
+        every = [bool((table[:, 1 + i] == 1.0).all()) for i in range(len(flags))]
+        ok, *every = island_all([not failed, *every], self.island_group)
         raise_if_failed(rnd.report, error, failed, ok, owner=rnd.owner)
+        return every
 
 
 def _joined(flats: list[Tensor]) -> Tensor:
-    """One flat view over ``flats``, which must lie back to back in one storage (as the round
-    engine lays a held round's buckets)."""
+    """One flat view over ``flats``, which must lie back to back in one storage."""
     if not flats:
         return torch.empty(0)
     first, total = flats[0], sum(f.numel() for f in flats)
@@ -479,11 +459,10 @@ def _join_own(
     coded: CodedPayload | None,
     chunk_bytes: int,
 ) -> int:
-    """Add this island's contribution (``own``, its float tensors: read, not copied) to
-    ``contributions``. With a codec it is encoded first and every contribution is then read
-    back decoded, so the owner's own takes the peers' round trip. Returns the elements per
-    block of validation and aggregation."""
-    contributions[island] = MemoryContribution(island, coded.encode(own) if coded else own)
+    """Add this island's contribution (``own``: read, not copied) to ``contributions``; with a
+    codec every contribution is read back decoded, so the owner's own takes the peers' round
+    trip. Returns the elements per block of validation and aggregation."""
+    contributions[island] = MemoryContribution(coded.encode(own) if coded else own)
     if coded is None:
         return max(1, chunk_bytes // 4)
     for i, c in contributions.items():

@@ -1,17 +1,12 @@
-"""What the islands of a swarm round agree on: the rule, the layout, the chunks, and flags.
+"""What the islands of a swarm round agree on: who owns which part, the rule, the chunks.
 
-Every island sends one row (over ``all_to_all_single``; its bytes are counted), so every rank
-holds the same ``RoundTerms``:
-- several owners (``agree_parts``): a CRC of the island's part layouts, codec and options; an
-  island that differs from island 0 makes every rank raise ``ValueError`` naming it.
-- one owner (``agree_owner``): the owner's ``AggregationRule`` and chunk size rule the round. An
-  island whose wire layout or codec differs is *mismatched*: it moves nothing, its contribution
-  is rejected, and it alone raises ``ValueError`` after the round's collectives; the owner's log
-  names the first difference.
-A model-sharded island's peer groups see one model shard of every contribution each:
-``island_all`` and ``agree_island`` combine their flags and measures over the island's group
-(every rank calls them once per round, failures included), so no model shard of an island moves
-unless all do.
+Every island sends one row (``all_gather_rows``; its bytes are counted), so every rank holds the
+same ``RoundTerms``. Several owners (``agree_parts``): an island whose parts, codec or options
+differ from island 0's makes every rank raise. One owner (``agree_owner``): the owner's rule and
+chunk size rule the round; an island whose layout or codec differs is *mismatched*: it moves
+nothing and alone raises after the round (the owner's log names the first difference). A
+model-sharded island's peer groups take every decision together (``island_all``,
+``agree_island``: every rank calls them once per round, failures included).
 """
 
 from __future__ import annotations
@@ -29,10 +24,59 @@ from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import AGGREGATIONS
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
-from lightning_swarm.transport.aggregator.parts import Part
+from lightning_swarm.transport.agree import agree, flags_over
 from lightning_swarm.transport.base import RoundStats, Work
+from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.checks import checked_work
 from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.pieces import plan_shares
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part of a round's payload that island ``island`` owns: itself a payload whose
+    ``layout`` names each piece ``"<tensor>[start:stop]"`` (or the whole payload's names)."""
+
+    island: int
+    pieces: tuple[Piece, ...]
+    layout: PayloadLayout
+
+    def views(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Flat views of the part's elements of ``tensors`` (in the full layout's order)."""
+        return [tensors[p.tensor_index].view(-1)[p.start : p.stop] for p in self.pieces]
+
+
+def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part]:
+    """Cut the payload into ``num_islands`` contiguous parts of whole ``align`` units
+    (``pieces.plan_shares``: balanced within one unit, possibly empty), every piece starting
+    on a codec block so that encoding a piece equals encoding the whole tensor.
+
+    Raises:
+        ValueError: ``num_islands < 1`` or ``align < 1``.
+    """
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    whole = [Piece(spec.index, 0, spec.numel) for spec in layout.specs]
+    parts = []
+    for island, pieces in enumerate(plan_shares(whole, num_islands, align)):
+        entries = []
+        for p in pieces:
+            spec = layout.specs[p.tensor_index]
+            entries.append((f"{spec.name}[{p.start}:{p.stop}]", (p.length,), spec.dtype))
+        parts.append(Part(island, tuple(pieces), PayloadLayout(entries)))
+    return parts
+
+
+def whole_part(layout: PayloadLayout, num_islands: int, owner: int) -> list[Part]:
+    """The whole payload to island ``owner`` (its names and shapes, so its spool files are the
+    payload's), empty parts to the others."""
+    whole = tuple(Piece(spec.index, 0, spec.numel) for spec in layout.specs)
+    empty = PayloadLayout([])
+    return [
+        Part(j, whole, layout) if j == owner else Part(j, (), empty) for j in range(num_islands)
+    ]
 
 
 @dataclass(frozen=True)
@@ -54,15 +98,11 @@ class AggregationRule:
         return weights is not None and sum(weights[i] for i in accepted) <= 0
 
     def weights_of(self, accepted: list[int], work: Sequence[float] | None) -> list[float] | None:
-        """The weights of the mean over the ``accepted`` islands (in their order), or ``None``
-        for the rule's own unweighted form.
-
-        ``work``: each island's inner steps this round, under a time budget. When the accepted
-        islands' steps differ, ``mean`` weighs each island by its steps and ``weighted_mean``
-        by ``island_weights[i]`` times them (samples per step times steps); when they are
-        equal, or without ``work``, the rule is as configured, bit for bit. ``median`` and
-        ``trimmed_mean`` are order statistics and take no weights.
-        """
+        """The weights of the mean over the ``accepted`` islands (in their order), ``None``
+        for the unweighted form. When the accepted islands' ``work`` (inner steps this round,
+        under a time budget) differs, ``mean`` weighs each by its steps and ``weighted_mean``
+        by ``island_weights[i]`` times them; otherwise the rule is as configured, bit for bit.
+        ``median`` and ``trimmed_mean`` take no weights."""
         if self.aggregation not in ("mean", "weighted_mean"):
             return None
         configured = None
@@ -77,9 +117,8 @@ class AggregationRule:
         return [c * w for c, w in zip(configured, steps, strict=True)]
 
     def problem(self, finite: bool, norm: float, *, where: str = "", over: str = "") -> str | None:
-        """Why a contribution must not count (not every value ``finite``, or its L2 ``norm``
-        above ``max_norm``), or ``None``. ``where`` names what held a non-finite value and
-        ``over`` what the norm spans, for the message."""
+        """Why a contribution must not count (not ``finite``, or its L2 ``norm`` above
+        ``max_norm``), or ``None``; ``where`` and ``over`` qualify the message."""
         if not finite:
             return f"non-finite values (NaN or Inf){where}"
         if self.max_norm is not None and norm > self.max_norm:
@@ -96,8 +135,7 @@ class AggregationRule:
         work: Sequence[float] | None = None,
     ) -> None:
         """Overwrite ``targets`` with the rule over the ``accepted`` islands' contributions,
-        in island order, block by block (``contributions.aggregate_into``); ``work`` as in
-        ``weights_of``."""
+        in island order, block by block; ``work`` as in ``weights_of``."""
         weights = self.weights_of(accepted, work)
         aggregate_into(
             targets,
@@ -113,22 +151,21 @@ class AggregationRule:
 @dataclass(frozen=True)
 class RoundTerms:
     """One round's terms, the same on every rank (``mismatched``: island -> why it is left
-    out, the first difference on the owner)."""
+    out, the first difference on the owner; ``work``: each island's inner steps under a time
+    budget, ``swarm_steps`` the most of any island, ``checks.checked_work``)."""
 
     rule: AggregationRule
     chunk_bytes: int
     scatter_steps: int  # chunks of the longest contribution
     gather_steps: int  # chunks of the longest result part
     mismatched: dict[int, str] = field(default_factory=dict)
-    # Under a time budget: each island's inner steps this round (its weight) and the most
-    # inner steps of any island (``checks.checked_work``); ``None`` otherwise.
     work: list[float] | None = None
     swarm_steps: int | None = None
 
 
 def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundStats) -> Tensor:
-    """Every island's ``row`` (one small tensor each) stacked in island order: one all-to-all
-    step, where a ring all-gather would take n - 1 message times in sequence."""
+    """Every island's ``row`` stacked in island order, in one all-to-all step (a ring would
+    take n - 1 message times); its bytes are counted in ``stats``."""
     n = dist.get_world_size(group)
     rows = torch.empty((n, row.numel()), dtype=row.dtype)
     source = row.reshape(1, -1).expand(n, -1).contiguous()
@@ -139,45 +176,31 @@ def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundSt
     return rows
 
 
-# (every model shard arrived and is finite, the sum of squares of its values)
-IslandMeasure = tuple[bool, float]
-
-
 def agree_island(
-    measures: Mapping[int, IslandMeasure] | None, num_islands: int, group: dist.ProcessGroup
-) -> tuple[bool, list[IslandMeasure]]:
-    """Combine this rank's ``measures`` (island -> finite, sum of squares) with the
-    island's other model shards' (collective over ``group``).
-
-    ``None`` means this rank's peer group failed before validating. An island missing from
-    ``measures`` (its payload was refused or never arrived) counts as not finite.
-
-    Returns:
-        Whether every peer group validated, and per island (finite everywhere, island norm).
-    """
-    flags = torch.zeros(num_islands + 1, dtype=torch.float64)
-    sums = torch.zeros(num_islands, dtype=torch.float64)
-    if measures is not None:
-        flags[num_islands] = 1.0
-        for island, (finite, sum_sq) in measures.items():
-            flags[island] = 1.0 if finite else 0.0
-            sums[island] = sum_sq
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    islands = [(bool(flags[i] == 1.0), math.sqrt(float(sums[i]))) for i in range(num_islands)]
-    return bool(flags[num_islands] == 1.0), islands
+    measures: Mapping[int, tuple[bool, float]] | None, num_islands: int, group: dist.ProcessGroup
+) -> tuple[bool, list[tuple[bool, float]]]:
+    """Combine this rank's ``measures`` (island -> finite, sum of squares; ``None``: this
+    rank's peer group failed before validating; a missing island counts as not finite) with
+    the island's other model shards' (collective over ``group``). Returns whether every peer
+    group validated, and per island (finite everywhere, island norm)."""
+    flags, sums = [0.0] * num_islands, [0.0] * num_islands
+    for island, (finite, sum_sq) in (measures or {}).items():
+        flags[island], sums[island] = float(finite), sum_sq
+    size = dist.get_world_size(group)
+    agreed = agree(measures is not None, gather=flags_over(group, size, _CPU), values=flags + sums)
+    totals = agreed.sums
+    islands = [(totals[i] == size, math.sqrt(totals[num_islands + i])) for i in range(num_islands)]
+    return agreed.all_ok, islands
 
 
 def island_all(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:
-    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``): a
-    model-sharded island's peer groups take every decision of a round together, so no model
-    shard of an island moves unless all do. ``None`` (an island of one rank per peer group)
-    returns ``flags``."""
+    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``; ``None``,
+    one rank per island: ``flags``), so no model shard of an island moves unless all do."""
     if group is None:
         return flags
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [bool(v == 1.0) for v in t]
+    size = dist.get_world_size(group)
+    agreed = agree(gather=flags_over(group, size, _CPU), values=[float(f) for f in flags])
+    return [total == size for total in agreed.sums]
 
 
 def elsewhere_message(round_index: int, what: str) -> str:
@@ -200,9 +223,9 @@ def agree_parts(
     stats: RoundStats,
     work: Work | None = None,
 ) -> RoundTerms:
-    """Several owners: raise ``ValueError`` on every rank unless every island cut the same
-    parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round) rides
-    in the same row; a bad one raises ``BadWorkError`` on every rank (``checks.checked_work``)."""
+    """Several owners: raise ``SwarmConfigError`` on every rank unless every island cut the
+    same parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round)
+    rides in the same row; a bad one raises ``BadWorkError`` on every rank."""
     blob = b"".join(p.layout.to_json() for p in parts)
     blob += f"{codec!r} {rule!r} {chunk_bytes}".encode()
     if work is None:
@@ -242,7 +265,7 @@ def agree_owner(
     work: Work | None = None,
 ) -> RoundTerms:
     """One owner: the owner's rule and chunk size for every island, and the mismatched
-    islands (see the module docstring). ``work`` as in ``agree_parts``."""
+    islands. ``work`` as in ``agree_parts``."""
     description = wire.to_json()
     n = dist.get_world_size(group)
     weights = rule.island_weights if rule.island_weights and len(rule.island_weights) == n else None
@@ -281,7 +304,6 @@ def _work_columns(work: Work) -> list[float]:
 
 
 def _with_work(terms: RoundTerms, columns: Tensor) -> RoundTerms:
-    """``terms`` with every island's work, from its two columns of the gathered rows."""
     pairs = [(float(steps), float(inner)) for steps, inner in columns.tolist()]
     weights, swarm_steps = checked_work(pairs)
     return replace(terms, work=weights, swarm_steps=swarm_steps)
@@ -297,8 +319,8 @@ def _name_differences(
     mismatched: dict[int, str],
     stats: RoundStats,
 ) -> None:
-    """The mismatched islands send their descriptions to the owner, which fills
-    ``mismatched`` with the first difference of each (a collective over ``group``)."""
+    """The mismatched islands send their descriptions to the owner, which names the first
+    difference of each in ``mismatched`` (collective over ``group``)."""
     n = table.shape[0]
     lengths = [int(table[i, 4]) if i in odd else 0 for i in range(n)]
     send = [lengths[island_index] if j == owner and island_index in odd else 0 for j in range(n)]
