@@ -283,7 +283,7 @@ def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation
         if aggregation == "mean":  # summed as the chunks arrive
             round_module.PartFold = _BrokenFold  # type: ignore[misc]
         else:
-            terms_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+            terms_module.aggregate = _broken_rule  # type: ignore[assignment]
     transport = SwarmAggregator(
         None,
         owners="sharded",

@@ -362,7 +362,7 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
     import lightning_swarm.transport.aggregator.terms as aggregator_module
 
     if rank == 0:  # a forked child: the patch dies with it
-        aggregator_module.aggregate_into = _broken_rule
+        aggregator_module.aggregate = _broken_rule
     transport = SwarmAggregator(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     assert transport.spool is not None
     tensors = _contribution(rank, 0)

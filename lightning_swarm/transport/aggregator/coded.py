@@ -1,10 +1,5 @@
 """Quantized swarm payloads: encodings travel and are spooled; owners aggregate their decoding.
-
-The *wire layout* follows from the float layout and the codec alone: ``<name>#scales`` for every
-tensor (int8 / int4), then ``<name>#data`` for every tensor, flat in the codec's dtype (scales
-first keeps every tensor aligned to its element size). Blocks start on ``align`` (the codec
-block, made even for int4), so a block decodes bit for bit as in a whole-tensor decode.
-"""
+The *wire layout* follows from the float layout and the codec alone."""
 
 from __future__ import annotations
 
@@ -23,7 +18,11 @@ _BLOCK_CODECS = ("int8", "int4")
 
 
 class CodedPayload:
-    """The wire layout of one float layout under one codec, and the verbs between the two.
+    """The wire layout of one float layout under one codec, and the verbs between the two:
+    ``<name>#scales`` for every tensor (int8 / int4; first, which keeps every tensor aligned to
+    its element size), then ``<name>#data`` for every tensor, flat in the codec's dtype. Blocks
+    start on ``align`` (the codec block, made even for int4), so a block decodes bit for bit as
+    in a whole-tensor decode.
 
     Raises:
         ValueError: a tensor of ``layout`` is not float32 (codecs encode float32).

@@ -1,10 +1,5 @@
-"""A swarm round's two chunked ``all_to_all_single`` exchanges, and the fold of the scatter.
-
-``scatter`` sends part j of every payload to island j, into the owner's sinks (a spool error
-turns a sink into a discard sink and is returned, so no peer blocks); ``gather`` sends every
-owner's result part to every island. Every island runs the same steps, with split sizes from
-the agreed layouts; a refused island sends and receives nothing.
-"""
+"""A swarm round's two chunked ``all_to_all_single`` exchanges (every island runs the same
+steps, with split sizes from the agreed layouts), and the fold of the scatter (``PartFold``)."""
 
 from __future__ import annotations
 
@@ -13,12 +8,9 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.profiler import record_function
 
-import lightning_swarm.profiling as labels
-from lightning_swarm.transport.aggregator.contributions import DiscardSink, Sink, all_finite
+from lightning_swarm.transport.aggregator.contributions import all_finite
 from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
 
 FOLDED_RULES = ("mean", "weighted_mean")
@@ -30,7 +22,8 @@ def chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
 
 
 class Exchange:
-    """Chunked all-to-all scatter and gather over the peer group (group rank = island index)."""
+    """Chunked all-to-all scatter and gather over the peer group (group rank = island index),
+    their bytes counted in ``stats``."""
 
     def __init__(
         self,
@@ -38,40 +31,21 @@ class Exchange:
         island_index: int,
         num_islands: int,
         chunk_bytes: int,
-        silent: frozenset[int] = frozenset(),
+        silent: frozenset[int],
+        stats: RoundStats,
     ) -> None:
         self.group, self.me, self.n = group, island_index, num_islands
-        self.chunk_bytes, self.silent = chunk_bytes, silent
+        self.chunk_bytes, self.silent, self.stats = chunk_bytes, silent, stats
 
     def _talks(self, peer: int) -> bool:
         return peer != self.me and peer not in self.silent and self.me not in self.silent
 
     def scatter(
-        self,
-        sources: list[list[Tensor]],
-        wires: list[PayloadLayout],
-        sinks: dict[int, Sink],
-        stats: RoundStats,
-        steps: int,
-    ) -> SpoolError | None:
-        """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j; write what
-        each peer i sends for this island's part into ``sinks[i]``."""
-        failure: SpoolError | None = None
-        for k, chunks in self.scatter_steps(sources, wires, stats, steps):
-            for i, chunk in chunks.items():
-                try:
-                    sinks[i].write(k * self.chunk_bytes, chunk)
-                except SpoolError as err:
-                    failure = failure or err
-                    sinks[i] = DiscardSink()
-        return failure
-
-    def scatter_steps(
-        self, sources: list[list[Tensor]], wires: list[PayloadLayout], stats: RoundStats, steps: int
+        self, sources: list[list[Tensor]], wires: list[PayloadLayout], steps: int
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
-        """Yields ``(k, {peer: chunk k of its contribution to this island's part})``: uint8
-        views valid until the next step. The caller must run the generator to its end, or the
-        other islands wait in the step it left."""
+        """The scatter: send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j,
+        yielding ``(k, {peer: chunk k of its contribution to this island's part})``, uint8 views
+        valid until the next step. Run it to its end, or the other islands wait in its step."""
         size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
         # One send and one receive buffer for the whole exchange: buffers allocated per step
         # would pile up in the allocator.
@@ -87,11 +61,9 @@ class Exchange:
                     pack_chunk(sources[j], wires[j], k, self.chunk_bytes, send_buf[offset:])
                 offset += size
             recv_sizes = [size_in[k] if self._talks(i) else 0 for i in range(self.n)]
-            yield k, self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
+            yield k, self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes)
 
-    def gather(
-        self, views: list[list[Tensor]], layouts: list[PayloadLayout], stats: RoundStats, steps: int
-    ) -> None:
+    def gather(self, views: list[list[Tensor]], layouts: list[PayloadLayout], steps: int) -> None:
         """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
         island, and unpack every other island's into ``views[i]``."""
         me = self.me
@@ -108,7 +80,7 @@ class Exchange:
                 chunk_size(layouts[i], k, self.chunk_bytes) if self._talks(i) else 0
                 for i in range(self.n)
             ]
-            received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes, stats)
+            received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes)
             for i, piece in received.items():
                 unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
 
@@ -122,7 +94,6 @@ class Exchange:
         recv_buf: Tensor,
         send_sizes: list[int],
         recv_sizes: list[int],
-        stats: RoundStats,
     ) -> dict[int, Tensor]:
         """One step; returns ``{island: what it sent here}`` (views of ``recv_buf``)."""
         received = recv_buf[: sum(recv_sizes)]
@@ -133,8 +104,8 @@ class Exchange:
             input_split_sizes=send_sizes,
             group=self.group,
         )
-        stats.bytes_sent += sum(send_sizes)
-        stats.bytes_received += sum(recv_sizes)
+        self.stats.bytes_sent += sum(send_sizes)
+        self.stats.bytes_received += sum(recv_sizes)
         chunks: dict[int, Tensor] = {}
         offset = 0
         for i, size in enumerate(recv_sizes):
@@ -212,33 +183,6 @@ class PartFold:
                 term = self._scratch[: src.numel()]
                 torch.mul(src, self.weights[island], out=term)
                 dst.add_(term)
-
-    def collect(
-        self,
-        exchange: Exchange,
-        sources: list[list[Tensor]],
-        wires: list[PayloadLayout],
-        stats: RoundStats,
-        steps: int,
-    ) -> tuple[bool, Exception | None]:
-        """Run the scatter, adding every step's chunks, then divide. Returns whether the mean
-        is finite, and the exception the sum raised, if any (the scatter still runs to its end,
-        so that no peer blocks in a step this island left)."""
-        error: Exception | None = None
-        for k, chunks in exchange.scatter_steps(sources, wires, stats, steps):
-            if error is None:
-                try:
-                    with record_function(labels.AGGREGATE):
-                        self.add(k, chunks)
-                except Exception as err:
-                    error = err
-        if error is not None:
-            return False, error
-        try:
-            with record_function(labels.AGGREGATE):
-                return self.finish(), None
-        except Exception as err:
-            return False, err
 
     def finish(self) -> bool:
         """Divide the sum into the mean; whether every value is finite."""

@@ -138,34 +138,21 @@ class Spool:
                 stacklevel=2,
             )
 
-    def path(self, round_id: int, island: int) -> Path:
-        return self.root / f"round{round_id:06d}-island{island:04d}.safetensors"
-
     def writer(
         self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
     ) -> SpoolWriter:
         """Create, size and lease the file for ``island``'s contribution to ``round_id``
         (``remap_bytes``: its reader's, once ``finish``\\ ed)."""
-        path = self._acquire(round_id, island)
-        try:
-            return SpoolWriter(self, path, round_id, island, layout, remap_bytes)
-        except BaseException:
-            self._release(path)
-            raise
+        return SpoolWriter(self, round_id, island, layout, remap_bytes)
 
     def reader(
         self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
     ) -> SpoolReader:
         """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
-        path = self._acquire(round_id, island)
-        try:
-            return SpoolReader(self, path, layout, remap_bytes)
-        except BaseException:
-            self._release(path)
-            raise
+        return SpoolReader(self, round_id, island, layout, remap_bytes)
 
     def _acquire(self, round_id: int, island: int) -> Path:
-        path = self.path(round_id, island)
+        path = self.root / f"round{round_id:06d}-island{island:04d}.safetensors"
         with self._cond:
             if self._closed or round_id in self._released:
                 raise SpoolError(
@@ -278,35 +265,28 @@ class SpoolWriter:
     removes it. Holds its lease until then."""
 
     def __init__(
-        self,
-        spool: Spool,
-        path: Path,
-        round_id: int,
-        island: int,
-        layout: PayloadLayout,
-        remap_bytes: int,
+        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
     ) -> None:
-        self.spool, self.path, self.layout = spool, path, layout
+        self.spool, self.layout, self.path = spool, layout, spool._acquire(round_id, island)
         self.round_id, self.island, self.remap_bytes = round_id, island, remap_bytes
         self.header = layout.safetensors_header({"round": str(round_id), "island": str(island)})
         self.total_bytes = len(self.header) + layout.data_bytes
         self.written = 0
         self._fd: int | None = None
-        self._done = False  # committed or discarded: the lease is gone
-        self._committed = False
-        what = f"creating {path.name} ({self.total_bytes} bytes)"
+        self._done = False  # committed or aborted: the lease is gone
+        what = f"creating {self.path.name} ({self.total_bytes} bytes)"
         try:
             self._fd = os.open(
-                _partial(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600
+                _partial(self.path), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600
             )
-            spool._note_allocated(path, self.total_bytes)
+            spool._note_allocated(self.path, self.total_bytes)
             _preallocate(self._fd, self.total_bytes)
             self._write_all(memoryview(self.header), 0)
-        except OSError as err:
-            # Remove what exists but keep the lease: ``Spool.writer`` releases it.
-            self._close_and_unlink()
-            self._done = True
-            raise SpoolError(_describe_os_error(err, what, spool.root)) from err
+        except BaseException as err:
+            self.abort()  # what exists goes, and the lease
+            if isinstance(err, OSError):
+                raise SpoolError(_describe_os_error(err, what, spool.root)) from err
+            raise
 
     def _write_all(self, data: memoryview, offset: int) -> None:
         assert self._fd is not None
@@ -321,7 +301,7 @@ class SpoolWriter:
         if self._done:
             raise SpoolError(f"{self.path.name} is already committed or aborted")
         if data_offset < 0 or data_offset + chunk.numel() > self.layout.data_bytes:
-            self._discard()
+            self.abort()
             raise SpoolError(
                 f"chunk [{data_offset}, {data_offset + chunk.numel()}) lies outside the "
                 f"{self.layout.data_bytes}-byte payload of {self.path.name}"
@@ -329,7 +309,7 @@ class SpoolWriter:
         try:
             self._write_all(chunk.cpu().numpy().data.cast("B"), len(self.header) + data_offset)
         except OSError as err:
-            self._discard()
+            self.abort()
             what = f"writing {self.path.name} at byte {data_offset}"
             raise SpoolError(_describe_os_error(err, what, self.spool.root)) from err
         self.written += chunk.numel()
@@ -339,7 +319,7 @@ class SpoolWriter:
         if self._done:
             raise SpoolError(f"{self.path.name} is already committed or aborted")
         if self.written != self.layout.data_bytes:
-            self._discard()
+            self.abort()
             raise SpoolError(
                 f"{self.path.name} is incomplete: {self.written} of {self.layout.data_bytes} "
                 "payload bytes were written"
@@ -350,25 +330,19 @@ class SpoolWriter:
             self._fd = None
             os.replace(_partial(self.path), self.path)
         except OSError as err:
-            self._discard()
+            self.abort()
             raise SpoolError(_describe_os_error(err, "publishing", self.spool.root)) from err
-        self._done = self._committed = True
+        self._done = True
         self.spool._release(self.path)
         return self.path
 
     def finish(self) -> SpoolReader:
         """Commit, then lease the file for reading."""
         self.commit()
-        return self.spool.reader(
-            self.round_id, self.island, self.layout, remap_bytes=self.remap_bytes
-        )
+        return SpoolReader(self.spool, self.round_id, self.island, self.layout, self.remap_bytes)
 
     def abort(self) -> None:
         """Drop the partial file; a committed file is the spool's to delete. Idempotent."""
-        if not self._committed:
-            self._discard()
-
-    def _discard(self) -> None:
         if not self._done:
             self._close_and_unlink()
             self._done = True
@@ -406,13 +380,19 @@ class SpoolReader:
     ``safe_open`` mapping into caller-owned tensors, remapping every ``remap_bytes`` (which
     returns the pages read from this process's RSS). Holds its lease until ``close``."""
 
-    def __init__(self, spool: Spool, path: Path, layout: PayloadLayout, remap_bytes: int):
-        self.spool, self.path, self.layout = spool, path, layout
+    def __init__(
+        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
+    ) -> None:
+        self.spool, self.layout, self.path = spool, layout, spool._acquire(round_id, island)
         self.remap_bytes = remap_bytes
         self._handle: Any = None
         self._touched = 0
         self._closed = False
-        self._check()
+        try:
+            self._check()
+        except BaseException:
+            self.close()
+            raise
 
     def _check(self) -> None:
         try:

@@ -1,20 +1,7 @@
 """The swarm transport's aggregator and its round: agree, scatter, judge, aggregate, gather.
-
-Island j owns part j of a round's payload. ``"rotating"`` (the default) gives the whole payload
-to island ``r % num_islands`` in round ``r``: its rule and chunk size rule the round, and a peer
-whose layout or codec differs is left out and raises ``ValueError`` alone. ``"sharded"`` gives
-every island 1/n, cut on codec blocks: an island whose layout or options differ makes every
-island raise, and ``mean`` / ``weighted_mean`` without codec or ``max_norm`` are summed as the
-chunks arrive (``exchange.PartFold``). Both spool peer payloads as they arrive (memory flat in
-peers), judge whole contributions and give bitwise the same results.
-
-The caller owns the buckets; the round writes them only once every island's verdicts are read
-(a round that raises may leave them partly written: the caller keeps its anchors). A round's
-spool files live from the scatter to the end of the round: any exception aborts the writers
-(their leases go) and ``Spool.release_round`` removes the files. The aggregator validates
-contributions against the whole payload, so it runs the round at the first ``wait`` (or at
-``agree``) over every collected bucket: it is not pipelined.
-"""
+Island j owns part j of a round's payload; every owner spools its part of the peers' payloads
+as they arrive (memory flat in peers) and judges whole contributions, with bitwise the same
+results whether one island owns all (``rotating``) or every island 1/n (``sharded``)."""
 
 from __future__ import annotations
 
@@ -71,7 +58,9 @@ log = logging.getLogger(__name__)
 
 
 class _Round:
-    """One round's state, handed from phase to phase; nothing outlives the round."""
+    """One round's state, handed from phase to phase; nothing outlives the round. Its spool
+    files live from the scatter to its end: any exception aborts the writers (their leases go)
+    and ``Spool.release_round`` removes the files."""
 
     def __init__(
         self, report: RoundReport, targets: list[Tensor], parts: list[Part], owner: int | None
@@ -81,7 +70,7 @@ class _Round:
         self.exchange: Exchange
         self.coded: list[CodedPayload | None] = []
         self.wires: list[PayloadLayout] = []
-        self.sinks: dict[int, Sink] = {}
+        self.sinks: dict[int, Sink | None] = {}
         self.contributions: dict[int, Contribution] = {}
         self.stats = RoundStats()
 
@@ -89,6 +78,16 @@ class _Round:
 class SwarmAggregator:
     """The swarm transport (``transport="swarm"``). It owns its ``Spool`` (created here
     unless ``spool`` is injected) and removes it in ``close``.
+
+    ``"rotating"`` gives the whole payload to island ``r % num_islands`` in round ``r``: its
+    rule and chunk size rule the round, and a peer whose layout or codec differs is left out
+    and raises alone. ``"sharded"`` cuts it on codec blocks: an island whose layout or options
+    differ makes every island raise, and ``mean`` / ``weighted_mean`` without codec or
+    ``max_norm`` are summed as the chunks arrive (``exchange.PartFold``). Contributions are
+    validated against the whole payload, so the round runs at the first ``wait`` over every
+    collected bucket (not pipelined), and writes the caller's buckets only once every island's
+    verdicts are read (a round that raises may leave them partly written: the caller keeps
+    its anchors).
 
     Args:
         group: the peer group (one rank per island, ordered by island); ``None`` = default.
@@ -156,14 +155,12 @@ class SwarmAggregator:
             )
         self.group, self.num_islands, self.island_index = group, num_islands, island_index
         self.owners = owners
-        self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
+        self.chunk_bytes, self.codec = chunk_bytes, codec
         self.island_group = island_group
         self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
         self.spool = spool
         if self.spool is None and offload and num_islands > 1:
             self.spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
-        # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
-        self.device = torch.device("cpu")
         self._sequence = 0  # rounds so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
         # The round between ``open`` and ``agree``: its names, buckets and, once run, stats.
@@ -263,7 +260,8 @@ class SwarmAggregator:
                 self._run(rnd, layout, round_id)
             except BaseException:
                 for sink in rnd.sinks.values():
-                    sink.abort()  # their leases go now: cleanup below does not wait for them
+                    if sink is not None:
+                        sink.abort()  # their leases go now: cleanup below does not wait
                 raise
             finally:
                 for c in rnd.contributions.values():
@@ -300,7 +298,12 @@ class SwarmAggregator:
             )  # fmt: skip
         silent = frozenset(rnd.terms.mismatched)
         rnd.exchange = Exchange(
-            self.group, self.island_index, self.num_islands, rnd.terms.chunk_bytes, silent
+            self.group,
+            self.island_index,
+            self.num_islands,
+            rnd.terms.chunk_bytes,
+            silent,
+            rnd.stats,
         )
 
     def _run(self, rnd: _Round, layout: PayloadLayout, round_id: int) -> None:
@@ -319,7 +322,7 @@ class SwarmAggregator:
             with record_function(labels.RECEIVE):
                 views = [[byte_view(v) for v in p.views(rnd.targets)] for p in rnd.parts]
                 layouts = [p.layout for p in rnd.parts]
-                rnd.exchange.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
+                rnd.exchange.gather(views, layouts, rnd.terms.gather_steps)
 
     def _fold_round(self, rnd: _Round, own: list[Tensor]) -> bool:
         """Sum the part's contributions as they arrive, with no spool. True: every part was
@@ -329,12 +332,23 @@ class SwarmAggregator:
         weights = rule.weights_of(list(range(n)), rnd.terms.work)
         mine = rnd.parts[me]
         fold = PartFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
+        error: Exception | None = None
         with record_function(labels.SEND):
             sources = [[byte_view(t) for t in p.views(rnd.targets)] if j != me else []
                        for j, p in enumerate(rnd.parts)]  # fmt: skip
-            finite, error = fold.collect(
-                rnd.exchange, sources, rnd.wires, rnd.stats, rnd.terms.scatter_steps
-            )
+            steps = rnd.exchange.scatter(sources, rnd.wires, rnd.terms.scatter_steps)
+            for k, chunks in steps:  # to its end after an error too, so that no peer blocks
+                try:
+                    with record_function(labels.AGGREGATE):
+                        if error is None:
+                            fold.add(k, chunks)
+                except Exception as err:
+                    error = err
+            try:
+                with record_function(labels.AGGREGATE):
+                    finite = error is None and fold.finish()
+            except Exception as err:
+                error = err
         if error is not None:
             log.error("swarm round %d: summing this island's part failed",
                       rnd.report.round_index, exc_info=error)  # fmt: skip
@@ -371,10 +385,15 @@ class SwarmAggregator:
                 views = part.views(rnd.targets) if j != me else []
                 encoded = c.encode(views) if c is not None and j != me else views
                 sources.append([byte_view(t) for t in encoded])
-            sent = rnd.exchange.scatter(
-                sources, rnd.wires, rnd.sinks, rnd.stats, rnd.terms.scatter_steps
-            )
-        return failure or sent
+            for k, chunks in rnd.exchange.scatter(sources, rnd.wires, rnd.terms.scatter_steps):
+                for i, chunk in chunks.items():
+                    sink = rnd.sinks[i]
+                    try:
+                        if sink is not None:
+                            sink.write(k * rnd.terms.chunk_bytes, chunk)
+                    except SpoolError as err:  # drop the peer's chunks, but receive them
+                        failure, rnd.sinks[i] = failure or err, None
+        return failure
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
         """Step 3: this owner's row of the verdict table, which every rank reads."""
@@ -392,10 +411,12 @@ class SwarmAggregator:
                 with record_function(labels.AGGREGATE):
                     squares = rule.max_norm is not None
                     for island, c in rnd.contributions.items():
-                        found = measure(c, mine.layout, block_numel=block_numel, sum_sq=squares)
-                        row[1 + island], row[1 + n + island] = float(found.finite), found.sum_sq
-                        if not found.finite:
-                            where[island] = f" in tensor {found.bad_tensor!r}"
+                        finite, sum_sq, bad = measure(
+                            c, mine.layout, block_numel=block_numel, sum_sq=squares
+                        )
+                        row[1 + island], row[1 + n + island] = float(finite), sum_sq
+                        if not finite:
+                            where[island] = f" in tensor {bad!r}"
             except Exception as err:
                 row[0], error = FAILED, err
                 log.exception("swarm round %d: validating this island's part failed",

@@ -1,13 +1,6 @@
-"""What the islands of a swarm round agree on: who owns which part, the rule, the chunks.
-
-Every island sends one row (``all_gather_rows``; its bytes are counted), so every rank holds the
-same ``RoundTerms``. Several owners (``agree_parts``): an island whose parts, codec or options
-differ from island 0's makes every rank raise. One owner (``agree_owner``): the owner's rule and
-chunk size rule the round; an island whose layout or codec differs is *mismatched*: it moves
-nothing and alone raises after the round (the owner's log names the first difference). A
-model-sharded island's peer groups take every decision together (``island_all``,
-``agree_island``: every rank calls them once per round, failures included).
-"""
+"""What the islands of a swarm round agree on, the same on every rank: who owns which part, the
+rule, the chunks (``RoundTerms``). A model-sharded island's peer groups take every decision
+together (``island_all``, ``agree_island``: every rank calls them once per round)."""
 
 from __future__ import annotations
 
@@ -21,9 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.robust import AGGREGATIONS
+from lightning_swarm.algorithm.robust import AGGREGATIONS, aggregate
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
+from lightning_swarm.transport.aggregator.contributions import Contribution, blocks
 from lightning_swarm.transport.agree import agree, flags_over
 from lightning_swarm.transport.base import RoundStats, Work
 from lightning_swarm.transport.buckets import Piece
@@ -134,18 +127,22 @@ class AggregationRule:
         block_numel: int,
         work: Sequence[float] | None = None,
     ) -> None:
-        """Overwrite ``targets`` with the rule over the ``accepted`` islands' contributions,
-        in island order, block by block; ``work`` as in ``weights_of``."""
+        """Overwrite ``targets`` (in layout order) with the rule over the ``accepted`` islands'
+        contributions, in island order, block by block; ``work`` as in ``weights_of``. A target
+        may itself be a contribution (the owner's own): each block is read from every
+        contribution before it is overwritten."""
         weights = self.weights_of(accepted, work)
-        aggregate_into(
-            targets,
-            [contributions[i] for i in accepted],
-            layout,
-            rule="weighted_mean" if weights is not None else self.aggregation,
-            weights=weights,
-            trim_ratio=self.trim_ratio,
-            block_numel=block_numel,
-        )
+        rule = "weighted_mean" if weights is not None else self.aggregation
+        sources = [contributions[i] for i in accepted]
+        for spec, target in zip(layout.specs, targets, strict=True):
+            flat = target.view(-1)
+            scratch = torch.empty((len(sources), min(block_numel, spec.numel)), dtype=spec.dtype)
+            for start, n in blocks(spec, block_numel):
+                rows = [scratch[i, :n] for i in range(len(sources))]
+                for contribution, row in zip(sources, rows, strict=True):
+                    contribution.read_into(spec, start, row)
+                result = aggregate(rule, rows, weights=weights, trim_ratio=self.trim_ratio)
+                flat[start : start + n].copy_(result)
 
 
 @dataclass(frozen=True)
@@ -264,8 +261,9 @@ def agree_owner(
     stats: RoundStats,
     work: Work | None = None,
 ) -> RoundTerms:
-    """One owner: the owner's rule and chunk size for every island, and the mismatched
-    islands. ``work`` as in ``agree_parts``."""
+    """One owner: its rule and chunk size rule the round. An island whose wire layout or
+    codec differs is *mismatched*: it moves nothing, its contribution is rejected, and it alone
+    raises after the round's collectives; the owner's log names the first difference."""
     description = wire.to_json()
     n = dist.get_world_size(group)
     weights = rule.island_weights if rule.island_weights and len(rule.island_weights) == n else None

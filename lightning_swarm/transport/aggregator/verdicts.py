@@ -66,24 +66,6 @@ def peer_failure_message(report: RoundReport) -> str:
     )
 
 
-def skip_message(report: RoundReport, num_islands: int, min_contributions: int) -> str:
-    accepted = report.accepted
-    if len(accepted) < min_contributions:
-        cause = (
-            f"{len(accepted)} of {num_islands} contributions were accepted, fewer than "
-            f"min_contributions={min_contributions}"
-        )
-    else:
-        cause = (
-            f"the accepted islands {accepted} have island_weights summing to 0, so "
-            "weighted_mean has nothing to average"
-        )
-    return (
-        f"swarm round {report.round_index} skipped: {cause}; anchors are unchanged (see the "
-        "aggregator's log for the rejected islands)"
-    )
-
-
 def read_verdicts(
     table: Tensor,
     rule: AggregationRule,
@@ -141,28 +123,38 @@ def read_verdicts(
         report.rejected[island] = problem
         if not finite[island] and island not in mismatched:
             report.non_finite.append(island)
-        _log_rejection(report, island, island_index, owner, problem)
-    if rule.skips(report.accepted):
-        report.outcome = "skipped"
-        warnings.warn(skip_message(report, n, rule.min_contributions), RuntimeWarning, stacklevel=6)
-
-
-def _log_rejection(
-    report: RoundReport, island: int, island_index: int, owner: int | None, problem: str
-) -> None:
-    if owner == island_index:
-        log.warning(
-            "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
-            report.round_index,
-            island,
-            problem,
+        if owner == island_index:  # the owner logs every rejection; an island, its own
+            log.warning(
+                "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
+                report.round_index,
+                island,
+                problem,
+            )
+        elif island == island_index:
+            log.warning(
+                "swarm round %d: the aggregator rejected this island's contribution (%s)",
+                report.round_index,
+                problem,
+            )
+    accepted = report.accepted
+    if not rule.skips(accepted):
+        return
+    report.outcome = "skipped"
+    if len(accepted) < rule.min_contributions:
+        cause = (
+            f"{len(accepted)} of {n} contributions were accepted, fewer than "
+            f"min_contributions={rule.min_contributions}"
         )
-    elif island == island_index:
-        log.warning(
-            "swarm round %d: the aggregator rejected this island's contribution (%s)",
-            report.round_index,
-            problem,
+    else:
+        cause = (
+            f"the accepted islands {accepted} have island_weights summing to 0, so "
+            "weighted_mean has nothing to average"
         )
+    message = (
+        f"swarm round {report.round_index} skipped: {cause}; anchors are unchanged (see the "
+        "aggregator's log for the rejected islands)"
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=6)
 
 
 def _spool_failed(
