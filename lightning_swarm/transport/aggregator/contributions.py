@@ -1,6 +1,7 @@
-"""Where a peer's payload lands (a *sink*: a ``spool.SpoolWriter``, a ``MemorySink`` with
-offload off, ``None`` to drop a refused peer's chunks) and how it is read back (a
-*contribution*), one block at a time: memory is contributions x one block, never x model."""
+"""A peer's contribution: where its payload lands (a *sink*: a ``spool.SpoolWriter``, a
+``MemorySink`` with offload off, ``None`` to drop a refused peer's chunks), its encoding under a
+codec (``CodedPayload``), and how it is read back, one block at a time: memory is contributions
+x one block, never x model."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_swarm.transport.aggregator.spool import Spool
-from lightning_swarm.transport.errors import SpoolError
+from lightning_swarm.algorithm.codecs import Codec, Encoded
 from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
 
@@ -59,57 +59,6 @@ class MemorySink:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
-def open_sinks(
-    sinks: dict[int, Sink | None],
-    islands: list[int],
-    accepted_layout: list[int],
-    layout: PayloadLayout,
-    spool: Spool | None,
-    round_id: int,
-    *,
-    remap_bytes: int,
-) -> SpoolError | None:
-    """Add one sink per peer island to ``sinks``: a spool file (``spool`` given) or memory for
-    peers whose layout was accepted, ``None`` otherwise and for every peer after a spool error
-    (e.g. no room for the preallocation), which is returned. Sinks are added as they open, so
-    a caller interrupted here can still abort them all."""
-    failure: SpoolError | None = None
-    for island in islands:
-        if island not in accepted_layout or failure is not None:
-            sinks[island] = None
-        elif spool is None:
-            sinks[island] = MemorySink(layout)
-        else:
-            try:
-                sinks[island] = spool.writer(round_id, island, layout, remap_bytes=remap_bytes)
-            except SpoolError as err:
-                failure = err
-                sinks[island] = None
-    return failure
-
-
-def finish_sinks(
-    sinks: dict[int, Sink | None],
-    contributions: dict[int, Contribution],
-    failure: SpoolError | None,
-) -> SpoolError | None:
-    """Turn every sink into a contribution (added to ``contributions``); the first spool error
-    wins, and after one the remaining sinks are aborted."""
-    for island, sink in sinks.items():
-        if sink is None:
-            continue
-        if failure is not None:
-            sink.abort()
-            continue
-        try:
-            finished = sink.finish()
-        except SpoolError as err:
-            failure = err
-            continue
-        contributions[island] = finished
-    return failure
-
-
 def all_finite(block: Tensor) -> bool:
     """Whether every value of the floating ``block`` is finite: a finite sum proves it (NaN and
     inf survive every addition); only a non-finite sum pays for the elementwise check."""
@@ -141,3 +90,114 @@ def measure(
             if sum_sq:
                 total += float(block.double().square().sum())
     return True, total, None
+
+
+DATA_SUFFIX, SCALES_SUFFIX = "#data", "#scales"
+_BLOCK_CODECS = ("int8", "int4")
+
+
+class CodedPayload:
+    """The wire layout of one float layout under one codec, and the verbs between the two:
+    ``<name>#scales`` for every tensor (int8 / int4; first, which keeps every tensor aligned to
+    its element size), then ``<name>#data`` for every tensor, flat in the codec's dtype. Blocks
+    start on ``align`` (the codec block, made even for int4), so a block decodes bit for bit as
+    in a whole-tensor decode.
+
+    Raises:
+        ValueError: a tensor of ``layout`` is not float32 (codecs encode float32).
+    """
+
+    def __init__(self, layout: PayloadLayout, codec: Codec) -> None:
+        for spec in layout.specs:
+            if spec.dtype != torch.float32:
+                raise ValueError(
+                    f"quantize={codec.name!r} encodes float32 pseudo-gradients; tensor "
+                    f"{spec.name!r} is {spec.dtype}. Keep pseudo-gradients in float32 or set "
+                    "quantize='none'."
+                )
+        self.layout, self.codec = layout, codec
+        self.blocked = codec.name in _BLOCK_CODECS
+        data_dtype = codec.encode(torch.zeros(1)).data.dtype
+        entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        if self.blocked:
+            for spec in layout.specs:
+                num_blocks = -(-spec.numel // codec.block_size)
+                entries.append((spec.name + SCALES_SUFFIX, (num_blocks,), torch.float32))
+        for spec in layout.specs:
+            entries.append((spec.name + DATA_SUFFIX, (self._data_numel(spec.numel),), data_dtype))
+        self.wire = PayloadLayout(entries)
+        assert self.wire.data_bytes == sum(codec.encoded_nbytes(s.numel) for s in layout.specs)
+        pair = 2 if codec.name == "int4" else 1
+        self.align = codec.block_size * pair // math.gcd(codec.block_size, pair)
+
+    def _data_numel(self, numel: int) -> int:
+        return (numel + 1) // 2 if self.codec.name == "int4" else numel
+
+    def block_numel(self, block_bytes: int) -> int:
+        """Elements per validation / aggregation block: about ``block_bytes`` of float32,
+        a multiple of ``align`` (at least one ``align``)."""
+        return max(1, block_bytes // 4 // self.align) * self.align
+
+    def encode(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The wire tensors of ``tensors`` (float layout order), in wire layout order."""
+        data: list[Tensor] = []
+        scales: list[Tensor] = []
+        for t in tensors:
+            encoded = encode_marked(self.codec, t.detach().reshape(-1))
+            data.append(encoded.data)
+            scales.append(encoded.scales)
+        return scales + data if self.blocked else data
+
+    @torch.no_grad()
+    def roundtrip_into(self, tensors: Sequence[Tensor]) -> None:
+        """Overwrite each tensor with ``decode(encode(tensor))`` (what the others would see)."""
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            flat.copy_(self.codec.decode(encode_marked(self.codec, flat)))
+
+
+class DecodedContribution:
+    """``inner`` (holding ``payload``'s wire layout) read back as decoded float32 blocks, one
+    block at a time: memory stays contributions x one block."""
+
+    def __init__(self, payload: CodedPayload, inner: Contribution) -> None:
+        self.payload, self.inner = payload, inner
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
+        """Decode float elements ``[start, start + out.numel())`` of ``spec`` into ``out``."""
+        payload, codec = self.payload, self.payload.codec
+        assert start % payload.align == 0, "decoded blocks must start on a codec block"
+        n, wire = out.numel(), payload.wire.specs
+        # The wire holds every tensor's scales (block codecs) and then every tensor's data.
+        data_spec = wire[spec.index + (len(payload.layout.specs) if payload.blocked else 0)]
+        lo = start // 2 if codec.name == "int4" else start
+        data = torch.empty(payload._data_numel(n), dtype=data_spec.dtype)
+        self.inner.read_into(data_spec, lo, data)
+        scales = torch.empty(0, dtype=torch.float32)
+        if payload.blocked:
+            scales = torch.empty(-(-n // codec.block_size), dtype=torch.float32)
+            self.inner.read_into(wire[spec.index], start // codec.block_size, scales)
+        decoded = codec.decode(Encoded(codec.name, n, codec.block_size, data, scales))
+        out.copy_(decoded.view_as(out))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def encode_marked(codec: Codec, flat: Tensor) -> Encoded:
+    """``codec.encode(flat)``, except that non-finite values (and, for bf16, values beyond its
+    range) decode non-finite instead of raising: validation rejects them like uncoded ones
+    instead of one island raising alone."""
+    if codec.name == "bf16":
+        bad = ~torch.isfinite(flat.to(torch.bfloat16))
+    else:
+        bad = ~torch.isfinite(flat)
+    if not bool(bad.any()):
+        return codec.encode(flat)
+    encoded = codec.encode(torch.where(bad, torch.zeros_like(flat), flat))
+    if codec.name in _BLOCK_CODECS:
+        blocks = bad.nonzero().reshape(-1) // codec.block_size
+        encoded.scales[blocks] = float("nan")
+    else:
+        encoded.data[bad] = float("nan")
+    return encoded

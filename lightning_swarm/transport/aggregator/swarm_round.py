@@ -18,14 +18,14 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.transport.aggregator.coded import CodedPayload, DecodedContribution
 from lightning_swarm.transport.aggregator.contributions import (
+    CodedPayload,
     Contribution,
+    DecodedContribution,
     MemoryContribution,
+    MemorySink,
     Sink,
-    finish_sinks,
     measure,
-    open_sinks,
 )
 from lightning_swarm.transport.aggregator.exchange import Exchange, PartFold, folds
 from lightning_swarm.transport.aggregator.spool import Spool
@@ -296,15 +296,8 @@ class SwarmAggregator:
                 self.group, self.island_index, rnd.owner, layout, rnd.wires[rnd.owner],
                 self.codec, self.rule, self.chunk_bytes, rnd.stats, self._work,
             )  # fmt: skip
-        silent = frozenset(rnd.terms.mismatched)
-        rnd.exchange = Exchange(
-            self.group,
-            self.island_index,
-            self.num_islands,
-            rnd.terms.chunk_bytes,
-            silent,
-            rnd.stats,
-        )
+        silent, me, n = frozenset(rnd.terms.mismatched), self.island_index, self.num_islands
+        rnd.exchange = Exchange(self.group, me, n, rnd.terms.chunk_bytes, silent, rnd.stats)
 
     def _run(self, rnd: _Round, layout: PayloadLayout, round_id: int) -> None:
         """Steps 2-5."""
@@ -334,9 +327,7 @@ class SwarmAggregator:
         fold = PartFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
         error: Exception | None = None
         with record_function(labels.SEND):
-            sources = [[byte_view(t) for t in p.views(rnd.targets)] if j != me else []
-                       for j, p in enumerate(rnd.parts)]  # fmt: skip
-            steps = rnd.exchange.scatter(sources, rnd.wires, rnd.terms.scatter_steps)
+            steps = rnd.exchange.scatter(self._sources(rnd), rnd.wires, rnd.terms.scatter_steps)
             for k, chunks in steps:  # to its end after an error too, so that no peer blocks
                 try:
                     with record_function(labels.AGGREGATE):
@@ -362,38 +353,72 @@ class SwarmAggregator:
     def _spooled_round(self, rnd: _Round, own: list[Tensor], round_id: int) -> None:
         """Every rule: spool the part's contributions, judge each island, aggregate."""
         failure = self._scatter(rnd, round_id)
-        failure = finish_sinks(rnd.sinks, rnd.contributions, failure)
-        me = self.island_index
-        block_numel = _join_own(rnd.contributions, me, own, rnd.coded[me], rnd.terms.chunk_bytes)
+        for island, sink in rnd.sinks.items():  # after a spool error, abort the rest
+            if sink is not None and failure is not None:
+                sink.abort()
+            elif sink is not None:
+                try:
+                    rnd.contributions[island] = sink.finish()
+                except SpoolError as err:
+                    failure = err
+        me, coded = self.island_index, rnd.coded[self.island_index]
+        # The owner's own contribution (read, not copied); with a codec every contribution is
+        # read back decoded, so the owner's own takes the peers' round trip.
+        rnd.contributions[me] = MemoryContribution(coded.encode(own) if coded else own)
+        block_numel = max(1, rnd.terms.chunk_bytes // 4)
+        if coded is not None:
+            for i, c in rnd.contributions.items():
+                rnd.contributions[i] = DecodedContribution(coded, c)
+            block_numel = coded.block_numel(rnd.terms.chunk_bytes)
         self._judge(rnd, failure, block_numel)
         if rnd.report.outcome == "applied":
             self._aggregate(rnd, own, block_numel)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
         """Send part j of this island's payload to island j, and every peer's contribution
-        to this island's part into ``rnd.sinks``; returns the first spool error met."""
-        me, wire = self.island_index, rnd.wires[self.island_index]
-        peers = [i for i in range(self.num_islands) if i != me]
-        matched = [i for i in peers if i not in rnd.terms.mismatched]
-        spool = self.spool if wire.specs else None  # an empty part needs no files
-        failure = open_sinks(
-            rnd.sinks, peers, matched, wire, spool, round_id, remap_bytes=rnd.terms.chunk_bytes
+        to this island's part into ``rnd.sinks`` (``None``: a refused peer, or any after a
+        spool error); returns the first spool error met."""
+        me, wire, chunk_bytes = (
+            self.island_index,
+            rnd.wires[self.island_index],
+            rnd.terms.chunk_bytes,
         )
+        failure: SpoolError | None = None
+        for i in range(self.num_islands):
+            if i == me:
+                continue
+            rnd.sinks[i] = None  # added as they open: an interrupted round aborts them all
+            if i in rnd.terms.mismatched or failure is not None:
+                continue
+            try:
+                if self.spool is None or not wire.specs:  # an empty part needs no files
+                    rnd.sinks[i] = MemorySink(wire)
+                else:
+                    rnd.sinks[i] = self.spool.writer(round_id, i, wire, remap_bytes=chunk_bytes)
+            except SpoolError as err:
+                failure = err
         with record_function(labels.SEND):
-            sources: list[list[Tensor]] = []
-            for j, (part, c) in enumerate(zip(rnd.parts, rnd.coded, strict=True)):
-                views = part.views(rnd.targets) if j != me else []
-                encoded = c.encode(views) if c is not None and j != me else views
-                sources.append([byte_view(t) for t in encoded])
-            for k, chunks in rnd.exchange.scatter(sources, rnd.wires, rnd.terms.scatter_steps):
+            for k, chunks in rnd.exchange.scatter(
+                self._sources(rnd), rnd.wires, rnd.terms.scatter_steps
+            ):
                 for i, chunk in chunks.items():
                     sink = rnd.sinks[i]
                     try:
                         if sink is not None:
-                            sink.write(k * rnd.terms.chunk_bytes, chunk)
+                            sink.write(k * chunk_bytes, chunk)
                     except SpoolError as err:  # drop the peer's chunks, but receive them
                         failure, rnd.sinks[i] = failure or err, None
         return failure
+
+    def _sources(self, rnd: _Round) -> list[list[Tensor]]:
+        """Part j of this island's payload (encoded with a codec) for island j, as bytes."""
+        sources: list[list[Tensor]] = []
+        for j, (part, c) in enumerate(zip(rnd.parts, rnd.coded, strict=True)):
+            mine = j == self.island_index
+            views = [] if mine else part.views(rnd.targets)
+            encoded = c.encode(views) if c is not None and not mine else views
+            sources.append([byte_view(t) for t in encoded])
+        return sources
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
         """Step 3: this owner's row of the verdict table, which every rank reads."""
@@ -471,21 +496,3 @@ def _joined(flats: list[Tensor]) -> Tensor:
             raise ValueError("the aggregator needs a round's buckets back to back in one buffer")
         offset += f.numel()
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
-
-
-def _join_own(
-    contributions: dict[int, Contribution],
-    island: int,
-    own: list[Tensor],
-    coded: CodedPayload | None,
-    chunk_bytes: int,
-) -> int:
-    """Add this island's contribution (``own``: read, not copied) to ``contributions``; with a
-    codec every contribution is read back decoded, so the owner's own takes the peers' round
-    trip. Returns the elements per block of validation and aggregation."""
-    contributions[island] = MemoryContribution(coded.encode(own) if coded else own)
-    if coded is None:
-        return max(1, chunk_bytes // 4)
-    for i, c in contributions.items():
-        contributions[i] = DecodedContribution(coded, c)
-    return coded.block_numel(chunk_bytes)
