@@ -4,6 +4,7 @@ steps, with split sizes from the agreed layouts), and the fold of the scatter (`
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,103 +17,68 @@ from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chu
 FOLDED_RULES = ("mean", "weighted_mean")
 
 
-def chunk_size(layout: PayloadLayout, k: int, chunk_bytes: int) -> int:
-    """Bytes of chunk ``k`` of ``layout`` (0 past its end)."""
-    return max(0, min(chunk_bytes, layout.data_bytes - k * chunk_bytes))
-
-
+@dataclass
 class Exchange:
-    """Chunked all-to-all scatter and gather over the peer group (group rank = island index),
-    their bytes counted in ``stats``."""
+    """Chunked all-to-all scatter and gather over the peer group (group rank = island index
+    ``me`` of ``n``), their bytes counted in ``stats``; ``silent`` islands move nothing."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        island_index: int,
-        num_islands: int,
-        chunk_bytes: int,
-        silent: frozenset[int],
-        stats: RoundStats,
-    ) -> None:
-        self.group, self.me, self.n = group, island_index, num_islands
-        self.chunk_bytes, self.silent, self.stats = chunk_bytes, silent, stats
-
-    def _talks(self, peer: int) -> bool:
-        return peer != self.me and peer not in self.silent and self.me not in self.silent
+    group: dist.ProcessGroup | None
+    me: int
+    n: int
+    chunk_bytes: int
+    silent: frozenset[int]
+    stats: RoundStats
 
     def scatter(
-        self, sources: list[list[Tensor]], wires: list[PayloadLayout], steps: int
+        self,
+        sources: list[list[Tensor]],
+        wires: list[PayloadLayout],
+        steps: int,
+        into: list[PayloadLayout] | None = None,
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
-        """The scatter: send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j,
-        yielding ``(k, {peer: chunk k of its contribution to this island's part})``, uint8 views
-        valid until the next step. Run it to its end, or the other islands wait in its step."""
-        size_in = [chunk_size(wires[self.me], k, self.chunk_bytes) for k in range(steps)]
+        """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j, yielding
+        ``(k, {peer i: chunk k of what it sent here, in into[i]'s order})`` (default: this
+        island's wire), uint8 views valid until the next step. Run it to its end, or the other
+        islands wait in the step it left."""
+        into = into or [wires[self.me]] * self.n
         # One send and one receive buffer for the whole exchange: buffers allocated per step
         # would pile up in the allocator.
-        send_buf, recv_buf = self._buffers()
+        send_buf = torch.empty((self.n - 1) * self.chunk_bytes, dtype=torch.uint8)
+        recv_buf = torch.empty_like(send_buf)
         for k in range(steps):
-            send_sizes = [
-                chunk_size(wires[j], k, self.chunk_bytes) if self._talks(j) else 0
-                for j in range(self.n)
-            ]
+            send_sizes = [self._size(wires[j], k, j) for j in range(self.n)]
             offset = 0
             for j, size in enumerate(send_sizes):
                 if size:
                     pack_chunk(sources[j], wires[j], k, self.chunk_bytes, send_buf[offset:])
                 offset += size
-            recv_sizes = [size_in[k] if self._talks(i) else 0 for i in range(self.n)]
-            yield k, self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes)
+            recv_sizes = [self._size(into[i], k, i) for i in range(self.n)]
+            received = recv_buf[: sum(recv_sizes)]
+            dist.all_to_all_single(
+                received,
+                send_buf[: sum(send_sizes)],
+                output_split_sizes=recv_sizes,
+                input_split_sizes=send_sizes,
+                group=self.group,
+            )
+            self.stats.bytes_sent += sum(send_sizes)
+            self.stats.bytes_received += sum(recv_sizes)
+            pieces = received.split(recv_sizes)
+            yield k, {i: piece for i, piece in enumerate(pieces) if recv_sizes[i]}
 
     def gather(self, views: list[list[Tensor]], layouts: list[PayloadLayout], steps: int) -> None:
         """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
         island, and unpack every other island's into ``views[i]``."""
-        me = self.me
-        receivers = sum(self._talks(j) for j in range(self.n))
-        send_buf, recv_buf = self._buffers()
-        for k in range(steps):
-            size_out = chunk_size(layouts[me], k, self.chunk_bytes)
-            if size_out and receivers:
-                pack_chunk(views[me], layouts[me], k, self.chunk_bytes, send_buf)
-                for copy in range(1, receivers):  # the same chunk for every receiving island
-                    send_buf[copy * size_out : (copy + 1) * size_out].copy_(send_buf[:size_out])
-            send_sizes = [size_out if self._talks(j) else 0 for j in range(self.n)]
-            recv_sizes = [
-                chunk_size(layouts[i], k, self.chunk_bytes) if self._talks(i) else 0
-                for i in range(self.n)
-            ]
-            received = self._all_to_all(send_buf, recv_buf, send_sizes, recv_sizes)
+        mine = [layouts[self.me]] * self.n
+        for k, received in self.scatter([views[self.me]] * self.n, mine, steps, layouts):
             for i, piece in received.items():
                 unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
 
-    def _buffers(self) -> tuple[Tensor, Tensor]:
-        size = (self.n - 1) * self.chunk_bytes
-        return torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
-
-    def _all_to_all(
-        self,
-        send_buf: Tensor,
-        recv_buf: Tensor,
-        send_sizes: list[int],
-        recv_sizes: list[int],
-    ) -> dict[int, Tensor]:
-        """One step; returns ``{island: what it sent here}`` (views of ``recv_buf``)."""
-        received = recv_buf[: sum(recv_sizes)]
-        dist.all_to_all_single(
-            received,
-            send_buf[: sum(send_sizes)],
-            output_split_sizes=recv_sizes,
-            input_split_sizes=send_sizes,
-            group=self.group,
-        )
-        self.stats.bytes_sent += sum(send_sizes)
-        self.stats.bytes_received += sum(recv_sizes)
-        chunks: dict[int, Tensor] = {}
-        offset = 0
-        for i, size in enumerate(recv_sizes):
-            if size:
-                chunks[i] = received[offset : offset + size]
-            offset += size
-        return chunks
+    def _size(self, layout: PayloadLayout, k: int, peer: int) -> int:
+        """Bytes of chunk ``k`` of ``layout`` this island exchanges with ``peer``."""
+        if peer == self.me or peer in self.silent or self.me in self.silent:
+            return 0
+        return max(0, min(self.chunk_bytes, layout.data_bytes - k * self.chunk_bytes))
 
 
 def folds(

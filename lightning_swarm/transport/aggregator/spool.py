@@ -14,12 +14,10 @@ import socket
 import stat
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
@@ -151,8 +149,11 @@ class Spool:
         """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
         return SpoolReader(self, round_id, island, layout, remap_bytes)
 
+    def path(self, round_id: int, island: int) -> Path:
+        return self.root / f"round{round_id:06d}-island{island:04d}.safetensors"
+
     def _acquire(self, round_id: int, island: int) -> Path:
-        path = self.root / f"round{round_id:06d}-island{island:04d}.safetensors"
+        path = self.path(round_id, island)
         with self._cond:
             if self._closed or round_id in self._released:
                 raise SpoolError(
@@ -198,15 +199,10 @@ class Spool:
 
     def _drain(self, paths: set[Path], what: str) -> None:
         """Wait for leases on ``paths``, delete the free ones, defer the rest; holds the lock."""
-        deadline = time.monotonic() + self.cleanup_timeout_s
-        if any(p in self._leases for p in paths):
+        if not paths.isdisjoint(self._leases):
             self.cleanup_waits += 1
-        while any(p in self._leases for p in paths):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._cond.wait(remaining)
-        busy = {p for p in paths if p in self._leases}
+            self._cond.wait_for(lambda: paths.isdisjoint(self._leases), self.cleanup_timeout_s)
+        busy = paths.intersection(self._leases)
         for p in paths - busy:
             self._unlink(p)
         if busy:
@@ -339,7 +335,9 @@ class SpoolWriter:
     def finish(self) -> SpoolReader:
         """Commit, then lease the file for reading."""
         self.commit()
-        return SpoolReader(self.spool, self.round_id, self.island, self.layout, self.remap_bytes)
+        return self.spool.reader(
+            self.round_id, self.island, self.layout, remap_bytes=self.remap_bytes
+        )
 
     def abort(self) -> None:
         """Drop the partial file; a committed file is the spool's to delete. Idempotent."""
@@ -358,9 +356,7 @@ class SpoolWriter:
     def __enter__(self) -> SpoolWriter:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.abort()
 
 
@@ -443,9 +439,7 @@ class SpoolReader:
     def __enter__(self) -> SpoolReader:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -45,7 +45,6 @@ from lightning_swarm.transport.aggregator.verdicts import (
     JUDGED,
     SPOOL_FAILED,
     RoundReport,
-    bad_layout_message,
     raise_if_failed,
     read_verdicts,
 )
@@ -76,28 +75,20 @@ class _Round:
 
 
 class SwarmAggregator:
-    """The swarm transport (``transport="swarm"``). It owns its ``Spool`` (created here
-    unless ``spool`` is injected) and removes it in ``close``.
+    """The swarm transport (``transport="swarm"``), whose options are
+    ``SwarmTransportConfig``'s (``owners``: ``swarm.aggregator``; ``chunk_bytes``: ``chunk_mb``
+    in bytes). It owns its ``Spool`` (created unless ``spool`` is injected) until ``close``.
 
     ``"rotating"`` gives the whole payload to island ``r % num_islands`` in round ``r``: its
     rule and chunk size rule the round, and a peer whose layout or codec differs is left out
     and raises alone. ``"sharded"`` cuts it on codec blocks: an island whose layout or options
     differ makes every island raise, and ``mean`` / ``weighted_mean`` without codec or
-    ``max_norm`` are summed as the chunks arrive (``exchange.PartFold``). Contributions are
-    validated against the whole payload, so the round runs at the first ``wait`` over every
-    collected bucket (not pipelined), and writes the caller's buckets only once every island's
-    verdicts are read (a round that raises may leave them partly written: the caller keeps
-    its anchors).
-
-    Args:
-        group: the peer group (one rank per island, ordered by island); ``None`` = default.
-            Payloads and messages live on the CPU: with NCCL as the default backend, pass a
-            gloo peer group (``groups.build_groups(peer_backend="gloo")``).
-        owners: ``"rotating"`` or ``"sharded"`` (the ``swarm.aggregator`` option); the other
-            options are ``SwarmTransportConfig``'s (``chunk_bytes``: ``chunk_mb`` in bytes).
-        codec: encode contributions with it; every island must pass the same.
-        island_group: a model-sharded island's group (CPU-capable, e.g. gloo): every verdict
-            is agreed over the island's model shards.
+    ``max_norm`` are summed as the chunks arrive. Contributions are validated whole, so the
+    round runs at the first ``wait`` (not pipelined), and writes the caller's buckets only once
+    every island's verdicts are read (a round that raises may leave them partly written: the
+    caller keeps its anchors). Payloads and messages live on the CPU: under NCCL, pass gloo
+    groups (``group``: the peers, ordered by island; ``island_group``: a model-sharded
+    island's ranks, which agree on every verdict).
 
     Raises:
         ValueError: an option is out of range for this topology.
@@ -177,7 +168,6 @@ class SwarmAggregator:
         return self.spool.peak_disk_bytes if self.spool is not None else 0
 
     def close(self) -> None:
-        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
         if self.spool is not None:
             self.spool.close()
 
@@ -201,13 +191,11 @@ class SwarmAggregator:
         return self
 
     def wait(self) -> int:
-        """Run the round over every collected bucket, once (its bytes come with ``agree``)."""
         if self._stats is None:
             self._stats = self._average(self._named(), round_index=self._round_index)
         return 0
 
     def agree(self) -> RoundStats:
-        """The round's stats: whether it applies, non-finite islands, bytes."""
         self.wait()
         assert self._stats is not None
         stats, self._stats, self._buckets = self._stats, None, []
@@ -222,27 +210,24 @@ class SwarmAggregator:
             offset += shape.numel()
         return named
 
-    def _parts(self, layout: PayloadLayout, round_index: int) -> tuple[list[Part], int | None]:
-        """The round's parts, one per island, and its one owner (``None``: sharded)."""
-        if self.owners == "rotating":
-            owner = round_index % self.num_islands
-            return whole_part(layout, self.num_islands, owner), owner
-        align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
-        return plan_parts(layout, self.num_islands, align), None
-
     def _average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
 
         Raises:
-            ValueError: this island's layout differs from the owner's (rotating: after the
-                round, on this island only) or from island 0's (sharded: on every island).
+            ValueError: this island's layout differs from the owner's or island 0's.
             SwarmRoundError: a spool or an owner failed; anchors are unchanged.
         """
         label = labels.AGGREGATOR_ROUND if self.owners == "rotating" else labels.SHARDED_ROUND
         with record_function(label):
             start = time.perf_counter()
             layout = PayloadLayout.from_tensors(tensors)
-            parts, owner = self._parts(layout, round_index)
+            owner: int | None = None  # sharded: every island owns a part
+            if self.owners == "rotating":
+                owner = round_index % self.num_islands
+                parts = whole_part(layout, self.num_islands, owner)
+            else:
+                align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
+                parts = plan_parts(layout, self.num_islands, align)
             report = RoundReport(round_index, self.island_index if owner is None else owner)
             rnd = _Round(report, list(tensors.values()), parts, owner)
             self.last_round, round_id = report, self._sequence
@@ -269,7 +254,12 @@ class SwarmAggregator:
                 if self.spool is not None:
                     self.spool.release_round(round_id)
             if self.island_index in rnd.terms.mismatched:
-                raise SwarmConfigError(bad_layout_message(report))
+                raise SwarmConfigError(
+                    f"swarm round {round_index}: this island's pseudo-gradient layout (names, "
+                    f"shapes, dtypes) differs from the aggregator's (island {owner}); its log "
+                    "names the first difference. Every island must train the same parameters "
+                    "with the same quantize and quantize_block_size."
+                )
             stats = rnd.stats
             stats.applied = report.outcome == "applied"
             stats.wall_s = time.perf_counter() - start

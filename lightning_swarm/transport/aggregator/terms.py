@@ -29,10 +29,9 @@ _CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class Part:
-    """The part of a round's payload that island ``island`` owns: itself a payload whose
-    ``layout`` names each piece ``"<tensor>[start:stop]"`` (or the whole payload's names)."""
+    """The part of a round's payload that one island owns: itself a payload whose ``layout``
+    names each piece ``"<tensor>[start:stop]"`` (or the whole payload's names)."""
 
-    island: int
     pieces: tuple[Piece, ...]
     layout: PayloadLayout
 
@@ -53,12 +52,12 @@ def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part
         raise ValueError(f"align must be >= 1, got {align}")
     whole = [Piece(spec.index, 0, spec.numel) for spec in layout.specs]
     parts = []
-    for island, pieces in enumerate(plan_shares(whole, num_islands, align)):
+    for pieces in plan_shares(whole, num_islands, align):
         entries = []
         for p in pieces:
             spec = layout.specs[p.tensor_index]
             entries.append((f"{spec.name}[{p.start}:{p.stop}]", (p.length,), spec.dtype))
-        parts.append(Part(island, tuple(pieces), PayloadLayout(entries)))
+        parts.append(Part(tuple(pieces), PayloadLayout(entries)))
     return parts
 
 
@@ -67,9 +66,7 @@ def whole_part(layout: PayloadLayout, num_islands: int, owner: int) -> list[Part
     payload's), empty parts to the others."""
     whole = tuple(Piece(spec.index, 0, spec.numel) for spec in layout.specs)
     empty = PayloadLayout([])
-    return [
-        Part(j, whole, layout) if j == owner else Part(j, (), empty) for j in range(num_islands)
-    ]
+    return [Part(whole, layout) if j == owner else Part((), empty) for j in range(num_islands)]
 
 
 @dataclass(frozen=True)
@@ -228,7 +225,7 @@ def agree_parts(
     if work is None:
         row = torch.tensor([zlib.crc32(blob)], dtype=torch.int64)
     else:  # float64 carries the CRC (< 2**32) exactly, and a weight as each island sent it
-        row = torch.tensor([zlib.crc32(blob), *_work_columns(work)], dtype=torch.float64)
+        row = torch.tensor([zlib.crc32(blob), work.steps, work.inner_steps], dtype=torch.float64)
     table = all_gather_rows(row, group, stats)
     crcs = [int(c) for c in table[:, 0]]
     odd = [i for i, c in enumerate(crcs) if c != crcs[0]]
@@ -278,7 +275,7 @@ def agree_owner(
         float(rule.min_contributions),
         math.nan if rule.max_norm is None else rule.max_norm,
     ] + (list(weights) if weights is not None else [math.nan] * n)
-    row += _work_columns(work) if work is not None else []
+    row += [float(work.steps), float(work.inner_steps)] if work is not None else []
     table = all_gather_rows(torch.tensor(row, dtype=torch.float64), group, stats)
     theirs = [float(v) for v in table[owner]]
     if island_index != owner:  # the owner's rule, read back from its row
@@ -295,10 +292,6 @@ def agree_owner(
         _name_differences(group, island_index, owner, wire, table, odd, mismatched, stats)
     terms = RoundTerms(rule, int(theirs[1]), int(theirs[2]), int(theirs[3]), mismatched)
     return terms if work is None else _with_work(terms, table[:, 9 + n :])
-
-
-def _work_columns(work: Work) -> list[float]:
-    return [float(work.steps), float(work.inner_steps)]
 
 
 def _with_work(terms: RoundTerms, columns: Tensor) -> RoundTerms:

@@ -44,15 +44,6 @@ class RoundReport:
     non_finite: list[int] = field(default_factory=list)
 
 
-def bad_layout_message(report: RoundReport) -> str:
-    return (
-        f"swarm round {report.round_index}: this island's pseudo-gradient layout (names, "
-        f"shapes, dtypes) differs from the aggregator's (island {report.aggregator}); its log "
-        "names the first difference. Every island must train the same parameters with the same "
-        "quantize and quantize_block_size."
-    )
-
-
 def peer_failure_message(report: RoundReport) -> str:
     head = f"swarm round {report.round_index} failed on the aggregator (island {report.aggregator})"
     if report.outcome == "error":
