@@ -72,7 +72,7 @@ def blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
 
 
 def measure(
-    contribution: Contribution, layout: PayloadLayout, *, block_numel: int, sum_sq: bool = True
+    contribution: Contribution, layout: PayloadLayout, block_numel: int, sum_sq: bool
 ) -> tuple[bool, float, str | None]:
     """The one validation pass over ``contribution``, block by block: whether every floating
     value is finite, the float64 sum of their squares (0.0 with ``sum_sq=False``, which saves
@@ -101,11 +101,7 @@ class CodedPayload:
     ``<name>#scales`` for every tensor (int8 / int4; first, which keeps every tensor aligned to
     its element size), then ``<name>#data`` for every tensor, flat in the codec's dtype. Blocks
     start on ``align`` (the codec block, made even for int4), so a block decodes bit for bit as
-    in a whole-tensor decode.
-
-    Raises:
-        ValueError: a tensor of ``layout`` is not float32 (codecs encode float32).
-    """
+    in a whole-tensor decode. Raises ``ValueError`` unless ``layout`` is float32 only."""
 
     def __init__(self, layout: PayloadLayout, codec: Codec) -> None:
         for spec in layout.specs:

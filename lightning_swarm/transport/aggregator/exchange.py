@@ -14,8 +14,6 @@ from lightning_swarm.transport.aggregator.contributions import all_finite
 from lightning_swarm.transport.base import RoundStats
 from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
 
-FOLDED_RULES = ("mean", "weighted_mean")
-
 
 @dataclass
 class Exchange:
@@ -89,7 +87,7 @@ def folds(
     caller rules out codecs). Pass the whole layout, which every island agreed on, not a part's:
     every island must take the same way."""
     return (
-        aggregation in FOLDED_RULES
+        aggregation in ("mean", "weighted_mean")
         and max_norm is None
         and chunk_bytes % 4 == 0
         and all(spec.dtype == torch.float32 for spec in layout.specs)
@@ -97,14 +95,11 @@ def folds(
 
 
 class PartFold:
-    """The running (weighted) sum of every island's contribution to this island's part.
-
-    Chunk k of every island (its own packed from ``own``, flat views of the part in ``layout``
-    order, read, never written until ``write_into``) is added in island order with
-    ``weighted_mean``'s operations, so the mean is bitwise the spooled path's when every
-    island is accepted. A non-finite sum cannot name the island: the caller judges the round
-    again through the spool. ``weights``: one per island, ``None`` for ``mean``.
-    """
+    """The running (weighted: one weight per island) sum of every island's contribution to this
+    island's part. Chunk k of every island (its own from ``own``, flat views of the part, read,
+    never written until ``write_into``) is added in island order with ``robust``'s operations,
+    so the mean is bitwise the spooled path's when every island is accepted. A non-finite sum
+    cannot name the island: the caller judges the round again through the spool."""
 
     def __init__(
         self,
@@ -136,19 +131,13 @@ class PartFold:
                 src = self._own_chunk[:size].view(torch.float32)
             else:
                 src = chunks[island].view(torch.float32)
+            if self.weights is not None:  # a separate multiply and add, as weighted_mean does
+                src = torch.mul(src, self.weights[island], out=self._scratch[: src.numel()])
             dst = self.acc[base : base + src.numel()]
             if island == 0:
-                if self.weights is None:
-                    dst.copy_(src)
-                else:
-                    torch.mul(src, self.weights[0], out=dst)
-            elif self.weights is None:
-                dst.add_(src)
+                dst.copy_(src)
             else:
-                # Multiply, then add, as weighted_mean does: add_(alpha=w) may fuse the two.
-                term = self._scratch[: src.numel()]
-                torch.mul(src, self.weights[island], out=term)
-                dst.add_(term)
+                dst.add_(src)
 
     def finish(self) -> bool:
         """Divide the sum into the mean; whether every value is finite."""

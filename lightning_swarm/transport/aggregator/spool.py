@@ -17,6 +17,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +83,12 @@ def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> 
 
 
 class Spool:
-    """Run-scoped spool directory with leased files.
-
-    ``release_round`` refuses new leases for the round, waits up to ``cleanup_timeout_s`` for
-    those in flight, deletes the round's files and defers any still leased to its last release.
-    ``close`` does this for every round and removes the root (a finalizer does, if ``close`` is
-    never called). ``write_at`` is the positional write of the writers (tests inject faults).
-
-    Raises:
-        SpoolError: the root cannot be created under ``base_dir`` (``None``: TMPDIR).
-    """
+    """Run-scoped spool directory under ``base_dir`` (``None``: TMPDIR) with leased files;
+    raises ``SpoolError`` if it cannot be created. ``release_round`` refuses new leases for the
+    round, waits up to ``cleanup_timeout_s`` for those in flight, deletes the round's files and
+    defers any still leased to its last release; ``close`` does this for every round and removes
+    the root (a finalizer does, if ``close`` is never called). ``write_at``: the writers'
+    positional write (tests inject faults)."""
 
     def __init__(
         self,
@@ -123,8 +120,7 @@ class Spool:
         self._doomed: set[Path] = set()
         self._allocated: dict[Path, int] = {}
         self._closed = False
-        self.disk_bytes = 0
-        self.peak_disk_bytes = 0
+        self.disk_bytes = self.peak_disk_bytes = 0
         self.cleanup_waits = 0  # cleanups that found a lease in flight and waited for it
         fs = filesystem_type(self.root)
         if fs in _MEMORY_FILESYSTEMS:
@@ -254,11 +250,10 @@ def _partial(path: Path) -> Path:
     return path.with_name(path.name + ".partial")
 
 
-class SpoolWriter:
+class SpoolWriter(AbstractContextManager["SpoolWriter"]):
     """Fills ``<name>.partial``, preallocated (a full disk fails before data arrives), and
-    publishes it only once every byte is in place: ``commit``, or ``finish`` (a round's sink),
-    which also opens its reader. ``abort`` (or leaving a ``with`` block by an exception)
-    removes it. Holds its lease until then."""
+    publishes it once every byte is in place (``commit``; ``finish`` also opens its reader), or
+    removes it (``abort``, also on leaving a ``with`` block); holds its lease until then."""
 
     def __init__(
         self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
@@ -353,9 +348,6 @@ class SpoolWriter:
         with self.spool._cond:
             self.spool._unlink(self.path)
 
-    def __enter__(self) -> SpoolWriter:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.abort()
 
@@ -371,7 +363,7 @@ def _preallocate(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
 
 
-class SpoolReader:
+class SpoolReader(AbstractContextManager["SpoolReader"]):
     """Checks one committed file against ``layout``, then copies element ranges out of a
     ``safe_open`` mapping into caller-owned tensors, remapping every ``remap_bytes`` (which
     returns the pages read from this process's RSS). Holds its lease until ``close``."""
@@ -435,9 +427,6 @@ class SpoolReader:
             self._closed = True
             self._handle = None
             self.spool._release(self.path)
-
-    def __enter__(self) -> SpoolReader:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -136,18 +136,19 @@ class SwarmAggregator:
                 "gives each round to one island in turn, 'sharded' 1/n of it to every island."
             )
         check_aggregation(aggregation)
-        weights = None
-        if island_weights is not None:
-            weights = check_weights(island_weights, option="island_weights")
+        weights = (
+            None
+            if island_weights is None
+            else check_weights(island_weights, option="island_weights")
+        )
         if aggregation == "weighted_mean" and (weights is None or len(weights) != num_islands):
             raise ValueError(
                 f"aggregation='weighted_mean' needs island_weights with one weight per island "
                 f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
             )
-        self.group, self.num_islands, self.island_index = group, num_islands, island_index
-        self.owners = owners
+        self.group, self.island_group, self.owners = group, island_group, owners
+        self.num_islands, self.island_index = num_islands, island_index
         self.chunk_bytes, self.codec = chunk_bytes, codec
-        self.island_group = island_group
         self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
         self.spool = spool
         if self.spool is None and offload and num_islands > 1:
@@ -202,21 +203,14 @@ class SwarmAggregator:
         return stats
 
     def _named(self) -> dict[str, Tensor]:
-        whole = _joined(self._buckets)
-        named: dict[str, Tensor] = {}
-        offset = 0
-        for name, shape in self._names.items():
-            named[name] = whole[offset : offset + shape.numel()].view(shape)
-            offset += shape.numel()
-        return named
+        shapes = self._names.values()
+        flats = _joined(self._buckets).split([shape.numel() for shape in shapes])
+        return {n: f.view(s) for n, s, f in zip(self._names, shapes, flats, strict=True)}
 
     def _average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
-
-        Raises:
-            ValueError: this island's layout differs from the owner's or island 0's.
-            SwarmRoundError: a spool or an owner failed; anchors are unchanged.
-        """
+        Raises ``ValueError`` when this island's layout differs from the owner's or island 0's,
+        ``SwarmRoundError`` when a spool or an owner failed (anchors unchanged)."""
         label = labels.AGGREGATOR_ROUND if self.owners == "rotating" else labels.SHARDED_ROUND
         with record_function(label):
             start = time.perf_counter()
@@ -311,10 +305,9 @@ class SwarmAggregator:
         """Sum the part's contributions as they arrive, with no spool. True: every part was
         finite, all are accepted and the mean is in ``own``; False (on every rank): some sum
         was not, judge island by island."""
-        me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
-        weights = rule.weights_of(list(range(n)), rnd.terms.work)
-        mine = rnd.parts[me]
-        fold = PartFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
+        me, n = self.island_index, self.num_islands
+        weights = rnd.terms.rule.weights_of(list(range(n)), rnd.terms.work)
+        fold = PartFold(rnd.parts[me].layout, own, me, n, rnd.terms.chunk_bytes, weights)
         error: Exception | None = None
         with record_function(labels.SEND):
             steps = rnd.exchange.scatter(self._sources(rnd), rnd.wires, rnd.terms.scatter_steps)
@@ -412,23 +405,19 @@ class SwarmAggregator:
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
         """Step 3: this owner's row of the verdict table, which every rank reads."""
-        n, rule = self.num_islands, rnd.terms.rule
-        mine = rnd.parts[self.island_index]
+        n, rule, mine = self.num_islands, rnd.terms.rule, rnd.parts[self.island_index].layout
         row = torch.zeros(1 + 2 * n, dtype=torch.float64)
         row[0] = JUDGED if failure is None else SPOOL_FAILED
+        # An empty part holds nothing non-finite; a refused island's, no payload.
+        row[1 : 1 + n] = torch.tensor([float(i not in rnd.terms.mismatched) for i in range(n)])
         error: BaseException | None = failure
         where: dict[int, str] = {}
-        # An empty part holds nothing non-finite; a refused island's, no payload.
-        for island in range(n):
-            row[1 + island] = 0.0 if island in rnd.terms.mismatched else 1.0
-        if failure is None and mine.layout.specs:
+        if failure is None and mine.specs:
             try:
                 with record_function(labels.AGGREGATE):
                     squares = rule.max_norm is not None
                     for island, c in rnd.contributions.items():
-                        finite, sum_sq, bad = measure(
-                            c, mine.layout, block_numel=block_numel, sum_sq=squares
-                        )
+                        finite, sum_sq, bad = measure(c, mine, block_numel, squares)
                         row[1 + island], row[1 + n + island] = float(finite), sum_sq
                         if not finite:
                             where[island] = f" in tensor {bad!r}"

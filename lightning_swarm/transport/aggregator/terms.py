@@ -41,13 +41,9 @@ class Part:
 
 
 def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part]:
-    """Cut the payload into ``num_islands`` contiguous parts of whole ``align`` units
-    (``pieces.plan_shares``: balanced within one unit, possibly empty), every piece starting
-    on a codec block so that encoding a piece equals encoding the whole tensor.
-
-    Raises:
-        ValueError: ``num_islands < 1`` or ``align < 1``.
-    """
+    """Cut the payload into ``num_islands`` contiguous parts of whole ``align`` units (balanced
+    within one unit, possibly empty), every piece starting on a codec block so that encoding a
+    piece equals encoding the whole tensor. Raises ``ValueError`` unless both are >= 1."""
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
     whole = [Piece(spec.index, 0, spec.numel) for spec in layout.specs]
@@ -88,11 +84,10 @@ class AggregationRule:
         return weights is not None and sum(weights[i] for i in accepted) <= 0
 
     def weights_of(self, accepted: list[int], work: Sequence[float] | None) -> list[float] | None:
-        """The weights of the mean over the ``accepted`` islands (in their order), ``None``
-        for the unweighted form. When the accepted islands' ``work`` (inner steps this round,
-        under a time budget) differs, ``mean`` weighs each by its steps and ``weighted_mean``
-        by ``island_weights[i]`` times them; otherwise the rule is as configured, bit for bit.
-        ``median`` and ``trimmed_mean`` take no weights."""
+        """The weights of the mean over the ``accepted`` islands (``None``: unweighted). When
+        their ``work`` (inner steps this round, under a time budget) differs, ``mean`` weighs
+        each by its steps and ``weighted_mean`` by ``island_weights[i]`` times them; otherwise
+        the rule is as configured, bit for bit. Order statistics take no weights."""
         if self.aggregation not in ("mean", "weighted_mean"):
             return None
         configured = None
@@ -144,9 +139,8 @@ class AggregationRule:
 
 @dataclass(frozen=True)
 class RoundTerms:
-    """One round's terms, the same on every rank (``mismatched``: island -> why it is left
-    out, the first difference on the owner; ``work``: each island's inner steps under a time
-    budget, ``swarm_steps`` the most of any island, ``checks.checked_work``)."""
+    """One round's terms, the same on every rank (``mismatched``: island -> why it is left out;
+    ``work``, ``swarm_steps``: under a time budget, ``checks.checked_work``'s)."""
 
     rule: AggregationRule
     chunk_bytes: int
@@ -172,19 +166,19 @@ def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundSt
 
 def agree_island(
     measures: Mapping[int, tuple[bool, float]] | None, num_islands: int, group: dist.ProcessGroup
-) -> tuple[bool, list[tuple[bool, float]]]:
+) -> tuple[bool, list[bool], list[float]]:
     """Combine this rank's ``measures`` (island -> finite, sum of squares; ``None``: this
     rank's peer group failed before validating; a missing island counts as not finite) with
     the island's other model shards' (collective over ``group``). Returns whether every peer
-    group validated, and per island (finite everywhere, island norm)."""
+    group validated, and per island whether it is finite everywhere and its norm."""
     flags, sums = [0.0] * num_islands, [0.0] * num_islands
     for island, (finite, sum_sq) in (measures or {}).items():
         flags[island], sums[island] = float(finite), sum_sq
     size = dist.get_world_size(group)
     agreed = agree(measures is not None, gather=flags_over(group, size, _CPU), values=flags + sums)
     totals = agreed.sums
-    islands = [(totals[i] == size, math.sqrt(totals[num_islands + i])) for i in range(num_islands)]
-    return agreed.all_ok, islands
+    everywhere = [t == size for t in totals[:num_islands]]
+    return agreed.all_ok, everywhere, [math.sqrt(t) for t in totals[num_islands:]]
 
 
 def island_all(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:

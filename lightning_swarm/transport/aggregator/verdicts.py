@@ -69,15 +69,11 @@ def read_verdicts(
     where: dict[int, str],
     island_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Fill ``report`` from ``table``. ``failure`` is this island's own error, ``owner`` the
-    round's one owner (``None``: every island owns a part), ``where`` this island's finding of
-    where a non-finite value sat. With ``island_group`` (a model-sharded island) the peer
-    groups' findings are combined first: one verdict per island, ``max_norm`` on its norm.
-
-    Raises:
-        SwarmRoundError: some owner's spool failed or its validation raised; the owner whose
-            validation raised re-raises its own exception.
-    """
+    """Fill ``report`` from ``table`` (``failure``: this island's own error; ``owner``: ``None``
+    when every island owns a part; ``where``: this island's finding of where a non-finite value
+    sat); with ``island_group`` the peer groups' findings are combined first, one verdict per
+    island. Raises ``SwarmRoundError`` when some owner's spool failed or its validation raised
+    (that owner re-raises its own exception)."""
     n = table.shape[0]
     failed = [j for j in range(n) if table[j, 0] == SPOOL_FAILED]
     raised = [j for j in range(n) if table[j, 0] == FAILED]
@@ -88,8 +84,7 @@ def read_verdicts(
         found = None
         if not failed and not raised:
             found = {i: (finite[i], float(table[:, 1 + n + i].sum())) for i in range(n)}
-        validated, islands = agree_island(found, n, island_group)
-        finite, norms = [f for f, _ in islands], [norm for _, norm in islands]
+        validated, finite, norms = agree_island(found, n, island_group)
     if raised:
         raise_if_failed(report, failure if island_index in raised else None, raised, owner=owner)
     if not failed and not validated and owner is not None:
