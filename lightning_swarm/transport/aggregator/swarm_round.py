@@ -264,11 +264,10 @@ class SwarmAggregator:
 
     def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
         """Step 1: the round's terms, codecs, wire layouts and exchange."""
-        for p in rnd.parts:
-            empty = not p.layout.specs
-            rnd.coded.append(
-                CodedPayload(p.layout, self.codec) if self.codec and not empty else None
-            )
+        rnd.coded = [  # an empty part has nothing to encode
+            CodedPayload(p.layout, self.codec) if self.codec and p.layout.specs else None
+            for p in rnd.parts
+        ]
         rnd.wires = [c.wire if c else p.layout for c, p in zip(rnd.coded, rnd.parts, strict=True)]
         if rnd.owner is None:
             rnd.terms = agree_parts(

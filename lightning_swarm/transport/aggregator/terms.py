@@ -310,21 +310,17 @@ def _name_differences(
     lengths = [int(table[i, 4]) if i in odd else 0 for i in range(n)]
     send = [lengths[island_index] if j == owner and island_index in odd else 0 for j in range(n)]
     recv = lengths if island_index == owner else [0] * n
-    out = torch.empty(sum(send), dtype=torch.uint8)
-    if sum(send):
-        out.copy_(torch.frombuffer(bytearray(wire.to_json()), dtype=torch.uint8))
+    blob = bytearray(wire.to_json()) if sum(send) else bytearray()
+    out = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
     received = torch.empty(sum(recv), dtype=torch.uint8)
     dist.all_to_all_single(received, out, recv, send, group=group)
     stats.bytes_sent += sum(send)
     stats.bytes_received += sum(recv)
     if island_index != owner:
         return
-    offset = 0
-    for i in odd:
-        blob = received[offset : offset + lengths[i]].numpy().tobytes()
-        offset += lengths[i]
+    for i, piece in zip(odd, received.split([lengths[i] for i in odd]), strict=True):
         try:
-            difference = wire.difference(PayloadLayout.from_json(blob))
+            difference = wire.difference(PayloadLayout.from_json(piece.numpy().tobytes()))
         except ValueError as err:
             mismatched[i] = f"unreadable payload description ({err})"
             continue
