@@ -360,11 +360,8 @@ class SwarmAggregator:
         """Send part j of this island's payload to island j, and every peer's contribution
         to this island's part into ``rnd.sinks`` (``None``: a refused peer, or any after a
         spool error); returns the first spool error met."""
-        me, wire, chunk_bytes = (
-            self.island_index,
-            rnd.wires[self.island_index],
-            rnd.terms.chunk_bytes,
-        )
+        me, chunk_bytes = self.island_index, rnd.terms.chunk_bytes
+        wire = rnd.wires[me]
         failure: SpoolError | None = None
         for i in range(self.num_islands):
             if i == me:
@@ -380,9 +377,8 @@ class SwarmAggregator:
             except SpoolError as err:
                 failure = err
         with record_function(labels.SEND):
-            for k, chunks in rnd.exchange.scatter(
-                self._sources(rnd), rnd.wires, rnd.terms.scatter_steps
-            ):
+            steps = rnd.exchange.scatter(self._sources(rnd), rnd.wires, rnd.terms.scatter_steps)
+            for k, chunks in steps:
                 for i, chunk in chunks.items():
                     sink = rnd.sinks[i]
                     try:
