@@ -153,6 +153,7 @@ class SwarmAggregator:
         self.spool = spool
         if self.spool is None and offload and num_islands > 1:
             self.spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
+        self.device = torch.device("cpu")  # payloads, buffers and the spool, whatever the chip
         self._sequence = 0  # rounds so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
         # The round between ``open`` and ``agree``: its names, buckets and, once run, stats.
