@@ -1,12 +1,9 @@
 """Payload codecs: how a float32 pseudo-gradient is shrunk before it crosses a slow link.
 
-A codec turns a flat float32 tensor into an ``Encoded`` payload (``data``, per-block ``scales``)
-and back, in pure torch, the same on CPU and CUDA. ``none`` is exact, ``bf16`` rounds to nearest
-even, ``int8`` / ``int4`` round with one absmax scale per ``block_size`` elements (error at most
-``absmax / (2 * qmax)`` plus float32 rounding). Blocks start at element 0, so a slice starting on
-a block boundary quantizes as inside the whole tensor: transports cut buckets on that. Non-finite
-input raises ``ValueError``: one inf scale would turn a block into NaN on every island.
-Error-feedback residuals belong to the caller; this module keeps no state.
+``none`` is exact, ``bf16`` rounds to nearest even, ``int8`` / ``int4`` use one absmax scale per
+``block_size`` elements (error <= ``absmax / (2 * qmax)`` + float32 rounding), blocks from element
+0, so a slice starting on a block boundary quantizes as inside the whole tensor. Non-finite input
+raises: one inf scale would make a block NaN on every island. The same on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -36,15 +33,9 @@ _DATA_DTYPE = {
 
 @dataclass(frozen=True)
 class Encoded:
-    """One encoded flat tensor. All tensors are plain, contiguous and on the input's device.
-
-    Attributes:
-        codec: the codec name (one of ``CODECS``).
-        numel: number of elements of the original flat tensor.
-        block_size: elements per scale block (int8 / int4; recorded for all codecs).
-        data: float32 (none), bfloat16 (bf16), int8 (int8) or uint8 nibble pairs (int4).
-        scales: float32 absmax per block for int8 / int4; empty otherwise.
-    """
+    """One encoded flat tensor; ``data`` is float32, bfloat16, int8 or uint8 nibble pairs (int4),
+    ``scales`` the float32 absmax per block (empty for none / bf16). Contiguous, on the input's
+    device."""
 
     codec: str
     numel: int
@@ -54,26 +45,14 @@ class Encoded:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the payload (``data`` + ``scales``) as it would travel."""
-        return _nbytes(self.data) + _nbytes(self.scales)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+        """Bytes of the payload as it would travel."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales))
 
 
 @dataclass(frozen=True)
 class Codec:
-    """A codec name and its block size, validated.
-
-    Args:
-        name: one of ``CODECS``.
-        block_size: elements sharing one absmax scale (int8 / int4). Smaller blocks bound the
-            error more tightly and cost ``4 / block_size`` extra bytes per element.
-
-    Raises:
-        ValueError: unknown name or a block size that is not a positive integer.
-    """
+    """A codec name (one of ``CODECS``) and its block size (elements per absmax scale),
+    validated: ``ValueError`` for an unknown name or a block size that is not an int >= 1."""
 
     name: str = NO_CODEC
     block_size: int = 128
@@ -91,12 +70,8 @@ class Codec:
             raise SwarmConfigError(f"block_size must be >= 1, got {self.block_size}; e.g. 128.")
 
     def encode(self, x: Tensor) -> Encoded:
-        """Encode a flat (1-D) float32 tensor; see the module docstring for the error bound.
-
-        Raises:
-            TypeError: ``x`` is not a 1-D float32 tensor.
-            ValueError: ``x`` holds NaN or inf.
-        """
+        """Encode a flat float32 tensor: ``TypeError`` for another shape or dtype,
+        ``ValueError`` for NaN or inf."""
         _check_input(x, self.name)
         if self.name == NO_CODEC:
             data = x.contiguous().clone()
@@ -119,8 +94,7 @@ class Codec:
         absmax = blocks.abs().amax(dim=1)
         # An all-zero block divides by 1 instead of 0: its codes are 0 and decode to 0 exactly.
         divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        # x / absmax lies in [-1, 1] exactly (IEEE division is monotone), so the codes cannot
-        # leave [-qmax, qmax]; the clamp only documents that.
+        # x / absmax lies in [-1, 1] exactly (IEEE division is monotone): the clamp documents it.
         codes = torch.round(blocks / divisor[:, None] * qmax).clamp_(-qmax, qmax)
         codes = codes.reshape(-1)[: x.numel()]
         if self.name == "int8":
@@ -165,7 +139,7 @@ class Codec:
         return Encoded(self.name, numel, self.block_size, data, scales)
 
     def roundtrip(self, x: Tensor) -> Tensor:
-        """``decode(encode(x))``: what the other islands will see of ``x``."""
+        """What the other islands will see of ``x``."""
         return self.decode(self.encode(x))
 
     def encoded_nbytes(self, numel: int) -> int:
@@ -194,26 +168,16 @@ class Codec:
 
 
 def codec_for(name: str, block_size: int = 128) -> Codec | None:
-    """The codec a ``quantize`` option names, validated; ``None`` for ``"none"``.
-
-    The one place that turns the option value ``"none"`` into "no codec": everything below the
-    config layer passes ``None`` and never compares names.
-
-    Raises:
-        ValueError: unknown name or a block size that is not a positive integer.
-    """
+    """The codec a ``quantize`` option names, validated; ``None`` for ``"none"`` (the one
+    place that turns the name into "no codec": code below compares no names)."""
     codec = Codec(name, block_size)
     return None if codec.name == NO_CODEC else codec
 
 
 def with_error_feedback(x: Tensor, residual: Tensor | None, codec: Codec) -> tuple[Tensor, Tensor]:
-    """Error feedback for one tensor and one round.
-
-    Returns ``(to_send, new_residual)`` where ``to_send = x + residual`` (the caller hands it
-    to the transport, which encodes it with the same codec) and ``new_residual = to_send -
-    codec.roundtrip(to_send)`` is what this round's encoding loses; the caller keeps it for the
-    next round. ``x`` and ``residual`` are not modified. A ``None`` residual means zeros.
-    """
+    """Error feedback for one tensor and one round: ``(to_send, new_residual)``, with
+    ``to_send = x + residual`` (``None`` means zeros) and ``new_residual`` what encoding
+    ``to_send`` loses, kept by the caller for the next round. The inputs are not modified."""
     to_send = x.clone() if residual is None else x + residual
     if codec.name == NO_CODEC:
         return to_send, torch.zeros_like(to_send)
@@ -255,10 +219,7 @@ def _as_blocks(x: Tensor, block_size: int) -> Tensor:
 
 
 def _pack_int4(codes: Tensor) -> Tensor:
-    """Pack codes in [0, 15] two per byte: element 2k in the low nibble, 2k+1 in the high one.
-
-    An odd count pads the last high nibble with the code for zero.
-    """
+    """Codes in [0, 15], two per byte: element 2k in the low nibble; an odd count pads zero."""
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_full((1,), _INT4_ZERO_CODE)])
     pairs = codes.reshape(-1, 2)

@@ -1,11 +1,8 @@
 """Aggregation rules over islands' contributions to ONE parameter (or one block of it).
 
-Each rule takes same-shaped tensors, one per accepted island in island order, and returns a new
-tensor; inputs are never modified. Work is element-wise in a fixed order, so a rule applied to
-consecutive slices gives the bits it gives the whole tensor: blocking is invisible, and memory is
-islands x one block. ``median`` of an even count is the mean of the middle two (numpy's
-convention); ``trimmed_mean`` drops ``floor(trim_ratio * n)`` values at each end (scipy's).
-Lower-precision inputs accumulate in float32.
+Each returns a new tensor (inputs untouched), element-wise in a fixed order, so a rule on
+consecutive slices gives the bits of the whole tensor. ``median`` of an even count is the mean
+of the middle two (numpy); ``trimmed_mean`` drops ``floor(trim_ratio * n)`` at each end (scipy).
 """
 
 from __future__ import annotations
@@ -22,11 +19,7 @@ AGGREGATIONS = ("mean", "weighted_mean", "median", "trimmed_mean")
 
 
 def check_aggregation(rule: object, *, option: str = "aggregation") -> None:
-    """The one check of an aggregation name; ``option`` is how the caller's user spells it.
-
-    Raises:
-        ValueError: ``rule`` is not one of ``AGGREGATIONS``.
-    """
+    """The one check of an aggregation name; ``option`` is how the caller's user spells it."""
     if rule not in AGGREGATIONS:
         raise SwarmConfigError(
             f"{option}={rule!r} is not known; choose one of {list(AGGREGATIONS)}."
@@ -34,11 +27,7 @@ def check_aggregation(rule: object, *, option: str = "aggregation") -> None:
 
 
 def check_weights(weights: object, *, option: str = "weights") -> list[float]:
-    """The one check of ``weighted_mean`` weights; returns them as a list of floats.
-
-    Raises:
-        ValueError: not a list of finite non-negative numbers with a positive sum.
-    """
+    """The one check of ``weighted_mean`` weights (finite, >= 0, positive sum), as floats."""
     try:
         values = list(weights)  # type: ignore[call-overload]
     except TypeError:
@@ -88,11 +77,7 @@ def mean(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """``sum(w_i * x_i) / sum(w_i)``, summed in island order.
-
-    Raises:
-        ValueError: the weights do not match the tensors, are negative or non-finite, or sum to 0.
-    """
+    """``sum(w_i * x_i) / sum(w_i)``, summed in island order."""
     _check(tensors)
     if len(weights) != len(tensors):
         raise ValueError(f"{len(weights)} weights for {len(tensors)} contributions")
@@ -107,19 +92,13 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor
     return acc.to(tensors[0].dtype)
 
 
-# Up to this many contributions the order statistics come from a sorting network of elementwise
-# minimum / maximum (about n^2 / 2 compare-exchanges, each two passes over a block), cheaper
-# than torch.sort along the island dimension for few islands. Past it, torch.sort.
+# Up to this many contributions a sorting network of elementwise min / max beats torch.sort.
 _NETWORK_MAX = 32
 
 
 def _sorted_rows(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Row i holds every coordinate's i-th smallest value (in the accumulation dtype).
-
-    An odd-even transposition sort (n rounds of compare-exchanges between neighbours) sorts any
-    n; minimum and maximum return their inputs' values unchanged, so the rows hold the same
-    values as ``torch.sort``'s. Inputs are not modified.
-    """
+    """Row i holds every coordinate's i-th smallest value (an odd-even transposition sort: the
+    values of ``torch.sort``)."""
     acc_dtype = _accumulation_dtype(tensors[0].dtype)
     rows = [t.to(acc_dtype) for t in tensors]
     n = len(rows)
@@ -148,11 +127,7 @@ def trimmed_count(n: int, trim_ratio: float) -> int:
 
 
 def trimmed_mean(tensors: Sequence[Tensor], trim_ratio: float) -> Tensor:
-    """Per coordinate: sort, drop ``floor(trim_ratio * n)`` values at each end, average the rest.
-
-    Raises:
-        ValueError: ``trim_ratio`` is outside ``[0, 0.5)``.
-    """
+    """Per coordinate: drop ``floor(trim_ratio * n)`` values at each end, average the rest."""
     _check(tensors)
     if not 0.0 <= trim_ratio < 0.5:
         raise ValueError(f"trim_ratio must lie in [0, 0.5), got {trim_ratio}")
@@ -174,11 +149,7 @@ def aggregate(
     weights: Sequence[float] | None = None,
     trim_ratio: float = 0.0,
 ) -> Tensor:
-    """Dispatch to one of ``AGGREGATIONS`` by name.
-
-    Raises:
-        ValueError: an unknown rule, or ``weighted_mean`` without weights.
-    """
+    """Dispatch to one of ``AGGREGATIONS`` by name."""
     check_aggregation(rule)
     if rule == "mean":
         return mean(tensors)

@@ -1,8 +1,5 @@
 """The main job's picture: train and validation loss against step, outer rounds marked.
-
-``LossHistory`` records on global rank 0 only (island 0's view) one float per step, for as long
-as the callback lives. ``write_loss_png`` needs matplotlib, an optional extra; without it, it
-writes nothing and returns a line saying how to get the plot.
+``LossHistory`` records on global rank 0 only; ``write_loss_png`` needs the optional matplotlib.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ def _outer_steps(trainer: pl.Trainer) -> int | None:
 
 
 class LossHistory(Callback):
-    """Record the losses and the outer rounds of a run on global rank 0 (see module doc)."""
+    """Record the losses and the outer rounds of a run on global rank 0 (island 0's view)."""
 
     def __init__(self) -> None:
         self.curves = LossCurves()
@@ -86,7 +83,6 @@ class LossHistory(Callback):
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` values (the first ones average what exists so far)."""
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value - (values[i - window] if i >= window else 0.0)

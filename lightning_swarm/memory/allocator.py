@@ -1,9 +1,7 @@
 """Allocator byte counters, told apart as gauges or running totals.
 
-A counter whose ``freed`` moves is a gauge; one whose ``freed`` never moves while ``current``
-climbs is a running total, and read as a gauge it shows a leak that is not there; never subtract
-one kind from the other. ``CounterClassifier`` decides from what it has seen. Works on flat
-snapshot dicts and imports no torch, so recorded snapshots test it.
+A gauge's ``freed`` moves; a running total's never does while ``current`` climbs (read as a gauge
+it shows a leak that is not there). Works on flat snapshot dicts, so recorded snapshots test it.
 """
 
 from __future__ import annotations
@@ -34,12 +32,8 @@ class Counter:
 
 
 def byte_counters(snapshot: Mapping[str, Any]) -> dict[str, Counter]:
-    """The byte statistics of a flat allocator snapshot, by stem.
-
-    A stem is kept when its name mentions bytes and it reports ``current``, ``freed`` and
-    ``peak``. The device allocator's ``.all`` pool suffix is dropped from the stem
-    (``"allocated_bytes.all"`` -> ``"allocated_bytes"``); its split pools are skipped.
-    """
+    """The byte statistics (``current``, ``freed``, ``peak``) of a flat allocator snapshot, by
+    stem; ``.all`` is dropped from the stem, the split pools are skipped."""
     stems: dict[str, dict[str, int]] = {}
     for key, value in snapshot.items():
         stem, _, part = key.rpartition(".")
@@ -81,23 +75,16 @@ class CounterClassifier:
                 self._kinds[stem] = CounterKind.UNKNOWN
         return dict(self._kinds)
 
-    @property
-    def kinds(self) -> dict[str, CounterKind]:
-        return dict(self._kinds)
-
 
 def counter_metrics(
     prefix: str, counters: Mapping[str, Counter], kinds: Mapping[str, CounterKind]
 ) -> dict[str, float]:
-    """Flatten counters to ``{prefix/stem/current|freed|peak: bytes}`` plus ``/gauge``.
-
-    ``/gauge`` is 1.0 for a gauge, 0.0 for a running total, and absent while unclassified.
-    """
+    """Flatten counters to ``{prefix/stem/current|freed|peak: bytes}`` plus ``/gauge``: 1.0 for a
+    gauge, 0.0 for a running total, absent while unclassified."""
     out: dict[str, float] = {}
     for stem, counter in counters.items():
-        out[f"{prefix}/{stem}/current"] = float(counter.current)
-        out[f"{prefix}/{stem}/freed"] = float(counter.freed)
-        out[f"{prefix}/{stem}/peak"] = float(counter.peak)
+        for part in ("current", "freed", "peak"):
+            out[f"{prefix}/{stem}/{part}"] = float(getattr(counter, part))
         kind = kinds.get(stem, CounterKind.UNKNOWN)
         if kind is not CounterKind.UNKNOWN:
             out[f"{prefix}/{stem}/gauge"] = 1.0 if kind is CounterKind.GAUGE else 0.0

@@ -1,13 +1,12 @@
 """Host-memory samples on two cadences, a psutil stand-in, and the end-of-run summary.
 
-``sample_fast`` reads constant-cost sources, for every step; ``sample_slow`` walks page tables
-and times itself. Keys are ``"<source>/<field>_bytes"``. Without procfs, psutil and
-``getrusage`` stand in; what they cannot measure is absent, never zero. ``RunSummary`` keeps
-exact integer sums, not the series: constant memory, and a slope free of float cancellation.
+Keys are ``"<source>/<field>_bytes"``; without procfs, psutil and ``getrusage`` stand in (what
+they cannot measure is absent, never zero). ``RunSummary`` keeps exact integer sums, not the series.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Mapping
@@ -20,27 +19,19 @@ PEAK_RSS_KEYS = ("status/VmHWM_bytes", "rusage/ru_maxrss_bytes")
 ANON_KEY = "status/RssAnon_bytes"
 
 
-def _import_psutil() -> Any:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil
-
-
 class HostSampler:
-    """Samples this process's and this node's memory.
-
-    Args:
-        reader: where procfs text comes from (``ProcReader("/nonexistent")`` plays a machine
-            without /proc).
-        psutil_module: the stand-in's psutil; ``None`` imports the installed one (and the
-            stand-in measures nothing if psutil is not installed).
-    """
+    """Samples this process's and node's memory from ``reader`` (``ProcReader("/nonexistent")``
+    plays a machine without /proc); ``psutil_module``: the stand-in's psutil, ``None`` for the
+    installed one, if any."""
 
     def __init__(self, reader: ProcReader | None = None, psutil_module: Any = None) -> None:
         self.reader = reader if reader is not None else ProcReader()
-        self._psutil = psutil_module if psutil_module is not None else _import_psutil()
+        if psutil_module is None:
+            with contextlib.suppress(ImportError):
+                import psutil
+
+                psutil_module = psutil
+        self._psutil = psutil_module
         self._process: Any = None
 
     def sample_fast(self) -> dict[str, int]:
@@ -69,7 +60,6 @@ class HostSampler:
         out["smaps_rollup/read_s"] = elapsed
         return out
 
-    # -- stand-in ---------------------------------------------------------------------------
     def _standin_process(self) -> dict[str, int]:
         out: dict[str, int] = {}
         if self._psutil is not None:
