@@ -78,19 +78,37 @@ def outer_step(
     """Step the outer optimizer on ``anchors`` with ``averaged`` pseudo-gradients as gradients.
 
     ``anchors`` must be tensors the outer optimizer was built over. The gradients are released
-    after the step, so no pseudo-gradient stays resident between syncs. Low-precision anchors
-    are stepped in float32 and stochastically rounded with ``seed``, which must be the same on
-    every island.
+    after the step, so no pseudo-gradient stays resident between syncs. A low-precision anchor
+    is swapped for a float32 copy inside the optimizer (parameters and state, which stays
+    float32) for the step, then written back, stochastically rounded with ``seed`` (the same on
+    every island) for bfloat16.
     """
     if len(anchors) != len(averaged):
         raise ValueError(f"{len(anchors)} anchors but {len(averaged)} pseudo-gradients")
-    if any(a.dtype != torch.float32 for a in anchors):
-        float32_outer_step(optimizer, anchors, averaged, seed=seed)
-        return
+    slots = _param_slots(optimizer)
+    swapped: list[tuple[Tensor, Tensor]] = []
     for anchor, delta in zip(anchors, averaged, strict=True):
-        anchor.grad = delta.to(dtype=anchor.dtype, device=anchor.device)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        work = anchor
+        if anchor.dtype != torch.float32:
+            work = anchor.detach().to(torch.float32)
+            _swap(optimizer, slots, anchor, work)
+            swapped.append((anchor, work))
+        work.grad = delta.to(dtype=torch.float32, device=work.device)
+    try:
+        optimizer.step()
+    finally:
+        generator = None
+        for anchor, work in swapped:
+            with torch.no_grad():
+                if anchor.dtype == torch.bfloat16:
+                    if generator is None:
+                        generator = torch.Generator(device=anchor.device).manual_seed(seed)
+                    anchor.copy_(stochastic_round_to_bf16(work, generator))
+                else:
+                    anchor.copy_(work)
+            work.grad = None
+            _swap(optimizer, slots, work, anchor)
+        optimizer.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
@@ -132,39 +150,6 @@ def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator) -> Tensor:
     # the streamed round's GPU working set (lightning_swarm.outer.staging).
     rounded = noise.add_(bits).bitwise_and_(-65536)  # clear the 16 low bits (0xFFFF0000)
     return rounded.view(torch.float32).to(torch.bfloat16)
-
-
-def float32_outer_step(
-    optimizer: torch.optim.Optimizer,
-    anchors: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    *,
-    seed: int,
-) -> None:
-    """One optimizer step over low-precision ``anchors``: each is swapped for a float32 copy
-    inside the optimizer (parameters and state, which stays float32), stepped, written back and
-    swapped back; the copies live only during the call."""
-    slots = _param_slots(optimizer)
-    swapped: list[tuple[Tensor, Tensor]] = []
-    for anchor, grad in zip(anchors, grads, strict=True):
-        work = anchor.detach().to(torch.float32)
-        work.grad = grad.to(device=work.device, dtype=torch.float32)
-        _swap(optimizer, slots, anchor, work)
-        swapped.append((anchor, work))
-    try:
-        optimizer.step()
-    finally:
-        generator = None
-        for anchor, work in swapped:
-            with torch.no_grad():
-                if anchor.dtype == torch.bfloat16:
-                    if generator is None:
-                        generator = torch.Generator(device=anchor.device).manual_seed(seed)
-                    anchor.copy_(stochastic_round_to_bf16(work, generator))
-                else:
-                    anchor.copy_(work)
-            work.grad = None
-            _swap(optimizer, slots, work, anchor)
 
 
 def keep_state_float32(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

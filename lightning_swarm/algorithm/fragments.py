@@ -82,13 +82,12 @@ def _by_layers(names: Sequence[str], num_fragments: int, layout: str) -> list[li
             f"would be empty; set num_fragments <= {num_layers}, or pass fragment_layout as "
             "explicit lists of module names."
         )
-    if layout == "strided":
-        fragment_of_layer = [i % num_fragments for i in range(num_layers)]
-    else:
-        base, extra = divmod(num_layers, num_fragments)
-        fragment_of_layer = []
-        for f in range(num_fragments):
-            fragment_of_layer += [f] * (base + (1 if f < extra else 0))
+    base, extra = divmod(num_layers, num_fragments)
+    fragment_of_layer = (
+        [i % num_fragments for i in range(num_layers)]
+        if layout == "strided"
+        else [f for f in range(num_fragments) for _ in range(base + (f < extra))]
+    )
     fragments: list[list[str]] = [[] for _ in range(num_fragments)]
     for name in names:
         fragments[fragment_of_layer[layers[layer_of(name)]]].append(name)
@@ -171,7 +170,7 @@ class FragmentSchedule:
                 f"{self.num_fragments}; fragments are staggered by sync_every / num_fragments "
                 "inner steps, so choose a sync_every that is a multiple of num_fragments."
             )
-        interval = self.sync_every // self.num_fragments
+        interval = self.interval
         if (
             isinstance(self.sync_delay, bool)
             or not isinstance(self.sync_delay, int)
@@ -201,9 +200,7 @@ class FragmentSchedule:
     def sends_at(self, step: int) -> int | None:
         """The fragment that sends after inner step ``step`` (1-based), or None."""
         _check_step(step)
-        if step % self.interval:
-            return None
-        return (step % self.sync_every) // self.interval
+        return None if step % self.interval else (step % self.sync_every) // self.interval
 
     def applies_at(self, step: int) -> int | None:
         """The fragment whose averaged result is applied after inner step ``step``, or None."""

@@ -49,11 +49,8 @@ def _is_weight(w: object) -> bool:
     return isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check(tensors: Sequence[Tensor]) -> None:
+def _check(tensors: Sequence[Tensor]) -> torch.dtype:
+    """Refuse empty or mixed contributions; return the dtype to accumulate in."""
     if len(tensors) == 0:
         raise ValueError("cannot aggregate zero contributions; at least one island must count")
     first = tensors[0]
@@ -63,12 +60,12 @@ def _check(tensors: Sequence[Tensor]) -> None:
                 f"contributions differ in shape or dtype ({tuple(first.shape)} {first.dtype} vs "
                 f"{tuple(t.shape)} {t.dtype}); every island must send the same layout"
             )
+    return torch.float64 if first.dtype == torch.float64 else torch.float32
 
 
 def mean(tensors: Sequence[Tensor]) -> Tensor:
     """Elementwise mean: ``((x_0 + x_1) + ...) / n``, summed in island order."""
-    _check(tensors)
-    acc_dtype = _accumulation_dtype(tensors[0].dtype)
+    acc_dtype = _check(tensors)
     acc = tensors[0].to(acc_dtype, copy=True)
     for t in tensors[1:]:
         acc.add_(t.to(acc_dtype))
@@ -78,11 +75,10 @@ def mean(tensors: Sequence[Tensor]) -> Tensor:
 
 def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     """``sum(w_i * x_i) / sum(w_i)``, summed in island order."""
-    _check(tensors)
+    acc_dtype = _check(tensors)
     if len(weights) != len(tensors):
         raise ValueError(f"{len(weights)} weights for {len(tensors)} contributions")
     check_weights(weights)
-    acc_dtype = _accumulation_dtype(tensors[0].dtype)
     acc = tensors[0].to(acc_dtype).mul(weights[0])
     for t, w in zip(tensors[1:], weights[1:], strict=True):
         # A separate multiply and add, not add_(alpha=w): a fused multiply-add in the vectorised
@@ -96,10 +92,9 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor
 _NETWORK_MAX = 32
 
 
-def _sorted_rows(tensors: Sequence[Tensor]) -> list[Tensor]:
+def _sorted_rows(tensors: Sequence[Tensor], acc_dtype: torch.dtype) -> list[Tensor]:
     """Row i holds every coordinate's i-th smallest value (an odd-even transposition sort: the
     values of ``torch.sort``)."""
-    acc_dtype = _accumulation_dtype(tensors[0].dtype)
     rows = [t.to(acc_dtype) for t in tensors]
     n = len(rows)
     if n > _NETWORK_MAX:
@@ -114,9 +109,8 @@ def _sorted_rows(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 def median(tensors: Sequence[Tensor]) -> Tensor:
     """Coordinate-wise median; the mean of the two middle values for an even count."""
-    _check(tensors)
     n = len(tensors)
-    ordered = _sorted_rows(tensors)
+    ordered = _sorted_rows(tensors, _check(tensors))
     middle = ordered[n // 2].clone() if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     return middle.to(tensors[0].dtype)
 
@@ -128,12 +122,12 @@ def trimmed_count(n: int, trim_ratio: float) -> int:
 
 def trimmed_mean(tensors: Sequence[Tensor], trim_ratio: float) -> Tensor:
     """Per coordinate: drop ``floor(trim_ratio * n)`` values at each end, average the rest."""
-    _check(tensors)
+    acc_dtype = _check(tensors)
     if not 0.0 <= trim_ratio < 0.5:
         raise ValueError(f"trim_ratio must lie in [0, 0.5), got {trim_ratio}")
     n = len(tensors)
     k = trimmed_count(n, trim_ratio)
-    ordered = _sorted_rows(tensors)
+    ordered = _sorted_rows(tensors, acc_dtype)
     kept = ordered[k : n - k]
     acc = kept[0].clone()
     for row in kept[1:]:

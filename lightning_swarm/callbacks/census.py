@@ -16,9 +16,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
-from lightning_swarm.memory.allocator import CounterClassifier, byte_counters, counter_metrics
 from lightning_swarm.memory.procfs import ProcReader, file_backed_overlap
-from lightning_swarm.memory.sampler import HostSampler, RunSummary
+from lightning_swarm.memory.sampler import (
+    CounterClassifier,
+    HostSampler,
+    RunSummary,
+    byte_counters,
+    counter_metrics,
+)
 
 AllocatorStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 

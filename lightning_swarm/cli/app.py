@@ -71,20 +71,6 @@ def _schema_type(annotation: Any) -> Any:
     return annotation
 
 
-def _schema_fields() -> list[tuple[str, Any, Any]]:
-    hints = get_type_hints(SwarmConfig)
-    return [
-        (
-            item.name,
-            _schema_type(hints[item.name]),
-            field(default=item.default)
-            if item.default_factory is MISSING
-            else field(default_factory=item.default_factory),
-        )
-        for item in fields(SwarmConfig)
-    ]
-
-
 _DEFAULT_OUTER_OPTIMIZER = {
     "_target_": "torch.optim.SGD",
     "_partial_": True,
@@ -97,11 +83,21 @@ _DEFAULT_OUTER_OPTIMIZER = {
 # ``SwarmConfig`` field, derived, plus what is not plain data (the target, the outer optimizer
 # as a ``_partial_`` node, DDPStrategy's launch options). The strategy validates the values, so
 # a bad one fails with ``SwarmConfig``'s message, not OmegaConf's.
+_HINTS = get_type_hints(SwarmConfig)
 SwarmStrategyConf: type = make_dataclass(
     "SwarmStrategyConf",
     [
         ("_target_", str, field(default="lightning_swarm.SwarmStrategy")),
-        *_schema_fields(),
+        *(
+            (
+                item.name,
+                _schema_type(_HINTS[item.name]),
+                field(default=item.default)
+                if item.default_factory is MISSING
+                else field(default_factory=item.default_factory),
+            )
+            for item in fields(SwarmConfig)
+        ),
         ("outer_optimizer", Any, field(default_factory=lambda: dict(_DEFAULT_OUTER_OPTIMIZER))),
         ("start_method", str, field(default="popen")),
         ("process_group_backend", Optional[str], field(default=None)),  # noqa: UP045
