@@ -1,8 +1,7 @@
 """Rounds on a time budget (``sync_every_s``): when an island joins, and the weight it brings.
 
 An island joins after the inner step during which ``seconds`` of its own wall time since the last
-round ran out (no exchange decides it), weighted by the inner steps it took since.
-"""
+round ran out (no exchange decides it), weighted by the inner steps it took since."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """DiLoCo's outer update (arXiv 2311.08105), as small functions over tensors.
 
-The *anchor* is the global parameter as of the last outer sync, *local* the island's parameter
-after its inner steps, the *pseudo-gradient* ``anchor - local`` (always float32). Functions
-return new tensors or mutate only the arguments they name. Low-precision anchors are stepped in
-float32 with float32 state (on bfloat16 an update under half a step would round away every
-round) and written back with stochastic rounding, seeded by a value all islands share
-(identical anchors, repeatable on resume); float16 rounds to nearest.
-"""
+*anchor*: the global parameter as of the last sync; *local*: the island's after its inner steps;
+*pseudo-gradient*: ``anchor - local``, in float32. Functions mutate only what they name."""
 
 from __future__ import annotations
 

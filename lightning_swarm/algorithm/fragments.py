@@ -1,9 +1,7 @@
 """Streaming DiLoCo fragments (arXiv 2501.18512): which parameters sync together, and when.
 
-A *layer* is a name up to its first numeric component (``blocks.3.attn.weight`` -> ``blocks.3``),
-else the owning module. Steps count completed inner steps; fragment ``f`` sends when ``(s - f * H
-/ F) % H == 0`` and applies ``sync_delay`` later (< H / F, so at most one is in flight).
-"""
+A *layer* is a name up to its first numeric part (``blocks.3.attn.weight`` -> ``blocks.3``), else
+its module. Fragment ``f`` sends after step ``s`` when ``(s - f * H / F) % H == 0``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The outer optimizer outside ``optimizer.step()``: bucket steps and state by parameter name.
 
-torch's own functional SGD / Adam(W) steps flat slices, with state in torch's format, so a slice
-gets the bits of the whole tensor and either path may take over at any round or checkpoint; the
-caller owns the slices (anchor and state slices are written in place).
-"""
+torch's own functional SGD / Adam(W) steps flat slices with state in torch's format, so a slice
+gets the bits of the whole tensor; the caller's anchor and state slices are written in place."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Aggregation rules over islands' contributions to ONE parameter (or one block of it).
 
-Each returns a new tensor (inputs untouched), element-wise in a fixed order, so a rule on
-consecutive slices gives the bits of the whole tensor. ``median`` of an even count is the mean
-of the middle two (numpy); ``trimmed_mean`` drops ``floor(trim_ratio * n)`` at each end (scipy).
-"""
+Element-wise in a fixed order, so a rule on consecutive slices gives the bits of the whole tensor;
+inputs are never modified. Even-count median and trimmed mean follow numpy and scipy."""
 
 from __future__ import annotations
 

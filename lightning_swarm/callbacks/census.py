@@ -1,8 +1,7 @@
 """``HostMemoryCensus``: a per-step snapshot of host memory, logged under ``census/``.
 
 It tells a leak from a sawtooth (keys and cadences: ``docs/census.md``), holds no tensors, and
-reads the swarm's figures through the ``SwarmMemoryReport`` protocol, never the strategy.
-"""
+reads the swarm's figures through the ``SwarmMemoryReport`` protocol, never the strategy."""
 
 from __future__ import annotations
 

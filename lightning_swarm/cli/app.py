@@ -1,9 +1,7 @@
 """The Hydra app: compose a run from the package's ``conf/`` and train it.
 
-Its strategy schema derives from ``SwarmConfig``; options are checked before any process starts
-(``cli.preflight``); global rank 0 writes ``summary.json`` and ``loss.png``. No OmegaConf object
-reaches a checkpoint (Lightning's weights-only load refuses them).
-"""
+The strategy schema derives from ``SwarmConfig``; ``cli.preflight`` checks options before any
+process starts. No OmegaConf object reaches a checkpoint (weights-only loads refuse them)."""
 
 from __future__ import annotations
 

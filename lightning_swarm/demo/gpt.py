@@ -1,8 +1,6 @@
 """A small GPT-style byte-level language model, the main job's LightningModule.
 
-Blocks are named ``blocks.<i>`` so fragment layouts can stride over layers; under FSDP islands
-the parameter names are the same.
-"""
+Blocks are named ``blocks.<i>`` so fragment layouts can stride over layers (FSDP keeps names)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The main job's corpus: the Python standard library's own source files.
 
-Nothing to download; bytes are the tokens. Whole files go to validation by a stable hash of their
-relative path, so the split is the same on every rank with the same Python version.
-"""
+Bytes are the tokens. Whole files go to validation by a stable hash of their relative path, so
+the split is the same on every rank with the same Python version."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Reading host memory from Linux procfs, as text in and integers (bytes) out.
 
-Parsers take text, so recorded files test like live ones; ``ProcReader`` alone touches the file
-system, opening each file afresh (a descriptor kept across ``fork`` would describe the parent).
-An absent field is absent, never zero.
-"""
+Parsers take text, so recorded files test like live ones. ``ProcReader`` opens each file afresh
+(a descriptor kept across ``fork`` would describe the parent); absent fields stay absent."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Host-memory samples on two cadences, allocator counters, and the end-of-run summary.
 
-Keys are ``"<source>/<field>_bytes"``; without procfs, psutil and ``getrusage`` stand in (what
-they cannot measure is absent, never zero). An allocator counter whose ``freed`` moves is a
-gauge; one whose ``freed`` never moves while ``current`` climbs is a running total (read as a
-gauge it shows a leak that is not there). ``RunSummary`` keeps exact integer sums, not the series.
-"""
+Keys are ``"<source>/<field>_bytes"``; what cannot be measured is absent, never zero. A counter
+whose ``freed`` never moves is a running total: read as a gauge it shows a phantom leak."""
 
 from __future__ import annotations
 
