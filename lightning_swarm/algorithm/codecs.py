@@ -129,7 +129,7 @@ class Codec:
                 f"expected {self.encoded_nbytes(numel)} uint8 bytes for {numel} elements with "
                 f"{self.name}, got {raw.numel()} {raw.dtype}; islands disagree on the layout."
             )
-        num_scales = 0 if self.name in (NO_CODEC, "bf16") else -(-numel // self.block_size)
+        num_scales = self._num_scales(numel)
         # Copies: a slice at an odd byte offset cannot be reinterpreted as float32 in place.
         scales = raw[: 4 * num_scales].clone().view(torch.float32)
         data = raw[4 * num_scales :].clone().view(_DATA_DTYPE[self.name])
@@ -143,13 +143,11 @@ class Codec:
         """Payload bytes for ``numel`` elements, without encoding anything."""
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
-        if self.name == NO_CODEC:
-            return 4 * numel
-        if self.name == "bf16":
-            return 2 * numel
-        num_blocks = -(-numel // self.block_size)
-        data = numel if self.name == "int8" else (numel + 1) // 2
-        return data + 4 * num_blocks
+        data = {NO_CODEC: 4 * numel, "bf16": 2 * numel, "int8": numel}.get(self.name)
+        return ((numel + 1) // 2 if data is None else data) + 4 * self._num_scales(numel)
+
+    def _num_scales(self, numel: int) -> int:
+        return 0 if self.name in (NO_CODEC, "bf16") else -(-numel // self.block_size)
 
     def error_bound(self, x: Tensor) -> Tensor:
         """Per-element bound on ``|x - roundtrip(x)|``: 0 for ``none``, half a bfloat16 step
@@ -226,5 +224,4 @@ def _pack_int4(codes: Tensor) -> Tensor:
 
 def _unpack_int4(packed: Tensor, numel: int) -> Tensor:
     as_int = packed.to(torch.int16)
-    codes = torch.stack([as_int & 0x0F, as_int >> 4], dim=1).reshape(-1)
-    return codes[:numel]
+    return torch.stack([as_int & 0x0F, as_int >> 4], dim=1).reshape(-1)[:numel]

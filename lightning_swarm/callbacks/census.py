@@ -195,9 +195,7 @@ class HostMemoryCensus(Callback):
             [None] * trainer.world_size if trainer.global_rank == 0 else None
         )
         torch.distributed.gather_object(metrics, gathered, dst=0)
-        if gathered is None:
-            return None
-        return {rank: dict(m) for rank, m in enumerate(gathered)}
+        return None if gathered is None else dict(enumerate(gathered))
 
     def _swarm_metrics(self, trainer: pl.Trainer, *, slow: bool) -> dict[str, float]:
         report = getattr(trainer.strategy, "memory_report", None)

@@ -146,8 +146,13 @@ def build(cfg: DictConfig) -> Run:
         options = {str(k): plain(v) for k, v in census.items() if k != "enabled"}
         callbacks.append(HostMemoryCensus(**options))
     logger = instantiate(cfg.logger, _convert_="all") if cfg.get("logger") else False
-    if logger is False:
-        callbacks = _without_logger_callbacks(callbacks)
+    if logger is False and any(isinstance(c, LearningRateMonitor) for c in callbacks):
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        warnings.warn(
+            "LearningRateMonitor has no effect without a logger and was left out; pick a logger "
+            "(e.g. logger=csv) to record learning rates.",
+            stacklevel=2,
+        )
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):
         # A ModelCheckpoint in the callbacks group is the request to checkpoint; Lightning
         # would otherwise refuse it next to the trainer files' enable_checkpointing: false.
@@ -165,18 +170,6 @@ def build(cfg: DictConfig) -> Run:
     for part in (model, datamodule):
         part.hparams.update({key: plain(value) for key, value in part.hparams.items()})
     return Run(trainer, model, datamodule, ckpt_path=ckpt_path, loss_history=loss_history)
-
-
-def _without_logger_callbacks(callbacks: list[Any]) -> list[Any]:
-    """Drop callbacks that only feed a logger, with a warning, when the run has none."""
-    kept = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    if len(kept) != len(callbacks):
-        warnings.warn(
-            "LearningRateMonitor has no effect without a logger and was left out; pick a logger "
-            "(e.g. logger=csv) to record learning rates.",
-            stacklevel=2,
-        )
-    return kept
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:

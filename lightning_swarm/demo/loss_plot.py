@@ -31,11 +31,6 @@ class LossCurves:
     rounds: list[int] = field(default_factory=list)
 
 
-def _outer_steps(trainer: pl.Trainer) -> int | None:
-    totals = getattr(trainer.strategy, "totals", None)
-    return None if totals is None else int(totals.outer_steps)
-
-
 class LossHistory(Callback):
     """Record the losses and the outer rounds of a run on global rank 0 (island 0's view)."""
 
@@ -65,7 +60,8 @@ class LossHistory(Callback):
             self._pending.append((trainer.global_step, loss.detach().reshape(())))
             if len(self._pending) >= _FLUSH_EVERY:
                 self._flush()
-        outer = _outer_steps(trainer)
+        totals = getattr(trainer.strategy, "totals", None)
+        outer = None if totals is None else int(totals.outer_steps)
         if outer is not None and self._last_outer is not None and outer > self._last_outer:
             self.curves.rounds.append(trainer.global_step)
         self._last_outer = outer

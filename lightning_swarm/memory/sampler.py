@@ -129,15 +129,13 @@ class RunSummary:
 
     def metrics(self) -> dict[str, float]:
         """``summary/...`` values that could be measured (absent otherwise)."""
-        out: dict[str, float] = {"summary/num_samples": float(self.num_samples)}
-        if self.peak_rss is not None:
-            out["summary/peak_rss_bytes"] = float(self.peak_rss)
-        if self.peak_anon is not None:
-            out["summary/peak_anon_bytes"] = float(self.peak_anon)
-        slope = self.anon_slope()
-        if slope is not None:
-            out["summary/anon_slope_bytes_per_step"] = slope
-        return out
+        values = {
+            "num_samples": self.num_samples,
+            "peak_rss_bytes": self.peak_rss,
+            "peak_anon_bytes": self.peak_anon,
+            "anon_slope_bytes_per_step": self.anon_slope(),
+        }
+        return {f"summary/{k}": float(v) for k, v in values.items() if v is not None}
 
 
 _PARTS = ("current", "freed", "peak", "allocated")
