@@ -68,9 +68,7 @@ class RoundBudget:
             self._started_at = self.clock()
         self._loaded = False
         verdict = self.elapsed_s() >= self.seconds
-        if self.island_decision is not None:
-            verdict = self.island_decision(verdict)
-        return verdict
+        return verdict if self.island_decision is None else self.island_decision(verdict)
 
     def work(self, inner_steps: int) -> int:
         """The island's weight in a round joined after ``inner_steps``: steps since the last."""
@@ -87,8 +85,7 @@ class RoundBudget:
         round, the time since is dropped too, as if the island had just left it."""
         if self._started_at is None:
             return
-        at_round = inner_steps == self.round_started_step
-        self._carried_s = 0.0 if at_round else self.elapsed_s()
+        self._carried_s = 0.0 if inner_steps == self.round_started_step else self.elapsed_s()
         self._started_at = None
         self._paused = True
 

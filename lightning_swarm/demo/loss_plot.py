@@ -105,9 +105,7 @@ def write_loss_png(curves: LossCurves, path: Path) -> str:
         ax.plot(steps, smooth, linewidth=1.2, color="C0", label="train loss (island 0)")
     if curves.val:
         ax.plot(*zip(*curves.val, strict=True), "o-", color="C1", label="validation loss")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("loss")
-    ax.set_title("lightning_swarm main job")
+    ax.set(xlabel="inner step", ylabel="loss", title="lightning_swarm main job")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

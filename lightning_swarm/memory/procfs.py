@@ -80,14 +80,7 @@ def _parse_header(line: str) -> MapRegion | None:
     if match is None:
         return None
     start, end, perms, offset, _dev, inode, path = match.groups()
-    return MapRegion(
-        start=int(start, 16),
-        end=int(end, 16),
-        perms=perms,
-        offset=int(offset, 16),
-        inode=int(inode),
-        pathname=path.strip(),
-    )
+    return MapRegion(int(start, 16), int(end, 16), perms, int(offset, 16), int(inode), path.strip())
 
 
 def parse_maps(text: str) -> list[MapRegion]:
@@ -98,20 +91,16 @@ def parse_maps(text: str) -> list[MapRegion]:
 def parse_smaps(text: str) -> list[MapRegion]:
     """The regions of ``/proc/<pid>/smaps``, each with its ``kB`` fields in bytes."""
     regions: list[MapRegion] = []
-    current: MapRegion | None = None
     fields: dict[str, int] = {}
     for line in text.splitlines():
         header = _parse_header(line)
         if header is not None:
-            if current is not None:
-                regions.append(replace(current, fields=dict(fields)))
-            current, fields = header, {}
+            fields = {}  # filled by the lines that follow the header
+            regions.append(replace(header, fields=fields))
             continue
         parts = line.split()
-        if current is not None and len(parts) == 3 and parts[2] == "kB":
+        if regions and len(parts) == 3 and parts[2] == "kB":
             fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    if current is not None:
-        regions.append(replace(current, fields=dict(fields)))
     return regions
 
 
