@@ -145,19 +145,15 @@ class GPTLightningModule(pl.LightningModule):
         self.log("val_ppl", self.val_perplexity, prog_bar=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.lr,
-            betas=self.betas,
-        )
+        params = list(self.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         warmup = max(1, self.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+            optimizer, lambda s: min(1.0, (s + 1) / warmup)
         )
         return {
             "optimizer": optimizer,
