@@ -164,18 +164,11 @@ def byte_counters(snapshot: Mapping[str, Any]) -> dict[str, Counter]:
     stems: dict[str, dict[str, int]] = {}
     for key, value in snapshot.items():
         stem, _, part = key.rpartition(".")
-        if part not in _PARTS or "bytes" not in stem or not isinstance(value, int | float):
-            continue
-        if stem.endswith(_SPLIT_POOLS):
-            continue
-        stems.setdefault(stem.removesuffix(".all"), {})[part] = int(value)
+        wanted = part in _PARTS and "bytes" in stem and not stem.endswith(_SPLIT_POOLS)
+        if wanted and isinstance(value, int | float):
+            stems.setdefault(stem.removesuffix(".all"), {})[part] = int(value)
     return {
-        stem: Counter(
-            current=parts["current"],
-            freed=parts["freed"],
-            peak=parts["peak"],
-            allocated=parts.get("allocated"),
-        )
+        stem: Counter(parts["current"], parts["freed"], parts["peak"], parts.get("allocated"))
         for stem, parts in sorted(stems.items())
         if {"current", "freed", "peak"} <= parts.keys()
     }
