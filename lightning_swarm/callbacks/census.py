@@ -108,10 +108,10 @@ class HostMemoryCensus(Callback):
         self.reader = ProcReader(proc_root)
         self.sampler = HostSampler(self.reader)
         self.allocator_stats = allocator_stats or cuda_allocator_stats
-        self.summary: dict[str, float] = {}
         self._reset()
 
     def _reset(self) -> None:
+        self.summary: dict[str, float] = {}
         self._run = RunSummary()
         self._classifiers: dict[str, CounterClassifier] = {}
         self._last_step: int | None = None
@@ -121,7 +121,6 @@ class HostMemoryCensus(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
-        self.summary = {}
         if self._samples_here(trainer):
             self._census(trainer, slow=True)
 
