@@ -57,10 +57,8 @@ def max_abs(tensors: list[Tensor]) -> Tensor:
 
 def global_norm(tensors: Sequence[Tensor]) -> float:
     """L2 norm of all tensors taken together (each tensor's norm in float32)."""
-    return (
-        sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float32)) ** 2 for t in tensors)
-        ** 0.5
-    )
+    norms = (float(torch.linalg.vector_norm(t.detach(), dtype=torch.float32)) for t in tensors)
+    return sum(n**2 for n in norms) ** 0.5
 
 
 def outer_step(

@@ -168,10 +168,9 @@ def resolve_ckpt_path(
             )
     found = [p for place in places if place.is_dir() for p in place.rglob("*.ckpt") if p.is_file()]
     if not found:
-        where = ", ".join(str(p) for p in places)
         raise SwarmConfigError(
-            f"ckpt_path=last found no *.ckpt file under {where}; check the folder, or train "
-            "with callbacks=checkpoint to write checkpoints there."
+            f"ckpt_path=last found no *.ckpt file under {', '.join(map(str, places))}; check "
+            "the folder, or train with callbacks=checkpoint to write checkpoints there."
         )
     return str(newest_complete(found).resolve())
 

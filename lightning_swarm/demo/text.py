@@ -59,10 +59,9 @@ class ByteBlocks(Dataset[tuple[Tensor, Tensor]]):
     def __init__(self, data: bytes, block_size: int) -> None:
         self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.block_size = block_size
-        self.num_blocks = (len(self.data) - 1) // block_size
 
     def __len__(self) -> int:
-        return self.num_blocks
+        return (len(self.data) - 1) // self.block_size
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         start = index * self.block_size
