@@ -70,9 +70,8 @@ class HostMemoryCensus(Callback):
 
     Args:
         every_n_steps: optimizer steps between constant-cost samples (>= 1).
-        smaps_every_n_steps: steps between page-walking smaps_rollup reads; 0: only at the start
-            and end of fit.
-        all_ranks: sample every rank and log ``census/rank<r>/...``, gathered to rank 0 (a
+        smaps_every_n_steps: steps between page-walking smaps_rollup reads (0: first and last).
+        all_ranks: sample every rank, gathered to rank 0 as ``census/rank<r>/...`` (a
             synchronisation point per census step); False samples global rank 0 only.
         proc_root: the procfs mount point.
         allocator_stats: flat allocator snapshots by source name; default reads CUDA's.

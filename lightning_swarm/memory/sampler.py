@@ -37,18 +37,9 @@ class HostSampler:
 
     def sample_fast(self) -> dict[str, int]:
         """Constant-cost readings: status and meminfo, or the stand-in for either."""
-        out: dict[str, int] = {}
-        status = self.reader.status()
-        if status:
-            out.update({f"status/{k}_bytes": v for k, v in status.items()})
-        else:
-            out.update(self._standin_process())
-        meminfo = self.reader.meminfo()
-        if meminfo:
-            out.update({f"meminfo/{k}_bytes": v for k, v in meminfo.items()})
-        else:
-            out.update(self._standin_node())
-        return out
+        process = {f"status/{k}_bytes": v for k, v in (self.reader.status() or {}).items()}
+        node = {f"meminfo/{k}_bytes": v for k, v in (self.reader.meminfo() or {}).items()}
+        return {**(process or self._standin_process()), **(node or self._standin_node())}
 
     def sample_slow(self) -> dict[str, float]:
         """Page-walking readings (smaps_rollup) and the seconds the read took."""
