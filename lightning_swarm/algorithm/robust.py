@@ -126,12 +126,7 @@ def trimmed_mean(tensors: Sequence[Tensor], trim_ratio: float) -> Tensor:
     n = len(tensors)
     k = trimmed_count(n, trim_ratio)
     ordered = _sorted_rows(tensors, acc_dtype)
-    kept = ordered[k : n - k]
-    acc = kept[0].clone()
-    for row in kept[1:]:
-        acc.add_(row)
-    acc.div_(n - 2 * k)
-    return acc.to(tensors[0].dtype)
+    return mean(ordered[k : n - k]).to(tensors[0].dtype)  # the rows are in acc_dtype
 
 
 def aggregate(
