@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.algorithm.diloco import catch_up_
 from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.memory import ProcReader
+from lightning_swarm.memory.procfs import ProcReader
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer

@@ -20,15 +20,14 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
-from lightning_swarm.algorithm.fused import pseudo_gradient_into
-from lightning_swarm.algorithm.outer_fast import (
+from lightning_swarm.algorithm.diloco import pseudo_gradient_into, stochastic_round_to_bf16
+from lightning_swarm.algorithm.outer_optimizer import (
     FastKind,
     adam_step_,
     ensure_state,
     groups_by_param,
     sgd_step_,
 )
-from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
 from lightning_swarm.transport.buckets import Piece, placed
 
 

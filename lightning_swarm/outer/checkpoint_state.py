@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.algorithm.optimizer_state import select_by_name
-from lightning_swarm.algorithm.precision import keep_state_float32
+from lightning_swarm.algorithm.diloco import keep_state_float32
+from lightning_swarm.algorithm.outer_optimizer import select_by_name
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
 from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound

@@ -3,7 +3,7 @@
 A round of fragment f plans its buckets once (``transport.buckets.plan_buckets``), forms
 ``anchor - local`` in float32, opens the round (``Transport.open``) and starts the
 transport per bucket; ``apply`` waits, agrees whether the round applies, steps the outer optimizer
-(SGD and Adam(W) per bucket through ``algorithm.outer_fast``, any other over the fragment) and
+(SGD and Adam(W) per bucket through ``algorithm.outer_optimizer``, any other over the fragment) and
 merges. ``sync_delay`` only decides when ``apply`` runs; under a time budget
 (``SyncState.budget``) the island's clock decides when a round runs, and ``open`` answers with
 the factor that weighs this island's pseudo-gradient (applied before feedback and encoding).
@@ -41,8 +41,8 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.fused import max_abs, sum_of_squares
-from lightning_swarm.algorithm.outer_fast import (
+from lightning_swarm.algorithm.diloco import max_abs, sum_of_squares
+from lightning_swarm.algorithm.outer_optimizer import (
     FastKind,
     fast_outer_kind,
 )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.algorithm.fused import sum_of_squares
+from lightning_swarm.algorithm.diloco import sum_of_squares
 from lightning_swarm.outer.bucket_step import BucketJob, Exchange, StreamedResult
 from lightning_swarm.transport.buckets import Piece, numel_of, placed
 
