@@ -150,7 +150,7 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
             _step(live.params, step)
             live.on_inner_step()
         assert live.in_flight == 1
-        peer_state = live.checkpoint.peer_offer()  # what torchft sends during that round
+        peer_state = live.state.peer_offer()  # what torchft sends during that round
         _step(live.params, 7)
         live_report = live.on_inner_step()  # the live island applies fragment 1 at step 7
         assert live_report is not None and live_report.applied

@@ -26,7 +26,7 @@ from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.memory import ProcReader
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
+from lightning_swarm.outer.sync_state import SyncState
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.errors import IntegrityError
@@ -181,13 +181,13 @@ def test_load_checks_once_and_a_checked_install_checks_nothing(
 ) -> None:
     outer, params = _trained_outer()
     calls: list[int] = []
-    check = SyncCheckpoint.check_state_dict
+    check = SyncState.check_state_dict
 
-    def counted(self: SyncCheckpoint, state: Mapping[str, Any]) -> None:
+    def counted(self: SyncState, state: Mapping[str, Any]) -> None:
         calls.append(1)
         check(self, state)
 
-    monkeypatch.setattr(SyncCheckpoint, "check_state_dict", counted)
+    monkeypatch.setattr(SyncState, "check_state_dict", counted)
     _outer(params, defer_anchors=True).load_state_dict(outer.state_dict())
     assert len(calls) == 1
     _outer(params, defer_anchors=True).load_checked_state_dict(outer.state_dict())

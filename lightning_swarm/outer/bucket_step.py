@@ -10,7 +10,6 @@ caller's tensors in place and owns only its bf16 rounding generator.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,17 +29,6 @@ from lightning_swarm.algorithm.outer_fast import (
 )
 from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
 from lightning_swarm.transport.buckets import Piece, placed
-
-
-@dataclass(frozen=True)
-class StreamedResult:
-    """A streamed round: the averaged pseudo-gradient's norm, bytes sent (= received) and the
-    host time spent starting and waiting for the bucket means."""
-
-    norm: float
-    bytes_sent: int
-    reduce_s: float = 0.0
-
 
 # A streamed round's error feedback: its names, the new residuals (scratch), the codec.
 Feedback = tuple[list[str], dict[str, Tensor], Codec]

@@ -27,7 +27,6 @@ from lightning_swarm.errors import SwarmConfigError, SwarmError
 from lightning_swarm.outer.build import codec_of
 from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
-from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
 from lightning_swarm.outer.worker import SyncWorker
@@ -338,11 +337,34 @@ class OuterLoop:
         return metrics
 
     def _reset_poisoned(self, report: SyncReport, outer: OuterSync) -> None:
-        """Restart this island if its contribution was rejected as non-finite; count every
-        island rejected so (each rank sees the whole round's verdicts)."""
+        """Count every island rejected for NaN or inf (each rank sees the round's verdicts);
+        restart this one if any of its ranks was rejected (collective over the island).
+
+        The island got the anchors back at the merge, but its inner optimizer state stays NaN
+        and would poison every later step: every parameter becomes its anchor, the residuals
+        are dropped and the inner optimizer's state cleared (hyper-parameters kept).
+        """
         self.islands_reset += len(report.non_finite_islands)
-        if island_must_reset(report, self._island_group):
-            reset_island(outer, self._optimizer_of[id(outer)], report.outer_steps)
+        # Also after a skipped round: the anchors did not move, and they are still finite.
+        flag, group = report.rejected_own, self._island_group
+        if group is not None and dist.get_world_size(group) > 1:
+            value = torch.tensor([int(flag)])
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+            flag = bool(value.item())
+        if not flag:
+            return
+        optimizer = self._optimizer_of[id(outer)]
+        outer.state.reset_to_anchors()
+        optimizer.state.clear()
+        warnings.warn(
+            f"swarm round {report.outer_steps}: this island's pseudo-gradient held NaN or inf "
+            "and was left out of the mean; the island restarts from the new anchors with its "
+            f"inner optimizer state ({type(optimizer).__name__}) cleared, so it trains again "
+            "from the next step. swarm/islands_reset counts these resets; frequent ones mean "
+            "the inner learning rate is too high or the data holds bad values.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def finish(self) -> dict[str, float] | None:
         """The end-of-fit round of every optimizer (``OuterSync.finish``), in optimizer order.

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.fused import sum_of_squares
-from lightning_swarm.outer.bucket_step import BucketJob, Exchange, StreamedResult
+from lightning_swarm.outer.bucket_step import BucketJob, Exchange
+from lightning_swarm.outer.sync_state import Exchanged
 from lightning_swarm.transport.buckets import Piece, numel_of, placed
 
 BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets of float32
@@ -135,7 +136,7 @@ class CudaStaging:
 
     def run(
         self, job: BucketJob, plan: list[list[Piece]], exchange: Exchange, delta: Tensor
-    ) -> StreamedResult:
+    ) -> Exchanged:
         """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
@@ -156,7 +157,7 @@ class CudaStaging:
             slot.computed.record(compute)
             self._copy_out(job, bucket, slot, copy_out)
         copy_out.synchronize()  # the host anchors and state are complete when run returns
-        return StreamedResult(float(sumsq.sqrt().item()), sent)
+        return Exchanged.streamed(sumsq, sent)
 
     @staticmethod
     def _compute(

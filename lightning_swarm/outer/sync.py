@@ -1,11 +1,7 @@
-"""The outer state of one inner optimizer's parameters, and the coordinator of its rounds.
-
-``OuterSync`` ties the DiLoCo math to a ``Transport`` without Lightning: ``on_inner_step`` after
-every real inner step, a ``SyncReport`` back when a round applied. Its state is one ``SyncState``
-(ownership documented there), its round engine ``OuterRound``; ``SyncCheckpoint`` saves it.
-``finish`` leaves every island on the anchors, bit for bit; which fragments it runs depends only
-on counters equal everywhere, so every rank runs the same collectives, and ``ended_at`` keeps a
-round from applying twice.
+"""``OuterSync``: the outer state of one inner optimizer's parameters and the schedule of its
+rounds, without Lightning: ``on_inner_step`` after every real inner step, a ``SyncReport`` back
+when a round applied. Which fragments run depends only on counters equal on every rank, so every
+rank runs the same collectives; ``finish`` leaves every island on the anchors, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ from torch import Tensor
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.errors import SwarmConfigTypeError
-from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
@@ -35,18 +30,11 @@ class OuterSync:
 
     Args:
         params: the trained parameters by name, in a fixed order identical on every rank.
-        outer_optimizer: factory called once with the anchors.
-        transport: averages pseudo-gradients across islands.
-        sync_every: inner steps between two rounds of the same fragment.
-        anchor_device: device for anchors and outer optimizer state.
-        anchor_dtype: dtype of the stored anchors.
         defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
-        streaming: fragments, delay, merge and error feedback (``StreamingOptions``).
-        shard: this rank's share of a sharded island (``lightning_swarm.outer.shard``): only
-            the names it owns get anchors, outer state and rounds here; ``None`` owns all.
+        shard: this rank's share of a sharded island: only the names it owns get anchors,
+            outer state and rounds here; ``None`` owns all.
         budget: rounds on a time budget (``sync_every_s``) instead of every ``sync_every``
-            steps: an island joins once its budget is spent and its pseudo-gradient is weighted
-            by the inner steps it took (``algorithm.budget``). One fragment and no delay.
+            steps (``algorithm.budget``); one fragment and no delay.
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -108,12 +96,10 @@ class OuterSync:
             synced_at=[None if defer_anchors else 0] * len(fragments),
             budget=budget,
         )
-        self.checkpoint = SyncCheckpoint(self.state)
-        self.engine = OuterRound(self.state, self.checkpoint)
+        self.engine = OuterRound(self.state)
 
     @property
     def streams(self) -> bool:
-        """Whether this sync's rounds now run as one streamed pass (``OuterRound.streams``)."""
         return self.engine.streams
 
     # -- the state, read-only views for the loop, the resume layer and tests ---------------
@@ -181,17 +167,56 @@ class OuterSync:
         rnd = self.state.in_flight
         return rnd.fragment if rnd is not None else None
 
-    # -- rounds ----------------------------------------------------------------------------
+    # -- the schedule ----------------------------------------------------------------------
     def on_inner_step(self) -> SyncReport | None:
-        """Count one inner step; run, send or apply the round the schedule names."""
-        return self.engine.on_inner_step()
+        """Count one inner step; send (or run) the fragment the schedule names, apply the one
+        due."""
+        s, engine = self.state, self.engine
+        s.inner_steps += 1
+        step = s.inner_steps
+        if s.budget is not None:  # one fragment, no delay (``config.check_budget_options``)
+            if not s.budget.spent():
+                return None
+            try:  # the next budget starts when the island leaves this round, however it ends
+                return engine.round(0)
+            finally:
+                s.budget.restart(s.inner_steps)
+        sending = s.schedule.sends_at(step)
+        if sending is not None and engine.streams:
+            return engine.round(sending)
+        if sending is not None:
+            engine.send(sending, inline=s.schedule.sync_delay == 0)
+        applying = s.schedule.applies_at(step)
+        # A round sent by the end-of-fit round's step was applied by it.
+        if applying is None or (
+            s.ended_at is not None and step - s.schedule.sync_delay <= s.ended_at
+        ):
+            return None
+        return engine.apply(applying)
 
     def finish(self) -> list[SyncReport]:
-        """The end-of-fit round: every island ends holding the anchors (see module docstring).
+        """The end-of-fit round: the round in flight, then every fragment out of sync merged
+        with alpha 0; returns their reports. ``ended_at`` keeps a round from applying twice."""
+        s = self.state
+        reports = []
+        pending = self._apply_in_flight()
+        if pending is not None:
+            reports.append(pending)
+        for fragment in range(len(s.fragments)):
+            # Under a time budget islands count different steps: a budgeted fit ends right
+            # after a round, where islands differ from the anchors only if it merged with alpha.
+            if s.budget is not None:
+                out_of_sync = s.schedule.merge_alpha != 0
+            else:
+                out_of_sync = s.synced_at[fragment] != s.inner_steps
+            if out_of_sync:
+                reports.append(self.engine.round(fragment, merge_alpha=0.0))
+        s.ended_at = s.inner_steps
+        return reports
 
-        Returns the reports of the rounds it ran (none when every fragment is in sync).
-        """
-        return self.engine.finish()
+    def _apply_in_flight(self) -> SyncReport | None:
+        rnd = self.state.in_flight
+        return None if rnd is None else self.engine.apply(rnd.fragment)
 
     def round_now(self, fragment: int = 0) -> SyncReport:
         """One round of ``fragment`` now, outside the inner-step schedule.
@@ -210,7 +235,7 @@ class OuterSync:
         checkpoint was written. A joiner contributes nothing and applies the swarm's round; if
         it was healed, it keeps its own progress since its old anchors on top of the new ones.
         """
-        self.engine.apply_in_flight()
+        self._apply_in_flight()
         s = self.state
         own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
         report = self.round_now()
@@ -219,7 +244,7 @@ class OuterSync:
                 s.params[name].copy_(s.anchors[name].float() + own[name])
             if s.shard is not None:
                 s.shard.gather(list(s.params), s.params)
-                self.engine.agree_counters()
+                s.agree_counters()
         return report
 
     @torch.no_grad()
@@ -239,20 +264,13 @@ class OuterSync:
 
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""
-        self.engine.drain()
+        if self.state.in_flight is not None:
+            self.state.in_flight.wait()
 
-    @torch.no_grad()
-    def reset_to_anchors(self) -> None:
-        """``OuterRound.reset_to_anchors``, for an island whose state went non-finite
-        (``outer.reset``); collective over a sharded island."""
-        self.engine.reset_to_anchors()
-
-    # -- checkpoint state (SyncCheckpoint reads it, the engine installs it) -----------------
-    def record(self, *, for_peer: bool = False) -> OuterRecord:
-        """The global state as a typed record (``SyncCheckpoint.record``); for a save, after
-        waiting for the round in flight, which it holds."""
-        pending = None if for_peer else self.engine.export_in_flight()
-        return self.checkpoint.record(pending=pending, for_peer=for_peer)
+    # -- the outer state record (``SyncState`` builds, checks and installs it) ---------------
+    def record(self) -> OuterRecord:
+        """The global state for a save, holding the round in flight (``SyncState.record``)."""
+        return self.state.record()
 
     def state_dict(self) -> dict[str, Any]:
         """Anchors, outer optimizer state, counters and a round in flight (global state)."""
@@ -267,8 +285,8 @@ class OuterSync:
         """This island's own state (error-feedback residuals; under a time budget the budget
         and the island's own inner-step count, since islands step at their own pace), after
         any round in flight; collective over a sharded island with error feedback."""
-        self.engine.drain()
-        state: dict[str, Any] = {"residuals": self.checkpoint.island_residuals()}
+        self.drain()
+        state: dict[str, Any] = {"residuals": self.state.island_residuals()}
         budget = self.state.budget
         if budget is not None:
             state["budget"] = {**budget.state_dict(), "inner_steps": self.state.inner_steps}
@@ -277,29 +295,29 @@ class OuterSync:
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install an ``island_state_dict`` (after ``load_state_dict``, whose counters are the
         saving island's: a budgeted island takes back its own inner-step count here)."""
-        self.engine.install_residuals(state)
+        self.state.install_residuals(state)
         budget, saved = self.state.budget, state.get("budget")
         if budget is not None and saved is not None:
             budget.load_state_dict(saved)
             self.state.inner_steps = int(saved["inner_steps"])
 
     def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Refuse a saved state this sync cannot install (``SyncCheckpoint.check_state_dict``)."""
-        self.checkpoint.check_state_dict(state)
+        """Refuse a saved state this sync cannot install (``SyncState.check_state_dict``)."""
+        self.state.check_state_dict(state)
 
     def check_anchors(self, anchors: Mapping[str, Tensor]) -> None:
         """Refuse saved anchors unless every parameter has one of its shape."""
-        self.checkpoint.check_anchors(anchors, names=self.params)
+        self.state.check_anchors(anchors, names=self.params)
 
     def load_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Check a saved state, then install it (``load_checked_state_dict``)."""
+        """Check a saved state, then install it."""
         record = OuterRecord.of(state)
-        self.checkpoint.check_state_dict(record)
-        self.load_checked_state_dict(record)
+        self.state.check_state_dict(record)
+        self.state.install(record)
 
     def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Install a state that passed ``check_state_dict``."""
-        self.engine.install(OuterRecord.of(state))
+        self.state.install(state)
 
 
 @torch.no_grad()
