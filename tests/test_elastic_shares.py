@@ -172,7 +172,7 @@ def _empty_share(rank: int, world: int, out: Path) -> None:
     """Two fragments of one tensor each over two ranks: each rank's share of the other's
     fragment is empty. A transport whose round needs every rank (one torchft Manager per rank
     waits for all of them) still gets that rank's round, with nothing in it."""
-    from lightning_swarm.outer.reports import StreamingOptions
+    from lightning_swarm.outer.sync_state import StreamingOptions
 
     for every_rank in (True, False):
         params = {n: torch.nn.Parameter(torch.ones(3)) for n in ("w", "v")}

@@ -39,9 +39,8 @@ from lightning_swarm.outer.bucket_step import (
     start_job,
     state_beside,
 )
-from lightning_swarm.outer.reports import SyncReport
 from lightning_swarm.outer.staging import CudaStaging, pin_round_memory
-from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncState
+from lightning_swarm.outer.sync_state import Exchanged, RoundInFlight, SyncReport, SyncState
 from lightning_swarm.transport.base import (
     Bucket,
     Handle,

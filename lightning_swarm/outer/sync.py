@@ -15,10 +15,14 @@ from torch import Tensor
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.errors import SwarmConfigTypeError
-from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
-from lightning_swarm.outer.sync_state import SyncState
+from lightning_swarm.outer.sync_state import (
+    OuterOptimizerFactory,
+    StreamingOptions,
+    SyncReport,
+    SyncState,
+)
 from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.transport.base import Transport
 
@@ -169,8 +173,7 @@ class OuterSync:
 
     # -- the schedule ----------------------------------------------------------------------
     def on_inner_step(self) -> SyncReport | None:
-        """Count one inner step; send (or run) the fragment the schedule names, apply the one
-        due."""
+        """Count one inner step; send (or run) the round the schedule names, apply the one due."""
         s, engine = self.state, self.engine
         s.inner_steps += 1
         step = s.inner_steps
@@ -230,10 +233,8 @@ class OuterSync:
 
     @torch.no_grad()
     def join(self) -> SyncReport:
-        """An elastic island's first round, now: a round in flight restored from a checkpoint
-        (saved with ``sync_delay > 0``) is applied first, as the swarm applied it when the
-        checkpoint was written. A joiner contributes nothing and applies the swarm's round; if
-        it was healed, it keeps its own progress since its old anchors on top of the new ones.
+        """An elastic island's first round, now, after applying a round in flight restored from
+        a checkpoint. A healed joiner keeps its progress since its old anchors on the new ones.
         """
         self._apply_in_flight()
         s = self.state
@@ -249,13 +250,8 @@ class OuterSync:
 
     @torch.no_grad()
     def land_on_anchors(self) -> None:
-        """Every parameter <- its anchor: how an elastic fit ends, on every island alike.
-
-        The last committed round merged with ``merge_alpha``; its anchors are the same on every
-        island, its mixed parameters are not. Copying the anchors is what merging that round
-        with alpha 0 gives (the outer step does not depend on alpha), as ``finish`` does.
-        Sharded, collective over the island.
-        """
+        """Every parameter <- its anchor (sharded: collective over the island): how an elastic
+        fit ends, on every island alike, as ``finish`` merges with alpha 0."""
         s = self.state
         for name in s.owned:
             s.params[name].copy_(s.anchors[name])
@@ -278,13 +274,11 @@ class OuterSync:
 
     @property
     def budget(self) -> RoundBudget | None:
-        """The island's time budget between rounds, or None (rounds every ``sync_every``)."""
         return self.state.budget
 
     def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state (error-feedback residuals; under a time budget the budget
-        and the island's own inner-step count, since islands step at their own pace), after
-        any round in flight; collective over a sharded island with error feedback."""
+        """This island's own state: residuals and, under a time budget, the budget and its own
+        inner-step count; after any round in flight; collective when sharded with feedback."""
         self.drain()
         state: dict[str, Any] = {"residuals": self.state.island_residuals()}
         budget = self.state.budget
@@ -293,8 +287,7 @@ class OuterSync:
         return state
 
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install an ``island_state_dict`` (after ``load_state_dict``, whose counters are the
-        saving island's: a budgeted island takes back its own inner-step count here)."""
+        """Install an ``island_state_dict`` (after ``load_state_dict``)."""
         self.state.install_residuals(state)
         budget, saved = self.state.budget, state.get("budget")
         if budget is not None and saved is not None:
@@ -327,13 +320,9 @@ def _build_anchors(
     placement: torch.device | str,
     dtype: torch.dtype,
 ) -> dict[str, Tensor]:
-    """A copy of each owned parameter, or memory-less placeholders (``placement="meta"``).
-
-    A resume replaces the anchors right after setup: copying the weights first would add the
-    full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors`` builds
-    placeholders that ``load_state_dict`` must replace; a round on placeholders raises (the
-    round engine's ``send``) instead of training on half-loaded state.
-    """
+    """A copy of each owned parameter, or memory-less placeholders (``placement="meta"``):
+    copying the weights a resume replaces would add the anchor bytes to RAM at a restart's
+    tightest moment; a round on placeholders raises instead of training on them."""
     return {
         name: params[name].detach().to(device=placement, dtype=dtype, copy=True) for name in owned
     }

@@ -1,4 +1,5 @@
-"""``SyncState``: everything one ``OuterSync``'s rounds read and write, and its outer state record.
+"""``SyncState``: everything one ``OuterSync``'s rounds read and write, and its outer state record;
+``StreamingOptions`` (never mutated) and ``SyncReport`` (the caller's): records without tensors.
 
 ``params`` are the module's, written in place by an applied round. ``anchors`` are owned here
 (one per ``owned`` name, never aliased to a parameter); the outer optimizer over them owns its
@@ -8,7 +9,7 @@ state. Sharded, only ``owned`` names have anchors, state and residuals on this r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,17 +20,59 @@ from torch import Tensor
 from torch.profiler import record_function
 
 import lightning_swarm.profiling as labels
-from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.budget import RoundBudget
+from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.algorithm.optimizer_state import select_by_name
 from lightning_swarm.algorithm.precision import keep_state_float32
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.transport.base import RoundPlace, RoundStats, Transport
+
+OuterOptimizerFactory = Callable[[Iterable[Tensor]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One applied (or skipped) round as seen by this rank.
+
+    ``wall_s`` is the time the training thread was blocked by the round; ``transport_s`` the
+    exchange's own duration, wherever it ran (hidden behind inner steps when ``sync_delay > 0``).
+    """
+
+    outer_steps: int
+    pseudo_grad_norm: float
+    bytes_sent: int
+    bytes_received: int
+    wall_s: float
+    applied: bool
+    fragment: int = 0
+    fragment_rounds: int = 0
+    transport_s: float = 0.0
+    # Islands rejected for NaN or inf in this round, and whether this island was one of them.
+    non_finite_islands: tuple[int, ...] = ()
+    rejected_own: bool = False
+    # This island's outer state was installed from a live island's in this round (elastic).
+    healed: bool = False
+
+
+@dataclass
+class StreamingOptions:
+    """Streaming DiLoCo options of one ``OuterSync`` (defaults: plain DiLoCo).
+
+    ``fragments`` cover every parameter name exactly once (``None``: one fragment);
+    ``merge_alpha``: on apply, ``local <- (1 - alpha) * global + alpha * local``; ``codec``: the
+    transport's, for error feedback; ``worker`` runs delayed exchanges (``sync_delay > 0``).
+    """
+
+    fragments: Sequence[Sequence[str]] | None = None
+    sync_delay: int = 0
+    merge_alpha: float = 0.0
+    codec: Codec | None = None
+    error_feedback: bool = False
+    worker: SyncWorker | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -323,16 +366,6 @@ class SyncState:
         inner, *synced, ended = (int(v) for v in counters.tolist())
         self.inner_steps, self.ended_at = inner, None if ended < 0 else ended
         self.synced_at = [None if v < 0 else v for v in synced]
-
-    @torch.no_grad()
-    def reset_to_anchors(self) -> None:
-        """Every parameter becomes its anchor again and the residuals are dropped (sharded:
-        collective over the island)."""
-        for name in self.owned:
-            merge_into_local(self.params[name].data, self.anchors[name], 0.0)
-        self.residuals = {}
-        if self.shard is not None:
-            self.shard.gather(list(self.params), self.params)
 
     def count_applied(self, fragment: int, alpha: float) -> None:
         """An applied round of ``fragment`` merged with ``alpha``: advance the counters."""
