@@ -154,28 +154,6 @@ def form_fragment(
     return flat, deltas
 
 
-def feed_back_tensors(
-    residuals: dict[str, Tensor], deltas: Mapping[str, Tensor], codec: Codec
-) -> dict[str, Tensor | None]:
-    """Add each residual to its delta (in place) and keep the new quantization error in
-    ``residuals``; returns the residuals it replaced, for ``restore_residuals``."""
-    previous = {name: residuals.get(name) for name in deltas}
-    for name, delta in deltas.items():
-        to_send, new_residual = with_error_feedback(delta, previous[name], codec)
-        delta.copy_(to_send)
-        residuals[name] = new_residual
-    return previous
-
-
-def restore_residuals(residuals: dict[str, Tensor], previous: Mapping[str, Tensor | None]) -> None:
-    """Undo ``feed_back_tensors``: a round that did not happen keeps its old residuals."""
-    for name, old in previous.items():
-        if old is None:
-            residuals.pop(name, None)
-        else:
-            residuals[name] = old
-
-
 def feed_back_pieces(
     residuals: Mapping[str, Tensor],
     names: Sequence[str],

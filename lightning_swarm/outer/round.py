@@ -33,9 +33,7 @@ from lightning_swarm.outer.bucket_step import (
     BucketJob,
     Feedback,
     feed_back_pieces,
-    feed_back_tensors,
     form_fragment,
-    restore_residuals,
     start_job,
     state_beside,
 )
@@ -71,7 +69,6 @@ class OuterRound:
         self._reduce_s = 0.0
         # This round's weight (``_open``): 1.0 unless a time budget weighs the islands.
         self._scale = 1.0
-        self._feedback: Feedback | None = None  # a streamed round's error feedback
 
     def kind(self) -> FastKind | None:
         """The per-bucket outer step, or None: one ``optimizer.step()`` over the fragment."""
@@ -170,23 +167,34 @@ class OuterRound:
         job = start_job(s.outer_optimizer, self._pairs(names), kind, alpha, allocate, s.outer_steps)
         numels = [p.numel() for p in params]
         self._reduce_s = 0.0
-        codec, self._feedback = self._codec(), None
-        if codec is not None:
-            scratch = {n: torch.empty(s.params[n].shape, device=s.anchor_device) for n in names}
-            self._feedback = (names, scratch, codec)
+        feedback = self._feedback({n: s.params[n].shape for n in names})
         if on_cuda:
             staged = max(t.block_size, self.staging.bucket_numel_for(job, t.bucket_numel))
             plan = plan_buckets(numels, staged, t.block_size)
             delta = self._buffer(numel_of(plan[0]), job.device)
             result = self.staging.run(job, plan, self._exchange_bucket, delta)
         else:
-            result = self._pipelined(job, plan_buckets(numels, t.bucket_numel, t.block_size))
-        if self._feedback is not None:  # the round happened: its residuals replace the old
-            s.residuals.update(self._feedback[1])
-            self._feedback = None
+            plan = plan_buckets(numels, t.bucket_numel, t.block_size)
+            result = self._pipelined(job, plan, feedback)
+        if feedback is not None:  # the round happened: its residuals replace the old
+            s.residuals.update(feedback[1])
         return replace(result, stats=replace(result.stats, wall_s=self._reduce_s))
 
-    def _pipelined(self, job: BucketJob, plan: list[list[Piece]]) -> Exchanged:
+    def _feedback(self, shapes: Mapping[str, torch.Size]) -> Feedback | None:
+        """Error feedback for a round of these names: their new residuals go to scratch, which
+        replaces the old ones only once the round applied (a failed round happened nowhere)."""
+        codec, device = self._codec(), self.state.anchor_device
+        if codec is None:
+            return None
+        return (
+            list(shapes),
+            {n: torch.empty(shape, device=device) for n, shape in shapes.items()},
+            codec,
+        )
+
+    def _pipelined(
+        self, job: BucketJob, plan: list[list[Piece]], feedback: Feedback | None = None
+    ) -> Exchanged:
         """Anchors on the parameters' device: ``in_flight + 1`` reused buckets, stepped in place
         through views (buckets touch disjoint elements: the order of writes does not matter)."""
         numel = max(numel_of(bucket) for bucket in plan)
@@ -201,8 +209,8 @@ class OuterRound:
             job.form(bucket, delta, job.anchor_at)
             if self._scale != 1.0:  # weighted before feedback and encoding see it
                 delta.mul_(self._scale)
-            if self._feedback is not None:
-                feed_back_pieces(self.state.residuals, *self._feedback, bucket, delta)
+            if feedback is not None:
+                feed_back_pieces(self.state.residuals, *feedback, bucket, delta)
             pending.append((bucket, delta, self._start(delta, bucket)))
             if len(pending) > self.in_flight:
                 sent += self._finish(job, *pending.pop(0), sumsq)
@@ -293,54 +301,47 @@ class OuterRound:
         place: RoundPlace,
         offer: Mapping[str, object] | None,
     ) -> Exchanged:
-        """Error feedback, ``open``, every bucket, ``agree`` (on the worker when delayed).
-
-        Overwrites ``flat`` with the average or, when the island adopts the swarm's round, a
-        zero buffer of that fragment's own. A skipped, failed or dropped round restores the
-        residuals: its whole pseudo-gradient re-enters the next round (anchors and locals stay).
-        """
+        """``open``, every bucket with its error feedback, ``agree`` (on the worker when
+        delayed). Overwrites ``flat`` with the average or, when the island adopts the swarm's
+        round, a zero buffer of that fragment's own. Only an applied own round replaces the
+        residuals: else its whole pseudo-gradient re-enters the next round."""
         s, t = self.state, self.transport
         # This rank's share of the fragment is empty: nothing to exchange, unless the
         # transport's round needs every rank of the island (elastic islands, one Manager a rank).
         if not deltas and not s.transport.every_rank_in_round:
             return Exchanged(RoundStats(applied=True), 0.0)
-        codec, start, sent = self._codec(), time.perf_counter(), 0
-        previous: dict[str, Tensor | None] = {}
-        opening = Opening()
-        try:
-            with record_function(labels.EXCHANGE):
-                # Residuals are finite (a refused round restores them), so the flag is the
-                # pseudo-gradient's; it is opened before feedback so a weight scales first.
-                finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
-                shapes = {n: d.shape for n, d in deltas.items()}
-                opening = self._open(RoundRequest(round_index, finite, shapes, place, offer))
-                if opening.adopt is not None:  # the swarm's fragment, contributing zeros
-                    names = s.owned_fragments[opening.adopt.fragment]
-                    flat, deltas = _zeros(s.params, names, flat.device)
-                elif self._scale != 1.0:
+        start, sent = time.perf_counter(), 0
+        with record_function(labels.EXCHANGE):
+            # Residuals are finite (a refused round keeps the old), so the flag is the
+            # pseudo-gradient's; it is opened before feedback so a weight scales first.
+            finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
+            shapes = {n: d.shape for n, d in deltas.items()}
+            opening = self._open(RoundRequest(round_index, finite, shapes, place, offer))
+            feedback = None
+            if opening.adopt is not None:  # the swarm's fragment, contributing zeros
+                names = s.owned_fragments[opening.adopt.fragment]
+                flat, deltas = _zeros(s.params, names, flat.device)
+            else:
+                if self._scale != 1.0:
                     flat.mul_(self._scale)
-                if codec is not None and opening.adopt is None:
-                    previous = feed_back_tensors(s.residuals, deltas, codec)
-                if not opening.abandon:
-                    sent = self._buckets(flat, [d.numel() for d in deltas.values()])
-                stats = t.agree()
-                if s.budget is not None and not stats.applied:
-                    # The stopping rule counts applied rounds only (the same on every island):
-                    # a fit ends holding the global model, never at an abandoned round.
-                    s.budget.swarm_steps = None
-                elif s.budget is not None and stats.swarm_steps is not None:
-                    s.budget.swarm_steps = stats.swarm_steps
-        except BaseException:
-            restore_residuals(s.residuals, previous)
-            raise
+                feedback = self._feedback(shapes)
+            if not opening.abandon:
+                sent = self._buckets(flat, [d.numel() for d in deltas.values()], feedback)
+            stats = t.agree()
+            if s.budget is not None and not stats.applied:
+                # The stopping rule counts applied rounds only (the same on every island):
+                # a fit ends holding the global model, never at an abandoned round.
+                s.budget.swarm_steps = None
+            elif s.budget is not None and stats.swarm_steps is not None:
+                s.budget.swarm_steps = stats.swarm_steps
+        if feedback is not None and stats.applied and not opening.abandon:
+            s.residuals.update(feedback[1])
         stats = replace(
             stats,
             bytes_sent=stats.bytes_sent + sent,
             bytes_received=stats.bytes_received + sent,
             wall_s=time.perf_counter() - start,
         )
-        if opening.adopt is not None or not stats.applied:  # the own round is not applied
-            restore_residuals(s.residuals, previous)
         norm = global_norm(list(deltas.values())) if stats.applied else 0.0
         if opening.adopt is None:
             return Exchanged(stats, norm)
@@ -348,15 +349,19 @@ class OuterRound:
             stats, norm, adopted=opening.adopt, adopted_flat=flat, adopted_deltas=deltas
         )
 
-    def _buckets(self, flat: Tensor, numels: list[int]) -> int:
-        """Start every bucket of ``flat`` (tensors of ``numels`` back to back) and wait for
-        them: a pipelined transport keeps ``in_flight`` in flight; returns the bytes sent."""
+    def _buckets(self, flat: Tensor, numels: list[int], feedback: Feedback | None) -> int:
+        """Start every bucket of ``flat`` (tensors of ``numels`` back to back) after its error
+        feedback and wait for them: a pipelined transport keeps ``in_flight`` in flight;
+        returns the bytes sent."""
         t, sent = self.transport, 0
         plan = plan_buckets(numels, t.bucket_numel, t.block_size)
         handles: list[Handle] = []
         at = 0
         for bucket in plan:
-            handles.append(t.start(Bucket(flat[at : at + numel_of(bucket)], _runs(bucket))))
+            delta = flat[at : at + numel_of(bucket)]
+            if feedback is not None:
+                feed_back_pieces(self.state.residuals, *feedback, bucket, delta)
+            handles.append(t.start(Bucket(delta, _runs(bucket))))
             at += numel_of(bucket)
             if t.pipelined and len(handles) > self.in_flight:
                 sent += handles.pop(0).wait()
