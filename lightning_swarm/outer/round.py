@@ -139,16 +139,23 @@ class OuterRound:
             _, norm = s.shard.agree(True, result.norm, error)
             s.shard.gather(s.fragments[fragment], s.params)
         s.count_applied(fragment, alpha)
+        return self._report(fragment, result.stats, norm, True, time.perf_counter() - start)
+
+    def _report(
+        self, fragment: int, stats: RoundStats, norm: float, applied: bool, wall_s: float
+    ) -> SyncReport:
         return SyncReport(
-            outer_steps=s.outer_steps,
+            outer_steps=self.state.outer_steps,
             pseudo_grad_norm=norm,
-            bytes_sent=result.stats.bytes_sent,
-            bytes_received=result.stats.bytes_sent,
-            wall_s=time.perf_counter() - start,
-            applied=True,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            wall_s=wall_s,
+            applied=applied,
             fragment=fragment,
-            fragment_rounds=s.fragment_rounds[fragment],
-            transport_s=result.stats.wall_s,
+            fragment_rounds=self.state.fragment_rounds[fragment],
+            transport_s=stats.wall_s,
+            non_finite_islands=stats.non_finite_islands,
+            rejected_own=stats.rejected_own,
         )
 
     # -- the streamed form: one pass ----------------------------------------------------
@@ -393,20 +400,9 @@ class OuterRound:
         if rnd.flat is not None and not rnd.exported:
             self._hold = rnd.flat
         del rnd.deltas, rnd.flat
-        return SyncReport(
-            outer_steps=s.outer_steps,
-            pseudo_grad_norm=norm,
-            bytes_sent=result.stats.bytes_sent,
-            bytes_received=result.stats.bytes_received,
-            wall_s=rnd.send_blocked_s + time.perf_counter() - start,
-            applied=applied,
-            fragment=fragment,
-            fragment_rounds=s.fragment_rounds[fragment],
-            transport_s=result.stats.wall_s,
-            non_finite_islands=result.stats.non_finite_islands,
-            rejected_own=result.stats.rejected_own,
-            healed=healed,
-        )
+        wall_s = rnd.send_blocked_s + time.perf_counter() - start
+        report = self._report(fragment, result.stats, norm, applied, wall_s)
+        return replace(report, healed=healed)
 
     def _step_and_merge(
         self, fragment: int, flat: Tensor | None, deltas: Mapping[str, Tensor], alpha: float
