@@ -248,7 +248,7 @@ def test_a_checkpoint_dict_of_todays_form_loads() -> None:
     # Saves older than the per-fragment counters lack them: in sync unknown, fit never ended.
     old = {k: v for k, v in saved.items() if k not in ("fragment_rounds", "synced_at", "ended_at")}
     twin.load_state_dict(old)
-    assert (twin.fragment_rounds, twin.state.synced_at, twin.state.ended_at) == ([0], [None], None)
+    assert (twin.fragment_rounds, twin.synced_at, twin.ended_at) == ([0], [None], None)
 
 
 # -- catch-up ---------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class OuterLoop:
         self.totals = totals if totals is not None else SwarmTotals()
         self._closed = False
         self._worker = SyncWorker(device=device) if config.sync_delay > 0 else None
-        self._outer_syncs: list[OuterSync] = []
+        self.outer_syncs: list[OuterSync] = []  # one per optimizer training floats, in order
         self._by_optimizer: dict[int, OuterSync] = {}
         self._optimizer_of: dict[int, Optimizer] = {}  # id(OuterSync) -> its inner optimizer
         self._island_group = island_group
@@ -157,14 +157,14 @@ class OuterLoop:
                 shard=shard,
                 budget=self._budget(clock, budget_group, device),
             )
-            self._outer_syncs.append(outer)
+            self.outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
             self._optimizer_of[id(outer)] = optimizer
         self._watch = ParameterWatch(optimizers, self.frozen)
-        if config.sync_every_s is not None and len(self._outer_syncs) > 1:
+        if config.sync_every_s is not None and len(self.outer_syncs) > 1:
             raise SwarmConfigError(
                 f"sync_every_s={config.sync_every_s} runs one round per time budget, but "
-                f"{len(self._outer_syncs)} optimizers train parameters here and each would "
+                f"{len(self.outer_syncs)} optimizers train parameters here and each would "
                 "decide its own round; train with one optimizer, or drop sync_every_s."
             )
 
@@ -236,14 +236,14 @@ class OuterLoop:
     def swarm_steps(self) -> int | None:
         """Under a time budget: the most inner steps any island had taken at the last round
         (the same on every rank); ``None`` before the first round and without a budget."""
-        counts = [o.budget.swarm_steps for o in self._outer_syncs if o.budget is not None]
+        counts = [o.budget.swarm_steps for o in self.outer_syncs if o.budget is not None]
         known = [c for c in counts if c is not None]
         return max(known) if known else None
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """Around a checkpoint save: a time budget's clock stops (``RoundBudget.pause``)."""
-        paused = [(o.budget, o.inner_steps) for o in self._outer_syncs if o.budget is not None]
+        paused = [(o.budget, o.inner_steps) for o in self.outer_syncs if o.budget is not None]
         for budget, inner_steps in paused:
             budget.pause(inner_steps)
         try:
@@ -254,13 +254,9 @@ class OuterLoop:
 
     def continue_budgets(self) -> None:
         """Right before the first inner step: a budget a resume loaded runs from now."""
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             if outer.budget is not None:
                 outer.budget.continue_now()
-
-    @property
-    def outer_syncs(self) -> list[OuterSync]:
-        return self._outer_syncs
 
     def frozen_summary(self) -> str:
         """One line for the log: the frozen parameters left out of the outer loop."""
@@ -289,8 +285,8 @@ class OuterLoop:
         self.totals.bytes_sent += report.bytes_sent
         self.totals.bytes_received += report.bytes_received
         self.totals.sync_wall_s += report.wall_s
-        index = self._outer_syncs.index(outer)
-        suffix = "" if len(self._outer_syncs) == 1 else f"_opt{index}"
+        index = self.outer_syncs.index(outer)
+        suffix = "" if len(self.outer_syncs) == 1 else f"_opt{index}"
         metrics = {
             f"swarm/outer_steps{suffix}": float(report.outer_steps),
             f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
@@ -324,7 +320,7 @@ class OuterLoop:
             return
         optimizer = self._optimizer_of[id(outer)]
         outer.land_on_anchors()
-        outer.state.residuals = {}
+        outer.residuals = {}
         optimizer.state.clear()
         warnings.warn(
             f"swarm round {report.outer_steps}: this island's pseudo-gradient held NaN or inf "
@@ -340,14 +336,14 @@ class OuterLoop:
         """The end-of-fit round of every optimizer, in order (collective); the metrics of the
         rounds it ran (later rounds' keys win), or None when every island held the anchors."""
         metrics: dict[str, float] = {}
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             for report in outer.finish():
                 metrics.update(self._record(report, outer))
         return metrics or None
 
     def drain(self) -> None:
         """Wait for every round in flight without applying it."""
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             outer.drain()
 
     def close(self) -> None:
@@ -374,13 +370,13 @@ class OuterLoop:
     # -- figures (the census's ``SwarmMemoryReport``) -------------------------------------
     def memory_key(self) -> tuple[int, int]:
         """Changes whenever anchor or outer-state sizes may have changed (a round applied)."""
-        return (len(self._outer_syncs), self.totals.outer_steps)
+        return (len(self.outer_syncs), self.totals.outer_steps)
 
     def anchor_bytes(self) -> int:
-        return sum(o.anchor_bytes for o in self._outer_syncs)
+        return sum(o.anchor_bytes for o in self.outer_syncs)
 
     def outer_state_bytes(self) -> int:
-        return sum(o.outer_state_bytes() for o in self._outer_syncs)
+        return sum(o.outer_state_bytes() for o in self.outer_syncs)
 
     def spool_bytes(self) -> int | None:
         """Bytes the transport holds on disk now, where it spools (``None`` otherwise)."""
@@ -390,7 +386,7 @@ class OuterLoop:
     def anchor_spans(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of each CPU anchor's storage, once per storage."""
         spans: dict[int, int] = {}
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             for anchor in outer.anchors.values():
                 if anchor.device.type == "cpu":
                     storage = anchor.untyped_storage()
@@ -401,7 +397,7 @@ class OuterLoop:
         """Bytes one rank would have sent across islands had they run DDP instead (a ring
         all-reduce of every trained gradient at every inner step)."""
         total = 0
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
             total += ring_allreduce_bytes(grad_bytes, self.num_islands) * outer.inner_steps
         return total

@@ -1,16 +1,10 @@
 """The round engine of one ``OuterSync``: ``send`` forms ``anchor - local`` in float32, opens the
-round (``Transport.open``) and starts the transport per planned bucket; ``apply`` waits, agrees
-whether the round applies, steps the outer optimizer and merges. ``sync_delay`` only decides
-when ``apply`` runs (``OuterSync.on_inner_step``).
-
-Streamed (``OuterRound.streams``: a pipelined transport, no delay, a per-bucket outer step), one
-pass forms, feeds back, exchanges, steps and merges bucket by bucket (CUDA parameters with host
-anchors through ``CudaStaging``). Held, the fragment is formed into one float32 buffer and
-exchanged inline or on the ``SyncWorker``; its ``RoundInFlight`` lives until ``apply``. New
-residuals replace the old only when the exchange succeeded: a failed round happened nowhere.
-Elastic membership is a branch of the held form: ``open`` may answer that the island adopts the
-swarm's round; ``apply`` installs a heal, takes the swarm's clock and applies the adopted
-fragment, on the training thread. The engine owns its reused buffers and staging for life.
+round and per planned bucket applies error feedback and starts the transport; ``apply`` waits,
+agrees whether the round applies, steps the outer optimizer and merges (installing a heal or
+an adopted round first). ``sync_delay`` only decides when ``apply`` runs. ``streams``: one pass
+forms, exchanges, steps and merges bucket by bucket (CUDA parameters with host anchors through
+``CudaStaging``). New residuals replace the old only once the round applied. The engine owns its
+reused buffers and staging for life.
 """
 
 from __future__ import annotations
@@ -121,7 +115,7 @@ class OuterRound:
             self.send(fragment, inline=True)
             return self.apply(fragment, merge_alpha=merge_alpha)
         s = self.state
-        assert s.in_flight is None
+        assert s.held is None
         alpha = s.schedule.merge_alpha if merge_alpha is None else merge_alpha
         start = time.perf_counter()
         result = Exchanged(RoundStats(), 0.0)  # a share with no tensors in this fragment
@@ -267,7 +261,7 @@ class OuterRound:
     def send(self, fragment: int, *, inline: bool) -> None:
         """Form fragment ``fragment``'s pseudo-gradients and start their exchange."""
         s = self.state
-        assert s.in_flight is None, "the schedule allows one round in flight at a time"
+        assert s.held is None, "the schedule allows one round in flight at a time"
         if s.placeholders:
             raise RuntimeError(
                 "an outer round started while the anchors are still placeholders awaiting a "
@@ -281,7 +275,7 @@ class OuterRound:
         rnd = RoundInFlight(fragment, s.inner_steps, deltas, flat=flat)
         delay = 0 if inline else s.schedule.sync_delay
         place = RoundPlace(fragment, s.inner_steps, s.inner_steps + delay)
-        s.in_flight = rnd
+        s.held = rnd
         # A transport that heals peers sends them this (references; nothing moves until apply).
         offer = s.peer_offer() if self.transport.heals else None
         exchange = functools.partial(self._exchange, flat, deltas, s.outer_steps, place, offer)
@@ -290,7 +284,7 @@ class OuterRound:
                 rnd.result = exchange()
             except Exception as err:
                 if s.shard is None:
-                    s.in_flight = None
+                    s.held = None
                     raise
                 rnd.error = err  # the island agrees on it at the apply, then raises
         else:
@@ -383,11 +377,11 @@ class OuterRound:
         A skipped round keeps anchors and locals: the island's progress enters the next round.
         """
         s = self.state
-        rnd = s.in_flight
+        rnd = s.held
         assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
         start = time.perf_counter()
         result, applied, norm = self._island_result(rnd)
-        s.in_flight = None
+        s.held = None
         healed = s.install_heal(result.stats)
         flat, deltas = rnd.flat, rnd.deltas
         if result.adopted is not None:

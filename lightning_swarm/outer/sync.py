@@ -29,8 +29,8 @@ from lightning_swarm.transport.base import Transport
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
 
 
-class OuterSync:
-    """DiLoCo outer state and per-fragment rounds for one set of parameters.
+class OuterSync(SyncState):
+    """DiLoCo outer state (``SyncState``) and per-fragment rounds for one set of parameters.
 
     Args:
         params: the trained parameters by name, in a fixed order identical on every rank.
@@ -78,9 +78,14 @@ class OuterSync:
         owned = [n for n in params if shard is None or shard.owns(n)]
         owned_set = set(owned)
         device = torch.device(anchor_device)
-        anchors = _build_anchors(params, owned, "meta" if defer_anchors else device, anchor_dtype)
+        # A resume replaces the anchors: copying the weights first would add the anchor bytes
+        # to RAM at a restart's tightest moment, so ``defer_anchors`` builds placeholders.
+        placement = "meta" if defer_anchors else device
+        anchors = {
+            n: params[n].detach().to(device=placement, dtype=anchor_dtype, copy=True) for n in owned
+        }
         self.sync_every = sync_every
-        self.state = SyncState(
+        super().__init__(
             params=params,
             shard=shard,
             owned=owned,
@@ -100,99 +105,49 @@ class OuterSync:
             synced_at=[None if defer_anchors else 0] * len(fragments),
             budget=budget,
         )
-        self.engine = OuterRound(self.state)
+        self.engine = OuterRound(self)
 
     @property
     def streams(self) -> bool:
         return self.engine.streams
 
-    # -- the state, read-only views for the loop, the resume layer and tests ---------------
-    @property
-    def params(self) -> dict[str, torch.nn.Parameter]:
-        return self.state.params
-
-    @property
-    def anchors(self) -> dict[str, Tensor]:
-        return self.state.anchors
-
-    @property
-    def outer_optimizer(self) -> torch.optim.Optimizer:
-        return self.state.outer_optimizer
-
-    @property
-    def anchor_dtype(self) -> torch.dtype:
-        return self.state.anchor_dtype
-
-    @property
-    def fragments(self) -> list[list[str]]:
-        return self.state.fragments
-
-    @property
-    def schedule(self) -> FragmentSchedule:
-        return self.state.schedule
-
-    @property
-    def shard(self) -> IslandShard | None:
-        return self.state.shard
-
-    @property
-    def owned(self) -> list[str]:
-        return self.state.owned
-
-    @property
-    def residuals(self) -> dict[str, Tensor]:
-        return self.state.residuals
-
-    @property
-    def inner_steps(self) -> int:
-        return self.state.inner_steps
-
-    @property
-    def outer_steps(self) -> int:
-        return self.state.outer_steps
-
-    @property
-    def fragment_rounds(self) -> list[int]:
-        return self.state.fragment_rounds
-
     @property
     def anchor_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self.state.anchors.values())
+        return sum(a.numel() * a.element_size() for a in self.anchors.values())
 
     def outer_state_bytes(self) -> int:
         """Bytes held by the outer optimizer's state tensors (e.g. momentum)."""
-        states = self.state.outer_optimizer.state.values()
+        states = self.outer_optimizer.state.values()
         tensors = [v for state in states for v in state.values() if isinstance(v, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def in_flight(self) -> int | None:
         """The fragment sent and not applied yet, or None."""
-        rnd = self.state.in_flight
-        return rnd.fragment if rnd is not None else None
+        return self.held.fragment if self.held is not None else None
 
     # -- the schedule ----------------------------------------------------------------------
     def on_inner_step(self) -> SyncReport | None:
         """Count one inner step; send (or run) the round the schedule names, apply the one due."""
-        s, engine = self.state, self.engine
-        s.inner_steps += 1
-        step = s.inner_steps
-        if s.budget is not None:  # one fragment, no delay (``config.check_budget_options``)
-            if not s.budget.spent():
+        engine = self.engine
+        self.inner_steps += 1
+        step = self.inner_steps
+        if self.budget is not None:  # one fragment, no delay (``config.check_budget_options``)
+            if not self.budget.spent():
                 return None
             try:  # the next budget starts when the island leaves this round, however it ends
                 return engine.round(0)
             finally:
-                s.budget.restart(s.inner_steps)
-        sending = s.schedule.sends_at(step)
+                self.budget.restart(self.inner_steps)
+        sending = self.schedule.sends_at(step)
         if sending is not None and engine.streams:
             return engine.round(sending)
         if sending is not None:
-            engine.send(sending, inline=s.schedule.sync_delay == 0)
-        applying = s.schedule.applies_at(step)
+            engine.send(sending, inline=self.schedule.sync_delay == 0)
+        applying = self.schedule.applies_at(step)
         # A round sent by the end-of-fit round's step was applied by it.
         if applying is None or (
-            s.ended_at is not None and step - s.schedule.sync_delay <= s.ended_at
+            self.ended_at is not None and step - self.schedule.sync_delay <= self.ended_at
         ):
             return None
         return engine.apply(applying)
@@ -200,26 +155,24 @@ class OuterSync:
     def finish(self) -> list[SyncReport]:
         """The end-of-fit round: the round in flight, then every fragment out of sync merged
         with alpha 0; returns their reports. ``ended_at`` keeps a round from applying twice."""
-        s = self.state
         reports = []
         pending = self._apply_in_flight()
         if pending is not None:
             reports.append(pending)
-        for fragment in range(len(s.fragments)):
+        for fragment in range(len(self.fragments)):
             # Under a time budget islands count different steps: a budgeted fit ends right
             # after a round, where islands differ from the anchors only if it merged with alpha.
-            if s.budget is not None:
-                out_of_sync = s.schedule.merge_alpha != 0
+            if self.budget is not None:
+                out_of_sync = self.schedule.merge_alpha != 0
             else:
-                out_of_sync = s.synced_at[fragment] != s.inner_steps
+                out_of_sync = self.synced_at[fragment] != self.inner_steps
             if out_of_sync:
                 reports.append(self.engine.round(fragment, merge_alpha=0.0))
-        s.ended_at = s.inner_steps
+        self.ended_at = self.inner_steps
         return reports
 
     def _apply_in_flight(self) -> SyncReport | None:
-        rnd = self.state.in_flight
-        return None if rnd is None else self.engine.apply(rnd.fragment)
+        return None if self.held is None else self.engine.apply(self.held.fragment)
 
     def round_now(self, fragment: int = 0) -> SyncReport:
         """One round of ``fragment`` now, outside the inner-step schedule.
@@ -227,7 +180,7 @@ class OuterSync:
         Raises:
             ValueError: with a round in flight.
         """
-        if self.state.in_flight is not None:
+        if self.held is not None:
             raise ValueError("a round outside the schedule needs none in flight")
         return self.engine.round(fragment)
 
@@ -237,95 +190,57 @@ class OuterSync:
         a checkpoint. A healed joiner keeps its progress since its old anchors on the new ones.
         """
         self._apply_in_flight()
-        s = self.state
-        own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
+        own = {n: self.params[n].float() - self.anchors[n].float() for n in self.owned}
         report = self.round_now()
         if report.healed:
-            for name in s.owned:
-                s.params[name].copy_(s.anchors[name].float() + own[name])
-            if s.shard is not None:
-                s.shard.gather(list(s.params), s.params)
-                s.agree_counters()
+            for name in self.owned:
+                self.params[name].copy_(self.anchors[name].float() + own[name])
+            if self.shard is not None:
+                self.shard.gather(list(self.params), self.params)
+                self.agree_counters()
         return report
 
     @torch.no_grad()
     def land_on_anchors(self) -> None:
         """Every parameter <- its anchor (sharded: collective over the island): how an elastic
         fit ends, on every island alike, as ``finish`` merges with alpha 0."""
-        s = self.state
-        for name in s.owned:
-            s.params[name].copy_(s.anchors[name])
-        if s.shard is not None:
-            s.shard.gather(list(s.params), s.params)
+        for name in self.owned:
+            self.params[name].copy_(self.anchors[name])
+        if self.shard is not None:
+            self.shard.gather(list(self.params), self.params)
 
     def drain(self) -> None:
         """Wait for a round in flight without applying it (before a save or at teardown)."""
-        if self.state.in_flight is not None:
-            self.state.in_flight.wait()
+        if self.held is not None:
+            self.held.wait()
 
     # -- the outer state record (``SyncState`` builds, checks and installs it) ---------------
-    def record(self) -> OuterRecord:
-        """The global state for a save, holding the round in flight (``SyncState.record``)."""
-        return self.state.record()
-
     def state_dict(self) -> dict[str, Any]:
         """Anchors, outer optimizer state, counters and a round in flight (global state)."""
         return self.record().to_dict()
-
-    @property
-    def budget(self) -> RoundBudget | None:
-        return self.state.budget
 
     def island_state_dict(self) -> dict[str, Any]:
         """This island's own state: residuals and, under a time budget, the budget and its own
         inner-step count; after any round in flight; collective when sharded with feedback."""
         self.drain()
-        state: dict[str, Any] = {"residuals": self.state.island_residuals()}
-        budget = self.state.budget
-        if budget is not None:
-            state["budget"] = {**budget.state_dict(), "inner_steps": self.state.inner_steps}
+        state: dict[str, Any] = {"residuals": self.island_residuals()}
+        if self.budget is not None:
+            state["budget"] = {**self.budget.state_dict(), "inner_steps": self.inner_steps}
         return state
 
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install an ``island_state_dict`` (after ``load_state_dict``)."""
-        self.state.install_residuals(state)
-        budget, saved = self.state.budget, state.get("budget")
-        if budget is not None and saved is not None:
-            budget.load_state_dict(saved)
-            self.state.inner_steps = int(saved["inner_steps"])
-
-    def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Refuse a saved state this sync cannot install (``SyncState.check_state_dict``)."""
-        self.state.check_state_dict(state)
-
-    def check_anchors(self, anchors: Mapping[str, Tensor]) -> None:
-        """Refuse saved anchors unless every parameter has one of its shape."""
-        self.state.check_anchors(anchors, names=self.params)
+        self.install_residuals(state)
+        saved = state.get("budget")
+        if self.budget is not None and saved is not None:
+            self.budget.load_state_dict(saved)
+            self.inner_steps = int(saved["inner_steps"])
 
     def load_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Check a saved state, then install it."""
         record = OuterRecord.of(state)
-        self.state.check_state_dict(record)
-        self.state.install(record)
-
-    def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Install a state that passed ``check_state_dict``."""
-        self.state.install(state)
-
-
-@torch.no_grad()
-def _build_anchors(
-    params: Mapping[str, torch.nn.Parameter],
-    owned: list[str],
-    placement: torch.device | str,
-    dtype: torch.dtype,
-) -> dict[str, Tensor]:
-    """A copy of each owned parameter, or memory-less placeholders (``placement="meta"``):
-    copying the weights a resume replaces would add the anchor bytes to RAM at a restart's
-    tightest moment; a round on placeholders raises instead of training on them."""
-    return {
-        name: params[name].detach().to(device=placement, dtype=dtype, copy=True) for name in owned
-    }
+        self.check_state_dict(record)
+        self.load_checked_state_dict(record)
 
 
 def _build_outer_optimizer(

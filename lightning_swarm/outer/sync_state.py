@@ -1,10 +1,8 @@
-"""``SyncState``: everything one ``OuterSync``'s rounds read and write, and its outer state record;
-``StreamingOptions`` (never mutated) and ``SyncReport`` (the caller's): records without tensors.
+"""``SyncState``: what one ``OuterSync``'s rounds read and write, saved as an ``OuterRecord``.
 
-``params`` are the module's, written in place by an applied round. ``anchors`` are owned here
-(one per ``owned`` name, never aliased to a parameter); the outer optimizer over them owns its
-state. Sharded, only ``owned`` names have anchors, state and residuals on this rank.
-``residuals`` are the island's own; everything else is global and saved as an ``OuterRecord``.
+``params`` are the module's, written in place by an applied round; ``anchors`` are owned here
+(``owned`` names only, never aliased to a parameter). ``residuals`` are the island's own.
+``StreamingOptions`` (never mutated) and ``SyncReport`` (the caller's) hold no tensors.
 """
 
 from __future__ import annotations
@@ -129,7 +127,7 @@ class RoundInFlight:
         return self.result
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class SyncState:
     """The fields an ``OuterSync`` and its round engine share, and their (de)serialisation.
 
@@ -158,7 +156,7 @@ class SyncState:
     synced_at: list[int | None] = field(default_factory=list)
     ended_at: int | None = None
     residuals: dict[str, Tensor] = field(default_factory=dict)
-    in_flight: RoundInFlight | None = None
+    held: RoundInFlight | None = None  # the round sent and not applied yet
     budget: RoundBudget | None = None
 
     # -- the record: what a save holds and a healing peer receives ---------------------------
@@ -170,7 +168,7 @@ class SyncState:
         healing peer (``for_peer``): no round in flight, the counters of the round's send and
         the share when sharded; anchors and outer state do not move until that round's apply.
         """
-        rnd, pending = self.in_flight, None
+        rnd, pending = self.held, None
         if rnd is not None and not for_peer:
             result = rnd.wait()
             rnd.exported = True
@@ -229,7 +227,7 @@ class SyncState:
         """
         record = OuterRecord.of(state)
         # A healing peer's share (``peer_offer``) holds the anchors of this rank's names only.
-        self.check_anchors(record.anchors, names=self.params if record.share is None else None)
+        self.check_anchors(record.anchors, names=None if record.share is None else self.owned)
         step, ended = record.counters.inner_steps, record.counters.ended_at
         # Rounds sent by the end-of-fit round's step were applied by it.
         expected = self.schedule.in_flight(step, sent_after=int(ended or 0)) if step else None
@@ -244,9 +242,9 @@ class SyncState:
     def check_anchors(
         self, anchors: Mapping[str, Tensor], names: Iterable[str] | None = None
     ) -> None:
-        """Refuse saved anchors unless each of ``names`` (default: the owned ones) has one of
+        """Refuse saved anchors unless each of ``names`` (default: every parameter) has one of
         its parameter's shape."""
-        for name in self.owned if names is None else names:
+        for name in self.params if names is None else names:
             p = self.params[name]
             anchor = anchors.get(name)
             if anchor is None or tuple(anchor.shape) != tuple(p.shape):
@@ -258,7 +256,7 @@ class SyncState:
                 )
 
     # -- installs ----------------------------------------------------------------------------
-    def install(self, state: Mapping[str, Any] | OuterRecord) -> None:
+    def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
         """Install a record that passed ``check_state_dict``.
 
         Anchors already on the anchor device and dtype are adopted, not copied (memory-mapped
@@ -280,7 +278,7 @@ class SyncState:
         rounds, synced = c.fragment_rounds, c.synced_at
         self.fragment_rounds = [0] * len(self.fragments) if rounds is None else list(rounds)
         self.synced_at = [None] * len(self.fragments) if synced is None else list(synced)
-        self.in_flight = None
+        self.held = None
         pending = record.pending
         if pending is not None:
             stats = RoundStats(
@@ -292,9 +290,7 @@ class SyncState:
             owned = set(self.owned)
             deltas = {n: t.to(torch.float32) for n, t in pending.deltas.items() if n in owned}
             result = Exchanged(stats, pending.norm, combined=not pending.share_norm)
-            self.in_flight = RoundInFlight(
-                pending.fragment, pending.send_step, deltas, result=result
-            )
+            self.held = RoundInFlight(pending.fragment, pending.send_step, deltas, result=result)
 
     def install_residuals(self, state: Mapping[str, Any]) -> None:
         """Install the owned residuals of an ``island_state_dict`` on the anchor device.
@@ -316,43 +312,38 @@ class SyncState:
             if name in owned
         }
 
-    def install_heal(self, stats: RoundStats) -> bool:
-        """Install the heal a round delivered, keeping this rank's progress since its anchors;
-        after a heal anywhere in the island, gather its parameters and counters (collective
-        over the island when sharded). Returns whether the island was healed."""
-        if stats.heal is not None:
-            self._install_peer(OuterRecord.of(stats.heal))
-        if stats.island_healed and self.shard is not None:
-            self.shard.gather(list(self.params), self.params)
-            self.agree_counters()
-        return stats.heal is not None or stats.island_healed
-
     @torch.no_grad()
-    def _install_peer(self, saved: OuterRecord) -> None:
-        """Install a live island's ``peer_offer`` as ``local <- anchor_new + (local -
-        anchor_old)``: a heal whose round is then abandoned must not leave stale weights under
-        the new anchors (the next pseudo-gradient would carry the swarm's whole advance).
+    def install_heal(self, stats: RoundStats) -> bool:
+        """Install the heal a round delivered (a live island's ``peer_offer``) as ``local <-
+        anchor_new + (local - anchor_old)``: a heal whose round is then abandoned must not leave
+        stale weights under the new anchors. After a heal anywhere in the island, gather its
+        parameters and counters (collective when sharded). Returns whether it was healed.
 
         Raises:
             ValueError: the offer is another share of the outer state than this rank's.
         """
-        shard = self.shard
-        mine = None if shard is None else (shard.position, shard.size)
-        theirs, names = saved.share, saved.names
-        if theirs != mine or (shard is not None and list(names) != self.owned):
-            raise ValueError(
-                f"a healing peer sent the share {_share_text(theirs)} with {len(names)} "
-                f"tensor(s), but this rank holds the share {_share_text(mine)} with "
-                f"{len(self.owned)}: islands of a swarm must split the outer state alike "
-                "(the same number of ranks per island and shard_outer on every island)."
-            )
-        own = {n: self.params[n].float() - self.anchors[n].float() for n in self.owned}
-        record = replace(saved, counters=replace(saved.counters, inner_steps=0), pending=None)
-        self.check_state_dict(record)
-        self.install(record)
-        self.inner_steps = saved.counters.inner_steps
-        for name in self.owned:
-            self.params[name].copy_(self.anchors[name].float() + own[name])
+        if stats.heal is not None:
+            saved, shard = OuterRecord.of(stats.heal), self.shard
+            mine = None if shard is None else (shard.position, shard.size)
+            theirs, names = saved.share, saved.names
+            if theirs != mine or (shard is not None and list(names) != self.owned):
+                raise ValueError(
+                    f"a healing peer sent the share {_share_text(theirs)} with {len(names)} "
+                    f"tensor(s), but this rank holds the share {_share_text(mine)} with "
+                    f"{len(self.owned)}: islands of a swarm must split the outer state alike "
+                    "(the same number of ranks per island and shard_outer on every island)."
+                )
+            own = {n: self.params[n].float() - self.anchors[n].float() for n in self.owned}
+            record = replace(saved, counters=replace(saved.counters, inner_steps=0), pending=None)
+            self.check_state_dict(record)
+            self.load_checked_state_dict(record)
+            self.inner_steps = saved.counters.inner_steps
+            for name in self.owned:
+                self.params[name].copy_(self.anchors[name].float() + own[name])
+        if stats.island_healed and self.shard is not None:
+            self.shard.gather(list(self.params), self.params)
+            self.agree_counters()
+        return stats.heal is not None or stats.island_healed
 
     def agree_counters(self) -> None:
         """Position 0's inner-step counters on every rank of the island (collective): torchft
