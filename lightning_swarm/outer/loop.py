@@ -133,7 +133,7 @@ class OuterLoop:
         self._by_optimizer: dict[int, OuterSync] = {}
         self._optimizer_of: dict[int, Optimizer] = {}  # id(OuterSync) -> its inner optimizer
         self._island_group = island_group
-        # Islands restarted after a non-finite contribution, this fit (outer.reset).
+        # Islands restarted after a non-finite contribution, this fit.
         self.islands_reset = 0
         seen: set[int] = set()
         # Frozen at setup and left out (frozen_params="exclude"): by name, for the log.

@@ -127,9 +127,10 @@ class RoundInFlight:
         return self.result
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class SyncState:
-    """The fields an ``OuterSync`` and its round engine share, and their (de)serialisation.
+    """The fields an ``OuterSync`` and its round engine share, and their (de)serialisation
+    (identity equality and the default repr: it holds tensors).
 
     ``owned_fragments``: per fragment, the owned names it contains. ``synced_at``: per fragment,
     the inner step after which its locals last equalled its anchors on every island (None:
