@@ -7,7 +7,6 @@ rank runs the same collectives; ``finish`` leaves every island on the anchors, b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,7 +22,6 @@ from lightning_swarm.outer.sync_state import (
     SyncReport,
     SyncState,
 )
-from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
@@ -208,39 +206,6 @@ class OuterSync(SyncState):
             self.params[name].copy_(self.anchors[name])
         if self.shard is not None:
             self.shard.gather(list(self.params), self.params)
-
-    def drain(self) -> None:
-        """Wait for a round in flight without applying it (before a save or at teardown)."""
-        if self.held is not None:
-            self.held.wait()
-
-    # -- the outer state record (``SyncState`` builds, checks and installs it) ---------------
-    def state_dict(self) -> dict[str, Any]:
-        """Anchors, outer optimizer state, counters and a round in flight (global state)."""
-        return self.record().to_dict()
-
-    def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state: residuals and, under a time budget, the budget and its own
-        inner-step count; after any round in flight; collective when sharded with feedback."""
-        self.drain()
-        state: dict[str, Any] = {"residuals": self.island_residuals()}
-        if self.budget is not None:
-            state["budget"] = {**self.budget.state_dict(), "inner_steps": self.inner_steps}
-        return state
-
-    def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install an ``island_state_dict`` (after ``load_state_dict``)."""
-        self.install_residuals(state)
-        saved = state.get("budget")
-        if self.budget is not None and saved is not None:
-            self.budget.load_state_dict(saved)
-            self.inner_steps = int(saved["inner_steps"])
-
-    def load_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Check a saved state, then install it."""
-        record = OuterRecord.of(state)
-        self.check_state_dict(record)
-        self.load_checked_state_dict(record)
 
 
 def _build_outer_optimizer(

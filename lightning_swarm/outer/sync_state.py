@@ -206,17 +206,37 @@ class SyncState:
             else None,
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """Anchors, outer optimizer state, counters and a round in flight (global state)."""
+        return self.record().to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
+        """Check a saved state, then install it."""
+        record = OuterRecord.of(state)
+        self.check_state_dict(record)
+        self.load_checked_state_dict(record)
+
     def peer_offer(self) -> dict[str, Any]:
         """``record(for_peer=True)`` as a dict, built by the engine when it opens a round."""
         return self.record(for_peer=True).to_dict()
 
-    def island_residuals(self) -> dict[str, Tensor]:
-        """The error-feedback residuals; sharded with feedback, collective over the island and
-        complete on its first rank (which writes the island's file)."""
+    def drain(self) -> None:
+        """Wait for a round in flight without applying it (before a save or at teardown)."""
+        if self.held is not None:
+            self.held.wait()
+
+    def island_state_dict(self) -> dict[str, Any]:
+        """This island's own state, after any round in flight: residuals (sharded with feedback:
+        collective, complete on the island's first rank, which writes its file) and, under a
+        time budget, the budget and the island's own inner-step count."""
+        self.drain()
         residuals = dict(self.residuals)
         if self.shard is not None and self.streaming.error_feedback:
             residuals = self.shard.collect(residuals)
-        return residuals
+        state: dict[str, Any] = {"residuals": residuals}
+        if self.budget is not None:
+            state["budget"] = {**self.budget.state_dict(), "inner_steps": self.inner_steps}
+        return state
 
     # -- checks, on every rank before anything is installed ----------------------------------
     def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
@@ -293,8 +313,9 @@ class SyncState:
             result = Exchanged(stats, pending.norm, combined=not pending.share_norm)
             self.held = RoundInFlight(pending.fragment, pending.send_step, deltas, result=result)
 
-    def install_residuals(self, state: Mapping[str, Any]) -> None:
-        """Install the owned residuals of an ``island_state_dict`` on the anchor device.
+    def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install an ``island_state_dict`` (after ``load_state_dict``): the owned residuals on
+        the anchor device; a budgeted island takes back its own inner-step count.
 
         Raises:
             SwarmCheckpointError: a residual does not fit this model.
@@ -312,6 +333,10 @@ class SyncState:
             for name, r in residuals.items()
             if name in owned
         }
+        saved = state.get("budget")
+        if self.budget is not None and saved is not None:
+            self.budget.load_state_dict(saved)
+            self.inner_steps = int(saved["inner_steps"])
 
     @torch.no_grad()
     def install_heal(self, stats: RoundStats) -> bool:
