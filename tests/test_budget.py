@@ -19,7 +19,7 @@ from lightning_swarm.between_rounds import BudgetFit
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.outer.reports import StreamingOptions
+from lightning_swarm.outer.sync_state import StreamingOptions
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import Transport
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
