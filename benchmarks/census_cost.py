@@ -34,7 +34,7 @@ import torch
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.callbacks import HostMemoryCensus
 from lightning_swarm.demo.gpt import GPT
-from lightning_swarm.memory import ProcReader
+from lightning_swarm.memory.procfs import ProcReader
 
 GIB = 2**30
 

@@ -56,8 +56,8 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.outer.reports import StreamingOptions
 from lightning_swarm.outer.sync import OuterSync
+from lightning_swarm.outer.sync_state import StreamingOptions
 from lightning_swarm.outer.worker import SyncWorker
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from lightning_swarm.memory import ProcReader
+from lightning_swarm.memory.procfs import ProcReader
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.files import load_swarm_file

@@ -1,9 +1,7 @@
 """lightning_swarm: DiLoCo-style training across islands as a PyTorch Lightning strategy.
 
-Exports the strategy, its callbacks, ``load_global_state_dict`` (the global model out of any
-checkpoint) and every error a user can act on (each a ``SwarmError``).
-Importing registers ``Trainer(strategy="swarm")``, ``"swarm_spawn"`` and ``"swarm_fsdp"``; a name
-already registered is left alone.
+Exports the strategy, its callbacks, ``load_global_state_dict`` and every error a user can act on.
+Importing registers ``Trainer(strategy="swarm")``, ``"swarm_spawn"`` and ``"swarm_fsdp"``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

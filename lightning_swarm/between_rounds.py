@@ -1,12 +1,14 @@
-"""What Lightning sends between outer rounds, kept inside the island (Lightning glue).
+"""Lightning's per-step machinery in a swarm: kept inside the island, or moved to rounds (glue).
 
 Between rounds nothing may cross islands: each message costs a slow round trip and would let a
 slow island pace the others. ``IslandSigterm`` replaces Lightning's per-batch SIGTERM broadcast:
 the island agrees every batch, the islands once per round, and every rank stops at the same batch
-after the next round (a grace period must cover ``sync_every`` steps). ``max_time`` and
-``train_time_interval`` cannot be confined; ``warn_of_world_collectives`` names alternatives.
+after the next round (a grace period must cover ``sync_every`` steps). Under a time budget islands
+step at their own pace, so ``BudgetFit`` moves ``max_steps`` and step-triggered checkpoints to
+rounds, counting the swarm's steps (the most any island took, agreed at each round). ``max_time``
+and ``train_time_interval`` cannot be confined; ``warn_of_world_collectives`` names alternatives.
 The Lightning private names read here are read nowhere else, each tested in
-``tests/test_between_rounds.py``.
+``tests/test_between_rounds.py`` or ``tests/test_budget_resume.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -23,27 +26,22 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.callbacks.timer import Interval
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
-from lightning_swarm.errors import PeerLostError, SwarmError
+from lightning_swarm.errors import PeerLostError, SwarmConfigError, SwarmError
 from lightning_swarm.transport.link import is_peer_loss, peer_lost_message
 
 log = logging.getLogger(__name__)
 
 
 class IslandSigterm:
-    """SIGTERM handling of one fit of a static swarm of several islands (module docstring).
+    """SIGTERM handling of one fit of a static swarm of several islands.
 
-    Args:
-        trainer: the fitting trainer; its signal handler and per-batch check are replaced
-            before Lightning registers its handlers (the strategy's ``setup``).
-        island_group: the island's group for messages between rounds (``SwarmGroups.
-            between_rounds``: no round or worker thread uses it); ``None`` for islands of one
-            rank.
-        device: where the flags live (the backend of the groups must reach it).
-
-    Lifetime: ``install`` at setup; ``close`` when the fit ends normally (every rank ends at
-    the same batch), which waits for an agreement still in flight before the groups go. After a
-    failed fit the strategy drops the object without waiting: a peer may be gone.
+    ``island_group`` is ``SwarmGroups.between_rounds`` (no round or worker thread uses it;
+    ``None`` for islands of one rank); ``device`` is where the flags live. Lifetime: ``install``
+    at setup, before Lightning registers its handlers; ``close`` when the fit ends normally,
+    waiting for an agreement still in flight before the groups go. After a failed fit the
+    strategy drops the object without waiting: a peer may be gone.
     """
 
     def __init__(
@@ -57,7 +55,6 @@ class IslandSigterm:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def install(self) -> None:
-        """Take over Lightning's SIGTERM handler and per-batch check on this trainer."""
         connector = self._trainer._signal_connector
         # An instance attribute: Lightning registers ``self._sigterm_notifier_fn`` after setup.
         connector._sigterm_notifier_fn = self._on_sigterm  # type: ignore[method-assign,assignment]
@@ -75,11 +72,8 @@ class IslandSigterm:
         self._signalled = True
 
     def check(self) -> None:
-        """At every training batch: agree inside the island; stop if the islands agreed to.
-
-        Raises:
-            SIGTERMException: the last round's agreement said some island was signalled.
-        """
+        """At every training batch: agree inside the island; raise ``SIGTERMException`` if
+        the last round's agreement said some island was signalled."""
         flag = torch.tensor([int(self._signalled)], device=self._device)
         if self._island_group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._island_group)
@@ -137,3 +131,147 @@ def warn_of_world_collectives(trainer: pl.Trainer) -> None:
                 "inner step, so a slow link or a slow island paces every step; prefer "
                 "ModelCheckpoint(every_n_train_steps=...), a multiple of sync_every."
             )
+
+
+def check_round_saves(trainer: pl.Trainer, seconds: float) -> list[ModelCheckpoint]:
+    """The trainer's ``ModelCheckpoint`` callbacks that save during the fit.
+
+    Raises:
+        SwarmConfigError: a checkpoint saves at epoch ends or on a clock, or links its last
+            checkpoint (each island would do so at a different round).
+    """
+    during: list[ModelCheckpoint] = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        if callback._every_n_epochs or callback._train_time_interval is not None:
+            given = (
+                f"every_n_epochs={callback._every_n_epochs}"
+                if callback._every_n_epochs
+                else f"train_time_interval={callback._train_time_interval}"
+            )
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} cannot run ModelCheckpoint({given}): each island "
+                "reaches its epoch ends and its clock at a different round, and a save is "
+                "collective. Pass ModelCheckpoint(every_n_train_steps=N) instead: under a "
+                "budget it saves right after the first round at which some island reached each "
+                "multiple of N steps (counted like max_steps); Trainer(enable_checkpointing="
+                "False) for no checkpoints during the fit."
+            )
+        if callback.save_last == "link":
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} cannot run ModelCheckpoint(save_last='link'): it links "
+                "the last checkpoint at each island's own epoch ends, a collective the other "
+                "islands do not join; pass save_last=True."
+            )
+        if callback._every_n_train_steps:
+            during.append(callback)
+    return during
+
+
+class BudgetFit(pl.Callback):
+    """Ends a budgeted fit at the first round where the swarm's step count reached
+    ``max_steps``, and saves each step-triggered checkpoint right after the first round at which
+    it reached a multiple of ``every_n_train_steps`` (``monitor``: every island must log it in
+    ``training_step``; file names are global rank 0's).
+
+    Lifetime: built at the strategy's setup, ``install`` right after it, ``start`` before the
+    first step, ``after_round`` after each round, ``restore`` (idempotent) when the fit ends.
+
+    Raises:
+        SwarmConfigError: without ``max_steps``, with ``max_epochs``, or as
+            ``check_round_saves``.
+    """
+
+    def __init__(self, trainer: pl.Trainer, seconds: float) -> None:
+        self._trainer = trainer
+        self.max_steps = trainer.max_steps
+        if self.max_steps == -1:
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} ends the fit at the first round where some island "
+                "reached Trainer(max_steps=...), but max_steps is not set; pass "
+                "Trainer(max_steps=N)."
+            )
+        if trainer.max_epochs not in (None, -1):
+            raise SwarmConfigError(
+                f"sync_every_s={seconds} cannot end a fit by Trainer(max_epochs="
+                f"{trainer.max_epochs}): islands step at their own pace, so their epochs end at "
+                "different rounds; pass max_steps only (max_epochs=-1)."
+            )
+        self._checkpoints = check_round_saves(trainer, seconds)
+        self._every = {id(c): c._every_n_train_steps for c in self._checkpoints}
+        self._due: list[ModelCheckpoint] = []
+        self._last = 0  # the swarm's step count at the last round
+
+    @property
+    def checkpoints(self) -> list[ModelCheckpoint]:
+        """The checkpoint callbacks whose saves move to rounds."""
+        return list(self._checkpoints)
+
+    def install(self) -> None:
+        """Lift Lightning's per-process step limit and the checkpoints' step trigger; join
+        ``trainer.callbacks`` right before the first checkpoint (so this runs just before it)."""
+        self._trainer.fit_loop.epoch_loop.max_steps = -1
+        if not self._checkpoints:
+            return
+        for checkpoint in self._checkpoints:
+            checkpoint._every_n_train_steps = 0
+        callbacks: list[pl.Callback] = self._trainer.callbacks  # type: ignore[attr-defined]
+        first = next(i for i, c in enumerate(callbacks) if c in self._checkpoints)
+        callbacks.insert(first, self)
+
+    def start(self, swarm_steps: int) -> None:
+        """Before the first step: the swarm's step count at the last round (0 for a fresh fit);
+        a resumed fit whose count already reached ``max_steps`` ends before taking a step."""
+        self._last = swarm_steps
+        self.after_round(swarm_steps)  # no checkpoint is due: the count did not move
+
+    def after_round(self, swarm_steps: int) -> None:
+        """After a round at which the swarm's step count was ``swarm_steps``: end the fit after
+        this batch if it reached ``max_steps``, and mark the checkpoints now due."""
+        if swarm_steps >= self.max_steps:
+            self._trainer.should_stop = True
+        last, every = self._last, self._every
+        self._due = [
+            c for c in self._checkpoints if swarm_steps // every[id(c)] > last // every[id(c)]
+        ]
+        self._last = swarm_steps
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        due, self._due = self._due, []
+        for checkpoint in due:
+            if checkpoint._should_skip_saving_checkpoint(trainer):
+                continue
+            candidates = checkpoint._monitor_candidates(trainer)
+            # Collective over the world (every rank is at this save): a top-k save needs the
+            # monitored value on every island.
+            logged = checkpoint.monitor is None or trainer.strategy.reduce_boolean_decision(
+                checkpoint.monitor in candidates
+            )
+            if logged:
+                checkpoint._save_topk_checkpoint(trainer, candidates)
+            else:
+                rank_zero_warn(
+                    f"ModelCheckpoint(monitor={checkpoint.monitor!r}): some island has not logged "
+                    "it at this round, so no top-k checkpoint was saved here; under "
+                    "sync_every_s log the monitored value in training_step on every island."
+                )
+            checkpoint._save_last_checkpoint(trainer, candidates)
+
+    def restore(self) -> None:
+        """Give Lightning its ``max_steps`` and the checkpoints their trigger back; leave
+        ``trainer.callbacks``. Idempotent."""
+        self._trainer.fit_loop.epoch_loop.max_steps = self.max_steps
+        for checkpoint in self._checkpoints:
+            checkpoint._every_n_train_steps = self._every[id(checkpoint)]
+        callbacks: list[pl.Callback] = self._trainer.callbacks  # type: ignore[attr-defined]
+        if self in callbacks:
+            callbacks.remove(self)

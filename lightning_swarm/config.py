@@ -1,10 +1,9 @@
-"""Typed, self-validating configuration of the swarm strategy.
+"""Typed, self-validating configuration of the swarm strategy (``SwarmConfig``).
 
-``SwarmConfig`` declares every strategy option but the outer optimizer factory; the strategy's
-keywords and the Hydra schema derive from it, so YAML keys equal its fields. ``__post_init__``
-raises ``SwarmConfigError`` (a ``ValueError``) or ``SwarmConfigTypeError`` (a ``TypeError``),
-naming the option and the fix, before any group or tensor exists. Imports neither
-torch.distributed nor lightning.
+Each option is declared, defaulted and documented once here; the strategy's keywords, the Hydra
+schema and docs/options.md derive from it. ``__post_init__`` raises ``SwarmConfigError`` or
+``SwarmConfigTypeError`` naming the option and the fix. Imports neither torch.distributed nor
+lightning.
 """
 
 from __future__ import annotations
@@ -27,28 +26,17 @@ from lightning_swarm.algorithm.fragments import (
 from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.transport.config import (
     MIN_BUCKET_MB,
-    TRANSPORTS,
     SwarmTransportConfig,
     TransportName,
     check_block_mb,
     check_bool,
     check_transport,
+    is_number,
 )
 
-__all__ = [
-    "ISLAND_PARALLEL",
-    "ISLAND_SETTINGS",
-    "RESUME_OPTIONS",
-    "TRANSPORTS",
-    "AnchorConfig",
-    "SwarmConfig",
-    "SwarmTransportConfig",
-    "must_match",
-    "parse_dtype",
-]
-
 IslandParallel = Literal["ddp", "fsdp"]
-ISLAND_PARALLEL: tuple[str, ...] = get_args(IslandParallel)
+MembershipName = Literal["static", "torchft"]
+FrozenParams = Literal["exclude", "sync"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -60,24 +48,15 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def dtype_name(value: str | torch.dtype | None) -> str | None:
-    """``torch.bfloat16`` -> ``"bfloat16"``; a name or None passes through (checked later)."""
-    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-
-
 def parse_dtype(value: str | torch.dtype | None, *, option: str) -> torch.dtype | None:
     """Turn ``"bfloat16"`` / ``torch.bfloat16`` / ``None`` into a floating torch dtype."""
-    if value is None or isinstance(value, torch.dtype):
-        if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise SwarmConfigError(f"{option} must be a floating dtype, got {value}.")
-        return value
-    key = str(value).removeprefix("torch.").lower()
-    if key not in _DTYPES:
+    key = None if value is None else str(value).removeprefix("torch.").lower()
+    if key is not None and key not in _DTYPES:
         raise SwarmConfigError(
-            f"{option}={value!r} is not a supported dtype; use one of "
-            f"{sorted(set(_DTYPES))} or null for float32."
+            f"{option}={key if isinstance(value, torch.dtype) else value!r} is not a supported "
+            f"dtype; use one of {sorted(set(_DTYPES))} or null for float32."
         )
-    return _DTYPES[key]
+    return None if key is None else _DTYPES[key]
 
 
 @dataclass(kw_only=True)
@@ -86,11 +65,10 @@ class AnchorConfig:
 
     Attributes:
         mmap: map the saved anchors (``torch.load(mmap=True)``) so bytes a restart does not
-            touch stay file-backed; ``False`` reads them eagerly into RAM. The environment
-            variable ``LIGHTNING_SWARM_ANCHOR_MMAP=0`` also turns mapping off.
-        verify: before a resume installs anything, check every swarm file against the checksum
-            its checkpoint recorded (one chunked read per file) and scan anchors and island
-            parameters for NaN/inf; ``False`` skips both (file sizes are still checked).
+            touch stay file-backed; ``False`` reads them into RAM, as does the environment
+            variable ``LIGHTNING_SWARM_ANCHOR_MMAP=0``.
+        verify: before a resume installs anything, check every swarm file against its recorded
+            checksum and scan anchors and parameters for NaN/inf; ``False`` skips both.
     """
 
     mmap: bool = True
@@ -101,139 +79,87 @@ class AnchorConfig:
         check_bool("anchors.verify", self.verify)
 
 
-MembershipName = Literal["static", "torchft"]
-
 DEFAULT_TIMEOUT_S = 1800.0
 """Every process group's timeout when ``timeout_s`` is not set (torch's own default)."""
 ROUND_TIMEOUT_FLOOR_S = 60.0
 """An elastic round's least timeout when ``round_timeout_s`` is not set, and the bound of what
 does not grow with the payload (group set-ups, a heal's header)."""
-FrozenParams = Literal["exclude", "sync"]
 
-# Where an option must match (field metadata, so a new option is marked next to its
-# declaration and nowhere else): "resume" compares it between a checkpoint and the resuming run,
-# "islands" between the islands of an elastic swarm. ``must_match`` lists each site's fields.
+# Where an option must match (field metadata, next to its declaration): "resume" between a
+# checkpoint and the resuming run, "islands" between the islands of an elastic swarm.
 MustMatchSite = Literal["resume", "islands"]
-_MUST_MATCH = "must_match"
-
-
-def _must_match(*sites: MustMatchSite) -> dict[str, tuple[MustMatchSite, ...]]:
-    """Field metadata marking an option as one that must match at ``sites``."""
-    return {_MUST_MATCH: sites}
+_RESUME_ISLANDS: dict[str, tuple[MustMatchSite, ...]] = {"must_match": ("resume", "islands")}
+_RESUME: dict[str, tuple[MustMatchSite, ...]] = {"must_match": ("resume",)}
 
 
 @dataclass(kw_only=True)
 class SwarmConfig:
-    """Options of ``SwarmStrategy`` that are plain data.
-
-    Each field's default here is the only one: the Hydra schema and ``conf/strategy/*.yaml``
-    state only what a preset changes. Field metadata marks the options that must match between
-    a checkpoint and the resuming run (``"resume"``) or between the islands of an elastic swarm
-    (``"islands"``); ``must_match`` lists them.
+    """Options of ``SwarmStrategy`` that are plain data; each default here is the only one.
 
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
-        sync_every_s: rounds on a time budget instead (docs/speeds.md): each island trains
-            for this many seconds of its own wall time after it left the last round, then joins
-            the next round (at most one inner step late), and the round's mean weighs each
-            island by the inner steps it took. The fit ends at the first round where some
-            island reached ``Trainer(max_steps)``. ``None`` (default): every ``sync_every``
-            steps. Needs one fragment and ``sync_delay=0`` (checked by
-            ``check_budget_options``).
-        island_size: ranks per island; must divide the world size (checked at setup).
-        transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` (a
-            bucketed all-reduce over the peer group) or ``"swarm"`` (a rotating aggregator that
-            spools, validates and aggregates; options under ``swarm``).
-        anchor_device: where anchors and outer optimizer state live (``"cpu"`` by default,
-            never silently on the accelerator); an accelerator this build cannot use is refused.
-        anchor_dtype: dtype of the stored anchors; ``None`` means float32. ``"bfloat16"``
-            halves anchor memory: the outer step still runs in float32 and bfloat16 anchors
-            are stored with stochastic rounding.
-        bucket_mb: size of one all-reduce bucket in MiB; bounds the transport's extra memory
-            (at least ``MIN_BUCKET_MB``: smaller buckets only make syncs slower).
+        sync_every_s: rounds on a time budget instead: each island trains this many seconds
+            between rounds, and the fit ends at the first round where some island reached
+            ``Trainer(max_steps)`` (docs/speeds.md). Needs one fragment and ``sync_delay=0``.
+        island_size: ranks per island; must divide the world size.
+        transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` over the
+            peer group, or ``"swarm"`` (an aggregator that spools, validates and aggregates).
+        anchor_device: where anchors and outer optimizer state live.
+        anchor_dtype: dtype of the stored anchors (``None``: float32); ``"bfloat16"`` halves
+            anchor memory (stochastic rounding; the outer step still runs in float32).
+        bucket_mb: MiB in one all-reduce bucket, bounding the transport's extra memory.
         anchors: how anchors are restored on resume (``AnchorConfig``; a dict is accepted).
-        swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted);
-            setting them with ``transport="allreduce"`` has no effect and warns
-            (docs/swarm_transport.md).
-        num_fragments: Streaming DiLoCo's F: the trained parameters split into F fragments
-            that sync on staggered schedules (fragment f at offset f x sync_every / F);
-            ``sync_every`` must be a multiple of F.
+        swarm: options of the swarm transport (``SwarmTransportConfig``; a dict is accepted).
+        num_fragments: Streaming DiLoCo's F: the trained parameters sync in F fragments on
+            staggered schedules; ``sync_every`` must be a multiple of F.
         fragment_layout: ``"strided"`` (layer i -> fragment i mod F), ``"sequential"`` or
-            explicit lists of module names, one list per fragment (checked at setup).
+            explicit lists of module names, one list per fragment.
         sync_delay: tau, inner steps between sending a fragment's pseudo-gradient and applying
-            the averaged result; the exchange runs in a background thread meanwhile
-            (``0 <= sync_delay < sync_every / num_fragments``).
+            the result (``0 <= sync_delay < sync_every / num_fragments``).
         merge_alpha: on arrival, ``local <- (1 - alpha) x global + alpha x local``.
         quantize: codec of the exchanged pseudo-gradients: none, bf16, int8 or int4.
         quantize_block_size: elements sharing one absmax scale (int8 / int4).
         error_feedback: carry each island's quantization error into its next round.
-        sync_at_end: when fit ends with inner steps since the last round, run one last round
-            so every island ends holding the same global model (the anchors); ``False`` keeps
-            each island's local weights.
+        sync_at_end: run one last round when fit ends between rounds, so every island ends
+            holding the global model; ``False`` keeps the local weights.
         membership: ``"static"`` (one torch.distributed world, every island in every round) or
-            ``"torchft"`` (each launch is one island; islands meet through a lighthouse and
-            may fail, restart and join; needs the ``elastic`` extra; docs/elastic.md). With
-            ``"torchft"``, fragments, ``sync_delay``, ``merge_alpha`` and ``quantize`` (with
-            error feedback) work, each fragment's round being a torchft round of its own;
-            ``transport="swarm"`` is refused.
-        lighthouse: torchft only: the lighthouse's address, as ``swarm-lighthouse`` prints it,
-            e.g. ``http://host:29510``.
+            ``"torchft"`` (each launch is one island that may fail, restart and join;
+            docs/elastic.md).
+        lighthouse: torchft only: the lighthouse's address, as ``swarm-lighthouse`` prints it.
         island_id: torchft only: this island's name, unique among live islands.
         min_islands: torchft only: a round commits only with at least this many islands.
         quorum_timeout_s: torchft only: how long a round waits for enough islands.
-        round_timeout_s: torchft only: bound on a round's collectives, its heal and its
-            commit gate. ``None`` (the default) derives it per round as ``timeout_s`` does for
-            the peer group: 4x the payload's time at the link rate this rank measured in its
-            last round (10 Mbit/s before any), at least 60 s; a value set here is used as it is.
-        shard_outer: with ``island_size = k > 1``, each rank of an island owns about 1/k of
-            the anchors and outer state (balanced by bytes) and exchanges only that share
-            across islands; the island then gathers the new parameters over its own group.
-            Cross-island bytes, anchor memory and outer-step work per rank drop about k-fold;
-            refused with ``swarm.max_norm``. ``False`` keeps every rank's full copy. No effect
-            with ``island_parallel="fsdp"``: there each rank's share is its own model shard.
-            With ``membership="torchft"`` the island is the launch's world (k ranks): each rank
-            then exchanges its share with a torchft Manager of its own, and every island of the
-            swarm must split the outer state alike (the same k; ``False`` means 1).
-        island_parallel: how an island's ranks split the work: ``"ddp"`` (every rank holds the
-            whole model, gradients averaged over the island's group) or ``"fsdp"`` (the module's
-            ``configure_model`` shards it over the island's own ``(data_parallel,
-            tensor_parallel)`` mesh; the outer round runs on each rank's local shards;
-            docs/fsdp.md).
-        tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island's
-            ``tensor_parallel`` mesh dimension; ``island_size / tensor_parallel_size`` ranks form
-            its ``data_parallel`` dimension.
-        frozen_params: what the outer loop does with parameters an optimizer holds that have
-            ``requires_grad=False`` at setup: ``"exclude"`` (they cannot change while frozen:
-            no anchor, never exchanged; unfreezing one later is refused at that step) or
-            ``"sync"`` (anchored and exchanged like the others, so they can be unfrozen
-            mid-run).
-        timeout_s: how long any collective of a static run (DDP inside an island, the outer
-            round, a checkpoint's barriers) waits for the other ranks before every waiting
-            rank raises ``CollectiveTimeoutError``: a rank that stopped or hung ends the run
-            after this many seconds instead of blocking it (torch's default is 30 minutes).
-            ``None`` (the default) means ``DEFAULT_TIMEOUT_S`` for every group, except that
-            the peer group's bound grows with the round's payload over the link rate the last
-            round measured (``transport.link``); a value set here is used as it is everywhere.
+        round_timeout_s: torchft only: bound on a round's collectives, heal and commit gate;
+            ``None`` derives it from the payload and the measured link rate (at least 60 s).
+        shard_outer: with ``island_size = k > 1``, each rank owns and exchanges about 1/k of
+            the anchors and outer state; refused with ``swarm.max_norm``.
+        island_parallel: ``"ddp"`` (every rank holds the whole model) or ``"fsdp"`` (the
+            module's ``configure_model`` shards it over the island's mesh; docs/fsdp.md).
+        tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island mesh's
+            ``tensor_parallel`` dimension.
+        frozen_params: parameters with ``requires_grad=False`` at setup: ``"exclude"`` (no
+            anchor, never exchanged) or ``"sync"`` (kept, so they can be unfrozen mid-run).
+        timeout_s: how long a static run's collectives wait before every waiting rank raises
+            ``CollectiveTimeoutError``; ``None``: ``DEFAULT_TIMEOUT_S``, the peer group's bound
+            growing with the round's payload.
     """
 
-    sync_every: int = field(default=100, metadata=_must_match("resume", "islands"))
-    sync_every_s: float | None = field(default=None, metadata=_must_match("islands"))
-    island_size: int = field(default=1, metadata=_must_match("resume"))
-    transport: TransportName = field(default="allreduce", metadata=_must_match("resume"))
+    sync_every: int = field(default=100, metadata=_RESUME_ISLANDS)
+    sync_every_s: float | None = field(default=None, metadata={"must_match": ("islands",)})
+    island_size: int = field(default=1, metadata=_RESUME)
+    transport: TransportName = field(default="allreduce", metadata=_RESUME)
     anchor_device: str = "cpu"
-    anchor_dtype: str | None = field(default=None, metadata=_must_match("resume", "islands"))
+    anchor_dtype: str | None = field(default=None, metadata=_RESUME_ISLANDS)
     bucket_mb: float = 32.0
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
     swarm: SwarmTransportConfig = field(default_factory=SwarmTransportConfig)
-    num_fragments: int = field(default=1, metadata=_must_match("resume", "islands"))
-    fragment_layout: FragmentLayout = field(
-        default="strided", metadata=_must_match("resume", "islands")
-    )
-    sync_delay: int = field(default=0, metadata=_must_match("resume", "islands"))
-    merge_alpha: float = field(default=0.0, metadata=_must_match("resume", "islands"))
-    quantize: CodecName = field(default=NO_CODEC, metadata=_must_match("resume", "islands"))
-    quantize_block_size: int = field(default=128, metadata=_must_match("resume", "islands"))
-    error_feedback: bool = field(default=False, metadata=_must_match("resume", "islands"))
+    num_fragments: int = field(default=1, metadata=_RESUME_ISLANDS)
+    fragment_layout: FragmentLayout = field(default="strided", metadata=_RESUME_ISLANDS)
+    sync_delay: int = field(default=0, metadata=_RESUME_ISLANDS)
+    merge_alpha: float = field(default=0.0, metadata=_RESUME_ISLANDS)
+    quantize: CodecName = field(default=NO_CODEC, metadata=_RESUME_ISLANDS)
+    quantize_block_size: int = field(default=128, metadata=_RESUME_ISLANDS)
+    error_feedback: bool = field(default=False, metadata=_RESUME_ISLANDS)
     sync_at_end: bool = True
     membership: MembershipName = "static"
     lighthouse: str | None = None
@@ -251,10 +177,14 @@ class SwarmConfig:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
         check_positive_int("island_size", self.island_size, "1 makes every rank an island")
         check_transport(self.transport)
+        if isinstance(self.anchor_device, torch.device):
+            self.anchor_device = str(self.anchor_device)
         _check_anchor_device(self.anchor_device)
         fix = "; true (default) ends fit with every island holding the global model"
         check_bool("sync_at_end", self.sync_at_end, fix)
         parse_dtype(self.anchor_dtype, option="anchor_dtype")
+        if isinstance(self.anchor_dtype, torch.dtype):
+            self.anchor_dtype = str(self.anchor_dtype).removeprefix("torch.")
         self.anchors = _nested_config(AnchorConfig, self.anchors, "anchors", "{'mmap': False}")
         self.swarm = _nested_config(SwarmTransportConfig, self.swarm, "swarm", "{'offload': False}")
         if self.transport != "swarm" and self.swarm != SwarmTransportConfig():
@@ -264,16 +194,21 @@ class SwarmConfig:
                 UserWarning,
                 stacklevel=3,
             )
-        check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=32.0)
-        check_streaming(self)
-        check_budget_options(self)
-        _check_shard_outer(self)
-        check_island_parallel(self)
+        default_mb = SwarmConfig.bucket_mb  # the field's default, stated once
+        check_block_mb("bucket_mb", self.bucket_mb, floor=MIN_BUCKET_MB, default=default_mb)
+        _check_streaming(self)
+        _check_budget_options(self)
+        _check_parallel(self)
         after = "600 (a stopped rank then ends the run after 10 minutes)"
         _check_timeout("timeout_s", self.timeout_s, after)
         derive = "300, or None to derive it from each round's payload and the measured link rate"
         _check_timeout("round_timeout_s", self.round_timeout_s, derive)
-        check_frozen_params(self.frozen_params)
+        if self.frozen_params not in get_args(FrozenParams):
+            raise SwarmConfigError(
+                f"frozen_params={self.frozen_params!r} is not known; use 'exclude' (frozen "
+                "parameters get no anchor and are never exchanged) or 'sync' (they are kept in "
+                "the outer loop, so they can be unfrozen mid-run)."
+            )
 
     def resume_options(self) -> dict[str, Any]:
         """The options a checkpoint records and a resume compares (``RESUME_OPTIONS``), as
@@ -315,58 +250,47 @@ class SwarmConfig:
 
 
 def must_match(site: MustMatchSite) -> tuple[str, ...]:
-    """The ``SwarmConfig`` fields marked must-match for ``site``, in declaration order.
-
-    Args:
-        site: ``"resume"`` (a checkpoint records the option and a resume names each change,
-            ``lightning_swarm.resume.option_changes``) or ``"islands"`` (every island of an
-            elastic swarm must hold the same value; ``round_header.swarm_settings``).
-    """
-    return tuple(f.name for f in fields(SwarmConfig) if site in f.metadata.get(_MUST_MATCH, ()))
+    """The ``SwarmConfig`` fields that must match at ``site``, in declaration order:
+    ``"resume"`` (a checkpoint records them; ``resume.option_changes`` names each change) or
+    ``"islands"`` (equal on every island of an elastic swarm; ``round_header``)."""
+    return tuple(f.name for f in fields(SwarmConfig) if site in f.metadata.get("must_match", ()))
 
 
-# The fields that shape the outer loop's saved state: a checkpoint records them and a resume
-# names every one that changed (lightning_swarm.resume.option_changes says what follows).
 RESUME_OPTIONS: tuple[str, ...] = must_match("resume")
-# The settings that make two islands' rounds mean the same thing; the round header refuses an
-# island whose values differ (with the outer optimizer's, lightning_swarm.membership).
 ISLAND_SETTINGS: tuple[str, ...] = must_match("islands")
 
 
-def _check_shard_outer(config: SwarmConfig) -> None:
-    """``shard_outer`` is a bool, and refused with the options a share cannot serve."""
-    fix = "; true (default) splits the outer state among an island's ranks"
-    check_bool("shard_outer", config.shard_outer, fix)
-    if not config.outer_sharded:
-        return
-    if config.transport == "swarm" and config.swarm.max_norm is not None:
+def _check_parallel(config: SwarmConfig) -> None:
+    """``shard_outer``, ``island_parallel`` and ``tensor_parallel_size``, and what they refuse."""
+    check_bool(
+        "shard_outer",
+        config.shard_outer,
+        "; true (default) splits the outer state among an island's ranks",
+    )
+    if config.outer_sharded and config.transport == "swarm" and config.swarm.max_norm is not None:
         raise SwarmConfigError(
             "shard_outer=True with island_size > 1 cannot apply swarm.max_norm: each rank "
             "exchanges only its share, so the norm of an island's whole pseudo-gradient is "
             "never seen in one place; set shard_outer=False to bound contributions by norm, "
             "or drop swarm.max_norm."
         )
-
-
-def check_island_parallel(config: SwarmConfig) -> None:
-    """``island_parallel`` and ``tensor_parallel_size``, and what model-sharded islands refuse."""
-    if config.island_parallel not in ISLAND_PARALLEL:
+    choices = list(get_args(IslandParallel))
+    if config.island_parallel not in choices:
         raise SwarmConfigError(
-            f"island_parallel={config.island_parallel!r} is not one of {list(ISLAND_PARALLEL)}; "
+            f"island_parallel={config.island_parallel!r} is not one of {choices}; "
             "use 'ddp' (every rank holds the model) or 'fsdp' (configure_model shards it)."
         )
-    check_positive_int(
-        "tensor_parallel_size", config.tensor_parallel_size, "1 = no tensor parallel"
-    )
-    if config.tensor_parallel_size > 1 and not config.model_sharded:
+    tp = config.tensor_parallel_size
+    check_positive_int("tensor_parallel_size", tp, "1 = no tensor parallel")
+    if tp > 1 and not config.model_sharded:
         raise SwarmConfigError(
-            f"tensor_parallel_size={config.tensor_parallel_size} needs island_parallel='fsdp' "
+            f"tensor_parallel_size={tp} needs island_parallel='fsdp' "
             "(a DDP island has no tensor-parallel mesh); set island_parallel='fsdp' or "
             "tensor_parallel_size=1."
         )
-    if config.island_size % config.tensor_parallel_size != 0:
+    if config.island_size % tp != 0:
         raise SwarmConfigError(
-            f"tensor_parallel_size={config.tensor_parallel_size} does not divide "
+            f"tensor_parallel_size={tp} does not divide "
             f"island_size={config.island_size}; an island is data_parallel x tensor_parallel "
             "ranks, so choose a divisor of island_size."
         )
@@ -378,26 +302,9 @@ def check_island_parallel(config: SwarmConfig) -> None:
         )
 
 
-FROZEN_PARAMS: tuple[str, ...] = get_args(FrozenParams)
-
-
-def check_frozen_params(value: object) -> None:
-    """``frozen_params`` is one of ``FROZEN_PARAMS``."""
-    if value not in FROZEN_PARAMS:
-        raise SwarmConfigError(
-            f"frozen_params={value!r} is not known; use 'exclude' (frozen parameters get no "
-            "anchor and are never exchanged) or 'sync' (they are kept in the outer loop, so "
-            "they can be unfrozen mid-run)."
-        )
-
-
 def _check_timeout(option: str, value: object, example: str) -> None:
-    """``option``'s ``value`` is None (its default applies) or a finite number of seconds above
-    zero; ``example`` follows ``option=`` in the message."""
-    if value is None:
-        return
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not 0 < float(value) < float("inf"):  # type: ignore[arg-type]
+    """``value`` is None or a finite number of seconds above zero."""
+    if value is not None and not (is_number(value) and value > 0):  # type: ignore[operator]
         raise SwarmConfigError(
             f"{option}={value!r} must be a finite number of seconds above 0, e.g. "
             f"{option}={example}."
@@ -446,14 +353,9 @@ def _nested_config(cls: type[_Nested], value: object, option: str, example: str)
     )
 
 
-def check_budget_options(config: SwarmConfig) -> None:
-    """``sync_every_s``: a positive number, and refused by name with what it cannot combine.
-
-    Fragments stagger rounds by steps and a delay applies a round steps after its send: both
-    count steps an island takes at its own pace, so under a time budget their rounds would
-    fall at different times on different islands. Every transport and torchft's quorum weigh
-    a budgeted round by the islands' inner steps (docs/speeds.md).
-    """
+def _check_budget_options(config: SwarmConfig) -> None:
+    """``sync_every_s``: fragments and a delay count steps each island takes at its own pace,
+    so under a time budget their rounds would fall at different times on different islands."""
     check_budget(config.sync_every_s)
     if config.sync_every_s is None:
         return
@@ -470,13 +372,9 @@ def check_budget_options(config: SwarmConfig) -> None:
             )
 
 
-def check_streaming(config: SwarmConfig) -> None:
-    """Validate the Streaming DiLoCo options (fragments, delay, merge, quantization).
-
-    The schedule's own checks (divisibility, delay range, alpha range) run by building the
-    ``FragmentSchedule``; whether an explicit layout covers every trained parameter is checked
-    at setup, when the names are known.
-    """
+def _check_streaming(config: SwarmConfig) -> None:
+    """The Streaming DiLoCo options; whether an explicit layout covers every trained parameter
+    is checked at setup, when the names are known."""
     check_positive_int(
         "quantize_block_size", config.quantize_block_size, "e.g. 128 elements per scale"
     )

@@ -1,8 +1,7 @@
 """The root of every error lightning_swarm raises on purpose, and the errors several layers raise.
 
-Catch ``SwarmError`` to catch any of them; each class also keeps the builtin base callers already
-catch (``ValueError``, ``RuntimeError``, ``OSError``). An error raised by one layer only is
-declared in that layer's ``errors.py``. Imports only the standard library.
+Catch ``SwarmError`` to catch any of them; each also keeps its builtin base (``ValueError``,
+``RuntimeError``, ``OSError``). An error one layer raises is declared in that layer's ``errors.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +15,7 @@ class SwarmError(Exception):
 
 
 class SwarmConfigError(SwarmError, ValueError):
-    """An option has a value lightning_swarm refuses; the message names the option and the fix.
-
-    Raised before anything is built where the value alone decides (``SwarmConfig``), at setup
-    where the launch decides (``island_size`` must divide the world size).
-    """
+    """An option has a value lightning_swarm refuses; the message names the option and the fix."""
 
 
 class SwarmConfigTypeError(SwarmError, TypeError):
@@ -32,11 +27,8 @@ class SwarmCheckpointError(SwarmError, ValueError):
 
 
 class DiskFullError(SwarmError, OSError):
-    """No space left on the device a checkpoint file was being written to.
-
-    The message names the file, the bytes it needs and the bytes free; ``errno`` is ENOSPC and
-    ``filename`` the file, as for the ``OSError`` the operating system raised.
-    """
+    """No space left for a checkpoint file: the message names the file, the bytes it needs and
+    the bytes free; ``errno`` is ENOSPC and ``filename`` the file, as for the OS's error."""
 
     def __init__(self, message: str, filename: str | None = None) -> None:
         super().__init__(errno.ENOSPC, message, filename)
@@ -55,11 +47,10 @@ class CollectiveTimeoutError(SwarmError, RuntimeError):
 
 
 class RoundTimeoutError(CollectiveTimeoutError):
-    """An outer round's collective gave up: the message names the link rate the last round
-    measured, the round's payload bytes, the timeout it had and the option that raises it."""
+    """An outer round's collective gave up; the message names the measured link rate, the
+    payload, the timeout and the option that raises it."""
 
 
 class PeerLostError(SwarmError, RuntimeError):
-    """A peer's connection closed mid-collective (its process died or its link went away):
-    the message names the island (and rank, where known) that went away, the round, and what
-    to do."""
+    """A peer's connection closed mid-collective; the message names who went away, the round,
+    and what to do."""

@@ -1,9 +1,10 @@
-"""``IslandDDPStrategy``: Lightning's DDP confined to each island (Lightning glue).
+"""``IslandDDPStrategy``: Lightning's DDP, or FSDP, confined to each island (Lightning glue).
 
-It splits the world into islands, creates the island and peer groups, starts every rank from
-rank 0's weights and wraps the module in DDP over its island (or an ``IslandFSDP`` member does).
-Groups are created in ``setup_distributed`` and destroyed at the very end of ``teardown``, after
-the DDP reducer bound to them is gone and a subclass closed what used the peer group.
+It creates the island and peer groups, starts every rank from rank 0's weights and wraps the
+module over its island. With ``island_parallel="fsdp"`` the module's ``configure_model`` shards it
+over the island's own mesh (Lightning's convention); every island starts from island 0's shards,
+and spawned launchers send back no weights. Groups are created in ``setup_distributed`` and
+destroyed at the very end of ``teardown``, after the DDP reducer and the peer group's users.
 """
 
 from __future__ import annotations
@@ -11,79 +12,71 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import os
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import (
     CollectiveTimeoutError,
     PeerLostError,
     SwarmConfigError,
+    SwarmConfigTypeError,
     SwarmError,
 )
-from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
 from lightning_swarm.resume.per_rank import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import peer_backend
-from lightning_swarm.transport.groups import SwarmGroups, build_groups
+from lightning_swarm.transport.groups import (
+    IslandMesh,
+    SwarmGroups,
+    build_groups,
+    build_island_mesh,
+)
 from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_message
 
 
 class IslandDDPStrategy(DDPStrategy):
-    """DDP inside islands of ``island_size`` ranks, no averaging across them.
+    """DDP (or FSDP) inside islands of ``config.island_size`` ranks, no averaging across them.
 
-    Args:
-        island_size: ranks per island; must divide the world size (checked at setup).
-        dedicated_peers: give the peer group a group of its own even when it is the whole
-            world (a background thread that drives it must not share the default group).
-        peer_transport: the transport that will run over the peer group (its backend may
-            differ from the world's: ``transport.peer_backend``).
-        island_parallel: ``"ddp"`` or ``"fsdp"`` (model-sharded islands, ``IslandFSDP``).
-        tensor_parallel_size: the island mesh's tensor-parallel size (``"fsdp"`` only).
-        **kwargs: ``DDPStrategy``'s options and ``DistributedDataParallel`` keywords.
-
-    Raises:
-        ValueError: ``process_group`` was passed, or a keyword neither DDPStrategy nor
-            DistributedDataParallel accepts.
+    Raises ``ValueError`` for ``process_group`` or a keyword in ``**kwargs`` that neither
+    ``DDPStrategy`` nor ``DistributedDataParallel`` accepts.
     """
 
-    def __init__(
-        self,
-        *,
-        island_size: int,
-        dedicated_peers: bool = False,
-        peer_transport: str = "allreduce",
-        island_parallel: str = "ddp",
-        tensor_parallel_size: int = 1,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, config: SwarmConfig, **kwargs: Any) -> None:
         if "process_group" in kwargs:
             raise SwarmConfigError(
                 "process_group cannot be passed to SwarmStrategy: DDP runs over each island's "
                 "own group, which the strategy creates; set island_size instead."
             )
-        super().__init__(**kwargs)
+        super().__init__(timeout=datetime.timedelta(seconds=config.group_timeout_s), **kwargs)
         _check_ddp_kwargs(self._ddp_kwargs)
-        self._island_size = island_size
-        self._dedicated_peers = dedicated_peers
-        self._peer_transport = peer_transport
+        self.config = config
+        self._island_size = config.island_size  # an elastic island sets its own at setup
         self._topology: IslandTopology | None = None
         self._groups: SwarmGroups | None = None
-        self._model_sharded = island_parallel == "fsdp"
-        self._tensor_parallel_size = tensor_parallel_size
-        self._fsdp: IslandFSDP | None = None
+        self._mesh: IslandMesh | None = None  # model-sharded islands, from setup to teardown
 
     @property
     def topology(self) -> IslandTopology:
@@ -100,28 +93,29 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._topology = IslandTopology(
-            world_size=self.world_size,
-            island_size=self._island_size,
-            global_rank=self.global_rank,
+        topology = IslandTopology(
+            world_size=self.world_size, island_size=self._island_size, global_rank=self.global_rank
         )
-        peers_backend = peer_backend(self._peer_transport, dist.get_backend())
+        self._topology = topology
+        sharded = self.config.model_sharded
+        peers_backend = peer_backend(self.config.transport, dist.get_backend())
         self._groups = build_groups(
-            self._topology,
+            topology,
             backend=self._process_group_backend,
             # new_group does not inherit the world's timeout: every group gets the same one.
             timeout=self._timeout,
-            dedicated_peers=self._dedicated_peers,
+            # A delayed exchange's worker thread must not share the default group.
+            dedicated_peers=self.config.sync_delay > 0,
             # The swarm transport's CPU traffic needs a gloo peer group beside NCCL's.
             peer_backend=peers_backend,
             # Model-sharded, the island group carries the outer round's agreement only (FSDP
             # has its own groups), on the peer group's backend.
-            island_backend=peers_backend if self._model_sharded else None,
+            island_backend=peers_backend if sharded else None,
         )
-        if self._model_sharded:
-            self._fsdp = IslandFSDP(
-                self._topology,
-                self._tensor_parallel_size,
+        if sharded:
+            self._mesh = build_island_mesh(
+                topology,
+                self.config.tensor_parallel_size,
                 device_type=self.root_device.type,
                 backend=self._process_group_backend,
             )
@@ -129,41 +123,44 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self._model_sharded and self._start_method != "popen":
-            self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
+        if self.config.model_sharded and self._start_method != "popen":
+            self._launcher = _ShardedResultsLauncher(self, start_method=self._start_method)
 
     @property
     def island_mesh_shape(self) -> dict[str, int] | None:
         """``{"data_parallel": dp, "tensor_parallel": tp}`` of a model-sharded island; None
         under DDP islands (and before setup)."""
-        return self._fsdp.mesh.shape if self._fsdp is not None else None
+        return self._mesh.shape if self._mesh is not None else None
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """This island's ``(data_parallel, tensor_parallel)`` mesh (``island_parallel="fsdp"``)."""
-        if self._fsdp is None:
+        if self._mesh is None:
             raise RuntimeError("a device mesh exists only with island_parallel='fsdp', after setup")
-        return self._fsdp.device_mesh
+        return self._mesh.mesh
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._fsdp is not None:
+        if self._mesh is not None:
             # Read by the module's configure_model, which Lightning calls right after this.
             assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._fsdp.device_mesh
+            self.lightning_module._device_mesh = self._mesh.mesh
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._fsdp is not None:
-            return self._fsdp.sampler_kwargs()
-        return super().distributed_sampler_kwargs
+        if self._mesh is None:
+            return super().distributed_sampler_kwargs
+        # One replica per (island, data-parallel rank): positions are row-major over (dp, tp),
+        # so the tensor-parallel ranks of one group share a batch.
+        tp = self._mesh.tensor_parallel_size
+        return {"num_replicas": self.world_size // tp, "rank": self.global_rank // tp}
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        if not self._model_sharded:
+        if not self.config.model_sharded:
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -178,7 +175,7 @@ class IslandDDPStrategy(DDPStrategy):
 
     @override
     def model_to_device(self) -> None:
-        if self._fsdp is not None:
+        if self._mesh is not None:
             assert self.model is not None
             _materialize_distributed_module(self.model, self.root_device)
         super().model_to_device()
@@ -187,11 +184,11 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Rank 0's shards alone would be neither the model nor loadable into other ranks.
-        return {} if self._model_sharded else super().lightning_module_state_dict()
+        return {} if self.config.model_sharded else super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {} if self._model_sharded else super().optimizer_state(optimizer)
+        return {} if self.config.model_sharded else super().optimizer_state(optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -199,19 +196,22 @@ class IslandDDPStrategy(DDPStrategy):
         if isinstance(swarm, Mapping) and isinstance(swarm.get("fingerprint"), Mapping):
             # Before Lightning loads weights that may not be there (a per-rank save has none).
             check_layout(swarm["fingerprint"], self.island_mesh_shape, self.topology.num_islands)
-        if self._fsdp is None:
+        if self._mesh is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         elif swarm is None and checkpoint.get("state_dict"):
-            # A plain Lightning checkpoint holds the full weights: each rank takes its shards.
-            # A swarm checkpoint's shards are installed by the swarm restore instead.
+            # A plain Lightning checkpoint holds the full weights on every rank: each keeps its
+            # shards (collective over the mesh). A swarm checkpoint's shards are installed by
+            # the swarm restore instead. set_model_state_dict replaces the dict's values as it
+            # distributes them: hand it a copy.
             assert self.lightning_module is not None
-            self._fsdp.load_full_state(
-                self.lightning_module, checkpoint["state_dict"], strict=strict
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(
+                self.lightning_module, dict(checkpoint["state_dict"]), options=options
             )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._model_sharded:
+        if not self.config.model_sharded:
             super().load_optimizer_state_dict(checkpoint)
         elif "swarm" not in checkpoint and self.is_global_zero:
             rank_zero_warn(
@@ -223,12 +223,11 @@ class IslandDDPStrategy(DDPStrategy):
     def _setup_model(self, model: Module) -> Module:  # type: ignore[override]
         """Wrap in DDP over the island's group; an island of one rank needs no wrapper, and
         a model-sharded island is already sharded by ``configure_model``."""
-        if self.topology.island_size == 1 or self._fsdp is not None:
+        if self.topology.island_size == 1 or self._mesh is not None:
             return model
-        device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
             module=model,
-            device_ids=device_ids,
+            device_ids=self.determine_ddp_device_ids(),
             process_group=self.groups.island,
             **self._ddp_kwargs,
         )
@@ -236,11 +235,11 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.model is not None
-        if self._fsdp is not None:
+        if self._mesh is not None:
             assert self.lightning_module is not None
-            self._fsdp.check_module(self.lightning_module)
+            _check_sharded(self.lightning_module, self._mesh)
             # Anchors must start identical in every island: island 0's shards everywhere.
-            self._fsdp.align_islands(self.model, self.groups.peers)
+            _align_islands(self.model, self.groups.peers)
             return
         # Anchors must start identical on every rank: take global rank 0's weights everywhere,
         # before DDP (which would only sync inside the island) wraps the module.
@@ -250,13 +249,13 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Lightning's ``reduce``; with no group given, during training, over the island only
-        (``SwarmGroups.between_rounds``).
-
-        That is a ``self.log(..., sync_dist=True)`` in ``training_step``: over the world it
-        would cross islands at every inner step. Its value is then the island's mean. Validation
-        and every other stage keep the world.
-        """
-        if group is None and self._between_rounds():
+        (``SwarmGroups.between_rounds``): a ``self.log(..., sync_dist=True)`` in
+        ``training_step`` over the world would cross islands at every inner step. Its value is
+        then the island's mean. Every other stage keeps the world."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        training = trainer is not None and trainer.training
+        if group is None and training and self._topology and self._topology.num_islands > 1:
             if self.groups.between_rounds is None:
                 return tensor  # an island of one rank: nothing to reduce with
             group = self.groups.between_rounds
@@ -269,13 +268,6 @@ class IslandDDPStrategy(DDPStrategy):
         total = super().reduce(flag, group=dist.group.WORLD, reduce_op="sum")
         return bool(total == self.world_size) if all else bool(total)
 
-    def _between_rounds(self) -> bool:
-        """True during the training stage of a swarm of several islands."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        islands = self._topology.num_islands if self._topology is not None else 1
-        return islands > 1 and trainer is not None and trainer.training
-
     @override
     def _register_ddp_hooks(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
@@ -287,21 +279,18 @@ class IslandDDPStrategy(DDPStrategy):
         # reducer, bound to the island group): unwrap first, destroy the groups last. The other
         # way round, a rank can block forever inside the wrapper of a destroyed group.
         super().teardown()
-        if self._fsdp is not None:
-            self._fsdp.destroy()
-            self._fsdp = None
+        if self._mesh is not None:
+            self._mesh.destroy()
+            self._mesh = None
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None
 
 
 def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    """Reject keywords that neither DDPStrategy nor DistributedDataParallel accepts.
-
-    DDPStrategy forwards unknown keywords to the DDP wrapper, which is built only after the
-    processes have launched (and never for islands of one rank): a typo would surface late or
-    not at all, so it is caught here.
-    """
+    """Reject keywords that neither DDPStrategy nor DistributedDataParallel accepts: the DDP
+    wrapper is built only after launch (never for islands of one rank), so a typo would
+    surface late or not at all."""
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters)
     accepted -= {"self", "module", "device_ids", "process_group"}
     unknown = sorted(set(kwargs) - accepted)
@@ -312,35 +301,81 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-def process_group_timeout_s(timeout_s: float | None, kwargs: dict[str, Any]) -> float | None:
-    """The one timeout of every process group, from ``timeout_s`` or DDPStrategy's ``timeout``.
+_CONFIGURE_MODEL_HINT = """\
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        dp = self.device_mesh["data_parallel"]
+        for layer in self.layers:        # e.g. each transformer block
+            fully_shard(layer, mesh=dp)
+        fully_shard(self.model, mesh=dp)  # then the root"""
 
-    ``timeout=timedelta(...)`` (DDPStrategy's own keyword) is still accepted and removed from
-    ``kwargs``; giving both with different values is refused.
-    """
-    timeout = kwargs.pop("timeout", None)
-    if timeout is None:
-        return timeout_s
-    if not isinstance(timeout, datetime.timedelta):
-        raise SwarmConfigError(
-            f"timeout={timeout!r} must be a datetime.timedelta; prefer timeout_s=<seconds>."
+
+def _check_sharded(module: Module, mesh: IslandMesh) -> None:
+    """Refuse a module that ``configure_model`` did not shard: ``TypeError`` without one,
+    ``ValueError`` for a trainable plain parameter with several data-parallel ranks (nothing
+    would average its gradient inside the island; a frozen one must stay frozen)."""
+    if not is_overridden("configure_model", module):
+        raise SwarmConfigTypeError(
+            "island_parallel='fsdp' requires the LightningModule to override "
+            "configure_model() and shard itself there, as with Lightning's "
+            "ModelParallelStrategy. Add, for example:\n" + _CONFIGURE_MODEL_HINT
         )
-    if timeout_s not in (None, timeout.total_seconds()):
+    if mesh.data_parallel_size == 1:
+        return
+    plain = [
+        n for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)
+    ]
+    if plain:
         raise SwarmConfigError(
-            f"timeout={timeout} and timeout_s={timeout_s} disagree; give timeout_s only."
+            f"island_parallel='fsdp': configure_model left {len(plain)} parameter(s) "
+            f"unsharded, e.g. {plain[:3]}; with data_parallel size "
+            f"{mesh.data_parallel_size} their gradients would never be averaged "
+            "inside the island. Call fully_shard(..., mesh=self.device_mesh"
+            '["data_parallel"]) on the modules holding them (the root last).'
         )
-    return timeout.total_seconds()
+
+
+@torch.no_grad()
+def _align_islands(module: Module, peers: dist.ProcessGroup | None) -> None:
+    """Give every island island 0's shards, and every rank global rank 0's plain tensors
+    (collective). A shard goes over the peer group (the same shape in every island), so each
+    rank moves only its own shard, and all of them skip an empty one."""
+    tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+    for tensor in tensors:
+        if not isinstance(tensor, DTensor):
+            local, group = tensor.detach(), None
+        elif peers is not None:
+            local, group = tensor.to_local(), peers
+        else:
+            continue  # a single island: nothing to align a shard with
+        if local.numel() > 0:
+            dist.broadcast(local, group=group, group_src=0)
+
+
+class _ShardedResultsLauncher(_MultiProcessingLauncher):
+    """Lightning's fork / spawn launcher, minus the weights rank 0 would send back: its shards
+    would fail or corrupt the main process's unsharded module, which keeps its weights."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is None or output.weights_path is None:
+            return output
+        os.remove(output.weights_path)
+        os.rmdir(os.path.dirname(output.weights_path))
+        rank_zero_warn(
+            "island_parallel='fsdp' with a fork/spawn launcher: the main process keeps the "
+            "module's weights from before fit (each rank holds only shards); read the trained "
+            "weights from a checkpoint, or launch with start_method='popen'."
+        )
+        return output._replace(weights_path=None)
 
 
 @contextlib.contextmanager
 def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iterator[None]:
     """Turn a collective's timeout (torch's message names no option) into one that does, and
-    a peer's closed connection into ``PeerLostError``.
-
-    Only for static runs (``static``): elastic islands bound their rounds with
-    ``round_timeout_s`` and report their own errors. The outer round's transport explains its
-    own collectives (naming the island and the round, ``transport.link``); this catches the
-    others (DDP inside an island, Lightning's, a checkpoint's).
+    a peer's closed connection into ``PeerLostError``: for the collectives of a static run that
+    the outer round's transport does not explain itself (DDP's, Lightning's, a checkpoint's).
+    Elastic islands (``static=False``) report their own errors.
     """
     try:
         yield

@@ -1,9 +1,5 @@
-"""Profiler labels of a round, one namespace per layer, defined once.
-
-Every phase of an outer round runs under ``torch.profiler.record_function`` with one of these
-names: ``lightning_swarm::outer::*`` (the outer loop), ``lightning_swarm::transport::*`` (a
-collective) and ``lightning_swarm::aggregator::*`` (the aggregator transports). No label is
-opened inside itself. These are trace labels only; logger metrics keep their ``swarm/`` names.
+"""Profiler labels of a round's phases (``torch.profiler.record_function``), one namespace per
+layer, defined once; no label is opened inside itself. Logger metrics keep their ``swarm/`` names.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ BUCKETED_ROUND = _OUTER + "bucketed_round"
 
 # Transports (lightning_swarm.transport): the collective under EXCHANGE.
 ALLREDUCE = _TRANSPORT + "allreduce"
-QUANTIZED = _TRANSPORT + "quantized"
 REDUCE_SCATTER = _TRANSPORT + "reduce_scatter"
 # Inside REDUCE_SCATTER, per bucket: each island's shares out, its own share averaged, the
 # encoded means of every share back.

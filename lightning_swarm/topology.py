@@ -1,10 +1,8 @@
-"""Islands: how the world's ranks are grouped.
+"""Islands: contiguous blocks of ``island_size`` global ranks (DDP over their own group).
 
-An island is a contiguous block of ``island_size`` global ranks (DDP over its own group), so with
-``island_size`` equal to devices per node an island is a node. Ranks at the same position in
-every island form a *peer group*, over which the transport averages; every rank of an island
-holds the same parameters, so the peer groups carry the payload in parallel, with no leader hop.
-Plain arithmetic: imports neither torch nor lightning.
+Ranks at the same position in every island form a *peer group*, over which the transport
+averages; every rank of an island holds the same parameters, so the peer groups carry the payload
+in parallel. Plain arithmetic: imports neither torch nor lightning.
 """
 
 from __future__ import annotations
@@ -16,13 +14,7 @@ from lightning_swarm.errors import SwarmConfigError
 
 @dataclass(frozen=True)
 class IslandTopology:
-    """Where one rank sits among the islands.
-
-    Attributes:
-        world_size: number of ranks in the run.
-        island_size: ranks per island; divides ``world_size``.
-        global_rank: this rank.
-    """
+    """Where one rank sits among the islands (``island_size`` divides ``world_size``)."""
 
     world_size: int
     island_size: int
@@ -43,8 +35,7 @@ class IslandTopology:
             raise ValueError(f"global_rank {self.global_rank} outside world of {self.world_size}")
 
     def _divisor_hint(self) -> str:
-        if self.world_size == 1:
-            # The only divisor of 1 is 1: suggesting "1 or 1" helps nobody.
+        if self.world_size == 1:  # the only divisor of 1 is 1: suggesting "1 or 1" helps nobody
             return (
                 "with one rank the only island_size is 1; for islands of "
                 f"{self.island_size} ranks launch a multiple of {self.island_size} ranks "
@@ -62,7 +53,6 @@ class IslandTopology:
 
     @property
     def island_index(self) -> int:
-        """Which island this rank belongs to (0 .. num_islands - 1)."""
         return self.global_rank // self.island_size
 
     @property
@@ -71,7 +61,6 @@ class IslandTopology:
         return self.global_rank % self.island_size
 
     def island_ranks(self, island_index: int) -> list[int]:
-        """Global ranks of one island, in order."""
         start = island_index * self.island_size
         return list(range(start, start + self.island_size))
 

@@ -15,11 +15,11 @@ from torch import Tensor
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget, scale_of
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.between_rounds import BudgetFit
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.fit_end import BudgetStop
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.outer.reports import StreamingOptions
+from lightning_swarm.outer.sync_state import StreamingOptions
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.base import Transport
 from lightning_swarm.transport.errors import NonFinitePseudoGradientError
@@ -108,13 +108,17 @@ def test_what_a_budget_cannot_combine_with_is_refused_by_name(
 
 def test_the_budget_stop_needs_max_steps_and_refuses_epochs() -> None:
     with pytest.raises(SwarmConfigError, match=r"max_steps is not set; pass Trainer\(max_steps"):
-        BudgetStop(pl.Trainer(max_epochs=1, **QUIET), 2.0)
+        BudgetFit(pl.Trainer(max_epochs=1, **QUIET), 2.0)
     with pytest.raises(SwarmConfigError, match=r"max_epochs=3\).*pass max_steps only"):
-        BudgetStop(pl.Trainer(max_steps=10, max_epochs=3, **QUIET), 2.0)
+        BudgetFit(pl.Trainer(max_steps=10, max_epochs=3, **QUIET), 2.0)
     trainer = pl.Trainer(max_steps=10, **QUIET)
-    stop = BudgetStop(trainer, 2.0)
+    stop = BudgetFit(trainer, 2.0)
     stop.install()
     assert trainer.max_steps == -1
+    stop.after_round(9)
+    assert not trainer.should_stop
+    stop.after_round(10)  # some island reached max_steps at this round
+    assert trainer.should_stop
     stop.restore()
     assert trainer.max_steps == 10
 

@@ -26,13 +26,13 @@ from torch import Tensor
 import lightning_swarm.strategy as strategy_module
 from lightning_swarm import SwarmResume, SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
+from lightning_swarm.between_rounds import BudgetFit, check_round_saves
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.resume import SwarmCheckpointer
 from lightning_swarm.resume.errors import RecordError
 from lightning_swarm.resume.records import IslandLoops, OptionsRecord, SwarmRecord
-from lightning_swarm.round_saves import RoundSaves, check_round_saves
 from tests.helpers import QUIET
 from tests.resume_utils import DumpFinal, StepDataModel, assert_bitwise_equal, load_ranks
 
@@ -146,7 +146,7 @@ def test_round_saves_take_over_the_step_trigger_and_give_it_back() -> None:
     every5, every3 = ModelCheckpoint(every_n_train_steps=5), ModelCheckpoint(every_n_train_steps=3)
     last_only = ModelCheckpoint(every_n_train_steps=0, every_n_epochs=0, save_last=True)
     trainer = _trainer(every5, every3, last_only)
-    saves = RoundSaves(trainer, 2.0)
+    saves = BudgetFit(trainer, 2.0)
     assert saves.checkpoints == [every5, every3]
     saves.install()
     assert every5._every_n_train_steps == 0 and every3._every_n_train_steps == 0

@@ -19,8 +19,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_swarm import SwarmConfig, SwarmStrategy
-from lightning_swarm.cli.app import CONF_DIR, THREADS_NOTE, Run, build
-from lightning_swarm.cli.summary import format_summary
+from lightning_swarm.cli.app import CONF_DIR, THREADS_NOTE, Run, build, format_summary
 from tests.cli_utils import RUN_TIMEOUT_S, run_group, tree_env
 from tests.helpers import QUIET, TinyRegressor, regression_data
 
@@ -347,7 +346,7 @@ def _swarm_presets() -> list[str]:
 def test_strategy_presets_state_only_what_they_change(preset: str) -> None:
     """A preset's SwarmStrategy keys each differ from the schema's default (``SwarmConfig``'s,
     and the outer optimizer's): a restated default is a second copy that can drift."""
-    from lightning_swarm.cli.schema import SwarmStrategyConf
+    from lightning_swarm.cli.app import SwarmStrategyConf
 
     values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "strategy" / f"{preset}.yaml"))
     assert isinstance(values, dict)

@@ -117,7 +117,7 @@ def test_every_option_is_declared_once_on_swarm_config() -> None:
     """The strategy's keywords, the Hydra schema and the resume record derive from SwarmConfig."""
     from dataclasses import fields
 
-    from lightning_swarm.cli.schema import SwarmStrategyConf
+    from lightning_swarm.cli.app import SwarmStrategyConf
     from lightning_swarm.config import RESUME_OPTIONS
     from lightning_swarm.resume.records import OptionsRecord
 

@@ -1,5 +1,5 @@
-"""The per-rank hand-over of a sharded elastic island (``SyncCheckpoint.peer_offer`` and
-``OuterRound.install_heal``) and the island's agreement on how a round ends
+"""The per-rank hand-over of a sharded elastic island (``SyncState.peer_offer`` and
+``SyncState.install_heal``) and the island's agreement on how a round ends
 (``membership/fanout.py``), without torchft."""
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def _advance(outer: OuterSync, seed: int) -> None:
         for name in outer.owned:
             outer.anchors[name].grad = torch.randn(outer.anchors[name].shape, generator=gen)
         outer.outer_optimizer.step()
-    outer.state.inner_steps, outer.state.outer_steps = 6, 3
+    outer.inner_steps, outer.outer_steps = 6, 3
 
 
 def _heal(outer: OuterSync, state: dict[str, Any]) -> None:
     """A heal as the round engine installs it, on the training thread, at the round's apply."""
-    outer.engine.install_heal(RoundStats(heal=state))
+    outer.install_heal(RoundStats(heal=state))
 
 
 def test_each_rank_installs_its_own_share_and_keeps_its_progress() -> None:
@@ -73,7 +73,7 @@ def test_each_rank_installs_its_own_share_and_keeps_its_progress() -> None:
                 p.add_(0.25)  # its progress since its own anchors
         before = {n: p.detach().clone() for n, p in joiner.params.items()}
         old = {n: a.clone() for n, a in joiner.anchors.items()}
-        state = live.checkpoint.peer_offer()
+        state = live.peer_offer()
         assert state["share"] == [position, 2]
         assert set(state["anchors"]) == set(live.owned)  # only its share moves
         _heal(joiner, state)
@@ -120,7 +120,7 @@ def test_a_share_that_is_not_this_ranks_is_refused(
     with pytest.raises(
         ValueError, match="islands of a swarm must split the outer state alike"
     ) as err:
-        _heal(joiner, live.checkpoint.peer_offer())
+        _heal(joiner, live.peer_offer())
     assert named in str(err.value)
     assert all(joiner.anchors[n].equal(a) for n, a in anchors.items())  # nothing installed
 
@@ -172,7 +172,7 @@ def _empty_share(rank: int, world: int, out: Path) -> None:
     """Two fragments of one tensor each over two ranks: each rank's share of the other's
     fragment is empty. A transport whose round needs every rank (one torchft Manager per rank
     waits for all of them) still gets that rank's round, with nothing in it."""
-    from lightning_swarm.outer.reports import StreamingOptions
+    from lightning_swarm.outer.sync_state import StreamingOptions
 
     for every_rank in (True, False):
         params = {n: torch.nn.Parameter(torch.ones(3)) for n in ("w", "v")}
@@ -209,10 +209,10 @@ def _counters(rank: int, world: int, out: Path) -> None:
         sync_every=2,
         shard=shard,
     )
-    outer.state.inner_steps = 40 if rank == 0 else 44  # from two different sources
-    outer.state.synced_at = [40 if rank == 0 else 44]
-    outer.engine.install_heal(RoundStats(island_healed=True))
-    assert (outer.inner_steps, outer.state.synced_at) == (40, [40])
+    outer.inner_steps = 40 if rank == 0 else 44  # from two different sources
+    outer.synced_at = [40 if rank == 0 else 44]
+    outer.install_heal(RoundStats(island_healed=True))
+    assert (outer.inner_steps, outer.synced_at) == (40, [40])
     assert params["w"].detach().equal(torch.zeros(2)) and params["v"].detach().equal(torch.ones(2))
     (out / f"rank{rank}").write_text("ok")
 

@@ -150,7 +150,7 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
             _step(live.params, step)
             live.on_inner_step()
         assert live.in_flight == 1
-        peer_state = live.checkpoint.peer_offer()  # what torchft sends during that round
+        peer_state = live.peer_offer()  # what torchft sends during that round
         _step(live.params, 7)
         live_report = live.on_inner_step()  # the live island applies fragment 1 at step 7
         assert live_report is not None and live_report.applied
@@ -159,7 +159,7 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
         flat_mean = torch.cat([t.reshape(-1) for t in mean.values()])
         transport = Adopting(RoundPlace(1, 6, 7), flat_mean, peer_state)
         island = _sync(transport, worker, seed=1)
-        island.state.residuals = {"0.bias": torch.full((5,), 0.125)}
+        island.residuals = {"0.bias": torch.full((5,), 0.125)}
         own = {n: island.params[n].detach() - island.anchors[n] for n in island.params}
         report = island.round_now(0)
         assert set(transport.offers[0]["anchors"]) == set(island.params)  # its own, for a peer

@@ -6,8 +6,8 @@ cycle). The graph is built with ``ast`` from the source files, so nothing is exe
 
 Layers, top to bottom (a module may import its own layer or any layer below it):
 
-- glue: the package root, ``strategy``, ``island_ddp``, ``island_fsdp``, ``elastic``,
-  ``fit_end``, ``between_rounds``, ``round_saves``, ``cli/``, ``callbacks/``, ``demo/``;
+- glue: the package root, ``strategy``, ``island_ddp``, ``elastic``,
+  ``between_rounds``, ``cli/``, ``callbacks/``, ``demo/``;
 - outer loop: ``outer/``;
 - resume / records: ``resume/``;
 - options and membership: ``config`` (the strategy's options, built on the transport's own
@@ -35,11 +35,8 @@ LAYERS: list[tuple[str, int]] = [
     (PACKAGE, 7),
     (f"{PACKAGE}.strategy", 7),
     (f"{PACKAGE}.checkpoint_io", 7),
-    (f"{PACKAGE}.fit_end", 7),
     (f"{PACKAGE}.between_rounds", 7),
-    (f"{PACKAGE}.round_saves", 7),
     (f"{PACKAGE}.island_ddp", 7),
-    (f"{PACKAGE}.island_fsdp", 7),
     (f"{PACKAGE}.elastic", 7),
     (f"{PACKAGE}.cli", 7),
     (f"{PACKAGE}.callbacks", 7),

@@ -247,7 +247,7 @@ def test_a_heal_keeps_the_islands_own_progress_since_its_anchors() -> None:
         island.params["w"].add_(torch.tensor([0.5, -0.25, 0.0]))  # its progress since anchors
     from lightning_swarm.transport.base import RoundStats
 
-    island.engine.install_heal(RoundStats(heal=swarm.checkpoint.peer_offer()))
+    island.install_heal(RoundStats(heal=swarm.peer_offer()))
     assert island.anchors["w"].equal(torch.full((3,), 5.0))
     assert island.params["w"].detach().equal(torch.tensor([5.5, 4.75, 5.0]))
 

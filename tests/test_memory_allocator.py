@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_swarm.memory import (
+from lightning_swarm.memory.sampler import (
     Counter,
     CounterClassifier,
     CounterKind,

@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_swarm.memory import (
-    HostSampler,
+from lightning_swarm.memory.procfs import (
     ProcReader,
-    RunSummary,
     file_backed_overlap,
     parse_maps,
     parse_meminfo,
@@ -27,6 +25,7 @@ from lightning_swarm.memory import (
     parse_smaps_rollup,
     parse_status,
 )
+from lightning_swarm.memory.sampler import HostSampler, RunSummary
 
 RECORDED = Path(__file__).parent / "data" / "proc_recorded"
 KIB = 1024

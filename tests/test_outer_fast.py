@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm import pseudo_gradient
-from lightning_swarm.algorithm.fused import max_abs, pseudo_gradient_into, sum_of_squares
-from lightning_swarm.algorithm.outer_fast import (
+from lightning_swarm.algorithm.diloco import max_abs, pseudo_gradient_into, sum_of_squares
+from lightning_swarm.algorithm.outer_optimizer import (
     adam_step_,
     ensure_state,
     fast_outer_kind,

@@ -327,7 +327,7 @@ def test_the_staged_path_run_on_the_cpu_matches_the_local_path_bitwise(
     that its bookkeeping is checked without a GPU: bitwise the CPU path's anchors, state, norm."""
     import contextlib
 
-    from lightning_swarm.algorithm.outer_fast import ensure_state, groups_by_param
+    from lightning_swarm.algorithm.outer_optimizer import ensure_state, groups_by_param
     from lightning_swarm.outer.bucket_step import BucketJob
 
     monkeypatch.setattr(torch.cuda, "Event", _NoStream)

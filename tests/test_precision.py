@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_swarm.algorithm import outer_step
-from lightning_swarm.algorithm.precision import keep_state_float32, stochastic_round_to_bf16
+from lightning_swarm.algorithm.diloco import keep_state_float32, stochastic_round_to_bf16
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 

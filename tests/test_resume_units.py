@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.algorithm.diloco import catch_up_
 from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError
-from lightning_swarm.memory import ProcReader
+from lightning_swarm.memory.procfs import ProcReader
 from lightning_swarm.outer import OuterSync
-from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
+from lightning_swarm.outer.sync_state import SyncState
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.errors import IntegrityError
@@ -181,13 +181,13 @@ def test_load_checks_once_and_a_checked_install_checks_nothing(
 ) -> None:
     outer, params = _trained_outer()
     calls: list[int] = []
-    check = SyncCheckpoint.check_state_dict
+    check = SyncState.check_state_dict
 
-    def counted(self: SyncCheckpoint, state: Mapping[str, Any]) -> None:
+    def counted(self: SyncState, state: Mapping[str, Any]) -> None:
         calls.append(1)
         check(self, state)
 
-    monkeypatch.setattr(SyncCheckpoint, "check_state_dict", counted)
+    monkeypatch.setattr(SyncState, "check_state_dict", counted)
     _outer(params, defer_anchors=True).load_state_dict(outer.state_dict())
     assert len(calls) == 1
     _outer(params, defer_anchors=True).load_checked_state_dict(outer.state_dict())
@@ -248,7 +248,7 @@ def test_a_checkpoint_dict_of_todays_form_loads() -> None:
     # Saves older than the per-fragment counters lack them: in sync unknown, fit never ended.
     old = {k: v for k, v in saved.items() if k not in ("fragment_rounds", "synced_at", "ended_at")}
     twin.load_state_dict(old)
-    assert (twin.fragment_rounds, twin.state.synced_at, twin.state.ended_at) == ([0], [None], None)
+    assert (twin.fragment_rounds, twin.synced_at, twin.ended_at) == ([0], [None], None)
 
 
 # -- catch-up ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_swarm.algorithm.optimizer_state import merge_by_name, select_by_name
+from lightning_swarm.algorithm.outer_optimizer import merge_by_name, select_by_name
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.outer.build import transport_for

@@ -164,7 +164,7 @@ def test_flipped_bit_in_an_anchor_shard_is_detected(sharded_run: Path, tmp_path:
 # -- a behind island catches up (SwarmResume(island_ckpt_paths=...)) with a sharded outer loop --
 # Island 1 restores its own state from step 2 (round 0, before the first sync at step 3); every
 # other island restores from step 5 (round 1, between syncs). Catch-up (docs/resume.md,
-# lightning_swarm/algorithm/catchup.py) must leave island 1 with
+# lightning_swarm/algorithm/diloco.py) must leave island 1 with
 #   local = anchors(step 5) + (its local at step 2 - anchors(step 2))   (float32, per parameter)
 # and the newest anchors, outer state and counters on every rank, whatever share each rank owns.
 OLD_STEP, NEW_STEP = 2, 5

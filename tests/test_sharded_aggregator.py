@@ -20,10 +20,9 @@ from lightning_swarm.transport import (
     SwarmTransportConfig,
     build_transport,
 )
-from lightning_swarm.transport.aggregator.fold import PartFold, folds
-from lightning_swarm.transport.aggregator.parts import plan_parts
+from lightning_swarm.transport.aggregator.exchange import PartFold, folds
 from lightning_swarm.transport.aggregator.spool import Spool
-from lightning_swarm.transport.aggregator.verdicts import AggregatorOutcome
+from lightning_swarm.transport.aggregator.terms import plan_parts
 from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.errors import SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
@@ -224,7 +223,7 @@ def _failure_worker(rank: int, world: int, spool_dir: str) -> None:
         average(transport, tensors, round_index=0)
     assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
     assert transport.last_round is not None
-    assert transport.last_round.outcome == AggregatorOutcome.SPOOL_FAILED
+    assert transport.last_round.outcome == "spool_failed"
     assert transport.spool.files() == [], "a failed round left spool files"
     # a layout that differs on one island: every island raises, naming it
     odd = _contribution(rank, 1)
@@ -284,7 +283,7 @@ def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation
         if aggregation == "mean":  # summed as the chunks arrive
             round_module.PartFold = _BrokenFold  # type: ignore[misc]
         else:
-            terms_module.aggregate_into = _broken_rule  # type: ignore[assignment]
+            terms_module.aggregate = _broken_rule  # type: ignore[assignment]
     transport = SwarmAggregator(
         None,
         owners="sharded",
@@ -307,7 +306,7 @@ def _aggregation_error_worker(rank: int, world: int, spool_dir: str, aggregation
     if aggregation == "mean":  # the sum is written out only once every island agreed
         assert all(torch.equal(tensors[k], before[k]) for k in tensors), "tensors were touched"
     assert transport.last_round is not None
-    assert transport.last_round.outcome == AggregatorOutcome.ERROR
+    assert transport.last_round.outcome == "error"
     assert transport.spool.files() == [], "a failed round left spool files"
     transport.close()
 

@@ -110,13 +110,13 @@ def test_reader_copies_element_ranges_into_caller_tensors(tmp_path: Path) -> Non
     _write(spool, 0, 1, tensors)
     with spool.reader(0, 1, layout, remap_bytes=8) as reader:
         out = torch.empty(50)
-        reader.read_into("layer.weight", 30, out)
+        reader.read_into(layout.specs[0], 30, out)
         assert torch.equal(out, tensors["layer.weight"].reshape(-1)[30:80])
         half = torch.empty(6, dtype=torch.bfloat16)
-        reader.read_into("half", 0, half)
+        reader.read_into(layout.specs[3], 0, half)
         assert torch.equal(half, tensors["half"])
     with pytest.raises(SpoolError, match="reader of .* is closed"):
-        reader.read_into("half", 0, half)
+        reader.read_into(layout.specs[3], 0, half)
     spool.close()
 
 
@@ -326,7 +326,7 @@ def test_cleanup_deadline_defers_deletion_of_a_file_in_use(tmp_path: Path) -> No
         spool.release_round(0)
     assert path.exists(), "a leased file must survive the deadline"
     out = torch.empty(13)
-    reader.read_into("layer.bias", 0, out)
+    reader.read_into(layout.specs[1], 0, out)
     assert torch.equal(out, tensors["layer.bias"])
     reader.close()
     assert not path.exists() and spool.disk_bytes == 0
@@ -390,7 +390,7 @@ class _RaceRound:
                 for spec in self.layout.specs:
                     out = torch.empty(spec.numel, dtype=spec.dtype)
                     for s in range(0, spec.numel, 8):
-                        reader.read_into(spec.name, s, out[s : s + 8])
+                        reader.read_into(spec, s, out[s : s + 8])
                     expected = self.payloads[i][spec.name].reshape(-1)
                     assert torch.equal(out, expected), "a read returned wrong bytes"
             self.note("read")

@@ -241,8 +241,8 @@ def test_a_library_error_at_teardown_warns_instead_of_masking_the_fits() -> None
     )
     for _ in range(2):  # fragment 0 sends after inner step 2, fails on the worker
         loop.on_inner_step(optimizer)
-    outer = loop._outer_syncs[0]
-    rnd = outer.engine.state.in_flight
+    outer = loop.outer_syncs[0]
+    rnd = outer.held
     assert rnd is not None and rnd.future is not None
     for _ in range(2):
         with pytest.raises(RoundTimeoutError) as caught:

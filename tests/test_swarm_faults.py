@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_swarm.transport.aggregator.fold import PartFold
+from lightning_swarm.transport.aggregator.exchange import PartFold
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from tests.dist_utils import free_port

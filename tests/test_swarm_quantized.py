@@ -15,7 +15,7 @@ import torch
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm import robust
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.transport.aggregator.coded import CodedPayload, encode_marked
+from lightning_swarm.transport.aggregator.contributions import CodedPayload, encode_marked
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run

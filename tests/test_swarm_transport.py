@@ -21,7 +21,6 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
-from lightning_swarm.transport.aggregator.verdicts import AggregatorOutcome
 from lightning_swarm.transport.errors import SpoolError, SwarmRoundError
 from lightning_swarm.transport.payload import PayloadLayout
 from tests.dist_utils import run_ranks as _run
@@ -341,10 +340,7 @@ def _zero_weights_worker(rank: int, world: int, spool_dir: str) -> None:
         for t in text
     ), text
     assert all(torch.allclose(tensors[k], before[k], 0, 0, equal_nan=True) for k in tensors)
-    assert (
-        transport.last_round is not None
-        and transport.last_round.outcome == AggregatorOutcome.SKIPPED
-    )
+    assert transport.last_round is not None and transport.last_round.outcome == "skipped"
     # the next round (island 1 aggregates, both accepted) applies the weighted mean
     tensors = _contribution(rank, 1)
     assert average(transport, tensors, round_index=1).applied
@@ -366,7 +362,7 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
     import lightning_swarm.transport.aggregator.terms as aggregator_module
 
     if rank == 0:  # a forked child: the patch dies with it
-        aggregator_module.aggregate_into = _broken_rule
+        aggregator_module.aggregate = _broken_rule
     transport = SwarmAggregator(None, num_islands=world, island_index=rank, spool_dir=spool_dir)
     assert transport.spool is not None
     tensors = _contribution(rank, 0)
@@ -380,9 +376,7 @@ def _aggregator_error_worker(rank: int, world: int, spool_dir: str) -> None:
             r"validating or aggregating; read island 0's log",
         ):
             average(transport, tensors, round_index=0)
-    assert (
-        transport.last_round is not None and transport.last_round.outcome == AggregatorOutcome.ERROR
-    )
+    assert transport.last_round is not None and transport.last_round.outcome == "error"
     assert transport.spool.files() == [], "a failed round left spool files"
     # the failure was clean: the next round (island 1 aggregates) works and is exact
     tensors = _contribution(rank, 1)

@@ -1,13 +1,7 @@
 """Payload codecs: how a float32 pseudo-gradient is shrunk before it crosses a slow link.
 
-A codec turns a flat float32 tensor into an ``Encoded`` payload (``data``, per-block ``scales``)
-and back, in pure torch, the same on CPU and CUDA. ``none`` is exact, ``bf16`` rounds to nearest
-even, ``int8`` / ``int4`` round with one absmax scale per ``block_size`` elements (error at most
-``absmax / (2 * qmax)`` plus float32 rounding). Blocks start at element 0, so a slice starting on
-a block boundary quantizes as inside the whole tensor: transports cut buckets on that. Non-finite
-input raises ``ValueError``: one inf scale would turn a block into NaN on every island.
-Error-feedback residuals belong to the caller; this module keeps no state.
-"""
+``int8`` / ``int4`` keep one absmax scale per ``block_size`` elements from element 0, so a slice
+starting on a block boundary quantizes as inside the whole tensor. Non-finite input raises."""
 
 from __future__ import annotations
 
@@ -36,15 +30,9 @@ _DATA_DTYPE = {
 
 @dataclass(frozen=True)
 class Encoded:
-    """One encoded flat tensor. All tensors are plain, contiguous and on the input's device.
-
-    Attributes:
-        codec: the codec name (one of ``CODECS``).
-        numel: number of elements of the original flat tensor.
-        block_size: elements per scale block (int8 / int4; recorded for all codecs).
-        data: float32 (none), bfloat16 (bf16), int8 (int8) or uint8 nibble pairs (int4).
-        scales: float32 absmax per block for int8 / int4; empty otherwise.
-    """
+    """One encoded flat tensor; ``data`` is float32, bfloat16, int8 or uint8 nibble pairs (int4),
+    ``scales`` the float32 absmax per block (empty for none / bf16). Contiguous, on the input's
+    device."""
 
     codec: str
     numel: int
@@ -54,26 +42,14 @@ class Encoded:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the payload (``data`` + ``scales``) as it would travel."""
-        return _nbytes(self.data) + _nbytes(self.scales)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+        """Bytes of the payload as it would travel."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales))
 
 
 @dataclass(frozen=True)
 class Codec:
-    """A codec name and its block size, validated.
-
-    Args:
-        name: one of ``CODECS``.
-        block_size: elements sharing one absmax scale (int8 / int4). Smaller blocks bound the
-            error more tightly and cost ``4 / block_size`` extra bytes per element.
-
-    Raises:
-        ValueError: unknown name or a block size that is not a positive integer.
-    """
+    """A codec name (one of ``CODECS``) and its block size (elements per absmax scale),
+    validated: ``ValueError`` for an unknown name or a block size that is not an int >= 1."""
 
     name: str = NO_CODEC
     block_size: int = 128
@@ -91,12 +67,8 @@ class Codec:
             raise SwarmConfigError(f"block_size must be >= 1, got {self.block_size}; e.g. 128.")
 
     def encode(self, x: Tensor) -> Encoded:
-        """Encode a flat (1-D) float32 tensor; see the module docstring for the error bound.
-
-        Raises:
-            TypeError: ``x`` is not a 1-D float32 tensor.
-            ValueError: ``x`` holds NaN or inf.
-        """
+        """Encode a flat float32 tensor: ``TypeError`` for another shape or dtype,
+        ``ValueError`` for NaN or inf."""
         _check_input(x, self.name)
         if self.name == NO_CODEC:
             data = x.contiguous().clone()
@@ -119,8 +91,7 @@ class Codec:
         absmax = blocks.abs().amax(dim=1)
         # An all-zero block divides by 1 instead of 0: its codes are 0 and decode to 0 exactly.
         divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        # x / absmax lies in [-1, 1] exactly (IEEE division is monotone), so the codes cannot
-        # leave [-qmax, qmax]; the clamp only documents that.
+        # x / absmax lies in [-1, 1] exactly (IEEE division is monotone): the clamp documents it.
         codes = torch.round(blocks / divisor[:, None] * qmax).clamp_(-qmax, qmax)
         codes = codes.reshape(-1)[: x.numel()]
         if self.name == "int8":
@@ -158,30 +129,29 @@ class Codec:
                 f"expected {self.encoded_nbytes(numel)} uint8 bytes for {numel} elements with "
                 f"{self.name}, got {raw.numel()} {raw.dtype}; islands disagree on the layout."
             )
-        num_scales = 0 if self.name in (NO_CODEC, "bf16") else -(-numel // self.block_size)
+        num_scales = self._num_scales(numel)
         # Copies: a slice at an odd byte offset cannot be reinterpreted as float32 in place.
         scales = raw[: 4 * num_scales].clone().view(torch.float32)
         data = raw[4 * num_scales :].clone().view(_DATA_DTYPE[self.name])
         return Encoded(self.name, numel, self.block_size, data, scales)
 
     def roundtrip(self, x: Tensor) -> Tensor:
-        """``decode(encode(x))``: what the other islands will see of ``x``."""
+        """What the other islands will see of ``x``."""
         return self.decode(self.encode(x))
 
     def encoded_nbytes(self, numel: int) -> int:
         """Payload bytes for ``numel`` elements, without encoding anything."""
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
-        if self.name == NO_CODEC:
-            return 4 * numel
-        if self.name == "bf16":
-            return 2 * numel
-        num_blocks = -(-numel // self.block_size)
-        data = numel if self.name == "int8" else (numel + 1) // 2
-        return data + 4 * num_blocks
+        data = {NO_CODEC: 4 * numel, "bf16": 2 * numel, "int8": numel}.get(self.name)
+        return ((numel + 1) // 2 if data is None else data) + 4 * self._num_scales(numel)
+
+    def _num_scales(self, numel: int) -> int:
+        return 0 if self.name in (NO_CODEC, "bf16") else -(-numel // self.block_size)
 
     def error_bound(self, x: Tensor) -> Tensor:
-        """Per-element bound on ``|x - roundtrip(x)|`` stated in the module docstring."""
+        """Per-element bound on ``|x - roundtrip(x)|``: 0 for ``none``, half a bfloat16 step
+        (round to nearest even), or the block's ``absmax / (2 * qmax)`` plus float32 rounding."""
         _check_input(x, self.name)
         if self.name == NO_CODEC:
             return torch.zeros_like(x)
@@ -194,26 +164,16 @@ class Codec:
 
 
 def codec_for(name: str, block_size: int = 128) -> Codec | None:
-    """The codec a ``quantize`` option names, validated; ``None`` for ``"none"``.
-
-    The one place that turns the option value ``"none"`` into "no codec": everything below the
-    config layer passes ``None`` and never compares names.
-
-    Raises:
-        ValueError: unknown name or a block size that is not a positive integer.
-    """
+    """The codec a ``quantize`` option names, validated; ``None`` for ``"none"`` (the one
+    place that turns the name into "no codec": code below compares no names)."""
     codec = Codec(name, block_size)
     return None if codec.name == NO_CODEC else codec
 
 
 def with_error_feedback(x: Tensor, residual: Tensor | None, codec: Codec) -> tuple[Tensor, Tensor]:
-    """Error feedback for one tensor and one round.
-
-    Returns ``(to_send, new_residual)`` where ``to_send = x + residual`` (the caller hands it
-    to the transport, which encodes it with the same codec) and ``new_residual = to_send -
-    codec.roundtrip(to_send)`` is what this round's encoding loses; the caller keeps it for the
-    next round. ``x`` and ``residual`` are not modified. A ``None`` residual means zeros.
-    """
+    """Error feedback for one tensor and one round: ``(to_send, new_residual)``, with
+    ``to_send = x + residual`` (``None`` means zeros) and ``new_residual`` what encoding
+    ``to_send`` loses, kept by the caller for the next round. The inputs are not modified."""
     to_send = x.clone() if residual is None else x + residual
     if codec.name == NO_CODEC:
         return to_send, torch.zeros_like(to_send)
@@ -255,10 +215,7 @@ def _as_blocks(x: Tensor, block_size: int) -> Tensor:
 
 
 def _pack_int4(codes: Tensor) -> Tensor:
-    """Pack codes in [0, 15] two per byte: element 2k in the low nibble, 2k+1 in the high one.
-
-    An odd count pads the last high nibble with the code for zero.
-    """
+    """Codes in [0, 15], two per byte: element 2k in the low nibble; an odd count pads zero."""
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_full((1,), _INT4_ZERO_CODE)])
     pairs = codes.reshape(-1, 2)
@@ -267,5 +224,4 @@ def _pack_int4(codes: Tensor) -> Tensor:
 
 def _unpack_int4(packed: Tensor, numel: int) -> Tensor:
     as_int = packed.to(torch.int16)
-    codes = torch.stack([as_int & 0x0F, as_int >> 4], dim=1).reshape(-1)
-    return codes[:numel]
+    return torch.stack([as_int & 0x0F, as_int >> 4], dim=1).reshape(-1)[:numel]

@@ -1,12 +1,7 @@
 """Streaming DiLoCo fragments (arXiv 2501.18512): which parameters sync together, and when.
 
-Fragments split parameters by *layer*: the name up to its first numeric component
-(``blocks.3.attn.weight`` -> ``blocks.3``), else the owning module; ``"strided"`` puts layer ``i``
-in fragment ``i mod F``, ``"sequential"`` cuts contiguous chunks, or a layout names them. Steps
-count completed inner steps; fragment ``f`` sends when ``(s - f * sync_every / F) % sync_every``
-is 0 and applies ``sync_delay`` later, so one fragment and no delay is plain DiLoCo, and since
-``sync_delay < sync_every / F`` at most one fragment is in flight. Pure Python.
-"""
+A *layer* is a name up to its first numeric part (``blocks.3.attn.weight`` -> ``blocks.3``), else
+its module. Fragment ``f`` sends after step ``s`` when ``(s - f * H / F) % H == 0``."""
 
 from __future__ import annotations
 
@@ -21,7 +16,6 @@ FragmentLayout = str | Sequence[Sequence[str]]
 
 
 def layer_of(name: str) -> str:
-    """The layer a parameter belongs to (see the module docstring)."""
     parts = name.split(".")
     for index, part in enumerate(parts):
         if part.isdigit():
@@ -32,22 +26,10 @@ def layer_of(name: str) -> str:
 def build_fragments(
     names: Sequence[str], num_fragments: int, layout: FragmentLayout = "strided"
 ) -> list[list[str]]:
-    """Split trained parameter names into fragments.
-
-    Args:
-        names: trained parameter names in a fixed order (identical on every rank).
-        num_fragments: F, the number of fragments.
-        layout: ``"strided"``, ``"sequential"`` (contiguous chunks whose sizes differ by at most
-            one, earlier chunks larger) or ``F`` lists of module names (a parameter belongs to
-            the fragment naming it or one of its parent modules).
-
-    Returns:
-        ``F`` non-empty lists of names; together they hold every name exactly once, each list
-        in the order of ``names``.
-
-    Raises:
-        ValueError: the layout cannot cover the names as asked (the message says how to fix it).
-    """
+    """Split trained parameter names (one order on every rank) into ``num_fragments`` non-empty
+    lists, each in the order of ``names``, that hold every name once. ``layout``: ``"strided"``
+    (layer ``i`` in fragment ``i mod F``), ``"sequential"`` (contiguous chunks, earlier ones at
+    most one larger) or F lists of module names. Raises ``ValueError`` saying how to fix it."""
     check_positive_int("num_fragments", num_fragments, "1 syncs the whole model at once")
     if len(set(names)) != len(names):
         raise ValueError("parameter names must be unique; got duplicates in the trained set")
@@ -60,15 +42,8 @@ def build_fragments(
 
 
 def as_layout(layout: object, num_fragments: int) -> str | list[list[str]]:
-    """Check a layout's form (the names it must cover are known only later, at setup).
-
-    Returns:
-        The layout name, or the explicit layout as ``num_fragments`` plain lists of module
-        names (a bare string in a fragment's place stands for a list of one name).
-
-    Raises:
-        ValueError: an unknown name, a list of the wrong length, or something else entirely.
-    """
+    """Check a layout's form (the names it covers are known only at setup): returns the name,
+    or ``num_fragments`` plain lists of module names (a bare string is a list of one)."""
     if isinstance(layout, str):
         if layout not in LAYOUTS:
             raise SwarmConfigError(
@@ -105,13 +80,12 @@ def _by_layers(names: Sequence[str], num_fragments: int, layout: str) -> list[li
             f"would be empty; set num_fragments <= {num_layers}, or pass fragment_layout as "
             "explicit lists of module names."
         )
-    if layout == "strided":
-        fragment_of_layer = [i % num_fragments for i in range(num_layers)]
-    else:
-        base, extra = divmod(num_layers, num_fragments)
-        fragment_of_layer = []
-        for f in range(num_fragments):
-            fragment_of_layer += [f] * (base + (1 if f < extra else 0))
+    base, extra = divmod(num_layers, num_fragments)
+    fragment_of_layer = (
+        [i % num_fragments for i in range(num_layers)]
+        if layout == "strided"
+        else [f for f in range(num_fragments) for _ in range(base + (f < extra))]
+    )
     fragments: list[list[str]] = [[] for _ in range(num_fragments)]
     for name in names:
         fragments[fragment_of_layer[layers[layer_of(name)]]].append(name)
@@ -149,14 +123,8 @@ def _explicit(names: Sequence[str], groups: list[list[str]]) -> list[list[str]]:
 
 
 def check_fragments(fragments: Sequence[Sequence[str]] | None, names: list[str]) -> list[list[str]]:
-    """Validate fragments given as lists of parameter names (``None`` = one of everything).
-
-    Returns:
-        The fragments as lists in the order of ``names``.
-
-    Raises:
-        ValueError: a fragment is empty, or a name is unknown, repeated or left out.
-    """
+    """Fragments given as lists of parameter names (``None``: one of everything), in the order
+    of ``names``; ``ValueError`` for an empty fragment or a name unknown, repeated or left out."""
     if fragments is None:
         return [names]
     owner: dict[str, int] = {}
@@ -182,15 +150,9 @@ def check_fragments(fragments: Sequence[Sequence[str]] | None, names: list[str])
 
 @dataclass(frozen=True, kw_only=True)
 class FragmentSchedule:
-    """When each fragment sends and applies (see the module docstring for the step convention).
-
-    Attributes:
-        sync_every: H, inner steps between two sends of the same fragment.
-        num_fragments: F; must divide ``sync_every``.
-        sync_delay: tau, inner steps between a fragment's send and its apply;
-            ``0 <= tau < sync_every / F``.
-        merge_alpha: on apply, ``local <- (1 - alpha) * global + alpha * local``; in [0, 1].
-    """
+    """When each fragment sends and applies: every ``sync_every`` (H) inner steps, staggered by
+    H / ``num_fragments``, applied ``sync_delay`` steps later with ``local <- (1 - merge_alpha) *
+    global + merge_alpha * local``."""
 
     sync_every: int
     num_fragments: int = 1
@@ -206,7 +168,7 @@ class FragmentSchedule:
                 f"{self.num_fragments}; fragments are staggered by sync_every / num_fragments "
                 "inner steps, so choose a sync_every that is a multiple of num_fragments."
             )
-        interval = self.sync_every // self.num_fragments
+        interval = self.interval
         if (
             isinstance(self.sync_delay, bool)
             or not isinstance(self.sync_delay, int)
@@ -226,11 +188,9 @@ class FragmentSchedule:
 
     @property
     def interval(self) -> int:
-        """Inner steps between the sends of two consecutive fragments (H / F)."""
         return self.sync_every // self.num_fragments
 
     def offset(self, fragment: int) -> int:
-        """``offset_f = f * H / F``: the phase of fragment ``f`` in the H-step cycle."""
         if not 0 <= fragment < self.num_fragments:
             raise ValueError(f"fragment {fragment} outside 0 .. {self.num_fragments - 1}")
         return fragment * self.interval
@@ -238,9 +198,7 @@ class FragmentSchedule:
     def sends_at(self, step: int) -> int | None:
         """The fragment that sends after inner step ``step`` (1-based), or None."""
         _check_step(step)
-        if step % self.interval:
-            return None
-        return (step % self.sync_every) // self.interval
+        return None if step % self.interval else (step % self.sync_every) // self.interval
 
     def applies_at(self, step: int) -> int | None:
         """The fragment whose averaged result is applied after inner step ``step``, or None."""
@@ -249,11 +207,8 @@ class FragmentSchedule:
         return self.sends_at(send) if send >= 1 else None
 
     def in_flight(self, step: int, *, sent_after: int = 0) -> int | None:
-        """The fragment sent at or before ``step`` and applied after it (None if none).
-
-        This is the state a checkpoint taken after ``step`` must carry. Rounds sent at or
-        before ``sent_after`` do not count (the end-of-fit round applied them early).
-        """
+        """The fragment sent at or before ``step`` and applied after it (what a checkpoint taken
+        after ``step`` must carry); rounds sent at or before ``sent_after`` were applied early."""
         _check_step(step)
         for sent in range(max(1, sent_after + 1, step - self.sync_delay + 1), step + 1):
             fragment = self.sends_at(sent)
@@ -263,10 +218,7 @@ class FragmentSchedule:
 
 
 def check_positive_int(option: str, value: object, hint: str) -> None:
-    """Raise ``ValueError`` naming ``option`` and ``hint`` unless ``value`` is an int >= 1.
-
-    The one positive-integer rule of the package (``SwarmConfig`` calls it for its counts).
-    """
+    """The package's one positive-integer rule: ``ValueError`` naming ``option`` and ``hint``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SwarmConfigError(f"{option} must be a positive integer, got {value!r}; {hint}.")
 

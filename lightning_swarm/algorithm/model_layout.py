@@ -1,13 +1,7 @@
 """A model's layout: each parameter's name, shape and dtype, and the fingerprint of it.
 
-The one description of "the same model" in the package, used twice: a checkpoint records each
-optimizer's names and shapes (``resume.fingerprint``) and refuses a resume whose layout differs
-(dtypes left out: a resume may change precision); an elastic island sends ``fingerprint(layout)``
-in every round's header and the layout with a heal, so that a joiner whose model differs, dtypes
-included, is refused naming the parameters (``membership.torchft_quorum``). A layout is plain
-data (str, int, tuple), so it crosses the heal wire unchanged; model-sharded parameters are
-described by their global shapes. Imports torch only.
-"""
+The one description of "the same model", for resumes (``resume.fingerprint``) and joining islands
+(``membership.torchft_quorum``); plain data, so it crosses the heal wire as is."""
 
 from __future__ import annotations
 
@@ -29,9 +23,7 @@ class ParamLayout(NamedTuple):
         return f"{self.shape} {self.dtype}"
 
 
-Layout = dict[str, ParamLayout]
-"""Parameter name -> shape and dtype, in the model's order, e.g. ``{"fc.weight": ((4, 8),
-"float32")}``."""
+Layout = dict[str, ParamLayout]  # parameter name -> shape and dtype, in the model's order
 
 
 def model_layout(

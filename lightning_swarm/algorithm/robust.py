@@ -1,12 +1,7 @@
 """Aggregation rules over islands' contributions to ONE parameter (or one block of it).
 
-Each rule takes same-shaped tensors, one per accepted island in island order, and returns a new
-tensor; inputs are never modified. Work is element-wise in a fixed order, so a rule applied to
-consecutive slices gives the bits it gives the whole tensor: blocking is invisible, and memory is
-islands x one block. ``median`` of an even count is the mean of the middle two (numpy's
-convention); ``trimmed_mean`` drops ``floor(trim_ratio * n)`` values at each end (scipy's).
-Lower-precision inputs accumulate in float32.
-"""
+Element-wise in a fixed order, so a rule on consecutive slices gives the bits of the whole tensor;
+inputs are never modified. Even-count median and trimmed mean follow numpy and scipy."""
 
 from __future__ import annotations
 
@@ -22,11 +17,7 @@ AGGREGATIONS = ("mean", "weighted_mean", "median", "trimmed_mean")
 
 
 def check_aggregation(rule: object, *, option: str = "aggregation") -> None:
-    """The one check of an aggregation name; ``option`` is how the caller's user spells it.
-
-    Raises:
-        ValueError: ``rule`` is not one of ``AGGREGATIONS``.
-    """
+    """The one check of an aggregation name; ``option`` is how the caller's user spells it."""
     if rule not in AGGREGATIONS:
         raise SwarmConfigError(
             f"{option}={rule!r} is not known; choose one of {list(AGGREGATIONS)}."
@@ -34,11 +25,7 @@ def check_aggregation(rule: object, *, option: str = "aggregation") -> None:
 
 
 def check_weights(weights: object, *, option: str = "weights") -> list[float]:
-    """The one check of ``weighted_mean`` weights; returns them as a list of floats.
-
-    Raises:
-        ValueError: not a list of finite non-negative numbers with a positive sum.
-    """
+    """The one check of ``weighted_mean`` weights (finite, >= 0, positive sum), as floats."""
     try:
         values = list(weights)  # type: ignore[call-overload]
     except TypeError:
@@ -60,11 +47,8 @@ def _is_weight(w: object) -> bool:
     return isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check(tensors: Sequence[Tensor]) -> None:
+def _check(tensors: Sequence[Tensor]) -> torch.dtype:
+    """Refuse empty or mixed contributions; return the dtype to accumulate in."""
     if len(tensors) == 0:
         raise ValueError("cannot aggregate zero contributions; at least one island must count")
     first = tensors[0]
@@ -74,12 +58,12 @@ def _check(tensors: Sequence[Tensor]) -> None:
                 f"contributions differ in shape or dtype ({tuple(first.shape)} {first.dtype} vs "
                 f"{tuple(t.shape)} {t.dtype}); every island must send the same layout"
             )
+    return torch.float64 if first.dtype == torch.float64 else torch.float32
 
 
 def mean(tensors: Sequence[Tensor]) -> Tensor:
     """Elementwise mean: ``((x_0 + x_1) + ...) / n``, summed in island order."""
-    _check(tensors)
-    acc_dtype = _accumulation_dtype(tensors[0].dtype)
+    acc_dtype = _check(tensors)
     acc = tensors[0].to(acc_dtype, copy=True)
     for t in tensors[1:]:
         acc.add_(t.to(acc_dtype))
@@ -88,16 +72,11 @@ def mean(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """``sum(w_i * x_i) / sum(w_i)``, summed in island order.
-
-    Raises:
-        ValueError: the weights do not match the tensors, are negative or non-finite, or sum to 0.
-    """
-    _check(tensors)
+    """``sum(w_i * x_i) / sum(w_i)``, summed in island order."""
+    acc_dtype = _check(tensors)
     if len(weights) != len(tensors):
         raise ValueError(f"{len(weights)} weights for {len(tensors)} contributions")
     check_weights(weights)
-    acc_dtype = _accumulation_dtype(tensors[0].dtype)
     acc = tensors[0].to(acc_dtype).mul(weights[0])
     for t, w in zip(tensors[1:], weights[1:], strict=True):
         # A separate multiply and add, not add_(alpha=w): a fused multiply-add in the vectorised
@@ -107,20 +86,13 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float]) -> Tensor
     return acc.to(tensors[0].dtype)
 
 
-# Up to this many contributions the order statistics come from a sorting network of elementwise
-# minimum / maximum (about n^2 / 2 compare-exchanges, each two passes over a block), cheaper
-# than torch.sort along the island dimension for few islands. Past it, torch.sort.
+# Up to this many contributions a sorting network of elementwise min / max beats torch.sort.
 _NETWORK_MAX = 32
 
 
-def _sorted_rows(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Row i holds every coordinate's i-th smallest value (in the accumulation dtype).
-
-    An odd-even transposition sort (n rounds of compare-exchanges between neighbours) sorts any
-    n; minimum and maximum return their inputs' values unchanged, so the rows hold the same
-    values as ``torch.sort``'s. Inputs are not modified.
-    """
-    acc_dtype = _accumulation_dtype(tensors[0].dtype)
+def _sorted_rows(tensors: Sequence[Tensor], acc_dtype: torch.dtype) -> list[Tensor]:
+    """Row i holds every coordinate's i-th smallest value (an odd-even transposition sort: the
+    values of ``torch.sort``)."""
     rows = [t.to(acc_dtype) for t in tensors]
     n = len(rows)
     if n > _NETWORK_MAX:
@@ -135,9 +107,8 @@ def _sorted_rows(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 def median(tensors: Sequence[Tensor]) -> Tensor:
     """Coordinate-wise median; the mean of the two middle values for an even count."""
-    _check(tensors)
     n = len(tensors)
-    ordered = _sorted_rows(tensors)
+    ordered = _sorted_rows(tensors, _check(tensors))
     middle = ordered[n // 2].clone() if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     return middle.to(tensors[0].dtype)
 
@@ -148,23 +119,14 @@ def trimmed_count(n: int, trim_ratio: float) -> int:
 
 
 def trimmed_mean(tensors: Sequence[Tensor], trim_ratio: float) -> Tensor:
-    """Per coordinate: sort, drop ``floor(trim_ratio * n)`` values at each end, average the rest.
-
-    Raises:
-        ValueError: ``trim_ratio`` is outside ``[0, 0.5)``.
-    """
-    _check(tensors)
+    """Per coordinate: drop ``floor(trim_ratio * n)`` values at each end, average the rest."""
+    acc_dtype = _check(tensors)
     if not 0.0 <= trim_ratio < 0.5:
         raise ValueError(f"trim_ratio must lie in [0, 0.5), got {trim_ratio}")
     n = len(tensors)
     k = trimmed_count(n, trim_ratio)
-    ordered = _sorted_rows(tensors)
-    kept = ordered[k : n - k]
-    acc = kept[0].clone()
-    for row in kept[1:]:
-        acc.add_(row)
-    acc.div_(n - 2 * k)
-    return acc.to(tensors[0].dtype)
+    ordered = _sorted_rows(tensors, acc_dtype)
+    return mean(ordered[k : n - k]).to(tensors[0].dtype)  # the rows are in acc_dtype
 
 
 def aggregate(
@@ -174,11 +136,7 @@ def aggregate(
     weights: Sequence[float] | None = None,
     trim_ratio: float = 0.0,
 ) -> Tensor:
-    """Dispatch to one of ``AGGREGATIONS`` by name.
-
-    Raises:
-        ValueError: an unknown rule, or ``weighted_mean`` without weights.
-    """
+    """Dispatch to one of ``AGGREGATIONS`` by name."""
     check_aggregation(rule)
     if rule == "mean":
         return mean(tensors)

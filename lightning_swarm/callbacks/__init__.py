@@ -1,8 +1,4 @@
-"""Lightning callbacks of lightning_swarm: thin adapters in the Lightning glue layer.
-
-``HostMemoryCensus`` reads the swarm's figures through ``memory.report.SwarmMemoryReport``, never
-through the strategy.
-"""
+"""Lightning callbacks of lightning_swarm: thin adapters in the Lightning glue layer."""
 
 from lightning_swarm.callbacks.census import HostMemoryCensus
 from lightning_swarm.callbacks.resume import SwarmResume

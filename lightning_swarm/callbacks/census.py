@@ -1,15 +1,12 @@
 """``HostMemoryCensus``: a per-step snapshot of host memory, logged under ``census/``.
 
-It tells a leak from a sawtooth on long runs (keys and cadences: ``docs/census.md``). Metrics go
-straight to ``logger.log_metrics`` so ``log_every_n_steps`` cannot drop them. With
-``all_ranks=True`` rank 0 gathers every rank's sample, a synchronisation point per census step.
-The callback holds no tensors: it reads anchor addresses and sizes, never keeps references.
-"""
+It tells a leak from a sawtooth (keys and cadences: ``docs/census.md``), holds no tensors, and
+reads the swarm's figures through the ``SwarmMemoryReport`` protocol, never the strategy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -18,19 +15,36 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
-from lightning_swarm.memory.allocator import CounterClassifier, byte_counters, counter_metrics
 from lightning_swarm.memory.procfs import ProcReader, file_backed_overlap
-from lightning_swarm.memory.report import SwarmMemoryReport
-from lightning_swarm.memory.sampler import HostSampler, RunSummary
+from lightning_swarm.memory.sampler import (
+    CounterClassifier,
+    HostSampler,
+    RunSummary,
+    byte_counters,
+    counter_metrics,
+)
 
 AllocatorStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
-def cuda_allocator_stats() -> dict[str, Mapping[str, Any]]:
-    """Flat snapshots of CUDA's device and pinned-host allocators, if CUDA is initialised.
+@runtime_checkable
+class SwarmMemoryReport(Protocol):
+    """What a swarm run tells the census about its resident state on this rank (a strategy's
+    ``memory_report``; ``OuterLoop`` implements it). No method keeps a reference to a tensor.
+    ``memory_key`` changes whenever the two byte counts may (both walk every anchor, so they are
+    recomputed only then); ``spool_bytes`` is ``None`` when the transport does not spool;
+    ``anchor_spans`` gives ``(address, bytes)`` of each host-memory anchor storage."""
 
-    Never initialises CUDA itself: a CPU run, or one that has not touched the device, gets {}.
-    """
+    def memory_key(self) -> Hashable: ...
+    def anchor_bytes(self) -> int: ...
+    def outer_state_bytes(self) -> int: ...
+    def spool_bytes(self) -> int | None: ...
+    def anchor_spans(self) -> Sequence[tuple[int, int]]: ...
+
+
+def cuda_allocator_stats() -> dict[str, Mapping[str, Any]]:
+    """Flat snapshots of CUDA's device and pinned-host allocators; {} unless CUDA is already
+    initialised (never initialises it)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
     out: dict[str, Mapping[str, Any]] = {"cuda_device": torch.cuda.memory_stats()}
@@ -51,16 +65,16 @@ def _check_count(name: str, value: object, minimum: int, fix: str) -> int:
 
 
 class HostMemoryCensus(Callback):
-    """Log a host-memory census under ``census/`` while fitting.
+    """Log a host-memory census under ``census/`` while fitting, straight to the loggers (so
+    ``log_every_n_steps`` cannot drop it).
 
     Args:
         every_n_steps: optimizer steps between constant-cost samples (>= 1).
-        smaps_every_n_steps: optimizer steps between page-walking smaps_rollup reads (their cost
-            grows with resident memory); 0 reads it only at the start and end of fit.
-        all_ranks: sample on every rank and log as ``census/rank<r>/...`` (gathered to rank 0);
-            False samples on global rank 0 only.
-        proc_root: the procfs mount point; point it elsewhere to test the psutil stand-in.
-        allocator_stats: returns flat allocator snapshots by source name; default reads CUDA's.
+        smaps_every_n_steps: steps between page-walking smaps_rollup reads (0: first and last).
+        all_ranks: sample every rank, gathered to rank 0 as ``census/rank<r>/...`` (a
+            synchronisation point per census step); False samples global rank 0 only.
+        proc_root: the procfs mount point.
+        allocator_stats: flat allocator snapshots by source name; default reads CUDA's.
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or range (the message names it).
@@ -93,21 +107,19 @@ class HostMemoryCensus(Callback):
         self.reader = ProcReader(proc_root)
         self.sampler = HostSampler(self.reader)
         self.allocator_stats = allocator_stats or cuda_allocator_stats
-        self.summary: dict[str, float] = {}
         self._reset()
 
     def _reset(self) -> None:
+        self.summary: dict[str, float] = {}
         self._run = RunSummary()
         self._classifiers: dict[str, CounterClassifier] = {}
         self._last_step: int | None = None
         self._swarm_cache: dict[str, float] = {}
         self._swarm_key: Hashable | None = None
 
-    # -- hooks ----------------------------------------------------------------------------
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
-        self.summary = {}
         if self._samples_here(trainer):
             self._census(trainer, slow=True)
 
@@ -130,11 +142,9 @@ class HostMemoryCensus(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._samples_here(trainer):
-            return
-        self._census(trainer, slow=True, final=True)
+        if self._samples_here(trainer):
+            self._census(trainer, slow=True, final=True)
 
-    # -- one census -----------------------------------------------------------------------
     def _samples_here(self, trainer: pl.Trainer) -> bool:
         return self.all_ranks or trainer.global_rank == 0
 
@@ -183,11 +193,8 @@ class HostMemoryCensus(Callback):
             [None] * trainer.world_size if trainer.global_rank == 0 else None
         )
         torch.distributed.gather_object(metrics, gathered, dst=0)
-        if gathered is None:
-            return None
-        return {rank: dict(m) for rank, m in enumerate(gathered)}
+        return None if gathered is None else dict(enumerate(gathered))
 
-    # -- strategy state -------------------------------------------------------------------
     def _swarm_metrics(self, trainer: pl.Trainer, *, slow: bool) -> dict[str, float]:
         report = getattr(trainer.strategy, "memory_report", None)
         if not isinstance(report, SwarmMemoryReport):
@@ -205,18 +212,11 @@ class HostMemoryCensus(Callback):
         spool_bytes = report.spool_bytes()
         if spool_bytes is not None:
             out["swarm/spool_bytes"] = float(spool_bytes)
-        if slow:
-            backed = self._anchor_file_backed_bytes(report)
-            if backed is not None:
-                out["swarm/anchor_file_backed_bytes"] = float(backed)
+        spans = report.anchor_spans() if slow else None
+        regions = self.reader.maps() if spans else None  # unmeasurable: no maps or CPU anchors
+        if spans and regions is not None:
+            out["swarm/anchor_file_backed_bytes"] = float(file_backed_overlap(spans, regions))
         return out
-
-    def _anchor_file_backed_bytes(self, report: SwarmMemoryReport) -> int | None:
-        """Anchor bytes inside file-backed mappings; None when unmeasurable (no maps, no CPU
-        anchors)."""
-        spans = report.anchor_spans()
-        regions = self.reader.maps() if spans else None
-        return None if regions is None else file_backed_overlap(spans, regions)
 
 
 def _summary_line(rank: int | None, metrics: Mapping[str, float]) -> str:

@@ -1,5 +1,5 @@
-"""``swarm-train``: the Hydra app (``app``), its strategy schema (``schema``), the checks it runs
-before any process starts (``preflight``) and the run summary (``summary``)."""
+"""``swarm-train``: the Hydra app (``app``) and the checks it runs before any process starts
+(``preflight``)."""
 
 from lightning_swarm.cli.app import main
 

@@ -1,24 +1,22 @@
 """The Hydra app: compose a run from the package's ``conf/`` and train it.
 
-``swarm-train`` reads ``conf/train.yaml`` and its groups, validates the options before any
-process starts (``cli.preflight``), trains, and on global rank 0 writes ``summary.json`` and
-``loss.png``. Every ``instantiate`` converts OmegaConf containers to plain Python, and the
-module's hyper-parameters are made plain again before fit, so no OmegaConf object reaches a
-checkpoint (Lightning's weights-only load refuses them).
-"""
+The strategy schema derives from ``SwarmConfig``; ``cli.preflight`` checks options before any
+process starts. No OmegaConf object reaches a checkpoint (weights-only loads refuse them)."""
 
 from __future__ import annotations
 
 import json
 import os
+import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import hydra
 import lightning.pytorch as pl
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -30,12 +28,10 @@ from lightning_swarm.cli.preflight import (
     check_accelerator,
     check_islands,
     check_lighthouse,
-    make_hparams_plain,
     plain,
     resolve_ckpt_path,
 )
-from lightning_swarm.cli.schema import register_configs
-from lightning_swarm.cli.summary import format_summary, summarize
+from lightning_swarm.config import SwarmConfig
 from lightning_swarm.demo.loss_plot import LossHistory, write_loss_png
 from lightning_swarm.outer.loop import check_outer_optimizer
 from lightning_swarm.strategy import SwarmStrategy
@@ -56,6 +52,58 @@ def conf_dir() -> Path:
 
 
 CONF_DIR = conf_dir()
+
+
+def _schema_type(annotation: Any) -> Any:
+    """The type OmegaConf checks for a ``SwarmConfig`` annotation: it knows neither ``Literal``
+    (checked as ``str``; the strategy checks the values) nor unions of several types (``Any``)."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return str
+    if origin in (Union, types.UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) == 1 and len(members) < len(get_args(annotation)):
+            inner = _schema_type(members[0])
+            return Any if inner is Any else Optional[inner]  # noqa: UP045 (a runtime type)
+        return Any
+    return annotation
+
+
+_DEFAULT_OUTER_OPTIMIZER = {
+    "_target_": "torch.optim.SGD",
+    "_partial_": True,
+    "lr": 0.7,
+    "momentum": 0.9,
+    "nesterov": True,
+}
+
+# The Hydra schema of ``SwarmStrategy`` (group ``strategy``, name ``swarm_schema``): every
+# ``SwarmConfig`` field, derived, plus what is not plain data (the target, the outer optimizer
+# as a ``_partial_`` node, DDPStrategy's launch options). The strategy validates the values, so
+# a bad one fails with ``SwarmConfig``'s message, not OmegaConf's.
+_HINTS = get_type_hints(SwarmConfig)
+SwarmStrategyConf: type = make_dataclass(
+    "SwarmStrategyConf",
+    [
+        ("_target_", str, field(default="lightning_swarm.SwarmStrategy")),
+        *(
+            (
+                item.name,
+                _schema_type(_HINTS[item.name]),
+                field(default=item.default)
+                if item.default_factory is MISSING
+                else field(default_factory=item.default_factory),
+            )
+            for item in fields(SwarmConfig)
+        ),
+        ("outer_optimizer", Any, field(default_factory=lambda: dict(_DEFAULT_OUTER_OPTIMIZER))),
+        ("start_method", str, field(default="popen")),
+        ("process_group_backend", Optional[str], field(default=None)),  # noqa: UP045
+    ],
+    kw_only=True,
+)
+SwarmStrategyConf.__module__ = __name__
+ConfigStore.instance().store(group="strategy", name="swarm_schema", node=SwarmStrategyConf)
 
 
 @dataclass
@@ -98,8 +146,13 @@ def build(cfg: DictConfig) -> Run:
         options = {str(k): plain(v) for k, v in census.items() if k != "enabled"}
         callbacks.append(HostMemoryCensus(**options))
     logger = instantiate(cfg.logger, _convert_="all") if cfg.get("logger") else False
-    if logger is False:
-        callbacks = _without_logger_callbacks(callbacks)
+    if logger is False and any(isinstance(c, LearningRateMonitor) for c in callbacks):
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        warnings.warn(
+            "LearningRateMonitor has no effect without a logger and was left out; pick a logger "
+            "(e.g. logger=csv) to record learning rates.",
+            stacklevel=2,
+        )
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):
         # A ModelCheckpoint in the callbacks group is the request to checkpoint; Lightning
         # would otherwise refuse it next to the trainer files' enable_checkpointing: false.
@@ -115,20 +168,8 @@ def build(cfg: DictConfig) -> Run:
     model = instantiate(cfg.model, _convert_="all")
     datamodule = instantiate(cfg.data, _convert_="all")
     for part in (model, datamodule):
-        make_hparams_plain(part.hparams)
+        part.hparams.update({key: plain(value) for key, value in part.hparams.items()})
     return Run(trainer, model, datamodule, ckpt_path=ckpt_path, loss_history=loss_history)
-
-
-def _without_logger_callbacks(callbacks: list[Any]) -> list[Any]:
-    """Drop callbacks that only feed a logger, with a warning, when the run has none."""
-    kept = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    if len(kept) != len(callbacks):
-        warnings.warn(
-            "LearningRateMonitor has no effect without a logger and was left out; pick a logger "
-            "(e.g. logger=csv) to record learning rates.",
-            stacklevel=2,
-        )
-    return kept
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
@@ -149,7 +190,41 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
     return summary
 
 
-register_configs()
+def summarize(trainer: pl.Trainer) -> dict[str, float]:
+    """Final figures of a finished run (this rank's view of the cross-island traffic)."""
+    metrics = trainer.callback_metrics
+    summary: dict[str, float] = {"steps": float(trainer.global_step)}
+    summary.update({key: float(metrics[key]) for key in ("val_loss", "val_ppl") if key in metrics})
+    strategy = trainer.strategy
+    if isinstance(strategy, SwarmStrategy):
+        summary["outer_steps"] = float(strategy.totals.outer_steps)
+        summary["bytes_sent_per_rank"] = float(strategy.totals.bytes_sent)
+        loop = strategy.outer_loop
+        summary["ddp_bytes_per_rank"] = float(loop.ddp_equivalent_bytes() if loop else 0)
+        summary["sync_wall_s"] = strategy.totals.sync_wall_s
+    return summary
+
+
+_SUMMARY_LABELS = {
+    "steps": ("inner steps", "{:.0f}"),
+    "val_loss": ("final validation loss", "{:.4f}"),
+    "val_ppl": ("final validation perplexity", "{:.3f}"),
+    "outer_steps": ("outer steps", "{:.0f}"),
+    "bytes_sent_per_rank": ("bytes sent across islands (per rank)", "{:,.0f}"),
+    "ddp_bytes_per_rank": ("bytes DDP would have sent (per rank)", "{:,.0f}"),
+    "sync_wall_s": ("time in outer syncs (s)", "{:.3f}"),
+}
+
+
+def format_summary(summary: dict[str, float]) -> str:
+    lines = ["", "lightning_swarm run summary"]
+    for key, (label, fmt) in _SUMMARY_LABELS.items():
+        if key in summary:
+            lines.append(f"  {label:<40} {fmt.format(summary[key])}")
+    sent, ddp = summary.get("bytes_sent_per_rank"), summary.get("ddp_bytes_per_rank")
+    if sent and ddp:
+        lines.append(f"  {'DDP / swarm traffic ratio':<40} {ddp / sent:.1f}x")
+    return "\n".join(lines)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -164,11 +239,9 @@ THREADS_NOTE = (
 
 
 def main() -> None:
-    # Each rank of the CPU default launcher re-runs this command; keep torch to one intra-op
-    # thread per rank unless the user said otherwise, so N ranks do not fight over N cores.
-    # The variable reaches the ranks this process launches; this process (rank 0) imported
-    # torch already, so its own pool is sized here too (seen: rank 0 with its default pool
-    # used 10x the CPU time of rank 1 per step on a loaded 2-core machine; every rank waits).
+    # Each rank of the CPU default launcher re-runs this command: one intra-op thread per rank
+    # unless the user said otherwise, so N ranks do not fight over N cores. This process (rank
+    # 0) imported torch already, so its own pool is sized here too.
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)

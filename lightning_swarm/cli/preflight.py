@@ -1,14 +1,11 @@
-"""What the Hydra app settles before any process starts: accelerator, devices, checkpoint path.
-
-Each function turns a composed option into the value Lightning will use, or raises a
-``ValueError`` naming the option and the fix, once, before the launch. Also keeps OmegaConf
-containers out of checkpoints, which Lightning's weights-only load refuses.
-"""
+"""What the Hydra app settles before any process starts: accelerator, devices, lighthouse,
+checkpoint path. Each function turns a composed option into the value Lightning will use, or
+raises a ``ValueError`` naming the option and the fix, once, before the launch."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +35,9 @@ def plain(value: Any) -> Any:
     return value
 
 
-def make_hparams_plain(hparams: MutableMapping[str, Any]) -> None:
-    """Replace, in place, every hyper-parameter that holds an OmegaConf container."""
-    for key, value in list(hparams.items()):
-        hparams[key] = plain(value)
-
-
 def check_accelerator(accelerator: str) -> str:
     """The accelerator Lightning will pick for ``accelerator`` ("gpu" -> "cuda" or "mps").
-
-    Raises:
-        ValueError: a GPU accelerator was asked for on a machine where torch sees none.
-    """
+    Raises ``ValueError`` when a GPU is asked for and torch sees none."""
     name = str(accelerator).lower()
     if name == "auto":
         if CUDAAccelerator.is_available():
@@ -73,11 +61,8 @@ def check_accelerator(accelerator: str) -> str:
 
 
 def resolve_devices(accelerator: str, devices: Any) -> int:
-    """How many processes per node Lightning starts for ``trainer.devices`` on ``accelerator``.
-
-    ``"auto"`` becomes the accelerator's device count (1 on the CPU, every GPU on CUDA), ``-1``
-    every GPU; lists and "0,1" strings count their entries, as Lightning parses them.
-    """
+    """How many processes per node Lightning starts for ``trainer.devices`` on ``accelerator``,
+    parsed as Lightning does."""
     name = check_accelerator(accelerator)
     if name not in AcceleratorRegistry:
         return devices if isinstance(devices, int) and devices > 0 else 1
@@ -109,18 +94,13 @@ def check_islands(accelerator: str, devices: Any, num_nodes: int, island_size: i
         ) from err
 
 
+# A TCP handshake takes one round trip on a live link: a few seconds tell a dead address.
 LIGHTHOUSE_CONNECT_S = 3.0
-"""How long the launch waits for the lighthouse to accept a connection: a TCP handshake, which
-takes one round trip on a live link, so a few seconds tell a dead address from a slow one."""
 
 
 def check_lighthouse(config: SwarmConfig, timeout_s: float = LIGHTHOUSE_CONNECT_S) -> None:
-    """Fail now, before any rank starts, when an elastic run's lighthouse accepts no connection.
-
-    Raises:
-        LighthouseUnreachableError: ``membership=torchft`` and nothing answered at
-            ``lighthouse`` within ``timeout_s``; the message names the address and the fix.
-    """
+    """Raise ``LighthouseUnreachableError`` now, before any rank starts, when an elastic run's
+    lighthouse accepts no connection within ``timeout_s``."""
     if config.membership != "torchft" or not config.lighthouse:
         return
     problem = lighthouse_problem(config.lighthouse, timeout_s)
@@ -134,21 +114,13 @@ def check_lighthouse(config: SwarmConfig, timeout_s: float = LIGHTHOUSE_CONNECT_
         )
 
 
-def checkpoint_dirs(callbacks: list[Any]) -> list[Path]:
-    """The folders the run's ModelCheckpoint callbacks write to (those with a dirpath set)."""
-    return [Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
-
-
 # Values Lightning's fit(ckpt_path=...) resolves itself (not paths).
 _LIGHTNING_NAMES = {"best", "hpc", "registry"}
 
 
 def check_ckpt_file(ckpt_path: str | None) -> str | None:
-    """``ckpt_path`` unchanged when it is a checkpoint file (or not a local path at all).
-
-    Raises:
-        ValueError: a local path that does not exist, or is a folder.
-    """
+    """``ckpt_path`` unchanged when it is a checkpoint file or not a local path; raises
+    ``ValueError`` for a local path that is missing or a folder."""
     if ckpt_path is None or ckpt_path in _LIGHTNING_NAMES or "://" in str(ckpt_path):
         return ckpt_path
     path = Path(ckpt_path)
@@ -168,16 +140,12 @@ def check_ckpt_file(ckpt_path: str | None) -> str | None:
 def resolve_ckpt_path(
     ckpt_path: str | None, run_dir: str | None, callbacks: list[Any]
 ) -> str | None:
-    """The checkpoint ``trainer.fit`` resumes from.
-
-    ``ckpt_path=last`` means the newest complete ``*.ckpt`` (``newest_complete``) anywhere
-    under ``run_dir`` when it is given, else under the run's ModelCheckpoint folders. Any other
-    value is a path: a local one must be an existing file (checked here, before any rank
-    starts), a URL is passed on as it is.
+    """The checkpoint ``trainer.fit`` resumes from: for ``last``, the newest complete
+    ``*.ckpt`` under ``run_dir`` if given, else under the ModelCheckpoint folders; any other
+    value is checked by ``check_ckpt_file``.
 
     Raises:
-        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked; a local
-            path that is missing or a folder.
+        ValueError: ``last`` with nowhere to look, or no checkpoint where it looked.
     """
     if ckpt_path != LAST:
         return check_ckpt_file(ckpt_path)
@@ -189,7 +157,9 @@ def resolve_ckpt_path(
                 "of the run to resume (e.g. run_dir=outputs/2026-12-01/10-00-00)."
             )
     else:
-        places = checkpoint_dirs(callbacks)
+        places = [
+            Path(c.dirpath) for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath
+        ]
         if not places:
             raise SwarmConfigError(
                 "ckpt_path=last needs a place to look: add run_dir=<the run directory of the "
@@ -198,24 +168,17 @@ def resolve_ckpt_path(
             )
     found = [p for place in places if place.is_dir() for p in place.rglob("*.ckpt") if p.is_file()]
     if not found:
-        where = ", ".join(str(p) for p in places)
         raise SwarmConfigError(
-            f"ckpt_path=last found no *.ckpt file under {where}; check the folder, or train "
-            "with callbacks=checkpoint to write checkpoints there."
+            f"ckpt_path=last found no *.ckpt file under {', '.join(map(str, places))}; check "
+            "the folder, or train with callbacks=checkpoint to write checkpoints there."
         )
     return str(newest_complete(found).resolve())
 
 
 def newest_complete(found: list[Path]) -> Path:
-    """The newest checkpoint (by modification time, then name) that a resume can use.
-
-    Each candidate, newest first, is checked (``resume.complete.checkpoint_problem``: the
-    Lightning file's CRCs, its swarm record and the swarm files' sizes and checksums); a
-    newer one that fails is skipped with a warning naming it, why, and the one chosen.
-
-    Raises:
-        ValueError: no candidate is complete (each is listed with its problem).
-    """
+    """The newest checkpoint (by mtime, then name) that passes ``checkpoint_problem``; newer
+    ones that fail are skipped with a warning naming them and why. Raises ``ValueError`` when
+    none is complete."""
     ordered = sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
     skipped: list[str] = []
     for path in ordered:

@@ -1,9 +1,6 @@
 """A small GPT-style byte-level language model, the main job's LightningModule.
 
-Blocks are named ``blocks.<i>`` so fragment layouts can stride over layers. Under
-``island_parallel="fsdp"`` ``configure_model`` shards each block, then the rest, over the
-island's ``data_parallel`` mesh; parameter names are the same either way.
-"""
+Blocks are named ``blocks.<i>`` so fragment layouts can stride over layers (FSDP keeps names)."""
 
 from __future__ import annotations
 
@@ -91,16 +88,10 @@ class GPT(nn.Module):
 
 
 class GPTLightningModule(pl.LightningModule):
-    """Byte-level GPT trained with AdamW (the inner optimizer).
+    """Byte-level GPT trained with AdamW (the inner optimizer), linear warm-up then constant.
 
-    Args:
-        block_size: context length (must match the data's).
-        n_layer, n_head, n_embd: transformer size.
-        lr, weight_decay, betas: AdamW settings of the inner optimizer.
-        warmup_steps: linear LR warm-up, then constant.
-        val_across_islands: validation metrics are reduced over every rank (a world collective
-            at each validation); ``False`` keeps each rank's own, which rounds on a time budget
-            need, since there islands validate at different times (docs/speeds.md).
+    ``val_across_islands`` reduces validation metrics over every rank (a world collective);
+    ``False`` keeps each rank's own, as rounds on a time budget need (docs/speeds.md).
     """
 
     def __init__(
@@ -129,7 +120,7 @@ class GPTLightningModule(pl.LightningModule):
         return self.model(idx)
 
     def configure_model(self) -> None:
-        """FSDP2 inside each island when the strategy gives a mesh; nothing otherwise."""
+        """FSDP2 over the island's ``data_parallel`` mesh when the strategy gives one."""
         if self.device_mesh is None:
             return
         data_parallel = self.device_mesh["data_parallel"]
@@ -137,35 +128,32 @@ class GPTLightningModule(pl.LightningModule):
             fully_shard(block, mesh=data_parallel)
         fully_shard(self.model, mesh=data_parallel)  # the embeddings, final norm and head
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def _logits_and_loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
         logits = self.model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._logits_and_loss(batch)[1]
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self.model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        self.val_perplexity.update(logits, y)
+        logits, loss = self._logits_and_loss(batch)
+        self.val_perplexity.update(logits, batch[1])
         self.log("val_loss", loss, prog_bar=True, sync_dist=self.val_across_islands)
         self.log("val_ppl", self.val_perplexity, prog_bar=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.lr,
-            betas=self.betas,
-        )
+        params = list(self.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         warmup = max(1, self.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+            optimizer, lambda s: min(1.0, (s + 1) / warmup)
         )
         return {
             "optimizer": optimizer,

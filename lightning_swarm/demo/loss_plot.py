@@ -1,8 +1,5 @@
 """The main job's picture: train and validation loss against step, outer rounds marked.
-
-``LossHistory`` records on global rank 0 only (island 0's view) one float per step, for as long
-as the callback lives. ``write_loss_png`` needs matplotlib, an optional extra; without it, it
-writes nothing and returns a line saying how to get the plot.
+``LossHistory`` records on global rank 0 only; ``write_loss_png`` needs the optional matplotlib.
 """
 
 from __future__ import annotations
@@ -34,13 +31,8 @@ class LossCurves:
     rounds: list[int] = field(default_factory=list)
 
 
-def _outer_steps(trainer: pl.Trainer) -> int | None:
-    totals = getattr(trainer.strategy, "totals", None)
-    return None if totals is None else int(totals.outer_steps)
-
-
 class LossHistory(Callback):
-    """Record the losses and the outer rounds of a run on global rank 0 (see module doc)."""
+    """Record the losses and the outer rounds of a run on global rank 0 (island 0's view)."""
 
     def __init__(self) -> None:
         self.curves = LossCurves()
@@ -68,7 +60,8 @@ class LossHistory(Callback):
             self._pending.append((trainer.global_step, loss.detach().reshape(())))
             if len(self._pending) >= _FLUSH_EVERY:
                 self._flush()
-        outer = _outer_steps(trainer)
+        totals = getattr(trainer.strategy, "totals", None)
+        outer = None if totals is None else int(totals.outer_steps)
         if outer is not None and self._last_outer is not None and outer > self._last_outer:
             self.curves.rounds.append(trainer.global_step)
         self._last_outer = outer
@@ -86,7 +79,6 @@ class LossHistory(Callback):
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` values (the first ones average what exists so far)."""
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value - (values[i - window] if i >= window else 0.0)
@@ -113,9 +105,7 @@ def write_loss_png(curves: LossCurves, path: Path) -> str:
         ax.plot(steps, smooth, linewidth=1.2, color="C0", label="train loss (island 0)")
     if curves.val:
         ax.plot(*zip(*curves.val, strict=True), "o-", color="C1", label="validation loss")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("loss")
-    ax.set_title("lightning_swarm main job")
+    ax.set(xlabel="inner step", ylabel="loss", title="lightning_swarm main job")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

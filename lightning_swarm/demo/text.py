@@ -1,9 +1,7 @@
 """The main job's corpus: the Python standard library's own source files.
 
-Present wherever Python runs, so there is nothing to download; bytes are the tokens. Whole files
-go to validation by a stable hash of their relative path, so the split is the same on every rank
-and machine with the same Python version.
-"""
+Bytes are the tokens. Whole files go to validation by a stable hash of their relative path, so
+the split is the same on every rank with the same Python version."""
 
 from __future__ import annotations
 
@@ -21,16 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_swarm.errors import SwarmConfigError
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
 def read_corpus(root: Path, max_bytes: int, val_every: int) -> tuple[bytes, bytes]:
-    """Concatenate ``*.py`` files under ``root`` (sorted, site-packages excluded).
-
-    Returns (train, val) byte strings; about one file in ``val_every`` goes to validation. Stops
-    once ``max_bytes`` have been collected in total.
-    """
+    """(train, val): the ``*.py`` files under ``root`` (sorted, site-packages excluded, up to
+    ``max_bytes``), about one file in ``val_every`` held out."""
     if not root.is_dir():
         raise FileNotFoundError(
             f"corpus directory {root} does not exist; pass data.corpus_dir=<a folder of text files>"
@@ -68,10 +59,9 @@ class ByteBlocks(Dataset[tuple[Tensor, Tensor]]):
     def __init__(self, data: bytes, block_size: int) -> None:
         self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.block_size = block_size
-        self.num_blocks = (len(self.data) - 1) // block_size
 
     def __len__(self) -> int:
-        return self.num_blocks
+        return (len(self.data) - 1) // self.block_size
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         start = index * self.block_size
@@ -80,24 +70,16 @@ class ByteBlocks(Dataset[tuple[Tensor, Tensor]]):
 
 
 class ResumableDataLoader(DataLoader[tuple[Tensor, Tensor]]):
-    """A ``DataLoader`` whose position inside an epoch is part of every Lightning checkpoint.
-
-    Lightning's fit loop saves ``state_dict()`` of each training loader that has one and hands it
-    back through ``load_state_dict`` before training resumes; this loader then skips the batches
-    the saved run had already trained on, so a resume from a mid-epoch checkpoint sees the same
-    batches, in the same order, as a run that was never interrupted. The position is keyed by the
-    sampler's epoch (``DistributedSampler.epoch``, which Lightning sets before each epoch, in any
-    run of several ranks): a checkpoint written at an epoch's end leaves nothing to skip in the
-    next. Lightning does not prefetch from a loader with a length, so the batches this loader has
-    yielded are the batches trained on. Skipped batches are loaded and dropped, not trained on.
+    """A ``DataLoader`` whose position in an epoch is in every Lightning checkpoint, so a resume
+    from mid-epoch sees the batches an uninterrupted run would. The position is keyed by the
+    sampler's epoch (set by Lightning); Lightning does not prefetch from a loader with a length,
+    so the batches yielded are the batches trained on. Skipped batches are loaded and dropped.
     """
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch the current pass belongs to and how many batches it has yielded."""
         return {"epoch": getattr(self, "_epoch", None), "batches": getattr(self, "_yielded", 0)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next pass over ``state_dict["epoch"]`` start after its yielded batches."""
         self._resume_at = (state_dict["epoch"], int(state_dict["batches"]))
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:  # type: ignore[override]
@@ -118,15 +100,8 @@ class ResumableDataLoader(DataLoader[tuple[Tensor, Tensor]]):
 
 
 class StdlibTextDataModule(pl.LightningDataModule):
-    """Byte-level language-modelling data from the standard library's sources.
-
-    Args:
-        block_size: context length in bytes.
-        batch_size: sequences per rank per inner step.
-        max_bytes: how much of the corpus to read.
-        val_every: one file in ``val_every`` is held out.
-        corpus_dir: folder to read instead of the standard library (``None``: stdlib).
-    """
+    """Byte-level language-modelling data: ``batch_size`` sequences of ``block_size`` bytes per
+    rank per inner step, from ``corpus_dir`` (``None``: the standard library)."""
 
     def __init__(
         self,
@@ -151,7 +126,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         self.val_set: ByteBlocks | None = None
 
     def setup(self, stage: str | None = None) -> None:
-        root = Path(self.corpus_dir) if self.corpus_dir else stdlib_root()
+        root = Path(self.corpus_dir or sysconfig.get_paths()["stdlib"])
         train, val = read_corpus(root, self.max_bytes, self.val_every)
         self.train_set = ByteBlocks(train, self.block_size)
         # A fixed, small validation set keeps evaluation cheap and identical across runs.
@@ -159,7 +134,6 @@ class StdlibTextDataModule(pl.LightningDataModule):
         self.val_set = ByteBlocks(val[:limit], self.block_size)
 
     def train_dataloader(self) -> ResumableDataLoader:
-        """Shuffled batches whose position is saved with every checkpoint."""
         assert self.train_set is not None
         return ResumableDataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True

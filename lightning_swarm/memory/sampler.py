@@ -1,16 +1,16 @@
-"""Host-memory samples on two cadences, a psutil stand-in, and the end-of-run summary.
+"""Host-memory samples on two cadences, allocator counters, and the end-of-run summary.
 
-``sample_fast`` reads constant-cost sources, for every step; ``sample_slow`` walks page tables
-and times itself. Keys are ``"<source>/<field>_bytes"``. Without procfs, psutil and
-``getrusage`` stand in; what they cannot measure is absent, never zero. ``RunSummary`` keeps
-exact integer sums, not the series: constant memory, and a slope free of float cancellation.
-"""
+Keys are ``"<source>/<field>_bytes"``; what cannot be measured is absent, never zero. A counter
+whose ``freed`` never moves is a running total: read as a gauge it shows a phantom leak."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from lightning_swarm.memory.procfs import ProcReader
@@ -20,43 +20,26 @@ PEAK_RSS_KEYS = ("status/VmHWM_bytes", "rusage/ru_maxrss_bytes")
 ANON_KEY = "status/RssAnon_bytes"
 
 
-def _import_psutil() -> Any:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil
-
-
 class HostSampler:
-    """Samples this process's and this node's memory.
-
-    Args:
-        reader: where procfs text comes from (``ProcReader("/nonexistent")`` plays a machine
-            without /proc).
-        psutil_module: the stand-in's psutil; ``None`` imports the installed one (and the
-            stand-in measures nothing if psutil is not installed).
-    """
+    """Samples this process's and node's memory from ``reader`` (``ProcReader("/nonexistent")``
+    plays a machine without /proc); ``psutil_module``: the stand-in's psutil, ``None`` for the
+    installed one, if any."""
 
     def __init__(self, reader: ProcReader | None = None, psutil_module: Any = None) -> None:
         self.reader = reader if reader is not None else ProcReader()
-        self._psutil = psutil_module if psutil_module is not None else _import_psutil()
+        if psutil_module is None:
+            with contextlib.suppress(ImportError):
+                import psutil
+
+                psutil_module = psutil
+        self._psutil = psutil_module
         self._process: Any = None
 
     def sample_fast(self) -> dict[str, int]:
         """Constant-cost readings: status and meminfo, or the stand-in for either."""
-        out: dict[str, int] = {}
-        status = self.reader.status()
-        if status:
-            out.update({f"status/{k}_bytes": v for k, v in status.items()})
-        else:
-            out.update(self._standin_process())
-        meminfo = self.reader.meminfo()
-        if meminfo:
-            out.update({f"meminfo/{k}_bytes": v for k, v in meminfo.items()})
-        else:
-            out.update(self._standin_node())
-        return out
+        process = {f"status/{k}_bytes": v for k, v in (self.reader.status() or {}).items()}
+        node = {f"meminfo/{k}_bytes": v for k, v in (self.reader.meminfo() or {}).items()}
+        return {**(process or self._standin_process()), **(node or self._standin_node())}
 
     def sample_slow(self) -> dict[str, float]:
         """Page-walking readings (smaps_rollup) and the seconds the read took."""
@@ -69,7 +52,6 @@ class HostSampler:
         out["smaps_rollup/read_s"] = elapsed
         return out
 
-    # -- stand-in ---------------------------------------------------------------------------
     def _standin_process(self) -> dict[str, int]:
         out: dict[str, int] = {}
         if self._psutil is not None:
@@ -138,12 +120,83 @@ class RunSummary:
 
     def metrics(self) -> dict[str, float]:
         """``summary/...`` values that could be measured (absent otherwise)."""
-        out: dict[str, float] = {"summary/num_samples": float(self.num_samples)}
-        if self.peak_rss is not None:
-            out["summary/peak_rss_bytes"] = float(self.peak_rss)
-        if self.peak_anon is not None:
-            out["summary/peak_anon_bytes"] = float(self.peak_anon)
-        slope = self.anon_slope()
-        if slope is not None:
-            out["summary/anon_slope_bytes_per_step"] = slope
-        return out
+        values = {
+            "num_samples": self.num_samples,
+            "peak_rss_bytes": self.peak_rss,
+            "peak_anon_bytes": self.peak_anon,
+            "anon_slope_bytes_per_step": self.anon_slope(),
+        }
+        return {f"summary/{k}": float(v) for k, v in values.items() if v is not None}
+
+
+_PARTS = ("current", "freed", "peak", "allocated")
+_SPLIT_POOLS = (".small_pool", ".large_pool")
+
+
+class CounterKind(Enum):
+    GAUGE = "gauge"
+    RUNNING_TOTAL = "running_total"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One allocator statistic at one moment (bytes)."""
+
+    current: int
+    freed: int
+    peak: int
+    allocated: int | None = None
+
+
+def byte_counters(snapshot: Mapping[str, Any]) -> dict[str, Counter]:
+    """The byte statistics (``current``, ``freed``, ``peak``) of a flat allocator snapshot, by
+    stem; ``.all`` is dropped from the stem, the split pools are skipped."""
+    stems: dict[str, dict[str, int]] = {}
+    for key, value in snapshot.items():
+        stem, _, part = key.rpartition(".")
+        wanted = part in _PARTS and "bytes" in stem and not stem.endswith(_SPLIT_POOLS)
+        if wanted and isinstance(value, int | float):
+            stems.setdefault(stem.removesuffix(".all"), {})[part] = int(value)
+    return {
+        stem: Counter(parts["current"], parts["freed"], parts["peak"], parts.get("allocated"))
+        for stem, parts in sorted(stems.items())
+        if {"current", "freed", "peak"} <= parts.keys()
+    }
+
+
+class CounterClassifier:
+    """Tells gauges from running totals across successive snapshots of one allocator."""
+
+    def __init__(self) -> None:
+        self._first_freed: dict[str, int] = {}
+        self._kinds: dict[str, CounterKind] = {}
+
+    def update(self, counters: Mapping[str, Counter]) -> dict[str, CounterKind]:
+        """Feed one snapshot's counters; return every counter's kind so far."""
+        for stem, counter in counters.items():
+            first = self._first_freed.setdefault(stem, counter.freed)
+            if self._kinds.get(stem) is CounterKind.GAUGE:
+                continue  # once freed has moved, the counter is a gauge for good
+            if counter.freed != first or counter.freed > 0:
+                self._kinds[stem] = CounterKind.GAUGE
+            elif counter.current > 0:
+                self._kinds[stem] = CounterKind.RUNNING_TOTAL
+            else:
+                self._kinds[stem] = CounterKind.UNKNOWN
+        return dict(self._kinds)
+
+
+def counter_metrics(
+    prefix: str, counters: Mapping[str, Counter], kinds: Mapping[str, CounterKind]
+) -> dict[str, float]:
+    """Flatten counters to ``{prefix/stem/current|freed|peak: bytes}`` plus ``/gauge``: 1.0 for a
+    gauge, 0.0 for a running total, absent while unclassified."""
+    out: dict[str, float] = {}
+    for stem, counter in counters.items():
+        for part in ("current", "freed", "peak"):
+            out[f"{prefix}/{stem}/{part}"] = float(getattr(counter, part))
+        kind = kinds.get(stem, CounterKind.UNKNOWN)
+        if kind is not CounterKind.UNKNOWN:
+            out[f"{prefix}/{stem}/gauge"] = 1.0 if kind is CounterKind.GAUGE else 0.0
+    return out

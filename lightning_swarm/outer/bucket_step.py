@@ -1,16 +1,13 @@
 """One bucket's outer-step work: form ``anchor - local``, step SGD/Adam(W), merge.
 
-``BucketJob`` does the per-piece work the round engine runs per bucket, on any device path:
-pieces are cut out of the caller's parameters, anchors and outer state through ``PieceView``s
-(the CPU path steps views in place, ``outer/staging.py`` staged slots). Buckets touch disjoint
-elements, so their order does not change a bit. A job lives for one round: it writes the
-caller's tensors in place and owns only its bf16 rounding generator.
+A ``BucketJob`` lives for one round: it writes the caller's tensors in place through
+``PieceView``s and owns only its bf16 rounding generator. Buckets touch disjoint elements, so
+their order does not change a bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,27 +17,15 @@ from torch.profiler import record_function
 import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import merge_into_local
 from lightning_swarm.algorithm.codecs import Codec, with_error_feedback
-from lightning_swarm.algorithm.fused import pseudo_gradient_into
-from lightning_swarm.algorithm.outer_fast import (
+from lightning_swarm.algorithm.diloco import pseudo_gradient_into, stochastic_round_to_bf16
+from lightning_swarm.algorithm.outer_optimizer import (
     FastKind,
     adam_step_,
     ensure_state,
     groups_by_param,
     sgd_step_,
 )
-from lightning_swarm.algorithm.precision import stochastic_round_to_bf16
 from lightning_swarm.transport.buckets import Piece, placed
-
-
-@dataclass(frozen=True)
-class StreamedResult:
-    """A streamed round: the averaged pseudo-gradient's norm, bytes sent (= received) and the
-    host time spent starting and waiting for the bucket means."""
-
-    norm: float
-    bytes_sent: int
-    reduce_s: float = 0.0
-
 
 # A streamed round's error feedback: its names, the new residuals (scratch), the codec.
 Feedback = tuple[list[str], dict[str, Tensor], Codec]
@@ -82,14 +67,12 @@ class BucketJob:
             [state[key] for key in STATE_KEYS[kind] if state.get(key) is not None]
             for state in states
         ]
-        # Stochastic rounding of bf16 anchors draws its noise per piece, in order, from one
-        # generator seeded like OuterSync's: on the CPU that is the same stream of numbers as
-        # drawing per whole tensor, so the result is bitwise the slow path's.
+        # bf16 anchors draw their rounding noise per piece, in order, from one generator seeded
+        # like the slow path's: on the CPU the same numbers, so the result is bitwise equal.
         self._seed = seed
         self._generator: torch.Generator | None = None
 
     def form(self, bucket: list[Piece], delta: Tensor, anchor_of: PieceView) -> None:
-        """Write the bucket's pseudo-gradients ``anchor - local`` (float32) into ``delta``."""
         with record_function(labels.PSEUDO_GRADIENT):
             for at, p in placed(bucket):
                 pseudo_gradient_into(anchor_of(at, p), self.param_slice(p), self.cut(delta, at, p))
@@ -110,16 +93,13 @@ class BucketJob:
         return self.params[p.tensor_index].data.view(-1)[p.start : p.stop]
 
     def state_at(self, at: int, p: Piece) -> list[Tensor]:
-        """The piece's slices of its outer state tensors (a ``StateView``, stepped in place)."""
         return [t.view(-1)[p.start : p.stop] for t in self.state(p)]
 
     def anchor_at(self, at: int, p: Piece) -> Tensor:
-        """The piece's slice of its anchor (a ``PieceView``; ``at`` is unused)."""
         return self.anchors[p.tensor_index].view(-1)[p.start : p.stop]
 
     @staticmethod
     def cut(flat: Tensor, at: int, p: Piece) -> Tensor:
-        """The piece's slice of the bucket-sized buffer ``flat``, at its offset ``at``."""
         return flat[at : at + p.length]
 
     def state(self, p: Piece) -> list[Tensor]:
@@ -152,8 +132,7 @@ def form_fragment(
     reuse: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``anchor - local`` in float32 for ``names``, back to back in one buffer on the anchors'
-    device: ``reuse`` when it is exactly that size there, else a new one; returns the buffer
-    (the caller owns it) and a view of it per name."""
+    device (``reuse`` when it fits exactly); the buffer, which the caller owns, and its views."""
     device = anchors[names[0]].device if names else torch.device("cpu")
     numel = sum(params[n].numel() for n in names)
     fits = reuse is not None and reuse.numel() == numel and reuse.device == device
@@ -174,28 +153,6 @@ def form_fragment(
     return flat, deltas
 
 
-def feed_back_tensors(
-    residuals: dict[str, Tensor], deltas: Mapping[str, Tensor], codec: Codec
-) -> dict[str, Tensor | None]:
-    """Add each residual to its delta (in place) and keep the new quantization error in
-    ``residuals``; returns the residuals it replaced, for ``restore_residuals``."""
-    previous = {name: residuals.get(name) for name in deltas}
-    for name, delta in deltas.items():
-        to_send, new_residual = with_error_feedback(delta, previous[name], codec)
-        delta.copy_(to_send)
-        residuals[name] = new_residual
-    return previous
-
-
-def restore_residuals(residuals: dict[str, Tensor], previous: Mapping[str, Tensor | None]) -> None:
-    """Undo ``feed_back_tensors``: a round that did not happen keeps its old residuals."""
-    for name, old in previous.items():
-        if old is None:
-            residuals.pop(name, None)
-        else:
-            residuals[name] = old
-
-
 def feed_back_pieces(
     residuals: Mapping[str, Tensor],
     names: Sequence[str],
@@ -204,9 +161,8 @@ def feed_back_pieces(
     bucket: list[Piece],
     delta: Tensor,
 ) -> None:
-    """Error feedback on one formed bucket ``delta``, piece by piece (each starts on a codec
-    block of its tensor, so this equals feedback per tensor); the new residuals go to
-    ``scratch``, which the caller installs once the round succeeded."""
+    """Error feedback on one formed bucket, piece by piece (each starts on a codec block, so
+    this equals feedback per tensor); new residuals go to ``scratch``, installed on success."""
     for at, p in placed(bucket):
         name = names[p.tensor_index]
         old = residuals.get(name)
@@ -218,7 +174,6 @@ def feed_back_pieces(
 
 
 def state_beside(anchor: Tensor) -> Tensor:
-    """Fresh float32 outer state on the anchor's device."""
     return torch.empty(anchor.shape, dtype=torch.float32, device=anchor.device)
 
 
@@ -230,8 +185,8 @@ def start_job(
     allocate: Callable[[Tensor], Tensor],
     seed: int,
 ) -> BucketJob:
-    """A round's job over ``pairs`` (parameters, anchors): creates missing outer state with
-    ``allocate`` and counts Adam's step. ``seed`` must agree on every island (bf16 noise)."""
+    """A round's job over (parameters, anchors): creates missing outer state with ``allocate``
+    and counts Adam's step. ``seed`` must agree on every island (bf16 noise)."""
     params, anchors = pairs
     groups = groups_by_param(optimizer)
     fresh = [ensure_state(optimizer, a, kind, groups[id(a)], allocate) for a in anchors]

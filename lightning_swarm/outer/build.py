@@ -1,9 +1,5 @@
-"""The transport a ``SwarmConfig`` asks for, over this rank's peer group (never lightning).
-
-``transport_for`` runs once per fit, at setup; the ``OuterLoop`` owns and closes what it returns.
-Transport classes are known only to ``transport.build_transport``; ``codec_of`` maps the
-options onto ``algorithm.codecs.codec_for``, for the transport and error feedback alike.
-"""
+"""The transport a ``SwarmConfig`` asks for, over this rank's peer group; built once per fit,
+owned and closed by the ``OuterLoop``."""
 
 from __future__ import annotations
 
@@ -36,12 +32,8 @@ def transport_for(
     device: torch.device,
     island_group: dist.ProcessGroup | None = None,
 ) -> Transport:
-    """The transport ``config`` names, averaging over ``peers`` (this rank's peer group).
-
-    ``device`` is where all-reduce buckets are staged (``staging_device``); anchors stay on
-    their own device either way. ``island_group`` is given for model-sharded islands only
-    (``transport.build_transport``).
-    """
+    """The transport ``config`` names, averaging over ``peers``; buckets are staged on
+    ``device``; ``island_group`` is given for model-sharded islands only."""
     timeouts = LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S, config.timeout_s)
     return build_transport(
         config.transport,

@@ -1,9 +1,8 @@
-"""``OuterLoop``: every optimizer's outer state, the round worker, the totals and the figures.
+"""``OuterLoop``: one ``OuterSync`` per optimizer of a fit, the worker, the totals and figures.
 
-Built once per fit from Lightning's optimizers, without importing lightning. It owns one
-``OuterSync`` per optimizer (readable after ``close``), the transport and the ``SyncWorker``, both
-closed by ``close``, which must run before the process groups are destroyed. Parameters stay the
-module's, written in place; a DTensor is handed over as its local shard, a view of its storage.
+Built once per fit without importing lightning. It owns the transport and the ``SyncWorker``,
+closed by ``close``, which must run before the process groups are destroyed; its ``OuterSync``s
+stay readable after. Parameters stay the module's (a DTensor's local shard), written in place.
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError, SwarmError
 from lightning_swarm.outer.build import codec_of
 from lightning_swarm.outer.params import ParameterWatch, trained_params
-from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
-from lightning_swarm.outer.reset import island_must_reset, reset_island
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.outer.sync import OuterSync
+from lightning_swarm.outer.sync_state import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.worker import SyncWorker
 from lightning_swarm.transport import Transport, ring_allreduce_bytes
 
@@ -39,7 +37,7 @@ default_outer_optimizer: OuterOptimizerFactory = functools.partial(
 
 
 def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
-    """``factory`` checked to be callable, or the default (DiLoCo's Nesterov SGD) for None."""
+    """``factory`` checked, or DiLoCo's Nesterov SGD for None."""
     if factory is None:
         return default_outer_optimizer
     if not callable(factory):
@@ -57,19 +55,12 @@ _SPOKEN = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
 
 
 def check_outer_optimizer(factory: OuterOptimizerFactory, *, option: str) -> None:
-    """Build the outer optimizer once over a scratch tensor, so a bad hyper-parameter fails now.
-
-    torch checks values such as ``lr`` when the optimizer is built, which would otherwise be at
-    setup, on every rank, with a message that names no option. The error names ``option.<key>``
-    (``option`` is how the caller spells the factory: ``outer_optimizer`` in the API,
-    ``strategy.outer_optimizer`` in the CLI).
-
-    Any other failure is left for setup, where the optimizer is built for real: a factory may
-    need what only exists there (a process group, a device).
+    """Build the outer optimizer once over a scratch tensor, so a bad hyper-parameter fails
+    now, naming ``option.<key>`` (torch would fail at setup, on every rank, naming no option).
+    Any other failure is left for setup: a factory may need a process group or a device.
 
     Raises:
-        ValueError: the factory raised ValueError (a bad value) or TypeError (an unknown
-            keyword); torch's reason is kept in the message.
+        ValueError: the factory raised ValueError or TypeError; torch's reason is kept.
     """
     try:
         factory([torch.zeros(1, requires_grad=True)])
@@ -102,22 +93,12 @@ class OuterLoop:
     """The outer rounds of every optimizer of one fit.
 
     Args:
-        optimizers: the inner optimizers, in ``trainer.optimizers`` order.
         names: ``id(parameter) -> name`` for the module's parameters (rank-independent names).
-        config: the strategy's options.
         transport: averages pseudo-gradients across islands; owned by the loop from now on.
-        num_islands: islands in the run (for the DDP-equivalent byte figure).
-        outer_optimizer: factory of each optimizer's outer optimizer over its anchors.
-        device: the rank's device; the worker binds to it when it is an accelerator.
-        defer_anchors: build placeholder anchors that a resume installs (see ``OuterSync``).
-        totals: the running totals to update; a fresh ``SwarmTotals`` when omitted.
         island_group: the island's own process group (``None`` for islands of one rank);
-            with ``config.shard_outer`` each rank owns a share of the outer state
-            (``lightning_swarm.outer.shard``).
-        island_position: this rank's index inside its island.
+            with ``config.shard_outer`` each rank owns a share of the outer state.
         budget_group: the island's group when it has several ranks (``None`` otherwise): under
             ``config.sync_every_s`` its first rank decides when the island joins a round.
-        clock: the time source of a time budget; tests drive it.
 
     Raises:
         ValueError: a parameter is trained by two optimizers, the fragment layout does not
@@ -148,11 +129,11 @@ class OuterLoop:
         self.totals = totals if totals is not None else SwarmTotals()
         self._closed = False
         self._worker = SyncWorker(device=device) if config.sync_delay > 0 else None
-        self._outer_syncs: list[OuterSync] = []
+        self.outer_syncs: list[OuterSync] = []  # one per optimizer training floats, in order
         self._by_optimizer: dict[int, OuterSync] = {}
         self._optimizer_of: dict[int, Optimizer] = {}  # id(OuterSync) -> its inner optimizer
         self._island_group = island_group
-        # Islands restarted after a non-finite contribution, this fit (outer.reset).
+        # Islands restarted after a non-finite contribution, this fit.
         self.islands_reset = 0
         seen: set[int] = set()
         # Frozen at setup and left out (frozen_params="exclude"): by name, for the log.
@@ -176,19 +157,18 @@ class OuterLoop:
                 shard=shard,
                 budget=self._budget(clock, budget_group, device),
             )
-            self._outer_syncs.append(outer)
+            self.outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
             self._optimizer_of[id(outer)] = optimizer
         self._watch = ParameterWatch(optimizers, self.frozen)
-        if config.sync_every_s is not None and len(self._outer_syncs) > 1:
+        if config.sync_every_s is not None and len(self.outer_syncs) > 1:
             raise SwarmConfigError(
                 f"sync_every_s={config.sync_every_s} runs one round per time budget, but "
-                f"{len(self._outer_syncs)} optimizers train parameters here and each would "
+                f"{len(self.outer_syncs)} optimizers train parameters here and each would "
                 "decide its own round; train with one optimizer, or drop sync_every_s."
             )
 
     def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
-        """Fragments (the layout is checked here, where the names are known) and options."""
         config = self.config
         return StreamingOptions(
             fragments=build_fragments(list(params), config.num_fragments, config.fragment_layout),
@@ -208,7 +188,6 @@ class OuterLoop:
         position: int,
         device: torch.device | None,
     ) -> IslandShard | None:
-        """This rank's share of optimizer ``index``'s outer state, or None unsharded."""
         if not self.config.shard_outer or group is None:
             return None
         size = dist.get_world_size(group)
@@ -235,9 +214,8 @@ class OuterLoop:
     def _budget(
         self, clock: Clock, group: dist.ProcessGroup | None, device: torch.device | None
     ) -> RoundBudget | None:
-        """The island's time budget under ``sync_every_s`` (else None). On an island of
-        several ranks their clocks differ: the island's first rank decides for all, over the
-        island's own group (nothing crosses islands between rounds)."""
+        """The time budget under ``sync_every_s``: the island's first rank decides for all, as
+        their clocks differ."""
         seconds = self.config.sync_every_s
         if seconds is None:
             return None
@@ -250,25 +228,22 @@ class OuterLoop:
 
     def budget_ended(self, max_steps: int) -> bool:
         """Under a time budget, after a round: whether some island had reached ``max_steps``
-        at it (the same answer on every rank: the count rode with the round's agreement)."""
+        (the same answer on every rank)."""
         steps = self.swarm_steps
         return steps is not None and steps >= max_steps
 
     @property
     def swarm_steps(self) -> int | None:
         """Under a time budget: the most inner steps any island had taken at the last round
-        (the same on every rank; restored by a resume). ``None`` before the first round and
-        without a budget."""
-        counts = [o.budget.swarm_steps for o in self._outer_syncs if o.budget is not None]
+        (the same on every rank); ``None`` before the first round and without a budget."""
+        counts = [o.budget.swarm_steps for o in self.outer_syncs if o.budget is not None]
         known = [c for c in counts if c is not None]
         return max(known) if known else None
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """Around a checkpoint save: under a time budget the clock stops (``RoundBudget.pause``:
-        a save right after a round is stored, and continued, as if the island had just left
-        it). Nothing happens without a budget."""
-        paused = [(o.budget, o.inner_steps) for o in self._outer_syncs if o.budget is not None]
+        """Around a checkpoint save: a time budget's clock stops (``RoundBudget.pause``)."""
+        paused = [(o.budget, o.inner_steps) for o in self.outer_syncs if o.budget is not None]
         for budget, inner_steps in paused:
             budget.pause(inner_steps)
         try:
@@ -278,16 +253,10 @@ class OuterLoop:
                 budget.unpause()
 
     def continue_budgets(self) -> None:
-        """Right before the first inner step of a fit: a budget a resume loaded runs from now
-        (``RoundBudget.continue_now``)."""
-        for outer in self._outer_syncs:
+        """Right before the first inner step: a budget a resume loaded runs from now."""
+        for outer in self.outer_syncs:
             if outer.budget is not None:
                 outer.budget.continue_now()
-
-    @property
-    def outer_syncs(self) -> list[OuterSync]:
-        """One ``OuterSync`` per optimizer that trains floating parameters, in order."""
-        return self._outer_syncs
 
     def frozen_summary(self) -> str:
         """One line for the log: the frozen parameters left out of the outer loop."""
@@ -300,8 +269,7 @@ class OuterLoop:
 
     # -- rounds ---------------------------------------------------------------------------
     def check_optimizer(self, optimizer: Optimizer) -> None:
-        """Before an inner step: refuse parameters without anchors that would train
-        (``outer.params.ParameterWatch``)."""
+        """Before an inner step: refuse parameters without anchors that would train."""
         self._watch.check(optimizer)
 
     def on_inner_step(self, optimizer: Optimizer) -> dict[str, float] | None:
@@ -313,13 +281,12 @@ class OuterLoop:
         return None if report is None else self._record(report, outer)
 
     def _record(self, report: SyncReport, outer: OuterSync) -> dict[str, float]:
-        """Add a round to the totals and name its metrics (``_opt<i>`` with several optimizers)."""
         self.totals.outer_steps += int(report.applied)
         self.totals.bytes_sent += report.bytes_sent
         self.totals.bytes_received += report.bytes_received
         self.totals.sync_wall_s += report.wall_s
-        index = self._outer_syncs.index(outer)
-        suffix = "" if len(self._outer_syncs) == 1 else f"_opt{index}"
+        index = self.outer_syncs.index(outer)
+        suffix = "" if len(self.outer_syncs) == 1 else f"_opt{index}"
         metrics = {
             f"swarm/outer_steps{suffix}": float(report.outer_steps),
             f"swarm/pseudo_grad_norm{suffix}": report.pseudo_grad_norm,
@@ -338,35 +305,52 @@ class OuterLoop:
         return metrics
 
     def _reset_poisoned(self, report: SyncReport, outer: OuterSync) -> None:
-        """Restart this island if its contribution was rejected as non-finite; count every
-        island rejected so (each rank sees the whole round's verdicts)."""
+        """Count every island rejected for NaN or inf; if any rank of this one was (collective
+        over the island), restart it: the anchors got back at the merge, but the inner
+        optimizer's state stays NaN, so it is cleared (hyper-parameters kept), as are residuals.
+        """
         self.islands_reset += len(report.non_finite_islands)
-        if island_must_reset(report, self._island_group):
-            reset_island(outer, self._optimizer_of[id(outer)], report.outer_steps)
+        # Also after a skipped round: the anchors did not move, and they are still finite.
+        flag, group = report.rejected_own, self._island_group
+        if group is not None and dist.get_world_size(group) > 1:
+            value = torch.tensor([int(flag)])
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+            flag = bool(value.item())
+        if not flag:
+            return
+        optimizer = self._optimizer_of[id(outer)]
+        outer.land_on_anchors()
+        outer.residuals = {}
+        optimizer.state.clear()
+        warnings.warn(
+            f"swarm round {report.outer_steps}: this island's pseudo-gradient held NaN or inf "
+            "and was left out of the mean; the island restarts from the new anchors with its "
+            f"inner optimizer state ({type(optimizer).__name__}) cleared, so it trains again "
+            "from the next step. swarm/islands_reset counts these resets; frequent ones mean "
+            "the inner learning rate is too high or the data holds bad values.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def finish(self) -> dict[str, float] | None:
-        """The end-of-fit round of every optimizer (``OuterSync.finish``), in optimizer order.
-
-        Collective: every rank calls it at the same point. Returns the metrics of the rounds
-        it ran (later rounds' keys win), or None when every island already held the anchors.
-        """
+        """The end-of-fit round of every optimizer, in order (collective); the metrics of the
+        rounds it ran (later rounds' keys win), or None when every island held the anchors."""
         metrics: dict[str, float] = {}
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             for report in outer.finish():
                 metrics.update(self._record(report, outer))
         return metrics or None
 
     def drain(self) -> None:
         """Wait for every round in flight without applying it."""
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             outer.drain()
 
     def close(self) -> None:
         """Drain and join the worker, then close the transport. Idempotent.
 
-        A round still in flight is dropped (a checkpoint taken before holds it). Close also
-        runs after a failed fit, so a failed round only warns here instead of masking the
-        error that ended the fit.
+        A round still in flight is dropped (a checkpoint taken before holds it). After a failed
+        fit a failed round only warns, not to mask the error that ended the fit.
         """
         if self._closed:
             return
@@ -386,13 +370,13 @@ class OuterLoop:
     # -- figures (the census's ``SwarmMemoryReport``) -------------------------------------
     def memory_key(self) -> tuple[int, int]:
         """Changes whenever anchor or outer-state sizes may have changed (a round applied)."""
-        return (len(self._outer_syncs), self.totals.outer_steps)
+        return (len(self.outer_syncs), self.totals.outer_steps)
 
     def anchor_bytes(self) -> int:
-        return sum(o.anchor_bytes for o in self._outer_syncs)
+        return sum(o.anchor_bytes for o in self.outer_syncs)
 
     def outer_state_bytes(self) -> int:
-        return sum(o.outer_state_bytes() for o in self._outer_syncs)
+        return sum(o.outer_state_bytes() for o in self.outer_syncs)
 
     def spool_bytes(self) -> int | None:
         """Bytes the transport holds on disk now, where it spools (``None`` otherwise)."""
@@ -402,7 +386,7 @@ class OuterLoop:
     def anchor_spans(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of each CPU anchor's storage, once per storage."""
         spans: dict[int, int] = {}
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             for anchor in outer.anchors.values():
                 if anchor.device.type == "cpu":
                     storage = anchor.untyped_storage()
@@ -410,20 +394,16 @@ class OuterLoop:
         return list(spans.items())
 
     def ddp_equivalent_bytes(self) -> int:
-        """Bytes one rank would have sent across islands had the islands run DDP instead.
-
-        DDP all-reduces every trained gradient at every inner step; across islands that is the
-        same ring all-reduce the transport does, once per step instead of once per sync.
-        """
+        """Bytes one rank would have sent across islands had they run DDP instead (a ring
+        all-reduce of every trained gradient at every inner step)."""
         total = 0
-        for outer in self._outer_syncs:
+        for outer in self.outer_syncs:
             grad_bytes = sum(p.numel() * p.element_size() for p in outer.params.values())
             total += ring_allreduce_bytes(grad_bytes, self.num_islands) * outer.inner_steps
         return total
 
 
 def _island_first_rank(verdict: bool, *, group: dist.ProcessGroup, device: torch.device) -> bool:
-    """The island's first rank's ``verdict`` on every rank of ``group`` (collective)."""
     flag = torch.tensor([int(verdict)], device=device)
     dist.broadcast(flag, group=group, group_src=0)
     return bool(flag.item())

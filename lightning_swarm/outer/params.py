@@ -1,9 +1,7 @@
 """Which of an optimizer's parameters the outer loop holds, and the checks that keep it so.
 
-Every floating parameter an optimizer trains gets an anchor, in a rank-independent order. With
-``frozen_params="exclude"`` a parameter frozen at setup gets none and is never exchanged: it
-cannot change while frozen. Invariant: a left-out parameter never trains; ``ParameterWatch.check``
-refuses, before each inner step, one unfrozen since setup or a changed param group, with the fix.
+Every floating parameter an optimizer trains gets an anchor, except (``frozen_params="exclude"``)
+one frozen at setup. Invariant: a left-out parameter never trains (``ParameterWatch.check``).
 """
 
 from __future__ import annotations
@@ -26,13 +24,8 @@ def trained_params(
     *,
     frozen: dict[str, torch.nn.Parameter] | None = None,
 ) -> dict[str, torch.nn.Parameter]:
-    """The parameters ``optimizer`` holds, by module name, in a rank-independent order.
-
-    A sharded (DTensor) parameter comes back as this rank's local shard (``local_shard``).
-    With ``frozen`` given, parameters with ``requires_grad=False`` are put there instead of in
-    the result (left out of the outer loop); without it they are included (a parameter
-    unfrozen later must already have an anchor; while frozen its pseudo-gradient is zero).
-    """
+    """The parameters ``optimizer`` holds, by module name, in a rank-independent order (a
+    DTensor as its ``local_shard``). With ``frozen`` given, frozen ones go there instead."""
     params: dict[str, torch.nn.Parameter] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -55,14 +48,8 @@ def trained_params(
 
 @torch.no_grad()
 def local_shard(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    """``param`` itself, or for a DTensor its local shard as a view of the same storage.
-
-    Under ``no_grad``, ``to_local()`` returns an alias of the DTensor's local tensor (no autograd
-    node, no copy): reads see the inner steps, writes reach the module. An empty shard (a
-    ``Linear(5, 1)`` over two ranks leaves one rank no rows) is a 0-element tensor, which every
-    round handles. The cast keeps ``OuterSync``'s signature: it only ever reads and writes the
-    tensor's data, which is all a shard offers.
-    """
+    """``param`` itself, or for a DTensor its local shard: under ``no_grad`` an alias of the
+    same storage (reads see the inner steps, writes reach the module); it may be empty."""
     if isinstance(param, DTensor):
         return cast(torch.nn.Parameter, param.to_local())
     return param
@@ -78,7 +65,6 @@ class ParameterWatch:
         self._frozen = dict(frozen)
 
     def check(self, optimizer: Optimizer) -> None:
-        """Refuse a changed parameter set, or a left-out parameter that was unfrozen."""
         expected = self._counts.get(id(optimizer))
         if expected is not None and _num_params(optimizer) != expected:
             raise SwarmConfigError(

@@ -1,18 +1,9 @@
-"""The sharded outer loop: each rank of an island owns a share of the anchors and outer state.
+"""The sharded outer loop: each of an island's k ranks owns a share of the anchors and state.
 
-With ``island_size = k > 1`` and ``shard_outer``, every fragment's trained parameters are split
-among the island's k ranks by bytes (``partition_by_bytes``, from names and shapes only). Position
-j of every island owns the same names, so its peer group exchanges exactly that share: bytes
-across islands, anchor and outer-state memory and outer-step work all drop about k-fold. After a
-round the owners broadcast their new parameters to the island (``IslandShard.gather``); DDP ranks
-start a round identical, so they end it bitwise identical. The island agrees on whether the round
-applied (a swarm round may skip for one share only; then every share skips) and on the norm
-(``IslandShard.agree``). Each rank keeps its share's residuals; a save collects them on the
-island's first rank (``IslandShard.collect``), a resume takes those of the names it owns.
-
-Ownership: ``IslandShard`` holds the owner map (name -> position) for the whole fit and owns no
-tensors; the gather's buckets are temporaries (two packed buckets at most, plus a copy of each
-non-contiguous parameter).
+Position j of every island owns the same names (``partition_by_bytes``), so its peer group
+exchanges exactly that share; after a round the owners broadcast their new parameters to the
+island (``IslandShard.gather``), and the island agrees on the verdict and norm (``agree``).
+``IslandShard`` owns no tensors; the gather's buckets are temporaries.
 """
 
 from __future__ import annotations
@@ -34,12 +25,8 @@ from lightning_swarm.transport.buckets import Piece, placed, plan_buckets
 def partition_by_bytes(
     fragments: Sequence[Sequence[str]], sizes: Mapping[str, int], num_shards: int
 ) -> dict[str, int]:
-    """The owner (0 .. num_shards - 1) of every name, balanced by bytes within each fragment.
-
-    Greedy: within a fragment, tensors in decreasing size (name order breaks ties) go to the
-    shard least loaded in that fragment (then least loaded overall, then lowest index).
-    Deterministic from names and sizes alone.
-    """
+    """The owner (0 .. num_shards - 1) of every name, balanced by bytes within each fragment
+    (greedy, largest first); deterministic from names and sizes alone."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     owner: dict[str, int] = {}
@@ -57,17 +44,8 @@ def partition_by_bytes(
 
 @dataclass(frozen=True)
 class IslandShard:
-    """This rank's place in its island's sharded outer loop.
-
-    Attributes:
-        group: the island's process group (DDP's group).
-        position: this rank's index inside its island (0 .. size - 1).
-        size: ranks per island (k).
-        owner: name -> position of the rank that owns its anchor, for every trained name.
-        bucket_numel: most elements one gather bucket holds (a larger tensor is split).
-        device: where the agreement's small tensor lives (the accelerator under NCCL, which
-            reduces device tensors only).
-    """
+    """This rank's place in its island's sharded outer loop; ``owner`` maps every trained
+    name to the position that owns its anchor, ``device`` holds the agreement's small tensor."""
 
     group: dist.ProcessGroup
     position: int
@@ -81,11 +59,8 @@ class IslandShard:
 
     @torch.no_grad()
     def gather(self, names: Sequence[str], params: Mapping[str, Tensor]) -> None:
-        """Every owner broadcasts its ``names``' parameters to the island (collective).
-
-        Runs of one dtype are packed into buckets of at most ``bucket_numel`` elements by
-        ``transport.buckets.plan_buckets``, two in flight; a one-piece bucket travels in place.
-        """
+        """Every owner broadcasts its ``names``' parameters to the island (collective), in
+        buckets of one dtype, two in flight; a one-piece bucket travels in place."""
         with record_function(labels.ISLAND_GATHER):
             in_flight: list[tuple[list[Tensor], list[Piece], Tensor, Any]] = []
             copies: list[tuple[Tensor, Tensor]] = []
@@ -146,8 +121,8 @@ class IslandShard:
 
 
 def _flat_runs(tensors: list[Tensor]) -> tuple[list[list[Tensor]], list[tuple[Tensor, Tensor]]]:
-    """Consecutive tensors of one dtype and device (a bucket holds one kind) as flat tensors,
-    and the (tensor, flat copy) pairs of the non-contiguous ones, to write back afterwards."""
+    """Runs of one dtype and device as flat tensors, and (tensor, flat copy) pairs of the
+    non-contiguous ones, to write back afterwards."""
     runs: list[list[Tensor]] = []
     copies: list[tuple[Tensor, Tensor]] = []
     kind: tuple[torch.dtype, torch.device] | None = None
@@ -165,7 +140,6 @@ def _flat_runs(tensors: list[Tensor]) -> tuple[list[list[Tensor]], list[tuple[Te
 def _start_broadcast(
     flats: list[Tensor], bucket: list[Piece], group: dist.ProcessGroup, position: int
 ) -> tuple[list[Tensor], list[Piece], Tensor, Any]:
-    """Start broadcasting ``bucket`` from ``position`` (a lone piece travels in place)."""
     pieces = [_piece(flats, p) for p in bucket]
     flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     work = dist.broadcast(flat, group=group, group_src=position, async_op=True)

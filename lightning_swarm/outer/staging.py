@@ -1,11 +1,9 @@
 """The streamed round's CUDA path: parameters on the GPU, anchors and outer state in host memory.
 
-``pin_round_memory`` pins the anchors and their state once, at the first such round.
-``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed, and bucket
-k out on another once computed; two slots alternate, ordered by CUDA events. It owns its slots
-and streams for its whole life; host anchors and state stay the ``OuterSync``'s and are complete
-when ``run`` returns. Extra GPU memory stays within ``BUDGET_BUCKETS`` transport buckets
-(``staged_bucket_numel``; ``docs/performance.md``).
+``CudaStaging.run`` copies bucket k + 1 in on a side stream while bucket k is computed and k out
+on another; two slots alternate, ordered by CUDA events. It owns its slots and streams for life;
+host anchors and state are complete when ``run`` returns. Extra GPU memory stays within
+``BUDGET_BUCKETS`` transport buckets (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -15,8 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_swarm.algorithm.fused import sum_of_squares
-from lightning_swarm.outer.bucket_step import BucketJob, Exchange, StreamedResult
+from lightning_swarm.algorithm.diloco import sum_of_squares
+from lightning_swarm.outer.bucket_step import BucketJob, Exchange
+from lightning_swarm.outer.sync_state import Exchanged
 from lightning_swarm.transport.buckets import Piece, numel_of, placed
 
 BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets of float32
@@ -25,13 +24,9 @@ BUDGET_BUCKETS = 3  # the staged round's GPU working set, in transport buckets o
 def device_bytes_per_element(
     anchor_dtype: torch.dtype, param_dtype: torch.dtype, num_state: int, maximize: bool
 ) -> int:
-    """Device bytes the staged round holds per element of its bucket, at its peak.
-
-    Two slots of anchors and float32 state, the float32 pseudo-gradient, plus the larger of the
-    step's temporaries (a float32 work copy of low-precision anchors; for bfloat16 also the
-    stochastic rounding's int32 noise and its bfloat16 result; a negated gradient under
-    ``maximize``) and the merge's (the anchor cast to the parameters' dtype). The two phases
-    run one after the other on one stream, so the caching allocator reuses the same blocks.
+    """Device bytes the staged round holds per element of its bucket, at its peak: two slots
+    of anchors and float32 state, the float32 pseudo-gradient, plus the larger of the step's
+    temporaries and the merge's (one after the other on one stream, so their blocks are reused).
     """
     anchor = torch.empty((), dtype=anchor_dtype).element_size()
     step = 0
@@ -56,11 +51,8 @@ def staged_bucket_numel(bucket_numel: int, bytes_per_element: int) -> int:
 
 
 def pin_round_memory(optimizer: torch.optim.Optimizer, anchors: dict[str, Tensor]) -> None:
-    """Move ``anchors`` (in place in the dict) and their float state into pinned host memory.
-
-    The optimizer keeps working on the same values: its parameter references and state keys are
-    switched to the pinned anchors. Idempotent; a no-op where CUDA is unavailable.
-    """
+    """Move ``anchors`` (in place in the dict) and their float state into pinned host memory,
+    switching the optimizer's references to them. Idempotent; a no-op without CUDA."""
     if not torch.cuda.is_available():
         return
     swapped: dict[int, Tensor] = {}
@@ -82,8 +74,6 @@ def pin_round_memory(optimizer: torch.optim.Optimizer, anchors: dict[str, Tensor
 
 
 class Slot:
-    """One set of device buffers for a bucket in flight, with its stream events."""
-
     def __init__(self, numel: int, anchor_dtype: torch.dtype, num_state: int, device: Any) -> None:
         self.anchor = torch.empty(numel, dtype=anchor_dtype, device=device)
         self.state = [torch.empty(numel, device=device) for _ in range(num_state)]
@@ -110,12 +100,10 @@ class CudaStaging:
 
     @staticmethod
     def allocate_state(anchor: Tensor) -> Tensor:
-        """Fresh outer state in pinned host memory, so that its copies run asynchronously."""
         return torch.empty(anchor.shape, dtype=torch.float32, pin_memory=True)
 
     @staticmethod
     def bucket_numel_for(job: BucketJob, bucket_numel: int) -> int:
-        """The staged bucket for ``job`` within the memory budget (see the module doc)."""
         num_state = max(len(states) for states in job.states_per_tensor)
         widest = max(job.params, key=lambda p: p.element_size())
         maximize = any(group.get("maximize", False) for group in job.groups.values())
@@ -135,8 +123,7 @@ class CudaStaging:
 
     def run(
         self, job: BucketJob, plan: list[list[Piece]], exchange: Exchange, delta: Tensor
-    ) -> StreamedResult:
-        """Copy in, form, reduce, step, merge, copy out, bucket by bucket (see module doc)."""
+    ) -> Exchanged:
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
         slots = self._slots_for(job, numel_of(plan[0]))  # a full bucket, or all elements
@@ -156,7 +143,7 @@ class CudaStaging:
             slot.computed.record(compute)
             self._copy_out(job, bucket, slot, copy_out)
         copy_out.synchronize()  # the host anchors and state are complete when run returns
-        return StreamedResult(float(sumsq.sqrt().item()), sent)
+        return Exchanged.streamed(sumsq, sent)
 
     @staticmethod
     def _compute(
@@ -167,8 +154,6 @@ class CudaStaging:
         exchange: Exchange,
         sumsq: Tensor,
     ) -> int:
-        """Form, reduce, step and merge one bucket on the compute stream, from its slot."""
-
         def anchor_of(at: int, p: Piece) -> Tensor:
             return job.cut(slot.anchor, at, p)
 

@@ -1,17 +1,12 @@
-"""The outer state of one inner optimizer's parameters, and the coordinator of its rounds.
-
-``OuterSync`` ties the DiLoCo math to a ``Transport`` without Lightning: ``on_inner_step`` after
-every real inner step, a ``SyncReport`` back when a round applied. Its state is one ``SyncState``
-(ownership documented there), its round engine ``OuterRound``; ``SyncCheckpoint`` saves it.
-``finish`` leaves every island on the anchors, bit for bit; which fragments it runs depends only
-on counters equal everywhere, so every rank runs the same collectives, and ``ended_at`` keeps a
-round from applying twice.
+"""``OuterSync``: the outer state of one inner optimizer's parameters and the schedule of its
+rounds, without Lightning: ``on_inner_step`` after every real inner step, a ``SyncReport`` back
+when a round applied. Which fragments run depends only on counters equal on every rank, so every
+rank runs the same collectives; ``finish`` leaves every island on the anchors, bit for bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,34 +14,29 @@ from torch import Tensor
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.errors import SwarmConfigTypeError
-from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
-from lightning_swarm.outer.reports import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
-from lightning_swarm.outer.sync_state import SyncState
-from lightning_swarm.resume.outer_record import OuterRecord
+from lightning_swarm.outer.sync_state import (
+    OuterOptimizerFactory,
+    StreamingOptions,
+    SyncReport,
+    SyncState,
+)
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
 
 
-class OuterSync:
-    """DiLoCo outer state and per-fragment rounds for one set of parameters.
+class OuterSync(SyncState):
+    """DiLoCo outer state (``SyncState``) and per-fragment rounds for one set of parameters.
 
     Args:
         params: the trained parameters by name, in a fixed order identical on every rank.
-        outer_optimizer: factory called once with the anchors.
-        transport: averages pseudo-gradients across islands.
-        sync_every: inner steps between two rounds of the same fragment.
-        anchor_device: device for anchors and outer optimizer state.
-        anchor_dtype: dtype of the stored anchors.
         defer_anchors: build memory-less placeholders that ``load_state_dict`` must replace.
-        streaming: fragments, delay, merge and error feedback (``StreamingOptions``).
-        shard: this rank's share of a sharded island (``lightning_swarm.outer.shard``): only
-            the names it owns get anchors, outer state and rounds here; ``None`` owns all.
+        shard: this rank's share of a sharded island: only the names it owns get anchors,
+            outer state and rounds here; ``None`` owns all.
         budget: rounds on a time budget (``sync_every_s``) instead of every ``sync_every``
-            steps: an island joins once its budget is spent and its pseudo-gradient is weighted
-            by the inner steps it took (``algorithm.budget``). One fragment and no delay.
+            steps (``algorithm.budget``); one fragment and no delay.
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -86,9 +76,14 @@ class OuterSync:
         owned = [n for n in params if shard is None or shard.owns(n)]
         owned_set = set(owned)
         device = torch.device(anchor_device)
-        anchors = _build_anchors(params, owned, "meta" if defer_anchors else device, anchor_dtype)
+        # A resume replaces the anchors: copying the weights first would add the anchor bytes
+        # to RAM at a restart's tightest moment, so ``defer_anchors`` builds placeholders.
+        placement = "meta" if defer_anchors else device
+        anchors = {
+            n: params[n].detach().to(device=placement, dtype=anchor_dtype, copy=True) for n in owned
+        }
         self.sync_every = sync_every
-        self.state = SyncState(
+        super().__init__(
             params=params,
             shard=shard,
             owned=owned,
@@ -108,90 +103,74 @@ class OuterSync:
             synced_at=[None if defer_anchors else 0] * len(fragments),
             budget=budget,
         )
-        self.checkpoint = SyncCheckpoint(self.state)
-        self.engine = OuterRound(self.state, self.checkpoint)
+        self.engine = OuterRound(self)
 
     @property
     def streams(self) -> bool:
-        """Whether this sync's rounds now run as one streamed pass (``OuterRound.streams``)."""
         return self.engine.streams
-
-    # -- the state, read-only views for the loop, the resume layer and tests ---------------
-    @property
-    def params(self) -> dict[str, torch.nn.Parameter]:
-        return self.state.params
-
-    @property
-    def anchors(self) -> dict[str, Tensor]:
-        return self.state.anchors
-
-    @property
-    def outer_optimizer(self) -> torch.optim.Optimizer:
-        return self.state.outer_optimizer
-
-    @property
-    def anchor_dtype(self) -> torch.dtype:
-        return self.state.anchor_dtype
-
-    @property
-    def fragments(self) -> list[list[str]]:
-        return self.state.fragments
-
-    @property
-    def schedule(self) -> FragmentSchedule:
-        return self.state.schedule
-
-    @property
-    def shard(self) -> IslandShard | None:
-        return self.state.shard
-
-    @property
-    def owned(self) -> list[str]:
-        return self.state.owned
-
-    @property
-    def residuals(self) -> dict[str, Tensor]:
-        return self.state.residuals
-
-    @property
-    def inner_steps(self) -> int:
-        return self.state.inner_steps
-
-    @property
-    def outer_steps(self) -> int:
-        return self.state.outer_steps
-
-    @property
-    def fragment_rounds(self) -> list[int]:
-        return self.state.fragment_rounds
 
     @property
     def anchor_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self.state.anchors.values())
+        return sum(a.numel() * a.element_size() for a in self.anchors.values())
 
     def outer_state_bytes(self) -> int:
         """Bytes held by the outer optimizer's state tensors (e.g. momentum)."""
-        states = self.state.outer_optimizer.state.values()
+        states = self.outer_optimizer.state.values()
         tensors = [v for state in states for v in state.values() if isinstance(v, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def in_flight(self) -> int | None:
         """The fragment sent and not applied yet, or None."""
-        rnd = self.state.in_flight
-        return rnd.fragment if rnd is not None else None
+        return self.held.fragment if self.held is not None else None
 
-    # -- rounds ----------------------------------------------------------------------------
+    # -- the schedule ----------------------------------------------------------------------
     def on_inner_step(self) -> SyncReport | None:
-        """Count one inner step; run, send or apply the round the schedule names."""
-        return self.engine.on_inner_step()
+        """Count one inner step; send (or run) the round the schedule names, apply the one due."""
+        engine = self.engine
+        self.inner_steps += 1
+        step = self.inner_steps
+        if self.budget is not None:  # one fragment, no delay (``config.check_budget_options``)
+            if not self.budget.spent():
+                return None
+            try:  # the next budget starts when the island leaves this round, however it ends
+                return engine.round(0)
+            finally:
+                self.budget.restart(self.inner_steps)
+        sending = self.schedule.sends_at(step)
+        if sending is not None and engine.streams:
+            return engine.round(sending)
+        if sending is not None:
+            engine.send(sending, inline=self.schedule.sync_delay == 0)
+        applying = self.schedule.applies_at(step)
+        # A round sent by the end-of-fit round's step was applied by it.
+        if applying is None or (
+            self.ended_at is not None and step - self.schedule.sync_delay <= self.ended_at
+        ):
+            return None
+        return engine.apply(applying)
 
     def finish(self) -> list[SyncReport]:
-        """The end-of-fit round: every island ends holding the anchors (see module docstring).
+        """The end-of-fit round: the round in flight, then every fragment out of sync merged
+        with alpha 0; returns their reports. ``ended_at`` keeps a round from applying twice."""
+        reports = []
+        pending = self._apply_in_flight()
+        if pending is not None:
+            reports.append(pending)
+        for fragment in range(len(self.fragments)):
+            # Under a time budget islands count different steps: a budgeted fit ends right
+            # after a round, where islands differ from the anchors only if it merged with alpha.
+            if self.budget is not None:
+                out_of_sync = self.schedule.merge_alpha != 0
+            else:
+                out_of_sync = self.synced_at[fragment] != self.inner_steps
+            if out_of_sync:
+                reports.append(self.engine.round(fragment, merge_alpha=0.0))
+        self.ended_at = self.inner_steps
+        return reports
 
-        Returns the reports of the rounds it ran (none when every fragment is in sync).
-        """
-        return self.engine.finish()
+    def _apply_in_flight(self) -> SyncReport | None:
+        return None if self.held is None else self.engine.apply(self.held.fragment)
 
     def round_now(self, fragment: int = 0) -> SyncReport:
         """One round of ``fragment`` now, outside the inner-step schedule.
@@ -199,126 +178,34 @@ class OuterSync:
         Raises:
             ValueError: with a round in flight.
         """
-        if self.state.in_flight is not None:
+        if self.held is not None:
             raise ValueError("a round outside the schedule needs none in flight")
         return self.engine.round(fragment)
 
     @torch.no_grad()
     def join(self) -> SyncReport:
-        """An elastic island's first round, now: a round in flight restored from a checkpoint
-        (saved with ``sync_delay > 0``) is applied first, as the swarm applied it when the
-        checkpoint was written. A joiner contributes nothing and applies the swarm's round; if
-        it was healed, it keeps its own progress since its old anchors on top of the new ones.
+        """An elastic island's first round, now, after applying a round in flight restored from
+        a checkpoint. A healed joiner keeps its progress since its old anchors on the new ones.
         """
-        self.engine.apply_in_flight()
-        s = self.state
-        own = {n: s.params[n].float() - s.anchors[n].float() for n in s.owned}
+        self._apply_in_flight()
+        own = {n: self.params[n].float() - self.anchors[n].float() for n in self.owned}
         report = self.round_now()
         if report.healed:
-            for name in s.owned:
-                s.params[name].copy_(s.anchors[name].float() + own[name])
-            if s.shard is not None:
-                s.shard.gather(list(s.params), s.params)
-                self.engine.agree_counters()
+            for name in self.owned:
+                self.params[name].copy_(self.anchors[name].float() + own[name])
+            if self.shard is not None:
+                self.shard.gather(list(self.params), self.params)
+                self.agree_counters()
         return report
 
     @torch.no_grad()
     def land_on_anchors(self) -> None:
-        """Every parameter <- its anchor: how an elastic fit ends, on every island alike.
-
-        The last committed round merged with ``merge_alpha``; its anchors are the same on every
-        island, its mixed parameters are not. Copying the anchors is what merging that round
-        with alpha 0 gives (the outer step does not depend on alpha), as ``finish`` does.
-        Sharded, collective over the island.
-        """
-        s = self.state
-        for name in s.owned:
-            s.params[name].copy_(s.anchors[name])
-        if s.shard is not None:
-            s.shard.gather(list(s.params), s.params)
-
-    def drain(self) -> None:
-        """Wait for a round in flight without applying it (before a save or at teardown)."""
-        self.engine.drain()
-
-    @torch.no_grad()
-    def reset_to_anchors(self) -> None:
-        """``OuterRound.reset_to_anchors``, for an island whose state went non-finite
-        (``outer.reset``); collective over a sharded island."""
-        self.engine.reset_to_anchors()
-
-    # -- checkpoint state (SyncCheckpoint reads it, the engine installs it) -----------------
-    def record(self, *, for_peer: bool = False) -> OuterRecord:
-        """The global state as a typed record (``SyncCheckpoint.record``); for a save, after
-        waiting for the round in flight, which it holds."""
-        pending = None if for_peer else self.engine.export_in_flight()
-        return self.checkpoint.record(pending=pending, for_peer=for_peer)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Anchors, outer optimizer state, counters and a round in flight (global state)."""
-        return self.record().to_dict()
-
-    @property
-    def budget(self) -> RoundBudget | None:
-        """The island's time budget between rounds, or None (rounds every ``sync_every``)."""
-        return self.state.budget
-
-    def island_state_dict(self) -> dict[str, Any]:
-        """This island's own state (error-feedback residuals; under a time budget the budget
-        and the island's own inner-step count, since islands step at their own pace), after
-        any round in flight; collective over a sharded island with error feedback."""
-        self.engine.drain()
-        state: dict[str, Any] = {"residuals": self.checkpoint.island_residuals()}
-        budget = self.state.budget
-        if budget is not None:
-            state["budget"] = {**budget.state_dict(), "inner_steps": self.state.inner_steps}
-        return state
-
-    def load_island_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Install an ``island_state_dict`` (after ``load_state_dict``, whose counters are the
-        saving island's: a budgeted island takes back its own inner-step count here)."""
-        self.engine.install_residuals(state)
-        budget, saved = self.state.budget, state.get("budget")
-        if budget is not None and saved is not None:
-            budget.load_state_dict(saved)
-            self.state.inner_steps = int(saved["inner_steps"])
-
-    def check_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Refuse a saved state this sync cannot install (``SyncCheckpoint.check_state_dict``)."""
-        self.checkpoint.check_state_dict(state)
-
-    def check_anchors(self, anchors: Mapping[str, Tensor]) -> None:
-        """Refuse saved anchors unless every parameter has one of its shape."""
-        self.checkpoint.check_anchors(anchors, names=self.params)
-
-    def load_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Check a saved state, then install it (``load_checked_state_dict``)."""
-        record = OuterRecord.of(state)
-        self.checkpoint.check_state_dict(record)
-        self.load_checked_state_dict(record)
-
-    def load_checked_state_dict(self, state: Mapping[str, Any] | OuterRecord) -> None:
-        """Install a state that passed ``check_state_dict``."""
-        self.engine.install(OuterRecord.of(state))
-
-
-@torch.no_grad()
-def _build_anchors(
-    params: Mapping[str, torch.nn.Parameter],
-    owned: list[str],
-    placement: torch.device | str,
-    dtype: torch.dtype,
-) -> dict[str, Tensor]:
-    """A copy of each owned parameter, or memory-less placeholders (``placement="meta"``).
-
-    A resume replaces the anchors right after setup: copying the weights first would add the
-    full anchor bytes to RAM at the tightest moment of a restart, so ``defer_anchors`` builds
-    placeholders that ``load_state_dict`` must replace; a round on placeholders raises (the
-    round engine's ``send``) instead of training on half-loaded state.
-    """
-    return {
-        name: params[name].detach().to(device=placement, dtype=dtype, copy=True) for name in owned
-    }
+        """Every parameter <- its anchor (sharded: collective over the island): how an elastic
+        fit ends, on every island alike, as ``finish`` merges with alpha 0."""
+        for name in self.owned:
+            self.params[name].copy_(self.anchors[name])
+        if self.shard is not None:
+            self.shard.gather(list(self.params), self.params)
 
 
 def _build_outer_optimizer(

@@ -1,10 +1,8 @@
 """One background thread that runs outer-sync exchanges while training continues.
 
-Invariants: one thread per strategy, jobs in submission order; every rank submits the same jobs
-in the same order, so collectives match. While a job runs only this thread touches the transport
-and its group, which must not be one the training thread uses (``dedicated_peers=True``). A job's
-tensors belong to it until its future resolves. ``close`` joins the thread; call it before the
-process groups are destroyed.
+Jobs run in submission order, the same on every rank, so collectives match; while one runs only
+this thread touches the transport and its group (``dedicated_peers=True``), and the job's tensors
+are its own until its future resolves. ``close`` before the process groups are destroyed.
 """
 
 from __future__ import annotations
@@ -22,25 +20,17 @@ _T = TypeVar("_T")
 
 
 class SyncWorker:
-    """A single-thread executor (thread ``swarm-sync``) with a clear error when a job fails.
-
-    Args:
-        device: the rank's accelerator; a CUDA device makes jobs run on their own stream
-            (not exercised on a GPU yet: the CPU suite covers the thread, not the streams).
-    """
+    """A single-thread executor (thread ``swarm-sync``); on a CUDA ``device`` jobs run on a
+    stream of their own, bound to that device."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="swarm-sync"
         )
-        # On CUDA the worker binds to the rank's device and issues its copies and collectives
-        # on a stream of its own, so they neither land on another GPU nor queue behind (or in
-        # front of) the training thread's kernels on the default stream.
         self._device = device if device is not None and device.type == "cuda" else None
         self._stream: torch.cuda.Stream | None = None
 
     def submit(self, job: Callable[[], _T]) -> Future[_T]:
-        """Queue ``job``; it runs after every job submitted before it."""
         if self._executor is None:
             raise RuntimeError("the sync worker is closed; no exchange can be started")
         if self._device is None:
@@ -62,11 +52,9 @@ class SyncWorker:
         """Block until ``future`` is done and return its result.
 
         Raises:
-            SwarmError: the job raised one (``RoundTimeoutError``, ``PeerLostError``,
-                ``MembershipError``, ...): that same error, its traceback and cause kept, so
-                ``except`` clauses for it catch it as they would without ``sync_delay``.
-            SyncWorkerError: the job raised anything else; the message names ``what`` and the
-                cause, which is its ``__cause__``.
+            SwarmError: the job's own, unchanged, so ``except`` clauses catch it as they would
+                without ``sync_delay``.
+            SyncWorkerError: the job raised anything else (its ``__cause__``), naming ``what``.
         """
         try:
             return future.result()

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import xxhash
 from torch import Tensor
 
-from lightning_swarm.algorithm.optimizer_state import merge_by_name
+from lightning_swarm.algorithm.outer_optimizer import merge_by_name
 from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.errors import RecordError

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_swarm.algorithm.catchup import catch_up_
+from lightning_swarm.algorithm.diloco import catch_up_
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,

@@ -1,50 +1,39 @@
-"""Where a peer's payload lands (a *sink*) and how a finished one is read back (a *contribution*).
-
-Sinks: ``SpoolSink`` (a preallocated spool file), ``MemorySink`` (one flat buffer, offload off),
-``DiscardSink`` (a refused peer, whose chunks must still be received). Contributions:
-``MemoryContribution`` and ``SpooledContribution`` (a leased spool file). ``measure`` and
-``aggregate_into`` read one block at a time, so memory is contributions x one block, never
-contributions x model; no file-backed tensor leaves this module.
-"""
+"""A peer's contribution: where its payload lands (a *sink*: a ``spool.SpoolWriter``, a
+``MemorySink`` with offload off, ``None`` to drop a refused peer's chunks), its encoding under a
+codec (``CodedPayload``), and how it is read back, one block at a time: memory is contributions
+x one block, never x model."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_swarm.algorithm.robust import aggregate
-from lightning_swarm.transport.aggregator.spool import Spool
-from lightning_swarm.transport.aggregator.spool_files import SpoolReader, SpoolWriter
-from lightning_swarm.transport.errors import SpoolError
+from lightning_swarm.algorithm.codecs import Codec, Encoded
 from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
 
-class Sink(Protocol):
-    def write(self, data_offset: int, chunk: Tensor) -> None: ...
-
-    def finish(self) -> Contribution | None: ...
-
-    def abort(self) -> None: ...
-
-
 class Contribution(Protocol):
-    island: int
-
     def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None: ...
 
     def close(self) -> None: ...
 
 
+class Sink(Protocol):
+    def write(self, data_offset: int, chunk: Tensor) -> None: ...
+
+    def finish(self) -> Contribution: ...
+
+    def abort(self) -> None: ...
+
+
 class MemoryContribution:
     """A payload held in memory as flat per-tensor views, in layout order (no copy)."""
 
-    def __init__(self, island: int, views: Sequence[Tensor]) -> None:
-        self.island = island
+    def __init__(self, views: Sequence[Tensor]) -> None:
         self._views = [v.detach().reshape(-1) for v in views]
 
     def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
@@ -54,25 +43,9 @@ class MemoryContribution:
         self._views = []
 
 
-class SpooledContribution:
-    """A payload in a leased spool file; ``close`` releases the lease."""
-
-    def __init__(self, island: int, reader: SpoolReader) -> None:
-        self.island = island
-        self.reader = reader
-
-    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
-        self.reader.read_into(spec.name, start, out)
-
-    def close(self) -> None:
-        self.reader.close()
-
-
 class MemorySink:
-    """Chunks land in one flat buffer of the payload's size (offload off)."""
-
-    def __init__(self, island: int, layout: PayloadLayout) -> None:
-        self.island, self.layout = island, layout
+    def __init__(self, layout: PayloadLayout) -> None:
+        self.layout = layout
         self.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
 
     def write(self, data_offset: int, chunk: Tensor) -> None:
@@ -80,168 +53,147 @@ class MemorySink:
 
     def finish(self) -> Contribution:
         b, specs = self.buffer, self.layout.specs
-        return MemoryContribution(
-            self.island, [b[s.offset : s.offset + s.nbytes].view(s.dtype) for s in specs]
-        )
+        return MemoryContribution([b[s.offset : s.offset + s.nbytes].view(s.dtype) for s in specs])
 
     def abort(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
-class SpoolSink:
-    """Chunks land in a spool file; ``finish`` commits it and opens a leased reader."""
-
-    def __init__(
-        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
-    ):
-        self.spool, self.round_id, self.island, self.layout = spool, round_id, island, layout
-        self.remap_bytes = remap_bytes
-        self.writer: SpoolWriter = spool.writer(round_id, island, layout)
-
-    def write(self, data_offset: int, chunk: Tensor) -> None:
-        self.writer.write(data_offset, chunk.cpu())
-
-    def finish(self) -> Contribution:
-        self.writer.commit()
-        reader = self.spool.reader(
-            self.round_id, self.island, self.layout, remap_bytes=self.remap_bytes
-        )
-        return SpooledContribution(self.island, reader)
-
-    def abort(self) -> None:
-        self.writer.abort()
-
-
-class DiscardSink:
-    """Receives and forgets; ``finish`` yields no contribution."""
-
-    def write(self, data_offset: int, chunk: Tensor) -> None:
-        pass
-
-    def finish(self) -> None:
-        return None
-
-    def abort(self) -> None:
-        pass
-
-
-def open_sinks(
-    sinks: dict[int, Sink],
-    islands: list[int],
-    accepted_layout: list[int],
-    layout: PayloadLayout,
-    spool: Spool | None,
-    round_id: int,
-    *,
-    remap_bytes: int,
-) -> SpoolError | None:
-    """Add one sink per peer island to ``sinks``: a spool file (``spool`` given) or memory for
-    peers whose layout was accepted, a discard sink otherwise. After a spool error (e.g. no room
-    for the preallocation) every later peer gets a discard sink and the error is returned.
-    Sinks are added as they open, so a caller interrupted here can still abort them all."""
-    failure: SpoolError | None = None
-    for island in islands:
-        if island not in accepted_layout or failure is not None:
-            sinks[island] = DiscardSink()
-        elif spool is None:
-            sinks[island] = MemorySink(island, layout)
-        else:
-            try:
-                sinks[island] = SpoolSink(spool, round_id, island, layout, remap_bytes)
-            except SpoolError as err:
-                failure = err
-                sinks[island] = DiscardSink()
-    return failure
-
-
-def finish_sinks(
-    sinks: dict[int, Sink], contributions: dict[int, Contribution], failure: SpoolError | None
-) -> SpoolError | None:
-    """Turn every sink into a contribution (added to ``contributions``); the first spool error
-    wins, and after one the remaining sinks are aborted."""
-    for island, sink in sinks.items():
-        if failure is not None:
-            sink.abort()
-            continue
-        try:
-            finished = sink.finish()
-        except SpoolError as err:
-            failure = err
-            continue
-        if finished is not None:
-            contributions[island] = finished
-    return failure
-
-
 def all_finite(block: Tensor) -> bool:
-    """Whether every value of the floating ``block`` is finite.
-
-    A finite sum proves it (NaN and inf survive every addition) at a fraction of an elementwise
-    check's cost; only a non-finite sum (a bad value, or an overflow) pays for that check.
-    """
+    """Whether every value of the floating ``block`` is finite: a finite sum proves it (NaN and
+    inf survive every addition); only a non-finite sum pays for the elementwise check."""
     if math.isfinite(float(block.sum())):
         return True
     return bool(torch.isfinite(block).all())
 
 
-def _blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
+def blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
     return [(s, min(block_numel, spec.numel - s)) for s in range(0, spec.numel, block_numel)]
 
 
-@dataclass(frozen=True)
-class Measure:
-    """What one pass over a contribution found: whether every floating value is finite, the
-    float64 sum of their squares (0.0 when not asked for, or once a value is not finite), and
-    the first tensor holding a non-finite value."""
-
-    finite: bool
-    sum_sq: float
-    bad_tensor: str | None = None
-
-
 def measure(
-    contribution: Contribution, layout: PayloadLayout, *, block_numel: int, sum_sq: bool = True
-) -> Measure:
-    """One validation pass over ``contribution``, one block at a time (the only one: every
-    verdict, whole or per part, is read from it). Without ``max_norm`` callers pass
-    ``sum_sq=False``: the float64 squares cost half a validation pass."""
+    contribution: Contribution, layout: PayloadLayout, block_numel: int, sum_sq: bool
+) -> tuple[bool, float, str | None]:
+    """The one validation pass over ``contribution``, block by block: whether every floating
+    value is finite, the float64 sum of their squares (0.0 with ``sum_sq=False``, which saves
+    half a pass without ``max_norm``, or once not finite) and the first non-finite tensor."""
     total = 0.0
     for spec in layout.specs:
         if not spec.dtype.is_floating_point:
             continue
         scratch = torch.empty(min(block_numel, spec.numel), dtype=spec.dtype)
-        for start, n in _blocks(spec, block_numel):
+        for start, n in blocks(spec, block_numel):
             block = scratch[:n]
             contribution.read_into(spec, start, block)
             if not all_finite(block):
-                return Measure(False, 0.0, spec.name)
+                return False, 0.0, spec.name
             if sum_sq:
                 total += float(block.double().square().sum())
-    return Measure(True, total)
+    return True, total, None
 
 
-def aggregate_into(
-    targets: Sequence[Tensor],
-    contributions: Sequence[Contribution],
-    layout: PayloadLayout,
-    *,
-    rule: str,
-    weights: Sequence[float] | None,
-    trim_ratio: float,
-    block_numel: int,
-) -> None:
-    """Overwrite ``targets`` (in layout order) with the aggregate of ``contributions``.
+DATA_SUFFIX, SCALES_SUFFIX = "#data", "#scales"
+_BLOCK_CODECS = ("int8", "int4")
 
-    ``contributions`` are in island order; a target may itself be one of the contributions
-    (the aggregator's own tensors): each block is read from every contribution before it is
-    overwritten.
-    """
-    for spec, target in zip(layout.specs, targets, strict=True):
-        flat = target.view(-1)
-        scratch = torch.empty((len(contributions), min(block_numel, spec.numel)), dtype=spec.dtype)
-        for start, n in _blocks(spec, block_numel):
-            blocks = [scratch[i, :n] for i in range(len(contributions))]
-            for contribution, block in zip(contributions, blocks, strict=True):
-                contribution.read_into(spec, start, block)
-            result = aggregate(rule, blocks, weights=weights, trim_ratio=trim_ratio)
-            flat[start : start + n].copy_(result)
+
+class CodedPayload:
+    """The wire layout of one float layout under one codec, and the verbs between the two:
+    ``<name>#scales`` for every tensor (int8 / int4; first, which keeps every tensor aligned to
+    its element size), then ``<name>#data`` for every tensor, flat in the codec's dtype. Blocks
+    start on ``align`` (the codec block, made even for int4), so a block decodes bit for bit as
+    in a whole-tensor decode. Raises ``ValueError`` unless ``layout`` is float32 only."""
+
+    def __init__(self, layout: PayloadLayout, codec: Codec) -> None:
+        for spec in layout.specs:
+            if spec.dtype != torch.float32:
+                raise ValueError(
+                    f"quantize={codec.name!r} encodes float32 pseudo-gradients; tensor "
+                    f"{spec.name!r} is {spec.dtype}. Keep pseudo-gradients in float32 or set "
+                    "quantize='none'."
+                )
+        self.layout, self.codec = layout, codec
+        self.blocked = codec.name in _BLOCK_CODECS
+        data_dtype = codec.encode(torch.zeros(1)).data.dtype
+        entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        if self.blocked:
+            for spec in layout.specs:
+                num_blocks = -(-spec.numel // codec.block_size)
+                entries.append((spec.name + SCALES_SUFFIX, (num_blocks,), torch.float32))
+        for spec in layout.specs:
+            entries.append((spec.name + DATA_SUFFIX, (self._data_numel(spec.numel),), data_dtype))
+        self.wire = PayloadLayout(entries)
+        assert self.wire.data_bytes == sum(codec.encoded_nbytes(s.numel) for s in layout.specs)
+        pair = 2 if codec.name == "int4" else 1
+        self.align = codec.block_size * pair // math.gcd(codec.block_size, pair)
+
+    def _data_numel(self, numel: int) -> int:
+        return (numel + 1) // 2 if self.codec.name == "int4" else numel
+
+    def block_numel(self, block_bytes: int) -> int:
+        """Elements per validation / aggregation block: about ``block_bytes`` of float32,
+        a multiple of ``align`` (at least one ``align``)."""
+        return max(1, block_bytes // 4 // self.align) * self.align
+
+    def encode(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The wire tensors of ``tensors`` (float layout order), in wire layout order."""
+        data: list[Tensor] = []
+        scales: list[Tensor] = []
+        for t in tensors:
+            encoded = encode_marked(self.codec, t.detach().reshape(-1))
+            data.append(encoded.data)
+            scales.append(encoded.scales)
+        return scales + data if self.blocked else data
+
+    @torch.no_grad()
+    def roundtrip_into(self, tensors: Sequence[Tensor]) -> None:
+        """Overwrite each tensor with ``decode(encode(tensor))`` (what the others would see)."""
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            flat.copy_(self.codec.decode(encode_marked(self.codec, flat)))
+
+
+class DecodedContribution:
+    """``inner`` (holding ``payload``'s wire layout) read back as decoded float32 blocks, one
+    block at a time: memory stays contributions x one block."""
+
+    def __init__(self, payload: CodedPayload, inner: Contribution) -> None:
+        self.payload, self.inner = payload, inner
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
+        """Decode float elements ``[start, start + out.numel())`` of ``spec`` into ``out``."""
+        payload, codec = self.payload, self.payload.codec
+        assert start % payload.align == 0, "decoded blocks must start on a codec block"
+        n, wire = out.numel(), payload.wire.specs
+        # The wire holds every tensor's scales (block codecs) and then every tensor's data.
+        data_spec = wire[spec.index + (len(payload.layout.specs) if payload.blocked else 0)]
+        lo = start // 2 if codec.name == "int4" else start
+        data = torch.empty(payload._data_numel(n), dtype=data_spec.dtype)
+        self.inner.read_into(data_spec, lo, data)
+        scales = torch.empty(0, dtype=torch.float32)
+        if payload.blocked:
+            scales = torch.empty(-(-n // codec.block_size), dtype=torch.float32)
+            self.inner.read_into(wire[spec.index], start // codec.block_size, scales)
+        decoded = codec.decode(Encoded(codec.name, n, codec.block_size, data, scales))
+        out.copy_(decoded.view_as(out))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def encode_marked(codec: Codec, flat: Tensor) -> Encoded:
+    """``codec.encode(flat)``, except that non-finite values (and, for bf16, values beyond its
+    range) decode non-finite instead of raising: validation rejects them like uncoded ones
+    instead of one island raising alone."""
+    if codec.name == "bf16":
+        bad = ~torch.isfinite(flat.to(torch.bfloat16))
+    else:
+        bad = ~torch.isfinite(flat)
+    if not bool(bad.any()):
+        return codec.encode(flat)
+    encoded = codec.encode(torch.where(bad, torch.zeros_like(flat), flat))
+    if codec.name in _BLOCK_CODECS:
+        blocks = bad.nonzero().reshape(-1) // codec.block_size
+        encoded.scales[blocks] = float("nan")
+    else:
+        encoded.data[bad] = float("nan")
+    return encoded

@@ -1,19 +1,12 @@
-"""The aggregator's spool: one run-scoped directory of per-peer, per-round safetensors files.
-
-- ``Spool`` alone creates and deletes its root (mode 0700) and every file in it (mode 0600);
-  writers and readers (``spool_files``) reach it only through the ``Lease`` it hands them.
-- ``release_round`` refuses new leases for the round, waits up to ``cleanup_timeout_s`` for those
-  in flight, deletes the round's files and defers any still leased to its last release: a reader
-  never meets a vanished file and no file outlives the spool. ``close`` does this for every round
-  and removes the root (a finalizer does, if ``close`` is never called).
-- Roots are named ``lightning_swarm-<pid>@<host>-<random>``; a new ``Spool`` removes this user's
-  roots of this host whose process is gone (a SIGKILL leaves them), never others.
-- Errors (disk full, unwritable root, a corrupt file) raise ``SpoolError`` saying what to do; a
-  failed write leaves no file behind.
-"""
+"""The aggregator's spool: a run-scoped directory (0700) of per-peer, per-round safetensors
+files (0600), each written and read under a lease; no file outlives the spool or vanishes under
+a reader, and errors (disk full, unwritable root, a corrupt file) raise ``SpoolError`` saying
+what to do."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
@@ -21,25 +14,21 @@ import socket
 import stat
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
 
 from lightning_swarm.memory.procfs import pid_alive
-from lightning_swarm.transport.aggregator.spool_files import (
-    Lease,
-    SpoolReader,
-    SpoolWriter,
-    WriteAt,
-    partial_path,
-)
 from lightning_swarm.transport.errors import SpoolError
-from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
 
-_T = TypeVar("_T")
+WriteAt = Callable[[int, memoryview, int], int]  # os.pwrite's signature: (fd, data, offset)
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _ROOT_PREFIX = "lightning_swarm-"
 # <pid>, then (since the host was added) @<host>, then mkdtemp's 8 random characters.
@@ -47,10 +36,8 @@ _ROOT_NAME = re.compile(r"lightning_swarm-(\d+)(?:@(.+))?-[a-z0-9_]{8}")
 
 
 def sweep_dead_roots(base: Path) -> list[Path]:
-    """Remove spool roots in ``base`` left by dead processes of this user on this host.
-
-    Returns the roots removed. See the module docstring for what is never touched.
-    """
+    """Remove (and return) the spool roots in ``base`` of this user's dead processes on this
+    host (a SIGKILL leaves them); never another user's, host's or live process's."""
     host, uid = socket.gethostname(), os.getuid()
     removed: list[Path] = []
     try:
@@ -74,28 +61,9 @@ def sweep_dead_roots(base: Path) -> list[Path]:
     return removed
 
 
-class _FileLease:
-    """A ``Lease`` on one file of ``spool`` (see ``spool_files.Lease``)."""
-
-    def __init__(self, spool: Spool, path: Path) -> None:
-        self.spool, self.path, self.root, self.write_at = spool, path, spool.root, spool.write_at
-
-    def allocated(self, nbytes: int) -> None:
-        self.spool._note_allocated(self.path, nbytes)
-
-    def remove(self) -> None:
-        with self.spool._cond:
-            self.spool._unlink(self.path)
-
-    def release(self) -> None:
-        self.spool._release(self.path)
-
-
 def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> str | None:
-    """The type of the filesystem holding ``path`` (longest matching mount point), or ``None``.
-
-    ``mounts`` is the text of ``/proc/mounts``; read from the system when not given.
-    """
+    """The type of the filesystem holding ``path`` (longest matching mount point of
+    ``mounts``, the text of ``/proc/mounts``), or ``None``."""
     if mounts is None:
         try:
             mounts = Path("/proc/mounts").read_text()
@@ -115,16 +83,12 @@ def filesystem_type(path: str | os.PathLike[str], mounts: str | None = None) -> 
 
 
 class Spool:
-    """Run-scoped spool directory with leased files; see the module docstring.
-
-    Args:
-        base_dir: where the run's root directory is created; ``None`` means TMPDIR.
-        cleanup_timeout_s: how long cleanup waits for in-flight writers and readers.
-        write_at: the positional write used by writers (``os.pwrite``; tests inject faults).
-
-    Raises:
-        SpoolError: the root cannot be created (the message names the directory and the fix).
-    """
+    """Run-scoped spool directory under ``base_dir`` (``None``: TMPDIR) with leased files;
+    raises ``SpoolError`` if it cannot be created. ``release_round`` refuses new leases for the
+    round, waits up to ``cleanup_timeout_s`` for those in flight, deletes the round's files and
+    defers any still leased to its last release; ``close`` does this for every round and removes
+    the root (a finalizer does, if ``close`` is never called). ``write_at``: the writers'
+    positional write (tests inject faults)."""
 
     def __init__(
         self,
@@ -156,8 +120,7 @@ class Spool:
         self._doomed: set[Path] = set()
         self._allocated: dict[Path, int] = {}
         self._closed = False
-        self.disk_bytes = 0
-        self.peak_disk_bytes = 0
+        self.disk_bytes = self.peak_disk_bytes = 0
         self.cleanup_waits = 0  # cleanups that found a lease in flight and waited for it
         fs = filesystem_type(self.root)
         if fs in _MEMORY_FILESYSTEMS:
@@ -169,11 +132,24 @@ class Spool:
                 stacklevel=2,
             )
 
-    # -- paths and leases -----------------------------------------------------------------
+    def writer(
+        self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
+    ) -> SpoolWriter:
+        """Create, size and lease the file for ``island``'s contribution to ``round_id``
+        (``remap_bytes``: its reader's, once ``finish``\\ ed)."""
+        return SpoolWriter(self, round_id, island, layout, remap_bytes)
+
+    def reader(
+        self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
+    ) -> SpoolReader:
+        """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
+        return SpoolReader(self, round_id, island, layout, remap_bytes)
+
     def path(self, round_id: int, island: int) -> Path:
         return self.root / f"round{round_id:06d}-island{island:04d}.safetensors"
 
-    def _acquire(self, round_id: int, path: Path) -> _FileLease:
+    def _acquire(self, round_id: int, island: int) -> Path:
+        path = self.path(round_id, island)
         with self._cond:
             if self._closed or round_id in self._released:
                 raise SpoolError(
@@ -182,7 +158,7 @@ class Spool:
                 )
             self._leases[path] = self._leases.get(path, 0) + 1
             self._files.setdefault(round_id, set()).add(path)
-        return _FileLease(self, path)
+        return path
 
     def _release(self, path: Path) -> None:
         with self._cond:
@@ -200,7 +176,7 @@ class Spool:
 
     def _unlink(self, path: Path) -> None:
         """Delete a file and its partial twin; caller holds the lock."""
-        for candidate in (path, partial_path(path)):
+        for candidate in (path, _partial(path)):
             candidate.unlink(missing_ok=True)
         self.disk_bytes -= self._allocated.pop(path, 0)
 
@@ -209,30 +185,6 @@ class Spool:
             self._allocated[path] = nbytes
             self.disk_bytes += nbytes
             self.peak_disk_bytes = max(self.peak_disk_bytes, self.disk_bytes)
-
-    # -- verbs ----------------------------------------------------------------------------
-    def writer(self, round_id: int, island: int, layout: PayloadLayout) -> SpoolWriter:
-        """Create, size and lease the file for ``island``'s contribution to ``round_id``."""
-        metadata = {"round": str(round_id), "island": str(island)}
-        return self._leased(round_id, island, lambda lease: SpoolWriter(lease, layout, metadata))
-
-    def reader(
-        self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
-    ) -> SpoolReader:
-        """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
-        return self._leased(
-            round_id, island, lambda lease: SpoolReader(lease, layout, remap_bytes=remap_bytes)
-        )
-
-    def _leased(self, round_id: int, island: int, make: Callable[[Lease], _T]) -> _T:
-        """``make`` over a new lease on ``island``'s file of ``round_id``; the lease goes if
-        ``make`` raises."""
-        lease = self._acquire(round_id, self.path(round_id, island))
-        try:
-            return make(lease)
-        except BaseException:
-            lease.release()
-            raise
 
     def release_round(self, round_id: int) -> None:
         """Delete ``round_id``'s files once their leases are gone (bounded wait, see above)."""
@@ -243,15 +195,10 @@ class Spool:
 
     def _drain(self, paths: set[Path], what: str) -> None:
         """Wait for leases on ``paths``, delete the free ones, defer the rest; holds the lock."""
-        deadline = time.monotonic() + self.cleanup_timeout_s
-        if any(p in self._leases for p in paths):
+        if not paths.isdisjoint(self._leases):
             self.cleanup_waits += 1
-        while any(p in self._leases for p in paths):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._cond.wait(remaining)
-        busy = {p for p in paths if p in self._leases}
+            self._cond.wait_for(lambda: paths.isdisjoint(self._leases), self.cleanup_timeout_s)
+        busy = paths.intersection(self._leases)
         for p in paths - busy:
             self._unlink(p)
         if busy:
@@ -283,3 +230,216 @@ class Spool:
     def files(self) -> list[Path]:
         """Files currently in the root (committed or partial), for tests and diagnostics."""
         return sorted(self.root.iterdir()) if self.root.exists() else []
+
+
+def _describe_os_error(err: OSError, what: str, root: Path) -> str:
+    if err.errno == errno.ENOSPC:
+        return (
+            f"out of disk space (ENOSPC) {what} in spool root {root}; free space there or set "
+            "spool_dir to a local disk with room for about peers x payload bytes per round"
+        )
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (
+            f"spool root {root} is not writable ({err.strerror}) {what}; set spool_dir to a "
+            "writable local directory"
+        )
+    return f"spool I/O error {what} in {root}: {err}"
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+class SpoolWriter(AbstractContextManager["SpoolWriter"]):
+    """Fills ``<name>.partial``, preallocated (a full disk fails before data arrives), and
+    publishes it once every byte is in place (``commit``; ``finish`` also opens its reader), or
+    removes it (``abort``, also on leaving a ``with`` block); holds its lease until then."""
+
+    def __init__(
+        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
+    ) -> None:
+        self.spool, self.layout, self.path = spool, layout, spool._acquire(round_id, island)
+        self.round_id, self.island, self.remap_bytes = round_id, island, remap_bytes
+        self.header = layout.safetensors_header({"round": str(round_id), "island": str(island)})
+        self.total_bytes = len(self.header) + layout.data_bytes
+        self.written = 0
+        self._fd: int | None = None
+        self._done = False  # committed or aborted: the lease is gone
+        what = f"creating {self.path.name} ({self.total_bytes} bytes)"
+        try:
+            self._fd = os.open(
+                _partial(self.path), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600
+            )
+            spool._note_allocated(self.path, self.total_bytes)
+            _preallocate(self._fd, self.total_bytes)
+            self._write_all(memoryview(self.header), 0)
+        except BaseException as err:
+            self.abort()  # what exists goes, and the lease
+            if isinstance(err, OSError):
+                raise SpoolError(_describe_os_error(err, what, spool.root)) from err
+            raise
+
+    def _write_all(self, data: memoryview, offset: int) -> None:
+        assert self._fd is not None
+        while len(data):
+            n = self.spool.write_at(self._fd, data, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "positional write made no progress")
+            data, offset = data[n:], offset + n
+
+    def write(self, data_offset: int, chunk: Tensor) -> None:
+        """Write ``chunk`` (contiguous uint8) at ``data_offset`` of the data section."""
+        if self._done:
+            raise SpoolError(f"{self.path.name} is already committed or aborted")
+        if data_offset < 0 or data_offset + chunk.numel() > self.layout.data_bytes:
+            self.abort()
+            raise SpoolError(
+                f"chunk [{data_offset}, {data_offset + chunk.numel()}) lies outside the "
+                f"{self.layout.data_bytes}-byte payload of {self.path.name}"
+            )
+        try:
+            self._write_all(chunk.cpu().numpy().data.cast("B"), len(self.header) + data_offset)
+        except OSError as err:
+            self.abort()
+            what = f"writing {self.path.name} at byte {data_offset}"
+            raise SpoolError(_describe_os_error(err, what, self.spool.root)) from err
+        self.written += chunk.numel()
+
+    def commit(self) -> Path:
+        """Check that every byte arrived, close and publish the file under its final name."""
+        if self._done:
+            raise SpoolError(f"{self.path.name} is already committed or aborted")
+        if self.written != self.layout.data_bytes:
+            self.abort()
+            raise SpoolError(
+                f"{self.path.name} is incomplete: {self.written} of {self.layout.data_bytes} "
+                "payload bytes were written"
+            )
+        assert self._fd is not None
+        try:
+            os.close(self._fd)
+            self._fd = None
+            os.replace(_partial(self.path), self.path)
+        except OSError as err:
+            self.abort()
+            raise SpoolError(_describe_os_error(err, "publishing", self.spool.root)) from err
+        self._done = True
+        self.spool._release(self.path)
+        return self.path
+
+    def finish(self) -> SpoolReader:
+        """Commit, then lease the file for reading."""
+        self.commit()
+        return self.spool.reader(
+            self.round_id, self.island, self.layout, remap_bytes=self.remap_bytes
+        )
+
+    def abort(self) -> None:
+        """Drop the partial file; a committed file is the spool's to delete. Idempotent."""
+        if not self._done:
+            self._close_and_unlink()
+            self._done = True
+            self.spool._release(self.path)
+
+    def _close_and_unlink(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        with self.spool._cond:
+            self.spool._unlink(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        # Some filesystems cannot preallocate; a sparse file of the right size still works,
+        # and a full disk is then reported by the first write that hits it.
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, nbytes)
+
+
+class SpoolReader(AbstractContextManager["SpoolReader"]):
+    """Checks one committed file against ``layout``, then copies element ranges out of a
+    ``safe_open`` mapping into caller-owned tensors, remapping every ``remap_bytes`` (which
+    returns the pages read from this process's RSS). Holds its lease until ``close``."""
+
+    def __init__(
+        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
+    ) -> None:
+        self.spool, self.layout, self.path = spool, layout, spool._acquire(round_id, island)
+        self.remap_bytes = remap_bytes
+        self._handle: Any = None
+        self._touched = 0
+        self._closed = False
+        try:
+            self._check()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self) -> None:
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+                header = head + f.read(max(0, min(header_len, 2**26)))
+        except FileNotFoundError as err:
+            raise SpoolError(
+                f"no committed spool file {self.path.name}: its write never completed"
+            ) from err
+        expected = len(header) + self.layout.data_bytes
+        if header_len < 0 or len(header) < 8 + header_len:
+            raise SpoolError(f"spool file {self.path.name} is truncated inside its header")
+        if not _same_tensors(header, self.layout.safetensors_header()):
+            raise SpoolError(
+                f"spool file {self.path.name} is corrupt: its header does not describe the "
+                "expected tensors"
+            )
+        if size != expected:
+            state = "truncated" if size < expected else "corrupt (longer than its layout)"
+            raise SpoolError(f"spool file {self.path.name} is {state}: {size} of {expected} bytes")
+
+    def read_into(self, spec: TensorSpec, start: int, out: Tensor) -> None:
+        """Copy elements ``[start, start + out.numel())`` of tensor ``spec`` into ``out``."""
+        if self._closed:
+            raise SpoolError(f"reader of {self.path.name} is closed")
+        try:
+            if self._handle is None:
+                self._handle = safe_open(str(self.path), framework="pt")
+            view = self._handle.get_slice(spec.name)[start : start + out.numel()]
+            out.copy_(view)
+            del view
+        except SafetensorError as err:
+            raise SpoolError(f"spool file {self.path.name} is corrupt: {err}") from err
+        self._touched += out.numel() * out.element_size()
+        if self._touched >= self.remap_bytes:
+            self._handle, self._touched = None, 0
+
+    def close(self) -> None:
+        """Drop the mapping and the lease. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._handle = None
+            self.spool._release(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _same_tensors(header: bytes, expected: bytes) -> bool:
+    """Compare two safetensors headers ignoring ``__metadata__``."""
+    try:
+        found = json.loads(header[8:].decode())
+        want = json.loads(expected[8:].decode())
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(found, dict):
+        return False
+    found.pop("__metadata__", None)
+    return bool(found == want)

@@ -1,25 +1,7 @@
 """The swarm transport's aggregator and its round: agree, scatter, judge, aggregate, gather.
-
-Island j owns part j of a round's payload; ``owners`` cuts the parts. ``"rotating"`` (the
-default) gives the whole payload to island ``r % num_islands`` in round ``r`` and empty parts to
-the others: its rule and chunk size rule the round, and a peer whose layout or codec differs is
-left out and raises ``ValueError`` alone. ``"sharded"`` gives every island 1/n, cut on codec
-blocks, so no island's load grows with the islands: an island whose layout or options differ
-from island 0's makes every island raise, and ``mean`` / ``weighted_mean`` without codec or
-``max_norm`` are summed as the chunks arrive (``fold``). Both spool peer payloads as they arrive
-(memory flat in peers), judge the whole contribution and give bitwise the same results;
-``docs/swarm_transport.md`` walks a round through.
-
-The caller owns the buckets; the round writes them only once every island's verdicts are read
-(a round that raises may leave them partly written: the caller keeps its anchors). A round's
-spool files live from the scatter to the end of the round: any exception aborts the writers at
-once (their leases go) and ``Spool.release_round`` removes the files.
-
-The bucket contract (``transport.base.Transport``) is served whole: the aggregator validates
-untrusted contributions against the whole payload (its layout, ``max_norm``, the robust rules),
-so it collects a round's buckets and runs the round at the first ``wait`` (or at ``agree``, with
-no bucket), over the names and shapes given at ``open``. It is not pipelined.
-"""
+Island j owns part j of a round's payload; every owner spools its part of the peers' payloads
+as they arrive (memory flat in peers) and judges whole contributions, with bitwise the same
+results whether one island owns all (``rotating``) or every island 1/n (``sharded``)."""
 
 from __future__ import annotations
 
@@ -36,34 +18,33 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.robust import check_aggregation, check_weights
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.transport.aggregator.coded import CodedPayload, DecodedContribution
 from lightning_swarm.transport.aggregator.contributions import (
+    CodedPayload,
     Contribution,
+    DecodedContribution,
     MemoryContribution,
+    MemorySink,
     Sink,
-    finish_sinks,
     measure,
-    open_sinks,
 )
-from lightning_swarm.transport.aggregator.exchange import Exchange
-from lightning_swarm.transport.aggregator.fold import PartFold, folds
-from lightning_swarm.transport.aggregator.parts import Part, plan_parts, whole_part
+from lightning_swarm.transport.aggregator.exchange import Exchange, PartFold, folds
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.terms import (
     AggregationRule,
+    Part,
     RoundTerms,
     agree_owner,
     agree_parts,
     all_gather_rows,
     island_all,
+    plan_parts,
+    whole_part,
 )
 from lightning_swarm.transport.aggregator.verdicts import (
     FAILED,
     JUDGED,
     SPOOL_FAILED,
-    AggregatorOutcome,
     RoundReport,
-    bad_layout_message,
     raise_if_failed,
     read_verdicts,
 )
@@ -76,7 +57,9 @@ log = logging.getLogger(__name__)
 
 
 class _Round:
-    """One round's state, handed from phase to phase; nothing outlives the round."""
+    """One round's state, handed from phase to phase; nothing outlives the round. Its spool
+    files live from the scatter to its end: any exception aborts the writers (their leases go)
+    and ``Spool.release_round`` removes the files."""
 
     def __init__(
         self, report: RoundReport, targets: list[Tensor], parts: list[Part], owner: int | None
@@ -86,41 +69,33 @@ class _Round:
         self.exchange: Exchange
         self.coded: list[CodedPayload | None] = []
         self.wires: list[PayloadLayout] = []
-        self.sinks: dict[int, Sink] = {}
+        self.sinks: dict[int, Sink | None] = {}
         self.contributions: dict[int, Contribution] = {}
         self.stats = RoundStats()
 
 
 class SwarmAggregator:
-    """The swarm transport (``transport="swarm"``); see the module docstring. It owns its
-    ``Spool`` (created here unless injected) and removes it in ``close``.
+    """The swarm transport (``transport="swarm"``), whose options are
+    ``SwarmTransportConfig``'s (``owners``: ``swarm.aggregator``; ``chunk_bytes``: ``chunk_mb``
+    in bytes). It owns its ``Spool`` (created unless ``spool`` is injected) until ``close``.
 
-    Args:
-        group: the peer group (one rank per island, ordered by island); ``None`` = default.
-            Payloads and messages live on the CPU: with NCCL as the default backend, pass a
-            gloo peer group (``groups.build_groups(peer_backend="gloo")``).
-        num_islands: size of the peer group.
-        island_index: this rank's island.
-        owners: ``"rotating"`` (one owner per round, in turn) or ``"sharded"`` (every island
-            owns 1/n of every round): the ``swarm.aggregator`` option.
-        offload, spool_dir, aggregation, trim_ratio, min_contributions, max_norm,
-            island_weights, cleanup_timeout_s: the ``SwarmTransportConfig`` options of the
-            same names.
-        chunk_bytes: ``SwarmTransportConfig.chunk_mb`` in bytes.
-        codec: encode contributions with this codec (``coded``); ``None`` sends float32 as
-            is. Every island must pass the same codec.
-        spool: an existing ``Spool`` to use instead of creating one (tests inject faults).
-        island_group: a model-sharded island's group (CPU-capable, e.g. gloo): every verdict
-            is agreed over the island's model shards (``terms.agree_island``); ``None``
-            otherwise.
+    ``"rotating"`` gives the whole payload to island ``r % num_islands`` in round ``r``: its
+    rule and chunk size rule the round, and a peer whose layout or codec differs is left out
+    and raises alone. ``"sharded"`` cuts it on codec blocks: an island whose layout or options
+    differ makes every island raise, and ``mean`` / ``weighted_mean`` without codec or
+    ``max_norm`` are summed as the chunks arrive. Contributions are validated whole, so the
+    round runs at the first ``wait`` (not pipelined), and writes the caller's buckets only once
+    every island's verdicts are read (a round that raises may leave them partly written: the
+    caller keeps its anchors). Payloads and messages live on the CPU: under NCCL, pass gloo
+    groups (``group``: the peers, ordered by island; ``island_group``: a model-sharded
+    island's ranks, which agree on every verdict).
 
     Raises:
         ValueError: an option is out of range for this topology.
         SpoolError: the spool root cannot be created.
     """
 
-    # The whole payload is one round (see the module docstring): buckets as large as the engine
-    # plans them, on the codec's blocks.
+    # The whole payload is one round: buckets as large as the engine plans them.
     pipelined = False
     heals = False
     every_rank_in_round = False
@@ -161,24 +136,24 @@ class SwarmAggregator:
                 "gives each round to one island in turn, 'sharded' 1/n of it to every island."
             )
         check_aggregation(aggregation)
-        weights = None
-        if island_weights is not None:
-            weights = check_weights(island_weights, option="island_weights")
+        weights = (
+            None
+            if island_weights is None
+            else check_weights(island_weights, option="island_weights")
+        )
         if aggregation == "weighted_mean" and (weights is None or len(weights) != num_islands):
             raise ValueError(
                 f"aggregation='weighted_mean' needs island_weights with one weight per island "
                 f"({num_islands}), got {island_weights!r}; e.g. each island's samples per step"
             )
-        self.group, self.num_islands, self.island_index = group, num_islands, island_index
-        self.owners = owners
-        self.offload, self.chunk_bytes, self.codec = offload, chunk_bytes, codec
-        self.island_group = island_group
+        self.group, self.island_group, self.owners = group, island_group, owners
+        self.num_islands, self.island_index = num_islands, island_index
+        self.chunk_bytes, self.codec = chunk_bytes, codec
         self.rule = AggregationRule(aggregation, trim_ratio, min_contributions, max_norm, weights)
         self.spool = spool
         if self.spool is None and offload and num_islands > 1:
             self.spool = Spool(spool_dir, cleanup_timeout_s=cleanup_timeout_s)
-        # Payloads, buffers and the spool live on the CPU, whatever the accelerator.
-        self.device = torch.device("cpu")
+        self.device = torch.device("cpu")  # payloads, buffers and the spool, whatever the chip
         self._sequence = 0  # rounds so far: names spool rounds uniquely
         self.last_round: RoundReport | None = None
         # The round between ``open`` and ``agree``: its names, buckets and, once run, stats.
@@ -189,14 +164,12 @@ class SwarmAggregator:
         self._stats: RoundStats | None = None
 
     def spool_bytes(self) -> int:
-        """Bytes the spool currently holds on disk (0 without offload)."""
         return self.spool.disk_bytes if self.spool is not None else 0
 
     def peak_spool_bytes(self) -> int:
         return self.spool.peak_disk_bytes if self.spool is not None else 0
 
     def close(self) -> None:
-        """Remove the spool (waits for leases up to the cleanup timeout). Idempotent."""
         if self.spool is not None:
             self.spool.close()
 
@@ -206,10 +179,9 @@ class SwarmAggregator:
 
     def open(self, request: RoundRequest) -> Opening:
         """Begin round ``round_index`` over tensors of ``names``; nothing moves yet. ``finite``
-        is not agreed on: every owner checks each contribution and drops a non-finite one.
-        ``work`` travels with the round's terms (``terms``), and the owners weigh the mean by
-        it (``AggregationRule.weights_of``): the ``Opening`` asks for no scale, and the
-        swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
+        is not agreed on: every owner drops a non-finite contribution. ``work`` travels with
+        the round's terms and the owners weigh the mean by it: the ``Opening`` asks for no
+        scale, and the swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
         self._round_index, self._names = request.round_index, dict(request.names)
         self._work = request.work
         self._buckets, self._stats = [], None
@@ -221,50 +193,36 @@ class SwarmAggregator:
         return self
 
     def wait(self) -> int:
-        """Run the round over every collected bucket, once (its bytes come with ``agree``)."""
         if self._stats is None:
             self._stats = self._average(self._named(), round_index=self._round_index)
         return 0
 
     def agree(self) -> RoundStats:
-        """The round's stats: whether it applies, non-finite islands, bytes."""
         self.wait()
         assert self._stats is not None
         stats, self._stats, self._buckets = self._stats, None, []
         return stats
 
     def _named(self) -> dict[str, Tensor]:
-        """The collected buckets as the named tensors of ``open``, laid over them."""
-        whole = _joined(self._buckets)
-        named: dict[str, Tensor] = {}
-        offset = 0
-        for name, shape in self._names.items():
-            named[name] = whole[offset : offset + shape.numel()].view(shape)
-            offset += shape.numel()
-        return named
-
-    def _parts(self, layout: PayloadLayout, round_index: int) -> tuple[list[Part], int | None]:
-        """The round's parts, one per island, and its one owner (``"rotating"``: round-robin;
-        ``None``: every island owns a part)."""
-        if self.owners == "rotating":
-            owner = round_index % self.num_islands
-            return whole_part(layout, self.num_islands, owner), owner
-        align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
-        return plan_parts(layout, self.num_islands, align), None
+        shapes = self._names.values()
+        flats = _joined(self._buckets).split([shape.numel() for shape in shapes])
+        return {n: f.view(s) for n, s, f in zip(self._names, shapes, flats, strict=True)}
 
     def _average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
-
-        Raises:
-            ValueError: this island's layout differs from the owner's (one owner: after the
-                round, on this island only) or from island 0's (several: on every island).
-            SwarmRoundError: a spool or an owner failed; anchors are unchanged.
-        """
+        Raises ``ValueError`` when this island's layout differs from the owner's or island 0's,
+        ``SwarmRoundError`` when a spool or an owner failed (anchors unchanged)."""
         label = labels.AGGREGATOR_ROUND if self.owners == "rotating" else labels.SHARDED_ROUND
         with record_function(label):
             start = time.perf_counter()
             layout = PayloadLayout.from_tensors(tensors)
-            parts, owner = self._parts(layout, round_index)
+            owner: int | None = None  # sharded: every island owns a part
+            if self.owners == "rotating":
+                owner = round_index % self.num_islands
+                parts = whole_part(layout, self.num_islands, owner)
+            else:
+                align = CodedPayload(layout, self.codec).align if self.codec is not None else 1
+                parts = plan_parts(layout, self.num_islands, align)
             report = RoundReport(round_index, self.island_index if owner is None else owner)
             rnd = _Round(report, list(tensors.values()), parts, owner)
             self.last_round, round_id = report, self._sequence
@@ -282,7 +240,8 @@ class SwarmAggregator:
                 self._run(rnd, layout, round_id)
             except BaseException:
                 for sink in rnd.sinks.values():
-                    sink.abort()  # their leases go now: cleanup below does not wait for them
+                    if sink is not None:
+                        sink.abort()  # their leases go now: cleanup below does not wait
                 raise
             finally:
                 for c in rnd.contributions.values():
@@ -290,23 +249,26 @@ class SwarmAggregator:
                 if self.spool is not None:
                     self.spool.release_round(round_id)
             if self.island_index in rnd.terms.mismatched:
-                raise SwarmConfigError(bad_layout_message(report))
+                raise SwarmConfigError(
+                    f"swarm round {round_index}: this island's pseudo-gradient layout (names, "
+                    f"shapes, dtypes) differs from the aggregator's (island {owner}); its log "
+                    "names the first difference. Every island must train the same parameters "
+                    "with the same quantize and quantize_block_size."
+                )
             stats = rnd.stats
-            stats.applied = report.outcome == AggregatorOutcome.APPLIED
+            stats.applied = report.outcome == "applied"
             stats.wall_s = time.perf_counter() - start
             stats.non_finite_islands = tuple(report.non_finite)
             stats.rejected_own = self.island_index in report.non_finite
             stats.swarm_steps = rnd.terms.swarm_steps
             return stats
 
-    # -- the phases ------------------------------------------------------------------------
     def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
         """Step 1: the round's terms, codecs, wire layouts and exchange."""
-        for p in rnd.parts:
-            empty = not p.layout.specs
-            rnd.coded.append(
-                CodedPayload(p.layout, self.codec) if self.codec and not empty else None
-            )
+        rnd.coded = [  # an empty part has nothing to encode
+            CodedPayload(p.layout, self.codec) if self.codec and p.layout.specs else None
+            for p in rnd.parts
+        ]
         rnd.wires = [c.wire if c else p.layout for c, p in zip(rnd.coded, rnd.parts, strict=True)]
         if rnd.owner is None:
             rnd.terms = agree_parts(
@@ -318,10 +280,8 @@ class SwarmAggregator:
                 self.group, self.island_index, rnd.owner, layout, rnd.wires[rnd.owner],
                 self.codec, self.rule, self.chunk_bytes, rnd.stats, self._work,
             )  # fmt: skip
-        silent = frozenset(rnd.terms.mismatched)
-        rnd.exchange = Exchange(
-            self.group, self.island_index, self.num_islands, rnd.terms.chunk_bytes, silent
-        )
+        silent, me, n = frozenset(rnd.terms.mismatched), self.island_index, self.num_islands
+        rnd.exchange = Exchange(self.group, me, n, rnd.terms.chunk_bytes, silent, rnd.stats)
 
     def _run(self, rnd: _Round, layout: PayloadLayout, round_id: int) -> None:
         """Steps 2-5."""
@@ -335,34 +295,38 @@ class SwarmAggregator:
         own = rnd.parts[self.island_index].views(rnd.targets)
         if not (fold and self._fold_round(rnd, own)):
             self._spooled_round(rnd, own, round_id)
-        if rnd.report.outcome == AggregatorOutcome.APPLIED:
+        if rnd.report.outcome == "applied":
             with record_function(labels.RECEIVE):
                 views = [[byte_view(v) for v in p.views(rnd.targets)] for p in rnd.parts]
                 layouts = [p.layout for p in rnd.parts]
-                rnd.exchange.gather(views, layouts, rnd.stats, rnd.terms.gather_steps)
+                rnd.exchange.gather(views, layouts, rnd.terms.gather_steps)
 
     def _fold_round(self, rnd: _Round, own: list[Tensor]) -> bool:
-        """Sum the part's contributions as they arrive (``fold``), with no spool. True:
-        every part was finite, all are accepted and the mean is in ``own``; False: some sum was
-        not, judge island by island (every rank reads the same table and returns the same)."""
-        me, n, rule = self.island_index, self.num_islands, rnd.terms.rule
-        weights = rule.weights_of(list(range(n)), rnd.terms.work)
-        mine = rnd.parts[me]
-        fold = PartFold(mine.layout, own, me, n, rnd.terms.chunk_bytes, weights)
+        """Sum the part's contributions as they arrive, with no spool. True: every part was
+        finite, all are accepted and the mean is in ``own``; False (on every rank): some sum
+        was not, judge island by island."""
+        me, n = self.island_index, self.num_islands
+        weights = rnd.terms.rule.weights_of(list(range(n)), rnd.terms.work)
+        fold = PartFold(rnd.parts[me].layout, own, me, n, rnd.terms.chunk_bytes, weights)
+        error: Exception | None = None
         with record_function(labels.SEND):
-            sources = [[byte_view(t) for t in p.views(rnd.targets)] if j != me else []
-                       for j, p in enumerate(rnd.parts)]  # fmt: skip
-            finite, error = fold.collect(
-                rnd.exchange, sources, rnd.wires, rnd.stats, rnd.terms.scatter_steps
-            )
+            steps = rnd.exchange.scatter(self._sources(rnd), rnd.wires, rnd.terms.scatter_steps)
+            for k, chunks in steps:  # to its end after an error too, so that no peer blocks
+                try:
+                    with record_function(labels.AGGREGATE):
+                        if error is None:
+                            fold.add(k, chunks)
+                except Exception as err:
+                    error = err
+            try:
+                with record_function(labels.AGGREGATE):
+                    finite = error is None and fold.finish()
+            except Exception as err:
+                error = err
         if error is not None:
             log.error("swarm round %d: summing this island's part failed",
                       rnd.report.round_index, exc_info=error)  # fmt: skip
-        row = torch.tensor([float(error is None), float(finite)], dtype=torch.float64)
-        table = all_gather_rows(row, self.group, rnd.stats)
-        failed = [j for j in range(n) if table[j, 0] == 0.0]
-        ok, finite = island_all([not failed, bool((table[:, 1] == 1.0).all())], self.island_group)
-        raise_if_failed(rnd.report, error, failed, ok, owner=None)
+        (finite,) = self._settle(rnd, error, finite)
         if not finite:
             return False
         rnd.report.accepted = list(range(n))
@@ -372,56 +336,87 @@ class SwarmAggregator:
     def _spooled_round(self, rnd: _Round, own: list[Tensor], round_id: int) -> None:
         """Every rule: spool the part's contributions, judge each island, aggregate."""
         failure = self._scatter(rnd, round_id)
-        failure = finish_sinks(rnd.sinks, rnd.contributions, failure)
-        me = self.island_index
-        block_numel = _join_own(rnd.contributions, me, own, rnd.coded[me], rnd.terms.chunk_bytes)
+        for island, sink in rnd.sinks.items():  # after a spool error, abort the rest
+            if sink is not None and failure is not None:
+                sink.abort()
+            elif sink is not None:
+                try:
+                    rnd.contributions[island] = sink.finish()
+                except SpoolError as err:
+                    failure = err
+        me, coded = self.island_index, rnd.coded[self.island_index]
+        # The owner's own contribution (read, not copied); with a codec every contribution is
+        # read back decoded, so the owner's own takes the peers' round trip.
+        rnd.contributions[me] = MemoryContribution(coded.encode(own) if coded else own)
+        block_numel = max(1, rnd.terms.chunk_bytes // 4)
+        if coded is not None:
+            for i, c in rnd.contributions.items():
+                rnd.contributions[i] = DecodedContribution(coded, c)
+            block_numel = coded.block_numel(rnd.terms.chunk_bytes)
         self._judge(rnd, failure, block_numel)
-        if rnd.report.outcome == AggregatorOutcome.APPLIED:
+        if rnd.report.outcome == "applied":
             self._aggregate(rnd, own, block_numel)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
         """Send part j of this island's payload to island j, and every peer's contribution
-        to this island's part into ``rnd.sinks``; returns the first spool error met (the caller's
-        ``finish_sinks`` then aborts every sink)."""
-        me, wire = self.island_index, rnd.wires[self.island_index]
-        peers = [i for i in range(self.num_islands) if i != me]
-        matched = [i for i in peers if i not in rnd.terms.mismatched]
-        spool = self.spool if wire.specs else None  # an empty part needs no files
-        failure = open_sinks(
-            rnd.sinks, peers, matched, wire, spool, round_id, remap_bytes=rnd.terms.chunk_bytes
-        )
+        to this island's part into ``rnd.sinks`` (``None``: a refused peer, or any after a
+        spool error); returns the first spool error met."""
+        me, chunk_bytes = self.island_index, rnd.terms.chunk_bytes
+        wire = rnd.wires[me]
+        failure: SpoolError | None = None
+        for i in range(self.num_islands):
+            if i == me:
+                continue
+            rnd.sinks[i] = None  # added as they open: an interrupted round aborts them all
+            if i in rnd.terms.mismatched or failure is not None:
+                continue
+            try:
+                if self.spool is None or not wire.specs:  # an empty part needs no files
+                    rnd.sinks[i] = MemorySink(wire)
+                else:
+                    rnd.sinks[i] = self.spool.writer(round_id, i, wire, remap_bytes=chunk_bytes)
+            except SpoolError as err:
+                failure = err
         with record_function(labels.SEND):
-            sources: list[list[Tensor]] = []
-            for j, (part, c) in enumerate(zip(rnd.parts, rnd.coded, strict=True)):
-                views = part.views(rnd.targets) if j != me else []
-                encoded = c.encode(views) if c is not None and j != me else views
-                sources.append([byte_view(t) for t in encoded])
-            sent = rnd.exchange.scatter(
-                sources, rnd.wires, rnd.sinks, rnd.stats, rnd.terms.scatter_steps
-            )
-        return failure or sent
+            steps = rnd.exchange.scatter(self._sources(rnd), rnd.wires, rnd.terms.scatter_steps)
+            for k, chunks in steps:
+                for i, chunk in chunks.items():
+                    sink = rnd.sinks[i]
+                    try:
+                        if sink is not None:
+                            sink.write(k * chunk_bytes, chunk)
+                    except SpoolError as err:  # drop the peer's chunks, but receive them
+                        failure, rnd.sinks[i] = failure or err, None
+        return failure
+
+    def _sources(self, rnd: _Round) -> list[list[Tensor]]:
+        """Part j of this island's payload (encoded with a codec) for island j, as bytes."""
+        sources: list[list[Tensor]] = []
+        for j, (part, c) in enumerate(zip(rnd.parts, rnd.coded, strict=True)):
+            mine = j == self.island_index
+            views = [] if mine else part.views(rnd.targets)
+            encoded = c.encode(views) if c is not None and not mine else views
+            sources.append([byte_view(t) for t in encoded])
+        return sources
 
     def _judge(self, rnd: _Round, failure: SpoolError | None, block_numel: int) -> None:
-        """Step 3: this owner's row of the verdict table; every rank reads the same verdicts
-        and outcome from the table (``verdicts``)."""
-        n, rule = self.num_islands, rnd.terms.rule
-        mine = rnd.parts[self.island_index]
+        """Step 3: this owner's row of the verdict table, which every rank reads."""
+        n, rule, mine = self.num_islands, rnd.terms.rule, rnd.parts[self.island_index].layout
         row = torch.zeros(1 + 2 * n, dtype=torch.float64)
         row[0] = JUDGED if failure is None else SPOOL_FAILED
+        # An empty part holds nothing non-finite; a refused island's, no payload.
+        row[1 : 1 + n] = torch.tensor([float(i not in rnd.terms.mismatched) for i in range(n)])
         error: BaseException | None = failure
         where: dict[int, str] = {}
-        # An empty part holds nothing non-finite; a refused island's, no payload.
-        for island in range(n):
-            row[1 + island] = 0.0 if island in rnd.terms.mismatched else 1.0
-        if failure is None and mine.layout.specs:
+        if failure is None and mine.specs:
             try:
                 with record_function(labels.AGGREGATE):
                     squares = rule.max_norm is not None
                     for island, c in rnd.contributions.items():
-                        found = measure(c, mine.layout, block_numel=block_numel, sum_sq=squares)
-                        row[1 + island], row[1 + n + island] = float(found.finite), found.sum_sq
-                        if not found.finite:
-                            where[island] = f" in tensor {found.bad_tensor!r}"
+                        finite, sum_sq, bad = measure(c, mine, block_numel, squares)
+                        row[1 + island], row[1 + n + island] = float(finite), sum_sq
+                        if not finite:
+                            where[island] = f" in tensor {bad!r}"
             except Exception as err:
                 row[0], error = FAILED, err
                 log.exception("swarm round %d: validating this island's part failed",
@@ -434,8 +429,7 @@ class SwarmAggregator:
         )  # fmt: skip
 
     def _aggregate(self, rnd: _Round, own: list[Tensor], block_numel: int) -> None:
-        """Step 4: the rule over this island's part; then every rank learns whether every
-        owner's aggregation succeeded."""
+        """Step 4: the rule over this island's part."""
         error: Exception | None = None
         mine = rnd.parts[self.island_index]
         try:
@@ -450,16 +444,23 @@ class SwarmAggregator:
             log.exception(
                 "swarm round %d: aggregating this island's part failed", rnd.report.round_index
             )
-        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
-        flags = all_gather_rows(flag, self.group, rnd.stats)
-        failed = [j for j, f in enumerate(flags) if int(f) == 0]
-        (ok,) = island_all([not failed], self.island_group)
+        self._settle(rnd, error)
+
+    def _settle(self, rnd: _Round, error: BaseException | None, *flags: bool) -> list[bool]:
+        """Every rank learns whether every owner's step succeeded (the one that failed
+        re-raises its error, the others raise ``SwarmRoundError``); returns each of ``flags``
+        ANDed over every rank."""
+        row = torch.tensor([float(error is None), *map(float, flags)], dtype=torch.float64)
+        table = all_gather_rows(row, self.group, rnd.stats)
+        failed = [j for j in range(self.num_islands) if table[j, 0] == 0.0]
+        every = [bool((table[:, 1 + i] == 1.0).all()) for i in range(len(flags))]
+        ok, *every = island_all([not failed, *every], self.island_group)
         raise_if_failed(rnd.report, error, failed, ok, owner=rnd.owner)
+        return every
 
 
 def _joined(flats: list[Tensor]) -> Tensor:
-    """One flat view over ``flats``, which must lie back to back in one storage (as the round
-    engine lays a held round's buckets)."""
+    """One flat view over ``flats``, which must lie back to back in one storage."""
     if not flats:
         return torch.empty(0)
     first, total = flats[0], sum(f.numel() for f in flats)
@@ -470,22 +471,3 @@ def _joined(flats: list[Tensor]) -> Tensor:
             raise ValueError("the aggregator needs a round's buckets back to back in one buffer")
         offset += f.numel()
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
-
-
-def _join_own(
-    contributions: dict[int, Contribution],
-    island: int,
-    own: list[Tensor],
-    coded: CodedPayload | None,
-    chunk_bytes: int,
-) -> int:
-    """Add this island's contribution (``own``, its float tensors: read, not copied) to
-    ``contributions``. With a codec it is encoded first and every contribution is then read
-    back decoded, so the owner's own takes the peers' round trip. Returns the elements per
-    block of validation and aggregation."""
-    contributions[island] = MemoryContribution(island, coded.encode(own) if coded else own)
-    if coded is None:
-        return max(1, chunk_bytes // 4)
-    for i, c in contributions.items():
-        contributions[i] = DecodedContribution(coded, c)
-    return coded.block_numel(chunk_bytes)

@@ -1,18 +1,6 @@
-"""What the islands of a swarm round agree on: the rule, the layout, the chunks, and flags.
-
-Every island sends one row (over ``all_to_all_single``; its bytes are counted), so every rank
-holds the same ``RoundTerms``:
-- several owners (``agree_parts``): a CRC of the island's part layouts, codec and options; an
-  island that differs from island 0 makes every rank raise ``ValueError`` naming it.
-- one owner (``agree_owner``): the owner's ``AggregationRule`` and chunk size rule the round. An
-  island whose wire layout or codec differs is *mismatched*: it moves nothing, its contribution
-  is rejected, and it alone raises ``ValueError`` after the round's collectives; the owner's log
-  names the first difference.
-A model-sharded island's peer groups see one model shard of every contribution each:
-``island_all`` and ``agree_island`` combine their flags and measures over the island's group
-(every rank calls them once per round, failures included), so no model shard of an island moves
-unless all do.
-"""
+"""What the islands of a swarm round agree on, the same on every rank: who owns which part, the
+rule, the chunks (``RoundTerms``). A model-sharded island's peer groups take every decision
+together (``island_all``, ``agree_island``: every rank calls them once per round)."""
 
 from __future__ import annotations
 
@@ -26,12 +14,53 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.robust import AGGREGATIONS
+from lightning_swarm.algorithm.robust import AGGREGATIONS, aggregate
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.transport.aggregator.contributions import Contribution, aggregate_into
-from lightning_swarm.transport.aggregator.parts import Part
+from lightning_swarm.transport.aggregator.contributions import Contribution, blocks
+from lightning_swarm.transport.agree import agree, flags_over
 from lightning_swarm.transport.base import RoundStats, Work, checked_work
+from lightning_swarm.transport.buckets import Piece, plan_shares
 from lightning_swarm.transport.payload import PayloadLayout
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part of a round's payload that one island owns: itself a payload whose ``layout``
+    names each piece ``"<tensor>[start:stop]"`` (or the whole payload's names)."""
+
+    pieces: tuple[Piece, ...]
+    layout: PayloadLayout
+
+    def views(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Flat views of the part's elements of ``tensors`` (in the full layout's order)."""
+        return [tensors[p.tensor_index].view(-1)[p.start : p.stop] for p in self.pieces]
+
+
+def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part]:
+    """Cut the payload into ``num_islands`` contiguous parts of whole ``align`` units (balanced
+    within one unit, possibly empty), every piece starting on a codec block so that encoding a
+    piece equals encoding the whole tensor. Raises ``ValueError`` unless both are >= 1."""
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    whole = [Piece(spec.index, 0, spec.numel) for spec in layout.specs]
+    parts = []
+    for pieces in plan_shares(whole, num_islands, align):
+        entries = []
+        for p in pieces:
+            spec = layout.specs[p.tensor_index]
+            entries.append((f"{spec.name}[{p.start}:{p.stop}]", (p.length,), spec.dtype))
+        parts.append(Part(tuple(pieces), PayloadLayout(entries)))
+    return parts
+
+
+def whole_part(layout: PayloadLayout, num_islands: int, owner: int) -> list[Part]:
+    """The whole payload to island ``owner`` (its names and shapes, so its spool files are the
+    payload's), empty parts to the others."""
+    whole = tuple(Piece(spec.index, 0, spec.numel) for spec in layout.specs)
+    empty = PayloadLayout([])
+    return [Part(whole, layout) if j == owner else Part((), empty) for j in range(num_islands)]
 
 
 @dataclass(frozen=True)
@@ -53,15 +82,10 @@ class AggregationRule:
         return weights is not None and sum(weights[i] for i in accepted) <= 0
 
     def weights_of(self, accepted: list[int], work: Sequence[float] | None) -> list[float] | None:
-        """The weights of the mean over the ``accepted`` islands (in their order), or ``None``
-        for the rule's own unweighted form.
-
-        ``work``: each island's inner steps this round, under a time budget. When the accepted
-        islands' steps differ, ``mean`` weighs each island by its steps and ``weighted_mean``
-        by ``island_weights[i]`` times them (samples per step times steps); when they are
-        equal, or without ``work``, the rule is as configured, bit for bit. ``median`` and
-        ``trimmed_mean`` are order statistics and take no weights.
-        """
+        """The weights of the mean over the ``accepted`` islands (``None``: unweighted). When
+        their ``work`` (inner steps this round, under a time budget) differs, ``mean`` weighs
+        each by its steps and ``weighted_mean`` by ``island_weights[i]`` times them; otherwise
+        the rule is as configured, bit for bit. Order statistics take no weights."""
         if self.aggregation not in ("mean", "weighted_mean"):
             return None
         configured = None
@@ -76,9 +100,8 @@ class AggregationRule:
         return [c * w for c, w in zip(configured, steps, strict=True)]
 
     def problem(self, finite: bool, norm: float, *, where: str = "", over: str = "") -> str | None:
-        """Why a contribution must not count (not every value ``finite``, or its L2 ``norm``
-        above ``max_norm``), or ``None``. ``where`` names what held a non-finite value and
-        ``over`` what the norm spans, for the message."""
+        """Why a contribution must not count (not ``finite``, or its L2 ``norm`` above
+        ``max_norm``), or ``None``; ``where`` and ``over`` qualify the message."""
         if not finite:
             return f"non-finite values (NaN or Inf){where}"
         if self.max_norm is not None and norm > self.max_norm:
@@ -94,40 +117,41 @@ class AggregationRule:
         block_numel: int,
         work: Sequence[float] | None = None,
     ) -> None:
-        """Overwrite ``targets`` with the rule over the ``accepted`` islands' contributions,
-        in island order, block by block (``contributions.aggregate_into``); ``work`` as in
-        ``weights_of``."""
+        """Overwrite ``targets`` (in layout order) with the rule over the ``accepted`` islands'
+        contributions, in island order, block by block; ``work`` as in ``weights_of``. A target
+        may itself be a contribution (the owner's own): each block is read from every
+        contribution before it is overwritten."""
         weights = self.weights_of(accepted, work)
-        aggregate_into(
-            targets,
-            [contributions[i] for i in accepted],
-            layout,
-            rule="weighted_mean" if weights is not None else self.aggregation,
-            weights=weights,
-            trim_ratio=self.trim_ratio,
-            block_numel=block_numel,
-        )
+        rule = "weighted_mean" if weights is not None else self.aggregation
+        sources = [contributions[i] for i in accepted]
+        for spec, target in zip(layout.specs, targets, strict=True):
+            flat = target.view(-1)
+            scratch = torch.empty((len(sources), min(block_numel, spec.numel)), dtype=spec.dtype)
+            for start, n in blocks(spec, block_numel):
+                rows = [scratch[i, :n] for i in range(len(sources))]
+                for contribution, row in zip(sources, rows, strict=True):
+                    contribution.read_into(spec, start, row)
+                result = aggregate(rule, rows, weights=weights, trim_ratio=self.trim_ratio)
+                flat[start : start + n].copy_(result)
 
 
 @dataclass(frozen=True)
 class RoundTerms:
-    """One round's terms, the same on every rank (``mismatched``: island -> why it is left
-    out, the first difference on the owner)."""
+    """One round's terms, the same on every rank (``mismatched``: island -> why it is left out;
+    ``work``, ``swarm_steps``: under a time budget, ``checks.checked_work``'s)."""
 
     rule: AggregationRule
     chunk_bytes: int
     scatter_steps: int  # chunks of the longest contribution
     gather_steps: int  # chunks of the longest result part
     mismatched: dict[int, str] = field(default_factory=dict)
-    # Under a time budget: each island's inner steps this round (its weight) and the most
-    # inner steps of any island (``base.checked_work``); ``None`` otherwise.
     work: list[float] | None = None
     swarm_steps: int | None = None
 
 
 def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundStats) -> Tensor:
-    """Every island's ``row`` (one small tensor each) stacked in island order: one all-to-all
-    step, where a ring all-gather would take n - 1 message times in sequence."""
+    """Every island's ``row`` stacked in island order, in one all-to-all step (a ring would
+    take n - 1 message times); its bytes are counted in ``stats``."""
     n = dist.get_world_size(group)
     rows = torch.empty((n, row.numel()), dtype=row.dtype)
     source = row.reshape(1, -1).expand(n, -1).contiguous()
@@ -138,45 +162,31 @@ def all_gather_rows(row: Tensor, group: dist.ProcessGroup | None, stats: RoundSt
     return rows
 
 
-# (every model shard arrived and is finite, the sum of squares of its values)
-IslandMeasure = tuple[bool, float]
-
-
 def agree_island(
-    measures: Mapping[int, IslandMeasure] | None, num_islands: int, group: dist.ProcessGroup
-) -> tuple[bool, list[IslandMeasure]]:
-    """Combine this rank's ``measures`` (island -> finite, sum of squares) with the
-    island's other model shards' (collective over ``group``).
-
-    ``None`` means this rank's peer group failed before validating. An island missing from
-    ``measures`` (its payload was refused or never arrived) counts as not finite.
-
-    Returns:
-        Whether every peer group validated, and per island (finite everywhere, island norm).
-    """
-    flags = torch.zeros(num_islands + 1, dtype=torch.float64)
-    sums = torch.zeros(num_islands, dtype=torch.float64)
-    if measures is not None:
-        flags[num_islands] = 1.0
-        for island, (finite, sum_sq) in measures.items():
-            flags[island] = 1.0 if finite else 0.0
-            sums[island] = sum_sq
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    islands = [(bool(flags[i] == 1.0), math.sqrt(float(sums[i]))) for i in range(num_islands)]
-    return bool(flags[num_islands] == 1.0), islands
+    measures: Mapping[int, tuple[bool, float]] | None, num_islands: int, group: dist.ProcessGroup
+) -> tuple[bool, list[bool], list[float]]:
+    """Combine this rank's ``measures`` (island -> finite, sum of squares; ``None``: this
+    rank's peer group failed before validating; a missing island counts as not finite) with
+    the island's other model shards' (collective over ``group``). Returns whether every peer
+    group validated, and per island whether it is finite everywhere and its norm."""
+    flags, sums = [0.0] * num_islands, [0.0] * num_islands
+    for island, (finite, sum_sq) in (measures or {}).items():
+        flags[island], sums[island] = float(finite), sum_sq
+    size = dist.get_world_size(group)
+    agreed = agree(measures is not None, gather=flags_over(group, size, _CPU), values=flags + sums)
+    totals = agreed.sums
+    everywhere = [t == size for t in totals[:num_islands]]
+    return agreed.all_ok, everywhere, [math.sqrt(t) for t in totals[num_islands:]]
 
 
 def island_all(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:
-    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``): a
-    model-sharded island's peer groups take every decision of a round together, so no model
-    shard of an island moves unless all do. ``None`` (an island of one rank per peer group)
-    returns ``flags``."""
+    """Each of ``flags`` ANDed over the island's ranks (collective over ``group``; ``None``,
+    one rank per island: ``flags``), so no model shard of an island moves unless all do."""
     if group is None:
         return flags
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [bool(v == 1.0) for v in t]
+    size = dist.get_world_size(group)
+    agreed = agree(gather=flags_over(group, size, _CPU), values=[float(f) for f in flags])
+    return [total == size for total in agreed.sums]
 
 
 def elsewhere_message(round_index: int, what: str) -> str:
@@ -199,15 +209,15 @@ def agree_parts(
     stats: RoundStats,
     work: Work | None = None,
 ) -> RoundTerms:
-    """Several owners: raise ``ValueError`` on every rank unless every island cut the same
-    parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round) rides
-    in the same row; a bad one raises ``BadWorkError`` on every rank (``base.checked_work``)."""
+    """Several owners: raise ``SwarmConfigError`` on every rank unless every island cut the
+    same parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round)
+    rides in the same row; a bad one raises ``BadWorkError`` on every rank."""
     blob = b"".join(p.layout.to_json() for p in parts)
     blob += f"{codec!r} {rule!r} {chunk_bytes}".encode()
     if work is None:
         row = torch.tensor([zlib.crc32(blob)], dtype=torch.int64)
     else:  # float64 carries the CRC (< 2**32) exactly, and a weight as each island sent it
-        row = torch.tensor([zlib.crc32(blob), *_work_columns(work)], dtype=torch.float64)
+        row = torch.tensor([zlib.crc32(blob), work.steps, work.inner_steps], dtype=torch.float64)
     table = all_gather_rows(row, group, stats)
     crcs = [int(c) for c in table[:, 0]]
     odd = [i for i, c in enumerate(crcs) if c != crcs[0]]
@@ -240,8 +250,9 @@ def agree_owner(
     stats: RoundStats,
     work: Work | None = None,
 ) -> RoundTerms:
-    """One owner: the owner's rule and chunk size for every island, and the mismatched
-    islands (see the module docstring). ``work`` as in ``agree_parts``."""
+    """One owner: its rule and chunk size rule the round. An island whose wire layout or
+    codec differs is *mismatched*: it moves nothing, its contribution is rejected, and it alone
+    raises after the round's collectives; the owner's log names the first difference."""
     description = wire.to_json()
     n = dist.get_world_size(group)
     weights = rule.island_weights if rule.island_weights and len(rule.island_weights) == n else None
@@ -256,7 +267,7 @@ def agree_owner(
         float(rule.min_contributions),
         math.nan if rule.max_norm is None else rule.max_norm,
     ] + (list(weights) if weights is not None else [math.nan] * n)
-    row += _work_columns(work) if work is not None else []
+    row += [float(work.steps), float(work.inner_steps)] if work is not None else []
     table = all_gather_rows(torch.tensor(row, dtype=torch.float64), group, stats)
     theirs = [float(v) for v in table[owner]]
     if island_index != owner:  # the owner's rule, read back from its row
@@ -275,12 +286,7 @@ def agree_owner(
     return terms if work is None else _with_work(terms, table[:, 9 + n :])
 
 
-def _work_columns(work: Work) -> list[float]:
-    return [float(work.steps), float(work.inner_steps)]
-
-
 def _with_work(terms: RoundTerms, columns: Tensor) -> RoundTerms:
-    """``terms`` with every island's work, from its two columns of the gathered rows."""
     pairs = [(float(steps), float(inner)) for steps, inner in columns.tolist()]
     weights, swarm_steps = checked_work(pairs)
     return replace(terms, work=weights, swarm_steps=swarm_steps)
@@ -296,27 +302,23 @@ def _name_differences(
     mismatched: dict[int, str],
     stats: RoundStats,
 ) -> None:
-    """The mismatched islands send their descriptions to the owner, which fills
-    ``mismatched`` with the first difference of each (a collective over ``group``)."""
+    """The mismatched islands send their descriptions to the owner, which names the first
+    difference of each in ``mismatched`` (collective over ``group``)."""
     n = table.shape[0]
     lengths = [int(table[i, 4]) if i in odd else 0 for i in range(n)]
     send = [lengths[island_index] if j == owner and island_index in odd else 0 for j in range(n)]
     recv = lengths if island_index == owner else [0] * n
-    out = torch.empty(sum(send), dtype=torch.uint8)
-    if sum(send):
-        out.copy_(torch.frombuffer(bytearray(wire.to_json()), dtype=torch.uint8))
+    blob = bytearray(wire.to_json()) if sum(send) else bytearray()
+    out = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
     received = torch.empty(sum(recv), dtype=torch.uint8)
     dist.all_to_all_single(received, out, recv, send, group=group)
     stats.bytes_sent += sum(send)
     stats.bytes_received += sum(recv)
     if island_index != owner:
         return
-    offset = 0
-    for i in odd:
-        blob = received[offset : offset + lengths[i]].numpy().tobytes()
-        offset += lengths[i]
+    for i, piece in zip(odd, received.split([lengths[i] for i in odd]), strict=True):
         try:
-            difference = wire.difference(PayloadLayout.from_json(blob))
+            difference = wire.difference(PayloadLayout.from_json(piece.numpy().tobytes()))
         except ValueError as err:
             mismatched[i] = f"unreadable payload description ({err})"
             continue

@@ -1,20 +1,14 @@
-"""The verdicts of a swarm round: how it ended (``AggregatorOutcome``), what a rank knows of it
-(``RoundReport``), and how every rank reads them from one table.
-
-Each owner measured its part of every contribution; one all-gather of their rows (``[how it
-fared, finite per island..., sum of squares per island...]``) gives every rank the same table,
-so every rank derives the same verdicts, outcome and messages: a mismatched island (``terms``)
-or one non-finite on any owner is rejected; ``max_norm`` bounds the whole contribution's norm;
-too few accepted islands (or zero accepted weights) skip the round with the same warning
-everywhere.
+"""The verdicts of a swarm round, read by every rank from one table of the owners' rows
+(``[how it fared, finite per island..., sum of squares per island...]``), so every rank derives
+the same ``RoundReport`` and messages.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch.distributed as dist
 from torch import Tensor
@@ -31,43 +25,28 @@ log = logging.getLogger(__name__)
 SPOOL_FAILED, JUDGED, FAILED = 0.0, 1.0, 2.0  # column 0 of an owner's row
 
 
-class AggregatorOutcome(enum.IntEnum):
-    """How a round ended, the same word on every rank."""
-
-    APPLIED = 0  # the aggregate is in every island's tensors
-    SKIPPED = 1  # too few accepted contributions (or weights summing to 0): anchors unchanged
-    SPOOL_FAILED = 2  # the spool could not be written or read
-    ERROR = 3  # anything else raised on an owner once the payloads were in
+Outcome = Literal["applied", "skipped", "spool_failed", "error"]
 
 
 @dataclass
 class RoundReport:
-    """What this rank knows about one round (every rank knows which islands were accepted and
-    which were non-finite; a one-owner round's owner also knows where)."""
+    """How one round ended on this rank, the same ``outcome``, ``accepted`` and ``non_finite``
+    on every rank: ``"applied"`` (the aggregate is in every island's tensors), ``"skipped"``
+    (too few accepted contributions, or weights summing to 0), ``"spool_failed"`` (the spool
+    could not be written or read) or ``"error"`` (anything else raised on an owner); anchors
+    are unchanged unless applied. ``rejected``: island -> why."""
 
     round_index: int
     aggregator: int
-    outcome: AggregatorOutcome = AggregatorOutcome.APPLIED
+    outcome: Outcome = "applied"
     accepted: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
-    # Islands rejected for NaN or inf: every rank reads it from the verdict table.
     non_finite: list[int] = field(default_factory=list)
 
 
-def bad_layout_message(report: RoundReport) -> str:
-    """Why a peer whose layout the aggregator rejected raises."""
-    return (
-        f"swarm round {report.round_index}: this island's pseudo-gradient layout (names, "
-        f"shapes, dtypes) differs from the aggregator's (island {report.aggregator}); its log "
-        "names the first difference. Every island must train the same parameters with the same "
-        "quantize and quantize_block_size."
-    )
-
-
 def peer_failure_message(report: RoundReport) -> str:
-    """What a peer raises when the aggregator reports ``ERROR`` or ``SPOOL_FAILED``."""
     head = f"swarm round {report.round_index} failed on the aggregator (island {report.aggregator})"
-    if report.outcome == AggregatorOutcome.ERROR:
+    if report.outcome == "error":
         return (
             f"{head}: it raised an error while validating or aggregating; read island "
             f"{report.aggregator}'s log for the cause. Anchors are unchanged."
@@ -75,25 +54,6 @@ def peer_failure_message(report: RoundReport) -> str:
     return (
         f"{head}: it could not spool the contributions (disk full, unwritable spool_dir, or a "
         "truncated/corrupt spool file; its own error says which). Anchors are unchanged."
-    )
-
-
-def skip_message(report: RoundReport, num_islands: int, min_contributions: int) -> str:
-    """The warning of a ``SKIPPED`` round; every rank derives it from the same verdicts."""
-    accepted = report.accepted
-    if len(accepted) < min_contributions:
-        cause = (
-            f"{len(accepted)} of {num_islands} contributions were accepted, fewer than "
-            f"min_contributions={min_contributions}"
-        )
-    else:
-        cause = (
-            f"the accepted islands {accepted} have island_weights summing to 0, so "
-            "weighted_mean has nothing to average"
-        )
-    return (
-        f"swarm round {report.round_index} skipped: {cause}; anchors are unchanged (see the "
-        "aggregator's log for the rejected islands)"
     )
 
 
@@ -108,19 +68,12 @@ def read_verdicts(
     mismatched: dict[int, str],
     where: dict[int, str],
     island_group: dist.ProcessGroup | None = None,
-) -> AggregatorOutcome:
-    """Fill ``report`` (accepted, rejected, non_finite, outcome) from ``table`` (one row per
-    owner: ``[how it fared, finite per island..., sum of squares per island...]``).
-    ``failure`` is this island's own error, ``owner`` the round's one owner (``None``: every
-    island owns a part), ``where`` this island's own finding of where a non-finite value sat.
-    With ``island_group`` (a model-sharded island) the peer groups' findings are combined over
-    the island first (``terms.agree_island``): one verdict per island, ``max_norm`` on the
-    island's norm.
-
-    Raises:
-        SwarmRoundError: some owner's spool failed or its validation raised; the owner whose
-            validation raised re-raises its own exception.
-    """
+) -> None:
+    """Fill ``report`` from ``table`` (``failure``: this island's own error; ``owner``: ``None``
+    when every island owns a part; ``where``: this island's finding of where a non-finite value
+    sat); with ``island_group`` the peer groups' findings are combined first, one verdict per
+    island. Raises ``SwarmRoundError`` when some owner's spool failed or its validation raised
+    (that owner re-raises its own exception)."""
     n = table.shape[0]
     failed = [j for j in range(n) if table[j, 0] == SPOOL_FAILED]
     raised = [j for j in range(n) if table[j, 0] == FAILED]
@@ -131,19 +84,18 @@ def read_verdicts(
         found = None
         if not failed and not raised:
             found = {i: (finite[i], float(table[:, 1 + n + i].sum())) for i in range(n)}
-        validated, islands = agree_island(found, n, island_group)
-        finite, norms = [f for f, _ in islands], [norm for _, norm in islands]
+        validated, finite, norms = agree_island(found, n, island_group)
     if raised:
         raise_if_failed(report, failure if island_index in raised else None, raised, owner=owner)
     if not failed and not validated and owner is not None:
         # One owner: the other peer groups of a model-sharded island whose round failed skip
         # it (no model shard moves); the failing peer group's ranks raise.
-        report.outcome = AggregatorOutcome.SKIPPED
+        report.outcome = "skipped"
         message = elsewhere_message(report.round_index, "the round failed")
         warnings.warn(message, RuntimeWarning, stacklevel=6)
-        return report.outcome
+        return
     if failed or not validated:
-        report.outcome = AggregatorOutcome.SPOOL_FAILED
+        report.outcome = "spool_failed"
         raise _spool_failed(report, failed, failure, owner, island_index)
     over = "" if island_group is None else " over the island's shards"
     for island in range(n):
@@ -157,30 +109,38 @@ def read_verdicts(
         report.rejected[island] = problem
         if not finite[island] and island not in mismatched:
             report.non_finite.append(island)
-        _log_rejection(report, island, island_index, owner, problem)
-    if rule.skips(report.accepted):
-        report.outcome = AggregatorOutcome.SKIPPED
-        warnings.warn(skip_message(report, n, rule.min_contributions), RuntimeWarning, stacklevel=6)
-    return report.outcome
-
-
-def _log_rejection(
-    report: RoundReport, island: int, island_index: int, owner: int | None, problem: str
-) -> None:
-    """The owner of a one-owner round logs every rejection; an island, its own."""
-    if owner == island_index:
-        log.warning(
-            "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
-            report.round_index,
-            island,
-            problem,
+        if owner == island_index:  # the owner logs every rejection; an island, its own
+            log.warning(
+                "swarm round %d: contribution of island %d rejected: %s; aggregating without it",
+                report.round_index,
+                island,
+                problem,
+            )
+        elif island == island_index:
+            log.warning(
+                "swarm round %d: the aggregator rejected this island's contribution (%s)",
+                report.round_index,
+                problem,
+            )
+    accepted = report.accepted
+    if not rule.skips(accepted):
+        return
+    report.outcome = "skipped"
+    if len(accepted) < rule.min_contributions:
+        cause = (
+            f"{len(accepted)} of {n} contributions were accepted, fewer than "
+            f"min_contributions={rule.min_contributions}"
         )
-    elif island == island_index:
-        log.warning(
-            "swarm round %d: the aggregator rejected this island's contribution (%s)",
-            report.round_index,
-            problem,
+    else:
+        cause = (
+            f"the accepted islands {accepted} have island_weights summing to 0, so "
+            "weighted_mean has nothing to average"
         )
+    message = (
+        f"swarm round {report.round_index} skipped: {cause}; anchors are unchanged (see the "
+        "aggregator's log for the rejected islands)"
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=6)
 
 
 def _spool_failed(
@@ -217,13 +177,12 @@ def raise_if_failed(
     *,
     owner: int | None,
 ) -> None:
-    """After the islands shared whether their validation or aggregation succeeded (``failed``
-    lists those that did not; ``island_ok``: every peer group of a model-sharded island
-    succeeded): the island whose own raised re-raises it; every other raises
-    ``SwarmRoundError`` naming them. Nothing when every island succeeded."""
+    """Once the islands shared whether their validation or aggregation succeeded (``failed``:
+    those that did not; ``island_ok``: every peer group of a model-sharded island did): the
+    island whose own raised re-raises it, every other raises ``SwarmRoundError``."""
     if not failed and island_ok:
         return
-    report.outcome = AggregatorOutcome.ERROR
+    report.outcome = "error"
     if not failed:
         raise SwarmRoundError(elsewhere_message(report.round_index, "aggregation failed"))
     if error is not None:
