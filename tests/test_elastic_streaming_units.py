@@ -15,10 +15,18 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.membership.adopt import RoundPlace, plan_round
+from lightning_swarm.membership.round_header import plan_round
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundPlace,
+    RoundRequest,
+    RoundStats,
+)
 from tests.transport_rounds import NamedRound
 
 SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -179,13 +187,13 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
 def test_a_member_being_healed_adopts_the_swarms_round_and_only_a_fragment_split_abandons() -> None:
     swarm, other = RoundPlace(1, 6, 7), RoundPlace(0, 4, 5)
     healing = plan_round([swarm, other], [False, True], reference=0, me=1)
-    assert healing.adopt and not healing.abandon and healing.swarm == swarm
+    assert healing.adopt == swarm and not healing.abandon
     live = plan_round([swarm, other], [False, True], reference=0, me=0)
-    assert not live.adopt and not live.abandon
+    assert live.adopt is None and not live.abandon
     split = plan_round([swarm, other], [False, False], reference=0, me=1)
-    assert split.adopt and split.abandon
+    assert split.adopt == swarm and split.abandon
     drift = plan_round([swarm, RoundPlace(1, 5, 6)], [False, False], reference=0, me=1)
-    assert not drift.adopt and not drift.abandon  # same fragment: both average it
+    assert drift.adopt is None and not drift.abandon  # same fragment: both average it
 
 
 def test_streaming_options_are_accepted_with_torchft_and_the_swarm_transport_refused() -> None:

@@ -94,7 +94,7 @@ def group_per_quorum(tmp: Path) -> None:
 
     import torch.distributed as dist
 
-    from lightning_swarm.membership.quorum_group import QuorumGroup
+    from lightning_swarm.membership.torchft_manager import QuorumGroup
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{server.port}"

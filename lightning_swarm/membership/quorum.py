@@ -1,11 +1,7 @@
-"""Asking the lighthouse for a round's quorum, and saying why none came.
+"""Asking the lighthouse for a round's quorum, saying why none came, and watching quorums.
 
-torchft asks a lost lighthouse again only ``quorum_retries`` times, so ``quorum_retries_for``
-spaces retries ``RETRY_SPACING_S`` apart to find one restarted within ``quorum_timeout_s``; a
-failed quorum is cleared from the Manager (``forget_failed_quorum``) so the island can ask anew;
-an island back from a suspension asks again with a whole timeout. Every way out other than a
-quorum is a ``MembershipError`` saying which: the lighthouse is gone, too few islands came, or
-the island came back to find no swarm.
+Every way out other than a quorum is a ``MembershipError`` naming the cause: the lighthouse is
+gone, too few islands came, or the island came back from a suspension to find no swarm.
 """
 
 from __future__ import annotations
@@ -14,7 +10,9 @@ import datetime
 import hashlib
 import math
 import socket
+import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +24,7 @@ from lightning_swarm.membership.errors import (
     QuorumTimeoutError,
     SwarmGoneError,
 )
-from lightning_swarm.membership.suspension import SuspensionWatch
+from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.membership.torchft_private import (
     forget_failed_quorum,
     set_up_group_for_this_quorum,
@@ -35,16 +33,19 @@ from lightning_swarm.membership.torchft_private import (
 
 RETRY_SPACING_S = 1.0
 """How often the manager server asks a lighthouse that did not answer, roughly."""
+SUSPENDED_AFTER_S = 5.0
+"""A tick this much later than due means the process was away (not merely busy)."""
+RETURNS_TO_WARN = 2
 
 
 def quorum_retries_for(quorum_timeout_s: float) -> int:
-    """torchft's ``quorum_retries`` that spaces its attempts about ``RETRY_SPACING_S`` apart."""
+    """torchft's ``quorum_retries`` spacing its attempts ``RETRY_SPACING_S`` apart, so that a
+    lighthouse restarted within ``quorum_timeout_s`` is found."""
     return max(1, math.ceil(quorum_timeout_s / RETRY_SPACING_S))
 
 
 def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
-    """Why nothing accepts a TCP connection at the lighthouse's ``address`` within
-    ``timeout_s`` (the address has no host or port, or the connect's error); ``None`` when
+    """Why nothing accepts a TCP connection at ``address`` within ``timeout_s``; ``None`` when
     something does."""
     parts = urlsplit(address if "://" in address else f"http://{address}")
     try:
@@ -60,13 +61,48 @@ def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
         return f"nothing accepted a connection within {timeout_s:g} s ({err})"
 
 
+class SuspensionWatch:
+    """Records when this process was away (SIGSTOP, or starved of the CPU for seconds).
+
+    A stopped process's monotonic clock runs on, so on SIGCONT every timeout has expired and the
+    island must ask again rather than give up. A daemon thread ticks every ``tick_s`` and records
+    a tick ``gap_s`` late; it runs until ``close`` (idempotent).
+    """
+
+    def __init__(self, tick_s: float = 0.5, gap_s: float = SUSPENDED_AFTER_S) -> None:
+        self.tick_s, self.gap_s = tick_s, gap_s
+        self._gaps: list[tuple[float, float]] = []  # (monotonic end, seconds away)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-suspension", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.tick_s):
+            now = time.monotonic()
+            if now - last - self.tick_s > self.gap_s:
+                with self._lock:
+                    self._gaps.append((now, now - last - self.tick_s))
+            last = now
+
+    def away_since(self, since: float) -> float:
+        """Seconds this process was away in gaps that ended after monotonic time ``since``."""
+        with self._lock:
+            return sum(away for end, away in self._gaps if end > since)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def request_quorum(
     manager: Any, config: ElasticConfig, watch: SuspensionWatch, last_round_at: float
 ) -> None:
-    """This round's quorum from ``manager``, within ``config.quorum_timeout_s``.
+    """This round's quorum from ``manager``, within ``config.quorum_timeout_s``; an island away
+    while asking asks again with a whole timeout.
 
-    ``last_round_at`` is when this island last committed a round (monotonic): if it was away
-    since then and finds no quorum, the swarm went on without it, or ended.
+    ``last_round_at``: when this island last committed a round (monotonic).
 
     Raises:
         LighthouseLostError: the lighthouse stopped answering for the whole timeout.
@@ -117,22 +153,18 @@ class QuorumIdentity:
     """Sets a process group up for every quorum, under a store prefix no earlier set-up used.
 
     torchft keeps a quorum's group while the lighthouse hands out the same quorum id, but a
-    restarted lighthouse counts ids from the start again, and whether an island still holds a
-    usable group is its own knowledge: islands then decide differently and hang
-    (``docs/elastic.md``). So the decision comes from the quorum alone, which every member
-    receives alike: this class sees each quorum on its way to the Manager
-    (``torchft_private.tap_quorums``) and has torchft set the group up anew, under a prefix named
-    by the quorum's id, members and ``max_step``. Within one lighthouse's life that name is new
-    for every quorum (a committed round raises ``max_step``; one committed nowhere is reported
-    by ``count_commit_failure``, on which the lighthouse raises the id). Across a restart a
-    repeated name fails its set-up within about twice the round timeout, is reported, and the
-    next quorum has a new id. The price is one group set-up per round.
+    restarted lighthouse counts ids from the start again and islands then decide differently
+    and hang (``docs/elastic.md``). So the decision comes from the quorum alone: each quorum is
+    seen on its way to the Manager and its group set up anew under a prefix named by its id,
+    members and ``max_step``: new for every quorum of one lighthouse (a round committed nowhere
+    is reported by ``count_commit_failure``, which raises the next id). Across a restart a
+    repeated name fails its set-up within the round timeout and the next quorum has a new id.
     """
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
         self._pending: str | None = None
-        tap_quorums(manager, self._see)  # the quorum is visible only on its way to torchft
+        tap_quorums(manager, self._see)
 
     def _see(self, quorum: Any) -> None:
         self._pending = quorum_name(quorum.quorum_id, quorum.replica_ids, quorum.max_step)
@@ -150,18 +182,14 @@ def quorum_name(quorum_id: int, replica_ids: Sequence[str], max_step: int) -> st
 
 
 class ShortRounds:
-    """Raises once rounds keep falling short of ``min_islands`` for ``quorum_timeout_s``."""
+    """Raises ``QuorumTimeoutError`` once rounds keep falling short of ``min_islands`` for
+    ``quorum_timeout_s``."""
 
     def __init__(self, config: ElasticConfig) -> None:
         self.config = config
         self._short_since: float | None = None
 
     def see(self, participants: int, committed: bool) -> None:
-        """One round's islands and vote.
-
-        Raises:
-            QuorumTimeoutError: every round of the last ``quorum_timeout_s`` fell short.
-        """
         if participants >= self.config.min_islands or committed:
             self._short_since = None
             return
@@ -172,4 +200,39 @@ class ShortRounds:
                 f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
                 f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
                 f"{self.config.min_islands}; start more islands or lower min_islands."
+            )
+
+
+class QuorumWatch:
+    """Warns once when quorums leave live islands out: a lighthouse join timeout shorter than
+    the spread of the islands' round ends (``docs/elastic.md``).
+
+    A member (island id hash, nonce) missing from one header and back with the same nonce was
+    alive all along; one return alone may be a suspended island, so it takes ``RETURNS_TO_WARN``.
+    """
+
+    def __init__(self, island_id: str) -> None:
+        self.island_id = island_id
+        self.returns = 0
+        self._previous: set[tuple[int, int]] = set()
+        self._missing: set[tuple[int, int]] = set()
+        self._warned = False
+
+    def see(self, rows: Sequence[HeaderRow]) -> None:
+        members = {(r.island, r.nonce) for r in rows}
+        self.returns += len(members & self._missing)
+        self._missing = (self._missing | self._previous) - members
+        self._previous = members
+        if self.returns >= RETURNS_TO_WARN and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"island {self.island_id!r}: live islands were left out of quorums and came back "
+                f"({self.returns} times so far): the lighthouse's join timeout is shorter than a "
+                "round, so quorums form without islands still in their inner steps, and a slower "
+                "island may never commit a round. torchft's LighthouseServer defaults "
+                "join_timeout_ms to 100 ms; start the lighthouse with `swarm-lighthouse` (60 s "
+                "by default) or set --join-timeout-ms above the time of one round (sync_every "
+                "inner steps plus the round).",
+                UserWarning,
+                stacklevel=2,
             )

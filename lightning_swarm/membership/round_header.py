@@ -1,26 +1,31 @@
-"""The round header: what each member of a quorum tells the others before a pseudo-gradient moves.
+"""The round header: one int64 row per member of a quorum, all-gathered before a pseudo-gradient
+moves, and what every member decides from the rows alone (the same rows, the same decisions).
 
-Each round all-gathers one int64 row per island (``HeaderRow``); from the rows alone every member
-reaches the same verdict (``judge``), so all abandon a round together and only the island at fault
-raises: a non-finite pseudo-gradient, a duplicate ``island_id``, a different model layout, or
-different settings (``swarm_settings``: ``config.ISLAND_SETTINGS`` and the outer optimizer). The
-reference is the first member not being healed. Rows carry a hash of the settings; when hashes
-differ the settings themselves are exchanged, so the error names each difference. Nothing here
-talks to the network.
+Refusals (``refusal``): a non-finite pseudo-gradient, a duplicate ``island_id``, another model
+layout, other settings (``swarm_settings``); only the island at fault raises, the others abandon
+the round. The reference is the first member not being healed. Rows carry a hash of the settings;
+when hashes differ the settings themselves are exchanged, so the error names each difference.
+
+Which round a member averages (``opening_of``): collectives line up only when every member
+averages the same fragment. An island being healed averages zeros and adopts the swarm's round; a
+live member out of step makes everyone abandon the round. Under a time budget (``weighed``)
+torchft divides the sum by the participants (members not being healed), so each scales its
+pseudo-gradient by ``n w_i / W`` (``budget.scale_of``); a member being healed brings no weight.
+Nothing here talks to the network.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from dataclasses import astuple, dataclass
-from enum import Enum
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.config import ISLAND_SETTINGS, SwarmConfig
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
@@ -29,6 +34,8 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
     SettingsMismatchError,
 )
+from lightning_swarm.transport.base import Opening, RoundPlace
+from lightning_swarm.transport.checks import checked_work
 
 Settings = dict[str, Any]
 """Setting name -> a JSON value; equal on every island of a swarm."""
@@ -85,7 +92,7 @@ def describe_settings_difference(own: Mapping[str, Any], swarm: Mapping[str, Any
 
 @dataclass
 class HeaderRow:
-    """One island's row of the round header (all int64)."""
+    """One island's row of the round header."""
 
     island: int  # hash of island_id
     model: int  # fingerprint of the model's layout
@@ -95,7 +102,7 @@ class HeaderRow:
     finite: int  # 0 when its pseudo-gradient holds NaN or inf
     settings: int  # hash of its encoded settings
     settings_len: int  # length of its encoded settings
-    # Its place in its schedule (``adopt.RoundPlace``): fragment, sent after, applies at.
+    # Its place in its schedule (``RoundPlace``): fragment, sent after, applies at.
     fragment: int = 0
     send_step: int = 0
     apply_step: int = 0
@@ -121,18 +128,15 @@ def settings_hash(encoded: bytes) -> int:
 
 
 def reference_index(rows: list[HeaderRow]) -> int:
-    """The swarm's reference: the first member not being healed, else the first member."""
     return next((i for i, r in enumerate(rows) if not r.healing), 0)
 
 
 def settings_disagree(rows: list[HeaderRow]) -> bool:
-    """Whether the settings must be exchanged (the same answer on every member)."""
     reference = rows[reference_index(rows)].settings
     return any(r.settings != reference for r in rows)
 
 
 def settings_tensor(encoded: bytes, rows: list[HeaderRow]) -> Tensor:
-    """This island's encoded settings, zero-padded to the longest of the round."""
     out = torch.zeros(max(r.settings_len for r in rows), dtype=torch.uint8)
     out[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     return out
@@ -145,64 +149,35 @@ def decode_settings(padded: Tensor, length: int) -> Settings:
     return decoded
 
 
-class Verdict(Enum):
-    """What a member does after reading the header (the same rows give the same verdicts)."""
-
-    GO = "go"  # every row agrees: average
-    ABANDON = "abandon"  # another member is refused: abandon the round, stay
-    DIVERGED = "diverged"  # this island's pseudo-gradient is not finite: leave
-    DUPLICATE = "duplicate"  # this island is the later of two with one island_id: leave
-    MODEL = "model"  # this island's model differs from the reference: leave
-    SETTINGS = "settings"  # this island's settings differ from the reference: leave
-
-
-def judge(rows: list[HeaderRow], mine: HeaderRow) -> Verdict:
-    """This member's verdict on the round's header (``mine`` is one of ``rows``)."""
-    reference = rows[reference_index(rows)]
-    twins = [r for r in rows if r.island == mine.island and r.nonce != mine.nonce]
-    if not mine.finite:
-        return Verdict.DIVERGED
-    if twins and min((r.joined_ns, r.nonce) for r in twins) < (mine.joined_ns, mine.nonce):
-        return Verdict.DUPLICATE
-    if mine.model != reference.model:
-        return Verdict.MODEL
-    if mine.settings != reference.settings:
-        return Verdict.SETTINGS
-    refused = (
-        twins
-        or any(r.model != reference.model or r.settings != reference.settings for r in rows)
-        or not all(r.finite for r in rows)
-    )
-    return Verdict.ABANDON if refused else Verdict.GO
-
-
 def refusal(
-    verdict: Verdict,
+    rows: list[HeaderRow],
+    mine: HeaderRow,
     island_id: str,
-    own_model: int,
-    swarm_model: int,
     own_settings: Mapping[str, Any],
     swarm_settings: Mapping[str, Any] | None,
-) -> MembershipError:
-    """The error this island raises for a refusing ``verdict``, naming the cause and the fix."""
-    name = island_id
-    if verdict is Verdict.DIVERGED:
+) -> MembershipError | None:
+    """The error this island raises for the round's header (``mine`` is one of ``rows``),
+    naming the cause and the fix; ``None`` when this island is not at fault."""
+    name, reference = island_id, rows[reference_index(rows)]
+    twins = [r for r in rows if r.island == mine.island and r.nonce != mine.nonce]
+    if not mine.finite:
         return DivergedIslandError(
             f"island {name!r} leaves the swarm: its pseudo-gradient holds NaN or inf, so its "
             "training diverged (the other islands abandon this round and go on); lower the "
             "inner learning rate or clip gradients, then restart it."
         )
-    if verdict is Verdict.DUPLICATE:
+    if twins and min((r.joined_ns, r.nonce) for r in twins) < (mine.joined_ns, mine.nonce):
         return DuplicateIslandError(
             f"island_id {name!r} is already taken by a live island of the swarm; give this "
             "launch another island_id (each island needs its own)."
         )
-    if verdict is Verdict.MODEL:
+    if mine.model != reference.model:
         return ModelMismatchError(
-            f"island {name!r} was refused: its model (fingerprint {own_model:x}) differs from "
-            f"the swarm's ({swarm_model:x}). Start it with the model the swarm trains."
+            f"island {name!r} was refused: its model (fingerprint {mine.model:x}) differs from "
+            f"the swarm's ({reference.model:x}). Start it with the model the swarm trains."
         )
-    assert verdict is Verdict.SETTINGS, verdict
+    if mine.settings == reference.settings:
+        return None
     swarm = swarm_settings or {}
     shares = ""
     if own_settings.get("outer_shares") != swarm.get("outer_shares"):
@@ -216,3 +191,55 @@ def refusal(
         f"{describe_settings_difference(own_settings, swarm)}. Start it with the "
         f"swarm's settings (every island of a swarm must use the same ones).{shares}"
     )
+
+
+def abandons(rows: list[HeaderRow], mine: HeaderRow) -> bool:
+    """Whether ``mine``, not refused itself, abandons the round: a member is refused, or a
+    later twin of ``mine`` is in it."""
+    reference = rows[reference_index(rows)]
+    return (
+        any(r.island == mine.island and r.nonce != mine.nonce for r in rows)
+        or any(r.model != reference.model or r.settings != reference.settings for r in rows)
+        or not all(r.finite for r in rows)
+    )
+
+
+def plan_round(
+    places: Sequence[RoundPlace], healing: Sequence[bool], reference: int, me: int
+) -> Opening:
+    """Member ``me``'s opening from the places in the header (rows in the quorum's order)."""
+    swarm = places[reference]
+    abandon = any(
+        not heal and place.fragment != swarm.fragment
+        for place, heal in zip(places, healing, strict=True)
+    )
+    adopt = healing[me] or places[me].fragment != swarm.fragment
+    return Opening(adopt=swarm if adopt else None, abandon=abandon)
+
+
+def opening_of(rows: list[HeaderRow], mine: HeaderRow) -> Opening:
+    """This member's ``Opening`` from the round header's ``rows`` (``mine`` is among them)."""
+    places = [RoundPlace(r.fragment, r.send_step, r.apply_step) for r in rows]
+    me = next(i for i, r in enumerate(rows) if r.nonce == mine.nonce)
+    return plan_round(places, [bool(r.healing) for r in rows], reference_index(rows), me)
+
+
+def weighed(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening:
+    """``opening`` with this member's scale and the swarm's most inner steps, from the work
+    in the header's ``rows`` (a time-budgeted round).
+
+    Raises:
+        BadWorkError: a participant's work is not a whole number >= 1, naming it by its place
+            in the quorum; every member reads the same rows.
+    """
+    participants = [(k, r) for k, r in enumerate(rows) if not r.healing]
+    if not participants:
+        return opening
+    weights, swarm_steps = checked_work(
+        [(float(r.work), float(r.inner_steps)) for _, r in participants],
+        [f"the island at place {k} of the quorum (island_id hash {r.island:x})"
+         for k, r in participants],
+    )  # fmt: skip
+    mine_at = [i for i, (_, r) in enumerate(participants) if r.nonce == mine.nonce]
+    scale = scale_of(weights, mine_at[0]) if mine_at else 1.0
+    return replace(opening, scale=scale, swarm_steps=swarm_steps)

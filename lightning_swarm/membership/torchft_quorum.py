@@ -9,17 +9,11 @@ comes raise. An island of several ranks fans out from rank 0 (``per_rank=False``
 Manager per rank over its share (``per_rank=True``); its ranks agree on one outcome. Managers and
 their groups belong to this object until ``close``.
 
-The round engine drives it through the bucket contract: ``open`` runs the quorum, the header and
-the plan, ``start`` averages a bucket with ``Manager.allreduce`` (or the coded mean), ``agree``
-runs the vote. torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer,
-``load_fn`` keeps the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine
-to install on its training thread.
-
-Each round is bounded by its own timeout (``ElasticConfig.timeouts``): ``round_timeout_s`` as
-set, or derived from its payload and the rate this rank's last round measured
-(``transport.link``). It bounds the quorum group's collectives (torchft 0.2.0's
-``Manager.allreduce`` takes no timeout: the group's own bounds it), the commit vote and a heal's
-tensors; torchft's Manager keeps the base timeout for the rest.
+torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer, ``load_fn`` keeps
+the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine to install on its
+training thread. Each round is bounded by its own timeout (``ElasticConfig.timeouts``): the quorum
+group's collectives (torchft 0.2.0's ``Manager.allreduce`` takes none), the commit vote and a
+heal's tensors; the Manager keeps the base timeout for the rest.
 """
 
 from __future__ import annotations
@@ -39,32 +33,35 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.adopt import opening_of, weighed
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import (
+    DuplicateIslandError,
     MembershipError,
     ModelMismatchError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
-from lightning_swarm.membership.quorum import ShortRounds, request_quorum
+from lightning_swarm.membership.quorum import (
+    QuorumWatch,
+    ShortRounds,
+    SuspensionWatch,
+    request_quorum,
+)
 from lightning_swarm.membership.quorum_coded import coded_quorum_mean
-from lightning_swarm.membership.quorum_watch import QuorumWatch
 from lightning_swarm.membership.round_header import (
     HeaderRow,
     Settings,
-    Verdict,
+    abandons,
     decode_settings,
     encode_settings,
     island_hash,
-    judge,
+    opening_of,
     reference_index,
     refusal,
     settings_disagree,
     settings_hash,
     settings_tensor,
+    weighed,
 )
-from lightning_swarm.membership.suspension import SuspensionWatch
-from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
 from lightning_swarm.membership.torchft_private import count_commit_failure
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 from lightning_swarm.transport.base import (
@@ -82,16 +79,18 @@ from lightning_swarm.transport.link import LinkRate
 log = logging.getLogger(__name__)
 
 PhaseHook = Callable[[str, int], None]
-"""Called with (phase, round) as each phase of a round starts on each rank that talks to
-torchft (the island's rank 0, or every rank per rank): quorum,
-pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
-For failure injection in tests: it may kill or stop the process at a chosen moment."""
+"""Tests' fault hook, called with (phase, round) as each phase starts on each rank that talks to
+torchft: quorum, pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the join."""
+
+
+def seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
 
 
 @dataclass
 class MembershipTotals:
-    """What this island saw of the swarm (identical on every rank of the island, except the
-    heal figures of a per-rank island: each rank's own share)."""
+    """What this island saw of the swarm (the same on every rank of the island, except a
+    per-rank island's heal figures: each rank's own share)."""
 
     islands_in_round: int = 0
     rounds_committed: int = 0
@@ -101,24 +100,16 @@ class MembershipTotals:
     heals: int = 0
 
 
-_REFUSALS = (Verdict.DIVERGED, Verdict.DUPLICATE, Verdict.MODEL, Verdict.SETTINGS)
-
-
 class TorchftMembership:
     """Averages pseudo-gradients over this round's quorum of islands; see the module docstring.
 
     Args:
-        config: lighthouse, island id, minimum islands and timeouts.
-        layout: this island's model layout (``algorithm.model_layout.model_layout``).
         island_group: the island's process group (``None``: the default group when one
             exists, else an island of one rank).
-        bucket_numel: float32 elements per all-reduce bucket.
         codec: quantize the mean (``quorum_coded``); ``None`` averages float32.
         background: rounds run on a worker thread while the training thread's DDP uses the
             island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
             own, since two threads' collectives on one group interleave differently per rank.
-        per_rank: every rank of the island exchanges its own share with a Manager of its own
-            (see the module docstring); ``False``: rank 0 exchanges and fans out.
 
     Raises:
         LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
@@ -167,8 +158,8 @@ class TorchftMembership:
             settings_len=len(encode_settings({})),
         )
         if self.per_rank:  # the island's ranks send identical rows: rank 0's identity
-            ident = self._fanout.share_text(f"{self._row.joined_ns}:{self._row.nonce}")
-            self._row.joined_ns, self._row.nonce = (int(v) for v in ident.split(":"))
+            identity = (self._row.joined_ns, self._row.nonce)
+            self._row.joined_ns, self._row.nonce = self._fanout.on_leader(lambda: identity, (0, 0))
         self._manager: Any = None
         self.on_phase: PhaseHook | None = None
         self._watch: SuspensionWatch | None = None
@@ -182,7 +173,8 @@ class TorchftMembership:
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
         self._weighed = False  # the round in progress carries work (a time budget)
-        # This rank's Manager, if it talks to torchft; rank 0's first (collective).
+        from lightning_swarm.membership.torchft_manager import start_island_managers  # torchft
+
         parts = start_island_managers(
             config,
             self._fanout,
@@ -192,7 +184,7 @@ class TorchftMembership:
             on_phase=self._phase,
         )
         if parts is not None:
-            self._parts = parts  # keeps the island's store alive on its rank 0
+            self._parts = parts  # keeps the island's store alive on its position 0
             self._manager, self._pg = parts.manager, parts.pg
             self.heal_transport = parts.heal_transport
             self.heal_transport.timeout_for = self._heal_timeout
@@ -207,7 +199,6 @@ class TorchftMembership:
 
     # -- healing hooks: torchft calls them on its own threads; they touch the mailbox only ------
     def _state_for_peer(self) -> dict[str, Any]:
-        """The offer of the round being opened (built by the engine on its own thread)."""
         return {"layout": self.layout, "user": dict(self._offer or {})}
 
     def _load_healed(self, state: dict[str, Any]) -> None:
@@ -229,11 +220,9 @@ class TorchftMembership:
         return 1 if self.codec is None else self.codec.block_size
 
     def open(self, request: RoundRequest) -> Opening:
-        """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
-        what torchft sends a healing peer during the quorum. Collective over the island.
-        ``work`` (a time-budgeted round) rides in the round header, and the ``Opening`` scales
-        this island's pseudo-gradient by it over the round's participants (``adopt.weighed``);
-        a participant's bad work abandons the round on every member, logged with its name.
+        """Quorum, round header and this island's opening (``round_header``); ``offer`` is
+        what torchft sends a healing peer during the quorum. Collective over the island. A
+        participant's bad ``work`` abandons the round on every member, logged with its name.
 
         Raises:
             MembershipError: this island was refused (on every rank of the island; per rank,
@@ -257,10 +246,7 @@ class TorchftMembership:
                 self._failed = True  # abandoned, as torchft's own errors are
                 count_commit_failure(self._manager)
             return Opening(abandon=True)
-        opening = self._fanout.on_leader(
-            lambda: self._lead_open(request, request.finite), Opening()
-        )
-        return self._fanout.share_opening(opening)
+        return self._fanout.on_leader(lambda: self._lead_open(request, request.finite), Opening())
 
     def start(self, bucket: Bucket) -> Handle:
         """The bucket's mean over the quorum, in place, now (the handle is complete). A failed
@@ -291,14 +277,11 @@ class TorchftMembership:
         )
 
     def _fanned_agree(self) -> RoundOutcome:
-        """Rank 0 votes; the island's other ranks receive its outcome and the means."""
-        outcome = self._fanout.on_leader(self._lead_agree, RoundOutcome())
-        outcome = self._fanout.share_outcome(outcome, self._started)
+        outcome = self._fanout.lead_round(self._lead_agree, self._started)
         self._island_healed = outcome.healed is not None
         return outcome
 
     def _rank_agree(self) -> RoundOutcome:
-        """Every rank votes for its share; the island ends the round alike."""
         outcome, error = RoundOutcome(), self._error
         if error is None and not self._failed:
             try:
@@ -314,7 +297,7 @@ class TorchftMembership:
         return outcome
 
     def _lead_open(self, request: RoundRequest, finite: bool) -> Opening:
-        """Quorum, header and plan as this rank sees them (no island collective); ``finite``
+        """Quorum, header and opening as this rank sees them (no island collective); ``finite``
         replaces ``request.finite`` (per rank: the island's)."""
         manager = self._manager
         self._healed = None
@@ -380,16 +363,12 @@ class TorchftMembership:
             return False
 
     def _phase(self, name: str) -> None:
-        """Tell the fault hook (tests only) which phase of which round starts now."""
         if self.on_phase is not None:
             self.on_phase(name, self._rounds_started - 1)
 
     def _check_round_header(self, healing: bool, finite: bool) -> list[HeaderRow] | None:
-        """All-gather the round header (``round_header``): its rows, ``None`` when the round
-        is abandoned.
-
-        Raises the refusal of this island when the header shows it is at fault.
-        """
+        """The round header's rows (all-gathered), ``None`` when the round is abandoned;
+        raises this island's refusal when it is at fault."""
         self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
             rows = [HeaderRow.of(r) for r in self._allgather(self._row.tensor())]
@@ -397,43 +376,36 @@ class TorchftMembership:
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
             return None
-        verdict = judge(rows, self._row)
+        error = refusal(rows, self._row, self.config.island_id, self._settings, swarm_settings)
         if self._fanout.is_leader:  # one warning per island
             self._quorum_watch.see(rows)
-        if verdict in _REFUSALS:
-            self._refuse(verdict, rows, healing, swarm_settings)
-        if verdict is Verdict.ABANDON:
+        if isinstance(error, DuplicateIslandError):
+            self._manager.shutdown(wait=False)
+        if isinstance(error, ModelMismatchError) and healing:
+            # The healed layout names the difference (raised by _load_healed in the vote).
+            self._manager.should_commit(timeout=seconds(self.round_timeout_s))
+        if error is not None:
+            raise error
+        if abandons(rows, self._row):
             self._manager.report_error(MembershipError("a refused island was in the round"))
             return None
         return rows
 
     def _allgather(self, mine: Tensor) -> list[Tensor]:
-        """Every member's ``mine`` (equal shapes) over the quorum's group, in its order."""
         gathered = [torch.empty_like(mine) for _ in range(self._pg.size())]
         self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
         return gathered
 
     def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
-        """Every member's settings (the hashes disagree); returns the swarm's reference."""
+        """The reference member's settings (the hashes disagree)."""
         gathered = self._allgather(settings_tensor(encode_settings(self._settings), rows))
         index = reference_index(rows)
         return decode_settings(gathered[index], rows[index].settings_len)
 
-    def _refuse(
-        self, verdict: Verdict, rows: list[HeaderRow], healing: bool, swarm: Settings | None
-    ) -> None:
-        if verdict is Verdict.DUPLICATE:
-            self._manager.shutdown(wait=False)
-        if verdict is Verdict.MODEL and healing:
-            # The healed layout names the difference (raised by _load_healed in the vote).
-            self._manager.should_commit(timeout=seconds(self.round_timeout_s))
-        model = rows[reference_index(rows)].model
-        raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
-
     def _allreduce(self, tensors: list[Tensor]) -> None:
-        """One bucket's mean over the participating islands, in place: the bucket's runs
-        through the coded mean, or its flat through ``Manager.allreduce`` (which zeroes a
-        healing island's share and records a failure instead of raising)."""
+        """One bucket's mean over the participants, in place: its runs through the coded mean,
+        or its flat through ``Manager.allreduce`` (which zeroes a healing island's share and
+        records a failure instead of raising)."""
         if self.codec is not None:
             self.last_round_bytes += coded_quorum_mean(self._manager, self._pg, tensors, self.codec)
             if not self._manager.errored():
@@ -451,14 +423,12 @@ class TorchftMembership:
 
     @property
     def link_rate_bps(self) -> float | None:
-        """Bytes per second this rank's last measured round crossed the link at (float32
-        bytes over the time from its opening to its last bucket); ``None`` before any round
-        with another island measured it."""
+        """Bytes per second of this rank's last measured round; ``None`` before any."""
         return self._link.rate_bps
 
     def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
-        """The bound of a heal moving ``nbytes`` of state (torchft's quorum thread calls it;
-        the rate it reads changes only between rounds)."""
+        """The bound of a heal moving ``nbytes`` (on torchft's quorum thread; the rate it reads
+        changes only between rounds)."""
         return seconds(self.config.timeouts.for_round(nbytes, self._link.rate_bps))
 
     def close(self) -> None:
