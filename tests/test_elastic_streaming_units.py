@@ -307,7 +307,7 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
     bit, and the bytes of a reduce-scatter of the encoded payload."""
     import threading
 
-    from lightning_swarm.membership.quorum_coded import coded_quorum_mean
+    from lightning_swarm.membership.torchft_quorum import coded_quorum_mean
     from lightning_swarm.transport.buckets import plan_buckets
     from lightning_swarm.transport.coded_mean import reduce_scatter_bytes
     from lightning_swarm.transport.pieces import encoded_nbytes, plan_shares

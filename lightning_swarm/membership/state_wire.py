@@ -1,9 +1,8 @@
-"""A state tree on the wire without pickle: a JSON header plus raw tensor bytes.
+"""A state tree on the wire without pickle (healing must not unpickle a peer's bytes).
 
-Healing must not unpickle a peer's bytes, so a tree of dicts, lists, tuples, tensors and plain
-scalars becomes a JSON header (each tensor by dtype and shape) and the tensors' bytes as
-``uint8`` views. ``decode_tree`` refuses anything outside that vocabulary with ``ValueError``.
-The byte tensors alias the caller's contiguous tensors: valid only for the duration of one send.
+Dicts, lists, tuples, tensors and plain scalars become a JSON header and the tensors' bytes as
+``uint8`` views, which alias the caller's contiguous CPU tensors: valid for one send only.
+``decode_tree`` refuses anything outside that vocabulary with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -16,21 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_NAMES = "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool"
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _NAMES.split()}
 
 
 def encode_tree(tree: Any) -> tuple[bytes, list[Tensor]]:
@@ -114,7 +100,6 @@ def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
 
 
 def _decode(node: Any, tensor: Callable[[Any], Any]) -> Any:
-    """The tree under ``node``, each tensor node's body passed to ``tensor`` in wire order."""
     kind, body = _node(node)
     if kind == "T":
         return tensor(body)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import AllgatherOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
@@ -46,7 +46,6 @@ from lightning_swarm.membership.quorum import (
     SuspensionWatch,
     request_quorum,
 )
-from lightning_swarm.membership.quorum_coded import coded_quorum_mean
 from lightning_swarm.membership.round_header import (
     HeaderRow,
     Settings,
@@ -62,7 +61,7 @@ from lightning_swarm.membership.round_header import (
     settings_tensor,
     weighed,
 )
-from lightning_swarm.membership.torchft_private import count_commit_failure
+from lightning_swarm.membership.torchft_private import count_commit_failure, quorum_rank
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 from lightning_swarm.transport.base import (
     Bucket,
@@ -73,6 +72,8 @@ from lightning_swarm.transport.base import (
     RoundRequest,
     RoundStats,
 )
+from lightning_swarm.transport.buckets import Piece
+from lightning_swarm.transport.coded_mean import coded_bucket_mean
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkRate
 
@@ -85,6 +86,46 @@ torchft: quorum, pg_setup, header, mean, commit, heal_send, heal_recv; round 0 i
 
 def seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
+
+
+def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -> int:
+    """Overwrite one bucket's ``runs`` (flat float32 CPU views, each starting on a codec block
+    of its tensor) with their quantized mean over the quorum; returns the bytes this island
+    sent (= received), 0 when the exchange failed.
+
+    The static path's reduce-scatter over torchft's gloo group (which forwards
+    ``alltoall_base``): every member owns a share, an island being healed too (it contributes
+    zeros) and the owners divide by the participants. Every island decodes the same encoded
+    mean, so anchors stay bitwise equal. A failure is reported to the manager, so the commit
+    gate votes no and the garbage is never applied.
+    """
+    num_islands, island_index = pg.size(), quorum_rank(pg)  # the header rows' order, too
+    divisor = max(manager.num_participants(), 1)
+    if not manager.is_participating():
+        for run in runs:
+            run.zero_()
+
+    def exchange(send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
+        if num_islands == 1:
+            return send
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        pg.alltoall_base(received, send, recv_sizes, send_sizes, AllToAllOptions()).wait()
+        return received
+
+    try:
+        return coded_bucket_mean(
+            runs,
+            [Piece(i, 0, run.numel()) for i, run in enumerate(runs)],
+            codec=codec,
+            num_islands=num_islands,
+            island_index=island_index,
+            divisor=divisor,
+            exchange=exchange,
+            device=torch.device("cpu"),
+        )
+    except Exception as err:  # a dead peer: the commit gate turns this into a "no"
+        manager.report_error(err)
+        return 0
 
 
 @dataclass
@@ -106,7 +147,7 @@ class TorchftMembership:
     Args:
         island_group: the island's process group (``None``: the default group when one
             exists, else an island of one rank).
-        codec: quantize the mean (``quorum_coded``); ``None`` averages float32.
+        codec: quantize the mean (``coded_quorum_mean``); ``None`` averages float32.
         background: rounds run on a worker thread while the training thread's DDP uses the
             island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
             own, since two threads' collectives on one group interleave differently per rank.
@@ -132,7 +173,7 @@ class TorchftMembership:
         self.codec = codec
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
-        # The round in progress, from ``open`` to ``agree`` (on the thread that runs it).
+        # The round in progress, from ``open`` to ``agree``.
         self._offer: Mapping[str, Any] | None = None
         self._started: list[Tensor] = []
         self._outcome = RoundOutcome()
@@ -140,8 +181,7 @@ class TorchftMembership:
         self._failed = False
         self._fanout = IslandFanout(island_group, side_group=True if background else None)
         self.per_rank = per_rank and self._fanout.size > 1
-        # Per rank, the quorum and the vote wait for every rank of the island: each rank takes
-        # part in every round, an empty share too (the outer loop reads this).
+        # Per rank, each rank takes part in every round, an empty share too (the outer loop).
         self.every_rank_in_round = self.per_rank
         # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
         self.exchanges = self.per_rank or self._fanout.is_leader
@@ -168,8 +208,7 @@ class TorchftMembership:
         self._rounds_started = 0
         self._healed: dict[str, Any] | None = None
         self._island_healed = False
-        # This rank's link rate, measured by its own exchanges, and the bound of the round in
-        # progress (``ElasticConfig.timeouts``).
+        # This rank's link rate, measured by its own exchanges, and the round's bound.
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
         self._weighed = False  # the round in progress carries work (a time budget)
@@ -191,8 +230,8 @@ class TorchftMembership:
             self._watch = SuspensionWatch()
 
     def agree_on(self, settings: Settings) -> None:
-        """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
-        before the first round; an island whose settings differ is refused, naming them."""
+        """The settings every island of the swarm must share (``swarm_settings``), set before
+        the first round."""
         self._settings = dict(settings)
         encoded = encode_settings(self._settings)
         self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
@@ -249,9 +288,8 @@ class TorchftMembership:
         return self._fanout.on_leader(lambda: self._lead_open(request, request.finite), Opening())
 
     def start(self, bucket: Bucket) -> Handle:
-        """The bucket's mean over the quorum, in place, now (the handle is complete). A failed
-        exchange is recorded for the commit gate, not raised: its garbage is never applied.
-        Fan-out: rank 0 exchanges, the others receive the means at ``agree``."""
+        """The bucket's mean over the quorum, in place, now. A failed exchange is recorded for
+        the commit gate, not raised. Fan-out: the others receive rank 0's means at ``agree``."""
         self._started.append(bucket.flat)
         if not self.exchanges:
             return Done()
@@ -354,8 +392,7 @@ class TorchftMembership:
         return outcome
 
     def _commit_gate(self) -> bool:
-        """torchft's vote; a timeout of the vote itself (this island was suspended across it)
-        counts as an abandoned round: the next quorum heals the island if the others went on."""
+        """torchft's vote; a vote that timed out (a suspension) counts as an abandoned round."""
         try:
             return bool(self._manager.should_commit(timeout=seconds(self.round_timeout_s)))
         except TimeoutError:
@@ -420,11 +457,6 @@ class TorchftMembership:
             self._link.arrived()
             nbytes = flat.numel() * flat.element_size()
             self.last_round_bytes += ring_allreduce_bytes(nbytes, self._pg.size())
-
-    @property
-    def link_rate_bps(self) -> float | None:
-        """Bytes per second of this rank's last measured round; ``None`` before any."""
-        return self._link.rate_bps
 
     def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
         """The bound of a heal moving ``nbytes`` (on torchft's quorum thread; the rate it reads

@@ -2,7 +2,7 @@
 
 The arithmetic of ``reduce_scatter.py`` (result and error: its docstring) without
 ``torch.distributed``: the caller hands in an ``Exchange`` (``dist.all_to_all_single`` for the
-static peer group, torchft's process group for an elastic quorum: ``membership/quorum_coded.py``).
+static peer group, torchft's process group for an elastic quorum: ``torchft_quorum.py``).
 The owner divides the sum by ``divisor``: n for the static group, the participants for a quorum
 (an island being healed sends zeros and is not counted). Every island still decodes the same
 encoded mean, so the result is bitwise equal on every island whatever the divisor.
