@@ -39,8 +39,7 @@ RETURNS_TO_WARN = 2
 
 
 def quorum_retries_for(quorum_timeout_s: float) -> int:
-    """torchft's ``quorum_retries`` spacing its attempts ``RETRY_SPACING_S`` apart, so that a
-    lighthouse restarted within ``quorum_timeout_s`` is found."""
+    """torchft's ``quorum_retries`` that finds a lighthouse restarted within the timeout."""
     return max(1, math.ceil(quorum_timeout_s / RETRY_SPACING_S))
 
 
@@ -62,12 +61,9 @@ def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
 
 
 class SuspensionWatch:
-    """Records when this process was away (SIGSTOP, or starved of the CPU for seconds).
-
-    A stopped process's monotonic clock runs on, so on SIGCONT every timeout has expired and the
-    island must ask again rather than give up. A daemon thread ticks every ``tick_s`` and records
-    a tick ``gap_s`` late; it runs until ``close`` (idempotent).
-    """
+    """Records when this process was away (SIGSTOP, or starved of the CPU for seconds): then
+    every timeout has expired and the island must ask again rather than give up. A daemon
+    thread ticks every ``tick_s`` and records a tick ``gap_s`` late, until ``close``."""
 
     def __init__(self, tick_s: float = 0.5, gap_s: float = SUSPENDED_AFTER_S) -> None:
         self.tick_s, self.gap_s = tick_s, gap_s
@@ -99,10 +95,8 @@ class SuspensionWatch:
 def request_quorum(
     manager: Any, config: ElasticConfig, watch: SuspensionWatch, last_round_at: float
 ) -> None:
-    """This round's quorum from ``manager``, within ``config.quorum_timeout_s``; an island away
-    while asking asks again with a whole timeout.
-
-    ``last_round_at``: when this island last committed a round (monotonic).
+    """This round's quorum, within ``config.quorum_timeout_s``; an island away while asking
+    asks again with a whole timeout. ``last_round_at``: its last commit (monotonic).
 
     Raises:
         LighthouseLostError: the lighthouse stopped answering for the whole timeout.
@@ -152,13 +146,11 @@ def quorum_error(config: ElasticConfig, away_s: float) -> MembershipError:
 class QuorumIdentity:
     """Sets a process group up for every quorum, under a store prefix no earlier set-up used.
 
-    torchft keeps a quorum's group while the lighthouse hands out the same quorum id, but a
-    restarted lighthouse counts ids from the start again and islands then decide differently
-    and hang (``docs/elastic.md``). So the decision comes from the quorum alone: each quorum is
-    seen on its way to the Manager and its group set up anew under a prefix named by its id,
-    members and ``max_step``: new for every quorum of one lighthouse (a round committed nowhere
-    is reported by ``count_commit_failure``, which raises the next id). Across a restart a
-    repeated name fails its set-up within the round timeout and the next quorum has a new id.
+    torchft keeps a group while the quorum id repeats, but a restarted lighthouse counts ids
+    anew and islands then decide differently and hang (``docs/elastic.md``). So every quorum's
+    group is set up under its name (id, members, ``max_step``: new for every quorum of one
+    lighthouse, as a failed round is counted); across a restart a repeated name fails its
+    set-up within the round timeout and the next quorum has a new id.
     """
 
     def __init__(self, manager: Any) -> None:
@@ -204,12 +196,9 @@ class ShortRounds:
 
 
 class QuorumWatch:
-    """Warns once when quorums leave live islands out: a lighthouse join timeout shorter than
-    the spread of the islands' round ends (``docs/elastic.md``).
-
-    A member (island id hash, nonce) missing from one header and back with the same nonce was
-    alive all along; one return alone may be a suspended island, so it takes ``RETURNS_TO_WARN``.
-    """
+    """Warns once when quorums leave live islands out (a lighthouse join timeout shorter than
+    a round): a member missing from a header and back with its nonce was alive all along; one
+    return may be a suspended island, so it takes ``RETURNS_TO_WARN``."""
 
     def __init__(self, island_id: str) -> None:
         self.island_id = island_id

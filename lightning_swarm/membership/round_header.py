@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
@@ -100,7 +100,7 @@ class HeaderRow:
     joined_ns: int  # when this island's membership started: the earlier twin keeps the id
     nonce: int  # tells two launches with one island_id apart
     finite: int  # 0 when its pseudo-gradient holds NaN or inf
-    settings: int  # hash of its encoded settings
+    settings: int  # hash of its encoded settings (``set_settings``)
     settings_len: int  # length of its encoded settings
     # Its place in its schedule (``RoundPlace``): fragment, sent after, applies at.
     fragment: int = 0
@@ -110,6 +110,10 @@ class HeaderRow:
     # weight) and in all; 0 without a budget.
     work: int = 0
     inner_steps: int = 0
+
+    def set_settings(self, settings: Settings) -> None:
+        encoded = encode_settings(settings)
+        self.settings, self.settings_len = _hash63(encoded), len(encoded)
 
     def tensor(self) -> Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64)
@@ -123,27 +127,24 @@ def island_hash(island_id: str) -> int:
     return _hash63(island_id.encode())
 
 
-def settings_hash(encoded: bytes) -> int:
-    return _hash63(encoded)
-
-
 def reference_index(rows: list[HeaderRow]) -> int:
     return next((i for i, r in enumerate(rows) if not r.healing), 0)
 
 
-def settings_disagree(rows: list[HeaderRow]) -> bool:
-    reference = rows[reference_index(rows)].settings
-    return any(r.settings != reference for r in rows)
-
-
-def settings_tensor(encoded: bytes, rows: list[HeaderRow]) -> Tensor:
-    out = torch.zeros(max(r.settings_len for r in rows), dtype=torch.uint8)
-    out[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    return out
-
-
-def decode_settings(padded: Tensor, length: int) -> Settings:
-    decoded = json.loads(padded[:length].numpy().tobytes().decode())
+def swarm_settings_of(
+    rows: list[HeaderRow], own: Settings, allgather: Callable[[Tensor], list[Tensor]]
+) -> Settings | None:
+    """The reference member's settings, exchanged (``allgather``: every member's tensor of one
+    shape) only where the rows' hashes disagree, which every member sees alike; else ``None``."""
+    index = reference_index(rows)
+    reference = rows[index]
+    if all(r.settings == reference.settings for r in rows):
+        return None
+    encoded = encode_settings(own)
+    padded = torch.zeros(max(r.settings_len for r in rows), dtype=torch.uint8)
+    padded[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    theirs = allgather(padded)[index][: reference.settings_len]
+    decoded = json.loads(theirs.numpy().tobytes().decode())
     if not isinstance(decoded, dict):
         raise ValueError("a round header carried settings that are not a mapping")
     return decoded

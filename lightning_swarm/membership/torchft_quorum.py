@@ -1,19 +1,12 @@
-"""Elastic membership on torchft: a quorum per outer round, a commit gate, healing.
+"""Elastic membership on torchft: a ``Transport`` whose islands the Lighthouse decides each round.
 
-``TorchftMembership`` is a ``Transport`` whose islands torchft's Lighthouse decides every round:
-quorum (a joiner is healed from a live island; the genesis quorum heals every island to the
-first one's anchors), round header (refusals before any tensor moves), the mean over the
-participants, then the commit gate. A failure anywhere abandons the round on the survivors
-(anchors unchanged, local progress kept); only the header's refusals and a quorum that never
-comes raise. An island of several ranks fans out from rank 0 (``per_rank=False``) or runs a
-Manager per rank over its share (``per_rank=True``); its ranks agree on one outcome. Managers and
-their groups belong to this object until ``close``.
-
-torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer, ``load_fn`` keeps
-the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine to install on its
-training thread. Each round is bounded by its own timeout (``ElasticConfig.timeouts``): the quorum
-group's collectives (torchft 0.2.0's ``Manager.allreduce`` takes none), the commit vote and a
-heal's tensors; the Manager keeps the base timeout for the rest.
+A round is: quorum (a joiner is healed from a live island; the genesis quorum heals every island
+to the first one's anchors), round header (refusals before any tensor moves), the mean over the
+participants, the commit gate. A failure anywhere abandons the round on the survivors; only the
+header's refusals and a quorum that never comes raise. An island's ranks fan out from rank 0, or
+each run a Manager over its share (``per_rank``), and agree on one outcome. torchft's threads
+touch only a mailbox: the engine's offer, and the healed state ``agree`` returns for the engine
+to install on its training thread. Each round has its own timeout (``ElasticConfig.timeouts``).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,15 +43,10 @@ from lightning_swarm.membership.round_header import (
     HeaderRow,
     Settings,
     abandons,
-    decode_settings,
-    encode_settings,
     island_hash,
     opening_of,
-    reference_index,
     refusal,
-    settings_disagree,
-    settings_hash,
-    settings_tensor,
+    swarm_settings_of,
     weighed,
 )
 from lightning_swarm.membership.torchft_private import count_commit_failure, quorum_rank
@@ -78,6 +66,7 @@ from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkRate
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PhaseHook = Callable[[str, int], None]
 """Tests' fault hook, called with (phase, round) as each phase starts on each rank that talks to
@@ -134,7 +123,6 @@ class MembershipTotals:
     per-rank island's heal figures: each rank's own share)."""
 
     islands_in_round: int = 0
-    rounds_committed: int = 0
     rounds_abandoned: int = 0
     heal_bytes: int = 0
     heal_time_s: float = 0.0
@@ -142,18 +130,12 @@ class MembershipTotals:
 
 
 class TorchftMembership:
-    """Averages pseudo-gradients over this round's quorum of islands; see the module docstring.
+    """Averages pseudo-gradients over each round's quorum; owns its Managers until ``close``.
 
-    Args:
-        island_group: the island's process group (``None``: the default group when one
-            exists, else an island of one rank).
-        codec: quantize the mean (``coded_quorum_mean``); ``None`` averages float32.
-        background: rounds run on a worker thread while the training thread's DDP uses the
-            island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
-            own, since two threads' collectives on one group interleave differently per rank.
-
-    Raises:
-        LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
+    ``island_group``: ``None`` is the default group when one exists, else an island of one rank.
+    ``background``: rounds run on a worker thread while the training thread's DDP uses the
+    island's group, so the fan-out gets a gloo group of its own (two threads' collectives on one
+    group interleave differently per rank). Raises ``LighthouseUnreachableError``.
     """
 
     def __init__(
@@ -194,9 +176,10 @@ class TorchftMembership:
             joined_ns=time.time_ns(),
             nonce=secrets.randbits(62),
             finite=1,
-            settings=settings_hash(encode_settings({})),
-            settings_len=len(encode_settings({})),
+            settings=0,
+            settings_len=0,
         )
+        self._row.set_settings({})
         if self.per_rank:  # the island's ranks send identical rows: rank 0's identity
             identity = (self._row.joined_ns, self._row.nonce)
             self._row.joined_ns, self._row.nonce = self._fanout.on_leader(lambda: identity, (0, 0))
@@ -233,8 +216,7 @@ class TorchftMembership:
         """The settings every island of the swarm must share (``swarm_settings``), set before
         the first round."""
         self._settings = dict(settings)
-        encoded = encode_settings(self._settings)
-        self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
+        self._row.set_settings(self._settings)
 
     # -- healing hooks: torchft calls them on its own threads; they touch the mailbox only ------
     def _state_for_peer(self) -> dict[str, Any]:
@@ -277,14 +259,7 @@ class TorchftMembership:
         if self.per_rank:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
             finite = self._fanout.all_true(request.finite)
-            try:
-                return self._lead_open(request, finite)
-            except MembershipError as err:
-                self._error = err  # the island agrees on it at ``agree``
-            except Exception:  # e.g. position 0's manager server went away
-                self._failed = True  # abandoned, as torchft's own errors are
-                count_commit_failure(self._manager)
-            return Opening(abandon=True)
+            return self._kept(lambda: self._lead_open(request, finite), Opening(abandon=True))
         return self._fanout.on_leader(lambda: self._lead_open(request, request.finite), Opening())
 
     def start(self, bucket: Bucket) -> Handle:
@@ -306,7 +281,6 @@ class TorchftMembership:
             self.totals.heal_bytes += outcome.heal_bytes
             self.totals.heal_time_s += outcome.heal_s
         self.totals.islands_in_round = outcome.participants
-        self.totals.rounds_committed += int(outcome.committed)
         self.totals.rounds_abandoned += int(not outcome.committed)
         return RoundStats(
             applied=outcome.committed and not outcome.genesis,
@@ -320,19 +294,26 @@ class TorchftMembership:
         return outcome
 
     def _rank_agree(self) -> RoundOutcome:
-        outcome, error = RoundOutcome(), self._error
-        if error is None and not self._failed:
-            try:
-                outcome = self._lead_agree()
-            except MembershipError as err:
-                error = err
-            except Exception:  # e.g. position 0's manager server went away
-                count_commit_failure(self._manager)
-                outcome = RoundOutcome()
+        outcome = RoundOutcome()
+        if self._error is None and not self._failed:
+            outcome = self._kept(self._lead_agree, outcome)
         outcome.committed, self._island_healed = self._fanout.agree_round(
-            error, outcome.committed, outcome.healed is not None
+            self._error, outcome.committed, outcome.healed is not None
         )
         return outcome
+
+    def _kept(self, run: Callable[[], T], fallback: T) -> T:
+        """Per rank: ``run()``; a ``MembershipError`` is kept for the island to agree on at
+        ``agree``, any other (e.g. position 0's manager server went away) abandons the round,
+        as torchft's own errors do."""
+        try:
+            return run()
+        except MembershipError as err:
+            self._error = err
+        except Exception:
+            self._failed = True
+            count_commit_failure(self._manager)
+        return fallback
 
     def _lead_open(self, request: RoundRequest, finite: bool) -> Opening:
         """Quorum, header and opening as this rank sees them (no island collective); ``finite``
@@ -409,7 +390,7 @@ class TorchftMembership:
         self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
             rows = [HeaderRow.of(r) for r in self._allgather(self._row.tensor())]
-            swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
+            swarm_settings = swarm_settings_of(rows, self._settings, self._allgather)
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
             return None
@@ -432,12 +413,6 @@ class TorchftMembership:
         gathered = [torch.empty_like(mine) for _ in range(self._pg.size())]
         self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
         return gathered
-
-    def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
-        """The reference member's settings (the hashes disagree)."""
-        gathered = self._allgather(settings_tensor(encode_settings(self._settings), rows))
-        index = reference_index(rows)
-        return decode_settings(gathered[index], rows[index].settings_len)
 
     def _allreduce(self, tensors: list[Tensor]) -> None:
         """One bucket's mean over the participants, in place: its runs through the coded mean,
