@@ -1,8 +1,7 @@
 """The membership's collectives inside one island: rank 0's fan-out, and the ranks' agreements.
 
-Every call is collective over the island, on a gloo group (created beside an island group of
-another backend, destroyed in ``close``); with one rank it returns its input. An error travels
-through ``transport.agree``: raised alike on every rank, the lowest rank's first.
+Every call is collective over the island, on a gloo group (created beside a group of another
+backend, destroyed in ``close``); errors are raised alike on every rank (``transport.agree``).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ T = TypeVar("T")
 
 @dataclass
 class RoundOutcome:
-    """One round as the rank that ran it saw it (the island's rank 0, or each rank per rank)."""
+    """One round as the rank that ran it saw it."""
 
     committed: bool = False
     genesis: bool = False
@@ -35,10 +34,7 @@ class RoundOutcome:
 
 
 class IslandFanout:
-    """The membership's collectives over one island (see the module docstring).
-
-    ``side_group``: create a gloo group beside ``group``; ``None`` decides by its backend.
-    """
+    """``side_group``: create a gloo group beside ``group``; ``None`` decides by its backend."""
 
     def __init__(self, group: dist.ProcessGroup | None, side_group: bool | None = None) -> None:
         self.group = group
@@ -59,7 +55,6 @@ class IslandFanout:
                 self.group = self._created = created
 
     def close(self) -> None:
-        """Destroy the gloo group created beside the island's own (if any). Idempotent."""
         if self._created is not None:
             dist.destroy_process_group(self._created)
             self._created = None
@@ -76,7 +71,6 @@ class IslandFanout:
         return objects_over(self.group) if self.size > 1 else lambda outcome: [outcome]
 
     def share_error(self, error: MembershipError | None) -> None:
-        """Raise the lowest rank's error (if any rank has one) on every rank."""
         agree(gather=self._gather(), error=error)
 
     def on_leader(self, run: Callable[[], T], default: T) -> T:
@@ -93,7 +87,6 @@ class IslandFanout:
         return shared
 
     def all_true(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank of the island."""
         return agree(flag, gather=self._gather()).all_ok
 
     def agree_round(

@@ -173,28 +173,6 @@ def quorum_name(quorum_id: int, replica_ids: Sequence[str], max_step: int) -> st
     return hashlib.sha256(f"{quorum_id}/{members}/{max_step}".encode()).hexdigest()[:16]
 
 
-class ShortRounds:
-    """Raises ``QuorumTimeoutError`` once rounds keep falling short of ``min_islands`` for
-    ``quorum_timeout_s``."""
-
-    def __init__(self, config: ElasticConfig) -> None:
-        self.config = config
-        self._short_since: float | None = None
-
-    def see(self, participants: int, committed: bool) -> None:
-        if participants >= self.config.min_islands or committed:
-            self._short_since = None
-            return
-        now = time.monotonic()
-        self._short_since = self._short_since or now
-        if now - self._short_since > self.config.quorum_timeout_s:
-            raise QuorumTimeoutError(
-                f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
-                f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
-                f"{self.config.min_islands}; start more islands or lower min_islands."
-            )
-
-
 class QuorumWatch:
     """Warns once when quorums leave live islands out (a lighthouse join timeout shorter than
     a round): a member missing from a header and back with its nonce was alive all along; one

@@ -1,17 +1,11 @@
 """The round header: one int64 row per member of a quorum, all-gathered before a pseudo-gradient
-moves, and what every member decides from the rows alone (the same rows, the same decisions).
+moves; every member decides from the rows alone, so all decide alike.
 
-Refusals (``refusal``): a non-finite pseudo-gradient, a duplicate ``island_id``, another model
-layout, other settings (``swarm_settings``); only the island at fault raises, the others abandon
-the round. The reference is the first member not being healed. Rows carry a hash of the settings;
-when hashes differ the settings themselves are exchanged, so the error names each difference.
-
-Which round a member averages (``opening_of``): collectives line up only when every member
-averages the same fragment. An island being healed averages zeros and adopts the swarm's round; a
-live member out of step makes everyone abandon the round. Under a time budget (``weighed``)
-torchft divides the sum by the participants (members not being healed), so each scales its
-pseudo-gradient by ``n w_i / W`` (``budget.scale_of``); a member being healed brings no weight.
-Nothing here talks to the network.
+``refusal``: only the island at fault raises, the others abandon the round; the reference is the
+first member not being healed. ``opening_of``: collectives line up only when every member
+averages the same fragment, so an island being healed averages zeros and adopts the swarm's
+round, and a live member out of step makes everyone abandon it. ``weighed``: torchft divides the
+sum by the participants, so each scales its pseudo-gradient by ``n w_i / W``.
 """
 
 from __future__ import annotations
@@ -69,7 +63,7 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> Settings:
 
 
 def swarm_settings(config: SwarmConfig, outer_optimizer: torch.optim.Optimizer) -> Settings:
-    """The settings every island of one swarm must share (see the module docstring)."""
+    """The settings every island of one swarm must share."""
     settings: Settings = {name: _json_value(getattr(config, name)) for name in ISLAND_SETTINGS}
     settings.update(optimizer_settings(outer_optimizer))
     return settings
@@ -100,8 +94,8 @@ class HeaderRow:
     joined_ns: int  # when this island's membership started: the earlier twin keeps the id
     nonce: int  # tells two launches with one island_id apart
     finite: int  # 0 when its pseudo-gradient holds NaN or inf
-    settings: int  # hash of its encoded settings (``set_settings``)
-    settings_len: int  # length of its encoded settings
+    settings: int = 0  # hash of its encoded settings (``set_settings``)
+    settings_len: int = 0  # length of its encoded settings
     # Its place in its schedule (``RoundPlace``): fragment, sent after, applies at.
     fragment: int = 0
     send_step: int = 0

@@ -1,9 +1,7 @@
-"""What one rank hands torchft's Manager: its quorum's process group, its heal transport, and its
-identity per quorum; ``start_island_managers`` builds the island's Managers.
+"""One rank's torchft Manager and what it is handed: the quorum's group and the heal transport.
 
-With one Manager per island, rank 0 fans out; with one per rank, position 0 hosts the island's
-manager server (the lighthouse's one client) and store, and rank r's group joins rank r of every
-island. Imports torchft: import this module only when membership is torchft.
+Per rank, position 0 hosts the island's store and manager server (the lighthouse's one client),
+and rank r's group joins rank r of every island. Imports torchft: import it only when used.
 """
 
 from __future__ import annotations
@@ -45,13 +43,11 @@ _TAG_LENGTH, _TAG_HEADER, _TAG_FIRST_TENSOR = 1, 2, 3
 class QuorumGroup(ProcessGroupGloo):
     """torchft's gloo group, set up for each quorum on a kept store connection.
 
-    torchft's own ``configure`` opens a new ``TCPStore`` client per set-up, and such connects
-    sometimes hang until the timeout (``docs/elastic.md``); this keeps one client per store
-    address (at most ``KEPT_STORES``) and drops one whose set-up failed. ``prefix`` maps the store
-    address torchft asks for to the one to use (``QuorumIdentity.store_prefix``); ``on_setup``
-    runs first (a test's fault hook). ``timeout`` bounds store connects and, a fifth of it,
-    gloo's first connects; later groups' collectives get ``collective_timeout`` (the owner sets
-    the round's before the quorum request that sets the next group up).
+    torchft's ``configure`` opens a ``TCPStore`` client per set-up, and such connects sometimes
+    hang (``docs/elastic.md``): this keeps one per address (at most ``KEPT_STORES``), dropping
+    one whose set-up failed. ``prefix`` maps torchft's store address to the quorum's
+    (``QuorumIdentity``); ``on_setup`` is a test's fault hook. ``timeout`` bounds store connects
+    and, a fifth of it, gloo's first connects; collectives get ``collective_timeout``.
     """
 
     def __init__(
@@ -94,8 +90,7 @@ class QuorumGroup(ProcessGroupGloo):
         group_world_size: int | None = None,
         global_ranks: list[int] | None = None,
     ) -> None:
-        """torchft 0.2.0's ``ProcessGroupWrapper.configure`` for gloo, on a kept store client
-        (runs in torchft's quorum thread)."""
+        """torchft 0.2.0's ``configure`` for gloo, on a kept store client (quorum thread)."""
         self._on_setup()
         record_group_args(
             self,
@@ -130,10 +125,9 @@ class QuorumGroup(ProcessGroupGloo):
 class TensorHealTransport(CheckpointTransport[Any]):
     """Heals over ``pg`` without pickle: a JSON header (``state_wire``) plus raw tensor bytes.
 
-    The sender's state is read while its training thread waits for the quorum, so it does not
-    change during the send; received tensors are fresh CPU tensors owned by the caller. The
-    length and header wait torchft's ``timeout``; the tensors ``timeout_for(their bytes)`` when
-    the owner set it, else torchft's too.
+    The sender's state does not change during the send (its training thread waits for the
+    quorum); received tensors are fresh CPU tensors owned by the caller. The tensors wait
+    ``timeout_for(their bytes)`` when set, the rest torchft's ``timeout``.
     """
 
     def __init__(self, pg: ProcessGroup, on_phase: Callable[[str], None]) -> None:
@@ -201,8 +195,7 @@ class TensorHealTransport(CheckpointTransport[Any]):
 
 @dataclass
 class RankManager:
-    """One rank's Manager, its group and heal transport; ``store`` keeps the island's
-    ``TCPStore`` alive on the position that hosts it."""
+    """One rank's Manager; ``store`` keeps the island's ``TCPStore`` alive where it is hosted."""
 
     manager: Any
     pg: QuorumGroup
@@ -219,13 +212,12 @@ def start_island_managers(
     state_fn: Callable[[], Any],
     on_phase: Callable[[str], None],
 ) -> RankManager | None:
-    """This rank's Manager: position 0's (which hosts the island's store) first, then, per
-    rank, every other position's; ``None`` on a rank that does not talk to torchft (fan-out).
-    Collective over the island.
+    """This rank's Manager, position 0's first; ``None`` on a rank that does not talk to
+    torchft (fan-out). Collective over the island.
 
     Raises:
-        LighthouseUnreachableError: on every rank of the island, when a position could not
-            reach the lighthouse (or position 0's manager server) in ``connect_timeout_s``.
+        LighthouseUnreachableError: on every rank, when a position could not reach the
+            lighthouse (or position 0's manager server) in ``connect_timeout_s``.
         TorchftVersionError: the installed torchft lacks a private name this package uses.
     """
     start = functools.partial(
@@ -269,8 +261,8 @@ def start_manager(
     state_fn: Callable[[], Any],
     on_phase: Callable[[str], None],
 ) -> RankManager:
-    """The Manager of position ``rank`` of an island whose store is at ``host:port``. Position
-    0 must be built first: it starts the manager server the others find in the store."""
+    """The Manager of position ``rank``; position 0's first: it starts the manager server the
+    others find in the store at ``host:port``."""
     check_torchft()  # before any thread of torchft's runs: an upgrade fails here, by name
     holder: list[QuorumIdentity] = []
     # torchft takes one timeout for everything (set-ups, RPCs, heals, votes): the base one;

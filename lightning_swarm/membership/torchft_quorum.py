@@ -31,14 +31,10 @@ from lightning_swarm.membership.errors import (
     DuplicateIslandError,
     MembershipError,
     ModelMismatchError,
+    QuorumTimeoutError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
-from lightning_swarm.membership.quorum import (
-    QuorumWatch,
-    ShortRounds,
-    SuspensionWatch,
-    request_quorum,
-)
+from lightning_swarm.membership.quorum import QuorumWatch, SuspensionWatch, request_quorum
 from lightning_swarm.membership.round_header import (
     HeaderRow,
     Settings,
@@ -119,8 +115,8 @@ def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -
 
 @dataclass
 class MembershipTotals:
-    """What this island saw of the swarm (the same on every rank of the island, except a
-    per-rank island's heal figures: each rank's own share)."""
+    """What this island saw of the swarm (alike on its ranks, but for a per-rank island's heal
+    figures: each rank's own share)."""
 
     islands_in_round: int = 0
     rounds_abandoned: int = 0
@@ -137,6 +133,9 @@ class TorchftMembership:
     island's group, so the fan-out gets a gloo group of its own (two threads' collectives on one
     group interleave differently per rank). Raises ``LighthouseUnreachableError``.
     """
+
+    pipelined = False
+    heals = True  # ``open`` takes an offer: the engine builds one for every round
 
     def __init__(
         self,
@@ -155,10 +154,12 @@ class TorchftMembership:
         self.codec = codec
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
+        self.on_phase: PhaseHook | None = None
         # The round in progress, from ``open`` to ``agree``.
         self._offer: Mapping[str, Any] | None = None
         self._started: list[Tensor] = []
         self._outcome = RoundOutcome()
+        self._healed: dict[str, Any] | None = None
         self._error: MembershipError | None = None
         self._failed = False
         self._fanout = IslandFanout(island_group, side_group=True if background else None)
@@ -167,7 +168,6 @@ class TorchftMembership:
         self.every_rank_in_round = self.per_rank
         # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
         self.exchanges = self.per_rank or self._fanout.is_leader
-        self._short_rounds = ShortRounds(config)
         self._settings: Settings = {}
         self._row = HeaderRow(
             island=island_hash(config.island_id),
@@ -176,25 +176,20 @@ class TorchftMembership:
             joined_ns=time.time_ns(),
             nonce=secrets.randbits(62),
             finite=1,
-            settings=0,
-            settings_len=0,
         )
         self._row.set_settings({})
         if self.per_rank:  # the island's ranks send identical rows: rank 0's identity
             identity = (self._row.joined_ns, self._row.nonce)
             self._row.joined_ns, self._row.nonce = self._fanout.on_leader(lambda: identity, (0, 0))
-        self._manager: Any = None
-        self.on_phase: PhaseHook | None = None
-        self._watch: SuspensionWatch | None = None
         self._quorum_watch = QuorumWatch(config.island_id)
         self._last_commit_at = time.monotonic()
+        self._short_since: float | None = None  # rounds fell short of min_islands since
         self._rounds_started = 0
-        self._healed: dict[str, Any] | None = None
-        self._island_healed = False
         # This rank's link rate, measured by its own exchanges, and the round's bound.
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
-        self._weighed = False  # the round in progress carries work (a time budget)
+        self._manager: Any = None
+        self._watch: SuspensionWatch | None = None
         from lightning_swarm.membership.torchft_manager import start_island_managers  # torchft
 
         parts = start_island_managers(
@@ -213,8 +208,7 @@ class TorchftMembership:
             self._watch = SuspensionWatch()
 
     def agree_on(self, settings: Settings) -> None:
-        """The settings every island of the swarm must share (``swarm_settings``), set before
-        the first round."""
+        """The settings every island of the swarm must share, set before the first round."""
         self._settings = dict(settings)
         self._row.set_settings(self._settings)
 
@@ -233,17 +227,14 @@ class TorchftMembership:
         self._healed = state["user"]
 
     # -- the round: ``transport.base.Transport`` ------------------------------------------
-    pipelined = False
-    heals = True  # ``open`` takes an offer: the engine builds one for every round
-
     @property
     def block_size(self) -> int:
         return 1 if self.codec is None else self.codec.block_size
 
     def open(self, request: RoundRequest) -> Opening:
-        """Quorum, round header and this island's opening (``round_header``); ``offer`` is
-        what torchft sends a healing peer during the quorum. Collective over the island. A
-        participant's bad ``work`` abandons the round on every member, logged with its name.
+        """Quorum, round header and this island's opening; ``offer`` is what torchft sends a
+        healing peer during the quorum. Collective over the island. A participant's bad
+        ``work`` abandons the round on every member, logged with its name.
 
         Raises:
             MembershipError: this island was refused (on every rank of the island; per rank,
@@ -252,10 +243,8 @@ class TorchftMembership:
         self._offer = request.offer
         work = request.work
         self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
-        self._weighed = work is not None
         self._started, self.last_round_bytes = [], 0
-        self._error, self._failed, self._island_healed = None, False, False
-        self._outcome = RoundOutcome()
+        self._error, self._failed, self._outcome = None, False, RoundOutcome()
         if self.per_rank:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
             finite = self._fanout.all_true(request.finite)
@@ -275,7 +264,16 @@ class TorchftMembership:
     def agree(self) -> RoundStats:
         """torchft's commit vote (a heal arrives in it), ended alike on every rank of the
         island; the round applies when committed past the genesis quorum."""
-        outcome = self._rank_agree() if self.per_rank else self._fanned_agree()
+        if self.per_rank:
+            outcome = RoundOutcome()
+            if self._error is None and not self._failed:
+                outcome = self._kept(self._lead_agree, outcome)
+            outcome.committed, island_healed = self._fanout.agree_round(
+                self._error, outcome.committed, outcome.healed is not None
+            )
+        else:
+            outcome = self._fanout.lead_round(self._lead_agree, self._started)
+            island_healed = outcome.healed is not None
         if outcome.healed is not None:
             self.totals.heals += 1
             self.totals.heal_bytes += outcome.heal_bytes
@@ -285,22 +283,8 @@ class TorchftMembership:
         return RoundStats(
             applied=outcome.committed and not outcome.genesis,
             heal=outcome.healed,
-            island_healed=self._island_healed,
+            island_healed=island_healed,
         )
-
-    def _fanned_agree(self) -> RoundOutcome:
-        outcome = self._fanout.lead_round(self._lead_agree, self._started)
-        self._island_healed = outcome.healed is not None
-        return outcome
-
-    def _rank_agree(self) -> RoundOutcome:
-        outcome = RoundOutcome()
-        if self._error is None and not self._failed:
-            outcome = self._kept(self._lead_agree, outcome)
-        outcome.committed, self._island_healed = self._fanout.agree_round(
-            self._error, outcome.committed, outcome.healed is not None
-        )
-        return outcome
 
     def _kept(self, run: Callable[[], T], fallback: T) -> T:
         """Per rank: ``run()``; a ``MembershipError`` is kept for the island to agree on at
@@ -321,11 +305,10 @@ class TorchftMembership:
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
-        # The round's bound, before the quorum sets its group up with it.
+        # The round's bound, set before the quorum request sets the group up on its thread.
         self._link.begin(request.round_index, request.names)
         timeouts = self.config.timeouts
         self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
-        # Before the quorum request, on its thread: no set-up runs meanwhile.
         self._pg.collective_timeout = seconds(self.round_timeout_s)
         self._phase("quorum")
         assert self._watch is not None, "a rank that talks to torchft watches for suspensions"
@@ -342,7 +325,7 @@ class TorchftMembership:
         opening = Opening(abandon=True) if rows is None else opening_of(rows, self._row)
         if opening.abandon and rows is not None:
             manager.report_error(MembershipError("the islands were at different fragments"))
-        if self._weighed and rows is not None and not opening.abandon:
+        if request.work is not None and rows is not None and not opening.abandon:
             try:
                 opening = weighed(rows, self._row, opening)
             except BadWorkError as err:  # every member reads the same rows: all abandon
@@ -356,29 +339,41 @@ class TorchftMembership:
         return opening
 
     def _lead_agree(self) -> RoundOutcome:
-        """The vote as this rank sees it, with any heal it delivered (no island collective)."""
+        """The vote as this rank sees it, with any heal it delivered (no island collective).
+
+        Raises:
+            QuorumTimeoutError: every round of the last ``quorum_timeout_s`` fell short of
+                ``min_islands``.
+        """
         outcome = self._outcome
         if self._manager.errored():
             self._link.discard()
         self._link.finished()
         self._phase("commit")
-        outcome.committed = self._commit_gate()
-        self._short_rounds.see(outcome.participants, outcome.committed)
+        try:  # a vote that timed out (a suspension) counts as an abandoned round
+            timeout = seconds(self.round_timeout_s)
+            outcome.committed = bool(self._manager.should_commit(timeout=timeout))
+        except TimeoutError:
+            count_commit_failure(self._manager)
+        now, short = time.monotonic(), outcome.participants < self.config.min_islands
+        if outcome.committed or not short:
+            self._short_since = None
+        else:
+            self._short_since = self._short_since or now
+            if now - self._short_since > self.config.quorum_timeout_s:
+                raise QuorumTimeoutError(
+                    f"island {self.config.island_id!r}: only {outcome.participants} island(s) "
+                    f"in the rounds of the last {now - self._short_since:.0f} s, fewer than "
+                    f"min_islands={self.config.min_islands}; start more islands or lower "
+                    "min_islands."
+                )
         if outcome.committed:
-            self._last_commit_at = time.monotonic()
+            self._last_commit_at = now
         if self._healed is not None:
             outcome.healed, self._healed = self._healed, None
             outcome.heal_bytes = self.heal_transport.last_heal_bytes
             outcome.heal_s = self.heal_transport.last_heal_s
         return outcome
-
-    def _commit_gate(self) -> bool:
-        """torchft's vote; a vote that timed out (a suspension) counts as an abandoned round."""
-        try:
-            return bool(self._manager.should_commit(timeout=seconds(self.round_timeout_s)))
-        except TimeoutError:
-            count_commit_failure(self._manager)
-            return False
 
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
