@@ -68,6 +68,7 @@ class ElasticIsland:
         return self._outer
 
     def attach(self, outer_syncs: Sequence[OuterSync]) -> None:
+        """Islands whose rounds would mean different things are refused in the round header."""
         if len(outer_syncs) != 1:
             raise SwarmConfigError(
                 f"membership='torchft' supports one optimizer, this module has "
@@ -76,7 +77,6 @@ class ElasticIsland:
         membership = self.membership
         assert membership is not None, "the membership is built before the outer loop"
         self._outer = outer_syncs[0]
-        # Islands whose rounds would mean different things are refused in the round header.
         settings = swarm_settings(self.config, outer_syncs[0].outer_optimizer)
         membership.agree_on({**settings, "outer_shares": self.outer_shares})
 
@@ -92,15 +92,15 @@ class ElasticIsland:
     def after_round(self, trainer: pl.Trainer, metrics: Mapping[str, float]) -> dict[str, float]:
         """``metrics`` with the membership's; stops the fit after the swarm's last round."""
         assert self.membership is not None
-        totals = self.membership.totals
-        out = dict(metrics)
-        # The swarm's clock after any heal or adopted round.
-        out["swarm/outer_steps"] = float(self._outer_sync.outer_steps)
-        out["swarm/islands_in_round"] = float(totals.islands_in_round)
-        out["swarm/rounds_abandoned"] = float(totals.rounds_abandoned)
-        out["swarm/heal_bytes"] = float(totals.heal_bytes)
-        out["swarm/heal_time_s"] = totals.heal_time_s
-        rounds = self._outer_sync.outer_steps
+        totals, rounds = self.membership.totals, self._outer_sync.outer_steps
+        out = {
+            **metrics,
+            "swarm/outer_steps": float(rounds),  # the swarm's clock after any heal or adoption
+            "swarm/islands_in_round": float(totals.islands_in_round),
+            "swarm/rounds_abandoned": float(totals.rounds_abandoned),
+            "swarm/heal_bytes": float(totals.heal_bytes),
+            "swarm/heal_time_s": totals.heal_time_s,
+        }
         if self._target_rounds is not None and rounds >= self._target_rounds:
             trainer.should_stop = True
             # The global model, not a merge_alpha mix of it with this island's own weights.

@@ -81,13 +81,13 @@ def inject_faults(args: argparse.Namespace, out: Path) -> None:
 
         TorchftMembership._allreduce = stalling_allreduce  # type: ignore[method-assign]
     if args.stall_in_heal:
-        specs = torchft_manager.tensor_specs
+        buffers = torchft_manager.receive_buffers
 
-        def stalling_specs(header: bytes) -> Any:
+        def stalling_buffers(header: bytes) -> Any:
             stall(marker)
-            return specs(header)
+            return buffers(header)
 
-        torchft_manager.tensor_specs = stalling_specs  # type: ignore[assignment]
+        torchft_manager.receive_buffers = stalling_buffers  # type: ignore[assignment]
 
 
 def record_weights(path: Path) -> None:

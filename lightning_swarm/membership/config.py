@@ -30,9 +30,8 @@ def check_membership(name: object) -> str:
 class ElasticConfig:
     """Where the lighthouse is, who this island is (unique among live islands), how long to wait.
 
-    ``quorum_timeout_s`` also bounds how long rounds may keep falling short of ``min_islands``;
-    ``round_timeout_s`` bounds every collective, heal and commit gate of a round (``None``:
-    derived per round, ``timeouts``).
+    ``quorum_timeout_s`` also bounds how long rounds may fall short of ``min_islands``;
+    ``round_timeout_s`` bounds a round's collectives, heal and vote (``None``: ``timeouts``).
     """
 
     lighthouse: str
@@ -59,7 +58,7 @@ class ElasticConfig:
             raise SwarmConfigError(f"min_islands must be >= 1, got {self.min_islands}")
         for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
-            if name == "round_timeout_s" and value is None:
+            if value is None and name == "round_timeout_s":
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 derive = " (or None to derive it per round)" if name == "round_timeout_s" else ""

@@ -10,12 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.membership.errors import MembershipError
-from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
+from lightning_swarm.membership.state_wire import decode_tree, encode_tree, receive_buffers
 from lightning_swarm.transport.agree import Gather, agree, objects_over
 
 T = TypeVar("T")
@@ -114,11 +113,7 @@ class IslandFanout:
 
         outcome, header = self.on_leader(lead, (RoundOutcome(), b""))
         if header:
-            heal_tensors = sent[1]
-            if not self.is_leader:
-                heal_tensors = [
-                    torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)
-                ]
+            heal_tensors = sent[1] if self.is_leader else receive_buffers(header)
             for t in heal_tensors:
                 self._broadcast(t)
             outcome.healed = sent[0].healed if self.is_leader else decode_tree(header, heal_tensors)

@@ -31,10 +31,8 @@ from lightning_swarm.membership.torchft_private import (
     tap_quorums,
 )
 
-RETRY_SPACING_S = 1.0
-"""How often the manager server asks a lighthouse that did not answer, roughly."""
-SUSPENDED_AFTER_S = 5.0
-"""A tick this much later than due means the process was away (not merely busy)."""
+RETRY_SPACING_S = 1.0  # how often the manager server asks a lighthouse that did not answer
+SUSPENDED_AFTER_S = 5.0  # a tick this much later than due: the process was away, not busy
 RETURNS_TO_WARN = 2
 
 

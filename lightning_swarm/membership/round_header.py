@@ -31,8 +31,7 @@ from lightning_swarm.membership.errors import (
 from lightning_swarm.transport.base import Opening, RoundPlace
 from lightning_swarm.transport.checks import checked_work
 
-Settings = dict[str, Any]
-"""Setting name -> a JSON value; equal on every island of a swarm."""
+Settings = dict[str, Any]  # setting name -> a JSON value; equal on every island of a swarm
 
 
 def _hash63(data: bytes) -> int:
@@ -50,22 +49,17 @@ def _json_value(value: object) -> Any:
     return repr(value)
 
 
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> Settings:
-    """An optimizer's class and the hyper-parameters of each of its parameter groups."""
-    prefix, cls = "outer_optimizer", type(optimizer)
-    settings: Settings = {prefix: f"{cls.__module__}.{cls.__qualname__}"}
-    for index, group in enumerate(optimizer.param_groups):
-        key = prefix if len(optimizer.param_groups) == 1 else f"{prefix}[{index}]"
+def swarm_settings(config: SwarmConfig, outer_optimizer: torch.optim.Optimizer) -> Settings:
+    """The settings every island of one swarm must share: ``ISLAND_SETTINGS``, the outer
+    optimizer's class and the hyper-parameters of each of its parameter groups."""
+    settings: Settings = {name: _json_value(getattr(config, name)) for name in ISLAND_SETTINGS}
+    prefix, cls, groups = "outer_optimizer", type(outer_optimizer), outer_optimizer.param_groups
+    settings[prefix] = f"{cls.__module__}.{cls.__qualname__}"
+    for index, group in enumerate(groups):
+        key = prefix if len(groups) == 1 else f"{prefix}[{index}]"
         for name, value in sorted(group.items()):
             if name != "params":
                 settings[f"{key}.{name}"] = _json_value(value)
-    return settings
-
-
-def swarm_settings(config: SwarmConfig, outer_optimizer: torch.optim.Optimizer) -> Settings:
-    """The settings every island of one swarm must share."""
-    settings: Settings = {name: _json_value(getattr(config, name)) for name in ISLAND_SETTINGS}
-    settings.update(optimizer_settings(outer_optimizer))
     return settings
 
 

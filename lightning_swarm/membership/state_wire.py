@@ -72,17 +72,13 @@ def _spec(body: Any) -> tuple[torch.dtype, tuple[int, ...]]:
     return _DTYPES[dtype_name], tuple(shape)
 
 
-def _node(node: Any) -> tuple[str, Any]:
-    if not isinstance(node, dict) or len(node) != 1:
-        raise ValueError(f"a healing header holds a malformed node {node!r:.80}")
-    ((kind, body),) = node.items()
-    if kind not in ("T", "D", "L", "U", "V"):
-        raise ValueError(f"a healing header holds an unknown node kind {kind!r}")
-    return kind, body
-
-
 def byte_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def receive_buffers(header: bytes) -> list[Tensor]:
+    """An empty ``uint8`` tensor for each tensor the header names, in wire order."""
+    return [torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)]
 
 
 def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
@@ -100,7 +96,11 @@ def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
 
 
 def _decode(node: Any, tensor: Callable[[Any], Any]) -> Any:
-    kind, body = _node(node)
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(f"a healing header holds a malformed node {node!r:.80}")
+    ((kind, body),) = node.items()
+    if kind not in ("T", "D", "L", "U", "V"):
+        raise ValueError(f"a healing header holds an unknown node kind {kind!r}")
     if kind == "T":
         return tensor(body)
     if kind == "D":

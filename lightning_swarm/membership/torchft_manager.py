@@ -7,7 +7,6 @@ and rank r's group joins rank r of every island. Imports torchft: import it only
 from __future__ import annotations
 
 import datetime
-import functools
 import socket
 import time
 from collections import OrderedDict
@@ -25,7 +24,7 @@ from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.errors import LighthouseUnreachableError, MembershipError
 from lightning_swarm.membership.fanout import IslandFanout
 from lightning_swarm.membership.quorum import QuorumIdentity, quorum_retries_for
-from lightning_swarm.membership.state_wire import byte_size, decode_tree, encode_tree, tensor_specs
+from lightning_swarm.membership.state_wire import decode_tree, encode_tree, receive_buffers
 from lightning_swarm.membership.torchft_private import (
     check_torchft,
     create_gloo_group,
@@ -35,8 +34,7 @@ from lightning_swarm.membership.torchft_private import (
 )
 
 KEPT_STORES = 4
-CONNECT_WAITS = 5
-"""gloo's first connects wait this many times the group's timeout (``Pair::waitUntilConnected``)."""
+CONNECT_WAITS = 5  # gloo's first connects wait this many times its timeout (waitUntilConnected)
 _TAG_LENGTH, _TAG_HEADER, _TAG_FIRST_TENSOR = 1, 2, 3
 
 
@@ -92,15 +90,8 @@ class QuorumGroup(ProcessGroupGloo):
     ) -> None:
         """torchft 0.2.0's ``configure`` for gloo, on a kept store client (quorum thread)."""
         self._on_setup()
-        record_group_args(
-            self,
-            replica_id=replica_id,
-            rank=rank,
-            quorum_id=quorum_id,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
-            global_ranks=global_ranks,
-        )
+        args = (replica_id, rank, quorum_id, group_rank, group_world_size, global_ranks)
+        record_group_args(self, *args)
         self.abort(errored=False)
         address, _, prefix = self._prefix(store_addr).partition("/")
         try:
@@ -176,7 +167,7 @@ class TensorHealTransport(CheckpointTransport[Any]):
         self._pg.recv([header_t], src_rank, tag=_TAG_HEADER).wait(timeout)
         header = header_t.numpy().tobytes()
         self._on_phase("heal_recv")
-        payload = [torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)]
+        payload = receive_buffers(header)
         works = [
             self._pg.recv([t], src_rank, tag=_TAG_FIRST_TENSOR + i)
             for i, t in enumerate(payload)
@@ -212,22 +203,58 @@ def start_island_managers(
     state_fn: Callable[[], Any],
     on_phase: Callable[[str], None],
 ) -> RankManager | None:
-    """This rank's Manager, position 0's first; ``None`` on a rank that does not talk to
-    torchft (fan-out). Collective over the island.
+    """This rank's Manager, position 0's first (it starts the manager server the others find
+    in its store); ``None`` on a rank that does not talk to torchft (fan-out). Collective over
+    the island.
 
     Raises:
         LighthouseUnreachableError: on every rank, when a position could not reach the
             lighthouse (or position 0's manager server) in ``connect_timeout_s``.
         TorchftVersionError: the installed torchft lacks a private name this package uses.
     """
-    start = functools.partial(
-        start_manager,
-        config,
-        world_size=fanout.size if per_rank else 1,
-        load_fn=load_fn,
-        state_fn=state_fn,
-        on_phase=on_phase,
-    )
+    # torchft takes one timeout for everything (set-ups, RPCs, heals, votes): the base one;
+    # the membership passes each round's own to the calls that take one and to the group.
+    base = datetime.timedelta(seconds=config.timeouts.base_s)
+
+    def start(host: str, port: int, rank: int) -> RankManager:
+        check_torchft()  # before any thread of torchft's runs: an upgrade fails here, by name
+        holder: list[QuorumIdentity] = []
+        pg = QuorumGroup(
+            base,
+            prefix=lambda store_addr: holder[0].store_prefix(store_addr),
+            on_setup=lambda: on_phase("pg_setup"),
+        )
+        heal_transport = TensorHealTransport(pg, on_phase=on_phase)
+        try:
+            manager = Manager(
+                pg=pg,
+                load_state_dict=load_fn,
+                state_dict=state_fn,
+                min_replica_size=config.min_islands,
+                use_async_quorum=True,
+                timeout=base,
+                quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
+                connect_timeout=datetime.timedelta(seconds=config.connect_timeout_s),
+                rank=rank,
+                world_size=fanout.size if per_rank else 1,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=config.lighthouse,
+                replica_id=config.island_id,
+                checkpoint_transport=heal_transport,
+                init_sync=True,
+                quorum_retries=quorum_retries_for(config.quorum_timeout_s),
+            )
+        except RuntimeError as err:
+            raise LighthouseUnreachableError(
+                f"island {config.island_id!r} could not reach the lighthouse at "
+                f"{config.lighthouse} within connect_timeout_s={config.connect_timeout_s}: "
+                f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
+                "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
+            ) from err
+        holder.append(QuorumIdentity(manager))  # kept alive by ``pg``'s prefix
+        return RankManager(manager, pg, heal_transport)
+
     parts: RankManager | None = None
 
     def host() -> str:
@@ -248,58 +275,3 @@ def start_island_managers(
                 error = err
         fanout.share_error(error)
     return parts
-
-
-def start_manager(
-    config: ElasticConfig,
-    host: str,
-    port: int,
-    *,
-    rank: int,
-    world_size: int,
-    load_fn: Callable[[Any], None],
-    state_fn: Callable[[], Any],
-    on_phase: Callable[[str], None],
-) -> RankManager:
-    """The Manager of position ``rank``; position 0's first: it starts the manager server the
-    others find in the store at ``host:port``."""
-    check_torchft()  # before any thread of torchft's runs: an upgrade fails here, by name
-    holder: list[QuorumIdentity] = []
-    # torchft takes one timeout for everything (set-ups, RPCs, heals, votes): the base one;
-    # the membership passes each round's own to the calls that take one and to the group.
-    base = datetime.timedelta(seconds=config.timeouts.base_s)
-    pg = QuorumGroup(
-        base,
-        prefix=lambda store_addr: holder[0].store_prefix(store_addr),
-        on_setup=lambda: on_phase("pg_setup"),
-    )
-    heal_transport = TensorHealTransport(pg, on_phase=on_phase)
-    try:
-        manager = Manager(
-            pg=pg,
-            load_state_dict=load_fn,
-            state_dict=state_fn,
-            min_replica_size=config.min_islands,
-            use_async_quorum=True,
-            timeout=base,
-            quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
-            connect_timeout=datetime.timedelta(seconds=config.connect_timeout_s),
-            rank=rank,
-            world_size=world_size,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=config.lighthouse,
-            replica_id=config.island_id,
-            checkpoint_transport=heal_transport,
-            init_sync=True,
-            quorum_retries=quorum_retries_for(config.quorum_timeout_s),
-        )
-    except RuntimeError as err:
-        raise LighthouseUnreachableError(
-            f"island {config.island_id!r} could not reach the lighthouse at "
-            f"{config.lighthouse} within connect_timeout_s={config.connect_timeout_s}: "
-            f"{str(err).splitlines()[0][:200]}. Start it with `swarm-lighthouse "
-            "--min-islands N --port P` and pass its address as lighthouse=http://host:P."
-        ) from err
-    holder.append(QuorumIdentity(manager))  # kept alive by ``pg``'s prefix
-    return RankManager(manager, pg, heal_transport)

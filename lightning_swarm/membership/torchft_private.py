@@ -33,26 +33,20 @@ MANAGER = "torchft.manager.Manager"
 GROUP = "torchft.process_group.ProcessGroupWrapper"
 
 
-def _installed_version() -> str:
+def _require(obj: object, owner: str, name: str) -> None:
+    if hasattr(obj, name):
+        return
     try:
-        return importlib.metadata.version("torchft")
+        installed = importlib.metadata.version("torchft")
     except importlib.metadata.PackageNotFoundError:
-        return "(not installed)"
-
-
-def missing(owner: str, name: str) -> TorchftVersionError:
-    return TorchftVersionError(
+        installed = "(not installed)"
+    raise TorchftVersionError(
         f"lightning_swarm uses the private {owner}.{name}, which the installed torchft "
-        f"{_installed_version()} (torch {torch.__version__}) does not have; "
+        f"{installed} (torch {torch.__version__}) does not have; "
         f"lightning_swarm/membership/torchft_private.py was written for torchft "
         f"{TORCHFT_VERSION}. Install torchft=={TORCHFT_VERSION} "
         "(pip install 'lightning-swarm[elastic]'), or update that module to this torchft."
     )
-
-
-def _require(obj: object, owner: str, name: str) -> None:
-    if not hasattr(obj, name):
-        raise missing(owner, name)
 
 
 def check_torchft() -> None:
@@ -142,7 +136,6 @@ _GROUP_FIELDS = (
 
 def record_group_args(
     pg: Any,
-    *,
     replica_id: str,
     rank: int,
     quorum_id: int | None,
