@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from lightning_swarm.algorithm.model_layout import model_layout
-from lightning_swarm.membership import (
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.errors import (
     LighthouseUnreachableError,
     MembershipError,
     QuorumTimeoutError,
 )
-from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.transport.base import Bucket, RoundRequest, RoundStats
 from tests.dist_utils import free_port

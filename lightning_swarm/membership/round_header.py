@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
@@ -193,24 +193,13 @@ def abandons(rows: list[HeaderRow], mine: HeaderRow) -> bool:
     )
 
 
-def plan_round(
-    places: Sequence[RoundPlace], healing: Sequence[bool], reference: int, me: int
-) -> Opening:
-    """Member ``me``'s opening from the places in the header (rows in the quorum's order)."""
-    swarm = places[reference]
-    abandon = any(
-        not heal and place.fragment != swarm.fragment
-        for place, heal in zip(places, healing, strict=True)
-    )
-    adopt = healing[me] or places[me].fragment != swarm.fragment
-    return Opening(adopt=swarm if adopt else None, abandon=abandon)
-
-
 def opening_of(rows: list[HeaderRow], mine: HeaderRow) -> Opening:
     """This member's ``Opening`` from the round header's ``rows`` (``mine`` is among them)."""
-    places = [RoundPlace(r.fragment, r.send_step, r.apply_step) for r in rows]
-    me = next(i for i, r in enumerate(rows) if r.nonce == mine.nonce)
-    return plan_round(places, [bool(r.healing) for r in rows], reference_index(rows), me)
+    swarm = rows[reference_index(rows)]
+    abandon = any(not r.healing and r.fragment != swarm.fragment for r in rows)
+    adopt = mine.healing or mine.fragment != swarm.fragment
+    place = RoundPlace(swarm.fragment, swarm.send_step, swarm.apply_step)
+    return Opening(adopt=place if adopt else None, abandon=abandon)
 
 
 def weighed(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening:

@@ -64,9 +64,9 @@ from lightning_swarm.transport.link import LinkRate
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Tests' fault hook, called with (phase, round) as each phase starts on each rank that talks to
+# torchft: quorum, pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the join.
 PhaseHook = Callable[[str, int], None]
-"""Tests' fault hook, called with (phase, round) as each phase starts on each rank that talks to
-torchft: quorum, pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the join."""
 
 
 def seconds(value: float) -> datetime.timedelta:
@@ -232,14 +232,10 @@ class TorchftMembership:
         return 1 if self.codec is None else self.codec.block_size
 
     def open(self, request: RoundRequest) -> Opening:
-        """Quorum, round header and this island's opening; ``offer`` is what torchft sends a
-        healing peer during the quorum. Collective over the island. A participant's bad
-        ``work`` abandons the round on every member, logged with its name.
-
-        Raises:
-            MembershipError: this island was refused (on every rank of the island; per rank,
-                at ``agree``), or no quorum came.
-        """
+        """Quorum, round header and this island's opening (collective over the island);
+        ``offer`` is what torchft sends a healing peer during the quorum. Raises a
+        ``MembershipError`` on every rank when this island was refused (per rank: at
+        ``agree``) or no quorum came."""
         self._offer = request.offer
         work = request.work
         self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
@@ -252,8 +248,8 @@ class TorchftMembership:
         return self._fanout.on_leader(lambda: self._lead_open(request, request.finite), Opening())
 
     def start(self, bucket: Bucket) -> Handle:
-        """The bucket's mean over the quorum, in place, now. A failed exchange is recorded for
-        the commit gate, not raised. Fan-out: the others receive rank 0's means at ``agree``."""
+        """The bucket's mean over the quorum, in place, now; a failed exchange makes the vote
+        no. Fan-out: the other ranks receive rank 0's means at ``agree``."""
         self._started.append(bucket.flat)
         if not self.exchanges:
             return Done()
@@ -339,12 +335,9 @@ class TorchftMembership:
         return opening
 
     def _lead_agree(self) -> RoundOutcome:
-        """The vote as this rank sees it, with any heal it delivered (no island collective).
-
-        Raises:
-            QuorumTimeoutError: every round of the last ``quorum_timeout_s`` fell short of
-                ``min_islands``.
-        """
+        """The vote as this rank sees it, with any heal it delivered (no island collective);
+        raises ``QuorumTimeoutError`` once rounds fell short of ``min_islands`` for
+        ``quorum_timeout_s``."""
         outcome = self._outcome
         if self._manager.errored():
             self._link.discard()
@@ -429,8 +422,6 @@ class TorchftMembership:
             self.last_round_bytes += ring_allreduce_bytes(nbytes, self._pg.size())
 
     def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
-        """The bound of a heal moving ``nbytes`` (on torchft's quorum thread; the rate it reads
-        changes only between rounds)."""
         return seconds(self.config.timeouts.for_round(nbytes, self._link.rate_bps))
 
     def close(self) -> None:
