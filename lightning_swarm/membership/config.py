@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 from lightning_swarm.config import ROUND_TIMEOUT_FLOOR_S, SwarmConfig
@@ -13,6 +14,10 @@ from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.link import LinkTimeouts
 
 MEMBERSHIPS = ("static", "torchft")
+
+
+def seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
 
 
 def check_membership(name: object) -> str:
@@ -73,10 +78,8 @@ class ElasticConfig:
 
 
 def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
-    """``None`` for ``membership="static"``; the checked torchft options otherwise.
-
-    Raises ``ValueError`` for an option of the other membership, or one torchft cannot serve.
-    """
+    """``None`` for ``membership="static"``; the checked torchft options otherwise (``ValueError``
+    for an option of the other membership, or one torchft cannot serve)."""
     if check_membership(config.membership) == "static":
         # With a lighthouse or island id, this launch would silently train alone.
         for option in ("lighthouse", "island_id"):

@@ -1,7 +1,6 @@
 """Asking the lighthouse for a round's quorum, saying why none came, and watching quorums.
 
-Every way out other than a quorum is a ``MembershipError`` naming the cause: the lighthouse is
-gone, too few islands came, or the island came back from a suspension to find no swarm.
+Every way out but a quorum is a ``MembershipError`` naming the cause and the fix.
 """
 
 from __future__ import annotations
@@ -156,19 +155,13 @@ class QuorumIdentity:
         self._pending: str | None = None
         tap_quorums(manager, self._see)
 
-    def _see(self, quorum: Any) -> None:
-        self._pending = quorum_name(quorum.quorum_id, quorum.replica_ids, quorum.max_step)
+    def _see(self, quorum: Any) -> None:  # the same name on every member of the quorum
+        name = f"{quorum.quorum_id}/{','.join(quorum.replica_ids)}/{quorum.max_step}"
+        self._pending = hashlib.sha256(name.encode()).hexdigest()[:16]
         set_up_group_for_this_quorum(self._manager)
 
     def store_prefix(self, store_addr: str) -> str:
-        """The store address for setting up the pending quorum's group."""
         return f"{store_addr}/{self._pending}"
-
-
-def quorum_name(quorum_id: int, replica_ids: Sequence[str], max_step: int) -> str:
-    """A quorum's name: the same on every member, new for every quorum of one lighthouse."""
-    members = ",".join(replica_ids)
-    return hashlib.sha256(f"{quorum_id}/{members}/{max_step}".encode()).hexdigest()[:16]
 
 
 class QuorumWatch:

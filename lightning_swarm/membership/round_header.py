@@ -1,11 +1,7 @@
 """The round header: one int64 row per member of a quorum, all-gathered before a pseudo-gradient
-moves; every member decides from the rows alone, so all decide alike.
-
-``refusal``: only the island at fault raises, the others abandon the round; the reference is the
-first member not being healed. ``opening_of``: collectives line up only when every member
-averages the same fragment, so an island being healed averages zeros and adopts the swarm's
-round, and a live member out of step makes everyone abandon it. ``weighed``: torchft divides the
-sum by the participants, so each scales its pseudo-gradient by ``n w_i / W``.
+moves; every member decides from the rows alone, so all decide alike. The reference is the first
+member not being healed. Collectives line up only when every member averages the same fragment:
+an island being healed averages zeros and adopts the swarm's round (``opening_of``).
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ def _hash63(data: bytes) -> int:
 
 
 def _json_value(value: object) -> Any:
-    """``value`` as JSON can hold it (tuples as lists; anything else by its repr)."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, list | tuple):
@@ -204,7 +199,8 @@ def opening_of(rows: list[HeaderRow], mine: HeaderRow) -> Opening:
 
 def weighed(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening:
     """``opening`` with this member's scale and the swarm's most inner steps, from the work
-    in the header's ``rows`` (a time-budgeted round).
+    in the header's ``rows`` (a time-budgeted round): torchft divides the sum by the
+    participants, so each scales its pseudo-gradient by ``n w_i / W``; one being healed has none.
 
     Raises:
         BadWorkError: a participant's work is not a whole number >= 1, naming it by its place

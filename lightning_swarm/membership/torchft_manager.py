@@ -1,7 +1,6 @@
 """One rank's torchft Manager and what it is handed: the quorum's group and the heal transport.
 
-Per rank, position 0 hosts the island's store and manager server (the lighthouse's one client),
-and rank r's group joins rank r of every island. Imports torchft: import it only when used.
+Imports torchft: import it only when membership is torchft.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroup, ProcessGroupGloo
 
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, seconds
 from lightning_swarm.membership.errors import LighthouseUnreachableError, MembershipError
 from lightning_swarm.membership.fanout import IslandFanout
 from lightning_swarm.membership.quorum import QuorumIdentity, quorum_retries_for
@@ -39,14 +38,11 @@ _TAG_LENGTH, _TAG_HEADER, _TAG_FIRST_TENSOR = 1, 2, 3
 
 
 class QuorumGroup(ProcessGroupGloo):
-    """torchft's gloo group, set up for each quorum on a kept store connection.
-
-    torchft's ``configure`` opens a ``TCPStore`` client per set-up, and such connects sometimes
-    hang (``docs/elastic.md``): this keeps one per address (at most ``KEPT_STORES``), dropping
-    one whose set-up failed. ``prefix`` maps torchft's store address to the quorum's
+    """torchft's gloo group, set up for each quorum on a kept store connection: torchft's
+    ``configure`` opens a ``TCPStore`` client per set-up, and such connects sometimes hang
+    (``docs/elastic.md``). ``prefix`` maps torchft's store address to the quorum's
     (``QuorumIdentity``); ``on_setup`` is a test's fault hook. ``timeout`` bounds store connects
-    and, a fifth of it, gloo's first connects; collectives get ``collective_timeout``.
-    """
+    and, a fifth of it, gloo's first connects; collectives get ``collective_timeout``."""
 
     def __init__(
         self,
@@ -128,8 +124,10 @@ class TensorHealTransport(CheckpointTransport[Any]):
         self.last_heal_bytes = 0
         self.last_heal_s = 0.0
 
-    def _tensor_timeout(self, nbytes: int, timeout: datetime.timedelta) -> datetime.timedelta:
-        return timeout if self.timeout_for is None else self.timeout_for(nbytes)
+    def _wait(self, works: list[Any], nbytes: int, timeout: datetime.timedelta) -> None:
+        wait = timeout if self.timeout_for is None else self.timeout_for(nbytes)
+        for work in works:
+            work.wait(wait)
 
     def metadata(self) -> str:
         return "lightning_swarm-tensor-heal"
@@ -151,9 +149,7 @@ class TensorHealTransport(CheckpointTransport[Any]):
                 for i, t in enumerate(tensors)
                 if t.numel()
             ]
-            wait = self._tensor_timeout(sum(t.numel() for t in tensors), timeout)  # uint8
-            for work in works:
-                work.wait(wait)
+            self._wait(works, sum(t.numel() for t in tensors), timeout)
 
     def recv_checkpoint(
         self, src_rank: int, metadata: str, step: int, timeout: datetime.timedelta
@@ -173,9 +169,7 @@ class TensorHealTransport(CheckpointTransport[Any]):
             for i, t in enumerate(payload)
             if t.numel()
         ]
-        wait = self._tensor_timeout(sum(t.numel() for t in payload), timeout)
-        for work in works:
-            work.wait(wait)
+        self._wait(works, sum(t.numel() for t in payload), timeout)
         tree = decode_tree(header, payload)
         if not isinstance(tree, dict) or tree.get("step") != step:
             raise ValueError(f"a healing peer sent the state of another step (expected {step})")
@@ -203,9 +197,9 @@ def start_island_managers(
     state_fn: Callable[[], Any],
     on_phase: Callable[[str], None],
 ) -> RankManager | None:
-    """This rank's Manager, position 0's first (it starts the manager server the others find
-    in its store); ``None`` on a rank that does not talk to torchft (fan-out). Collective over
-    the island.
+    """This rank's Manager; ``None`` on a rank that does not talk to torchft (fan-out). Position
+    0 hosts the island's store and manager server (the lighthouse's one client) and starts
+    first; rank r's group joins rank r of every island. Collective over the island.
 
     Raises:
         LighthouseUnreachableError: on every rank, when a position could not reach the
@@ -214,7 +208,7 @@ def start_island_managers(
     """
     # torchft takes one timeout for everything (set-ups, RPCs, heals, votes): the base one;
     # the membership passes each round's own to the calls that take one and to the group.
-    base = datetime.timedelta(seconds=config.timeouts.base_s)
+    base = seconds(config.timeouts.base_s)
 
     def start(host: str, port: int, rank: int) -> RankManager:
         check_torchft()  # before any thread of torchft's runs: an upgrade fails here, by name
@@ -233,8 +227,8 @@ def start_island_managers(
                 min_replica_size=config.min_islands,
                 use_async_quorum=True,
                 timeout=base,
-                quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
-                connect_timeout=datetime.timedelta(seconds=config.connect_timeout_s),
+                quorum_timeout=seconds(config.quorum_timeout_s),
+                connect_timeout=seconds(config.connect_timeout_s),
                 rank=rank,
                 world_size=fanout.size if per_rank else 1,
                 store_addr=host,

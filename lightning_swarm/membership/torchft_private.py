@@ -56,22 +56,16 @@ def check_torchft() -> None:
 
 
 def forget_failed_quorum(manager: Any) -> None:
-    """Clear ``Manager._quorum_future`` after a quorum request failed.
-
-    ``start_quorum`` first calls the kept future's ``result()``, which re-raises the old failure:
-    without this an island could never ask anew (a lighthouse restart would end it).
-    """
+    """Clear ``Manager._quorum_future`` after a failed quorum request: ``start_quorum`` re-raises
+    the kept failure, so an island could never ask anew (a lighthouse restart would end it)."""
     _require(manager, MANAGER, "_quorum_future")
     manager._quorum_future = None
 
 
 def count_commit_failure(manager: Any) -> None:
-    """Add one to ``Manager._commit_failures``, which the next quorum request reports.
-
-    torchft counts only votes that returned; a vote that timed out, or whose manager server went
-    away, must count too, so the next quorum gets a new id and no member reuses a failed round's
-    rendezvous prefix (``quorum.QuorumIdentity``).
-    """
+    """Add one to ``Manager._commit_failures``, which the next quorum request reports: torchft
+    counts only votes that returned, and a failed round must get the next quorum a new id, so
+    that no member reuses its rendezvous prefix (``quorum.QuorumIdentity``)."""
     _require(manager, MANAGER, "_commit_failures")
     manager._commit_failures += 1
 
@@ -94,12 +88,9 @@ class _QuorumTap:
 
 def tap_quorums(manager: Any, on_quorum: Callable[[Any], None]) -> None:
     """Have ``on_quorum(quorum)`` see every quorum ``manager`` receives (on torchft's quorum
-    thread), before torchft sets the group up.
-
-    Wraps ``Manager._client`` and its ``ManagerClient._quorum``: torchft shows a quorum's id,
-    members and ``max_step`` nowhere else before the set-up. If either changes, the group is
-    set up under torchft's own prefix.
-    """
+    thread) before torchft sets the group up, by wrapping ``Manager._client`` and its
+    ``ManagerClient._quorum``: nothing else shows a quorum's id, members and ``max_step`` then.
+    If either changes, the group is set up under torchft's own prefix."""
     _require(manager, MANAGER, "_client")
     client = manager._client
     _require(client, "torchft.coordination.ManagerClient", "_quorum")
@@ -115,11 +106,9 @@ def set_up_group_for_this_quorum(manager: Any) -> None:
 
 
 def quorum_rank(pg: Any) -> int:
-    """This island's rank in the quorum's group ``pg`` (a ``ProcessGroupWrapper``).
-
-    The wrapper's ``rank()`` is a placeholder's (always 0); only ``parent`` (the torch group it
-    set up; undocumented) knows it. If it changes, every island takes share 0 of the coded mean.
-    """
+    """This island's rank in the quorum's group ``pg``: the wrapper's ``rank()`` is always 0,
+    only ``ProcessGroupWrapper.parent`` (undocumented) knows it. If it changes, every island
+    takes share 0 of the coded mean."""
     _require(pg, GROUP, "parent")
     return int(pg.parent.rank())
 
@@ -162,12 +151,9 @@ def create_gloo_group(
     connect_timeout: datetime.timedelta,
     collective_timeout: datetime.timedelta,
 ) -> dist.ProcessGroup:
-    """torchft's gloo group over ``store``, its connects bounded by ``connect_timeout``
-    (the wrapper's timeout during the call; ``collective_timeout`` after, raised or not).
-
-    ``ProcessGroupWrapper._create_pg`` is the set-up without the store connection the public
-    ``configure`` opens. If it changes, no quorum's group can be set up.
-    """
+    """torchft's gloo group over ``store`` through ``ProcessGroupWrapper._create_pg`` (the set-up
+    without the store connection ``configure`` opens), its connects bounded by
+    ``connect_timeout``; ``collective_timeout`` is set back after, raised or not."""
     _require(pg, GROUP, "_create_pg")
     pg.set_timeout(connect_timeout)
     try:
@@ -178,11 +164,9 @@ def create_gloo_group(
 
 
 def set_collective_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
-    """Bound ``group``'s later gloo collectives by ``timeout`` (its connects had less).
-
-    Through torch's ``ProcessGroup._get_backend`` and ``ProcessGroupGloo._set_default_timeout``:
-    gloo takes one timeout at construction. If they change, a slow but live round fails.
-    """
+    """Bound ``group``'s later gloo collectives by ``timeout`` (its connects had less) through
+    ``ProcessGroup._get_backend`` and ``ProcessGroupGloo._set_default_timeout``: gloo takes one
+    timeout at construction. If they change, a slow but live round fails."""
     _require(group, "torch.distributed.ProcessGroup", "_get_backend")
     backend = group._get_backend(torch.device("cpu"))
     _require(backend, "torch.distributed.ProcessGroupGloo", "_set_default_timeout")

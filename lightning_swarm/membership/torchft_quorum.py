@@ -1,12 +1,10 @@
 """Elastic membership on torchft: a ``Transport`` whose islands the Lighthouse decides each round.
 
-A round is: quorum (a joiner is healed from a live island; the genesis quorum heals every island
-to the first one's anchors), round header (refusals before any tensor moves), the mean over the
-participants, the commit gate. A failure anywhere abandons the round on the survivors; only the
-header's refusals and a quorum that never comes raise. An island's ranks fan out from rank 0, or
-each run a Manager over its share (``per_rank``), and agree on one outcome. torchft's threads
+A round: quorum (joiners healed; the genesis quorum heals every island to the first one's
+anchors), round header, mean over the participants, commit gate. A failure abandons the round on
+the survivors; only the header's refusals and a quorum that never comes raise. torchft's threads
 touch only a mailbox: the engine's offer, and the healed state ``agree`` returns for the engine
-to install on its training thread. Each round has its own timeout (``ElasticConfig.timeouts``).
+to install on its training thread.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, seconds
 from lightning_swarm.membership.errors import (
     DuplicateIslandError,
     MembershipError,
@@ -69,20 +67,12 @@ T = TypeVar("T")
 PhaseHook = Callable[[str, int], None]
 
 
-def seconds(value: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=value)
-
-
 def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -> int:
     """Overwrite one bucket's ``runs`` (flat float32 CPU views, each starting on a codec block
-    of its tensor) with their quantized mean over the quorum; returns the bytes this island
-    sent (= received), 0 when the exchange failed.
-
-    The static path's reduce-scatter over torchft's gloo group (which forwards
-    ``alltoall_base``): every member owns a share, an island being healed too (it contributes
-    zeros) and the owners divide by the participants. Every island decodes the same encoded
-    mean, so anchors stay bitwise equal. A failure is reported to the manager, so the commit
-    gate votes no and the garbage is never applied.
+    of its tensor) with their quantized mean over the quorum, bitwise equal on every island;
+    returns the bytes this island sent (= received), 0 when the exchange failed (reported to
+    the manager: the vote is no). An island being healed owns a share and contributes zeros;
+    the owners divide by the participants.
     """
     num_islands, island_index = pg.size(), quorum_rank(pg)  # the header rows' order, too
     divisor = max(manager.num_participants(), 1)
@@ -283,9 +273,8 @@ class TorchftMembership:
         )
 
     def _kept(self, run: Callable[[], T], fallback: T) -> T:
-        """Per rank: ``run()``; a ``MembershipError`` is kept for the island to agree on at
-        ``agree``, any other (e.g. position 0's manager server went away) abandons the round,
-        as torchft's own errors do."""
+        """Per rank: ``run()``; a ``MembershipError`` is kept for ``agree``, any other (position
+        0's manager server went away) abandons the round, as torchft's own errors do."""
         try:
             return run()
         except MembershipError as err:
