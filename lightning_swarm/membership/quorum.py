@@ -5,7 +5,6 @@ Every way out but a quorum is a ``MembershipError`` naming the cause and the fix
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import math
 import socket
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, seconds
 from lightning_swarm.membership.errors import (
     LighthouseLostError,
     MembershipError,
@@ -41,8 +40,7 @@ def quorum_retries_for(quorum_timeout_s: float) -> int:
 
 
 def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
-    """Why nothing accepts a TCP connection at ``address`` within ``timeout_s``; ``None`` when
-    something does."""
+    """Why no TCP connection to ``address`` succeeds in ``timeout_s``; ``None`` when one does."""
     parts = urlsplit(address if "://" in address else f"http://{address}")
     try:
         host, port = parts.hostname, parts.port
@@ -105,7 +103,7 @@ def request_quorum(
         left = max(deadline - time.monotonic(), 0.5)
         asked = time.monotonic()
         try:
-            manager.start_quorum(timeout=datetime.timedelta(seconds=left))
+            manager.start_quorum(timeout=seconds(left))
             manager.wait_quorum()
             return
         except TimeoutError as err:

@@ -89,8 +89,7 @@ class HeaderRow:
     fragment: int = 0
     send_step: int = 0
     apply_step: int = 0
-    # Under a time budget (``transport.base.Work``): inner steps since its last round (its
-    # weight) and in all; 0 without a budget.
+    # Under a time budget (``Work``): steps since its last round (its weight), in all; else 0.
     work: int = 0
     inner_steps: int = 0
 

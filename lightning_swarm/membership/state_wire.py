@@ -1,8 +1,6 @@
-"""A state tree on the wire without pickle (healing must not unpickle a peer's bytes).
-
-Dicts, lists, tuples, tensors and plain scalars become a JSON header and the tensors' bytes as
-``uint8`` views, which alias the caller's contiguous CPU tensors: valid for one send only.
-``decode_tree`` refuses anything outside that vocabulary with ``ValueError``.
+"""A state tree on the wire without pickle (healing must not unpickle a peer's bytes): a JSON
+header and the tensors' bytes as ``uint8`` views, which alias the caller's contiguous CPU tensors
+(valid for one send only). ``decode_tree`` refuses anything else with ``ValueError``.
 """
 
 from __future__ import annotations

@@ -113,16 +113,6 @@ def quorum_rank(pg: Any) -> int:
     return int(pg.parent.rank())
 
 
-_GROUP_FIELDS = (
-    "_replica_id",
-    "_rank",
-    "_quorum_id",
-    "_group_rank",
-    "_group_world_size",
-    "_global_ranks",
-)
-
-
 def record_group_args(
     pg: Any,
     replica_id: str,
@@ -132,14 +122,22 @@ def record_group_args(
     group_world_size: int | None,
     global_ranks: list[int] | None,
 ) -> None:
-    """Record ``configure``'s arguments on ``pg`` in the ``_GROUP_FIELDS``, as torchft's
+    """Record ``configure``'s arguments on ``pg`` in its private fields, as torchft's
     ``configure`` (which ``QuorumGroup`` replaces) does: ``_create_pg`` and ``abort`` read them.
     If they change, groups get torchft's defaults and errors are logged without ids."""
-    for name in _GROUP_FIELDS:
+    names = [
+        "_replica_id",
+        "_rank",
+        "_quorum_id",
+        "_group_rank",
+        "_group_world_size",
+        "_global_ranks",
+    ]
+    for name in names:
         _require(pg, GROUP, name)
-    pg._replica_id, pg._quorum_id = replica_id, quorum_id
-    pg._group_rank, pg._group_world_size = group_rank, group_world_size
-    pg._rank, pg._global_ranks = rank, global_ranks
+    values = (replica_id, rank, quorum_id, group_rank, group_world_size, global_ranks)
+    for name, value in zip(names, values, strict=True):
+        setattr(pg, name, value)
 
 
 def create_gloo_group(

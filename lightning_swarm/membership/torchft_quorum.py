@@ -105,8 +105,7 @@ def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -
 
 @dataclass
 class MembershipTotals:
-    """What this island saw of the swarm (alike on its ranks, but for a per-rank island's heal
-    figures: each rank's own share)."""
+    """What this island saw of the swarm (alike on its ranks; per rank, heals are each rank's)."""
 
     islands_in_round: int = 0
     rounds_abandoned: int = 0
@@ -119,9 +118,9 @@ class TorchftMembership:
     """Averages pseudo-gradients over each round's quorum; owns its Managers until ``close``.
 
     ``island_group``: ``None`` is the default group when one exists, else an island of one rank.
-    ``background``: rounds run on a worker thread while the training thread's DDP uses the
-    island's group, so the fan-out gets a gloo group of its own (two threads' collectives on one
-    group interleave differently per rank). Raises ``LighthouseUnreachableError``.
+    ``background``: rounds run on a worker thread beside the training thread's DDP, so the
+    fan-out gets a gloo group of its own (two threads' collectives on one group interleave
+    differently per rank). ``per_rank``: every rank runs a Manager over its own share.
     """
 
     pipelined = False
@@ -158,7 +157,6 @@ class TorchftMembership:
         self.every_rank_in_round = self.per_rank
         # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
         self.exchanges = self.per_rank or self._fanout.is_leader
-        self._settings: Settings = {}
         self._row = HeaderRow(
             island=island_hash(config.island_id),
             model=fingerprint(self.layout),
@@ -167,7 +165,7 @@ class TorchftMembership:
             nonce=secrets.randbits(62),
             finite=1,
         )
-        self._row.set_settings({})
+        self.agree_on({})
         if self.per_rank:  # the island's ranks send identical rows: rank 0's identity
             identity = (self._row.joined_ns, self._row.nonce)
             self._row.joined_ns, self._row.nonce = self._fanout.on_leader(lambda: identity, (0, 0))
@@ -199,7 +197,7 @@ class TorchftMembership:
 
     def agree_on(self, settings: Settings) -> None:
         """The settings every island of the swarm must share, set before the first round."""
-        self._settings = dict(settings)
+        self._settings: Settings = dict(settings)
         self._row.set_settings(self._settings)
 
     # -- healing hooks: torchft calls them on its own threads; they touch the mailbox only ------
