@@ -81,7 +81,7 @@ class ElasticIsland:
         membership.agree_on({**settings, "outer_shares": self.outer_shares})
 
     def join(self, trainer: pl.Trainer) -> dict[str, float]:
-        """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""
+        """The island's first round (a heal if the swarm is ahead); lifts ``max_steps``."""
         if trainer.max_steps > 0:
             per_sync = self.config.num_fragments  # each fragment syncs once per sync_every
             self._target_rounds = math.ceil(trainer.max_steps / self.config.sync_every) * per_sync

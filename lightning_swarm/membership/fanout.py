@@ -73,9 +73,8 @@ class IslandFanout:
         agree(gather=self._gather(), error=error)
 
     def on_leader(self, run: Callable[[], T], default: T) -> T:
-        """``run()`` on rank 0 (``default`` stands in on the others) and its result on every
-        rank, pickled (small records only); a ``MembershipError`` it raises is raised on every
-        rank."""
+        """``run()`` on rank 0 (``default`` on the others) and its result, pickled (small records
+        only), on every rank; a ``MembershipError`` it raises is raised on every rank."""
         result, error = default, None
         if self.is_leader:
             try:
@@ -91,15 +90,13 @@ class IslandFanout:
     def agree_round(
         self, error: MembershipError | None, committed: bool, healed: bool
     ) -> tuple[bool, bool]:
-        """End a round alike on every rank of an island whose ranks each ran it: (every rank
-        committed, some rank was healed), or the lowest rank's error raised on every rank."""
+        """(every rank committed, some rank was healed), or the lowest rank's error raised."""
         agreed = agree(gather=self._gather(), error=error, values=(committed, healed))
         return agreed.sums[0] == self.size, agreed.sums[1] > 0
 
     def lead_round(self, run: Callable[[], RoundOutcome], tensors: list[Tensor]) -> RoundOutcome:
-        """``run()`` on rank 0 and its outcome on every rank (as ``on_leader``), with its
-        averaged ``tensors`` (when it committed past the genesis quorum) and healed state
-        (raw tensor bytes, not pickled)."""
+        """``run()`` on rank 0 and its outcome on every rank (``on_leader``), with its averaged
+        ``tensors`` (committed past genesis) and healed state (raw tensor bytes, not pickled)."""
         if self.size == 1:
             return run()
         sent: list[Any] = [None, []]  # rank 0's outcome and its heal tensors

@@ -1,9 +1,8 @@
 """Every private name of torchft (and of torch's gloo group) that elastic membership touches.
 
-One function per name, its docstring says why no public call serves and what breaks if it
-changes; ``tests/test_torchft_private.py`` has one test per name. A missing name raises
-``TorchftVersionError`` naming it and the fix (class attributes in ``check_torchft``, instance
-attributes before they are written). torchft is imported only inside these functions.
+One function per name says why no public call serves and what breaks if it changes; each has a
+test in ``tests/test_torchft_private.py``. A missing name raises ``TorchftVersionError`` naming
+it and the fix (class attributes in ``check_torchft``, instance ones before they are written).
 """
 
 from __future__ import annotations

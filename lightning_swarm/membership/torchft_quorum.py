@@ -1,10 +1,9 @@
 """Elastic membership on torchft: a ``Transport`` whose islands the Lighthouse decides each round.
 
-A round: quorum (joiners healed; the genesis quorum heals every island to the first one's
-anchors), round header, mean over the participants, commit gate. A failure abandons the round on
-the survivors; only the header's refusals and a quorum that never comes raise. torchft's threads
-touch only a mailbox: the engine's offer, and the healed state ``agree`` returns for the engine
-to install on its training thread.
+A round: quorum (joiners healed; the genesis quorum heals all to the first island's anchors),
+round header, mean, commit gate; a failure abandons it on the survivors, only refusals and a
+quorum that never comes raise. torchft's threads touch only a mailbox: the engine's offer, and the
+healed state ``agree`` returns for the engine to install on its training thread.
 """
 
 from __future__ import annotations
@@ -75,7 +74,6 @@ def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -
     the owners divide by the participants.
     """
     num_islands, island_index = pg.size(), quorum_rank(pg)  # the header rows' order, too
-    divisor = max(manager.num_participants(), 1)
     if not manager.is_participating():
         for run in runs:
             run.zero_()
@@ -94,7 +92,7 @@ def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -
             codec=codec,
             num_islands=num_islands,
             island_index=island_index,
-            divisor=divisor,
+            divisor=max(manager.num_participants(), 1),
             exchange=exchange,
             device=torch.device("cpu"),
         )
@@ -283,8 +281,7 @@ class TorchftMembership:
         return fallback
 
     def _lead_open(self, request: RoundRequest, finite: bool) -> Opening:
-        """Quorum, header and opening as this rank sees them (no island collective); ``finite``
-        replaces ``request.finite`` (per rank: the island's)."""
+        """Quorum, header and opening as this rank sees them (no island collective)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
@@ -323,8 +320,7 @@ class TorchftMembership:
 
     def _lead_agree(self) -> RoundOutcome:
         """The vote as this rank sees it, with any heal it delivered (no island collective);
-        raises ``QuorumTimeoutError`` once rounds fell short of ``min_islands`` for
-        ``quorum_timeout_s``."""
+        ``QuorumTimeoutError`` once rounds fell short of ``min_islands`` for the quorum timeout."""
         outcome = self._outcome
         if self._manager.errored():
             self._link.discard()
