@@ -1,11 +1,7 @@
-"""Lightning glue of elastic islands (``SwarmStrategy(membership="torchft")``).
-
-Each launch is one island. ``ElasticIsland`` builds its ``TorchftMembership``, runs the first
-round at the start of training (a joiner is healed there), logs the membership metrics and ends
-the fit. Two clocks: ``global_step`` is the island's own inner steps (logs, checkpoint cadence,
-schedulers); the swarm's is its committed rounds. Every island ends after the same round,
-``ceil(max_steps / sync_every) * num_fragments``, on the anchors; Lightning's ``max_steps`` is
-lifted, since an island with abandoned rounds has run more steps than the swarm's clock shows.
+"""Lightning glue of elastic islands (``SwarmStrategy(membership="torchft")``): each launch is
+one island. ``global_step`` counts the island's own inner steps, the swarm's clock its committed
+rounds; every island ends on the anchors after the same round, ``ceil(max_steps / sync_every) *
+num_fragments`` (Lightning's ``max_steps`` is lifted: abandoned rounds cost inner steps).
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ class ElasticIsland:
 
     @staticmethod
     def island_size(requested: int, world_size: int) -> int:
-        """The island is the launch's whole world (``island_size`` 1, the default, means it)."""
         if requested not in (1, world_size):
             raise SwarmConfigError(
                 f"island_size={requested} with membership='torchft': each launch is one island "
@@ -48,17 +43,13 @@ class ElasticIsland:
             )
         return world_size
 
-    @staticmethod
-    def shares_outer_state(config: SwarmConfig, world_size: int) -> bool:
-        """Whether each rank of the island owns a share and exchanges it itself."""
-        return config.shard_outer and world_size > 1 and config.island_parallel == "ddp"
-
     def build_membership(
         self, module: Module, island_group: dist.ProcessGroup | None, bucket_numel: int
     ) -> TorchftMembership:
         params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
         world = dist.get_world_size(island_group) if dist.is_initialized() else 1
-        per_rank = self.shares_outer_state(self.config, world)
+        # Each rank owns a share of the outer state and exchanges it itself.
+        per_rank = self.config.shard_outer and world > 1 and self.config.island_parallel == "ddp"
         self.outer_shares = world if per_rank else 1
         self.membership = TorchftMembership(
             self.options,
@@ -77,6 +68,7 @@ class ElasticIsland:
         return self._outer
 
     def attach(self, outer_syncs: Sequence[OuterSync]) -> None:
+        """Islands whose rounds would mean different things are refused in the round header."""
         if len(outer_syncs) != 1:
             raise SwarmConfigError(
                 f"membership='torchft' supports one optimizer, this module has "
@@ -85,12 +77,11 @@ class ElasticIsland:
         membership = self.membership
         assert membership is not None, "the membership is built before the outer loop"
         self._outer = outer_syncs[0]
-        # Islands whose rounds would mean different things are refused in the round header.
         settings = swarm_settings(self.config, outer_syncs[0].outer_optimizer)
         membership.agree_on({**settings, "outer_shares": self.outer_shares})
 
     def join(self, trainer: pl.Trainer) -> dict[str, float]:
-        """The island's first round (healing it if the swarm is ahead); lifts ``max_steps``."""
+        """The island's first round (a heal if the swarm is ahead); lifts ``max_steps``."""
         if trainer.max_steps > 0:
             per_sync = self.config.num_fragments  # each fragment syncs once per sync_every
             self._target_rounds = math.ceil(trainer.max_steps / self.config.sync_every) * per_sync
@@ -99,18 +90,17 @@ class ElasticIsland:
         return self.after_round(trainer, {"swarm/outer_steps": float(report.outer_steps)})
 
     def after_round(self, trainer: pl.Trainer, metrics: Mapping[str, float]) -> dict[str, float]:
-        """Adds the membership metrics; stops the fit once the swarm reached its last round."""
+        """``metrics`` with the membership's; stops the fit after the swarm's last round."""
         assert self.membership is not None
-        totals = self.membership.totals
-        out = dict(metrics)
-        # The swarm's clock after any heal or adopted round (a heal in an abandoned round
-        # installs the swarm's counters).
-        out["swarm/outer_steps"] = float(self._outer_sync.outer_steps)
-        out["swarm/islands_in_round"] = float(totals.islands_in_round)
-        out["swarm/rounds_abandoned"] = float(totals.rounds_abandoned)
-        out["swarm/heal_bytes"] = float(totals.heal_bytes)
-        out["swarm/heal_time_s"] = totals.heal_time_s
-        rounds = self._outer_sync.outer_steps
+        totals, rounds = self.membership.totals, self._outer_sync.outer_steps
+        out = {
+            **metrics,
+            "swarm/outer_steps": float(rounds),  # the swarm's clock after any heal or adoption
+            "swarm/islands_in_round": float(totals.islands_in_round),
+            "swarm/rounds_abandoned": float(totals.rounds_abandoned),
+            "swarm/heal_bytes": float(totals.heal_bytes),
+            "swarm/heal_time_s": totals.heal_time_s,
+        }
         if self._target_rounds is not None and rounds >= self._target_rounds:
             trainer.should_stop = True
             # The global model, not a merge_alpha mix of it with this island's own weights.

@@ -20,7 +20,7 @@ header arrived and before its tensors do, and writes ``<island>.stalled``.
 
 Under ``--budget-s`` the first rank also appends each round's weighing to
 ``<out>/<island>.weights.jsonl``: the header rows it weighed (island_id hash, healing, work,
-inner steps), its own hash and the scale it got (a wrapper around ``adopt.weighed``).
+inner steps), its own hash and the scale it got (a wrapper around ``round_header.weighed``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
-from lightning_swarm.membership import heal, torchft_quorum
+from lightning_swarm.membership import torchft_manager, torchft_quorum
 from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.transport.base import Opening
@@ -81,13 +81,13 @@ def inject_faults(args: argparse.Namespace, out: Path) -> None:
 
         TorchftMembership._allreduce = stalling_allreduce  # type: ignore[method-assign]
     if args.stall_in_heal:
-        specs = heal.tensor_specs
+        buffers = torchft_manager.receive_buffers
 
-        def stalling_specs(header: bytes) -> Any:
+        def stalling_buffers(header: bytes) -> Any:
             stall(marker)
-            return specs(header)
+            return buffers(header)
 
-        heal.tensor_specs = stalling_specs  # type: ignore[assignment]
+        torchft_manager.receive_buffers = stalling_buffers  # type: ignore[assignment]
 
 
 def record_weights(path: Path) -> None:

@@ -20,8 +20,7 @@ from lightning_swarm import SwarmStrategy
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.errors import SwarmError
-from lightning_swarm.membership.adopt import weighed
-from lightning_swarm.membership.round_header import HeaderRow, island_hash
+from lightning_swarm.membership.round_header import HeaderRow, island_hash, weighed
 from lightning_swarm.outer import OuterSync
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator

@@ -131,7 +131,7 @@ def _agree(rank: int, world: int, out: Path) -> None:
     assert fanout.agree_round(None, committed=True, healed=False) == (True, False)
     assert fanout.agree_round(None, committed=rank == 1, healed=rank == 1) == (False, True)
     assert fanout.all_true(rank == 0) is False and fanout.all_true(True) is True
-    assert fanout.share_text(f"from {rank}") == "from 0"
+    assert fanout.on_leader(lambda: f"from {rank}", "") == "from 0"
     # Only rank 1 was refused: every rank raises its error, with its message.
     error = DuplicateIslandError("island_id 'c' is already taken") if rank == 1 else None
     with pytest.raises(DuplicateIslandError, match="island_id 'c' is already taken"):
@@ -146,13 +146,14 @@ def test_the_ranks_of_an_island_end_a_round_alike(tmp_path: Path) -> None:
 
 def test_an_island_that_splits_the_outer_state_otherwise_is_told_how_to_fix_it() -> None:
     from lightning_swarm.membership.errors import SettingsMismatchError
-    from lightning_swarm.membership.round_header import Verdict, refusal
+    from lightning_swarm.membership.round_header import HeaderRow, refusal
 
-    error = refusal(Verdict.SETTINGS, "y", 1, 1, {"outer_shares": 2}, {"outer_shares": 1})
+    swarm, mine = HeaderRow(1, 7, 0, 1, 1, 1, 5, 10), HeaderRow(2, 7, 0, 2, 2, 1, 6, 10)
+    error = refusal([swarm, mine], mine, "y", {"outer_shares": 2}, {"outer_shares": 1})
     assert isinstance(error, SettingsMismatchError)
     assert "outer_shares is 2 here but 1 in the swarm" in str(error)
     assert "give every island the same number of ranks, or set shard_outer=False" in str(error)
-    other = refusal(Verdict.SETTINGS, "y", 1, 1, {"sync_every": 2}, {"sync_every": 4})
+    other = refusal([swarm, mine], mine, "y", {"sync_every": 2}, {"sync_every": 4})
     assert "shard_outer" not in str(other)  # the hint only where the shares differ
 
 

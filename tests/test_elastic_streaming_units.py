@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import astuple
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.membership.adopt import RoundPlace, plan_round
+from lightning_swarm.membership.round_header import HeaderRow, opening_of
 from lightning_swarm.outer import OuterSync, StreamingOptions
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport.base import Bucket, Done, Handle, Opening, RoundRequest, RoundStats
+from lightning_swarm.transport.base import (
+    Bucket,
+    Done,
+    Handle,
+    Opening,
+    RoundPlace,
+    RoundRequest,
+    RoundStats,
+)
 from tests.transport_rounds import NamedRound
 
 SGD = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -177,15 +186,19 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
 
 
 def test_a_member_being_healed_adopts_the_swarms_round_and_only_a_fragment_split_abandons() -> None:
+    def row(nonce: int, place: RoundPlace, healing: bool = False) -> HeaderRow:
+        return HeaderRow(1, 7, int(healing), 0, nonce, 1, 5, 10, *astuple(place))
+
     swarm, other = RoundPlace(1, 6, 7), RoundPlace(0, 4, 5)
-    healing = plan_round([swarm, other], [False, True], reference=0, me=1)
-    assert healing.adopt and not healing.abandon and healing.swarm == swarm
-    live = plan_round([swarm, other], [False, True], reference=0, me=0)
-    assert not live.adopt and not live.abandon
-    split = plan_round([swarm, other], [False, False], reference=0, me=1)
-    assert split.adopt and split.abandon
-    drift = plan_round([swarm, RoundPlace(1, 5, 6)], [False, False], reference=0, me=1)
-    assert not drift.adopt and not drift.abandon  # same fragment: both average it
+    live, joiner = row(1, swarm), row(2, other, healing=True)
+    healing = opening_of([live, joiner], joiner)
+    assert healing.adopt == swarm and not healing.abandon
+    kept = opening_of([live, joiner], live)
+    assert kept.adopt is None and not kept.abandon
+    split = opening_of([live, row(2, other)], row(2, other))
+    assert split.adopt == swarm and split.abandon
+    drift = opening_of([live, row(2, RoundPlace(1, 5, 6))], row(2, RoundPlace(1, 5, 6)))
+    assert drift.adopt is None and not drift.abandon  # same fragment: both average it
 
 
 def test_streaming_options_are_accepted_with_torchft_and_the_swarm_transport_refused() -> None:
@@ -299,7 +312,7 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
     bit, and the bytes of a reduce-scatter of the encoded payload."""
     import threading
 
-    from lightning_swarm.membership.quorum_coded import coded_quorum_mean
+    from lightning_swarm.membership.torchft_quorum import coded_quorum_mean
     from lightning_swarm.transport.buckets import plan_buckets, plan_shares
     from lightning_swarm.transport.reduce_scatter import encoded_nbytes, reduce_scatter_bytes
 

@@ -146,7 +146,17 @@ def test_settings_that_must_agree_and_their_differences_in_words() -> None:
 
 
 def test_the_round_header_verdicts() -> None:
-    from lightning_swarm.membership.round_header import HeaderRow, Verdict, judge
+    from lightning_swarm.membership.errors import (
+        DivergedIslandError,
+        DuplicateIslandError,
+        ModelMismatchError,
+        SettingsMismatchError,
+    )
+    from lightning_swarm.membership.round_header import HeaderRow, abandons, refusal
+
+    def judge(rows: list[HeaderRow], mine: HeaderRow) -> object:
+        error = refusal(rows, mine, "x", {}, {})
+        return type(error) if error is not None else abandons(rows, mine)
 
     def row(island: int, **changes: int) -> HeaderRow:
         values = dict(island=island, model=7, healing=0, joined_ns=island, nonce=island)
@@ -154,26 +164,26 @@ def test_the_round_header_verdicts() -> None:
         return HeaderRow(**{**values, **changes})
 
     a, b = row(1), row(2)
-    assert judge([a, b], a) is Verdict.GO
+    assert judge([a, b], a) is False  # go
     assert HeaderRow.of(b.tensor()) == b
     joiner = row(3, healing=1, settings=6)  # the island in the swarm is the reference
-    assert judge([joiner, a], joiner) is Verdict.SETTINGS
-    assert judge([joiner, a], a) is Verdict.ABANDON
+    assert judge([joiner, a], joiner) is SettingsMismatchError
+    assert judge([joiner, a], a) is True  # abandon
     other_model = row(3, healing=1, model=8)
-    assert judge([a, other_model], other_model) is Verdict.MODEL
+    assert judge([a, other_model], other_model) is ModelMismatchError
     twin = row(1, joined_ns=9, nonce=9)  # started later with a's island_id
-    assert judge([a, twin], twin) is Verdict.DUPLICATE
-    assert judge([a, twin], a) is Verdict.ABANDON
+    assert judge([a, twin], twin) is DuplicateIslandError
+    assert judge([a, twin], a) is True
     diverged = row(2, finite=0)
-    assert judge([a, diverged], diverged) is Verdict.DIVERGED
-    assert judge([a, diverged], a) is Verdict.ABANDON
+    assert judge([a, diverged], diverged) is DivergedIslandError
+    assert judge([a, diverged], a) is True
 
 
 def test_quorums_that_leave_live_islands_out_warn_once() -> None:
     """A member missing from a round and back with the same nonce was alive all along; two
     such returns warn once, naming the lighthouse's join timeout; a restart (new nonce) and a
     single return (a suspended island coming back) do not."""
-    from lightning_swarm.membership.quorum_watch import QuorumWatch
+    from lightning_swarm.membership.quorum import QuorumWatch
     from lightning_swarm.membership.round_header import HeaderRow
 
     def rows(*members: tuple[int, int]) -> list[HeaderRow]:
@@ -208,7 +218,7 @@ def _fan_out_on_a_side_group(rank: int, world: int, out: Path) -> None:
     tensors = [torch.full((3,), float(rank)), torch.full((2, 2), float(rank + 10))]
     healed = {"outer": [{"anchors": {"w": torch.arange(4.0)}, "outer_steps": 7}]}
     mine = RoundOutcome(committed=True, participants=3, healed=healed if rank == 0 else None)
-    shared = fanout.share_outcome(mine, tensors)
+    shared = fanout.lead_round(lambda: mine, tensors)
     fanout.close()
     assert (shared.committed, shared.participants) == (True, 3)
     assert tensors[0].eq(0.0).all() and tensors[1].eq(10.0).all()  # rank 0's values

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from lightning_swarm.algorithm.model_layout import model_layout
-from lightning_swarm.membership import (
+from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.errors import (
     LighthouseUnreachableError,
     MembershipError,
     QuorumTimeoutError,
 )
-from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
 from lightning_swarm.transport.base import Bucket, RoundRequest, RoundStats
 from tests.dist_utils import free_port
@@ -94,7 +94,7 @@ def group_per_quorum(tmp: Path) -> None:
 
     import torch.distributed as dist
 
-    from lightning_swarm.membership.quorum_group import QuorumGroup
+    from lightning_swarm.membership.torchft_manager import QuorumGroup
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{server.port}"

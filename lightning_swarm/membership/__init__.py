@@ -1,40 +1,11 @@
-"""Membership: which islands take part in an outer round.
+"""Membership: which islands take part in an outer round (``static`` or ``torchft``).
 
-``static``: every island of the one world, every round. ``torchft``: separate launches meet at a
-Lighthouse; each round takes a quorum, averages over it and commits or abandons alike on every
-survivor (``TorchftMembership``). Below the outer loop, above the transports; never imports
-Lightning. torchft is imported only when used.
+Below the outer loop, above the transports; never imports Lightning; imports torchft only when
+used. Its errors are exported by the package root (``membership/errors.py``).
 """
 
 from __future__ import annotations
 
-from lightning_swarm.membership.config import elastic_options
-from lightning_swarm.membership.errors import (
-    DivergedIslandError,
-    DuplicateIslandError,
-    LighthouseLostError,
-    LighthouseUnreachableError,
-    MembershipError,
-    ModelMismatchError,
-    QuorumTimeoutError,
-    SettingsMismatchError,
-    SwarmGoneError,
-    TorchftVersionError,
-)
-from lightning_swarm.membership.static import MEMBERSHIPS, check_membership
+from lightning_swarm.membership.config import MEMBERSHIPS, check_membership, elastic_options
 
-__all__ = [
-    "MEMBERSHIPS",
-    "DivergedIslandError",
-    "DuplicateIslandError",
-    "LighthouseLostError",
-    "LighthouseUnreachableError",
-    "MembershipError",
-    "ModelMismatchError",
-    "QuorumTimeoutError",
-    "SettingsMismatchError",
-    "SwarmGoneError",
-    "TorchftVersionError",
-    "check_membership",
-    "elastic_options",
-]
+__all__ = ["MEMBERSHIPS", "check_membership", "elastic_options"]

@@ -1,33 +1,42 @@
 """Which membership a ``SwarmConfig`` asks for, and torchft's options, checked before launch.
 
-``elastic_options`` returns ``None`` for the static membership (refusing a ``lighthouse`` or
-``island_id`` given with it) and an ``ElasticConfig`` for torchft, after refusing the swarm
-transport, whose multi-exchange rounds do not fit a torchft round; refusals name the fix.
+``static``: the islands are the blocks of one torch.distributed world, all in every round.
+``torchft``: islands meet at a lighthouse and may fail, restart and join.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 from lightning_swarm.config import ROUND_TIMEOUT_FLOOR_S, SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
-from lightning_swarm.membership.static import check_membership
 from lightning_swarm.transport.link import LinkTimeouts
+
+MEMBERSHIPS = ("static", "torchft")
+
+
+def seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+def check_membership(name: object) -> str:
+    """``name`` if it is a known membership; ``ValueError`` naming the choices otherwise."""
+    if name not in MEMBERSHIPS:
+        raise SwarmConfigError(
+            f"membership must be one of {list(MEMBERSHIPS)}, got {name!r}; 'static' is one "
+            "torch.distributed world, 'torchft' lets islands fail, restart and join through a "
+            "lighthouse (pip install 'lightning-swarm[elastic]')."
+        )
+    return str(name)
 
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """Where the lighthouse is, who this island is, and how long to wait.
+    """Where the lighthouse is, who this island is (unique among live islands), how long to wait.
 
-    Attributes:
-        lighthouse: the lighthouse's address, e.g. ``http://host:29510``.
-        island_id: this island's name, unique among live islands.
-        min_islands: a round commits only with at least this many islands in it.
-        quorum_timeout_s: how long a round waits for ``min_islands`` islands; also how long
-            rounds may keep falling short of ``min_islands`` before the island gives up.
-        round_timeout_s: bound on every collective, heal and commit gate of a round; a dead
-            peer is noticed within it. ``None`` derives it per round (``timeouts``).
-        connect_timeout_s: how long to try to reach the lighthouse at start.
+    ``quorum_timeout_s`` also bounds how long rounds may fall short of ``min_islands``;
+    ``round_timeout_s`` bounds a round's collectives, heal and vote (``None``: ``timeouts``).
     """
 
     lighthouse: str
@@ -54,7 +63,7 @@ class ElasticConfig:
             raise SwarmConfigError(f"min_islands must be >= 1, got {self.min_islands}")
         for name in ("quorum_timeout_s", "round_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
-            if name == "round_timeout_s" and value is None:
+            if value is None and name == "round_timeout_s":
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 derive = " (or None to derive it per round)" if name == "round_timeout_s" else ""
@@ -64,18 +73,13 @@ class ElasticConfig:
 
     @property
     def timeouts(self) -> LinkTimeouts:
-        """Where a round's timeout comes from: ``round_timeout_s`` as set, or derived from the
-        round's payload and this rank's measured link rate, at least ``ROUND_TIMEOUT_FLOOR_S``
-        (``transport.link``)."""
+        """``round_timeout_s``, or derived from a round's payload and link rate."""
         return LinkTimeouts("round_timeout_s", ROUND_TIMEOUT_FLOOR_S, self.round_timeout_s)
 
 
 def elastic_options(config: SwarmConfig) -> ElasticConfig | None:
-    """``None`` for ``membership="static"``; the checked torchft options otherwise.
-
-    Raises:
-        ValueError: an option that needs the other membership, or one torchft cannot serve.
-    """
+    """``None`` for ``membership="static"``; the checked torchft options otherwise (``ValueError``
+    for an option of the other membership, or one torchft cannot serve)."""
     if check_membership(config.membership) == "static":
         # With a lighthouse or island id, this launch would silently train alone.
         for option in ("lighthouse", "island_id"):

@@ -26,8 +26,7 @@ class SwarmGoneError(QuorumTimeoutError):
 
 
 class SettingsMismatchError(MembershipError):
-    """This island's DiLoCo settings (sync_every, fragments, outer optimizer, ...) differ from
-    the swarm's."""
+    """This island's DiLoCo settings (sync_every, outer optimizer, ...) differ from the swarm's."""
 
 
 class DuplicateIslandError(MembershipError):
@@ -43,5 +42,4 @@ class DivergedIslandError(MembershipError):
 
 
 class TorchftVersionError(MembershipError):
-    """The installed torchft lacks a private name lightning_swarm relies on
-    (``membership/torchft_private.py``); the message names it and the fix."""
+    """The installed torchft lacks a private name of ``membership/torchft_private.py``."""

@@ -1,8 +1,7 @@
-"""``swarm-lighthouse``: torchft's Lighthouse, where elastic islands meet.
+"""``swarm-lighthouse``: torchft's ``LighthouseServer``, where elastic islands meet.
 
-A thin command over ``torchft.coordination.LighthouseServer`` that prints the address islands
-pass as ``strategy.lighthouse``. Keep ``--join-timeout-ms`` above one round's time: a shorter one
-forms quorums without live islands (``docs/elastic.md``).
+Keep ``--join-timeout-ms`` above one round's time: a shorter one forms quorums without live
+islands (``docs/elastic.md``).
 """
 
 from __future__ import annotations

@@ -1,51 +1,46 @@
-"""Asking the lighthouse for a round's quorum, and saying why none came.
+"""Asking the lighthouse for a round's quorum, saying why none came, and watching quorums.
 
-torchft asks a lost lighthouse again only ``quorum_retries`` times, so ``quorum_retries_for``
-spaces retries ``RETRY_SPACING_S`` apart to find one restarted within ``quorum_timeout_s``; a
-failed quorum is cleared from the Manager (``forget_failed_quorum``) so the island can ask anew;
-an island back from a suspension asks again with a whole timeout. Every way out other than a
-quorum is a ``MembershipError`` saying which: the lighthouse is gone, too few islands came, or
-the island came back to find no swarm.
+Every way out but a quorum is a ``MembershipError`` naming the cause and the fix.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import math
 import socket
+import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, seconds
 from lightning_swarm.membership.errors import (
     LighthouseLostError,
     MembershipError,
     QuorumTimeoutError,
     SwarmGoneError,
 )
-from lightning_swarm.membership.suspension import SuspensionWatch
+from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.membership.torchft_private import (
     forget_failed_quorum,
     set_up_group_for_this_quorum,
     tap_quorums,
 )
 
-RETRY_SPACING_S = 1.0
-"""How often the manager server asks a lighthouse that did not answer, roughly."""
+RETRY_SPACING_S = 1.0  # how often the manager server asks a lighthouse that did not answer
+SUSPENDED_AFTER_S = 5.0  # a tick this much later than due: the process was away, not busy
+RETURNS_TO_WARN = 2
 
 
 def quorum_retries_for(quorum_timeout_s: float) -> int:
-    """torchft's ``quorum_retries`` that spaces its attempts about ``RETRY_SPACING_S`` apart."""
+    """torchft's ``quorum_retries`` that finds a lighthouse restarted within the timeout."""
     return max(1, math.ceil(quorum_timeout_s / RETRY_SPACING_S))
 
 
 def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
-    """Why nothing accepts a TCP connection at the lighthouse's ``address`` within
-    ``timeout_s`` (the address has no host or port, or the connect's error); ``None`` when
-    something does."""
+    """Why no TCP connection to ``address`` succeeds in ``timeout_s``; ``None`` when one does."""
     parts = urlsplit(address if "://" in address else f"http://{address}")
     try:
         host, port = parts.hostname, parts.port
@@ -60,13 +55,43 @@ def lighthouse_problem(address: str, timeout_s: float = 2.0) -> str | None:
         return f"nothing accepted a connection within {timeout_s:g} s ({err})"
 
 
+class SuspensionWatch:
+    """Records when this process was away (SIGSTOP, or starved of the CPU for seconds): then
+    every timeout has expired and the island must ask again rather than give up. A daemon
+    thread ticks every ``tick_s`` and records a tick ``gap_s`` late, until ``close``."""
+
+    def __init__(self, tick_s: float = 0.5, gap_s: float = SUSPENDED_AFTER_S) -> None:
+        self.tick_s, self.gap_s = tick_s, gap_s
+        self._gaps: list[tuple[float, float]] = []  # (monotonic end, seconds away)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-suspension", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.tick_s):
+            now = time.monotonic()
+            if now - last - self.tick_s > self.gap_s:
+                with self._lock:
+                    self._gaps.append((now, now - last - self.tick_s))
+            last = now
+
+    def away_since(self, since: float) -> float:
+        """Seconds this process was away in gaps that ended after monotonic time ``since``."""
+        with self._lock:
+            return sum(away for end, away in self._gaps if end > since)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def request_quorum(
     manager: Any, config: ElasticConfig, watch: SuspensionWatch, last_round_at: float
 ) -> None:
-    """This round's quorum from ``manager``, within ``config.quorum_timeout_s``.
-
-    ``last_round_at`` is when this island last committed a round (monotonic): if it was away
-    since then and finds no quorum, the swarm went on without it, or ended.
+    """This round's quorum, within ``config.quorum_timeout_s``; an island away while asking
+    asks again with a whole timeout. ``last_round_at``: its last commit (monotonic).
 
     Raises:
         LighthouseLostError: the lighthouse stopped answering for the whole timeout.
@@ -78,7 +103,7 @@ def request_quorum(
         left = max(deadline - time.monotonic(), 0.5)
         asked = time.monotonic()
         try:
-            manager.start_quorum(timeout=datetime.timedelta(seconds=left))
+            manager.start_quorum(timeout=seconds(left))
             manager.wait_quorum()
             return
         except TimeoutError as err:
@@ -116,60 +141,54 @@ def quorum_error(config: ElasticConfig, away_s: float) -> MembershipError:
 class QuorumIdentity:
     """Sets a process group up for every quorum, under a store prefix no earlier set-up used.
 
-    torchft keeps a quorum's group while the lighthouse hands out the same quorum id, but a
-    restarted lighthouse counts ids from the start again, and whether an island still holds a
-    usable group is its own knowledge: islands then decide differently and hang
-    (``docs/elastic.md``). So the decision comes from the quorum alone, which every member
-    receives alike: this class sees each quorum on its way to the Manager
-    (``torchft_private.tap_quorums``) and has torchft set the group up anew, under a prefix named
-    by the quorum's id, members and ``max_step``. Within one lighthouse's life that name is new
-    for every quorum (a committed round raises ``max_step``; one committed nowhere is reported
-    by ``count_commit_failure``, on which the lighthouse raises the id). Across a restart a
-    repeated name fails its set-up within about twice the round timeout, is reported, and the
-    next quorum has a new id. The price is one group set-up per round.
+    torchft keeps a group while the quorum id repeats, but a restarted lighthouse counts ids
+    anew and islands then decide differently and hang (``docs/elastic.md``). So every quorum's
+    group is set up under its name (id, members, ``max_step``: new for every quorum of one
+    lighthouse, as a failed round is counted); across a restart a repeated name fails its
+    set-up within the round timeout and the next quorum has a new id.
     """
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
         self._pending: str | None = None
-        tap_quorums(manager, self._see)  # the quorum is visible only on its way to torchft
+        tap_quorums(manager, self._see)
 
-    def _see(self, quorum: Any) -> None:
-        self._pending = quorum_name(quorum.quorum_id, quorum.replica_ids, quorum.max_step)
+    def _see(self, quorum: Any) -> None:  # the same name on every member of the quorum
+        name = f"{quorum.quorum_id}/{','.join(quorum.replica_ids)}/{quorum.max_step}"
+        self._pending = hashlib.sha256(name.encode()).hexdigest()[:16]
         set_up_group_for_this_quorum(self._manager)
 
     def store_prefix(self, store_addr: str) -> str:
-        """The store address for setting up the pending quorum's group."""
         return f"{store_addr}/{self._pending}"
 
 
-def quorum_name(quorum_id: int, replica_ids: Sequence[str], max_step: int) -> str:
-    """A quorum's name: the same on every member, new for every quorum of one lighthouse."""
-    members = ",".join(replica_ids)
-    return hashlib.sha256(f"{quorum_id}/{members}/{max_step}".encode()).hexdigest()[:16]
+class QuorumWatch:
+    """Warns once when quorums leave live islands out (a lighthouse join timeout shorter than
+    a round): a member missing from a header and back with its nonce was alive all along; one
+    return may be a suspended island, so it takes ``RETURNS_TO_WARN``."""
 
+    def __init__(self, island_id: str) -> None:
+        self.island_id = island_id
+        self.returns = 0
+        self._previous: set[tuple[int, int]] = set()
+        self._missing: set[tuple[int, int]] = set()
+        self._warned = False
 
-class ShortRounds:
-    """Raises once rounds keep falling short of ``min_islands`` for ``quorum_timeout_s``."""
-
-    def __init__(self, config: ElasticConfig) -> None:
-        self.config = config
-        self._short_since: float | None = None
-
-    def see(self, participants: int, committed: bool) -> None:
-        """One round's islands and vote.
-
-        Raises:
-            QuorumTimeoutError: every round of the last ``quorum_timeout_s`` fell short.
-        """
-        if participants >= self.config.min_islands or committed:
-            self._short_since = None
-            return
-        now = time.monotonic()
-        self._short_since = self._short_since or now
-        if now - self._short_since > self.config.quorum_timeout_s:
-            raise QuorumTimeoutError(
-                f"island {self.config.island_id!r}: only {participants} island(s) in the rounds "
-                f"of the last {now - self._short_since:.0f} s, fewer than min_islands="
-                f"{self.config.min_islands}; start more islands or lower min_islands."
+    def see(self, rows: Sequence[HeaderRow]) -> None:
+        members = {(r.island, r.nonce) for r in rows}
+        self.returns += len(members & self._missing)
+        self._missing = (self._missing | self._previous) - members
+        self._previous = members
+        if self.returns >= RETURNS_TO_WARN and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"island {self.island_id!r}: live islands were left out of quorums and came back "
+                f"({self.returns} times so far): the lighthouse's join timeout is shorter than a "
+                "round, so quorums form without islands still in their inner steps, and a slower "
+                "island may never commit a round. torchft's LighthouseServer defaults "
+                "join_timeout_ms to 100 ms; start the lighthouse with `swarm-lighthouse` (60 s "
+                "by default) or set --join-timeout-ms above the time of one round (sync_every "
+                "inner steps plus the round).",
+                UserWarning,
+                stacklevel=2,
             )

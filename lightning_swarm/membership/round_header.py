@@ -1,26 +1,21 @@
-"""The round header: what each member of a quorum tells the others before a pseudo-gradient moves.
-
-Each round all-gathers one int64 row per island (``HeaderRow``); from the rows alone every member
-reaches the same verdict (``judge``), so all abandon a round together and only the island at fault
-raises: a non-finite pseudo-gradient, a duplicate ``island_id``, a different model layout, or
-different settings (``swarm_settings``: ``config.ISLAND_SETTINGS`` and the outer optimizer). The
-reference is the first member not being healed. Rows carry a hash of the settings; when hashes
-differ the settings themselves are exchanged, so the error names each difference. Nothing here
-talks to the network.
+"""The round header: one int64 row per member of a quorum, all-gathered before a pseudo-gradient
+moves; every member decides from the rows alone, so all decide alike. The reference is the first
+member not being healed. Collectives line up only when every member averages the same fragment:
+an island being healed averages zeros and adopts the swarm's round (``opening_of``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from dataclasses import astuple, dataclass
-from enum import Enum
+from collections.abc import Callable, Mapping
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm.budget import scale_of
 from lightning_swarm.config import ISLAND_SETTINGS, SwarmConfig
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
@@ -29,9 +24,9 @@ from lightning_swarm.membership.errors import (
     ModelMismatchError,
     SettingsMismatchError,
 )
+from lightning_swarm.transport.base import Opening, RoundPlace, checked_work
 
-Settings = dict[str, Any]
-"""Setting name -> a JSON value; equal on every island of a swarm."""
+Settings = dict[str, Any]  # setting name -> a JSON value; equal on every island of a swarm
 
 
 def _hash63(data: bytes) -> int:
@@ -39,7 +34,6 @@ def _hash63(data: bytes) -> int:
 
 
 def _json_value(value: object) -> Any:
-    """``value`` as JSON can hold it (tuples as lists; anything else by its repr)."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, list | tuple):
@@ -49,22 +43,17 @@ def _json_value(value: object) -> Any:
     return repr(value)
 
 
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> Settings:
-    """An optimizer's class and the hyper-parameters of each of its parameter groups."""
-    prefix, cls = "outer_optimizer", type(optimizer)
-    settings: Settings = {prefix: f"{cls.__module__}.{cls.__qualname__}"}
-    for index, group in enumerate(optimizer.param_groups):
-        key = prefix if len(optimizer.param_groups) == 1 else f"{prefix}[{index}]"
+def swarm_settings(config: SwarmConfig, outer_optimizer: torch.optim.Optimizer) -> Settings:
+    """The settings every island of one swarm must share: ``ISLAND_SETTINGS``, the outer
+    optimizer's class and the hyper-parameters of each of its parameter groups."""
+    settings: Settings = {name: _json_value(getattr(config, name)) for name in ISLAND_SETTINGS}
+    prefix, cls, groups = "outer_optimizer", type(outer_optimizer), outer_optimizer.param_groups
+    settings[prefix] = f"{cls.__module__}.{cls.__qualname__}"
+    for index, group in enumerate(groups):
+        key = prefix if len(groups) == 1 else f"{prefix}[{index}]"
         for name, value in sorted(group.items()):
             if name != "params":
                 settings[f"{key}.{name}"] = _json_value(value)
-    return settings
-
-
-def swarm_settings(config: SwarmConfig, outer_optimizer: torch.optim.Optimizer) -> Settings:
-    """The settings every island of one swarm must share (see the module docstring)."""
-    settings: Settings = {name: _json_value(getattr(config, name)) for name in ISLAND_SETTINGS}
-    settings.update(optimizer_settings(outer_optimizer))
     return settings
 
 
@@ -85,7 +74,7 @@ def describe_settings_difference(own: Mapping[str, Any], swarm: Mapping[str, Any
 
 @dataclass
 class HeaderRow:
-    """One island's row of the round header (all int64)."""
+    """One island's row of the round header."""
 
     island: int  # hash of island_id
     model: int  # fingerprint of the model's layout
@@ -93,16 +82,19 @@ class HeaderRow:
     joined_ns: int  # when this island's membership started: the earlier twin keeps the id
     nonce: int  # tells two launches with one island_id apart
     finite: int  # 0 when its pseudo-gradient holds NaN or inf
-    settings: int  # hash of its encoded settings
-    settings_len: int  # length of its encoded settings
-    # Its place in its schedule (``adopt.RoundPlace``): fragment, sent after, applies at.
+    settings: int = 0  # hash of its encoded settings (``set_settings``)
+    settings_len: int = 0  # length of its encoded settings
+    # Its place in its schedule (``RoundPlace``): fragment, sent after, applies at.
     fragment: int = 0
     send_step: int = 0
     apply_step: int = 0
-    # Under a time budget (``transport.base.Work``): inner steps since its last round (its
-    # weight) and in all; 0 without a budget.
+    # Under a time budget (``Work``): steps since its last round (its weight), in all; else 0.
     work: int = 0
     inner_steps: int = 0
+
+    def set_settings(self, settings: Settings) -> None:
+        encoded = encode_settings(settings)
+        self.settings, self.settings_len = _hash63(encoded), len(encoded)
 
     def tensor(self) -> Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64)
@@ -116,93 +108,58 @@ def island_hash(island_id: str) -> int:
     return _hash63(island_id.encode())
 
 
-def settings_hash(encoded: bytes) -> int:
-    return _hash63(encoded)
-
-
 def reference_index(rows: list[HeaderRow]) -> int:
-    """The swarm's reference: the first member not being healed, else the first member."""
     return next((i for i, r in enumerate(rows) if not r.healing), 0)
 
 
-def settings_disagree(rows: list[HeaderRow]) -> bool:
-    """Whether the settings must be exchanged (the same answer on every member)."""
-    reference = rows[reference_index(rows)].settings
-    return any(r.settings != reference for r in rows)
-
-
-def settings_tensor(encoded: bytes, rows: list[HeaderRow]) -> Tensor:
-    """This island's encoded settings, zero-padded to the longest of the round."""
-    out = torch.zeros(max(r.settings_len for r in rows), dtype=torch.uint8)
-    out[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    return out
-
-
-def decode_settings(padded: Tensor, length: int) -> Settings:
-    decoded = json.loads(padded[:length].numpy().tobytes().decode())
+def swarm_settings_of(
+    rows: list[HeaderRow], own: Settings, allgather: Callable[[Tensor], list[Tensor]]
+) -> Settings | None:
+    """The reference member's settings, exchanged (``allgather``: every member's tensor of one
+    shape) only where the rows' hashes disagree, which every member sees alike; else ``None``."""
+    index = reference_index(rows)
+    reference = rows[index]
+    if all(r.settings == reference.settings for r in rows):
+        return None
+    encoded = encode_settings(own)
+    padded = torch.zeros(max(r.settings_len for r in rows), dtype=torch.uint8)
+    padded[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    theirs = allgather(padded)[index][: reference.settings_len]
+    decoded = json.loads(theirs.numpy().tobytes().decode())
     if not isinstance(decoded, dict):
         raise ValueError("a round header carried settings that are not a mapping")
     return decoded
 
 
-class Verdict(Enum):
-    """What a member does after reading the header (the same rows give the same verdicts)."""
-
-    GO = "go"  # every row agrees: average
-    ABANDON = "abandon"  # another member is refused: abandon the round, stay
-    DIVERGED = "diverged"  # this island's pseudo-gradient is not finite: leave
-    DUPLICATE = "duplicate"  # this island is the later of two with one island_id: leave
-    MODEL = "model"  # this island's model differs from the reference: leave
-    SETTINGS = "settings"  # this island's settings differ from the reference: leave
-
-
-def judge(rows: list[HeaderRow], mine: HeaderRow) -> Verdict:
-    """This member's verdict on the round's header (``mine`` is one of ``rows``)."""
-    reference = rows[reference_index(rows)]
-    twins = [r for r in rows if r.island == mine.island and r.nonce != mine.nonce]
-    if not mine.finite:
-        return Verdict.DIVERGED
-    if twins and min((r.joined_ns, r.nonce) for r in twins) < (mine.joined_ns, mine.nonce):
-        return Verdict.DUPLICATE
-    if mine.model != reference.model:
-        return Verdict.MODEL
-    if mine.settings != reference.settings:
-        return Verdict.SETTINGS
-    refused = (
-        twins
-        or any(r.model != reference.model or r.settings != reference.settings for r in rows)
-        or not all(r.finite for r in rows)
-    )
-    return Verdict.ABANDON if refused else Verdict.GO
-
-
 def refusal(
-    verdict: Verdict,
+    rows: list[HeaderRow],
+    mine: HeaderRow,
     island_id: str,
-    own_model: int,
-    swarm_model: int,
     own_settings: Mapping[str, Any],
     swarm_settings: Mapping[str, Any] | None,
-) -> MembershipError:
-    """The error this island raises for a refusing ``verdict``, naming the cause and the fix."""
-    name = island_id
-    if verdict is Verdict.DIVERGED:
+) -> MembershipError | None:
+    """The error this island raises for the round's header (``mine`` is one of ``rows``),
+    naming the cause and the fix; ``None`` when this island is not at fault."""
+    name, reference = island_id, rows[reference_index(rows)]
+    twins = [r for r in rows if r.island == mine.island and r.nonce != mine.nonce]
+    if not mine.finite:
         return DivergedIslandError(
             f"island {name!r} leaves the swarm: its pseudo-gradient holds NaN or inf, so its "
             "training diverged (the other islands abandon this round and go on); lower the "
             "inner learning rate or clip gradients, then restart it."
         )
-    if verdict is Verdict.DUPLICATE:
+    if twins and min((r.joined_ns, r.nonce) for r in twins) < (mine.joined_ns, mine.nonce):
         return DuplicateIslandError(
             f"island_id {name!r} is already taken by a live island of the swarm; give this "
             "launch another island_id (each island needs its own)."
         )
-    if verdict is Verdict.MODEL:
+    if mine.model != reference.model:
         return ModelMismatchError(
-            f"island {name!r} was refused: its model (fingerprint {own_model:x}) differs from "
-            f"the swarm's ({swarm_model:x}). Start it with the model the swarm trains."
+            f"island {name!r} was refused: its model (fingerprint {mine.model:x}) differs from "
+            f"the swarm's ({reference.model:x}). Start it with the model the swarm trains."
         )
-    assert verdict is Verdict.SETTINGS, verdict
+    if mine.settings == reference.settings:
+        return None
     swarm = swarm_settings or {}
     shares = ""
     if own_settings.get("outer_shares") != swarm.get("outer_shares"):
@@ -216,3 +173,45 @@ def refusal(
         f"{describe_settings_difference(own_settings, swarm)}. Start it with the "
         f"swarm's settings (every island of a swarm must use the same ones).{shares}"
     )
+
+
+def abandons(rows: list[HeaderRow], mine: HeaderRow) -> bool:
+    """Whether ``mine``, not refused itself, abandons the round: a member is refused, or a
+    later twin of ``mine`` is in it."""
+    reference = rows[reference_index(rows)]
+    return (
+        any(r.island == mine.island and r.nonce != mine.nonce for r in rows)
+        or any(r.model != reference.model or r.settings != reference.settings for r in rows)
+        or not all(r.finite for r in rows)
+    )
+
+
+def opening_of(rows: list[HeaderRow], mine: HeaderRow) -> Opening:
+    """This member's ``Opening`` from the round header's ``rows`` (``mine`` is among them)."""
+    swarm = rows[reference_index(rows)]
+    abandon = any(not r.healing and r.fragment != swarm.fragment for r in rows)
+    adopt = mine.healing or mine.fragment != swarm.fragment
+    place = RoundPlace(swarm.fragment, swarm.send_step, swarm.apply_step)
+    return Opening(adopt=place if adopt else None, abandon=abandon)
+
+
+def weighed(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening:
+    """``opening`` with this member's scale and the swarm's most inner steps, from the work
+    in the header's ``rows`` (a time-budgeted round): torchft divides the sum by the
+    participants, so each scales its pseudo-gradient by ``n w_i / W``; one being healed has none.
+
+    Raises:
+        BadWorkError: a participant's work is not a whole number >= 1, naming it by its place
+            in the quorum; every member reads the same rows.
+    """
+    participants = [(k, r) for k, r in enumerate(rows) if not r.healing]
+    if not participants:
+        return opening
+    weights, swarm_steps = checked_work(
+        [(float(r.work), float(r.inner_steps)) for _, r in participants],
+        [f"the island at place {k} of the quorum (island_id hash {r.island:x})"
+         for k, r in participants],
+    )  # fmt: skip
+    mine_at = [i for i, (_, r) in enumerate(participants) if r.nonce == mine.nonce]
+    scale = scale_of(weights, mine_at[0]) if mine_at else 1.0
+    return replace(opening, scale=scale, swarm_steps=swarm_steps)

@@ -1,9 +1,6 @@
-"""A state tree on the wire without pickle: a JSON header plus raw tensor bytes.
-
-Healing must not unpickle a peer's bytes, so a tree of dicts, lists, tuples, tensors and plain
-scalars becomes a JSON header (each tensor by dtype and shape) and the tensors' bytes as
-``uint8`` views. ``decode_tree`` refuses anything outside that vocabulary with ``ValueError``.
-The byte tensors alias the caller's contiguous tensors: valid only for the duration of one send.
+"""A state tree on the wire without pickle (healing must not unpickle a peer's bytes): a JSON
+header and the tensors' bytes as ``uint8`` views, which alias the caller's contiguous CPU tensors
+(valid for one send only). ``decode_tree`` refuses anything else with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -16,21 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_NAMES = "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool"
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _NAMES.split()}
 
 
 def encode_tree(tree: Any) -> tuple[bytes, list[Tensor]]:
@@ -86,17 +70,13 @@ def _spec(body: Any) -> tuple[torch.dtype, tuple[int, ...]]:
     return _DTYPES[dtype_name], tuple(shape)
 
 
-def _node(node: Any) -> tuple[str, Any]:
-    if not isinstance(node, dict) or len(node) != 1:
-        raise ValueError(f"a healing header holds a malformed node {node!r:.80}")
-    ((kind, body),) = node.items()
-    if kind not in ("T", "D", "L", "U", "V"):
-        raise ValueError(f"a healing header holds an unknown node kind {kind!r}")
-    return kind, body
-
-
 def byte_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def receive_buffers(header: bytes) -> list[Tensor]:
+    """An empty ``uint8`` tensor for each tensor the header names, in wire order."""
+    return [torch.empty(byte_size(d, s), dtype=torch.uint8) for d, s in tensor_specs(header)]
 
 
 def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
@@ -114,8 +94,11 @@ def decode_tree(header: bytes, payload: list[Tensor]) -> Any:
 
 
 def _decode(node: Any, tensor: Callable[[Any], Any]) -> Any:
-    """The tree under ``node``, each tensor node's body passed to ``tensor`` in wire order."""
-    kind, body = _node(node)
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(f"a healing header holds a malformed node {node!r:.80}")
+    ((kind, body),) = node.items()
+    if kind not in ("T", "D", "L", "U", "V"):
+        raise ValueError(f"a healing header holds an unknown node kind {kind!r}")
     if kind == "T":
         return tensor(body)
     if kind == "D":

@@ -1,25 +1,9 @@
-"""Elastic membership on torchft: a quorum per outer round, a commit gate, healing.
+"""Elastic membership on torchft: a ``Transport`` whose islands the Lighthouse decides each round.
 
-``TorchftMembership`` is a ``Transport`` whose islands torchft's Lighthouse decides every round:
-quorum (a joiner is healed from a live island; the genesis quorum heals every island to the
-first one's anchors), round header (refusals before any tensor moves), the mean over the
-participants, then the commit gate. A failure anywhere abandons the round on the survivors
-(anchors unchanged, local progress kept); only the header's refusals and a quorum that never
-comes raise. An island of several ranks fans out from rank 0 (``per_rank=False``) or runs a
-Manager per rank over its share (``per_rank=True``); its ranks agree on one outcome. Managers and
-their groups belong to this object until ``close``.
-
-The round engine drives it through the bucket contract: ``open`` runs the quorum, the header and
-the plan, ``start`` averages a bucket with ``Manager.allreduce`` (or the coded mean), ``agree``
-runs the vote. torchft's threads touch only a mailbox: ``state_fn`` reads the engine's offer,
-``load_fn`` keeps the healed state, which ``agree`` returns (``RoundStats.heal``) for the engine
-to install on its training thread.
-
-Each round is bounded by its own timeout (``ElasticConfig.timeouts``): ``round_timeout_s`` as
-set, or derived from its payload and the rate this rank's last round measured
-(``transport.link``). It bounds the quorum group's collectives (torchft 0.2.0's
-``Manager.allreduce`` takes no timeout: the group's own bounds it), the commit vote and a heal's
-tensors; torchft's Manager keeps the base timeout for the rest.
+A round: quorum (joiners healed; the genesis quorum heals all to the first island's anchors),
+round header, mean, commit gate; a failure abandons it on the survivors, only refusals and a
+quorum that never comes raise. torchft's threads touch only a mailbox: the engine's offer, and the
+healed state ``agree`` returns for the engine to install on its training thread.
 """
 
 from __future__ import annotations
@@ -30,42 +14,35 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import AllgatherOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
-from lightning_swarm.membership.adopt import opening_of, weighed
-from lightning_swarm.membership.config import ElasticConfig
+from lightning_swarm.membership.config import ElasticConfig, seconds
 from lightning_swarm.membership.errors import (
+    DuplicateIslandError,
     MembershipError,
     ModelMismatchError,
+    QuorumTimeoutError,
 )
 from lightning_swarm.membership.fanout import IslandFanout, RoundOutcome
-from lightning_swarm.membership.quorum import ShortRounds, request_quorum
-from lightning_swarm.membership.quorum_coded import coded_quorum_mean
-from lightning_swarm.membership.quorum_watch import QuorumWatch
+from lightning_swarm.membership.quorum import QuorumWatch, SuspensionWatch, request_quorum
 from lightning_swarm.membership.round_header import (
     HeaderRow,
     Settings,
-    Verdict,
-    decode_settings,
-    encode_settings,
+    abandons,
     island_hash,
-    judge,
-    reference_index,
+    opening_of,
     refusal,
-    settings_disagree,
-    settings_hash,
-    settings_tensor,
+    swarm_settings_of,
+    weighed,
 )
-from lightning_swarm.membership.suspension import SuspensionWatch
-from lightning_swarm.membership.torchft_manager import seconds, start_island_managers
-from lightning_swarm.membership.torchft_private import count_commit_failure
+from lightning_swarm.membership.torchft_private import count_commit_failure, quorum_rank
 from lightning_swarm.transport.allreduce import ring_allreduce_bytes
 from lightning_swarm.transport.base import (
     Bucket,
@@ -78,51 +55,72 @@ from lightning_swarm.transport.base import (
 )
 from lightning_swarm.transport.errors import BadWorkError
 from lightning_swarm.transport.link import LinkRate
+from lightning_swarm.transport.reduce_scatter import coded_bucket_mean
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+# Tests' fault hook, called with (phase, round) as each phase starts on each rank that talks to
+# torchft: quorum, pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the join.
 PhaseHook = Callable[[str, int], None]
-"""Called with (phase, round) as each phase of a round starts on each rank that talks to
-torchft (the island's rank 0, or every rank per rank): quorum,
-pg_setup, header, mean, commit, heal_send, heal_recv; round 0 is the island's first (its join).
-For failure injection in tests: it may kill or stop the process at a chosen moment."""
+
+
+def coded_quorum_mean(manager: Any, pg: Any, runs: list[Tensor], codec: Codec) -> int:
+    """Overwrite one bucket's ``runs`` (flat float32 CPU views, each starting on a codec block
+    of its tensor) with their quantized mean over the quorum, bitwise equal on every island;
+    returns the bytes this island sent (= received), 0 when the exchange failed (reported to
+    the manager: the vote is no). An island being healed owns a share and contributes zeros;
+    the owners divide by the participants.
+    """
+    num_islands, island_index = pg.size(), quorum_rank(pg)  # the header rows' order, too
+    if not manager.is_participating():
+        for run in runs:
+            run.zero_()
+
+    def exchange(send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
+        if num_islands == 1:
+            return send
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        pg.alltoall_base(received, send, recv_sizes, send_sizes, AllToAllOptions()).wait()
+        return received
+
+    try:
+        return coded_bucket_mean(
+            runs,
+            codec=codec,
+            num_islands=num_islands,
+            island_index=island_index,
+            divisor=max(manager.num_participants(), 1),
+            exchange=exchange,
+            device=torch.device("cpu"),
+        )
+    except Exception as err:  # a dead peer: the commit gate turns this into a "no"
+        manager.report_error(err)
+        return 0
 
 
 @dataclass
 class MembershipTotals:
-    """What this island saw of the swarm (identical on every rank of the island, except the
-    heal figures of a per-rank island: each rank's own share)."""
+    """What this island saw of the swarm (alike on its ranks; per rank, heals are each rank's)."""
 
     islands_in_round: int = 0
-    rounds_committed: int = 0
     rounds_abandoned: int = 0
     heal_bytes: int = 0
     heal_time_s: float = 0.0
     heals: int = 0
 
 
-_REFUSALS = (Verdict.DIVERGED, Verdict.DUPLICATE, Verdict.MODEL, Verdict.SETTINGS)
-
-
 class TorchftMembership:
-    """Averages pseudo-gradients over this round's quorum of islands; see the module docstring.
+    """Averages pseudo-gradients over each round's quorum; owns its Managers until ``close``.
 
-    Args:
-        config: lighthouse, island id, minimum islands and timeouts.
-        layout: this island's model layout (``algorithm.model_layout.model_layout``).
-        island_group: the island's process group (``None``: the default group when one
-            exists, else an island of one rank).
-        bucket_numel: float32 elements per all-reduce bucket.
-        codec: quantize the mean (``quorum_coded``); ``None`` averages float32.
-        background: rounds run on a worker thread while the training thread's DDP uses the
-            island's group (``sync_delay > 0``): the fan-out then gets a gloo group of its
-            own, since two threads' collectives on one group interleave differently per rank.
-        per_rank: every rank of the island exchanges its own share with a Manager of its own
-            (see the module docstring); ``False``: rank 0 exchanges and fans out.
-
-    Raises:
-        LighthouseUnreachableError: the lighthouse did not answer in ``connect_timeout_s``.
+    ``island_group``: ``None`` is the default group when one exists, else an island of one rank.
+    ``background``: rounds run on a worker thread beside the training thread's DDP, so the
+    fan-out gets a gloo group of its own (two threads' collectives on one group interleave
+    differently per rank). ``per_rank``: every rank runs a Manager over its own share.
     """
+
+    pipelined = False
+    heals = True  # ``open`` takes an offer: the engine builds one for every round
 
     def __init__(
         self,
@@ -141,21 +139,20 @@ class TorchftMembership:
         self.codec = codec
         self.last_round_bytes = 0
         self.totals = MembershipTotals()
-        # The round in progress, from ``open`` to ``agree`` (on the thread that runs it).
+        self.on_phase: PhaseHook | None = None
+        # The round in progress, from ``open`` to ``agree``.
         self._offer: Mapping[str, Any] | None = None
         self._started: list[Tensor] = []
         self._outcome = RoundOutcome()
+        self._healed: dict[str, Any] | None = None
         self._error: MembershipError | None = None
         self._failed = False
         self._fanout = IslandFanout(island_group, side_group=True if background else None)
         self.per_rank = per_rank and self._fanout.size > 1
-        # Per rank, the quorum and the vote wait for every rank of the island: each rank takes
-        # part in every round, an empty share too (the outer loop reads this).
+        # Per rank, each rank takes part in every round, an empty share too (the outer loop).
         self.every_rank_in_round = self.per_rank
         # Whether this rank talks to torchft: every rank per rank, else the island's rank 0.
         self.exchanges = self.per_rank or self._fanout.is_leader
-        self._short_rounds = ShortRounds(config)
-        self._settings: Settings = {}
         self._row = HeaderRow(
             island=island_hash(config.island_id),
             model=fingerprint(self.layout),
@@ -163,26 +160,22 @@ class TorchftMembership:
             joined_ns=time.time_ns(),
             nonce=secrets.randbits(62),
             finite=1,
-            settings=settings_hash(encode_settings({})),
-            settings_len=len(encode_settings({})),
         )
+        self.agree_on({})
         if self.per_rank:  # the island's ranks send identical rows: rank 0's identity
-            ident = self._fanout.share_text(f"{self._row.joined_ns}:{self._row.nonce}")
-            self._row.joined_ns, self._row.nonce = (int(v) for v in ident.split(":"))
-        self._manager: Any = None
-        self.on_phase: PhaseHook | None = None
-        self._watch: SuspensionWatch | None = None
+            identity = (self._row.joined_ns, self._row.nonce)
+            self._row.joined_ns, self._row.nonce = self._fanout.on_leader(lambda: identity, (0, 0))
         self._quorum_watch = QuorumWatch(config.island_id)
         self._last_commit_at = time.monotonic()
+        self._short_since: float | None = None  # rounds fell short of min_islands since
         self._rounds_started = 0
-        self._healed: dict[str, Any] | None = None
-        self._island_healed = False
-        # This rank's link rate, measured by its own exchanges, and the bound of the round in
-        # progress (``ElasticConfig.timeouts``).
+        # This rank's link rate, measured by its own exchanges, and the round's bound.
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
-        self._weighed = False  # the round in progress carries work (a time budget)
-        # This rank's Manager, if it talks to torchft; rank 0's first (collective).
+        self._manager: Any = None
+        self._watch: SuspensionWatch | None = None
+        from lightning_swarm.membership.torchft_manager import start_island_managers  # torchft
+
         parts = start_island_managers(
             config,
             self._fanout,
@@ -192,22 +185,19 @@ class TorchftMembership:
             on_phase=self._phase,
         )
         if parts is not None:
-            self._parts = parts  # keeps the island's store alive on its rank 0
+            self._parts = parts  # keeps the island's store alive on its position 0
             self._manager, self._pg = parts.manager, parts.pg
             self.heal_transport = parts.heal_transport
             self.heal_transport.timeout_for = self._heal_timeout
             self._watch = SuspensionWatch()
 
     def agree_on(self, settings: Settings) -> None:
-        """The DiLoCo settings every island of the swarm must share (``swarm_settings``), set
-        before the first round; an island whose settings differ is refused, naming them."""
-        self._settings = dict(settings)
-        encoded = encode_settings(self._settings)
-        self._row.settings, self._row.settings_len = settings_hash(encoded), len(encoded)
+        """The settings every island of the swarm must share, set before the first round."""
+        self._settings: Settings = dict(settings)
+        self._row.set_settings(self._settings)
 
     # -- healing hooks: torchft calls them on its own threads; they touch the mailbox only ------
     def _state_for_peer(self) -> dict[str, Any]:
-        """The offer of the round being opened (built by the engine on its own thread)."""
         return {"layout": self.layout, "user": dict(self._offer or {})}
 
     def _load_healed(self, state: dict[str, Any]) -> None:
@@ -221,51 +211,29 @@ class TorchftMembership:
         self._healed = state["user"]
 
     # -- the round: ``transport.base.Transport`` ------------------------------------------
-    pipelined = False
-    heals = True  # ``open`` takes an offer: the engine builds one for every round
-
     @property
     def block_size(self) -> int:
         return 1 if self.codec is None else self.codec.block_size
 
     def open(self, request: RoundRequest) -> Opening:
-        """Quorum, round header and this island's plan (``adopt.opening_of``); ``offer`` is
-        what torchft sends a healing peer during the quorum. Collective over the island.
-        ``work`` (a time-budgeted round) rides in the round header, and the ``Opening`` scales
-        this island's pseudo-gradient by it over the round's participants (``adopt.weighed``);
-        a participant's bad work abandons the round on every member, logged with its name.
-
-        Raises:
-            MembershipError: this island was refused (on every rank of the island; per rank,
-                at ``agree``), or no quorum came.
-        """
+        """Quorum, round header and this island's opening (collective over the island);
+        ``offer`` is what torchft sends a healing peer during the quorum. Raises a
+        ``MembershipError`` on every rank when this island was refused (per rank: at
+        ``agree``) or no quorum came."""
         self._offer = request.offer
         work = request.work
         self._row.work, self._row.inner_steps = (0, 0) if work is None else astuple(work)
-        self._weighed = work is not None
         self._started, self.last_round_bytes = [], 0
-        self._error, self._failed, self._island_healed = None, False, False
-        self._outcome = RoundOutcome()
+        self._error, self._failed, self._outcome = None, False, RoundOutcome()
         if self.per_rank:
             # Agreed before anything can fail, so that every rank's collectives stay matched.
             finite = self._fanout.all_true(request.finite)
-            try:
-                return self._lead_open(request, finite)
-            except MembershipError as err:
-                self._error = err  # the island agrees on it at ``agree``
-            except Exception:  # e.g. position 0's manager server went away
-                self._failed = True  # abandoned, as torchft's own errors are
-                count_commit_failure(self._manager)
-            return Opening(abandon=True)
-        opening = self._fanout.on_leader(
-            lambda: self._lead_open(request, request.finite), Opening()
-        )
-        return self._fanout.share_opening(opening)
+            return self._kept(lambda: self._lead_open(request, finite), Opening(abandon=True))
+        return self._fanout.on_leader(lambda: self._lead_open(request, request.finite), Opening())
 
     def start(self, bucket: Bucket) -> Handle:
-        """The bucket's mean over the quorum, in place, now (the handle is complete). A failed
-        exchange is recorded for the commit gate, not raised: its garbage is never applied.
-        Fan-out: rank 0 exchanges, the others receive the means at ``agree``."""
+        """The bucket's mean over the quorum, in place, now; a failed exchange makes the vote
+        no. Fan-out: the other ranks receive rank 0's means at ``agree``."""
         self._started.append(bucket.flat)
         if not self.exchanges:
             return Done()
@@ -276,54 +244,49 @@ class TorchftMembership:
     def agree(self) -> RoundStats:
         """torchft's commit vote (a heal arrives in it), ended alike on every rank of the
         island; the round applies when committed past the genesis quorum."""
-        outcome = self._rank_agree() if self.per_rank else self._fanned_agree()
+        if self.per_rank:
+            outcome = RoundOutcome()
+            if self._error is None and not self._failed:
+                outcome = self._kept(self._lead_agree, outcome)
+            outcome.committed, island_healed = self._fanout.agree_round(
+                self._error, outcome.committed, outcome.healed is not None
+            )
+        else:
+            outcome = self._fanout.lead_round(self._lead_agree, self._started)
+            island_healed = outcome.healed is not None
         if outcome.healed is not None:
             self.totals.heals += 1
             self.totals.heal_bytes += outcome.heal_bytes
             self.totals.heal_time_s += outcome.heal_s
         self.totals.islands_in_round = outcome.participants
-        self.totals.rounds_committed += int(outcome.committed)
         self.totals.rounds_abandoned += int(not outcome.committed)
         return RoundStats(
             applied=outcome.committed and not outcome.genesis,
             heal=outcome.healed,
-            island_healed=self._island_healed,
+            island_healed=island_healed,
         )
 
-    def _fanned_agree(self) -> RoundOutcome:
-        """Rank 0 votes; the island's other ranks receive its outcome and the means."""
-        outcome = self._fanout.on_leader(self._lead_agree, RoundOutcome())
-        outcome = self._fanout.share_outcome(outcome, self._started)
-        self._island_healed = outcome.healed is not None
-        return outcome
-
-    def _rank_agree(self) -> RoundOutcome:
-        """Every rank votes for its share; the island ends the round alike."""
-        outcome, error = RoundOutcome(), self._error
-        if error is None and not self._failed:
-            try:
-                outcome = self._lead_agree()
-            except MembershipError as err:
-                error = err
-            except Exception:  # e.g. position 0's manager server went away
-                count_commit_failure(self._manager)
-                outcome = RoundOutcome()
-        outcome.committed, self._island_healed = self._fanout.agree_round(
-            error, outcome.committed, outcome.healed is not None
-        )
-        return outcome
+    def _kept(self, run: Callable[[], T], fallback: T) -> T:
+        """Per rank: ``run()``; a ``MembershipError`` is kept for ``agree``, any other (position
+        0's manager server went away) abandons the round, as torchft's own errors do."""
+        try:
+            return run()
+        except MembershipError as err:
+            self._error = err
+        except Exception:
+            self._failed = True
+            count_commit_failure(self._manager)
+        return fallback
 
     def _lead_open(self, request: RoundRequest, finite: bool) -> Opening:
-        """Quorum, header and plan as this rank sees them (no island collective); ``finite``
-        replaces ``request.finite`` (per rank: the island's)."""
+        """Quorum, header and opening as this rank sees them (no island collective)."""
         manager = self._manager
         self._healed = None
         self._rounds_started += 1
-        # The round's bound, before the quorum sets its group up with it.
+        # The round's bound, set before the quorum request sets the group up on its thread.
         self._link.begin(request.round_index, request.names)
         timeouts = self.config.timeouts
         self.round_timeout_s = timeouts.for_round(self._link.payload_bytes, self._link.rate_bps)
-        # Before the quorum request, on its thread: no set-up runs meanwhile.
         self._pg.collective_timeout = seconds(self.round_timeout_s)
         self._phase("quorum")
         assert self._watch is not None, "a rank that talks to torchft watches for suspensions"
@@ -340,7 +303,7 @@ class TorchftMembership:
         opening = Opening(abandon=True) if rows is None else opening_of(rows, self._row)
         if opening.abandon and rows is not None:
             manager.report_error(MembershipError("the islands were at different fragments"))
-        if self._weighed and rows is not None and not opening.abandon:
+        if request.work is not None and rows is not None and not opening.abandon:
             try:
                 opening = weighed(rows, self._row, opening)
             except BadWorkError as err:  # every member reads the same rows: all abandon
@@ -354,86 +317,76 @@ class TorchftMembership:
         return opening
 
     def _lead_agree(self) -> RoundOutcome:
-        """The vote as this rank sees it, with any heal it delivered (no island collective)."""
+        """The vote as this rank sees it, with any heal it delivered (no island collective);
+        ``QuorumTimeoutError`` once rounds fell short of ``min_islands`` for the quorum timeout."""
         outcome = self._outcome
         if self._manager.errored():
             self._link.discard()
         self._link.finished()
         self._phase("commit")
-        outcome.committed = self._commit_gate()
-        self._short_rounds.see(outcome.participants, outcome.committed)
+        try:  # a vote that timed out (a suspension) counts as an abandoned round
+            timeout = seconds(self.round_timeout_s)
+            outcome.committed = bool(self._manager.should_commit(timeout=timeout))
+        except TimeoutError:
+            count_commit_failure(self._manager)
+        now, short = time.monotonic(), outcome.participants < self.config.min_islands
+        if outcome.committed or not short:
+            self._short_since = None
+        else:
+            self._short_since = self._short_since or now
+            if now - self._short_since > self.config.quorum_timeout_s:
+                raise QuorumTimeoutError(
+                    f"island {self.config.island_id!r}: only {outcome.participants} island(s) "
+                    f"in the rounds of the last {now - self._short_since:.0f} s, fewer than "
+                    f"min_islands={self.config.min_islands}; start more islands or lower "
+                    "min_islands."
+                )
         if outcome.committed:
-            self._last_commit_at = time.monotonic()
+            self._last_commit_at = now
         if self._healed is not None:
             outcome.healed, self._healed = self._healed, None
             outcome.heal_bytes = self.heal_transport.last_heal_bytes
             outcome.heal_s = self.heal_transport.last_heal_s
         return outcome
 
-    def _commit_gate(self) -> bool:
-        """torchft's vote; a timeout of the vote itself (this island was suspended across it)
-        counts as an abandoned round: the next quorum heals the island if the others went on."""
-        try:
-            return bool(self._manager.should_commit(timeout=seconds(self.round_timeout_s)))
-        except TimeoutError:
-            count_commit_failure(self._manager)
-            return False
-
     def _phase(self, name: str) -> None:
-        """Tell the fault hook (tests only) which phase of which round starts now."""
         if self.on_phase is not None:
             self.on_phase(name, self._rounds_started - 1)
 
     def _check_round_header(self, healing: bool, finite: bool) -> list[HeaderRow] | None:
-        """All-gather the round header (``round_header``): its rows, ``None`` when the round
-        is abandoned.
-
-        Raises the refusal of this island when the header shows it is at fault.
-        """
+        """The round header's rows (all-gathered), ``None`` when the round is abandoned;
+        raises this island's refusal when it is at fault."""
         self._row.healing, self._row.finite = int(healing), int(finite or healing)
         try:
             rows = [HeaderRow.of(r) for r in self._allgather(self._row.tensor())]
-            swarm_settings = self._exchange_settings(rows) if settings_disagree(rows) else None
+            swarm_settings = swarm_settings_of(rows, self._settings, self._allgather)
         except Exception as err:  # a dead peer: torchft's commit gate turns this into a "no"
             self._manager.report_error(err)
             return None
-        verdict = judge(rows, self._row)
+        error = refusal(rows, self._row, self.config.island_id, self._settings, swarm_settings)
         if self._fanout.is_leader:  # one warning per island
             self._quorum_watch.see(rows)
-        if verdict in _REFUSALS:
-            self._refuse(verdict, rows, healing, swarm_settings)
-        if verdict is Verdict.ABANDON:
+        if isinstance(error, DuplicateIslandError):
+            self._manager.shutdown(wait=False)
+        if isinstance(error, ModelMismatchError) and healing:
+            # The healed layout names the difference (raised by _load_healed in the vote).
+            self._manager.should_commit(timeout=seconds(self.round_timeout_s))
+        if error is not None:
+            raise error
+        if abandons(rows, self._row):
             self._manager.report_error(MembershipError("a refused island was in the round"))
             return None
         return rows
 
     def _allgather(self, mine: Tensor) -> list[Tensor]:
-        """Every member's ``mine`` (equal shapes) over the quorum's group, in its order."""
         gathered = [torch.empty_like(mine) for _ in range(self._pg.size())]
         self._pg.allgather([gathered], [mine], AllgatherOptions()).wait()
         return gathered
 
-    def _exchange_settings(self, rows: list[HeaderRow]) -> Settings:
-        """Every member's settings (the hashes disagree); returns the swarm's reference."""
-        gathered = self._allgather(settings_tensor(encode_settings(self._settings), rows))
-        index = reference_index(rows)
-        return decode_settings(gathered[index], rows[index].settings_len)
-
-    def _refuse(
-        self, verdict: Verdict, rows: list[HeaderRow], healing: bool, swarm: Settings | None
-    ) -> None:
-        if verdict is Verdict.DUPLICATE:
-            self._manager.shutdown(wait=False)
-        if verdict is Verdict.MODEL and healing:
-            # The healed layout names the difference (raised by _load_healed in the vote).
-            self._manager.should_commit(timeout=seconds(self.round_timeout_s))
-        model = rows[reference_index(rows)].model
-        raise refusal(verdict, self.config.island_id, self._row.model, model, self._settings, swarm)
-
     def _allreduce(self, tensors: list[Tensor]) -> None:
-        """One bucket's mean over the participating islands, in place: the bucket's runs
-        through the coded mean, or its flat through ``Manager.allreduce`` (which zeroes a
-        healing island's share and records a failure instead of raising)."""
+        """One bucket's mean over the participants, in place: its runs through the coded mean,
+        or its flat through ``Manager.allreduce`` (which zeroes a healing island's share and
+        records a failure instead of raising)."""
         if self.codec is not None:
             self.last_round_bytes += coded_quorum_mean(self._manager, self._pg, tensors, self.codec)
             if not self._manager.errored():
@@ -451,14 +404,10 @@ class TorchftMembership:
 
     @property
     def link_rate_bps(self) -> float | None:
-        """Bytes per second this rank's last measured round crossed the link at (float32
-        bytes over the time from its opening to its last bucket); ``None`` before any round
-        with another island measured it."""
+        """Bytes per second of this rank's last measured round; ``None`` before any."""
         return self._link.rate_bps
 
     def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
-        """The bound of a heal moving ``nbytes`` of state (torchft's quorum thread calls it;
-        the rate it reads changes only between rounds)."""
         return seconds(self.config.timeouts.for_round(nbytes, self._link.rate_bps))
 
     def close(self) -> None:
