@@ -319,14 +319,14 @@ def must_match(site: MustMatchSite) -> tuple[str, ...]:
 
     Args:
         site: ``"resume"`` (a checkpoint records the option and a resume names each change,
-            ``lightning_swarm.resume.option_changes``) or ``"islands"`` (every island of an
+            ``lightning_swarm.resume.compatibility``) or ``"islands"`` (every island of an
             elastic swarm must hold the same value; ``round_header.swarm_settings``).
     """
     return tuple(f.name for f in fields(SwarmConfig) if site in f.metadata.get(_MUST_MATCH, ()))
 
 
 # The fields that shape the outer loop's saved state: a checkpoint records them and a resume
-# names every one that changed (lightning_swarm.resume.option_changes says what follows).
+# names every one that changed (lightning_swarm.resume.compatibility says what follows).
 RESUME_OPTIONS: tuple[str, ...] = must_match("resume")
 # The settings that make two islands' rounds mean the same thing; the round header refuses an
 # island whose values differ (with the outer optimizer's, lightning_swarm.membership).

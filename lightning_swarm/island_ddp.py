@@ -34,7 +34,7 @@ from lightning_swarm.errors import (
     SwarmError,
 )
 from lightning_swarm.island_fsdp import IslandFSDP, ShardedResultsLauncher
-from lightning_swarm.resume.per_rank import check_layout
+from lightning_swarm.resume.compatibility import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.factory import peer_backend
 from lightning_swarm.transport.groups import SwarmGroups, build_groups

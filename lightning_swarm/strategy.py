@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.between_rounds import IslandSigterm, warn_of_world_collectives
-from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file
 from lightning_swarm.config import (
     SwarmConfig,
     dtype_name,
@@ -39,6 +38,7 @@ from lightning_swarm.island_ddp import (
     process_group_timeout_s,
     timeouts_explained,
 )
+from lightning_swarm.lightning_file import AtomicCheckpointIO, read_lightning_file
 from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,

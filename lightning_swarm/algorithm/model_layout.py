@@ -1,7 +1,7 @@
 """A model's layout: each parameter's name, shape and dtype, and the fingerprint of it.
 
 The one description of "the same model" in the package, used twice: a checkpoint records each
-optimizer's names and shapes (``resume.fingerprint``) and refuses a resume whose layout differs
+optimizer's names and shapes (``resume.compatibility``) and refuses a resume whose layout differs
 (dtypes left out: a resume may change precision); an elastic island sends ``fingerprint(layout)``
 in every round's header and the layout with a heal, so that a joiner whose model differs, dtypes
 included, is refused naming the parameters (``membership.torchft_quorum``). A layout is plain

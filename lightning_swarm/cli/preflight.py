@@ -21,7 +21,7 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.errors import LighthouseUnreachableError
 from lightning_swarm.membership.quorum import lighthouse_problem
-from lightning_swarm.resume.complete import checkpoint_problem
+from lightning_swarm.resume.integrity import checkpoint_problem
 from lightning_swarm.topology import IslandTopology
 
 LAST = "last"
@@ -209,7 +209,7 @@ def resolve_ckpt_path(
 def newest_complete(found: list[Path]) -> Path:
     """The newest checkpoint (by modification time, then name) that a resume can use.
 
-    Each candidate, newest first, is checked (``resume.complete.checkpoint_problem``: the
+    Each candidate, newest first, is checked (``resume.integrity.checkpoint_problem``: the
     Lightning file's CRCs, its swarm record and the swarm files' sizes and checksums); a
     newer one that fails is skipped with a warning naming it, why, and the one chosen.
 

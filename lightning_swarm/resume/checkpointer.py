@@ -1,13 +1,8 @@
 """``SwarmCheckpointer``: the strategy's save and restore of swarm state, without Lightning.
 
-The strategy owns one and calls it from its hooks: ``capture`` from ``load_checkpoint`` (before
-``setup``, which then builds memory-less placeholder anchors), ``restore`` from
-``load_optimizer_state_dict`` (after ``setup`` and Lightning's optimizer load, before any sanity
-check or training step), ``save`` / ``remove`` from ``save_checkpoint`` / ``remove_checkpoint``.
-A capture lives until the restore that consumes it, succeeded or not, and a fit without
-``ckpt_path`` forgets an earlier fit's (``defer_anchors(resuming=False)``): a later fit never
-restores a checkpoint it was not given. ``island_ckpt_paths`` is set by the ``SwarmResume``
-callback. Mapped tensors are held by the ``OuterSync`` objects only, never here.
+``capture`` (from ``load_checkpoint``, before ``setup``) notes the checkpoint; ``restore`` (after
+Lightning's optimizer load, before any step) consumes it, succeeded or not; a fit without
+``ckpt_path`` forgets an earlier capture. Mapped tensors are held by the ``OuterSync``s only.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_swarm.resume.compatibility import describe_changes
 from lightning_swarm.resume.files import (
     prune_saves,
     require_local_path,
@@ -27,8 +23,6 @@ from lightning_swarm.resume.files import (
     swarm_root,
     warn_legacy,
 )
-from lightning_swarm.resume.option_changes import describe_changes
-from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
 from lightning_swarm.resume.records import SwarmRecord, check_loop_state, use_island_loops
 from lightning_swarm.resume.restore import (
     Loaded,
@@ -49,8 +43,8 @@ class SwarmCheckpointer:
     """Saves and restores a swarm run's state for one strategy.
 
     Attributes:
-        island_ckpt_paths: ``{island_index: ckpt_path}`` of islands that restore their own
-            state from another (older) checkpoint and catch up to the newest anchors.
+        island_ckpt_paths: ``{island_index: ckpt_path}`` (set by ``SwarmResume``) of islands that
+            restore from another (older) checkpoint and catch up to the newest anchors.
         summary: after a restore, one line saying what this rank restored.
     """
 
@@ -61,7 +55,6 @@ class SwarmCheckpointer:
 
     @property
     def pending(self) -> bool:
-        """A swarm checkpoint was captured and its state is not installed yet."""
         return self._pending is not None
 
     def capture(
@@ -75,12 +68,9 @@ class SwarmCheckpointer:
     ) -> None:
         """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read).
 
-        When the record holds every island's own Lightning loop state (islands that stepped at
-        their own pace), island ``island``'s replaces the Lightning file's in ``checkpoint``,
-        before Lightning restores its loops from it (``records.use_island_loops``; ``own_pace``:
-        this run's islands step at their own pace too). An island that rejoins from its own
-        checkpoint (``island_ckpt_paths``) keeps its own pace: its loop state comes from there,
-        like its budget and step count, when that checkpoint recorded one per island.
+        Where the record holds each island's own loop state, island ``island``'s replaces the
+        Lightning file's in ``checkpoint`` (``records.use_island_loops``); an island restored
+        from ``island_ckpt_paths`` takes its loop state from there when that one has its own.
         """
         self.summary = None
         self._pending = None
@@ -119,39 +109,25 @@ class SwarmCheckpointer:
         main = self._pending
         if main is None:
             return
-        comm, topology = host.collectives, host.topology
+        comm = host.collectives
         try:
             use_mmap, how = resolve_mmap(host.anchors.mmap)
-            if host.model_shards is not None or "island_mesh" in main.record.fingerprint:
-                # Model-sharded islands: each rank restores its own files (``resume.per_rank``).
-                island = restore_per_rank(
-                    host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths
-                )
-                rounds, steps = main.record.outer_steps, main.record.inner_steps
-                summary = (
-                    f"island {topology.island_index}, position {topology.local_index}: restored "
-                    f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
-                )
-            else:
-                own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
-                newest = newest_source(comm, own, main)
-                loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
-                warn_legacy(loaded.legacy)
-                stale = install(host, loaded)
-                island = loaded.island
-                summary = _summary(host, main, own, loaded, how, stale)
+            own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
+            newest = newest_source(comm, own, main)
+            loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
+            warn_legacy(loaded.legacy)
+            stale = install(host, loaded)
+            summary = _summary(host, main, own, loaded, how, stale)
         finally:
             self._pending = None
         if comm.rank == 0:
-            residuals = any(state.get("residuals") for state in island.outer_island)
+            residuals = any(state.get("residuals") for state in loaded.island.outer_island)
             _warn_changed_options(host, main, residuals_saved=residuals)
         self.summary = summary
         log.info("swarm resume: %s", self.summary)
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
         """Write the swarm files and put the record in ``checkpoint`` (collective)."""
-        if host.model_shards is not None:
-            return save_per_rank(host, checkpoint, filepath)
         return save_swarm_state(host, checkpoint, filepath)
 
     @staticmethod
@@ -161,7 +137,7 @@ class SwarmCheckpointer:
 
     @staticmethod
     def discard(filepath: Any, save_id: str) -> None:
-        """Remove save ``save_id`` when its Lightning file could not be written (rank 0)."""
+        """Remove save ``save_id``, whose Lightning file could not be written (rank 0)."""
         discard_save(swarm_root(filepath), save_id)
 
     @staticmethod
@@ -172,23 +148,20 @@ class SwarmCheckpointer:
 
 
 def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: int) -> None:
-    """Island ``island``'s own loop state from its own checkpoint ``path``, if that one holds
-    one per island. A file that cannot be read, or holds no such state, changes nothing here:
-    the restore reads it again and refuses a bad one on every rank (only this island reads it
-    now, and a lone error would leave the others waiting)."""
+    # A file that cannot be read changes nothing here: the restore reads it again and refuses it
+    # on every rank (only this island reads it now; a lone error would leave the others waiting).
     try:
         own = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         record = SwarmRecord.from_dict(own["swarm"], str(path))
         if record.island_loops is None:
             return  # its islands kept one step: the newest checkpoint's loop state serves
         use_island_loops(record, own, path, island=island, own_pace=True)
-    except Exception:  # see the docstring
+    except Exception:  # see above
         return
     checkpoint["loops"], checkpoint["global_step"] = own["loops"], own["global_step"]
 
 
 def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: bool) -> None:
-    """Rank 0's one warning of the changed options that make this resume inexact."""
     lines = describe_changes(
         main.record.options,
         host.options,
@@ -206,6 +179,13 @@ def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: 
 def _summary(
     host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
 ) -> str:
+    topology = host.topology
+    if host.model_shards is not None:
+        rounds, steps = main.record.outer_steps, main.record.inner_steps
+        return (
+            f"island {topology.island_index}, position {topology.local_index}: restored "
+            f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
+        )
     kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
     size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
     rounds, steps = own.record.outer_steps, own.record.inner_steps
@@ -219,7 +199,7 @@ def _summary(
         else "no catch-up needed"
     )
     return (
-        f"island {host.topology.island_index}: restored round(s) {rounds} at inner step(s) "
+        f"island {topology.island_index}: restored round(s) {rounds} at inner step(s) "
         f"{steps}; anchors {size} ({how}{legacy}, written as {main.record.anchor_dtype}, "
         f"{verified}); {caught}"
     )

@@ -49,6 +49,11 @@ def island_file_name(island: int) -> str:
     return f"island-{island:05d}.pt"
 
 
+def island_rank_file_name(island: int, position: int) -> str:
+    """One rank's file of a model-sharded island (``island_parallel="fsdp"``)."""
+    return f"island-{island:05d}-rank-{position:05d}.pt"
+
+
 def anchor_shard_file_name(position: int) -> str:
     """The anchors and outer state owned by position ``position`` of a sharded island."""
     return f"anchors-rank-{position:05d}.pt"

@@ -1,19 +1,11 @@
 """Restoring a swarm checkpoint: check everything, agree on every rank, then install.
 
-``SwarmCheckpointer.restore`` runs these steps on every rank, in the same order of collectives,
-failures included:
-1. sources: ``island_ckpt_paths`` fit the island count, the fingerprint and the options that
-   cannot change (``option_changes.refuse_unusable``) match; this island's source is chosen;
-2. agree on the newest outer round among the islands' sources (the catch-up target);
-3. check each file this rank reads against its record's size and checksum, load it (mapped by
-   default) and validate it (``OuterSync.check_state_dict``; finite anchors per file, so an error
-   names the shard); a sharded save's shards merge by name, since a catch-up needs every anchor;
-4. exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError`` on every rank
-   before anything is installed;
-5. install module state, catch-up, inner optimizer states, outer state, residuals, totals.
-
-Mapped anchors are adopted by ``OuterSync.load_checked_state_dict``, which keeps this rank's
-share; a catch-up's old anchors are dropped right after it.
+On every rank, in the same order of collectives, failures included: choose this island's source
+and check it against this run; agree on the newest outer round among the sources (the catch-up
+target); read each file (checked against its record, mapped by default) and validate it; if any
+rank failed, raise ``SwarmCheckpointError`` on every rank before anything is installed; install.
+Model-sharded islands read their own rank's files only. Mapped anchors are adopted by
+``OuterSync.load_checked_state_dict``; a catch-up's old anchors are dropped right after it.
 """
 
 from __future__ import annotations
@@ -25,22 +17,29 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_swarm.algorithm.catchup import catch_up_
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.compatibility import (
+    compare_fingerprints,
+    current_fingerprint,
+    refuse_unusable,
+)
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
+    anchor_shard_file_name,
     anchor_shard_names,
     island_file_name,
+    island_rank_file_name,
     load_swarm_file,
     require_local_path,
     swarm_root,
 )
-from lightning_swarm.resume.fingerprint import compare_fingerprints
 from lightning_swarm.resume.integrity import check_file, check_finite
-from lightning_swarm.resume.option_changes import refuse_unusable
 from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, merge_shards
-from lightning_swarm.resume.save import current_fingerprint
+from lightning_swarm.resume.save import local_tensors
 from lightning_swarm.resume.training_view import Collectives, TrainingView
 from lightning_swarm.transport.agree import agree
 
@@ -71,8 +70,12 @@ class Loaded:
 
 
 def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> Source:
-    """This island's source after checking ``main`` and the keys of ``island_paths`` against
-    this run (collective-free)."""
+    """This island's source, after checking ``main`` and ``island_paths`` against this run."""
+    if host.model_shards is not None and island_paths:
+        raise SwarmCheckpointError(
+            "SwarmResume(island_ckpt_paths=...) is not supported with island_parallel='fsdp' "
+            "yet; resume every island from ckpt_path."
+        )
     num_islands = host.topology.num_islands
     bad = sorted(i for i in island_paths if not 0 <= i < num_islands)
     if bad:
@@ -119,7 +122,8 @@ def load_sources(
     host: TrainingView, main: Source, own: Source, newest: tuple[list[int], str], use_mmap: bool
 ) -> Loaded:
     """Read, check and validate every file this rank installs from."""
-    island = host.topology.island_index
+    island, position = host.topology.island_index, host.topology.local_index
+    per_rank = host.model_shards is not None
     legacy: list[Path] = []
     verify = host.anchors.verify
 
@@ -132,8 +136,9 @@ def load_sources(
     def read_anchors(source: Source) -> tuple[AnchorsRecord, str]:
         """The save's anchors (its shards merged) and how messages name them."""
         shards = anchor_shard_names(source.record.files)
+        names = [anchor_shard_file_name(position)] if per_rank else shards or [ANCHORS_FILE]
         records = []
-        for name in shards or [ANCHORS_FILE]:
+        for name in names:
             path = source.directory / name
             record = AnchorsRecord.from_dict(read(source, name), str(path))
             if verify:
@@ -141,13 +146,14 @@ def load_sources(
                 for state in record.outer:
                     check_finite(dict(state.anchors), source=path, what="an anchor")
             records.append(record)
-        if not shards:
-            return records[0], str(source.directory / ANCHORS_FILE)
+        if per_rank or not shards:
+            return records[0], str(source.directory / names[0])
         merged = merge_shards(records, str(source.directory))
         return merged, str(source.directory / "anchors-rank-*.pt")
 
-    island_path = own.directory / island_file_name(island)
-    island_state = IslandRecord.from_dict(read(own, island_file_name(island)), str(island_path))
+    name = island_rank_file_name(island, position) if per_rank else island_file_name(island)
+    island_path = own.directory / name
+    island_state = IslandRecord.from_dict(read(own, name), str(island_path))
     own_anchors, own_label = read_anchors(own)
     newest_rounds, newest_path = newest
     newest_anchors, newest_label = own_anchors, own_label
@@ -165,18 +171,16 @@ def load_sources(
     loaded = Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
     validate(host, loaded, island_path, own_label, newest_label)
     if verify:
-        check_finite(island_state.module, source=island_path, what="the island's module state")
+        what = "the module shard" if per_rank else "the island's module state"
+        check_finite(island_state.module, source=island_path, what=what)
     return loaded
 
 
 def validate(
     host: TrainingView, loaded: Loaded, island_path: Path, own_anchors: str, newest_anchors: str
 ) -> None:
-    """Everything ``install`` relies on, so that it cannot fail half-way.
-
-    ``own_anchors`` and ``newest_anchors`` name the anchors files in messages.
-    """
-    module = {k: tuple(v.shape) for k, v in host.module.state_dict().items()}
+    """Everything ``install`` relies on, so that it cannot fail half-way."""
+    module = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
     check_island(host, loaded.island, module, island_path)
     if loaded.newest is not loaded.own_anchors:
         # Only the anchors of the island's own, older save are used (by the catch-up).
@@ -256,7 +260,10 @@ def check_outer_states(
 
 def install(host: TrainingView, loaded: Loaded) -> list[int]:
     """Install checked state on this rank; returns the optimizers caught up."""
-    host.module.load_state_dict(loaded.island.module, strict=True)
+    if host.model_shards is not None:
+        _copy_shards(host, loaded.island.module)
+    else:
+        host.module.load_state_dict(loaded.island.module, strict=True)
     stale: list[int] = []
     own_rounds = [s.counters.outer_steps for s in loaded.own_anchors.outer]
     for index, outer in enumerate(host.outer_syncs):
@@ -272,27 +279,50 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
     return stale
 
 
-def install_states(
-    host: TrainingView,
-    island: IslandRecord,
-    anchors: AnchorsRecord,
-    adapt: Callable[[torch.optim.Optimizer], None] | None = None,
-) -> None:
-    """Install the inner optimizers' state (on the module's device, ``step`` left put; then
-    ``adapt``), the checked outer states, the island's own outer state and the totals."""
+def install_states(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -> None:
+    """Install the inner optimizers' state (on the module's device, ``step`` left put), the
+    checked outer states, the island's own outer state and the totals."""
     for optimizer, saved in zip(host.optimizers, island.optimizers, strict=True):
         optimizer.load_state_dict(saved)
         for state in optimizer.state.values():
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor):
                     state[key] = value.to(host.device)
-        if adapt is not None:
-            adapt(optimizer)
+        if host.model_shards is not None:
+            _shard_optimizer_state(optimizer)
     for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
         outer.load_checked_state_dict(outer_state)  # checked before anything was installed
     for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
         outer.load_island_state_dict(island_state)
     island.totals.install(host.totals)
+
+
+@torch.no_grad()
+def _copy_shards(host: TrainingView, module: dict[str, Any]) -> None:
+    for name, target in local_tensors(host.module.state_dict()).items():
+        target.copy_(module[name])
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Turn each restored local state tensor back into a DTensor like its parameter (same mesh,
+    placements, global shape and stride: shards may be uneven, so these are given)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            local_shape = param.to_local().shape
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                plain = isinstance(value, Tensor) and not isinstance(value, DTensor)
+                if plain and value.dim() > 0 and value.shape == local_shape:
+                    state[key] = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
 
 
 def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:

@@ -1,11 +1,8 @@
 """Saving a swarm checkpoint: every island's file, the anchors, then the record that names them.
 
-Collective, in the same order on every rank: rank 0 draws and claims the ``save_id`` and removes
-directories whose Lightning file was never written; each island's first rank writes its island
-file and rank 0 (or, sharded, every rank of island 0) the anchors; the sizes and checksums, or
-each writer's failure, are agreed (``transport.agree``), so every rank holds the same
-``SwarmRecord`` or raises the same error, and a failed save removes its files. The caller then
-writes the Lightning file, last.
+Collective: the file digests, or each writer's failure, are agreed (``transport.agree``), so every
+rank holds the same ``SwarmRecord`` or raises the same error, and a failed save removes its files.
+The caller then writes the Lightning file, last.
 """
 
 from __future__ import annotations
@@ -14,24 +11,26 @@ import contextlib
 import logging
 import shutil
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_swarm.algorithm.model_layout import model_layout
+from torch.distributed.tensor import DTensor
+
 from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
 from lightning_swarm.resume.atomic import atomic_save, is_disk_full
+from lightning_swarm.resume.compatibility import current_fingerprint
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
     claim_save,
     island_file_name,
+    island_rank_file_name,
     release_save,
     remove_orphan_saves,
     require_local_path,
     swarm_root,
 )
-from lightning_swarm.resume.fingerprint import layout_fingerprint
 from lightning_swarm.resume.integrity import file_digest
 from lightning_swarm.resume.records import (
     AnchorsRecord,
@@ -49,50 +48,16 @@ from lightning_swarm.transport.agree import agree
 log = logging.getLogger("lightning_swarm")
 
 
-def current_fingerprint(
-    host: TrainingView, global_shapes: Mapping[str, Sequence[int]] | None = None
-) -> dict[str, Any]:
-    """The layout a resume must match (see ``resume.fingerprint.layout_fingerprint``).
-
-    ``global_shapes`` describes model-sharded parameters by their whole shapes.
-
-    Streaming DiLoCo adds its fragments and schedule: a round in flight is applied at
-    ``send_step + sync_delay`` to the fragment it was sent for, so a resume needs the same
-    fragments, ``sync_every`` and ``sync_delay``. Plain DiLoCo records ``None``.
-    """
-    options = host.options
-    fragments = None
-    if options["num_fragments"] > 1 or options["sync_delay"] > 0:
-        fragments = {
-            "sync_every": options["sync_every"],
-            "sync_delay": options["sync_delay"],
-            "layout": [o.fragments for o in host.outer_syncs],
-        }
-    layouts = [model_layout(o.params, global_shapes) for o in host.outer_syncs]
-    return layout_fingerprint(host.topology.num_islands, layouts, fragments)
-
-
-# Writes the files one rank owns into a save's directory, adding each to ``written`` as it lands.
-WriteFiles = Callable[[TrainingView, Path, str, dict[str, FileDigest]], None]
-
-
 def save_swarm_state(
     host: TrainingView,
     checkpoint: dict[str, Any],
     filepath: Any,
-    *,
-    write: WriteFiles | None = None,
-    fingerprint: Callable[[TrainingView], dict[str, Any]] = current_fingerprint,
 ) -> str:
     """Write this rank's share of the swarm state and put the record in ``checkpoint["swarm"]``.
 
-    ``write`` writes the files this rank owns (default: each island's file and the anchors;
-    ``resume.per_rank`` passes its own), ``fingerprint`` gives the record's layout. With
-    ``host.loops_per_island`` each island's first rank hands its Lightning loop state
-    (``checkpoint["loops"]``) to the agreement that already gathers the file digests, and the
-    record keeps every island's (``SwarmRecord.island_loops``; its counters are island 0's, as
-    in the Lightning file that global rank 0 writes).
-    Returns the save id; the caller writes the Lightning file and then prunes older saves.
+    With ``host.loops_per_island`` the record keeps every island's Lightning loop state (its
+    counters are island 0's, as in the Lightning file global rank 0 writes). Returns the save
+    id; the caller writes the Lightning file and then prunes older saves.
     """
     comm = host.collectives
     root = swarm_root(require_local_path(filepath, what="checkpoint path"))
@@ -103,7 +68,7 @@ def save_swarm_state(
     # A rank that failed must still reach the agreement, or the others would wait there for the
     # group's timeout: its error is raised on every rank by the agreement.
     try:
-        (write or _write_own_files)(host, directory, save_id, written)
+        _write_own_files(host, directory, save_id, written)
     except Exception as err:
         where = "" if host.topology.world_size == 1 else f"rank {comm.rank}: "
         error = save_failure(err, filepath, where)
@@ -144,7 +109,7 @@ def save_swarm_state(
     outers = host.outer_syncs
     record = SwarmRecord(
         save_id=save_id,
-        fingerprint=fingerprint(host),
+        fingerprint=current_fingerprint(host),
         anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
         outer_steps=[o.outer_steps for o in outers],
         inner_steps=[o.inner_steps for o in outers],
@@ -170,28 +135,46 @@ def write_file(directory: Path, name: str, payload: Any, written: dict[str, File
 def _write_own_files(
     host: TrainingView, directory: Path, save_id: str, written: dict[str, FileDigest]
 ) -> None:
-    """Each island's first rank writes its island file; rank 0 (or, sharded, every rank of
-    island 0) the anchors."""
+    """Each island's first rank writes its island file and rank 0 the anchors; with a sharded
+    outer state every rank of island 0 writes its anchor shard; model-sharded islands write
+    every rank's island file too, of ``to_local()`` tensors (``docs/fsdp.md``)."""
     topology, outers = host.topology, host.outer_syncs
-    sharded = any(len(o.owned) != len(o.params) for o in outers)
+    per_rank = host.model_shards is not None
+    sharded = per_rank or any(len(o.owned) != len(o.params) for o in outers)
     # Sharded, collecting the island's state is collective over the island (every rank).
     outer_island = (
         [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
     )
-    if topology.local_index == 0:
+    if per_rank or topology.local_index == 0:
+        module, optimizers = host.module.state_dict(), [o.state_dict() for o in host.optimizers]
+        name = island_file_name(topology.island_index)
+        if per_rank:
+            module, optimizers = local_tensors(module), local_tensors(optimizers)
+            name = island_rank_file_name(topology.island_index, topology.local_index)
         island = IslandRecord(
             save_id=save_id,
             island=topology.island_index,
-            module=host.module.state_dict(),
-            optimizers=[opt.state_dict() for opt in host.optimizers],
+            module=module,
+            optimizers=optimizers,
             totals=TotalsRecord.of(host.totals),
             outer_island=outer_island,
         )
-        write_file(directory, island_file_name(topology.island_index), island.to_dict(), written)
+        write_file(directory, name, island.to_dict(), written)
     if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:
         name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
         anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
         write_file(directory, name, anchors.to_dict(), written)
+
+
+def local_tensors(state: Any) -> Any:
+    """``state`` with every DTensor replaced by its local shard (a view; saving copies it)."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, Mapping):
+        return {k: local_tensors(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(local_tensors(v) for v in state)
+    return state
 
 
 def save_failure(
