@@ -17,6 +17,7 @@ import torch
 
 from lightning_swarm.resume.compatibility import describe_changes
 from lightning_swarm.resume.files import (
+    discard_save,
     prune_saves,
     require_local_path,
     resolve_mmap,
@@ -33,7 +34,7 @@ from lightning_swarm.resume.restore import (
     load_sources,
     newest_source,
 )
-from lightning_swarm.resume.save import discard_save, save_swarm_state
+from lightning_swarm.resume.save import save_swarm_state
 from lightning_swarm.resume.training_view import TrainingView
 
 log = logging.getLogger("lightning_swarm")
@@ -100,12 +101,8 @@ class SwarmCheckpointer:
         return self._pending is not None
 
     def restore(self, host: TrainingView) -> None:
-        """Check and install the captured swarm state on this rank (collective).
-
-        Raises:
-            SwarmCheckpointError: on every rank, when any rank cannot restore; nothing has
-                been installed then.
-        """
+        """Check and install the captured swarm state on this rank (collective); when any rank
+        cannot, ``SwarmCheckpointError`` on every rank and nothing installed."""
         main = self._pending
         if main is None:
             return
@@ -120,9 +117,21 @@ class SwarmCheckpointer:
             summary = _summary(host, main, own, loaded, how, stale)
         finally:
             self._pending = None
-        if comm.rank == 0:
+        if comm.rank == 0:  # one warning of the changed options that make it inexact
             residuals = any(state.get("residuals") for state in loaded.island.outer_island)
-            _warn_changed_options(host, main, residuals_saved=residuals)
+            saved = main.record
+            changes = describe_changes(
+                saved.options,
+                host.options,
+                inner_steps=saved.inner_steps,
+                residuals_saved=residuals,
+            )
+            if changes:
+                warnings.warn(
+                    "resuming with options other than the checkpoint's; the run is no longer an "
+                    "exact continuation: " + "; ".join(changes) + ".",
+                    stacklevel=2,
+                )
         self.summary = summary
         log.info("swarm resume: %s", self.summary)
 
@@ -142,8 +151,7 @@ class SwarmCheckpointer:
 
     @staticmethod
     def remove(filepath: Any) -> None:
-        """Delete a removed checkpoint's swarm directory (ModelCheckpoint's top-k pruning;
-        global rank 0)."""
+        """Delete a removed checkpoint's swarm directory (global rank 0)."""
         shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
 
@@ -159,21 +167,6 @@ def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: in
     except Exception:  # see above
         return
     checkpoint["loops"], checkpoint["global_step"] = own["loops"], own["global_step"]
-
-
-def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: bool) -> None:
-    lines = describe_changes(
-        main.record.options,
-        host.options,
-        inner_steps=main.record.inner_steps,
-        residuals_saved=residuals_saved,
-    )
-    if lines:
-        warnings.warn(
-            "resuming with options other than the checkpoint's; the run is no longer an "
-            "exact continuation: " + "; ".join(lines) + ".",
-            stacklevel=3,
-        )
 
 
 def _summary(

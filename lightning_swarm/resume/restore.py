@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,7 +85,8 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
             f"{num_islands} island(s), numbered 0 .. {num_islands - 1}; fix the keys of "
             "island_ckpt_paths."
         )
-    compare_fingerprints(main.record.fingerprint, current_fingerprint(host))
+    current = current_fingerprint(host)
+    compare_fingerprints(main.record.fingerprint, current)
     refuse_unusable(main.record.options, host.options)
     island = host.topology.island_index
     if island not in island_paths:
@@ -103,15 +105,13 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
             f"island {island}'s checkpoint {path} holds no swarm state; give "
             "island_ckpt_paths a checkpoint written by SwarmStrategy."
         )
-    compare_fingerprints(record.fingerprint, current_fingerprint(host))
+    compare_fingerprints(record.fingerprint, current)
     return Source(path, record)
 
 
 def newest_source(comm: Collectives, own: Source, main: Source) -> tuple[list[int], str]:
-    """The most advanced rounds among all islands' sources, and that source's path.
-
-    Ties go to the main checkpoint, so every rank picks the same source.
-    """
+    """The most advanced rounds among all islands' sources, and that source's path (ties go to
+    the main checkpoint, so every rank picks the same)."""
     mine = (list(own.record.outer_steps), str(own.ckpt_path))
     everyone = comm.all_gather_object(mine)
     rounds, path = max(everyone, key=lambda item: (tuple(item[0]), item[1] == str(main.ckpt_path)))
@@ -126,12 +126,7 @@ def load_sources(
     per_rank = host.model_shards is not None
     legacy: list[Path] = []
     verify = host.anchors.verify
-
-    def read(source: Source, name: str) -> dict[str, Any]:
-        payload, was_legacy = read_file(source, name, verify=verify, use_mmap=use_mmap)
-        if was_legacy:
-            legacy.append(source.directory / name)
-        return payload
+    read = partial(read_file, verify=verify, use_mmap=use_mmap, legacy=legacy)
 
     def read_anchors(source: Source) -> tuple[AnchorsRecord, str]:
         """The save's anchors (its shards merged) and how messages name them."""
@@ -168,31 +163,23 @@ def load_sources(
                 "older ones of the islands that are behind in island_ckpt_paths."
             )
         newest_anchors, newest_label = read_anchors(main)
-    loaded = Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
-    validate(host, loaded, island_path, own_label, newest_label)
+    # Everything ``install`` relies on, so that it cannot fail half-way.
+    check_island(host, island_state, island_path)
+    if newest_anchors is not own_anchors:
+        # Only the anchors of the island's own, older save are used (by the catch-up).
+        check_outer_states(host, own_anchors, own_label, anchors_only=True)
+    check_outer_states(host, newest_anchors, newest_label)
     if verify:
         what = "the module shard" if per_rank else "the island's module state"
         check_finite(island_state.module, source=island_path, what=what)
-    return loaded
-
-
-def validate(
-    host: TrainingView, loaded: Loaded, island_path: Path, own_anchors: str, newest_anchors: str
-) -> None:
-    """Everything ``install`` relies on, so that it cannot fail half-way."""
-    module = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
-    check_island(host, loaded.island, module, island_path)
-    if loaded.newest is not loaded.own_anchors:
-        # Only the anchors of the island's own, older save are used (by the catch-up).
-        check_outer_states(host, loaded.own_anchors, own_anchors, anchors_only=True)
-    check_outer_states(host, loaded.newest, newest_anchors)
+    return Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
 
 
 def read_file(
-    source: Source, name: str, *, verify: bool, use_mmap: bool
-) -> tuple[dict[str, Any], bool]:
-    """File ``name`` of ``source``'s save, checked against its record (size; checksum with
-    ``verify``) and its save id, and whether it was in a legacy format."""
+    source: Source, name: str, *, verify: bool, use_mmap: bool, legacy: list[Path]
+) -> dict[str, Any]:
+    """File ``name`` of ``source``'s save, checked against its record and save id; its path
+    joins ``legacy`` when it was in torch's legacy format."""
     path = source.directory / name
     files = source.record.files
     if name not in files:
@@ -203,25 +190,26 @@ def read_file(
     if path.is_file():
         check_file(path, files[name], verify=verify)
     payload, was_legacy = load_swarm_file(path, mmap=use_mmap)
+    if was_legacy:
+        legacy.append(path)
     if payload.get("save_id") != source.record.save_id:
         raise SwarmCheckpointError(
             f"{path} belongs to another save than {source.ckpt_path}; the directory was mixed "
             "up. Resume from another checkpoint."
         )
-    return payload, was_legacy
+    return payload
 
 
-def check_island(
-    host: TrainingView, island: IslandRecord, module: Mapping[str, tuple[int, ...]], path: Path
-) -> None:
-    """``island`` (read from ``path``) is this island's and fits the live module (entry ->
-    shape of this rank's state) and optimizers, so that installing it cannot fail half-way."""
+def check_island(host: TrainingView, island: IslandRecord, path: Path) -> None:
+    """``island`` (read from ``path``) is this island's and fits this rank's module and
+    optimizers."""
     index = host.topology.island_index
     if island.island != index:
         raise SwarmCheckpointError(
             f"{path} says it holds island {island.island}, not {index}; the directory was "
             "tampered with. Resume from another checkpoint."
         )
+    module = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
     saved = {k: tuple(v.shape) for k, v in island.module.items()}
     if module != saved:
         differ = sorted(k for k in module.keys() | saved.keys() if module.get(k) != saved.get(k))
@@ -239,8 +227,8 @@ def check_island(
 def check_outer_states(
     host: TrainingView, record: AnchorsRecord, path: str, *, anchors_only: bool = False
 ) -> None:
-    """Each saved outer state against its sync (``OuterSync.check_state_dict``: anchor shapes
-    and the round in flight), or only its anchors; an error names ``path``."""
+    """Each saved outer state against its sync (``OuterSync.check_state_dict``), or only its
+    anchors; an error names ``path``."""
     syncs = host.outer_syncs
     if len(record.outer) != len(syncs):
         raise SwarmCheckpointError(
@@ -259,11 +247,16 @@ def check_outer_states(
 
 
 def install(host: TrainingView, loaded: Loaded) -> list[int]:
-    """Install checked state on this rank; returns the optimizers caught up."""
+    """Install checked state on this rank: module, catch-up, inner optimizer states (on the
+    module's device, ``step`` left put), outer states, residuals, totals. Returns the
+    optimizers caught up."""
+    island = loaded.island
     if host.model_shards is not None:
-        _copy_shards(host, loaded.island.module)
+        with torch.no_grad():
+            for name, target in local_tensors(host.module.state_dict()).items():
+                target.copy_(island.module[name])
     else:
-        host.module.load_state_dict(loaded.island.module, strict=True)
+        host.module.load_state_dict(island.module, strict=True)
     stale: list[int] = []
     own_rounds = [s.counters.outer_steps for s in loaded.own_anchors.outer]
     for index, outer in enumerate(host.outer_syncs):
@@ -275,13 +268,6 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
                 catch_up_(p.data, old[name], new[name])
     # The old anchors were needed for the catch-up only.
     loaded.own_anchors = AnchorsRecord(loaded.own_anchors.save_id, [])
-    install_states(host, loaded.island, loaded.newest)
-    return stale
-
-
-def install_states(host: TrainingView, island: IslandRecord, anchors: AnchorsRecord) -> None:
-    """Install the inner optimizers' state (on the module's device, ``step`` left put), the
-    checked outer states, the island's own outer state and the totals."""
     for optimizer, saved in zip(host.optimizers, island.optimizers, strict=True):
         optimizer.load_state_dict(saved)
         for state in optimizer.state.values():
@@ -290,17 +276,12 @@ def install_states(host: TrainingView, island: IslandRecord, anchors: AnchorsRec
                     state[key] = value.to(host.device)
         if host.model_shards is not None:
             _shard_optimizer_state(optimizer)
-    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
+    for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
         outer.load_checked_state_dict(outer_state)  # checked before anything was installed
     for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
         outer.load_island_state_dict(island_state)
     island.totals.install(host.totals)
-
-
-@torch.no_grad()
-def _copy_shards(host: TrainingView, module: dict[str, Any]) -> None:
-    for name, target in local_tensors(host.module.state_dict()).items():
-        target.copy_(module[name])
+    return stale
 
 
 def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -326,11 +307,8 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
-    """Run ``step`` on every rank; if it failed on any rank, raise on all of them.
-
-    Raises:
-        SwarmCheckpointError: the lowest failing rank's, naming that rank and why.
-    """
+    """Run ``step`` on every rank; if it failed on any rank, raise ``SwarmCheckpointError`` on
+    all of them, naming the lowest failing rank and why."""
     result: _T | None = None
     error: SwarmCheckpointError | None = None
     try:

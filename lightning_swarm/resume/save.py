@@ -7,10 +7,6 @@ The caller then writes the Lightning file, last.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,11 +19,10 @@ from lightning_swarm.resume.compatibility import current_fingerprint
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
-    claim_save,
+    begin_save,
+    discard_save,
     island_file_name,
     island_rank_file_name,
-    release_save,
-    remove_orphan_saves,
     require_local_path,
     swarm_root,
 )
@@ -44,8 +39,6 @@ from lightning_swarm.resume.records import (
 )
 from lightning_swarm.resume.training_view import TrainingView
 from lightning_swarm.transport.agree import agree
-
-log = logging.getLogger("lightning_swarm")
 
 
 def save_swarm_state(
@@ -190,24 +183,3 @@ def save_failure(
     failure = DiskFullError(text) if is_disk_full(error) else SwarmCheckpointError(text)
     failure.__cause__ = error
     return failure
-
-
-def begin_save(root: Path) -> str:
-    """Draw a new save id, claim it, and remove interrupted saves of the folder (rank 0).
-
-    The claim comes first: another process pruning the same folder meanwhile (an elastic
-    island sharing this ``dirpath``) must not take this save for an interrupted one.
-    """
-    save_id = uuid.uuid4().hex[:12]
-    claim_save(root, save_id)
-    for orphan in remove_orphan_saves(root.parent, keep=root):
-        log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
-    return save_id
-
-
-def discard_save(root: Path, save_id: str) -> None:
-    """Remove the files of save ``save_id`` (and ``root`` when nothing else is in it)."""
-    shutil.rmtree(root / save_id, ignore_errors=True)
-    release_save(root, save_id)
-    with contextlib.suppress(OSError):  # not empty: an older save lives there
-        root.rmdir()

@@ -1,8 +1,7 @@
 """What save and restore need from the training side: a small protocol, no Lightning.
 
-``SwarmStrategy`` builds one ``TrainingView`` per save or restore; nothing here imports the
-strategy or Lightning. Its collectives are callables, so the same code serves a distributed world
-and a single process; each must be called on every rank in the same order.
+The strategy builds one ``TrainingView`` per save or restore. Its collectives are callables (one
+process or a world); each must be called on every rank in the same order.
 """
 
 from __future__ import annotations
@@ -27,38 +26,25 @@ class OuterState(Protocol):
 
     @property
     def params(self) -> Mapping[str, torch.nn.Parameter]: ...
-
     @property
     def owned(self) -> Sequence[str]: ...
-
     @property
     def anchor_dtype(self) -> torch.dtype: ...
-
     @property
     def anchor_bytes(self) -> int: ...
-
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer: ...
-
     @property
     def fragments(self) -> Sequence[Sequence[str]]: ...
-
     @property
     def inner_steps(self) -> int: ...
-
     @property
     def outer_steps(self) -> int: ...
-
     def record(self) -> OuterRecord: ...
-
     def check_state_dict(self, state: OuterRecord) -> None: ...
-
     def check_anchors(self, anchors: Mapping[str, Tensor]) -> None: ...
-
     def load_checked_state_dict(self, state: OuterRecord) -> None: ...
-
     def island_state_dict(self) -> dict[str, Any]: ...
-
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
@@ -66,7 +52,6 @@ class ModuleState(Protocol):
     """The trained module (a ``LightningModule``): its ``state_dict`` round trip."""
 
     def state_dict(self) -> dict[str, Any]: ...
-
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
 
 
@@ -84,19 +69,14 @@ class Collectives:
     def of_world(
         cls, rank: int, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]
     ) -> Collectives:
-        """The default process group (or one process when none is initialised)."""
         size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return cls(rank, size, broadcast, barrier, objects_over())
 
 
 @dataclass(frozen=True)
 class ModelShards:
-    """What a model-sharded island (``island_parallel="fsdp"``) adds to the view.
-
-    Attributes:
-        mesh: the island mesh's shape, ``{"data_parallel": dp, "tensor_parallel": tp}``.
-        global_shapes: each parameter's full shape by name (the outer state holds local shards).
-    """
+    """A model-sharded island (``island_parallel="fsdp"``): its mesh's shape
+    (``{"data_parallel": dp, "tensor_parallel": tp}``) and each parameter's full shape."""
 
     mesh: Mapping[str, int]
     global_shapes: Mapping[str, Sequence[int]]
@@ -106,10 +86,8 @@ class ModelShards:
 class TrainingView:
     """The training state a save reads and a restore writes, on one rank.
 
-    ``model_shards`` is set when each rank holds only its shard of the model: the swarm files
-    are then written per rank (``resume.per_rank``). ``loops_per_island`` is set when the
-    islands step at their own pace (a time budget): a save then records each island's own
-    Lightning loop state (``records.IslandLoops``).
+    With ``model_shards`` every rank writes and reads its own files; with ``loops_per_island``
+    (islands at their own pace) a save records each island's own Lightning loop state.
     """
 
     topology: IslandTopology
@@ -126,7 +104,6 @@ class TrainingView:
 
 
 def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> OptionsRecord:
-    """The outer-loop options of a ``SwarmConfig`` and the built outer optimizers."""
     return OptionsRecord(
         values=config.resume_options(),
         outer_optimizer=[type(o.outer_optimizer).__name__ for o in outer_syncs],
