@@ -49,7 +49,7 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
-from lightning_swarm.resume.save import save_failure
+from lightning_swarm.resume.checkpointer import save_failure
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.round_saves import RoundSaves
 from lightning_swarm.transport import Transport

@@ -1,8 +1,7 @@
 """What the resuming run must share with the saving one, and what it may change.
 
-The layout fingerprint (island count, parameter names and shapes, fragments, island mesh) must
-match before any tensor is read; of the options, a changed outer optimizer is refused and every
-other change is described for one warning. Dtypes are not recorded: a resume may change precision.
+The layout fingerprint (no dtypes: a resume may change precision) must match before any tensor is
+read; a changed outer optimizer is refused; every other changed option is described for one warning.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ MESH_KEY = "island_mesh"
 def layout_fingerprint(
     num_islands: int, layouts: Sequence[Layout], fragments: Any = None
 ) -> dict[str, Any]:
-    """``layouts``: each optimizer's parameters; ``fragments``: Streaming DiLoCo's layout and
-    schedule (``None`` for plain DiLoCo), compared as plain data."""
     return {
         "num_islands": int(num_islands),
         "params": [
@@ -35,11 +32,8 @@ def layout_fingerprint(
 
 
 def current_fingerprint(host: TrainingView) -> dict[str, Any]:
-    """This run's fingerprint; model-sharded islands record global shapes and the island mesh.
-
-    Streaming DiLoCo applies a round in flight at ``send_step + sync_delay`` to the fragment it
-    was sent for, so a resume needs the same fragments, ``sync_every`` and ``sync_delay``.
-    """
+    """This run's fingerprint. Streaming DiLoCo adds its fragments and schedule: a round in
+    flight is applied at ``send_step + sync_delay`` to the fragment it was sent for."""
     options, shards = host.options, host.model_shards
     fragments = None
     if options["num_fragments"] > 1 or options["sync_delay"] > 0:
@@ -104,11 +98,8 @@ def _param_differences(
 def check_layout(
     saved: Mapping[str, Any], mesh: Mapping[str, int] | None, num_islands: int
 ) -> None:
-    """Refuse a resume across DDP and model-sharded islands, or onto another island mesh.
-
-    ``saved`` is the checkpoint's fingerprint, ``mesh`` this run's island mesh (None: DDP).
-    Run once, by the strategy's ``load_model_state_dict``, before Lightning loads any weight.
-    """
+    """Refuse a resume across DDP and model-sharded islands (``mesh`` None: DDP), or onto
+    another island mesh; run before Lightning loads any weight."""
     saved_mesh = saved.get(MESH_KEY)
     current_mesh = dict(mesh) if mesh is not None else None
     if saved_mesh == current_mesh:
@@ -212,9 +203,7 @@ def _effect(
 
 
 def _text(value: object) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _one(names: Sequence[str]) -> str:

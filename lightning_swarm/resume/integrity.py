@@ -1,8 +1,6 @@
-"""Integrity of a checkpoint: swarm files' sizes and XXH3-128 checksums, finite values, and
-whether a checkpoint on disk is complete enough to resume from (``checkpoint_problem``).
+"""Integrity of a checkpoint: file sizes and XXH3-128 checksums, finite values, completeness.
 
-Hashing uses one reused chunk buffer; the finiteness scan only reads, so mapped anchors stay
-file-backed.
+Hashing reuses one chunk buffer; the finiteness scan only reads, so mapped anchors stay mapped.
 """
 
 from __future__ import annotations
@@ -103,19 +101,11 @@ def checkpoint_problem(path: Path) -> str | None:
         if record is None:
             return None  # a plain Lightning checkpoint: nothing more to check
         check_loop_state(record, checkpoint, path)
+        for name, expected in sorted(record.files.items()):
+            file = swarm_root(path) / record.save_id / name
+            if not file.is_file():
+                return f"swarm file {file} is missing"
+            check_file(file, expected, verify=True)
     except SwarmCheckpointError as err:
         return str(err)
-    return _swarm_files_problem(path, record)
-
-
-def _swarm_files_problem(path: Path, record: SwarmRecord) -> str | None:
-    directory = swarm_root(path) / record.save_id
-    for name, expected in sorted(record.files.items()):
-        file = directory / name
-        if not file.is_file():
-            return f"swarm file {file} is missing"
-        try:
-            check_file(file, expected, verify=True)
-        except IntegrityError as err:
-            return str(err)
     return None

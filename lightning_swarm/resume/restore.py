@@ -40,8 +40,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.integrity import check_file, check_finite
 from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, merge_shards
-from lightning_swarm.resume.save import local_tensors
-from lightning_swarm.resume.training_view import Collectives, TrainingView
+from lightning_swarm.resume.training_view import Collectives, TrainingView, local_tensors
 from lightning_swarm.transport.agree import agree
 
 _T = TypeVar("_T")

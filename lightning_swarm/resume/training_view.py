@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.resume.outer_record import OuterRecord
@@ -111,3 +112,14 @@ def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> Option
             plain_values(o.outer_optimizer.param_groups[0]) for o in outer_syncs
         ],
     )
+
+
+def local_tensors(state: Any) -> Any:
+    """``state`` with every DTensor replaced by its local shard (a view; saving copies it)."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, Mapping):
+        return {k: local_tensors(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(local_tensors(v) for v in state)
+    return state
