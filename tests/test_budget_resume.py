@@ -30,7 +30,8 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmCheckpointError, SwarmConfigError
 from lightning_swarm.outer import OuterLoop
 from lightning_swarm.resume import SwarmCheckpointer
-from lightning_swarm.resume.records import IslandLoops, OptionsRecord, RecordError, SwarmRecord
+from lightning_swarm.resume.errors import RecordError
+from lightning_swarm.resume.records import IslandLoops, OptionsRecord, SwarmRecord
 from lightning_swarm.round_saves import RoundSaves, check_round_saves
 from tests.helpers import QUIET
 from tests.resume_utils import DumpFinal, StepDataModel, assert_bitwise_equal, load_ranks

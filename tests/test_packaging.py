@@ -71,8 +71,8 @@ def test_public_names_are_the_classes_where_they_live() -> None:
 INTERNAL_ERRORS = {
     # SwarmCheckpointError subclasses; a resume that fails on any rank raises a plain
     # SwarmCheckpointError on every rank naming the cause, so users catch that.
-    "lightning_swarm.resume.records.RecordError",
-    "lightning_swarm.resume.integrity.IntegrityError",
+    "lightning_swarm.resume.errors.RecordError",
+    "lightning_swarm.resume.errors.IntegrityError",
 }
 
 

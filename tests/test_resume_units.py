@@ -30,6 +30,7 @@ from lightning_swarm.outer.checkpoint_state import SyncCheckpoint
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.atomic import atomic_save
 from lightning_swarm.resume.compatibility import compare_fingerprints, layout_fingerprint
+from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import (
     MMAP_ENV,
     begin_save,
@@ -42,7 +43,6 @@ from lightning_swarm.resume.files import (
     resolve_mmap,
     warn_legacy,
 )
-from lightning_swarm.resume.integrity import IntegrityError
 from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.resume.records import AnchorsRecord, OptionsRecord, RecordError, SwarmRecord
 from lightning_swarm.resume.restore import check_outer_states

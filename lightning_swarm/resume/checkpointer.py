@@ -19,7 +19,7 @@ import torch
 
 from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
 from lightning_swarm.resume.atomic import atomic_save, is_disk_full
-from lightning_swarm.resume.compatibility import current_fingerprint, describe_changes
+from lightning_swarm.resume.compatibility import current_fingerprint
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
@@ -29,9 +29,7 @@ from lightning_swarm.resume.files import (
     island_rank_file_name,
     prune_saves,
     require_local_path,
-    resolve_mmap,
     swarm_root,
-    warn_legacy,
 )
 from lightning_swarm.resume.integrity import file_digest
 from lightning_swarm.resume.records import (
@@ -46,15 +44,7 @@ from lightning_swarm.resume.records import (
     optimizer_steps,
     use_island_loops,
 )
-from lightning_swarm.resume.restore import (
-    Loaded,
-    Source,
-    attempt,
-    choose_source,
-    install,
-    load_sources,
-    newest_source,
-)
+from lightning_swarm.resume.restore import Source, restore_swarm_state
 from lightning_swarm.resume.training_view import TrainingView, local_tensors
 from lightning_swarm.transport.agree import agree
 
@@ -127,32 +117,10 @@ class SwarmCheckpointer:
         main = self._pending
         if main is None:
             return
-        comm = host.collectives
         try:
-            use_mmap, how = resolve_mmap(host.anchors.mmap)
-            own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
-            newest = newest_source(comm, own, main)
-            loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
-            warn_legacy(loaded.legacy)
-            stale = install(host, loaded)
-            summary = _summary(host, main, own, loaded, how, stale)
+            summary = restore_swarm_state(host, main, self.island_ckpt_paths)
         finally:
             self._pending = None
-        if comm.rank == 0:  # one warning of the changed options that make it inexact
-            residuals = any(state.get("residuals") for state in loaded.island.outer_island)
-            saved = main.record
-            changes = describe_changes(
-                saved.options,
-                host.options,
-                inner_steps=saved.inner_steps,
-                residuals_saved=residuals,
-            )
-            if changes:
-                warnings.warn(
-                    "resuming with options other than the checkpoint's; the run is no longer an "
-                    "exact continuation: " + "; ".join(changes) + ".",
-                    stacklevel=2,
-                )
         self.summary = summary
         log.info("swarm resume: %s", self.summary)
 
@@ -264,35 +232,6 @@ def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: in
     except Exception:  # see above
         return
     checkpoint["loops"], checkpoint["global_step"] = own["loops"], own["global_step"]
-
-
-def _summary(
-    host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
-) -> str:
-    topology = host.topology
-    if host.model_shards is not None:
-        rounds, steps = main.record.outer_steps, main.record.inner_steps
-        return (
-            f"island {topology.island_index}, position {topology.local_index}: restored "
-            f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
-        )
-    kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
-    size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
-    rounds, steps = own.record.outer_steps, own.record.inner_steps
-    if host.loops_per_island:  # islands at their own pace: the island's own count, installed
-        steps = [o.inner_steps for o in host.outer_syncs]
-    legacy = ", legacy format read eagerly" if loaded.legacy else ""
-    verified = "checksums verified" if host.anchors.verify else "unverified"
-    caught = (
-        f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
-        if stale
-        else "no catch-up needed"
-    )
-    return (
-        f"island {topology.island_index}: restored round(s) {rounds} at inner step(s) "
-        f"{steps}; anchors {size} ({how}{legacy}, written as {main.record.anchor_dtype}, "
-        f"{verified}); {caught}"
-    )
 
 
 def write_file(directory: Path, name: str, payload: Any, written: dict[str, FileDigest]) -> None:

@@ -237,5 +237,5 @@ def warn_legacy(paths: Sequence[Path]) -> None:
             f"{', '.join(str(p) for p in paths)} use torch's legacy (non-zipfile) format, which "
             "cannot be memory-mapped; read eagerly into RAM instead. Re-save with a current "
             "torch.save (zipfile format) to restore mapping.",
-            stacklevel=3,
+            stacklevel=4,
         )

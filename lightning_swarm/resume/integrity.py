@@ -15,15 +15,12 @@ import xxhash
 from torch import Tensor
 
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import swarm_root
 from lightning_swarm.resume.records import FileDigest, SwarmRecord, check_loop_state
 
 CHUNK_BYTES = 8 * 2**20
 _SCAN_NUMEL = 2**22
-
-
-class IntegrityError(SwarmCheckpointError):
-    """A swarm file is not what its checkpoint recorded (the message names the file)."""
 
 
 def file_digest(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> FileDigest:

@@ -18,16 +18,13 @@ import xxhash
 from lightning_swarm.algorithm.optimizer_state import merge_by_name
 from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.errors import RecordError
 from lightning_swarm.resume.outer_record import OuterRecord
 
 FORMAT_VERSION = 3
 DIGEST_ALGORITHM = "xxh3_128"
 _CHECKSUM = "checksum"
 _ISLAND_LOOPS = "island_loops"
-
-
-class RecordError(SwarmCheckpointError):
-    """A payload is not a swarm record of a readable format (the caller names the file)."""
 
 
 def check_format(payload: object, what: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ Model-sharded islands read their own rank's files only. Mapped anchors are adopt
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,6 +27,7 @@ from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.compatibility import (
     compare_fingerprints,
     current_fingerprint,
+    describe_changes,
     refuse_unusable,
 )
 from lightning_swarm.resume.files import (
@@ -36,7 +38,9 @@ from lightning_swarm.resume.files import (
     island_rank_file_name,
     load_swarm_file,
     require_local_path,
+    resolve_mmap,
     swarm_root,
+    warn_legacy,
 )
 from lightning_swarm.resume.integrity import check_file, check_finite
 from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, merge_shards
@@ -67,6 +71,32 @@ class Loaded:
     newest: AnchorsRecord
     newest_rounds: list[int]
     legacy: list[Path] = field(default_factory=list)
+
+
+def restore_swarm_state(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> str:
+    """Check and install ``main`` (and ``island_paths``) on this rank (collective); returns the
+    summary. When any rank cannot, ``SwarmCheckpointError`` on every rank, nothing installed."""
+    comm = host.collectives
+    use_mmap, how = resolve_mmap(host.anchors.mmap)
+    own = attempt(comm, lambda: choose_source(host, main, island_paths))
+    newest = newest_source(comm, own, main)
+    loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
+    warn_legacy(loaded.legacy)
+    stale = install(host, loaded)
+    summary = _summary(host, main, own, loaded, how, stale)
+    if comm.rank == 0:  # one warning of the changed options that make it inexact
+        residuals = any(state.get("residuals") for state in loaded.island.outer_island)
+        saved = main.record
+        changes = describe_changes(
+            saved.options, host.options, inner_steps=saved.inner_steps, residuals_saved=residuals
+        )
+        if changes:
+            warnings.warn(
+                "resuming with options other than the checkpoint's; the run is no longer an "
+                "exact continuation: " + "; ".join(changes) + ".",
+                stacklevel=3,
+            )
+    return summary
 
 
 def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> Source:
@@ -320,3 +350,32 @@ def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
     agree(gather=comm.all_gather_object, error=error)
     assert result is not None
     return result
+
+
+def _summary(
+    host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
+) -> str:
+    topology = host.topology
+    if host.model_shards is not None:
+        rounds, steps = main.record.outer_steps, main.record.inner_steps
+        return (
+            f"island {topology.island_index}, position {topology.local_index}: restored "
+            f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
+        )
+    kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
+    size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
+    rounds, steps = own.record.outer_steps, own.record.inner_steps
+    if host.loops_per_island:  # islands at their own pace: the island's own count, installed
+        steps = [o.inner_steps for o in host.outer_syncs]
+    legacy = ", legacy format read eagerly" if loaded.legacy else ""
+    verified = "checksums verified" if host.anchors.verify else "unverified"
+    caught = (
+        f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
+        if stale
+        else "no catch-up needed"
+    )
+    return (
+        f"island {topology.island_index}: restored round(s) {rounds} at inner step(s) "
+        f"{steps}; anchors {size} ({how}{legacy}, written as {main.record.anchor_dtype}, "
+        f"{verified}); {caught}"
+    )
