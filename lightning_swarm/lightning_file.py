@@ -1,8 +1,6 @@
 """Lightning's checkpoint file: written atomically in place, and read with damage named (glue).
-
-``TorchCheckpointIO`` moves a temporary file over the checkpoint, a copy across filesystems that
-a full disk leaves truncated; ``AtomicCheckpointIO`` writes local paths through ``atomic_save``.
-"""
+``TorchCheckpointIO``'s move of a temporary file is a copy across filesystems, which a full disk
+leaves truncated; ``AtomicCheckpointIO`` writes local paths through ``atomic_save``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""``SwarmResume``: restore some islands from other, older checkpoints (a thin adapter).
-
-The strategy saves and restores by itself. This callback's ``state_dict`` stays empty: Lightning
-deep-copies callback state on load, and mapped tensors must not be there.
-"""
+"""``SwarmResume``: restore some islands from other, older checkpoints (a thin adapter). Its
+``state_dict`` stays empty: Lightning deep-copies callback state on load; mapped tensors must
+not be there."""
 
 from __future__ import annotations
 
@@ -18,16 +16,11 @@ from lightning_swarm.resume import SwarmCheckpointer
 
 
 class SwarmResume(pl.Callback):
-    """Restore some islands from their own (older) checkpoints; catch them up.
+    """Restore some islands from their own (older) checkpoints and catch them up.
 
-    Args:
-        island_ckpt_paths: optional ``{island_index: ckpt_path}``; those islands restore their
-            local parameters and inner optimizer state from that (older) checkpoint and are
-            rebased onto the newest anchors among all islands (catch-up); an index that names
-            no island is refused on every rank before anything is restored.
-
-    Attributes:
-        summary: after a restore, one line saying what this rank restored.
+    ``island_ckpt_paths``: ``{island_index: ckpt_path}``; an index that names no island is
+    refused on every rank before anything is restored. ``summary``: after a restore, one line
+    saying what this rank restored.
     """
 
     def __init__(self, island_ckpt_paths: Mapping[int, str | os.PathLike[str]] | None = None):

@@ -1,8 +1,5 @@
 """Writing one checkpoint file all at once or not at all, and saying so when the disk is full.
-
-``atomic_save`` is the only way this package writes a checkpoint file: a reader sees the old file
-or the whole new one; a full disk raises ``DiskFullError`` with the bytes needed and free.
-"""
+``atomic_save`` is the package's only writer: a reader sees the old file or the whole new one."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """``SwarmCheckpointer``: the strategy's save and restore of swarm state, without Lightning.
-
-``save`` writes every island's file and the anchors, then the record that names them.
-``capture`` (from ``load_checkpoint``, before ``setup``) notes the checkpoint; ``restore`` (after
-Lightning's optimizer load, before any step) consumes it, succeeded or not; a fit without
-``ckpt_path`` forgets an earlier capture. Mapped tensors are held by the ``OuterSync``s only.
-"""
+A capture lives until the restore that consumes it; mapped tensors are held by ``OuterSync``s."""
 
 from __future__ import annotations
 
@@ -125,12 +120,10 @@ class SwarmCheckpointer:
         log.info("swarm resume: %s", self.summary)
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
-        """Write this rank's share of the swarm state and put the record in
-        ``checkpoint["swarm"]`` (collective: the file digests, or each writer's failure, are
-        agreed, so every rank holds the same record or raises the same error, and a failed save
-        removes its files). With ``host.loops_per_island`` the record keeps every island's loop
-        state (its counters are island 0's, as in the Lightning file). Returns the save id; the
-        caller writes the Lightning file, last, then prunes older saves.
+        """Write this rank's swarm files and put the record in ``checkpoint["swarm"]``.
+
+        Collective: every rank holds the same record or raises the same error, and a failed save
+        removes its files. Returns the save id; the caller writes the Lightning file, last.
         """
         comm = host.collectives
         root = swarm_root(require_local_path(filepath, what="checkpoint path"))

@@ -1,8 +1,6 @@
-"""What the resuming run must share with the saving one, and what it may change.
-
-The layout fingerprint (no dtypes: a resume may change precision) must match before any tensor is
-read; a changed outer optimizer is refused; every other changed option is described for one warning.
-"""
+"""What the resuming run must share with the saving one, and what it may change. The layout
+(no dtypes) must match before any tensor is read; a changed outer optimizer is refused; every
+other changed option is described for one warning."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """The swarm part of a checkpoint on disk: ``model.ckpt.swarm/<save_id>/`` beside ``model.ckpt``.
-
-Every file is renamed into place, the Lightning file last, so a crash leaves the previous
-checkpoint whole and a mapped file is never rewritten; a mapped tensor keeps its mapping alive.
-Everything loads with ``weights_only=True``. Paths must be local (``torch.load(mmap=True)``).
-"""
+Files are renamed into place, the Lightning file last, so a crash leaves the previous checkpoint
+whole and a mapped file is never rewritten. Everything loads with ``weights_only=True``."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from lightning_swarm.memory.procfs import pid_alive
 
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
 ANCHORS_FILE = "anchors.pt"
+_CLAIM_SUFFIX = ".writing"
 log = logging.getLogger("lightning_swarm")
 _ZIP_MAGIC = b"PK\x03\x04"
 _FALSE = {"0", "false", "no", "off"}
@@ -39,7 +37,6 @@ _SAVE_FILE = re.compile(
 )
 
 
-# -- paths ------------------------------------------------------------------------------------
 def swarm_root(ckpt_path: str | os.PathLike[str]) -> Path:
     return Path(os.fspath(ckpt_path) + ".swarm")
 
@@ -73,7 +70,6 @@ def require_local_path(path: str | os.PathLike[str], *, what: str) -> Path:
     return Path(text.removeprefix("file://"))
 
 
-# -- options ----------------------------------------------------------------------------------
 def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     """Whether to map anchors, and which switch decided it: the config (``anchors.mmap``) and
     ``LIGHTNING_SWARM_ANCHOR_MMAP=0`` can only turn mapping off, never silently."""
@@ -92,7 +88,6 @@ def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     return True, "memory-mapped"
 
 
-# -- pruning ----------------------------------------------------------------------------------
 def prune_saves(root: Path, keep: str) -> None:
     """Remove every save directory under ``root`` except ``keep`` (after the new file exists)."""
     if not root.is_dir():
@@ -104,10 +99,6 @@ def prune_saves(root: Path, keep: str) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         else:  # a writer's claim (``claim_save``), this save's included: it is complete now
             entry.unlink(missing_ok=True)
-
-
-# -- claims of saves in progress -----------------------------------------------------------------
-_CLAIM_SUFFIX = ".writing"
 
 
 def claim_save(root: Path, save_id: str) -> Path:
@@ -183,7 +174,6 @@ def _is_orphan(root: Path) -> bool:
     return True
 
 
-# -- reading ----------------------------------------------------------------------------------
 def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
     """Load one swarm file: ``(payload, legacy)``; a torch legacy (non-zipfile) file cannot be
     mapped and is read eagerly. A missing, truncated or corrupt file is a

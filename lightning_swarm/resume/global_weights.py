@@ -1,8 +1,5 @@
-"""The global model out of any swarm checkpoint, with no Trainer and no process group.
-
-The Lightning file's ``state_dict`` holds island 0's *local* weights; the global model is the
-anchors saved beside it.
-"""
+"""The global model out of any swarm checkpoint, with no Trainer and no process group: the
+anchors, where the Lightning file's ``state_dict`` holds island 0's *local* weights."""
 
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ def load_global_state_dict(ckpt_path: str | os.PathLike[str]) -> dict[str, Tenso
     owns.
 
     Raises:
-        SwarmCheckpointError: the file holds no swarm state, its swarm files are missing or
-            damaged, an anchor names no entry of the state dict, or the checkpoint comes from
-            model-sharded islands (``island_parallel="fsdp"``), whose weights are per rank.
+        SwarmCheckpointError: no swarm state, missing or damaged swarm files, an anchor that
+            names no entry, or model-sharded islands (their weights are per rank).
     """
     path = Path(ckpt_path)
     ckpt = torch.load(path, map_location="cpu", weights_only=True)

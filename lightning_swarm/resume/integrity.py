@@ -1,7 +1,5 @@
 """Integrity of a checkpoint: file sizes and XXH3-128 checksums, finite values, completeness.
-
-Hashing reuses one chunk buffer; the finiteness scan only reads, so mapped anchors stay mapped.
-"""
+Hashing reuses one chunk buffer; the finiteness scan only reads, so mapped anchors stay mapped."""
 
 from __future__ import annotations
 

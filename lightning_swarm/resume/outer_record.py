@@ -1,8 +1,5 @@
 """``OuterRecord``: an ``OuterSync``'s global state, the one form checkpoints and heals share.
-
-``to_dict`` gives the plain dict a checkpoint stores and a heal sends; ``from_dict`` reads either
-back. Tensors are never copied.
-"""
+``to_dict`` gives the plain dict both store or send; tensors are never copied."""
 
 from __future__ import annotations
 
@@ -22,6 +19,9 @@ class OuterCounters:
     fragment_rounds: list[int] | None = None
     synced_at: list[int | None] | None = None
     ended_at: int | None = None
+
+
+_CAST = {"int": int, "float": float, "bool": bool, "dict[str, Tensor]": dict}
 
 
 @dataclass(frozen=True)
@@ -47,18 +47,10 @@ class PendingRound:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PendingRound:
+        # Each required field read as its declared type (the annotations are strings here).
+        required = {f.name: _CAST[str(f.type)](data[f.name]) for f in fields(cls)[:-1]}
         share_norm = data.get("share_norm")
-        return cls(
-            fragment=int(data["fragment"]),
-            send_step=int(data["send_step"]),
-            deltas=dict(data["deltas"]),
-            applied=bool(data["applied"]),
-            norm=float(data["norm"]),
-            bytes_sent=int(data["bytes_sent"]),
-            bytes_received=int(data["bytes_received"]),
-            transport_s=float(data["transport_s"]),
-            share_norm=None if share_norm is None else bool(share_norm),
-        )
+        return cls(**required, share_norm=None if share_norm is None else bool(share_norm))
 
 
 @dataclass(frozen=True)

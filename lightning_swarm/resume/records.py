@@ -1,9 +1,6 @@
 """Typed records of a swarm checkpoint: what each owner hands over, and the format version.
-
-Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here only; only
-``FORMAT_VERSION`` is read. ``SwarmRecord`` (sealed by ``record_checksum``) also repeats
-Lightning's step counters, so a Lightning file saved at another step than the anchors is refused.
-"""
+Only ``FORMAT_VERSION`` is read. ``SwarmRecord`` is sealed by ``record_checksum`` and repeats
+Lightning's step counters, so a Lightning file saved at another step is refused."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Restoring a swarm checkpoint: check everything, agree on every rank, then install.
-
-On every rank, in the same order of collectives, failures included: choose this island's source
-and check it against this run; agree on the newest outer round among the sources (the catch-up
-target); read each file (checked against its record, mapped by default) and validate it; if any
-rank failed, raise ``SwarmCheckpointError`` on every rank before anything is installed; install.
-Model-sharded islands read their own rank's files only. Mapped anchors are adopted by
-``OuterSync.load_checked_state_dict``; a catch-up's old anchors are dropped right after it.
-"""
+Every rank runs the same collectives, failures included; a catch-up's old anchors are dropped
+right after it."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,12 +64,12 @@ class Loaded:
     own_anchors: AnchorsRecord
     newest: AnchorsRecord
     newest_rounds: list[int]
-    legacy: list[Path] = field(default_factory=list)
+    legacy: list[Path]
 
 
 def restore_swarm_state(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> str:
-    """Check and install ``main`` (and ``island_paths``) on this rank (collective); returns the
-    summary. When any rank cannot, ``SwarmCheckpointError`` on every rank, nothing installed."""
+    """Check and install ``main`` (and ``island_paths``) on this rank; returns the summary.
+    When any rank cannot, ``SwarmCheckpointError`` on every rank, nothing installed."""
     comm = host.collectives
     use_mmap, how = resolve_mmap(host.anchors.mmap)
     own = attempt(comm, lambda: choose_source(host, main, island_paths))

@@ -1,8 +1,5 @@
-"""What save and restore need from the training side: a small protocol, no Lightning.
-
-The strategy builds one ``TrainingView`` per save or restore. Its collectives are callables (one
-process or a world); each must be called on every rank in the same order.
-"""
+"""What save and restore need from the training side: a small protocol, no Lightning. Each
+collective must be called on every rank in the same order."""
 
 from __future__ import annotations
 
