@@ -16,12 +16,9 @@ from lightning_swarm.resume import SwarmCheckpointer
 
 
 class SwarmResume(pl.Callback):
-    """Restore some islands from their own (older) checkpoints and catch them up.
-
-    ``island_ckpt_paths``: ``{island_index: ckpt_path}``; an index that names no island is
-    refused on every rank before anything is restored. ``summary``: after a restore, one line
-    saying what this rank restored.
-    """
+    """Restore islands from their own older checkpoints (``{island_index: ckpt_path}``; an
+    index that names no island is refused on every rank before anything is restored) and catch
+    them up. ``summary``: after a restore, one line saying what this rank restored."""
 
     def __init__(self, island_ckpt_paths: Mapping[int, str | os.PathLike[str]] | None = None):
         self.island_ckpt_paths = {int(k): Path(v) for k, v in (island_ckpt_paths or {}).items()}

@@ -47,13 +47,9 @@ log = logging.getLogger("lightning_swarm")
 
 
 class SwarmCheckpointer:
-    """Saves and restores a swarm run's state for one strategy.
-
-    Attributes:
-        island_ckpt_paths: ``{island_index: ckpt_path}`` (set by ``SwarmResume``) of islands that
-            restore from another (older) checkpoint and catch up to the newest anchors.
-        summary: after a restore, one line saying what this rank restored.
-    """
+    """Saves and restores a swarm run's state for one strategy. ``island_ckpt_paths`` (set by
+    ``SwarmResume``): islands that restore from an older checkpoint and catch up; ``summary``:
+    after a restore, one line saying what this rank restored."""
 
     def __init__(self) -> None:
         self.island_ckpt_paths: dict[int, Path] = {}
@@ -73,12 +69,8 @@ class SwarmCheckpointer:
         island: int = 0,
         own_pace: bool = False,
     ) -> None:
-        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read).
-
-        Where the record holds each island's own loop state, island ``island``'s replaces the
-        Lightning file's in ``checkpoint`` (``records.use_island_loops``); an island restored
-        from ``island_ckpt_paths`` takes its loop state from there when that one has its own.
-        """
+        """Note the checkpoint a fit resumes from (its record is parsed, nothing read); put
+        island ``island``'s own loop state, where saved, into ``checkpoint`` for Lightning."""
         self.summary = None
         self._pending = None
         payload = checkpoint.get("swarm")
@@ -193,7 +185,7 @@ def _record(
             by_island[loops[0]] = loops[1]
     island_loops = [by_island[i] for i in sorted(by_island)] if host.loops_per_island else None
     steps = (
-        (island_loops[0].global_step, island_loops[0].optimizer_steps)
+        (island_loops[0].global_step, optimizer_steps({"loops": island_loops[0].loops}))
         if island_loops
         else (global_step(checkpoint), optimizer_steps(checkpoint))
     )

@@ -61,8 +61,19 @@ def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -
         problems.append(
             f"optimizers: checkpoint has {len(saved_params)}, this run has {len(current_params)}"
         )
-    for index, (old, new) in enumerate(zip(saved_params, current_params, strict=False)):
-        problems.extend(_param_differences(index, dict(old), dict(new)))
+    for index, (old_list, new_list) in enumerate(zip(saved_params, current_params, strict=False)):
+        old, new = dict(old_list), dict(new_list)
+        missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+        if missing or extra:
+            problems.append(
+                f"optimizer {index} parameters renamed or changed: only in checkpoint {missing}, "
+                f"only in this run {extra}"
+            )
+        for name in sorted(old.keys() & new.keys()):
+            if list(old[name]) != list(new[name]):
+                problems.append(
+                    f"parameter {name!r} reshaped: checkpoint {old[name]}, this run {new[name]}"
+                )
     if saved.get("fragments") != current.get("fragments"):
         problems.append(
             f"fragment layout: checkpoint has {saved.get('fragments')!r}, this run has "
@@ -75,22 +86,6 @@ def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -
             + ". Resume with the same model, optimizers, island count and fragments, or start "
             "from the plain weights (load them into the module without ckpt_path)."
         )
-
-
-def _param_differences(
-    index: int, old: dict[str, list[int]], new: dict[str, list[int]]
-) -> list[str]:
-    out: list[str] = []
-    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
-    if missing or extra:
-        out.append(
-            f"optimizer {index} parameters renamed or changed: only in checkpoint {missing}, "
-            f"only in this run {extra}"
-        )
-    for name in sorted(old.keys() & new.keys()):
-        if list(old[name]) != list(new[name]):
-            out.append(f"parameter {name!r} reshaped: checkpoint {old[name]}, this run {new[name]}")
-    return out
 
 
 def check_layout(

@@ -143,11 +143,9 @@ def _writer_may_live(claim: Path) -> bool:
 
 
 def remove_orphan_saves(folder: Path, *, keep: Path) -> list[Path]:
-    """Remove ``<name>.swarm`` directories in ``folder`` whose ``<name>`` file does not exist
-    (a save that crashed before its Lightning file). Never touched: ``keep`` (the save in
-    progress), a directory holding anything a save does not write, or one claimed by a writer
-    that may still be alive. Returns the directories removed.
-    """
+    """Remove (and return) ``<name>.swarm`` directories in ``folder`` whose ``<name>`` file does
+    not exist, except ``keep``, one holding anything a save does not write, or one claimed by a
+    writer that may still be alive."""
     removed: list[Path] = []
     if not folder.is_dir():
         return removed

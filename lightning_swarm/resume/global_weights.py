@@ -23,8 +23,7 @@ def load_global_state_dict(ckpt_path: str | os.PathLike[str]) -> dict[str, Tenso
     """The LightningModule's state dict with every anchored parameter replaced by its anchor.
 
     Anchors are cast to their parameter's dtype; parameters without an anchor and buffers keep
-    island 0's values (every island holds the same). The tensors are new CPU tensors the caller
-    owns.
+    island 0's values (every island holds the same). The caller owns the new CPU tensors.
 
     Raises:
         SwarmCheckpointError: no swarm state, missing or damaged swarm files, an anchor that

@@ -87,12 +87,9 @@ class OptionsRecord:
 
 @dataclass(frozen=True)
 class SwarmRecord:
-    """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it.
-
-    A counter is ``None`` where Lightning saved none (then it is not compared). ``island_loops``
-    holds each island's own loop state when the islands stepped at their own pace (a time
-    budget); ``None`` (and no key) when they share the Lightning file's.
-    """
+    """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it. A
+    counter is ``None`` where Lightning saved none (not compared then); ``island_loops`` is
+    ``None`` (no key) unless the islands stepped at their own pace."""
 
     save_id: str
     fingerprint: dict[str, Any]
@@ -174,11 +171,6 @@ def _text_keys(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_text_keys(v) for v in value]
     return value
-
-
-def reseal(data: dict[str, Any]) -> None:
-    """Recompute the checksum of a record edited on purpose (for tools, tests)."""
-    data[_CHECKSUM] = record_checksum(data)
 
 
 @dataclass(frozen=True)
@@ -266,11 +258,8 @@ class IslandRecord:
 
 
 def merge_shards(shards: Sequence[AnchorsRecord], what: str) -> AnchorsRecord:
-    """Every shard's anchors and outer state joined by name, so a resume may re-shard.
-
-    Tensors are not copied (mapped shards stay file-backed). Raises ``RecordError`` when the
-    shards disagree on the optimizer count or the counters (they come from different saves).
-    """
+    """Every shard's anchors and outer state joined by name, so a resume may re-shard; tensors
+    are not copied. ``RecordError`` when the shards disagree (they come from different saves)."""
     counts = {len(r.outer) for r in shards}
     if len(counts) != 1:
         raise RecordError(f"{what}: the anchor shards hold different optimizer counts {counts}")
@@ -347,10 +336,6 @@ class IslandLoops:
     def of(cls, checkpoint: Mapping[str, Any]) -> IslandLoops:
         return cls(global_step(checkpoint), dict(checkpoint.get("loops") or {}))
 
-    @property
-    def optimizer_steps(self) -> int | None:
-        return optimizer_steps({"loops": self.loops})
-
     def to_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "loops": self.loops}
 
@@ -369,13 +354,8 @@ def use_island_loops(
     own_pace: bool,
 ) -> None:
     """Before Lightning restores its loops from ``checkpoint``: give it island ``island``'s own
-    (``own_pace``: this run's islands step at their own pace). A record without
-    ``island_loops`` leaves ``checkpoint`` as it is.
-
-    Raises:
-        SwarmCheckpointError: no loop state for ``island``, or this run keeps the islands in step
-            while the saved islands stood at different steps.
-    """
+    (``own_pace``: this run's islands step at their own pace). ``SwarmCheckpointError`` when
+    there is none for ``island``, or this run keeps in step islands saved at different steps."""
     saved = record.island_loops
     if saved is None:
         return

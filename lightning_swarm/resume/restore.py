@@ -152,7 +152,7 @@ def load_sources(
     read = partial(read_file, verify=verify, use_mmap=use_mmap, legacy=legacy)
 
     def read_anchors(source: Source) -> tuple[AnchorsRecord, str]:
-        """The save's anchors (its shards merged) and how messages name them."""
+        # The save's anchors (its shards merged) and how messages name them.
         shards = anchor_shard_names(source.record.files)
         names = [anchor_shard_file_name(position)] if per_rank else shards or [ANCHORS_FILE]
         records = []

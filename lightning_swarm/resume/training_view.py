@@ -46,13 +46,6 @@ class OuterState(Protocol):
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-class ModuleState(Protocol):
-    """The trained module (a ``LightningModule``): its ``state_dict`` round trip."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
-
-
 @dataclass(frozen=True)
 class Collectives:
     """This rank's view of the world: its rank and the collectives a checkpoint uses."""
@@ -82,15 +75,12 @@ class ModelShards:
 
 @dataclass(frozen=True)
 class TrainingView:
-    """The training state a save reads and a restore writes, on one rank.
-
-    With ``model_shards`` every rank writes and reads its own files; with ``loops_per_island``
-    (islands at their own pace) a save records each island's own Lightning loop state.
-    """
+    """The training state a save reads and a restore writes, on one rank. With ``model_shards``
+    every rank has its own files; with ``loops_per_island`` each island its own loop state."""
 
     topology: IslandTopology
     outer_syncs: Sequence[OuterState]
-    module: ModuleState
+    module: torch.nn.Module  # the LightningModule
     optimizers: Sequence[torch.optim.Optimizer]
     device: torch.device
     totals: Totals
