@@ -112,11 +112,9 @@ class SwarmCheckpointer:
         log.info("swarm resume: %s", self.summary)
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
-        """Write this rank's swarm files and put the record in ``checkpoint["swarm"]``.
-
-        Collective: every rank holds the same record or raises the same error, and a failed save
-        removes its files. Returns the save id; the caller writes the Lightning file, last.
-        """
+        """Write this rank's swarm files and put the record in ``checkpoint["swarm"]``; every
+        rank holds the same record or raises the same error, a failed save's files removed.
+        Returns the save id; the caller writes the Lightning file, last."""
         comm = host.collectives
         root = swarm_root(require_local_path(filepath, what="checkpoint path"))
         save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
@@ -263,9 +261,8 @@ def _write_own_files(
 def save_failure(
     error: Exception, filepath: Any, where: str
 ) -> SwarmCheckpointError | DiskFullError:
-    """The error every rank raises when ``where`` (e.g. ``"rank 3: "``, or ``""`` alone) could
-    not write its part of checkpoint ``filepath`` (a swarm file, or the Lightning file);
-    ``error`` is its cause. A full device gives a ``DiskFullError``."""
+    """The error every rank raises when ``where`` (``"rank 3: "`` or ``""``) could not write its
+    part of checkpoint ``filepath``, caused by ``error`` (a full device: ``DiskFullError``)."""
     text = (
         f"checkpoint {filepath} was not saved ({where}{type(error).__name__}: {error}); the "
         "files of this save were removed and the previous checkpoint is untouched."

@@ -224,8 +224,7 @@ def read_file(
 
 
 def check_island(host: TrainingView, island: IslandRecord, path: Path) -> None:
-    """``island`` (read from ``path``) is this island's and fits this rank's module and
-    optimizers."""
+    """``island`` (from ``path``) is this island's and fits this rank's module and optimizers."""
     index = host.topology.island_index
     if island.island != index:
         raise SwarmCheckpointError(
