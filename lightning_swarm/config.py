@@ -251,7 +251,7 @@ class SwarmConfig:
 
 def must_match(site: MustMatchSite) -> tuple[str, ...]:
     """The ``SwarmConfig`` fields that must match at ``site``, in declaration order:
-    ``"resume"`` (a checkpoint records them; ``resume.option_changes`` names each change) or
+    ``"resume"`` (a checkpoint records them; ``resume.compatibility`` names each change) or
     ``"islands"`` (equal on every island of an elastic swarm; ``round_header``)."""
     return tuple(f.name for f in fields(SwarmConfig) if site in f.metadata.get("must_match", ()))
 

@@ -45,7 +45,7 @@ from lightning_swarm.errors import (
     SwarmConfigTypeError,
     SwarmError,
 )
-from lightning_swarm.resume.per_rank import check_layout
+from lightning_swarm.resume.compatibility import check_layout
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import peer_backend
 from lightning_swarm.transport.groups import (

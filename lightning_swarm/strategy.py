@@ -27,11 +27,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_swarm.between_rounds import BudgetFit, IslandSigterm, warn_of_world_collectives
-from lightning_swarm.checkpoint_io import AtomicCheckpointIO, read_lightning_file
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.elastic import ElasticIsland
 from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.island_ddp import IslandDDPStrategy, timeouts_explained
+from lightning_swarm.lightning_file import AtomicCheckpointIO, read_lightning_file
 from lightning_swarm.membership import elastic_options
 from lightning_swarm.outer import (
     OuterLoop,
@@ -42,7 +42,7 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
-from lightning_swarm.resume.save import save_failure
+from lightning_swarm.resume.checkpointer import save_failure
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
 from lightning_swarm.transport.agree import agree, objects_over

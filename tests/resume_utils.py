@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_swarm import SwarmStrategy
 from lightning_swarm.resume.files import swarm_root
 from lightning_swarm.resume.integrity import file_digest
-from lightning_swarm.resume.records import reseal
+from lightning_swarm.resume.records import record_checksum
 
 SYNC_EVERY = 3
 
@@ -179,7 +179,7 @@ def edit_record(
     checkpoint = torch.load(ckpt, weights_only=True)
     edit(checkpoint["swarm"])
     if reseal_it:
-        reseal(checkpoint["swarm"])
+        checkpoint["swarm"]["checksum"] = record_checksum(checkpoint["swarm"])
     torch.save(checkpoint, ckpt)
 
 

@@ -146,7 +146,7 @@ def test_the_strategy_writes_lightning_files_atomically_unless_given_its_own_io(
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     from lightning_swarm import SwarmStrategy
-    from lightning_swarm.checkpoint_io import AtomicCheckpointIO
+    from lightning_swarm.lightning_file import AtomicCheckpointIO
 
     def io_of(plugins: list[object]) -> object:
         trainer = pl.Trainer(

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: list[tuple[str, int]] = [
     (PACKAGE, 7),
     (f"{PACKAGE}.strategy", 7),
-    (f"{PACKAGE}.checkpoint_io", 7),
+    (f"{PACKAGE}.lightning_file", 7),
     (f"{PACKAGE}.between_rounds", 7),
     (f"{PACKAGE}.island_ddp", 7),
     (f"{PACKAGE}.elastic", 7),

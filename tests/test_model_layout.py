@@ -14,7 +14,7 @@ from lightning_swarm.algorithm.model_layout import (
     model_layout,
 )
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
-from lightning_swarm.resume.fingerprint import layout_fingerprint
+from lightning_swarm.resume.compatibility import layout_fingerprint
 
 
 def _layout(dtype: torch.dtype = torch.float32, **shapes: tuple[int, ...]) -> dict:

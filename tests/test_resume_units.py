@@ -29,10 +29,13 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.sync_state import SyncState
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.atomic import atomic_save
+from lightning_swarm.resume.compatibility import compare_fingerprints, layout_fingerprint
 from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import (
     MMAP_ENV,
+    begin_save,
     claim_save,
+    discard_save,
     load_swarm_file,
     prune_saves,
     remove_orphan_saves,
@@ -40,11 +43,9 @@ from lightning_swarm.resume.files import (
     resolve_mmap,
     warn_legacy,
 )
-from lightning_swarm.resume.fingerprint import compare_fingerprints, layout_fingerprint
 from lightning_swarm.resume.outer_record import OuterCounters, OuterRecord, PendingRound
 from lightning_swarm.resume.records import AnchorsRecord, OptionsRecord, RecordError, SwarmRecord
 from lightning_swarm.resume.restore import check_outer_states
-from lightning_swarm.resume.save import begin_save, discard_save
 from lightning_swarm.resume.training_view import TrainingView
 from tests.transport_rounds import NamedRound
 

@@ -1,6 +1,6 @@
 """A model's layout: each parameter's name, shape and dtype, and the fingerprint of it.
 
-The one description of "the same model", for resumes (``resume.fingerprint``) and joining islands
+The one description of "the same model", for resumes (``resume.compatibility``) and joining islands
 (``membership.torchft_quorum``); plain data, so it crosses the heal wire as is."""
 
 from __future__ import annotations

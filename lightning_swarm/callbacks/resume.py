@@ -1,10 +1,6 @@
-"""``SwarmResume``: the Lightning face of exact resume (a thin adapter).
-
-The strategy saves and restores by itself; add this callback to restore some islands from other,
-older checkpoints, or to read ``summary``. It reaches the checkpointer through
-``trainer.strategy.checkpointer``, never importing the strategy. Its own ``state_dict`` is empty:
-Lightning deep-copies callback state on load, and mapped tensors must not be there.
-"""
+"""``SwarmResume``: restore some islands from other, older checkpoints (a thin adapter). Its
+``state_dict`` stays empty: Lightning deep-copies callback state on load; mapped tensors must
+not be there."""
 
 from __future__ import annotations
 
@@ -20,17 +16,9 @@ from lightning_swarm.resume import SwarmCheckpointer
 
 
 class SwarmResume(pl.Callback):
-    """Restore some islands from their own (older) checkpoints; catch them up.
-
-    Args:
-        island_ckpt_paths: optional ``{island_index: ckpt_path}``; those islands restore their
-            local parameters and inner optimizer state from that (older) checkpoint and are
-            rebased onto the newest anchors among all islands (catch-up). An index outside
-            ``0 .. num_islands - 1`` is refused on every rank before anything is restored.
-
-    Attributes:
-        summary: after a restore, one line saying what this rank restored.
-    """
+    """Restore islands from their own older checkpoints (``{island_index: ckpt_path}``; an
+    index that names no island is refused on every rank before anything is restored) and catch
+    them up. ``summary``: after a restore, one line saying what this rank restored."""
 
     def __init__(self, island_ckpt_paths: Mapping[int, str | os.PathLike[str]] | None = None):
         self.island_ckpt_paths = {int(k): Path(v) for k, v in (island_ckpt_paths or {}).items()}
@@ -42,7 +30,7 @@ class SwarmResume(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Lightning calls this before it loads the checkpoint: the paths are in place in time.
+        # Before Lightning loads the checkpoint: the paths are in place in time.
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
         if not isinstance(checkpointer, SwarmCheckpointer):
             raise SwarmConfigTypeError(

@@ -18,7 +18,7 @@ from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.errors import LighthouseUnreachableError
 from lightning_swarm.membership.quorum import lighthouse_problem
-from lightning_swarm.resume.complete import checkpoint_problem
+from lightning_swarm.resume.integrity import checkpoint_problem
 from lightning_swarm.topology import IslandTopology
 
 LAST = "last"

@@ -1,8 +1,4 @@
-"""Save and restore of a swarm run's state, owned by the strategy; never imports Lightning.
-
-``SwarmCheckpointer`` is what the strategy holds; ``TrainingView`` the small view of training state
-it is handed; ``records`` the typed checkpoint records and ``FORMAT_VERSION``.
-"""
+"""Save and restore of a swarm run's state, owned by the strategy; never imports Lightning."""
 
 from lightning_swarm.resume.checkpointer import SwarmCheckpointer
 from lightning_swarm.resume.records import FORMAT_VERSION

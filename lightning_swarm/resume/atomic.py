@@ -1,11 +1,5 @@
 """Writing one checkpoint file all at once or not at all, and saying so when the disk is full.
-
-``atomic_save`` is the only way this package writes a checkpoint file: a temporary file in the
-same directory, fsync, rename, fsync of the directory; on failure the temporary is removed, so a
-reader sees the old file or the whole new one. A full disk raises ``DiskFullError`` with the
-bytes needed and free; ``_CountingWriter`` keeps the ``OSError`` that torch's zip writer hides.
-Imports torch only.
-"""
+``atomic_save`` is the package's only writer: a reader sees the old file or the whole new one."""
 
 from __future__ import annotations
 
@@ -28,22 +22,19 @@ def _open_for_write(path: Path) -> IO[bytes]:
     return open(path, "wb")
 
 
-class _CountingWriter:
-    """The file object torch writes through: counts bytes and keeps the OS's write error."""
+class _ErrorKeepingWriter:
+    """The file object torch writes through: keeps the ``OSError`` torch's zip writer hides."""
 
     def __init__(self, handle: IO[bytes]) -> None:
         self.handle = handle
-        self.written = 0
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
-            count = self.handle.write(data)
+            return self.handle.write(data)
         except OSError as err:
             self.error = err
             raise
-        self.written += count
-        return count
 
     def flush(self) -> None:
         try:
@@ -54,16 +45,13 @@ class _CountingWriter:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save(obj)`` into ``path`` atomically (see the module docstring).
-
-    Raises:
-        DiskFullError: the device ran out of space (nothing of the new file is left).
-    """
+    """``torch.save(obj)`` into ``path`` through a temporary file in the same directory, fsync,
+    rename and fsync of the directory; ``DiskFullError`` (nothing new left) on a full device."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    writer: _CountingWriter | None = None
+    writer: _ErrorKeepingWriter | None = None
     try:
         with _open_for_write(tmp) as handle:
-            writer = _CountingWriter(handle)
+            writer = _ErrorKeepingWriter(handle)
             torch.save(obj, writer)  # type: ignore[arg-type]  # has write(): all torch needs
             writer.flush()
             os.fsync(handle.fileno())
@@ -73,15 +61,16 @@ def atomic_save(obj: Any, path: Path) -> None:
         if is_disk_full(err, writer.error if writer is not None else None):
             raise disk_full(path, needed=payload_bytes(obj)) from err
         raise
-    fsync_dir(path.parent)
+    directory = os.open(path.parent, os.O_RDONLY)  # make the rename durable
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def is_disk_full(err: BaseException, seen: OSError | None = None) -> bool:
     """Whether ``err`` (or what caused it, or the write error ``seen``) is a full device."""
-    for cause in (seen, *_chain(err)):
-        if isinstance(cause, OSError) and cause.errno in _FULL:
-            return True
-    return False
+    return any(isinstance(c, OSError) and c.errno in _FULL for c in (seen, *_chain(err)))
 
 
 def _chain(err: BaseException | None) -> Iterator[BaseException]:
@@ -91,7 +80,6 @@ def _chain(err: BaseException | None) -> Iterator[BaseException]:
 
 
 def disk_full(path: Path, *, needed: int) -> DiskFullError:
-    """The error for a file that did not fit (free space measured now, after cleanup)."""
     try:
         free: int | None = shutil.disk_usage(path.parent).free
     except OSError:
@@ -119,12 +107,3 @@ def payload_bytes(obj: Any) -> int:
         elif isinstance(item, list | tuple):
             stack.extend(item)
     return sum(seen.values())
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

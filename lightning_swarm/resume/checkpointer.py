@@ -1,58 +1,55 @@
 """``SwarmCheckpointer``: the strategy's save and restore of swarm state, without Lightning.
-
-The strategy owns one and calls it from its hooks: ``capture`` from ``load_checkpoint`` (before
-``setup``, which then builds memory-less placeholder anchors), ``restore`` from
-``load_optimizer_state_dict`` (after ``setup`` and Lightning's optimizer load, before any sanity
-check or training step), ``save`` / ``remove`` from ``save_checkpoint`` / ``remove_checkpoint``.
-A capture lives until the restore that consumes it, succeeded or not, and a fit without
-``ckpt_path`` forgets an earlier fit's (``defer_anchors(resuming=False)``): a later fit never
-restores a checkpoint it was not given. ``island_ckpt_paths`` is set by the ``SwarmResume``
-callback. Mapped tensors are held by the ``OuterSync`` objects only, never here.
-"""
+A capture lives until the restore that consumes it; mapped tensors are held by ``OuterSync``s."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
+from lightning_swarm.resume.atomic import atomic_save, is_disk_full
+from lightning_swarm.resume.compatibility import current_fingerprint
 from lightning_swarm.resume.files import (
+    ANCHORS_FILE,
+    anchor_shard_file_name,
+    begin_save,
+    discard_save,
+    island_file_name,
+    island_rank_file_name,
     prune_saves,
     require_local_path,
-    resolve_mmap,
     swarm_root,
-    warn_legacy,
 )
-from lightning_swarm.resume.option_changes import describe_changes
-from lightning_swarm.resume.per_rank import restore_per_rank, save_per_rank
-from lightning_swarm.resume.records import SwarmRecord, check_loop_state, use_island_loops
-from lightning_swarm.resume.restore import (
-    Loaded,
-    Source,
-    attempt,
-    choose_source,
-    install,
-    load_sources,
-    newest_source,
+from lightning_swarm.resume.integrity import file_digest
+from lightning_swarm.resume.records import (
+    AnchorsRecord,
+    FileDigest,
+    IslandLoops,
+    IslandRecord,
+    SwarmRecord,
+    TotalsRecord,
+    check_loop_state,
+    global_step,
+    optimizer_steps,
+    use_island_loops,
 )
-from lightning_swarm.resume.save import discard_save, save_swarm_state
-from lightning_swarm.resume.training_view import TrainingView
+from lightning_swarm.resume.restore import Source, restore_swarm_state
+from lightning_swarm.resume.training_view import TrainingView, local_tensors
+from lightning_swarm.transport.agree import agree
 
 log = logging.getLogger("lightning_swarm")
 
 
 class SwarmCheckpointer:
-    """Saves and restores a swarm run's state for one strategy.
-
-    Attributes:
-        island_ckpt_paths: ``{island_index: ckpt_path}`` of islands that restore their own
-            state from another (older) checkpoint and catch up to the newest anchors.
-        summary: after a restore, one line saying what this rank restored.
-    """
+    """Saves and restores a swarm run's state for one strategy. ``island_ckpt_paths`` (set by
+    ``SwarmResume``): islands that restore from an older checkpoint and catch up; ``summary``:
+    after a restore, one line saying what this rank restored."""
 
     def __init__(self) -> None:
         self.island_ckpt_paths: dict[int, Path] = {}
@@ -61,7 +58,6 @@ class SwarmCheckpointer:
 
     @property
     def pending(self) -> bool:
-        """A swarm checkpoint was captured and its state is not installed yet."""
         return self._pending is not None
 
     def capture(
@@ -73,15 +69,8 @@ class SwarmCheckpointer:
         island: int = 0,
         own_pace: bool = False,
     ) -> None:
-        """Note the checkpoint a fit resumes from (its swarm record is parsed, nothing read).
-
-        When the record holds every island's own Lightning loop state (islands that stepped at
-        their own pace), island ``island``'s replaces the Lightning file's in ``checkpoint``,
-        before Lightning restores its loops from it (``records.use_island_loops``; ``own_pace``:
-        this run's islands step at their own pace too). An island that rejoins from its own
-        checkpoint (``island_ckpt_paths``) keeps its own pace: its loop state comes from there,
-        like its budget and step count, when that checkpoint recorded one per island.
-        """
+        """Note the checkpoint a fit resumes from (its record is parsed, nothing read); put
+        island ``island``'s own loop state, where saved, into ``checkpoint`` for Lightning."""
         self.summary = None
         self._pending = None
         payload = checkpoint.get("swarm")
@@ -110,49 +99,61 @@ class SwarmCheckpointer:
         return self._pending is not None
 
     def restore(self, host: TrainingView) -> None:
-        """Check and install the captured swarm state on this rank (collective).
-
-        Raises:
-            SwarmCheckpointError: on every rank, when any rank cannot restore; nothing has
-                been installed then.
-        """
+        """Check and install the captured swarm state on this rank (collective); when any rank
+        cannot, ``SwarmCheckpointError`` on every rank and nothing installed."""
         main = self._pending
         if main is None:
             return
-        comm, topology = host.collectives, host.topology
         try:
-            use_mmap, how = resolve_mmap(host.anchors.mmap)
-            if host.model_shards is not None or "island_mesh" in main.record.fingerprint:
-                # Model-sharded islands: each rank restores its own files (``resume.per_rank``).
-                island = restore_per_rank(
-                    host, main, use_mmap=use_mmap, island_paths=self.island_ckpt_paths
-                )
-                rounds, steps = main.record.outer_steps, main.record.inner_steps
-                summary = (
-                    f"island {topology.island_index}, position {topology.local_index}: restored "
-                    f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
-                )
-            else:
-                own = attempt(comm, lambda: choose_source(host, main, self.island_ckpt_paths))
-                newest = newest_source(comm, own, main)
-                loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
-                warn_legacy(loaded.legacy)
-                stale = install(host, loaded)
-                island = loaded.island
-                summary = _summary(host, main, own, loaded, how, stale)
+            summary = restore_swarm_state(host, main, self.island_ckpt_paths)
         finally:
             self._pending = None
-        if comm.rank == 0:
-            residuals = any(state.get("residuals") for state in island.outer_island)
-            _warn_changed_options(host, main, residuals_saved=residuals)
         self.summary = summary
         log.info("swarm resume: %s", self.summary)
 
     def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
-        """Write the swarm files and put the record in ``checkpoint`` (collective)."""
-        if host.model_shards is not None:
-            return save_per_rank(host, checkpoint, filepath)
-        return save_swarm_state(host, checkpoint, filepath)
+        """Write this rank's swarm files and put the record in ``checkpoint["swarm"]``; every
+        rank holds the same record or raises the same error, a failed save's files removed.
+        Returns the save id; the caller writes the Lightning file, last."""
+        comm = host.collectives
+        root = swarm_root(require_local_path(filepath, what="checkpoint path"))
+        save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
+        directory = root / save_id
+        written: dict[str, FileDigest] = {}
+        error: SwarmCheckpointError | DiskFullError | None = None
+        # A rank that failed must still reach the agreement, or the others would wait there for the
+        # group's timeout: its error is raised on every rank by the agreement.
+        try:
+            _write_own_files(host, directory, save_id, written)
+        except Exception as err:
+            where = "" if host.topology.world_size == 1 else f"rank {comm.rank}: "
+            error = save_failure(err, filepath, where)
+
+        def remove_this_save() -> None:
+            # Every writer is done (the gather waited for all): nothing of this save is kept, and
+            # the previous save, which the existing Lightning file names, was never touched.
+            for name in written:
+                (directory / name).unlink(missing_ok=True)
+            if comm.rank == 0:
+                discard_save(root, save_id)
+            # No rank raises before the files are gone: a launcher that sees one rank fail may
+            # end the others at once.
+            comm.barrier("swarm_save_failed")
+
+        topology = host.topology
+        own_loops = None
+        if host.loops_per_island and topology.local_index == 0:
+            own_loops = (topology.island_index, IslandLoops.of(checkpoint))
+        agreed = agree(
+            gather=comm.all_gather_object,
+            error=error,
+            share=(written, own_loops),
+            before_raise=remove_this_save,
+        )
+        record = _record(host, checkpoint, save_id, agreed.shares)
+        comm.barrier("swarm_save")
+        checkpoint["swarm"] = record.to_dict()
+        return save_id
 
     @staticmethod
     def prune(filepath: Any, keep: str) -> None:
@@ -161,65 +162,111 @@ class SwarmCheckpointer:
 
     @staticmethod
     def discard(filepath: Any, save_id: str) -> None:
-        """Remove save ``save_id`` when its Lightning file could not be written (rank 0)."""
+        """Remove save ``save_id``, whose Lightning file could not be written (rank 0)."""
         discard_save(swarm_root(filepath), save_id)
 
     @staticmethod
     def remove(filepath: Any) -> None:
-        """Delete a removed checkpoint's swarm directory (ModelCheckpoint's top-k pruning;
-        global rank 0)."""
+        """Delete a removed checkpoint's swarm directory (global rank 0)."""
         shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
 
+def _record(
+    host: TrainingView, checkpoint: dict[str, Any], save_id: str, shares: Sequence[Any]
+) -> SwarmRecord:
+    """The save's record, from every rank's (file digests, island loop state)."""
+    files: dict[str, FileDigest] = {}
+    by_island: dict[int, IslandLoops] = {}
+    for part, loops in shares:
+        files.update(part)
+        if loops is not None:
+            by_island[loops[0]] = loops[1]
+    island_loops = [by_island[i] for i in sorted(by_island)] if host.loops_per_island else None
+    steps = (
+        (island_loops[0].global_step, optimizer_steps({"loops": island_loops[0].loops}))
+        if island_loops
+        else (global_step(checkpoint), optimizer_steps(checkpoint))
+    )
+    outers = host.outer_syncs
+    return SwarmRecord(
+        save_id=save_id,
+        fingerprint=current_fingerprint(host),
+        anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
+        outer_steps=[o.outer_steps for o in outers],
+        inner_steps=[o.inner_steps for o in outers],
+        files=dict(sorted(files.items())),
+        options=host.options,
+        # Lightning's own counters, which a resume cross-checks against the Lightning file.
+        global_step=steps[0],
+        optimizer_steps=steps[1],
+        island_loops=island_loops,
+    )
+
+
 def _use_own_checkpoint_loops(checkpoint: dict[str, Any], path: Path, island: int) -> None:
-    """Island ``island``'s own loop state from its own checkpoint ``path``, if that one holds
-    one per island. A file that cannot be read, or holds no such state, changes nothing here:
-    the restore reads it again and refuses a bad one on every rank (only this island reads it
-    now, and a lone error would leave the others waiting)."""
+    # A file that cannot be read changes nothing here: the restore reads it again and refuses it
+    # on every rank (only this island reads it now; a lone error would leave the others waiting).
     try:
         own = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         record = SwarmRecord.from_dict(own["swarm"], str(path))
         if record.island_loops is None:
             return  # its islands kept one step: the newest checkpoint's loop state serves
         use_island_loops(record, own, path, island=island, own_pace=True)
-    except Exception:  # see the docstring
+    except Exception:  # see above
         return
     checkpoint["loops"], checkpoint["global_step"] = own["loops"], own["global_step"]
 
 
-def _warn_changed_options(host: TrainingView, main: Source, *, residuals_saved: bool) -> None:
-    """Rank 0's one warning of the changed options that make this resume inexact."""
-    lines = describe_changes(
-        main.record.options,
-        host.options,
-        inner_steps=main.record.inner_steps,
-        residuals_saved=residuals_saved,
+def write_file(directory: Path, name: str, payload: Any, written: dict[str, FileDigest]) -> None:
+    """Save ``payload`` atomically as ``directory / name`` and note its digest in ``written``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_save(payload, directory / name)
+    written[name] = file_digest(directory / name)
+
+
+def _write_own_files(
+    host: TrainingView, directory: Path, save_id: str, written: dict[str, FileDigest]
+) -> None:
+    """Each island's first rank writes its island file and rank 0 the anchors; with a sharded
+    outer state every rank of island 0 writes its anchor shard; model-sharded islands write
+    every rank's island file too, of ``to_local()`` tensors (``docs/fsdp.md``)."""
+    topology, outers = host.topology, host.outer_syncs
+    per_rank = host.model_shards is not None
+    sharded = per_rank or any(len(o.owned) != len(o.params) for o in outers)
+    # Sharded, collecting the island's state is collective over the island (every rank).
+    outer_island = (
+        [o.island_state_dict() for o in outers] if sharded or topology.local_index == 0 else []
     )
-    if lines:
-        warnings.warn(
-            "resuming with options other than the checkpoint's; the run is no longer an "
-            "exact continuation: " + "; ".join(lines) + ".",
-            stacklevel=3,
+    if per_rank or topology.local_index == 0:
+        module, optimizers = host.module.state_dict(), [o.state_dict() for o in host.optimizers]
+        name = island_file_name(topology.island_index)
+        if per_rank:
+            module, optimizers = local_tensors(module), local_tensors(optimizers)
+            name = island_rank_file_name(topology.island_index, topology.local_index)
+        island = IslandRecord(
+            save_id=save_id,
+            island=topology.island_index,
+            module=module,
+            optimizers=optimizers,
+            totals=TotalsRecord.of(host.totals),
+            outer_island=outer_island,
         )
+        write_file(directory, name, island.to_dict(), written)
+    if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:
+        name = anchor_shard_file_name(topology.local_index) if sharded else ANCHORS_FILE
+        anchors = AnchorsRecord(save_id=save_id, outer=[o.record() for o in outers])
+        write_file(directory, name, anchors.to_dict(), written)
 
 
-def _summary(
-    host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
-) -> str:
-    kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
-    size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
-    rounds, steps = own.record.outer_steps, own.record.inner_steps
-    if host.loops_per_island:  # islands at their own pace: the island's own count, installed
-        steps = [o.inner_steps for o in host.outer_syncs]
-    legacy = ", legacy format read eagerly" if loaded.legacy else ""
-    verified = "checksums verified" if host.anchors.verify else "unverified"
-    caught = (
-        f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
-        if stale
-        else "no catch-up needed"
+def save_failure(
+    error: Exception, filepath: Any, where: str
+) -> SwarmCheckpointError | DiskFullError:
+    """The error every rank raises when ``where`` (``"rank 3: "`` or ``""``) could not write its
+    part of checkpoint ``filepath``, caused by ``error`` (a full device: ``DiskFullError``)."""
+    text = (
+        f"checkpoint {filepath} was not saved ({where}{type(error).__name__}: {error}); the "
+        "files of this save were removed and the previous checkpoint is untouched."
     )
-    return (
-        f"island {host.topology.island_index}: restored round(s) {rounds} at inner step(s) "
-        f"{steps}; anchors {size} ({how}{legacy}, written as {main.record.anchor_dtype}, "
-        f"{verified}); {caught}"
-    )
+    failure = DiskFullError(text) if is_disk_full(error) else SwarmCheckpointError(text)
+    failure.__cause__ = error
+    return failure

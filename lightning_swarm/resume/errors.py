@@ -1,8 +1,5 @@
-"""Errors of the resume layer: a swarm file that is not what its checkpoint recorded.
-
-Both are ``SwarmCheckpointError`` (a ``ValueError``): catching that catches them, and a resume
-that fails on any rank raises a ``SwarmCheckpointError`` on every rank naming the cause.
-"""
+"""Errors of the resume layer, both ``SwarmCheckpointError``s: a resume that fails on any rank
+raises a plain ``SwarmCheckpointError`` on every rank naming the cause."""
 
 from __future__ import annotations
 

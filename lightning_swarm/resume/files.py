@@ -1,22 +1,18 @@
-"""The swarm part of a checkpoint on disk: file layout, atomic writes, mapped reads.
-
-Beside ``model.ckpt`` (whose ``ckpt["swarm"]`` record names the save and each file's size and
-checksum) lies ``model.ckpt.swarm/<save_id>/`` with ``anchors.pt`` and one ``island-NNNNN.pt`` per
-island: ``torch.save`` to a path streams without a second host copy, each island writes its own,
-and ``torch.load(mmap=True)`` needs a local path. Every file is renamed into place, the Lightning
-file last, so a crash leaves the previous checkpoint whole and a mapped file is never rewritten.
-A mapped tensor keeps its mapping alive. Everything loads with ``weights_only=True``; a foreign
-object is refused by type. Imports torch only.
-"""
+"""The swarm part of a checkpoint on disk: ``model.ckpt.swarm/<save_id>/`` beside ``model.ckpt``.
+Files are renamed into place, the Lightning file last, so a crash leaves the previous checkpoint
+whole and a mapped file is never rewritten. Everything loads with ``weights_only=True``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 import socket
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +25,8 @@ from lightning_swarm.memory.procfs import pid_alive
 
 MMAP_ENV = "LIGHTNING_SWARM_ANCHOR_MMAP"
 ANCHORS_FILE = "anchors.pt"
+_CLAIM_SUFFIX = ".writing"
+log = logging.getLogger("lightning_swarm")
 _ZIP_MAGIC = b"PK\x03\x04"
 _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
@@ -39,9 +37,7 @@ _SAVE_FILE = re.compile(
 )
 
 
-# -- paths ------------------------------------------------------------------------------------
 def swarm_root(ckpt_path: str | os.PathLike[str]) -> Path:
-    """The directory holding the swarm state of the Lightning checkpoint at ``ckpt_path``."""
     return Path(os.fspath(ckpt_path) + ".swarm")
 
 
@@ -49,18 +45,21 @@ def island_file_name(island: int) -> str:
     return f"island-{island:05d}.pt"
 
 
+def island_rank_file_name(island: int, position: int) -> str:
+    return f"island-{island:05d}-rank-{position:05d}.pt"
+
+
 def anchor_shard_file_name(position: int) -> str:
-    """The anchors and outer state owned by position ``position`` of a sharded island."""
     return f"anchors-rank-{position:05d}.pt"
 
 
 def anchor_shard_names(files: Mapping[str, Any]) -> list[str]:
-    """The anchor shard files a save's record lists, in position order (none unsharded)."""
+    """The anchor shard files a record lists, in position order (none unsharded)."""
     return sorted(n for n in files if n.startswith("anchors-rank-") and n.endswith(".pt"))
 
 
 def require_local_path(path: str | os.PathLike[str], *, what: str) -> Path:
-    """Return ``path`` as a local ``Path``; reject fsspec URLs such as ``s3://``."""
+    """``path`` as a local ``Path``; fsspec URLs such as ``s3://`` are refused."""
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         raise SwarmCheckpointError(
@@ -71,13 +70,9 @@ def require_local_path(path: str | os.PathLike[str], *, what: str) -> Path:
     return Path(text.removeprefix("file://"))
 
 
-# -- options ----------------------------------------------------------------------------------
 def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
-    """Whether to map anchors, and which switch decided it (for the restore message).
-
-    Both the config (``anchors.mmap``) and the environment (``LIGHTNING_SWARM_ANCHOR_MMAP=0``)
-    can only turn mapping *off*; the returned reason names the switch so it is never silent.
-    """
+    """Whether to map anchors, and which switch decided it: the config (``anchors.mmap``) and
+    ``LIGHTNING_SWARM_ANCHOR_MMAP=0`` can only turn mapping off, never silently."""
     raw = os.environ.get(MMAP_ENV)
     if raw is not None:
         value = raw.strip().lower()
@@ -93,7 +88,6 @@ def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     return True, "memory-mapped"
 
 
-# -- pruning ----------------------------------------------------------------------------------
 def prune_saves(root: Path, keep: str) -> None:
     """Remove every save directory under ``root`` except ``keep`` (after the new file exists)."""
     if not root.is_dir():
@@ -107,18 +101,10 @@ def prune_saves(root: Path, keep: str) -> None:
             entry.unlink(missing_ok=True)
 
 
-# -- claims of saves in progress -----------------------------------------------------------------
-_CLAIM_SUFFIX = ".writing"
-
-
 def claim_save(root: Path, save_id: str) -> Path:
-    """Mark save ``save_id`` under ``root`` as being written by this process (``host``, ``pid``).
-
-    Another process sharing the checkpoint folder (an elastic island with the same
-    ``dirpath``) then never takes this save for an orphan while its Lightning file is still to
-    come. The claim goes when the save completes (``prune_saves``) or is discarded
-    (``release_save``); a claim left by a crash is honoured until its writer is known dead.
-    """
+    """Mark save ``save_id`` as being written by this process, so another process sharing the
+    folder (an elastic island) never takes it for an orphan. The claim goes when the save
+    completes or is discarded; one left by a crash holds until its writer is known dead."""
     root.mkdir(parents=True, exist_ok=True)
     claim = root / f"{save_id}{_CLAIM_SUFFIX}"
     tmp = root / f".{claim.name}.tmp-{os.getpid()}"
@@ -127,17 +113,27 @@ def claim_save(root: Path, save_id: str) -> Path:
     return claim
 
 
-def release_save(root: Path, save_id: str) -> None:
-    """Drop the claim of save ``save_id`` (its files are gone, or it is complete)."""
+def begin_save(root: Path) -> str:
+    """Draw a new save id, claim it, and remove interrupted saves of the folder (rank 0). The
+    claim comes first: an elastic island pruning the same folder must not take this save."""
+    save_id = uuid.uuid4().hex[:12]
+    claim_save(root, save_id)
+    for orphan in remove_orphan_saves(root.parent, keep=root):
+        log.info("removed %s: its checkpoint file was never written (interrupted save)", orphan)
+    return save_id
+
+
+def discard_save(root: Path, save_id: str) -> None:
+    """Remove the files of save ``save_id`` (and ``root`` when nothing else is in it)."""
+    shutil.rmtree(root / save_id, ignore_errors=True)
     (root / f"{save_id}{_CLAIM_SUFFIX}").unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: an older save lives there
+        root.rmdir()
 
 
 def _writer_may_live(claim: Path) -> bool:
-    """Whether the process that claimed a save may still be writing it.
-
-    Only a writer on this host whose pid is gone is known dead; an unreadable claim, or one from
-    another host, counts as alive: a save is never removed while it might be in progress.
-    """
+    # Only a writer on this host whose pid is gone is known dead: a save is never removed
+    # while it might be in progress.
     try:
         writer = json.loads(claim.read_text())
         host, pid = str(writer["host"]), int(writer["pid"])
@@ -147,15 +143,9 @@ def _writer_may_live(claim: Path) -> bool:
 
 
 def remove_orphan_saves(folder: Path, *, keep: Path) -> list[Path]:
-    """Remove ``<name>.swarm`` directories in ``folder`` whose ``<name>`` file does not exist.
-
-    Such a directory is left by a save that crashed after writing the swarm files and before
-    the Lightning file: nothing names it, and it would otherwise stay forever. ``keep`` (the
-    directory of the save in progress, whose Lightning file is not written yet) is never
-    touched, nor is a directory holding anything a save does not write (not ours), nor one
-    claimed by a writer that may still be alive (another process's save in progress,
-    ``claim_save``). Returns the directories removed.
-    """
+    """Remove (and return) ``<name>.swarm`` directories in ``folder`` whose ``<name>`` file does
+    not exist, except ``keep``, one holding anything a save does not write, or one claimed by a
+    writer that may still be alive."""
     removed: list[Path] = []
     if not folder.is_dir():
         return removed
@@ -182,15 +172,10 @@ def _is_orphan(root: Path) -> bool:
     return True
 
 
-# -- reading ----------------------------------------------------------------------------------
 def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
-    """Load one swarm file; returns ``(payload, legacy)``.
-
-    With ``mmap`` the tensors borrow the file's pages (see the module docstring). A file in
-    torch's legacy (non-zipfile) format cannot be mapped: it is read eagerly and ``legacy`` is
-    True so the caller can warn once. A missing, truncated or corrupt file raises
-    ``SwarmCheckpointError``.
-    """
+    """Load one swarm file: ``(payload, legacy)``; a torch legacy (non-zipfile) file cannot be
+    mapped and is read eagerly. A missing, truncated or corrupt file is a
+    ``SwarmCheckpointError``."""
     if not path.is_file():
         raise SwarmCheckpointError(
             f"swarm state file {path} is missing; the checkpoint is incomplete (a save was "
@@ -212,11 +197,7 @@ def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
 
 
 def _load_error(path: Path, err: Exception) -> SwarmCheckpointError:
-    """Tell a refusal to unpickle (the file is fine, one object in it is not allowed) from damage.
-
-    ``weights_only=True`` refuses any class outside torch's allowlist; such an object reaches an
-    island file through the module's ``get_extra_state()`` or an optimizer's custom state.
-    """
+    # A refusal to unpickle one object (the file is fine) is told from damage.
     text = str(err)
     if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in text:
         match = _REFUSED_GLOBAL.search(text)
@@ -239,11 +220,10 @@ def _load_error(path: Path, err: Exception) -> SwarmCheckpointError:
 
 
 def warn_legacy(paths: Sequence[Path]) -> None:
-    """One warning for all files that had to be read eagerly."""
     if paths:
         warnings.warn(
             f"{', '.join(str(p) for p in paths)} use torch's legacy (non-zipfile) format, which "
             "cannot be memory-mapped; read eagerly into RAM instead. Re-save with a current "
             "torch.save (zipfile format) to restore mapping.",
-            stacklevel=3,
+            stacklevel=4,
         )

@@ -1,10 +1,5 @@
-"""The global model out of any swarm checkpoint, with no Trainer and no process group.
-
-A Lightning checkpoint written by ``SwarmStrategy`` holds island 0's *local* weights in its
-``state_dict``: between two outer rounds they have drifted from the global model. The global
-model is the anchors, saved beside it in ``<ckpt>.swarm/<save_id>/`` (``anchors.pt``, or one
-``anchors-rank-NNNNN.pt`` per rank of island 0 with ``shard_outer``). Imports torch only.
-"""
+"""The global model out of any swarm checkpoint, with no Trainer and no process group: the
+anchors, where the Lightning file's ``state_dict`` holds island 0's *local* weights."""
 
 from __future__ import annotations
 
@@ -27,17 +22,12 @@ from lightning_swarm.resume.records import AnchorsRecord, SwarmRecord
 def load_global_state_dict(ckpt_path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """The LightningModule's state dict with every anchored parameter replaced by its anchor.
 
-    The result loads with ``module.load_state_dict(...)`` into the module that was trained.
-    Anchors are cast to the dtype of the parameter they stand for (``anchor_dtype`` may differ);
-    parameters without an anchor (frozen ones under ``frozen_params="exclude"``) and buffers
-    keep island 0's values, which is what every island holds for them. The returned tensors are
-    new CPU tensors the caller owns. Right after an outer round (and at the end of a fit with
-    ``sync_at_end``) the result equals the ``state_dict`` itself.
+    Anchors are cast to their parameter's dtype; parameters without an anchor and buffers keep
+    island 0's values (every island holds the same). The caller owns the new CPU tensors.
 
     Raises:
-        SwarmCheckpointError: the file holds no swarm state, its swarm files are missing or
-            damaged, an anchor names no entry of the state dict, or the checkpoint comes from
-            model-sharded islands (``island_parallel="fsdp"``), whose weights are per rank.
+        SwarmCheckpointError: no swarm state, missing or damaged swarm files, an anchor that
+            names no entry, or model-sharded islands (their weights are per rank).
     """
     path = Path(ckpt_path)
     ckpt = torch.load(path, map_location="cpu", weights_only=True)

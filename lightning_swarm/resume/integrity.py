@@ -1,12 +1,9 @@
-"""Integrity of swarm files: sizes and checksums as written, and finite values as loaded.
-
-The checksum is XXH3-128 (why: ``docs/resume.md``). Files are hashed in chunks through one reused
-buffer, so memory stays at one chunk and nothing is kept; the finiteness scan only reads, so
-mapped anchors stay file-backed.
-"""
+"""Integrity of a checkpoint: file sizes and XXH3-128 checksums, finite values, completeness.
+Hashing reuses one chunk buffer; the finiteness scan only reads, so mapped anchors stay mapped."""
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,15 +12,16 @@ import torch
 import xxhash
 from torch import Tensor
 
+from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.errors import IntegrityError
-from lightning_swarm.resume.records import FileDigest
+from lightning_swarm.resume.files import swarm_root
+from lightning_swarm.resume.records import FileDigest, SwarmRecord, check_loop_state
 
 CHUNK_BYTES = 8 * 2**20
 _SCAN_NUMEL = 2**22
 
 
 def file_digest(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> FileDigest:
-    """Size and XXH3-128 of ``path``, read once in chunks."""
     state = xxhash.xxh3_128()
     buffer = bytearray(chunk_bytes)
     view = memoryview(buffer)
@@ -36,10 +34,8 @@ def file_digest(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> FileDigest:
 
 
 def check_file(path: Path, expected: FileDigest, *, verify: bool) -> None:
-    """Raise ``IntegrityError`` if ``path`` differs from what its checkpoint recorded.
-
-    The size is always compared (free); the checksum only with ``verify``.
-    """
+    """Raise ``IntegrityError`` if ``path`` differs from its record: the size always, the
+    checksum only with ``verify``."""
     size = path.stat().st_size
     if size != expected.num_bytes:
         raise IntegrityError(
@@ -79,3 +75,32 @@ def _finite(tensor: Tensor) -> bool:
         if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
             return False
     return True
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being resumed (one line), or ``None`` when it is complete, without
+    loading it: ``ckpt_path=last`` must never choose a checkpoint a resume would refuse."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        return f"truncated or corrupt ({err})"
+    if bad is not None:
+        return f"corrupt: member {bad} fails its CRC-32"
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # any failure to read is a reason not to choose it
+        return f"unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    try:
+        record = SwarmRecord.of(checkpoint, "its swarm record")
+        if record is None:
+            return None  # a plain Lightning checkpoint: nothing more to check
+        check_loop_state(record, checkpoint, path)
+        for name, expected in sorted(record.files.items()):
+            file = swarm_root(path) / record.save_id / name
+            if not file.is_file():
+                return f"swarm file {file} is missing"
+            check_file(file, expected, verify=True)
+    except SwarmCheckpointError as err:
+        return str(err)
+    return None

@@ -1,9 +1,5 @@
 """``OuterRecord``: an ``OuterSync``'s global state, the one form checkpoints and heals share.
-
-``to_dict`` gives the plain dict a checkpoint stores (the layout of format 3, unchanged) and a
-heal sends (through ``membership/state_wire``); ``from_dict`` reads either back, tolerating
-saves older than the per-fragment counters. Tensors are never copied.
-"""
+``to_dict`` gives the plain dict both store or send; tensors are never copied."""
 
 from __future__ import annotations
 
@@ -25,12 +21,13 @@ class OuterCounters:
     ended_at: int | None = None
 
 
+_CAST = {"int": int, "float": float, "bool": bool, "dict[str, Tensor]": dict}
+
+
 @dataclass(frozen=True)
 class PendingRound:
     """A round in flight as saved: its deltas hold the averaged result, ready to apply.
-
-    ``share_norm`` is None unsharded; sharded, whether ``norm`` covers this share only.
-    """
+    ``share_norm`` is None unsharded; sharded, whether ``norm`` covers this share only."""
 
     fragment: int
     send_step: int
@@ -43,8 +40,6 @@ class PendingRound:
     share_norm: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name (the tensors themselves, not copies); ``share_norm`` only when
-        set."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.share_norm is None:
             del out["share_norm"]
@@ -52,27 +47,17 @@ class PendingRound:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PendingRound:
+        # Each required field read as its declared type (the annotations are strings here).
+        required = {f.name: _CAST[str(f.type)](data[f.name]) for f in fields(cls)[:-1]}
         share_norm = data.get("share_norm")
-        return cls(
-            fragment=int(data["fragment"]),
-            send_step=int(data["send_step"]),
-            deltas=dict(data["deltas"]),
-            applied=bool(data["applied"]),
-            norm=float(data["norm"]),
-            bytes_sent=int(data["bytes_sent"]),
-            bytes_received=int(data["bytes_received"]),
-            transport_s=float(data["transport_s"]),
-            share_norm=None if share_norm is None else bool(share_norm),
-        )
+        return cls(**required, share_norm=None if share_norm is None else bool(share_norm))
 
 
 @dataclass(frozen=True)
 class OuterRecord:
     """Anchors, outer optimizer state, counters, a round in flight and, sharded, the share.
-
     ``param_names`` (sharded) orders the positional outer optimizer state; ``share`` (a heal
-    from a sharded rank) is that rank's (position, island size). A heal has no ``pending``.
-    """
+    from a sharded rank) is that rank's (position, island size). A heal has no ``pending``."""
 
     anchors: dict[str, Tensor]
     outer_optimizer: dict[str, Any]
@@ -83,7 +68,6 @@ class OuterRecord:
 
     @property
     def names(self) -> list[str]:
-        """The names the outer optimizer state is ordered by."""
         return list(self.param_names) if self.param_names else list(self.anchors)
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,11 +90,7 @@ class OuterRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OuterRecord:
-        """Read a dict of ``to_dict``'s layout (a checkpoint's or a heal's).
-
-        Raises:
-            KeyError: a key every layout has is missing.
-        """
+        """Read a dict of ``to_dict``'s layout; ``KeyError`` when a required key is missing."""
         rounds, synced = data.get("fragment_rounds"), data.get("synced_at")
         ended = data.get("ended_at")
         counters = OuterCounters(

@@ -1,14 +1,6 @@
 """Typed records of a swarm checkpoint: what each owner hands over, and the format version.
-
-Payloads are plain dicts built by ``to_dict`` and read by ``from_dict`` here only:
-``SwarmRecord`` (in the Lightning file, sealed by ``record_checksum``), ``AnchorsRecord`` (global;
-per rank of island 0 when sharded, joined by ``merge_shards`` so a resume may re-shard) and
-``IslandRecord``. Only ``FORMAT_VERSION`` is read; anything else is refused, naming what was found.
-An ``OuterSync``'s global state inside ``AnchorsRecord`` is an ``OuterRecord`` (``outer_record``).
-``SwarmRecord`` also repeats Lightning's step counters, so that ``check_loop_state`` can refuse a
-Lightning file saved at another step than the anchors, and, under a time budget, each island's
-own loop state (``IslandLoops``, handed to Lightning by ``use_island_loops``).
-"""
+Only ``FORMAT_VERSION`` is read. ``SwarmRecord`` is sealed by ``record_checksum`` and repeats
+Lightning's step counters, so a Lightning file saved at another step is refused."""
 
 from __future__ import annotations
 
@@ -19,7 +11,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import xxhash
-from torch import Tensor
 
 from lightning_swarm.algorithm.outer_optimizer import merge_by_name
 from lightning_swarm.config import RESUME_OPTIONS
@@ -34,11 +25,7 @@ _ISLAND_LOOPS = "island_loops"
 
 
 def check_format(payload: object, what: str) -> dict[str, Any]:
-    """``payload`` as a dict if it is a swarm record of format ``FORMAT_VERSION``.
-
-    Raises:
-        RecordError: naming what was found (another format, none, or not a record at all).
-    """
+    """``payload`` as a dict if it is a record of ``FORMAT_VERSION``, else ``RecordError``."""
     if isinstance(payload, dict):
         found = payload.get("format")
         # type() and not isinstance(): True, 3.0 or "3" are not the format number 3.
@@ -71,14 +58,9 @@ class FileDigest:
 
 @dataclass(frozen=True)
 class OptionsRecord:
-    """The options that shape the outer loop, as the saving run had them.
-
-    ``values`` holds ``SwarmConfig.resume_options()`` (the fields named in ``RESUME_OPTIONS``,
-    declared once on ``SwarmConfig``); ``outer_optimizer`` is each outer optimizer's class name
-    and ``outer_hyperparameters`` its first param group's plain-valued entries (lr, momentum,
-    ...), one per optimizer. On disk the values sit at the top level of the dict, beside the two
-    lists.
-    """
+    """The options that shape the outer loop, as the saving run had them: ``values`` holds
+    ``SwarmConfig.resume_options()``; per outer optimizer, its class name and its first param
+    group's plain-valued entries."""
 
     values: dict[str, Any]
     outer_optimizer: list[str] = field(default_factory=list)
@@ -105,14 +87,9 @@ class OptionsRecord:
 
 @dataclass(frozen=True)
 class SwarmRecord:
-    """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it.
-
-    ``global_step`` and ``optimizer_steps`` are ``None`` where the Lightning checkpoint had no
-    such counter (then they are not compared on resume). ``island_loops`` holds every island's
-    own Lightning loop state, by island index, when the islands stepped at their own pace (a
-    time budget); ``None`` otherwise (every island shares the Lightning file's, and the saved
-    payload has no such key).
-    """
+    """``ckpt["swarm"]``: names the save, describes the run, and checks every file of it. A
+    counter is ``None`` where Lightning saved none (not compared then); ``island_loops`` is
+    ``None`` (no key) unless the islands stepped at their own pace."""
 
     save_id: str
     fingerprint: dict[str, Any]
@@ -126,7 +103,6 @@ class SwarmRecord:
     island_loops: list[IslandLoops] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as saved, sealed by ``record_checksum``."""
         body = {
             "format": FORMAT_VERSION,
             "save_id": self.save_id,
@@ -138,32 +114,30 @@ class SwarmRecord:
             "options": self.options.to_dict(),
             "global_step": self.global_step,
             "optimizer_steps": self.optimizer_steps,
-            **(
-                {}
-                if self.island_loops is None
-                else {_ISLAND_LOOPS: [loops.to_dict() for loops in self.island_loops]}
-            ),
         }
+        if self.island_loops is not None:
+            body[_ISLAND_LOOPS] = [loops.to_dict() for loops in self.island_loops]
         body[_CHECKSUM] = record_checksum(body)
         return body
 
     @classmethod
     def of(cls, checkpoint: object, what: str) -> SwarmRecord | None:
-        """The record in a loaded Lightning checkpoint, or None where it holds none (a plain
-        Lightning strategy wrote it). Raises as ``from_dict``."""
+        """The record in a loaded Lightning checkpoint, or None (a plain Lightning one)."""
         payload = checkpoint.get("swarm") if isinstance(checkpoint, dict) else None
         return None if payload is None else cls.from_dict(payload, what)
 
     @classmethod
     def from_dict(cls, payload: object, what: str) -> SwarmRecord:
-        """Parse a saved record; its checksum must match its fields.
-
-        Raises:
-            RecordError: another format than ``FORMAT_VERSION``, or a record changed after it
-                was written.
-        """
+        """Parse a saved record; ``RecordError`` for another format or a broken seal."""
         data = check_format(payload, what)
-        check_seal(data, what)
+        found, expected = data.get(_CHECKSUM), record_checksum(data)
+        if found != expected:
+            state = "has no checksum" if found is None else f"checksum {found} != {expected}"
+            raise RecordError(
+                f"{what} was changed after it was written ({state}): one of its fields, such as "
+                "the round or step counters, no longer holds what the save wrote. Resume from "
+                "another checkpoint."
+            )
         steps = data["global_step"], data["optimizer_steps"]
         loops = data.get(_ISLAND_LOOPS)
         return cls(
@@ -181,7 +155,7 @@ class SwarmRecord:
 
 
 def record_checksum(body: Mapping[str, Any]) -> str:
-    """XXH3-128 of the record's fields (all but the checksum) in a canonical JSON form."""
+    """XXH3-128 of the record's fields (all but the checksum) as canonical JSON."""
     fields = {k: v for k, v in body.items() if k != _CHECKSUM}
     if _ISLAND_LOOPS in fields:
         # Lightning's loop state may hold a dataloader's own state, whose keys need not all be
@@ -191,20 +165,7 @@ def record_checksum(body: Mapping[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
-def check_seal(data: Mapping[str, Any], what: str) -> None:
-    """Raise ``RecordError`` unless ``data``'s checksum matches its fields."""
-    found, expected = data.get(_CHECKSUM), record_checksum(data)
-    if found != expected:
-        state = "has no checksum" if found is None else f"checksum {found} != {expected}"
-        raise RecordError(
-            f"{what} was changed after it was written ({state}): one of its fields, such as "
-            "the round or step counters, no longer holds what the save wrote. Resume from "
-            "another checkpoint."
-        )
-
-
 def _text_keys(value: Any) -> Any:
-    """``value`` with every dict key turned into text, recursively (for the checksum only)."""
     if isinstance(value, Mapping):
         return {str(k): _text_keys(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -212,14 +173,9 @@ def _text_keys(value: Any) -> Any:
     return value
 
 
-def reseal(data: dict[str, Any]) -> None:
-    """Recompute the checksum of a record edited on purpose (for tools, tests)."""
-    data[_CHECKSUM] = record_checksum(data)
-
-
 @dataclass(frozen=True)
 class AnchorsRecord:
-    """``anchors.pt``: one ``OuterSync`` global state (``OuterRecord``) per optimizer."""
+    """``anchors.pt`` (or one shard per rank of island 0): one ``OuterRecord`` per optimizer."""
 
     save_id: str
     outer: list[OuterRecord]
@@ -249,8 +205,6 @@ class Totals(Protocol):
 
 @dataclass(frozen=True)
 class TotalsRecord:
-    """This rank's running totals, so a resumed run's summaries continue where they stopped."""
-
     outer_steps: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -304,11 +258,8 @@ class IslandRecord:
 
 
 def merge_shards(shards: Sequence[AnchorsRecord], what: str) -> AnchorsRecord:
-    """One record holding every shard's anchors and outer state, joined by parameter name.
-
-    Tensors are not copied (mapped shards stay file-backed). Raises ``RecordError`` when the
-    shards disagree on the optimizer count or the counters (they come from different saves).
-    """
+    """Every shard's anchors and outer state joined by name, so a resume may re-shard; tensors
+    are not copied. ``RecordError`` when the shards disagree (they come from different saves)."""
     counts = {len(r.outer) for r in shards}
     if len(counts) != 1:
         raise RecordError(f"{what}: the anchor shards hold different optimizer counts {counts}")
@@ -331,9 +282,7 @@ def _merge_outer(records: Sequence[OuterRecord], what: str) -> OuterRecord:
                 f"{what}: the anchor shards disagree on {differ}; the save directory mixes "
                 "saves. Resume from another checkpoint."
             )
-    anchors: dict[str, Tensor] = {}
-    for record in records:
-        anchors.update(record.anchors)
+    anchors = {name: t for record in records for name, t in record.anchors.items()}
     names, optimizer = merge_by_name([(r.names, r.outer_optimizer) for r in records])
     pending = first.pending
     if pending is not None:
@@ -348,7 +297,7 @@ def _merge_outer(records: Sequence[OuterRecord], what: str) -> OuterRecord:
 
 
 def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:
-    """An optimizer param group's hyperparameters that are plain data (no params, no tensors)."""
+    """A param group's hyperparameters that are plain data (no params, no tensors)."""
     out: dict[str, Any] = {}
     for key, value in group.items():
         if key == "params":
@@ -360,7 +309,6 @@ def plain_values(group: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# -- Lightning's own counters, which the record repeats so that a resume can cross-check them
 _AUTOMATIC = "epoch_loop.automatic_optimization.optim_progress"
 _MANUAL = "epoch_loop.manual_optimization.optim_step_progress"
 
@@ -378,25 +326,15 @@ def optimizer_steps(checkpoint: Mapping[str, Any]) -> int | None:
 
 @dataclass(frozen=True)
 class IslandLoops:
-    """One island's own Lightning loop state, for islands that step at their own pace.
-
-    Attributes:
-        global_step: the island's ``trainer.global_step`` (``None`` if Lightning saved none).
-        loops: the island's ``checkpoint["loops"]``: its progress counters and the state of a
-            stateful dataloader (its position in the data), restored by Lightning.
-    """
+    """One island's ``trainer.global_step`` and ``checkpoint["loops"]`` (progress counters and a
+    stateful dataloader's position), for islands that step at their own pace."""
 
     global_step: int | None
     loops: dict[str, Any]
 
     @classmethod
     def of(cls, checkpoint: Mapping[str, Any]) -> IslandLoops:
-        """This rank's loop state, from the Lightning checkpoint it dumped."""
         return cls(global_step(checkpoint), dict(checkpoint.get("loops") or {}))
-
-    @property
-    def optimizer_steps(self) -> int | None:
-        return optimizer_steps({"loops": self.loops})
 
     def to_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "loops": self.loops}
@@ -415,17 +353,9 @@ def use_island_loops(
     island: int,
     own_pace: bool,
 ) -> None:
-    """Before Lightning restores its loops from ``checkpoint``: give it island ``island``'s own.
-
-    ``own_pace``: this run's islands step at their own pace (a time budget). A record without
-    ``island_loops`` leaves ``checkpoint`` as it is: every island resumes from the Lightning
-    file's loop state, as they all had the same one.
-
-    Raises:
-        SwarmCheckpointError: the record holds no loop state for ``island`` (another island
-            count), or this run keeps the islands in step (rounds every ``sync_every``) while
-            the saved islands stood at different steps.
-    """
+    """Before Lightning restores its loops from ``checkpoint``: give it island ``island``'s own
+    (``own_pace``: this run's islands step at their own pace). ``SwarmCheckpointError`` when
+    there is none for ``island``, or this run keeps in step islands saved at different steps."""
     saved = record.island_loops
     if saved is None:
         return
@@ -455,11 +385,7 @@ def global_step(checkpoint: Mapping[str, Any]) -> int | None:
 
 
 def check_loop_state(record: SwarmRecord, checkpoint: Mapping[str, Any], ckpt_path: Any) -> None:
-    """Refuse a Lightning file whose counters differ from the ones its swarm record saved.
-
-    Raises:
-        SwarmCheckpointError: naming the counter and both values.
-    """
+    """Raise ``SwarmCheckpointError`` when Lightning's counters differ from the record's."""
     pairs = (
         ("global_step", record.global_step, global_step(checkpoint)),
         (

@@ -1,47 +1,44 @@
 """Restoring a swarm checkpoint: check everything, agree on every rank, then install.
-
-``SwarmCheckpointer.restore`` runs these steps on every rank, in the same order of collectives,
-failures included:
-1. sources: ``island_ckpt_paths`` fit the island count, the fingerprint and the options that
-   cannot change (``option_changes.refuse_unusable``) match; this island's source is chosen;
-2. agree on the newest outer round among the islands' sources (the catch-up target);
-3. check each file this rank reads against its record's size and checksum, load it (mapped by
-   default) and validate it (``OuterSync.check_state_dict``; finite anchors per file, so an error
-   names the shard); a sharded save's shards merge by name, since a catch-up needs every anchor;
-4. exchange "did anything fail": a failure anywhere raises ``SwarmCheckpointError`` on every rank
-   before anything is installed;
-5. install module state, catch-up, inner optimizer states, outer state, residuals, totals.
-
-Mapped anchors are adopted by ``OuterSync.load_checked_state_dict``, which keeps this rank's
-share; a catch-up's old anchors are dropped right after it.
-"""
+Every rank runs the same collectives, failures included; a catch-up's old anchors are dropped
+right after it."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_swarm.algorithm.diloco import catch_up_
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.compatibility import (
+    compare_fingerprints,
+    current_fingerprint,
+    describe_changes,
+    refuse_unusable,
+)
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
+    anchor_shard_file_name,
     anchor_shard_names,
     island_file_name,
+    island_rank_file_name,
     load_swarm_file,
     require_local_path,
+    resolve_mmap,
     swarm_root,
+    warn_legacy,
 )
-from lightning_swarm.resume.fingerprint import compare_fingerprints
 from lightning_swarm.resume.integrity import check_file, check_finite
-from lightning_swarm.resume.option_changes import refuse_unusable
 from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, merge_shards
-from lightning_swarm.resume.save import current_fingerprint
-from lightning_swarm.resume.training_view import Collectives, TrainingView
+from lightning_swarm.resume.training_view import Collectives, TrainingView, local_tensors
 from lightning_swarm.transport.agree import agree
 
 _T = TypeVar("_T")
@@ -67,12 +64,42 @@ class Loaded:
     own_anchors: AnchorsRecord
     newest: AnchorsRecord
     newest_rounds: list[int]
-    legacy: list[Path] = field(default_factory=list)
+    legacy: list[Path]
+
+
+def restore_swarm_state(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> str:
+    """Check and install ``main`` (and ``island_paths``) on this rank; returns the summary.
+    When any rank cannot, ``SwarmCheckpointError`` on every rank, nothing installed."""
+    comm = host.collectives
+    use_mmap, how = resolve_mmap(host.anchors.mmap)
+    own = attempt(comm, lambda: choose_source(host, main, island_paths))
+    newest = newest_source(comm, own, main)
+    loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
+    warn_legacy(loaded.legacy)
+    stale = install(host, loaded)
+    summary = _summary(host, main, own, loaded, how, stale)
+    if comm.rank == 0:  # one warning of the changed options that make it inexact
+        residuals = any(state.get("residuals") for state in loaded.island.outer_island)
+        saved = main.record
+        changes = describe_changes(
+            saved.options, host.options, inner_steps=saved.inner_steps, residuals_saved=residuals
+        )
+        if changes:
+            warnings.warn(
+                "resuming with options other than the checkpoint's; the run is no longer an "
+                "exact continuation: " + "; ".join(changes) + ".",
+                stacklevel=3,
+            )
+    return summary
 
 
 def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, Path]) -> Source:
-    """This island's source after checking ``main`` and the keys of ``island_paths`` against
-    this run (collective-free)."""
+    """This island's source, after checking ``main`` and ``island_paths`` against this run."""
+    if host.model_shards is not None and island_paths:
+        raise SwarmCheckpointError(
+            "SwarmResume(island_ckpt_paths=...) is not supported with island_parallel='fsdp' "
+            "yet; resume every island from ckpt_path."
+        )
     num_islands = host.topology.num_islands
     bad = sorted(i for i in island_paths if not 0 <= i < num_islands)
     if bad:
@@ -81,7 +108,8 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
             f"{num_islands} island(s), numbered 0 .. {num_islands - 1}; fix the keys of "
             "island_ckpt_paths."
         )
-    compare_fingerprints(main.record.fingerprint, current_fingerprint(host))
+    current = current_fingerprint(host)
+    compare_fingerprints(main.record.fingerprint, current)
     refuse_unusable(main.record.options, host.options)
     island = host.topology.island_index
     if island not in island_paths:
@@ -100,15 +128,13 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
             f"island {island}'s checkpoint {path} holds no swarm state; give "
             "island_ckpt_paths a checkpoint written by SwarmStrategy."
         )
-    compare_fingerprints(record.fingerprint, current_fingerprint(host))
+    compare_fingerprints(record.fingerprint, current)
     return Source(path, record)
 
 
 def newest_source(comm: Collectives, own: Source, main: Source) -> tuple[list[int], str]:
-    """The most advanced rounds among all islands' sources, and that source's path.
-
-    Ties go to the main checkpoint, so every rank picks the same source.
-    """
+    """The most advanced rounds among all islands' sources, and that source's path (ties go to
+    the main checkpoint, so every rank picks the same)."""
     mine = (list(own.record.outer_steps), str(own.ckpt_path))
     everyone = comm.all_gather_object(mine)
     rounds, path = max(everyone, key=lambda item: (tuple(item[0]), item[1] == str(main.ckpt_path)))
@@ -119,21 +145,18 @@ def load_sources(
     host: TrainingView, main: Source, own: Source, newest: tuple[list[int], str], use_mmap: bool
 ) -> Loaded:
     """Read, check and validate every file this rank installs from."""
-    island = host.topology.island_index
+    island, position = host.topology.island_index, host.topology.local_index
+    per_rank = host.model_shards is not None
     legacy: list[Path] = []
     verify = host.anchors.verify
-
-    def read(source: Source, name: str) -> dict[str, Any]:
-        payload, was_legacy = read_file(source, name, verify=verify, use_mmap=use_mmap)
-        if was_legacy:
-            legacy.append(source.directory / name)
-        return payload
+    read = partial(read_file, verify=verify, use_mmap=use_mmap, legacy=legacy)
 
     def read_anchors(source: Source) -> tuple[AnchorsRecord, str]:
-        """The save's anchors (its shards merged) and how messages name them."""
+        # The save's anchors (its shards merged) and how messages name them.
         shards = anchor_shard_names(source.record.files)
+        names = [anchor_shard_file_name(position)] if per_rank else shards or [ANCHORS_FILE]
         records = []
-        for name in shards or [ANCHORS_FILE]:
+        for name in names:
             path = source.directory / name
             record = AnchorsRecord.from_dict(read(source, name), str(path))
             if verify:
@@ -141,13 +164,14 @@ def load_sources(
                 for state in record.outer:
                     check_finite(dict(state.anchors), source=path, what="an anchor")
             records.append(record)
-        if not shards:
-            return records[0], str(source.directory / ANCHORS_FILE)
+        if per_rank or not shards:
+            return records[0], str(source.directory / names[0])
         merged = merge_shards(records, str(source.directory))
         return merged, str(source.directory / "anchors-rank-*.pt")
 
-    island_path = own.directory / island_file_name(island)
-    island_state = IslandRecord.from_dict(read(own, island_file_name(island)), str(island_path))
+    name = island_rank_file_name(island, position) if per_rank else island_file_name(island)
+    island_path = own.directory / name
+    island_state = IslandRecord.from_dict(read(own, name), str(island_path))
     own_anchors, own_label = read_anchors(own)
     newest_rounds, newest_path = newest
     newest_anchors, newest_label = own_anchors, own_label
@@ -162,33 +186,23 @@ def load_sources(
                 "older ones of the islands that are behind in island_ckpt_paths."
             )
         newest_anchors, newest_label = read_anchors(main)
-    loaded = Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
-    validate(host, loaded, island_path, own_label, newest_label)
-    if verify:
-        check_finite(island_state.module, source=island_path, what="the island's module state")
-    return loaded
-
-
-def validate(
-    host: TrainingView, loaded: Loaded, island_path: Path, own_anchors: str, newest_anchors: str
-) -> None:
-    """Everything ``install`` relies on, so that it cannot fail half-way.
-
-    ``own_anchors`` and ``newest_anchors`` name the anchors files in messages.
-    """
-    module = {k: tuple(v.shape) for k, v in host.module.state_dict().items()}
-    check_island(host, loaded.island, module, island_path)
-    if loaded.newest is not loaded.own_anchors:
+    # Everything ``install`` relies on, so that it cannot fail half-way.
+    check_island(host, island_state, island_path)
+    if newest_anchors is not own_anchors:
         # Only the anchors of the island's own, older save are used (by the catch-up).
-        check_outer_states(host, loaded.own_anchors, own_anchors, anchors_only=True)
-    check_outer_states(host, loaded.newest, newest_anchors)
+        check_outer_states(host, own_anchors, own_label, anchors_only=True)
+    check_outer_states(host, newest_anchors, newest_label)
+    if verify:
+        what = "the module shard" if per_rank else "the island's module state"
+        check_finite(island_state.module, source=island_path, what=what)
+    return Loaded(island_state, own_anchors, newest_anchors, newest_rounds, legacy)
 
 
 def read_file(
-    source: Source, name: str, *, verify: bool, use_mmap: bool
-) -> tuple[dict[str, Any], bool]:
-    """File ``name`` of ``source``'s save, checked against its record (size; checksum with
-    ``verify``) and its save id, and whether it was in a legacy format."""
+    source: Source, name: str, *, verify: bool, use_mmap: bool, legacy: list[Path]
+) -> dict[str, Any]:
+    """File ``name`` of ``source``'s save, checked against its record and save id; its path
+    joins ``legacy`` when it was in torch's legacy format."""
     path = source.directory / name
     files = source.record.files
     if name not in files:
@@ -199,25 +213,25 @@ def read_file(
     if path.is_file():
         check_file(path, files[name], verify=verify)
     payload, was_legacy = load_swarm_file(path, mmap=use_mmap)
+    if was_legacy:
+        legacy.append(path)
     if payload.get("save_id") != source.record.save_id:
         raise SwarmCheckpointError(
             f"{path} belongs to another save than {source.ckpt_path}; the directory was mixed "
             "up. Resume from another checkpoint."
         )
-    return payload, was_legacy
+    return payload
 
 
-def check_island(
-    host: TrainingView, island: IslandRecord, module: Mapping[str, tuple[int, ...]], path: Path
-) -> None:
-    """``island`` (read from ``path``) is this island's and fits the live module (entry ->
-    shape of this rank's state) and optimizers, so that installing it cannot fail half-way."""
+def check_island(host: TrainingView, island: IslandRecord, path: Path) -> None:
+    """``island`` (from ``path``) is this island's and fits this rank's module and optimizers."""
     index = host.topology.island_index
     if island.island != index:
         raise SwarmCheckpointError(
             f"{path} says it holds island {island.island}, not {index}; the directory was "
             "tampered with. Resume from another checkpoint."
         )
+    module = {k: tuple(v.shape) for k, v in local_tensors(host.module.state_dict()).items()}
     saved = {k: tuple(v.shape) for k, v in island.module.items()}
     if module != saved:
         differ = sorted(k for k in module.keys() | saved.keys() if module.get(k) != saved.get(k))
@@ -235,8 +249,8 @@ def check_island(
 def check_outer_states(
     host: TrainingView, record: AnchorsRecord, path: str, *, anchors_only: bool = False
 ) -> None:
-    """Each saved outer state against its sync (``OuterSync.check_state_dict``: anchor shapes
-    and the round in flight), or only its anchors; an error names ``path``."""
+    """Each saved outer state against its sync (``OuterSync.check_state_dict``), or only its
+    anchors; an error names ``path``."""
     syncs = host.outer_syncs
     if len(record.outer) != len(syncs):
         raise SwarmCheckpointError(
@@ -255,8 +269,16 @@ def check_outer_states(
 
 
 def install(host: TrainingView, loaded: Loaded) -> list[int]:
-    """Install checked state on this rank; returns the optimizers caught up."""
-    host.module.load_state_dict(loaded.island.module, strict=True)
+    """Install checked state on this rank: module, catch-up, inner optimizer states (on the
+    module's device, ``step`` left put), outer states, residuals, totals. Returns the
+    optimizers caught up."""
+    island = loaded.island
+    if host.model_shards is not None:
+        with torch.no_grad():
+            for name, target in local_tensors(host.module.state_dict()).items():
+                target.copy_(island.module[name])
+    else:
+        host.module.load_state_dict(island.module, strict=True)
     stale: list[int] = []
     own_rounds = [s.counters.outer_steps for s in loaded.own_anchors.outer]
     for index, outer in enumerate(host.outer_syncs):
@@ -268,39 +290,47 @@ def install(host: TrainingView, loaded: Loaded) -> list[int]:
                 catch_up_(p.data, old[name], new[name])
     # The old anchors were needed for the catch-up only.
     loaded.own_anchors = AnchorsRecord(loaded.own_anchors.save_id, [])
-    install_states(host, loaded.island, loaded.newest)
-    return stale
-
-
-def install_states(
-    host: TrainingView,
-    island: IslandRecord,
-    anchors: AnchorsRecord,
-    adapt: Callable[[torch.optim.Optimizer], None] | None = None,
-) -> None:
-    """Install the inner optimizers' state (on the module's device, ``step`` left put; then
-    ``adapt``), the checked outer states, the island's own outer state and the totals."""
     for optimizer, saved in zip(host.optimizers, island.optimizers, strict=True):
         optimizer.load_state_dict(saved)
         for state in optimizer.state.values():
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor):
                     state[key] = value.to(host.device)
-        if adapt is not None:
-            adapt(optimizer)
-    for outer, outer_state in zip(host.outer_syncs, anchors.outer, strict=True):
+        if host.model_shards is not None:
+            _shard_optimizer_state(optimizer)
+    for outer, outer_state in zip(host.outer_syncs, loaded.newest.outer, strict=True):
         outer.load_checked_state_dict(outer_state)  # checked before anything was installed
     for outer, island_state in zip(host.outer_syncs, island.outer_island, strict=False):
         outer.load_island_state_dict(island_state)
     island.totals.install(host.totals)
+    return stale
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Turn each restored local state tensor back into a DTensor like its parameter (same mesh,
+    placements, global shape and stride: shards may be uneven, so these are given)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            local_shape = param.to_local().shape
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                plain = isinstance(value, Tensor) and not isinstance(value, DTensor)
+                if plain and value.dim() > 0 and value.shape == local_shape:
+                    state[key] = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
 
 
 def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
-    """Run ``step`` on every rank; if it failed on any rank, raise on all of them.
-
-    Raises:
-        SwarmCheckpointError: the lowest failing rank's, naming that rank and why.
-    """
+    """Run ``step`` on every rank; if it failed on any rank, raise ``SwarmCheckpointError`` on
+    all of them, naming the lowest failing rank and why."""
     result: _T | None = None
     error: SwarmCheckpointError | None = None
     try:
@@ -313,3 +343,32 @@ def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
     agree(gather=comm.all_gather_object, error=error)
     assert result is not None
     return result
+
+
+def _summary(
+    host: TrainingView, main: Source, own: Source, loaded: Loaded, how: str, stale: list[int]
+) -> str:
+    topology = host.topology
+    if host.model_shards is not None:
+        rounds, steps = main.record.outer_steps, main.record.inner_steps
+        return (
+            f"island {topology.island_index}, position {topology.local_index}: restored "
+            f"round(s) {rounds} at inner step(s) {steps} from this rank's own files ({how})"
+        )
+    kib = sum(o.anchor_bytes for o in host.outer_syncs) / 2**10
+    size = f"{kib / 2**10:.1f} MiB" if kib >= 2**10 else f"{kib:.1f} KiB"
+    rounds, steps = own.record.outer_steps, own.record.inner_steps
+    if host.loops_per_island:  # islands at their own pace: the island's own count, installed
+        steps = [o.inner_steps for o in host.outer_syncs]
+    legacy = ", legacy format read eagerly" if loaded.legacy else ""
+    verified = "checksums verified" if host.anchors.verify else "unverified"
+    caught = (
+        f"caught up optimizer(s) {stale} to round(s) {loaded.newest_rounds}"
+        if stale
+        else "no catch-up needed"
+    )
+    return (
+        f"island {topology.island_index}: restored round(s) {rounds} at inner step(s) "
+        f"{steps}; anchors {size} ({how}{legacy}, written as {main.record.anchor_dtype}, "
+        f"{verified}); {caught}"
+    )

@@ -1,9 +1,5 @@
-"""What save and restore need from the training side: a small protocol, no Lightning.
-
-``SwarmStrategy`` builds one ``TrainingView`` per save or restore; nothing here imports the
-strategy or Lightning. Its collectives are callables, so the same code serves a distributed world
-and a single process; each must be called on every rank in the same order.
-"""
+"""What save and restore need from the training side: a small protocol, no Lightning. Each
+collective must be called on every rank in the same order."""
 
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.resume.outer_record import OuterRecord
@@ -27,47 +24,26 @@ class OuterState(Protocol):
 
     @property
     def params(self) -> Mapping[str, torch.nn.Parameter]: ...
-
     @property
     def owned(self) -> Sequence[str]: ...
-
     @property
     def anchor_dtype(self) -> torch.dtype: ...
-
     @property
     def anchor_bytes(self) -> int: ...
-
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer: ...
-
     @property
     def fragments(self) -> Sequence[Sequence[str]]: ...
-
     @property
     def inner_steps(self) -> int: ...
-
     @property
     def outer_steps(self) -> int: ...
-
     def record(self) -> OuterRecord: ...
-
     def check_state_dict(self, state: OuterRecord) -> None: ...
-
     def check_anchors(self, anchors: Mapping[str, Tensor]) -> None: ...
-
     def load_checked_state_dict(self, state: OuterRecord) -> None: ...
-
     def island_state_dict(self) -> dict[str, Any]: ...
-
     def load_island_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-
-class ModuleState(Protocol):
-    """The trained module (a ``LightningModule``): its ``state_dict`` round trip."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -84,19 +60,14 @@ class Collectives:
     def of_world(
         cls, rank: int, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]
     ) -> Collectives:
-        """The default process group (or one process when none is initialised)."""
         size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return cls(rank, size, broadcast, barrier, objects_over())
 
 
 @dataclass(frozen=True)
 class ModelShards:
-    """What a model-sharded island (``island_parallel="fsdp"``) adds to the view.
-
-    Attributes:
-        mesh: the island mesh's shape, ``{"data_parallel": dp, "tensor_parallel": tp}``.
-        global_shapes: each parameter's full shape by name (the outer state holds local shards).
-    """
+    """A model-sharded island (``island_parallel="fsdp"``): its mesh's shape
+    (``{"data_parallel": dp, "tensor_parallel": tp}``) and each parameter's full shape."""
 
     mesh: Mapping[str, int]
     global_shapes: Mapping[str, Sequence[int]]
@@ -104,17 +75,12 @@ class ModelShards:
 
 @dataclass(frozen=True)
 class TrainingView:
-    """The training state a save reads and a restore writes, on one rank.
-
-    ``model_shards`` is set when each rank holds only its shard of the model: the swarm files
-    are then written per rank (``resume.per_rank``). ``loops_per_island`` is set when the
-    islands step at their own pace (a time budget): a save then records each island's own
-    Lightning loop state (``records.IslandLoops``).
-    """
+    """The training state a save reads and a restore writes, on one rank. With ``model_shards``
+    every rank has its own files; with ``loops_per_island`` each island its own loop state."""
 
     topology: IslandTopology
     outer_syncs: Sequence[OuterState]
-    module: ModuleState
+    module: torch.nn.Module  # the LightningModule
     optimizers: Sequence[torch.optim.Optimizer]
     device: torch.device
     totals: Totals
@@ -126,7 +92,6 @@ class TrainingView:
 
 
 def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> OptionsRecord:
-    """The outer-loop options of a ``SwarmConfig`` and the built outer optimizers."""
     return OptionsRecord(
         values=config.resume_options(),
         outer_optimizer=[type(o.outer_optimizer).__name__ for o in outer_syncs],
@@ -134,3 +99,14 @@ def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> Option
             plain_values(o.outer_optimizer.param_groups[0]) for o in outer_syncs
         ],
     )
+
+
+def local_tensors(state: Any) -> Any:
+    """``state`` with every DTensor replaced by its local shard (a view; saving copies it)."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, Mapping):
+        return {k: local_tensors(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(local_tensors(v) for v in state)
+    return state

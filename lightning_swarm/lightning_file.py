@@ -1,12 +1,6 @@
-"""``AtomicCheckpointIO``: Lightning's checkpoint file written in place, atomically (glue).
-
-Lightning's ``TorchCheckpointIO`` writes to the system's temporary folder and moves the file
-over the checkpoint; across filesystems that move is a copy, and a full disk leaves a truncated
-``.ckpt`` under the real name. Here the file goes through ``resume.atomic.atomic_save``: the old
-file or the whole new one, and a full disk raises ``DiskFullError``. A user's own checkpoint IO
-is kept; remote paths and loading are ``TorchCheckpointIO``'s. ``read_lightning_file`` serves
-the strategy's checkpoint hooks.
-"""
+"""Lightning's checkpoint file: written atomically in place, and read with damage named (glue).
+``TorchCheckpointIO``'s move of a temporary file is a copy across filesystems, which a full disk
+leaves truncated; ``AtomicCheckpointIO`` writes local paths through ``atomic_save``."""
 
 from __future__ import annotations
 
@@ -42,13 +36,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def read_lightning_file(path: Any, load: Callable[[], _T]) -> _T:
-    """``load()`` (Lightning reading ``path``), with damage reported as damage to ``path``.
-
-    Raises:
-        SwarmCheckpointError: the file is truncated or corrupt (e.g. torch's "failed finding
-            central directory" or "Invalid argument"). A missing file and a refusal to
-            unpickle an object (the file is fine) keep their own errors.
-    """
+    """``load()`` (Lightning reading ``path``); a truncated or corrupt file raises
+    ``SwarmCheckpointError`` naming ``path``. A missing file and a refusal to unpickle an
+    object (the file is fine) keep their own errors."""
     try:
         return load()
     except (FileNotFoundError, SwarmCheckpointError):

@@ -1,0 +1,203 @@
+"""What the resuming run must share with the saving one, and what it may change. The layout
+(no dtypes) must match before any tensor is read; a changed outer optimizer is refused; every
+other changed option is described for one warning."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_swarm.algorithm.codecs import NO_CODEC
+from lightning_swarm.algorithm.model_layout import Layout, model_layout
+from lightning_swarm.config import RESUME_OPTIONS
+from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.records import OptionsRecord
+from lightning_swarm.resume.training_view import TrainingView
+
+MESH_KEY = "island_mesh"
+
+
+def layout_fingerprint(
+    num_islands: int, layouts: Sequence[Layout], fragments: Any = None
+) -> dict[str, Any]:
+    return {
+        "num_islands": int(num_islands),
+        "params": [
+            [[name, list(entry.shape)] for name, entry in layout.items()] for layout in layouts
+        ],
+        "fragments": fragments,
+    }
+
+
+def current_fingerprint(host: TrainingView) -> dict[str, Any]:
+    """This run's fingerprint. Streaming DiLoCo adds its fragments and schedule: a round in
+    flight is applied at ``send_step + sync_delay`` to the fragment it was sent for."""
+    options, shards = host.options, host.model_shards
+    fragments = None
+    if options["num_fragments"] > 1 or options["sync_delay"] > 0:
+        fragments = {
+            "sync_every": options["sync_every"],
+            "sync_delay": options["sync_delay"],
+            "layout": [o.fragments for o in host.outer_syncs],
+        }
+    shapes = None if shards is None else shards.global_shapes
+    layouts = [model_layout(o.params, shapes) for o in host.outer_syncs]
+    fingerprint = layout_fingerprint(host.topology.num_islands, layouts, fragments)
+    if shards is not None:
+        fingerprint[MESH_KEY] = dict(shards.mesh)
+    return fingerprint
+
+
+def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Raise ``SwarmCheckpointError`` naming every difference between two fingerprints."""
+    problems: list[str] = []
+    if saved.get("num_islands") != current["num_islands"]:
+        problems.append(
+            f"island count: checkpoint has {saved.get('num_islands')}, this run has "
+            f"{current['num_islands']} (devices x num_nodes / island_size)"
+        )
+    saved_params, current_params = saved.get("params", []), current["params"]
+    if len(saved_params) != len(current_params):
+        problems.append(
+            f"optimizers: checkpoint has {len(saved_params)}, this run has {len(current_params)}"
+        )
+    for index, (old_list, new_list) in enumerate(zip(saved_params, current_params, strict=False)):
+        old, new = dict(old_list), dict(new_list)
+        missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+        if missing or extra:
+            problems.append(
+                f"optimizer {index} parameters renamed or changed: only in checkpoint {missing}, "
+                f"only in this run {extra}"
+            )
+        for name in sorted(old.keys() & new.keys()):
+            if list(old[name]) != list(new[name]):
+                problems.append(
+                    f"parameter {name!r} reshaped: checkpoint {old[name]}, this run {new[name]}"
+                )
+    if saved.get("fragments") != current.get("fragments"):
+        problems.append(
+            f"fragment layout: checkpoint has {saved.get('fragments')!r}, this run has "
+            f"{current.get('fragments')!r}"
+        )
+    if problems:
+        raise SwarmCheckpointError(
+            "the checkpoint's swarm layout does not match this run: "
+            + "; ".join(problems)
+            + ". Resume with the same model, optimizers, island count and fragments, or start "
+            "from the plain weights (load them into the module without ckpt_path)."
+        )
+
+
+def check_layout(
+    saved: Mapping[str, Any], mesh: Mapping[str, int] | None, num_islands: int
+) -> None:
+    """Refuse a resume across DDP and model-sharded islands (``mesh`` None: DDP), or onto
+    another island mesh; run before Lightning loads any weight."""
+    saved_mesh = saved.get(MESH_KEY)
+    current_mesh = dict(mesh) if mesh is not None else None
+    if saved_mesh == current_mesh:
+        return
+    raise SwarmCheckpointError(
+        f"the checkpoint was written by {_layout(saved_mesh, saved.get('num_islands'))}, this "
+        f"run has {_layout(current_mesh, num_islands)}; model-sharded saves hold each rank's "
+        "local shards of their own layout (no re-sharding yet). Resume with the "
+        "island_parallel, island_size and tensor_parallel_size it was written with."
+    )
+
+
+def _layout(mesh: Mapping[str, Any] | None, num_islands: Any) -> str:
+    if mesh is None:
+        return f"{num_islands} DDP island(s) (island_parallel='ddp')"
+    return (
+        f"{num_islands} island(s) of data_parallel={mesh.get('data_parallel')} x "
+        f"tensor_parallel={mesh.get('tensor_parallel')} (island_parallel='fsdp')"
+    )
+
+
+def refuse_unusable(saved: OptionsRecord, current: OptionsRecord) -> None:
+    """Raise ``SwarmCheckpointError`` when the saved outer state cannot serve this run."""
+    if saved.outer_optimizer != current.outer_optimizer:
+        raise SwarmCheckpointError(
+            f"outer optimizer {_one(saved.outer_optimizer)} -> {_one(current.outer_optimizer)}: "
+            "the checkpoint's outer optimizer state belongs to the optimizer that wrote it and "
+            "cannot be loaded into another. Resume with the same outer_optimizer, or start "
+            "from the plain weights (load them into the module without ckpt_path)."
+        )
+
+
+def describe_changes(
+    saved: OptionsRecord,
+    current: OptionsRecord,
+    *,
+    inner_steps: Sequence[int],
+    residuals_saved: bool,
+) -> list[str]:
+    """One line per changed option: ``name old -> new: what follows``."""
+    lines: list[str] = []
+    for name in RESUME_OPTIONS:
+        old, new = saved[name], current[name]
+        if old != new:
+            effect = _effect(name, saved, current, inner_steps, residuals_saved)
+            lines.append(f"{name} {_text(old)} -> {_text(new)}: {effect}")
+    for index, (old_hp, new_hp) in enumerate(
+        zip(saved.outer_hyperparameters, current.outer_hyperparameters, strict=False)
+    ):
+        for key in sorted(old_hp.keys() | new_hp.keys()):
+            if old_hp.get(key) != new_hp.get(key):
+                where = f"outer optimizer {index} " if len(current.outer_optimizer) > 1 else ""
+                lines.append(
+                    f"{where}{key} {_text(old_hp.get(key))} -> {_text(new_hp.get(key))}: the "
+                    f"checkpoint's {_text(old_hp.get(key))} stays in force (torch's "
+                    "Optimizer.load_state_dict restores the saved hyperparameters with the "
+                    "outer state); set param_groups after the resume to change it"
+                )
+    return lines
+
+
+def _effect(
+    name: str,
+    saved: OptionsRecord,
+    current: OptionsRecord,
+    inner_steps: Sequence[int],
+    residuals_saved: bool,
+) -> str:
+    dropped = "the saved error-feedback residuals are dropped"
+    if name == "sync_every":
+        step = inner_steps[0] if inner_steps else 0
+        due = (step // current["sync_every"] + 1) * current["sync_every"]
+        was = (step // saved["sync_every"] + 1) * saved["sync_every"]
+        return f"the next round comes at inner step {due} (it would have come at {was})"
+    if name in ("num_fragments", "fragment_layout", "sync_delay"):
+        return "the fragments and their schedule come out the same, so nothing changes"
+    if name == "merge_alpha":
+        alpha = current["merge_alpha"]
+        return f"applied rounds now merge local <- (1 - {alpha:g}) * global + {alpha:g} * local"
+    if name == "quantize":
+        text = f"the next rounds send {current['quantize']} pseudo-gradients"
+        if current["quantize"] == NO_CODEC and residuals_saved:
+            text += f"; error feedback stops and {dropped}"
+        return text
+    if name == "quantize_block_size":
+        return f"int8/int4 scales now cover blocks of {current['quantize_block_size']} elements"
+    if name == "transport":
+        return f"pseudo-gradients are averaged by the {current['transport']} transport from now on"
+    if name == "error_feedback":
+        if not current["error_feedback"]:
+            return dropped if residuals_saved else "no residuals were saved, nothing is lost"
+        return "residuals start at zero"
+    if name == "anchor_dtype":
+        return (
+            f"the saved {saved['anchor_dtype']} anchors are converted to "
+            f"{current['anchor_dtype']} on load (an eager copy in RAM, not memory-mapped)"
+        )
+    if name == "island_size":
+        return f"each island's saved state now seeds {current['island_size']} rank(s)"
+    return "the resumed run differs from an uninterrupted one"
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _one(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else str(list(names))
