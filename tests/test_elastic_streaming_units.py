@@ -314,7 +314,7 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
 
     from lightning_swarm.membership.torchft_quorum import coded_quorum_mean
     from lightning_swarm.transport.buckets import plan_buckets, plan_shares
-    from lightning_swarm.transport.reduce_scatter import encoded_nbytes, reduce_scatter_bytes
+    from lightning_swarm.transport.reduce_scatter import reduce_scatter_bytes
 
     codec = Codec("int8", block_size=4)
     g = torch.Generator().manual_seed(3)
@@ -342,6 +342,9 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
         assert got0.equal(got1)
         assert got0.equal(expected)
     buckets = plan_buckets([10, 6], 8, codec.block_size)
-    sizes = [[encoded_nbytes(codec, s) for s in plan_shares(b, 2, 4)] for b in buckets]
+    sizes = [
+        [sum(codec.encoded_nbytes(p.length) for p in s) for s in plan_shares(b, 2, 4)]
+        for b in buckets
+    ]
     assert moved[0] == sum(reduce_scatter_bytes(s, 0) for s in sizes) > 0
     assert moved[1] == sum(reduce_scatter_bytes(s, 1) for s in sizes)

@@ -6,6 +6,7 @@ rank runs the same collectives; ``finish`` leaves every island on the anchors, b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -25,6 +26,12 @@ from lightning_swarm.outer.sync_state import (
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
+
+# DiLoCo's Nesterov SGD: the default outer optimizer, and the example every refusal gives.
+default_outer_optimizer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+OUTER_OPTIMIZER_EXAMPLE = "functools.partial(torch.optim.SGD, {})".format(
+    ", ".join(f"{k}={v}" for k, v in default_outer_optimizer.keywords.items())
+)
 
 
 class OuterSync(SyncState):
@@ -215,7 +222,6 @@ def _build_outer_optimizer(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise SwarmConfigTypeError(
             "outer_optimizer must return a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}; pass e.g. "
-            "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+            f"{type(optimizer).__name__}; pass e.g. {OUTER_OPTIMIZER_EXAMPLE}."
         )
     return optimizer
