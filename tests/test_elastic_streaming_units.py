@@ -170,7 +170,7 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
         island = _sync(transport, worker, seed=1)
         island.residuals = {"0.bias": torch.full((5,), 0.125)}
         own = {n: island.params[n].detach() - island.anchors[n] for n in island.params}
-        report = island.round_now(0)
+        report = island.engine.round(0)
         assert set(transport.offers[0]["anchors"]) == set(island.params)  # its own, for a peer
         assert report.applied and report.fragment == 1 and report.healed
         assert report.pseudo_grad_norm == live_report.pseudo_grad_norm > 0

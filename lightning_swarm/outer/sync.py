@@ -179,16 +179,6 @@ class OuterSync(SyncState):
     def _apply_in_flight(self) -> SyncReport | None:
         return None if self.held is None else self.engine.apply(self.held.fragment)
 
-    def round_now(self, fragment: int = 0) -> SyncReport:
-        """One round of ``fragment`` now, outside the inner-step schedule.
-
-        Raises:
-            ValueError: with a round in flight.
-        """
-        if self.held is not None:
-            raise ValueError("a round outside the schedule needs none in flight")
-        return self.engine.round(fragment)
-
     @torch.no_grad()
     def join(self) -> SyncReport:
         """An elastic island's first round, now, after applying a round in flight restored from
@@ -196,7 +186,7 @@ class OuterSync(SyncState):
         """
         self._apply_in_flight()
         own = {n: self.params[n].float() - self.anchors[n].float() for n in self.owned}
-        report = self.round_now()
+        report = self.engine.round(0)  # no round in flight now
         if report.healed:
             for name in self.owned:
                 self.params[name].copy_(self.anchors[name].float() + own[name])
