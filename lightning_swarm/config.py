@@ -23,6 +23,7 @@ from lightning_swarm.algorithm.fragments import (
     as_layout,
     check_positive_int,
 )
+from lightning_swarm.algorithm.robust import is_number
 from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.transport.config import (
     MIN_BUCKET_MB,
@@ -31,7 +32,6 @@ from lightning_swarm.transport.config import (
     check_block_mb,
     check_bool,
     check_transport,
-    is_number,
 )
 
 IslandParallel = Literal["ddp", "fsdp"]

@@ -13,13 +13,13 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from torch.nn import Module
 
+from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.algorithm.model_layout import model_layout
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.membership.config import ElasticConfig
 from lightning_swarm.membership.round_header import swarm_settings
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
-from lightning_swarm.outer.build import codec_of
 from lightning_swarm.outer.sync import OuterSync
 
 
@@ -56,7 +56,7 @@ class ElasticIsland:
             layout=model_layout(params),
             island_group=island_group,
             bucket_numel=bucket_numel,
-            codec=codec_of(self.config),
+            codec=codec_for(self.config.quantize, self.config.quantize_block_size),
             background=self.config.sync_delay > 0,
             per_rank=per_rank,
         )

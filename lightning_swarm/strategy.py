@@ -40,7 +40,7 @@ from lightning_swarm.outer import (
     SwarmTotals,
     as_outer_optimizer,
 )
-from lightning_swarm.outer.build import staging_device, transport_for
+from lightning_swarm.outer.loop import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.resume.checkpointer import save_failure
 from lightning_swarm.resume.training_view import ModelShards

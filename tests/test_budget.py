@@ -205,7 +205,7 @@ def test_islands_of_different_speeds_end_equal_with_different_step_counts(
 
 
 def _one_round_worker(rank: int, world: int, out: str, steps: list[int], budgeted: bool) -> None:
-    """``steps[rank]`` inner steps, then one round: on the budget's clock, or ``round_now``."""
+    """``steps[rank]`` inner steps, then one round: on the budget's clock, or at once."""
     clock = FakeClock()
     budget = RoundBudget(1.0, clock=clock) if budgeted else None
     outer = OuterSync(
@@ -223,7 +223,7 @@ def _one_round_worker(rank: int, world: int, out: str, steps: list[int], budgete
         if budget is not None:
             assert (outer.on_inner_step() is None) == (step < steps[rank] - 1)
     if budget is None:
-        outer.round_now()
+        outer.engine.round(0)
     torch.save(_snapshot(outer), f"{out}/{rank}.pt")
 
 

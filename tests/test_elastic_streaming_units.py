@@ -170,7 +170,7 @@ def test_an_adopted_round_gives_the_healed_island_the_swarms_anchors_bitwise() -
         island = _sync(transport, worker, seed=1)
         island.residuals = {"0.bias": torch.full((5,), 0.125)}
         own = {n: island.params[n].detach() - island.anchors[n] for n in island.params}
-        report = island.round_now(0)
+        report = island.engine.round(0)
         assert set(transport.offers[0]["anchors"]) == set(island.params)  # its own, for a peer
         assert report.applied and report.fragment == 1 and report.healed
         assert report.pseudo_grad_norm == live_report.pseudo_grad_norm > 0
@@ -314,7 +314,7 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
 
     from lightning_swarm.membership.torchft_quorum import coded_quorum_mean
     from lightning_swarm.transport.buckets import plan_buckets, plan_shares
-    from lightning_swarm.transport.reduce_scatter import encoded_nbytes, reduce_scatter_bytes
+    from lightning_swarm.transport.reduce_scatter import reduce_scatter_bytes
 
     codec = Codec("int8", block_size=4)
     g = torch.Generator().manual_seed(3)
@@ -342,6 +342,9 @@ def test_the_quantized_quorum_mean_leaves_the_healed_island_out_and_agrees_bitwi
         assert got0.equal(got1)
         assert got0.equal(expected)
     buckets = plan_buckets([10, 6], 8, codec.block_size)
-    sizes = [[encoded_nbytes(codec, s) for s in plan_shares(b, 2, 4)] for b in buckets]
+    sizes = [
+        [sum(codec.encoded_nbytes(p.length) for p in s) for s in plan_shares(b, 2, 4)]
+        for b in buckets
+    ]
     assert moved[0] == sum(reduce_scatter_bytes(s, 0) for s in sizes) > 0
     assert moved[1] == sum(reduce_scatter_bytes(s, 1) for s in sizes)

@@ -128,7 +128,7 @@ def test_a_round_past_its_derived_timeout_raises_with_the_measured_rate(
 
 
 def test_the_strategys_transport_derives_unless_timeout_s_is_set() -> None:
-    from lightning_swarm.outer.build import transport_for
+    from lightning_swarm.outer.loop import transport_for
 
     def timeouts(config: SwarmConfig) -> LinkTimeouts | None:
         transport = transport_for(

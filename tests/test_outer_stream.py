@@ -281,8 +281,8 @@ def test_the_default_configuration_takes_the_streamed_round() -> None:
     """The strategy's defaults (all-reduce, outer SGD Nesterov, no delay) must stream: a
     transport that stops offering the bucket mean would silently fall back to the slow path."""
     from lightning_swarm.config import SwarmConfig
-    from lightning_swarm.outer.build import transport_for
-    from lightning_swarm.outer.loop import default_outer_optimizer
+    from lightning_swarm.outer.loop import transport_for
+    from lightning_swarm.outer.sync import default_outer_optimizer
 
     config = SwarmConfig()
     transport = transport_for(

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_swarm.algorithm.outer_optimizer import merge_by_name, select_by_name
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer import OuterLoop
-from lightning_swarm.outer.build import transport_for
+from lightning_swarm.outer.loop import transport_for
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.groups import build_groups

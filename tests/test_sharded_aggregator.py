@@ -173,7 +173,7 @@ def _equal_worker(rank: int, world: int, spool_dir: str, out: str) -> None:
             assert sharded.spool_bytes() == 0, "a round's files outlived it"
             sent[index] = stats.bytes_sent
         # a summed mean never touches the disk; any other round spools its shard
-        spooled = sharded.peak_spool_bytes() > 0
+        spooled = sharded.spool is not None and sharded.spool.peak_disk_bytes > 0
         assert spooled == (case.get("offload", True) and not _summed_on_arrival(case)), index
         rotating.close()
         sharded.close()

@@ -96,7 +96,8 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
         hand = {"bf16": 2 * 2134, "int8": 2134 + 4 * (132 + 3 + 1), "int4": 1051 + 17 + 4 * 136}
         assert wire.data_bytes == hand[name] and layout.data_bytes == 4 * 2134
         header = wire.safetensors_header({"round": "0", "island": "1"})
-        assert offload.peak_spool_bytes() == (world - 1) * (len(header) + wire.data_bytes)
+        assert offload.spool is not None
+        assert offload.spool.peak_disk_bytes == (world - 1) * (len(header) + wire.data_bytes)
         for transport in (offload, memory, median):
             transport.close()
 

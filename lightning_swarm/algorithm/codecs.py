@@ -149,19 +149,6 @@ class Codec:
     def _num_scales(self, numel: int) -> int:
         return 0 if self.name in (NO_CODEC, "bf16") else -(-numel // self.block_size)
 
-    def error_bound(self, x: Tensor) -> Tensor:
-        """Per-element bound on ``|x - roundtrip(x)|``: 0 for ``none``, half a bfloat16 step
-        (round to nearest even), or the block's ``absmax / (2 * qmax)`` plus float32 rounding."""
-        _check_input(x, self.name)
-        if self.name == NO_CODEC:
-            return torch.zeros_like(x)
-        if self.name == "bf16":
-            return torch.clamp(x.abs() * 2.0**-8, min=2.0**-134)
-        blocks = _as_blocks(x, self.block_size)
-        absmax = blocks.abs().amax(dim=1, keepdim=True)
-        step = absmax / (2 * _QMAX[self.name]) + absmax * 2.0**-21 + 2.0**-149
-        return step.expand_as(blocks).reshape(-1)[: x.numel()].contiguous()
-
 
 def codec_for(name: str, block_size: int = 128) -> Codec | None:
     """The codec a ``quantize`` option names, validated; ``None`` for ``"none"`` (the one

@@ -78,7 +78,11 @@ def outer_step(
     """
     if len(anchors) != len(averaged):
         raise ValueError(f"{len(anchors)} anchors but {len(averaged)} pseudo-gradients")
-    slots = _param_slots(optimizer)
+    slots = {
+        id(p): (g, i)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+    }
     swapped: list[tuple[Tensor, Tensor]] = []
     for anchor, delta in zip(anchors, averaged, strict=True):
         work = anchor
@@ -156,14 +160,6 @@ def keep_state_float32(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
         for key, value in state.items():
             if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
                 optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)
-
-
-def _param_slots(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
-    return {
-        id(p): (g, i)
-        for g, group in enumerate(optimizer.param_groups)
-        for i, p in enumerate(group["params"])
-    }
 
 
 def _swap(

@@ -190,11 +190,6 @@ class FragmentSchedule:
     def interval(self) -> int:
         return self.sync_every // self.num_fragments
 
-    def offset(self, fragment: int) -> int:
-        if not 0 <= fragment < self.num_fragments:
-            raise ValueError(f"fragment {fragment} outside 0 .. {self.num_fragments - 1}")
-        return fragment * self.interval
-
     def sends_at(self, step: int) -> int | None:
         """The fragment that sends after inner step ``step`` (1-based), or None."""
         _check_step(step)

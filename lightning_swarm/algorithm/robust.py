@@ -33,7 +33,7 @@ def check_weights(weights: object, *, option: str = "weights") -> list[float]:
     if (
         not values
         or isinstance(weights, (str, bytes))
-        or not all(_is_weight(w) for w in values)
+        or not all(is_number(w) and w >= 0 for w in values)
         or sum(values) <= 0
     ):
         raise SwarmConfigError(
@@ -43,8 +43,9 @@ def check_weights(weights: object, *, option: str = "weights") -> list[float]:
     return [float(w) for w in values]
 
 
-def _is_weight(w: object) -> bool:
-    return isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+def is_number(value: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(tensors: Sequence[Tensor]) -> torch.dtype:

@@ -34,6 +34,7 @@ from lightning_swarm.cli.preflight import (
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.demo.loss_plot import LossHistory, write_loss_png
 from lightning_swarm.outer.loop import check_outer_optimizer
+from lightning_swarm.outer.sync import default_outer_optimizer
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -72,9 +73,7 @@ def _schema_type(annotation: Any) -> Any:
 _DEFAULT_OUTER_OPTIMIZER = {
     "_target_": "torch.optim.SGD",
     "_partial_": True,
-    "lr": 0.7,
-    "momentum": 0.9,
-    "nesterov": True,
+    **default_outer_optimizer.keywords,
 }
 
 # The Hydra schema of ``SwarmStrategy`` (group ``strategy``, name ``swarm_schema``): every

@@ -1,4 +1,5 @@
-"""``OuterLoop``: one ``OuterSync`` per optimizer of a fit, the worker, the totals and figures.
+"""``OuterLoop``: one ``OuterSync`` per optimizer of a fit, the worker, the totals and figures;
+``transport_for``: the transport it owns.
 
 Built once per fit without importing lightning. It owns the transport and the ``SyncWorker``,
 closed by ``close``, which must run before the process groups are destroyed; its ``OuterSync``s
@@ -20,20 +21,17 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_swarm.algorithm.budget import Clock, RoundBudget
+from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
-from lightning_swarm.config import SwarmConfig
+from lightning_swarm.config import DEFAULT_TIMEOUT_S, SwarmConfig
 from lightning_swarm.errors import SwarmConfigError, SwarmError
-from lightning_swarm.outer.build import codec_of
 from lightning_swarm.outer.params import ParameterWatch, trained_params
 from lightning_swarm.outer.shard import IslandShard, partition_by_bytes
-from lightning_swarm.outer.sync import OuterSync
+from lightning_swarm.outer.sync import OUTER_OPTIMIZER_EXAMPLE, OuterSync, default_outer_optimizer
 from lightning_swarm.outer.sync_state import OuterOptimizerFactory, StreamingOptions, SyncReport
 from lightning_swarm.outer.worker import SyncWorker
-from lightning_swarm.transport import Transport, ring_allreduce_bytes
-
-default_outer_optimizer: OuterOptimizerFactory = functools.partial(
-    torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True
-)
+from lightning_swarm.transport import Transport, build_transport, ring_allreduce_bytes
+from lightning_swarm.transport.link import LinkTimeouts
 
 
 def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
@@ -43,11 +41,43 @@ def as_outer_optimizer(factory: object) -> OuterOptimizerFactory:
     if not callable(factory):
         raise SwarmConfigError(
             f"outer_optimizer must be a callable returning an optimizer, got "
-            f"{type(factory).__name__}; pass e.g. "
-            "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+            f"{type(factory).__name__}; pass e.g. {OUTER_OPTIMIZER_EXAMPLE}."
         )
     check_outer_optimizer(factory, option="outer_optimizer")
     return factory
+
+
+# The transport a ``SwarmConfig`` asks for, over this rank's peer group; owned by the loop.
+def staging_device(root_device: torch.device) -> torch.device:
+    """Where transport buckets live: NCCL reduces device tensors only, so under NCCL a bucket
+    visits the rank's accelerator (anchors stay put); any other backend stages on the CPU."""
+    return root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def transport_for(
+    config: SwarmConfig,
+    peers: dist.ProcessGroup | None,
+    *,
+    num_islands: int,
+    island_index: int,
+    device: torch.device,
+    island_group: dist.ProcessGroup | None = None,
+) -> Transport:
+    """The transport ``config`` names, averaging over ``peers``; buckets are staged on
+    ``device``; ``island_group`` is given for model-sharded islands only."""
+    timeouts = LinkTimeouts("timeout_s", DEFAULT_TIMEOUT_S, config.timeout_s)
+    return build_transport(
+        config.transport,
+        group=peers,
+        num_islands=num_islands,
+        island_index=island_index,
+        device=device,
+        codec=codec_for(config.quantize, config.quantize_block_size),
+        bucket_numel=config.bucket_numel,
+        swarm=config.swarm,
+        island_group=island_group,
+        timeouts=timeouts,
+    )
 
 
 # How torch's optimizers name a hyper-parameter in their "Invalid ..." messages.
@@ -143,7 +173,16 @@ class OuterLoop:
             params = trained_params(optimizer, names, index, seen, frozen=exclude)
             if not params:
                 continue
-            streaming = self._streaming(params)
+            streaming = StreamingOptions(
+                fragments=build_fragments(
+                    list(params), config.num_fragments, config.fragment_layout
+                ),
+                sync_delay=config.sync_delay,
+                merge_alpha=config.merge_alpha,
+                codec=codec_for(config.quantize, config.quantize_block_size),
+                error_feedback=config.error_feedback,
+                worker=self._worker,
+            )
             shard = self._shard(index, params, streaming, island_group, island_position, device)
             outer = OuterSync(
                 params,
@@ -167,17 +206,6 @@ class OuterLoop:
                 f"{len(self.outer_syncs)} optimizers train parameters here and each would "
                 "decide its own round; train with one optimizer, or drop sync_every_s."
             )
-
-    def _streaming(self, params: Mapping[str, torch.nn.Parameter]) -> StreamingOptions:
-        config = self.config
-        return StreamingOptions(
-            fragments=build_fragments(list(params), config.num_fragments, config.fragment_layout),
-            sync_delay=config.sync_delay,
-            merge_alpha=config.merge_alpha,
-            codec=codec_of(config),
-            error_feedback=config.error_feedback,
-            worker=self._worker,
-        )
 
     def _shard(
         self,
@@ -225,12 +253,6 @@ class OuterLoop:
                 _island_first_rank, group=group, device=IslandShard.device_for(group, device)
             )
         return RoundBudget(seconds, clock=clock, island_decision=decision)
-
-    def budget_ended(self, max_steps: int) -> bool:
-        """Under a time budget, after a round: whether some island had reached ``max_steps``
-        (the same answer on every rank)."""
-        steps = self.swarm_steps
-        return steps is not None and steps >= max_steps
 
     @property
     def swarm_steps(self) -> int | None:

@@ -321,7 +321,10 @@ class OuterRound:
             feedback = None
             if opening.adopt is not None:  # the swarm's fragment, contributing zeros
                 names = s.owned_fragments[opening.adopt.fragment]
-                flat, deltas = _zeros(s.params, names, flat.device)
+                sizes = [s.params[n].numel() for n in names]
+                flat = torch.zeros(sum(sizes), device=flat.device)
+                views = zip(names, flat.split(sizes), strict=True)
+                deltas = {n: v.view(s.params[n].shape) for n, v in views}
             else:
                 if self._scale != 1.0:
                     flat.mul_(self._scale)
@@ -453,16 +456,3 @@ class OuterRound:
 
 def _runs(bucket: Sequence[Piece]) -> tuple[int, ...]:
     return tuple(p.length for p in bucket)
-
-
-def _zeros(
-    params: Mapping[str, Tensor], names: Sequence[str], device: torch.device
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """A float32 zero buffer for ``names`` back to back, and a view of it per name."""
-    flat = torch.zeros(sum(params[n].numel() for n in names), device=device)
-    views, offset = {}, 0
-    for name in names:
-        numel = params[name].numel()
-        views[name] = flat[offset : offset + numel].view(params[name].shape)
-        offset += numel
-    return flat, views

@@ -112,22 +112,20 @@ class CudaStaging:
         )
         return staged_bucket_numel(bucket_numel, per_element)
 
-    def _slots_for(self, job: BucketJob, numel: int) -> list[Slot]:
-        num_state = max(len(states) for states in job.states_per_tensor)
-        anchor_dtype = job.anchors[0].dtype
-        if not self.slots or self.slots[0].anchor.numel() < numel:
-            self.slots = [Slot(numel, anchor_dtype, num_state, job.device) for _ in range(2)]
-        if self.streams is None:
-            self.streams = (torch.cuda.Stream(job.device), torch.cuda.Stream(job.device))
-        return self.slots
-
     def run(
         self, job: BucketJob, plan: list[list[Piece]], exchange: Exchange, delta: Tensor
     ) -> Exchanged:
         if any(a.dtype != job.anchors[0].dtype for a in job.anchors):
             raise ValueError("a streamed round needs all anchors of one dtype")
-        slots = self._slots_for(job, numel_of(plan[0]))  # a full bucket, or all elements
-        assert self.streams is not None
+        numel = numel_of(plan[0])  # a full bucket, or all elements
+        if not self.slots or self.slots[0].anchor.numel() < numel:
+            num_state = max(len(states) for states in job.states_per_tensor)
+            self.slots = [
+                Slot(numel, job.anchors[0].dtype, num_state, job.device) for _ in range(2)
+            ]
+        if self.streams is None:
+            self.streams = (torch.cuda.Stream(job.device), torch.cuda.Stream(job.device))
+        slots = self.slots
         copy_in, copy_out = self.streams
         compute = torch.cuda.current_stream(job.device)
         sumsq = torch.zeros((), dtype=torch.float32, device=job.device)

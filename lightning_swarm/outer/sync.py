@@ -6,6 +6,7 @@ rank runs the same collectives; ``finish`` leaves every island on the anchors, b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -25,6 +26,12 @@ from lightning_swarm.outer.sync_state import (
 from lightning_swarm.transport.base import Transport
 
 __all__ = ["OuterOptimizerFactory", "OuterSync", "StreamingOptions", "SyncReport"]
+
+# DiLoCo's Nesterov SGD: the default outer optimizer, and the example every refusal gives.
+default_outer_optimizer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+OUTER_OPTIMIZER_EXAMPLE = "functools.partial(torch.optim.SGD, {})".format(
+    ", ".join(f"{k}={v}" for k, v in default_outer_optimizer.keywords.items())
+)
 
 
 class OuterSync(SyncState):
@@ -172,16 +179,6 @@ class OuterSync(SyncState):
     def _apply_in_flight(self) -> SyncReport | None:
         return None if self.held is None else self.engine.apply(self.held.fragment)
 
-    def round_now(self, fragment: int = 0) -> SyncReport:
-        """One round of ``fragment`` now, outside the inner-step schedule.
-
-        Raises:
-            ValueError: with a round in flight.
-        """
-        if self.held is not None:
-            raise ValueError("a round outside the schedule needs none in flight")
-        return self.engine.round(fragment)
-
     @torch.no_grad()
     def join(self) -> SyncReport:
         """An elastic island's first round, now, after applying a round in flight restored from
@@ -189,7 +186,7 @@ class OuterSync(SyncState):
         """
         self._apply_in_flight()
         own = {n: self.params[n].float() - self.anchors[n].float() for n in self.owned}
-        report = self.round_now()
+        report = self.engine.round(0)  # no round in flight now
         if report.healed:
             for name in self.owned:
                 self.params[name].copy_(self.anchors[name].float() + own[name])
@@ -215,7 +212,6 @@ def _build_outer_optimizer(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise SwarmConfigTypeError(
             "outer_optimizer must return a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}; pass e.g. "
-            "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+            f"{type(optimizer).__name__}; pass e.g. {OUTER_OPTIMIZER_EXAMPLE}."
         )
     return optimizer

@@ -5,13 +5,12 @@ Imports neither torch.distributed nor lightning (the strategy's options build on
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from lightning_swarm.algorithm.robust import check_aggregation, check_weights
+from lightning_swarm.algorithm.robust import check_aggregation, check_weights, is_number
 from lightning_swarm.errors import SwarmConfigError
 
 # The transports by option value; "swarm" is the aggregator transport (transport/aggregator/).
@@ -21,11 +20,6 @@ TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 AGGREGATORS = ("rotating", "sharded")
 MIN_BUCKET_MB = 1.0
 MIN_CHUNK_MB = 0.25
-
-
-def is_number(value: object) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_bool(option: str, value: object, fix: str = "") -> None:
@@ -48,6 +42,14 @@ def check_block_mb(option: str, value: object, *, floor: float, default: float) 
             f"message and a loop turn, so tiny blocks make each sync many times slower "
             f"(docs/swarm_transport.md); use {option}={default:g} (the default) or at least "
             f"{floor:g}."
+        )
+
+
+def check_aggregator(name: object, *, option: str) -> None:
+    if name not in AGGREGATORS:
+        raise SwarmConfigError(
+            f"{option} must be one of {list(AGGREGATORS)}, got {name!r}; 'rotating' gives each "
+            "round to one island in turn, 'sharded' 1/n of it to every island."
         )
 
 
@@ -98,7 +100,13 @@ class SwarmTransportConfig:
 
     def __post_init__(self) -> None:
         check_bool("swarm.offload", self.offload)
-        self._check_spool_dir()
+        if self.spool_dir is not None:
+            if not isinstance(self.spool_dir, (str, Path)) or not str(self.spool_dir):
+                raise SwarmConfigError(
+                    f"swarm.spool_dir must be a directory path (a string) or null for TMPDIR, "
+                    f"got {self.spool_dir!r}; e.g. swarm.spool_dir=/local/scratch/spool."
+                )
+            self.spool_dir = str(Path(self.spool_dir).expanduser())
         check_aggregation(self.aggregation, option="swarm.aggregation")
         if not is_number(self.trim_ratio) or not 0.0 <= self.trim_ratio < 0.5:
             raise SwarmConfigError(
@@ -120,24 +128,7 @@ class SwarmTransportConfig:
                 f"swarm.cleanup_timeout_s must be a positive number, got "
                 f"{self.cleanup_timeout_s!r}; e.g. 60."
             )
-        if self.aggregator not in AGGREGATORS:
-            raise SwarmConfigError(
-                f"swarm.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}; "
-                "'sharded' spreads each round's aggregation over every island."
-            )
-        self._check_weights()
-
-    def _check_spool_dir(self) -> None:
-        if self.spool_dir is None:
-            return
-        if not isinstance(self.spool_dir, (str, Path)) or not str(self.spool_dir):
-            raise SwarmConfigError(
-                f"swarm.spool_dir must be a directory path (a string) or null for TMPDIR, got "
-                f"{self.spool_dir!r}; e.g. swarm.spool_dir=/local/scratch/spool."
-            )
-        self.spool_dir = str(Path(self.spool_dir).expanduser())
-
-    def _check_weights(self) -> None:
+        check_aggregator(self.aggregator, option="swarm.aggregator")
         if self.aggregation == "weighted_mean" and self.island_weights is None:
             raise SwarmConfigError(
                 "swarm.aggregation='weighted_mean' needs swarm.island_weights, one weight per "
@@ -149,7 +140,7 @@ class SwarmTransportConfig:
                 warnings.warn(
                     "swarm.island_weights has no effect unless swarm.aggregation='weighted_mean'.",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=2,
                 )
 
     @property

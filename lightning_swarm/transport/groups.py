@@ -90,13 +90,10 @@ def _own_groups(
 ) -> list[dist.ProcessGroup]:
     """Create one group per rank list (every rank, in order) and return ``mine`` of them."""
     groups = [dist.new_group(ranks, backend=backend, timeout=timeout) for ranks in rank_lists]
-    return [_member(groups[i]) for i in mine]
-
-
-def _member(group: object) -> dist.ProcessGroup:
     # ``new_group`` returns a sentinel for non-members (typed as such from torch 2.14 on).
-    assert isinstance(group, dist.ProcessGroup), "asked for a group this rank is not in"
-    return group
+    member = [g for i in mine if isinstance(g := groups[i], dist.ProcessGroup)]
+    assert len(member) == len(mine), "asked for a group this rank is not in"
+    return member
 
 
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")

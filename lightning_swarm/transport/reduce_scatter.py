@@ -27,10 +27,6 @@ from lightning_swarm.transport.link import LinkTimeouts
 Exchange = Callable[[Tensor, list[int], list[int]], Tensor]
 
 
-def encoded_nbytes(codec: Codec, pieces: Sequence[Piece]) -> int:
-    return sum(codec.encoded_nbytes(p.length) for p in pieces)
-
-
 def encode_pieces(
     codec: Codec, flats: Sequence[Tensor], pieces: Sequence[Piece], device: torch.device
 ) -> Tensor:
@@ -87,7 +83,7 @@ def coded_bucket_mean(
     (collective through ``exchange``); returns the bytes this rank sent (= received)."""
     bucket = [Piece(i, 0, run.numel()) for i, run in enumerate(runs)]
     shares = plan_shares(bucket, num_islands, codec.block_size)
-    sizes = [encoded_nbytes(codec, share) for share in shares]
+    sizes = [sum(codec.encoded_nbytes(p.length) for p in share) for share in shares]
     own = shares[island_index]
     with record_function(labels.SCATTER_SHARES):
         payload = torch.cat([encode_pieces(codec, runs, share, device) for share in shares])

@@ -336,17 +336,15 @@ class SpoolWriter(AbstractContextManager["SpoolWriter"]):
 
     def abort(self) -> None:
         """Drop the partial file; a committed file is the spool's to delete. Idempotent."""
-        if not self._done:
-            self._close_and_unlink()
-            self._done = True
-            self.spool._release(self.path)
-
-    def _close_and_unlink(self) -> None:
+        if self._done:
+            return
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         with self.spool._cond:
             self.spool._unlink(self.path)
+        self._done = True
+        self.spool._release(self.path)
 
     def __exit__(self, *exc: object) -> None:
         self.abort()

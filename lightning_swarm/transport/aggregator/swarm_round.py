@@ -49,7 +49,7 @@ from lightning_swarm.transport.aggregator.verdicts import (
     read_verdicts,
 )
 from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundRequest, RoundStats, Work
-from lightning_swarm.transport.config import AGGREGATORS
+from lightning_swarm.transport.config import check_aggregator
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
@@ -130,11 +130,7 @@ class SwarmAggregator:
             )
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}; e.g. 4 MiB per chunk")
-        if owners not in AGGREGATORS:
-            raise SwarmConfigError(
-                f"owners must be one of {list(AGGREGATORS)}, got {owners!r}; 'rotating' "
-                "gives each round to one island in turn, 'sharded' 1/n of it to every island."
-            )
+        check_aggregator(owners, option="owners")
         check_aggregation(aggregation)
         weights = (
             None
@@ -166,9 +162,6 @@ class SwarmAggregator:
     def spool_bytes(self) -> int:
         return self.spool.disk_bytes if self.spool is not None else 0
 
-    def peak_spool_bytes(self) -> int:
-        return self.spool.peak_disk_bytes if self.spool is not None else 0
-
     def close(self) -> None:
         if self.spool is not None:
             self.spool.close()
@@ -194,7 +187,10 @@ class SwarmAggregator:
 
     def wait(self) -> int:
         if self._stats is None:
-            self._stats = self._average(self._named(), round_index=self._round_index)
+            shapes = self._names.values()
+            flats = _joined(self._buckets).split([shape.numel() for shape in shapes])
+            named = {n: f.view(s) for n, s, f in zip(self._names, shapes, flats, strict=True)}
+            self._stats = self._average(named, round_index=self._round_index)
         return 0
 
     def agree(self) -> RoundStats:
@@ -202,11 +198,6 @@ class SwarmAggregator:
         assert self._stats is not None
         stats, self._stats, self._buckets = self._stats, None, []
         return stats
-
-    def _named(self) -> dict[str, Tensor]:
-        shapes = self._names.values()
-        flats = _joined(self._buckets).split([shape.numel() for shape in shapes])
-        return {n: f.view(s) for n, s, f in zip(self._names, shapes, flats, strict=True)}
 
     def _average(self, tensors: Mapping[str, Tensor], *, round_index: int) -> RoundStats:
         """Aggregate ``tensors`` across islands in place; collective over the peer group.
@@ -354,8 +345,22 @@ class SwarmAggregator:
                 rnd.contributions[i] = DecodedContribution(coded, c)
             block_numel = coded.block_numel(rnd.terms.chunk_bytes)
         self._judge(rnd, failure, block_numel)
-        if rnd.report.outcome == "applied":
-            self._aggregate(rnd, own, block_numel)
+        if rnd.report.outcome != "applied":
+            return
+        error: Exception | None = None  # step 4: the rule over this island's part
+        try:
+            if rnd.parts[me].layout.specs:  # an empty part has nothing to aggregate
+                with record_function(labels.AGGREGATE):
+                    rnd.terms.rule.aggregate(
+                        own, rnd.contributions, rnd.report.accepted, rnd.parts[me].layout,
+                        block_numel, rnd.terms.work,
+                    )  # fmt: skip
+        except Exception as err:
+            error = err
+            log.exception(
+                "swarm round %d: aggregating this island's part failed", rnd.report.round_index
+            )
+        self._settle(rnd, error)
 
     def _scatter(self, rnd: _Round, round_id: int) -> SpoolError | None:
         """Send part j of this island's payload to island j, and every peer's contribution
@@ -427,24 +432,6 @@ class SwarmAggregator:
             mismatched=rnd.terms.mismatched, where=where if rnd.owner is not None else {},
             island_group=self.island_group,
         )  # fmt: skip
-
-    def _aggregate(self, rnd: _Round, own: list[Tensor], block_numel: int) -> None:
-        """Step 4: the rule over this island's part."""
-        error: Exception | None = None
-        mine = rnd.parts[self.island_index]
-        try:
-            if mine.layout.specs:  # an empty part has nothing to aggregate
-                with record_function(labels.AGGREGATE):
-                    rnd.terms.rule.aggregate(
-                        own, rnd.contributions, rnd.report.accepted, mine.layout, block_numel,
-                        rnd.terms.work,
-                    )  # fmt: skip
-        except Exception as err:
-            error = err
-            log.exception(
-                "swarm round %d: aggregating this island's part failed", rnd.report.round_index
-            )
-        self._settle(rnd, error)
 
     def _settle(self, rnd: _Round, error: BaseException | None, *flags: bool) -> list[bool]:
         """Every rank learns whether every owner's step succeeded (the one that failed
