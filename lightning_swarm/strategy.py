@@ -42,10 +42,8 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
-from lightning_swarm.resume.checkpointer import save_failure
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
-from lightning_swarm.transport.agree import agree, objects_over
 
 
 def _config_from(config: SwarmConfig | None, kwargs: dict[str, Any]) -> SwarmConfig:
@@ -322,23 +320,14 @@ class SwarmStrategy(IslandDDPStrategy):
             filepath = self.broadcast(filepath)
         assert self._loop is not None
         with self._loop.saving():  # a budget's clock stops during the save
-            save_id = self.checkpointer.save(self._training_view(), checkpoint, filepath)
-            error: Exception | None = None
-            try:
-                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            except Exception as err:  # raised below, on every rank, once the others know
-                where = "" if self.world_size == 1 else f"global rank {self.global_rank}: "
-                error = save_failure(err, filepath, where)
-                if self.is_global_zero:
-                    # The new swarm files are named by no Lightning file: remove them (before
-                    # the other ranks hear of it and fail: a launcher may then end this rank at
-                    # once). The previous checkpoint was never touched.
-                    self.checkpointer.discard(filepath, save_id)
-            # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns it.
-            agree(gather=objects_over(), error=error)
-            if self.is_global_zero:
-                # Only now does the Lightning file name the new save; older ones can go.
-                self.checkpointer.prune(filepath, keep=save_id)
+            self.checkpointer.save(
+                self._training_view(),
+                checkpoint,
+                filepath,
+                lambda: super(SwarmStrategy, self).save_checkpoint(
+                    checkpoint, filepath, storage_options=storage_options
+                ),
+            )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
