@@ -203,11 +203,6 @@ class BudgetFit(pl.Callback):
         self._due: list[ModelCheckpoint] = []
         self._last = 0  # the swarm's step count at the last round
 
-    @property
-    def checkpoints(self) -> list[ModelCheckpoint]:
-        """The checkpoint callbacks whose saves move to rounds."""
-        return list(self._checkpoints)
-
     def install(self) -> None:
         """Lift Lightning's per-process step limit and the checkpoints' step trigger; join
         ``trainer.callbacks`` right before the first checkpoint (so this runs just before it)."""

@@ -389,7 +389,7 @@ def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iter
             raise
         raise CollectiveTimeoutError(
             f"rank {rank}: a collective waited timeout_s={timeout_s:g} s for another rank and "
-            f"gave up ({first_line(err)}). A rank stopped, hung or died; every waiting rank stops here "
-            "instead of blocking. Look for the rank whose log ends earliest; if a step or a "
-            "checkpoint legitimately takes longer, raise timeout_s."
+            f"gave up ({first_line(err)}). A rank stopped, hung or died; every waiting rank "
+            "stops here instead of blocking. Look for the rank whose log ends earliest; if a "
+            "step or a checkpoint legitimately takes longer, raise timeout_s."
         ) from err

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -127,6 +126,8 @@ class SwarmStrategy(IslandDDPStrategy):
         self._sigterm: IslandSigterm | None = None
         self._budget: BudgetFit | None = None
         self.totals = SwarmTotals()
+        # Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths).
+        self.checkpointer = SwarmCheckpointer()
         # Rounds on a time budget: each island keeps its own global_step and data position,
         # which checkpoints record per island.
         self._own_pace = config.sync_every_s is not None
@@ -253,11 +254,6 @@ class SwarmStrategy(IslandDDPStrategy):
             model_shards=None if mesh is None else ModelShards(mesh=mesh, global_shapes=shapes),
             loops_per_island=self._own_pace,
         )
-
-    @functools.cached_property
-    def checkpointer(self) -> SwarmCheckpointer:
-        """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
-        return SwarmCheckpointer()
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
