@@ -166,13 +166,9 @@ class SwarmCheckpointer:
         except Exception as err:  # raised below, on every rank, once the others know
             where = "" if topology.world_size == 1 else f"global rank {comm.rank}: "
             error = _save_failure(err, filepath, where)
-            if comm.rank == 0:
-                # The new swarm files are named by no Lightning file: remove them (before the
-                # other ranks hear of it and fail: a launcher may then end this rank at once).
-                # The previous checkpoint was never touched.
-                discard_save(root, save_id)
-        # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns it.
-        agree(gather=comm.all_gather_object, error=error)
+        # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns it. A
+        # failed one names no new swarm file: they go, the previous checkpoint untouched.
+        agree(gather=comm.all_gather_object, error=error, before_raise=remove_this_save)
         if comm.rank == 0:
             # Only now does the Lightning file name the new save; older ones can go.
             prune_saves(root, keep=save_id)
