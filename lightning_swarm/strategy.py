@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -41,6 +42,7 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.build import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
+from lightning_swarm.resume.files import require_local_path, swarm_root
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
 
@@ -328,8 +330,8 @@ class SwarmStrategy(IslandDDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            self.checkpointer.remove(filepath)
+        if self.is_global_zero:  # and its swarm directory
+            shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
     # -- training -------------------------------------------------------------------------
     @override

@@ -4,7 +4,6 @@ A capture lives until the restore that consumes it; mapped tensors are held by `
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -172,11 +171,6 @@ class SwarmCheckpointer:
         if comm.rank == 0:
             # Only now does the Lightning file name the new save; older ones can go.
             prune_saves(root, keep=save_id)
-
-    @staticmethod
-    def remove(filepath: Any) -> None:
-        """Delete a removed checkpoint's swarm directory (global rank 0)."""
-        shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
 
 def _record(
