@@ -251,7 +251,7 @@ class SwarmStrategy(IslandDDPStrategy):
             totals=self.totals,
             options=options_of(self.config, self.outer_syncs),
             anchors=self.config.anchors,
-            collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+            collectives=Collectives(self.global_rank, self.broadcast, self.barrier),
             # Each rank holds only its shards: the island mesh and the global shapes.
             model_shards=None if mesh is None else ModelShards(mesh=mesh, global_shapes=shapes),
             loops_per_island=self._own_pace,
