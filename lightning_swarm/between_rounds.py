@@ -100,19 +100,16 @@ class IslandSigterm:
         self._pending.append((work, flag))
 
     def _agreed_to_stop(self) -> bool:
-        stop = False
-        for work, flag in self._pending:
-            work.wait()
-            stop = stop or bool(flag.item())
-        self._pending.clear()
-        return stop
+        try:
+            for work, _ in self._pending:
+                work.wait()
+            return any(bool(flag.item()) for _, flag in self._pending)
+        finally:
+            self._pending.clear()
 
     def close(self) -> None:
         """Wait for an agreement still in flight (the fit ended right after its round)."""
-        try:
-            self._agreed_to_stop()
-        finally:
-            self._pending.clear()
+        self._agreed_to_stop()
 
 
 def warn_of_world_collectives(trainer: pl.Trainer) -> None:
@@ -202,11 +199,6 @@ class BudgetFit(pl.Callback):
         self._every = {id(c): c._every_n_train_steps for c in self._checkpoints}
         self._due: list[ModelCheckpoint] = []
         self._last = 0  # the swarm's step count at the last round
-
-    @property
-    def checkpoints(self) -> list[ModelCheckpoint]:
-        """The checkpoint callbacks whose saves move to rounds."""
-        return list(self._checkpoints)
 
     def install(self) -> None:
         """Lift Lightning's per-process step limit and the checkpoints' step trigger; join

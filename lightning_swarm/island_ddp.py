@@ -54,7 +54,7 @@ from lightning_swarm.transport.groups import (
     build_groups,
     build_island_mesh,
 )
-from lightning_swarm.transport.link import is_peer_loss, is_timeout, peer_lost_message
+from lightning_swarm.transport.link import first_line, is_peer_loss, is_timeout, peer_lost_message
 
 
 class IslandDDPStrategy(DDPStrategy):
@@ -387,10 +387,9 @@ def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iter
             raise PeerLostError(peer_lost_message(f"rank {rank}", gone, err)) from err
         if not is_timeout(err):
             raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CollectiveTimeoutError(
             f"rank {rank}: a collective waited timeout_s={timeout_s:g} s for another rank and "
-            f"gave up ({first}). A rank stopped, hung or died; every waiting rank stops here "
-            "instead of blocking. Look for the rank whose log ends earliest; if a step or a "
-            "checkpoint legitimately takes longer, raise timeout_s."
+            f"gave up ({first_line(err)}). A rank stopped, hung or died; every waiting rank "
+            "stops here instead of blocking. Look for the rank whose log ends earliest; if a "
+            "step or a checkpoint legitimately takes longer, raise timeout_s."
         ) from err

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
+import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -42,10 +42,9 @@ from lightning_swarm.outer import (
 )
 from lightning_swarm.outer.loop import staging_device, transport_for
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
-from lightning_swarm.resume.checkpointer import save_failure
+from lightning_swarm.resume.files import require_local_path, swarm_root
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
-from lightning_swarm.transport.agree import agree, objects_over
 
 
 def _config_from(config: SwarmConfig | None, kwargs: dict[str, Any]) -> SwarmConfig:
@@ -129,6 +128,8 @@ class SwarmStrategy(IslandDDPStrategy):
         self._sigterm: IslandSigterm | None = None
         self._budget: BudgetFit | None = None
         self.totals = SwarmTotals()
+        # Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths).
+        self.checkpointer = SwarmCheckpointer()
         # Rounds on a time budget: each island keeps its own global_step and data position,
         # which checkpoints record per island.
         self._own_pace = config.sync_every_s is not None
@@ -250,16 +251,11 @@ class SwarmStrategy(IslandDDPStrategy):
             totals=self.totals,
             options=options_of(self.config, self.outer_syncs),
             anchors=self.config.anchors,
-            collectives=Collectives.of_world(self.global_rank, self.broadcast, self.barrier),
+            collectives=Collectives(self.global_rank, self.broadcast, self.barrier),
             # Each rank holds only its shards: the island mesh and the global shapes.
             model_shards=None if mesh is None else ModelShards(mesh=mesh, global_shapes=shapes),
             loops_per_island=self._own_pace,
         )
-
-    @functools.cached_property
-    def checkpointer(self) -> SwarmCheckpointer:
-        """Saves and restores the swarm state (``SwarmResume`` sets its island_ckpt_paths)."""
-        return SwarmCheckpointer()
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -322,29 +318,20 @@ class SwarmStrategy(IslandDDPStrategy):
             filepath = self.broadcast(filepath)
         assert self._loop is not None
         with self._loop.saving():  # a budget's clock stops during the save
-            save_id = self.checkpointer.save(self._training_view(), checkpoint, filepath)
-            error: Exception | None = None
-            try:
-                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            except Exception as err:  # raised below, on every rank, once the others know
-                where = "" if self.world_size == 1 else f"global rank {self.global_rank}: "
-                error = save_failure(err, filepath, where)
-                if self.is_global_zero:
-                    # The new swarm files are named by no Lightning file: remove them (before
-                    # the other ranks hear of it and fail: a launcher may then end this rank at
-                    # once). The previous checkpoint was never touched.
-                    self.checkpointer.discard(filepath, save_id)
-            # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns it.
-            agree(gather=objects_over(), error=error)
-            if self.is_global_zero:
-                # Only now does the Lightning file name the new save; older ones can go.
-                self.checkpointer.prune(filepath, keep=save_id)
+            self.checkpointer.save(
+                self._training_view(),
+                checkpoint,
+                filepath,
+                lambda: super(SwarmStrategy, self).save_checkpoint(
+                    checkpoint, filepath, storage_options=storage_options
+                ),
+            )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            self.checkpointer.remove(filepath)
+        if self.is_global_zero:  # and its swarm directory
+            shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
 
     # -- training -------------------------------------------------------------------------
     @override

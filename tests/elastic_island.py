@@ -122,7 +122,7 @@ def main() -> None:
                 "residuals": digest(outer.residuals),
                 "bytes_sent": report.bytes_sent,  # type: ignore[attr-defined]
                 "round_timeout_s": membership.round_timeout_s,  # type: ignore[union-attr]
-                "rate_bps": membership.link_rate_bps,  # type: ignore[union-attr]
+                "rate_bps": membership._link.rate_bps,  # type: ignore[union-attr]
                 "params": digest({k: v.detach() for k, v in params.items()}),
             }
             log.write(json.dumps(line) + "\n")

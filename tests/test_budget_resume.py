@@ -147,7 +147,7 @@ def test_round_saves_take_over_the_step_trigger_and_give_it_back() -> None:
     last_only = ModelCheckpoint(every_n_train_steps=0, every_n_epochs=0, save_last=True)
     trainer = _trainer(every5, every3, last_only)
     saves = BudgetFit(trainer, 2.0)
-    assert saves.checkpoints == [every5, every3]
+    assert saves._checkpoints == [every5, every3]
     saves.install()
     assert every5._every_n_train_steps == 0 and every3._every_n_train_steps == 0
     callbacks = trainer.callbacks  # type: ignore[attr-defined]

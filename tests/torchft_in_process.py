@@ -157,7 +157,7 @@ def _bounded_round(explicit: float | None, *, expected: float, heal_s: float) ->
             assert membership.agree() is not None
             assert votes == [datetime.timedelta(seconds=expected)], votes
             assert membership.round_timeout_s == expected
-            assert membership.link_rate_bps is None  # its bytes crossed no link
+            assert membership._link.rate_bps is None  # its bytes crossed no link
             heal = membership.heal_transport.timeout_for
             assert heal is not None
             assert heal(400_000_000) == datetime.timedelta(seconds=heal_s)

@@ -110,8 +110,8 @@ class Run:
     trainer: pl.Trainer
     model: pl.LightningModule
     datamodule: pl.LightningDataModule
+    loss_history: LossHistory
     ckpt_path: str | None = None
-    loss_history: LossHistory | None = None
 
 
 def build(cfg: DictConfig) -> Run:
@@ -168,7 +168,7 @@ def build(cfg: DictConfig) -> Run:
     datamodule = instantiate(cfg.data, _convert_="all")
     for part in (model, datamodule):
         part.hparams.update({key: plain(value) for key, value in part.hparams.items()})
-    return Run(trainer, model, datamodule, ckpt_path=ckpt_path, loss_history=loss_history)
+    return Run(trainer, model, datamodule, loss_history, ckpt_path=ckpt_path)
 
 
 def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
@@ -184,8 +184,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
         print(format_summary(summary), flush=True)
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            if job.loss_history is not None:
-                print(write_loss_png(job.loss_history.curves, run_dir / "loss.png"), flush=True)
+            print(write_loss_png(job.loss_history.curves, run_dir / "loss.png"), flush=True)
     return summary
 
 

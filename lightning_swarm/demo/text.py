@@ -50,7 +50,7 @@ def read_corpus(root: Path, max_bytes: int, val_every: int) -> tuple[bytes, byte
             f"corpus under {root} gave {len(train)} training and {len(val)} validation bytes; "
             "raise data.max_bytes or point data.corpus_dir at a larger folder of .py files."
         )
-    return bytes(train), bytes(val)
+    return train, val
 
 
 class ByteBlocks(Dataset[tuple[Tensor, Tensor]]):

@@ -124,18 +124,17 @@ def record_group_args(
     """Record ``configure``'s arguments on ``pg`` in its private fields, as torchft's
     ``configure`` (which ``QuorumGroup`` replaces) does: ``_create_pg`` and ``abort`` read them.
     If they change, groups get torchft's defaults and errors are logged without ids."""
-    names = [
-        "_replica_id",
-        "_rank",
-        "_quorum_id",
-        "_group_rank",
-        "_group_world_size",
-        "_global_ranks",
-    ]
-    for name in names:
+    values = {
+        "_replica_id": replica_id,
+        "_rank": rank,
+        "_quorum_id": quorum_id,
+        "_group_rank": group_rank,
+        "_group_world_size": group_world_size,
+        "_global_ranks": global_ranks,
+    }
+    for name in values:
         _require(pg, GROUP, name)
-    values = (replica_id, rank, quorum_id, group_rank, group_world_size, global_ranks)
-    for name, value in zip(names, values, strict=True):
+    for name, value in values.items():
         setattr(pg, name, value)
 
 

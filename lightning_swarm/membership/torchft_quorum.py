@@ -402,11 +402,6 @@ class TorchftMembership:
             nbytes = flat.numel() * flat.element_size()
             self.last_round_bytes += ring_allreduce_bytes(nbytes, self._pg.size())
 
-    @property
-    def link_rate_bps(self) -> float | None:
-        """Bytes per second of this rank's last measured round; ``None`` before any."""
-        return self._link.rate_bps
-
     def _heal_timeout(self, nbytes: int) -> datetime.timedelta:
         return seconds(self.config.timeouts.for_round(nbytes, self._link.rate_bps))
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import bisect
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,7 +19,7 @@ SMAPS_ROLLUP_FIELDS = ("Anonymous", "Private_Dirty")
 
 # "Name:   123 kB" lines; compiled once because this runs on the per-step path.
 _KB_LINE = re.compile(r"^([A-Za-z_()]+):\s+(\d+) kB$", re.MULTILINE)
-# "start-end perms offset dev inode [pathname]" -- the header line of maps and smaps.
+# "start-end perms offset dev inode [pathname]" -- a line of maps.
 _MAP_LINE = re.compile(
     r"^([0-9a-f]+)-([0-9a-f]+)\s+(\S{4})\s+([0-9a-f]+)\s+(\S+)\s+(\d+)[ \t]*(.*)$"
 )
@@ -48,7 +48,7 @@ def parse_smaps_rollup(text: str) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class MapRegion:
-    """One mapping, from a maps or smaps header line; ``fields``: its smaps ``kB`` lines (bytes)."""
+    """One mapping, from a maps header line."""
 
     start: int
     end: int
@@ -56,7 +56,6 @@ class MapRegion:
     offset: int
     inode: int
     pathname: str
-    fields: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -68,11 +67,6 @@ class MapRegion:
         (``/dev/zero (deleted)``, ``/memfd:``, ``/dev/shm/``, ``/SYSV``) and device mappings
         under ``/dev/`` have an inode but are not files."""
         return self.inode != 0 and not self.pathname.startswith(_NOT_FILES)
-
-    @property
-    def anonymous_bytes(self) -> int:
-        """Anonymous bytes the kernel counted in this region (0 when unknown)."""
-        return self.fields.get("Anonymous", 0)
 
 
 def _parse_header(line: str) -> MapRegion | None:
@@ -86,22 +80,6 @@ def _parse_header(line: str) -> MapRegion | None:
 def parse_maps(text: str) -> list[MapRegion]:
     """The regions of ``/proc/<pid>/maps``, in address order."""
     return [r for r in map(_parse_header, text.splitlines()) if r is not None]
-
-
-def parse_smaps(text: str) -> list[MapRegion]:
-    """The regions of ``/proc/<pid>/smaps``, each with its ``kB`` fields in bytes."""
-    regions: list[MapRegion] = []
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        header = _parse_header(line)
-        if header is not None:
-            fields = {}  # filled by the lines that follow the header
-            regions.append(replace(header, fields=fields))
-            continue
-        parts = line.split()
-        if regions and len(parts) == 3 and parts[2] == "kB":
-            fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return regions
 
 
 def file_backed_overlap(spans: Iterable[tuple[int, int]], regions: Sequence[MapRegion]) -> int:

@@ -129,7 +129,7 @@ class RunSummary:
         return {f"summary/{k}": float(v) for k, v in values.items() if v is not None}
 
 
-_PARTS = ("current", "freed", "peak", "allocated")
+_PARTS = ("current", "freed", "peak")
 _SPLIT_POOLS = (".small_pool", ".large_pool")
 
 
@@ -146,7 +146,6 @@ class Counter:
     current: int
     freed: int
     peak: int
-    allocated: int | None = None
 
 
 def byte_counters(snapshot: Mapping[str, Any]) -> dict[str, Counter]:
@@ -159,9 +158,7 @@ def byte_counters(snapshot: Mapping[str, Any]) -> dict[str, Counter]:
         if wanted and isinstance(value, int | float):
             stems.setdefault(stem.removesuffix(".all"), {})[part] = int(value)
     return {
-        stem: Counter(parts["current"], parts["freed"], parts["peak"], parts.get("allocated"))
-        for stem, parts in sorted(stems.items())
-        if {"current", "freed", "peak"} <= parts.keys()
+        stem: Counter(**parts) for stem, parts in sorted(stems.items()) if len(parts) == len(_PARTS)
     }
 
 

@@ -4,9 +4,8 @@ A capture lives until the restore that consumes it; mapped tensors are held by `
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,10 +110,17 @@ class SwarmCheckpointer:
         self.summary = summary
         log.info("swarm resume: %s", self.summary)
 
-    def save(self, host: TrainingView, checkpoint: dict[str, Any], filepath: Any) -> str:
-        """Write this rank's swarm files and put the record in ``checkpoint["swarm"]``; every
-        rank holds the same record or raises the same error, a failed save's files removed.
-        Returns the save id; the caller writes the Lightning file, last."""
+    def save(
+        self,
+        host: TrainingView,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        write_lightning: Callable[[], None],
+    ) -> None:
+        """Write this rank's swarm files, put the record in ``checkpoint["swarm"]``, then call
+        ``write_lightning`` (global rank 0 writes the Lightning file, last). Every rank holds the
+        same record or raises the same error, a failed save's files removed; once the Lightning
+        file names the new save, older saves are removed."""
         comm = host.collectives
         root = swarm_root(require_local_path(filepath, what="checkpoint path"))
         save_id = str(comm.broadcast(begin_save(root) if comm.rank == 0 else ""))
@@ -127,7 +133,7 @@ class SwarmCheckpointer:
             _write_own_files(host, directory, save_id, written)
         except Exception as err:
             where = "" if host.topology.world_size == 1 else f"rank {comm.rank}: "
-            error = save_failure(err, filepath, where)
+            error = _save_failure(err, filepath, where)
 
         def remove_this_save() -> None:
             # Every writer is done (the gather waited for all): nothing of this save is kept, and
@@ -153,22 +159,18 @@ class SwarmCheckpointer:
         record = _record(host, checkpoint, save_id, agreed.shares)
         comm.barrier("swarm_save")
         checkpoint["swarm"] = record.to_dict()
-        return save_id
-
-    @staticmethod
-    def prune(filepath: Any, keep: str) -> None:
-        """After the Lightning file names ``keep``: remove older saves (global rank 0)."""
-        prune_saves(swarm_root(filepath), keep=keep)
-
-    @staticmethod
-    def discard(filepath: Any, save_id: str) -> None:
-        """Remove save ``save_id``, whose Lightning file could not be written (rank 0)."""
-        discard_save(swarm_root(filepath), save_id)
-
-    @staticmethod
-    def remove(filepath: Any) -> None:
-        """Delete a removed checkpoint's swarm directory (global rank 0)."""
-        shutil.rmtree(swarm_root(require_local_path(filepath, what="checkpoint path")), True)
+        error = None
+        try:
+            write_lightning()
+        except Exception as err:  # raised below, on every rank, once the others know
+            where = "" if topology.world_size == 1 else f"global rank {comm.rank}: "
+            error = _save_failure(err, filepath, where)
+        # Global rank 0 wrote (or failed to write) the Lightning file; every rank learns it. A
+        # failed one names no new swarm file: they go, the previous checkpoint untouched.
+        agree(gather=comm.all_gather_object, error=error, before_raise=remove_this_save)
+        if comm.rank == 0:
+            # Only now does the Lightning file name the new save; older ones can go.
+            prune_saves(root, keep=save_id)
 
 
 def _record(
@@ -258,7 +260,7 @@ def _write_own_files(
         write_file(directory, name, anchors.to_dict(), written)
 
 
-def save_failure(
+def _save_failure(
     error: Exception, filepath: Any, where: str
 ) -> SwarmCheckpointError | DiskFullError:
     """The error every rank raises when ``where`` (``"rank 3: "`` or ``""``) could not write its

@@ -72,9 +72,9 @@ def restore_swarm_state(host: TrainingView, main: Source, island_paths: Mapping[
     When any rank cannot, ``SwarmCheckpointError`` on every rank, nothing installed."""
     comm = host.collectives
     use_mmap, how = resolve_mmap(host.anchors.mmap)
-    own = attempt(comm, lambda: choose_source(host, main, island_paths))
+    own = attempt(host, lambda: choose_source(host, main, island_paths))
     newest = newest_source(comm, own, main)
-    loaded = attempt(comm, lambda: load_sources(host, main, own, newest, use_mmap))
+    loaded = attempt(host, lambda: load_sources(host, main, own, newest, use_mmap))
     warn_legacy(loaded.legacy)
     stale = install(host, loaded)
     summary = _summary(host, main, own, loaded, how, stale)
@@ -328,7 +328,7 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     )
 
 
-def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
+def attempt(host: TrainingView, step: Callable[[], _T]) -> _T:
     """Run ``step`` on every rank; if it failed on any rank, raise ``SwarmCheckpointError`` on
     all of them, naming the lowest failing rank and why."""
     result: _T | None = None
@@ -337,10 +337,10 @@ def attempt(comm: Collectives, step: Callable[[], _T]) -> _T:
         result = step()
     except Exception as err:  # any failure must reach the other ranks, or they would hang
         why = str(err) if isinstance(err, SwarmCheckpointError) else f"{type(err).__name__}: {err}"
-        where = "" if comm.size == 1 else f"rank {comm.rank}: "
+        where = "" if host.topology.world_size == 1 else f"rank {host.collectives.rank}: "
         error = SwarmCheckpointError(f"cannot resume the swarm state: {where}{why}")
         error.__cause__ = err
-    agree(gather=comm.all_gather_object, error=error)
+    agree(gather=host.collectives.all_gather_object, error=error)
     assert result is not None
     return result
 

@@ -4,11 +4,10 @@ collective must be called on every rank in the same order."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -51,17 +50,10 @@ class Collectives:
     """This rank's view of the world: its rank and the collectives a checkpoint uses."""
 
     rank: int
-    size: int  # ranks in the world
     broadcast: Callable[[Any], Any]  # rank 0's object, on every rank
     barrier: Callable[[str], None]
-    all_gather_object: Callable[[Any], Sequence[Any]]  # every rank's object, in rank order
-
-    @classmethod
-    def of_world(
-        cls, rank: int, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]
-    ) -> Collectives:
-        size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return cls(rank, size, broadcast, barrier, objects_over())
+    # Every rank's object, in rank order; by default over the world.
+    all_gather_object: Callable[[Any], Sequence[Any]] = field(default_factory=objects_over)
 
 
 @dataclass(frozen=True)
