@@ -2,7 +2,7 @@
 
 ``tests/data/proc_recorded`` holds /proc files recorded on Linux from a small Python process that
 had made 20,000 small allocations (served by brk: the ``[heap]`` region), a shared anonymous
-8 MiB map (``/dev/zero (deleted)``) and a read-only map of a 4 MiB temporary file. smaps/maps are
+8 MiB map (``/dev/zero (deleted)``) and a read-only map of a 4 MiB temporary file. maps is
 trimmed to 22 of the 112 regions; status, meminfo and smaps_rollup are whole.
 """
 
