@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_swarm.config import SwarmConfig
 from lightning_swarm.outer import OuterLoop
-from lightning_swarm.outer.build import transport_for
+from lightning_swarm.outer.loop import transport_for
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport.groups import build_groups, build_island_mesh
 
