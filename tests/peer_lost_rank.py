@@ -1,10 +1,11 @@
 """One rank of a static run of two islands of one rank each; rank 1 SIGKILLs itself.
 
 Run by ``tests/test_peer_lost.py`` once per rank, with the rank in the environment:
-``python -m tests.peer_lost_rank <out_dir> <when>``. ``when`` is ``between`` (rank 1 dies
-before an inner step between rounds) or ``mid`` (rank 1 dies inside a round, after its opening
-agreement, before its bucket starts). The survivor writes the class and message of the error
-its fit ended with to ``<out_dir>/rank0.pt``.
+``python -m tests.peer_lost_rank <out_dir> <when> [<transport>]``. ``when`` is ``between``
+(rank 1 dies before an inner step between rounds) or ``mid`` (rank 1 dies inside a round, after
+its opening agreement, before its bucket starts); ``transport`` is the strategy's (default
+``allreduce``). The survivor writes the class and message of the error its fit ended with to
+``<out_dir>/rank0.pt``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_swarm import SwarmStrategy
+from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from lightning_swarm.transport.allreduce import AllReduceTransport
 from tests.helpers import QUIET, TinyRegressor, regression_data
 
@@ -42,16 +44,11 @@ class KillOnce(pl.Callback):
         if self.when == "between" and trainer.global_step == KILL_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.when == "mid" and trainer.global_step == KILL_STEP:
-            start = AllReduceTransport.start
-
-            def die_at_start(transport: AllReduceTransport, bucket: Any) -> Any:
+            for cls in (AllReduceTransport, SwarmAggregator):
                 # After the round's opening agreement, before its bucket moves: the survivor's
                 # bucket cannot complete (had rank 1 sent it first, the survivor's mean could
                 # complete and the death show only at the next cross-island message).
-                os.kill(os.getpid(), signal.SIGKILL)
-                return start(transport, bucket)
-
-            AllReduceTransport.start = die_at_start  # type: ignore[method-assign]
+                cls.start = die_at_start  # type: ignore[method-assign, assignment]
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -60,12 +57,16 @@ class KillOnce(pl.Callback):
         torch.save(result, self.out_dir / f"rank{trainer.global_rank}.pt")
 
 
-def main(out_dir: Path, when: str) -> None:
+def die_at_start(transport: Any, bucket: Any) -> Any:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(out_dir: Path, when: str, transport: str = "allreduce") -> None:
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=SwarmStrategy(sync_every=SYNC_EVERY),
+        strategy=SwarmStrategy(sync_every=SYNC_EVERY, transport=transport),
         max_steps=40,
         callbacks=[KillOnce(out_dir, when)],
         **QUIET,
@@ -74,4 +75,4 @@ def main(out_dir: Path, when: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), *sys.argv[2:])

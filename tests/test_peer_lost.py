@@ -1,5 +1,6 @@
 """A peer that goes away says so (issue 27, item 5): a static rank whose peer island was killed
-stops with ``PeerLostError`` naming the island, its rank and the round, and what to do.
+stops with ``PeerLostError`` naming the island, its rank and the round, and what to do; under
+``transport="swarm"`` too (issue 39, item 4).
 
 Each rank is its own process (``tests/peer_lost_rank.py``), so the killed one dies alone and the
 survivor's error is its own.
@@ -18,13 +19,16 @@ from tests.cli_utils import run_rank_processes
 from tests.peer_lost_rank import WORLD
 
 
-@pytest.mark.parametrize("when", ["between", "mid"])
+@pytest.mark.parametrize(
+    ("when", "transport"),
+    [("between", "allreduce"), ("mid", "allreduce"), ("mid", "swarm")],
+)
 def test_a_killed_peer_island_is_named_with_the_round_and_what_to_do(
-    tmp_path: Path, when: str
+    tmp_path: Path, when: str, transport: str
 ) -> None:
     # The bound is the test's own, far above the 2-3 s the survivor takes (not a timing test).
     procs, outputs = run_rank_processes(
-        "tests.peer_lost_rank", [str(tmp_path), when], WORLD, 90, wait_for=1
+        "tests.peer_lost_rank", [str(tmp_path), when, transport], WORLD, 90, wait_for=1
     )
     survivor, err = procs[0], outputs[0][1]
     assert survivor.returncode != 0, err[-3000:]

@@ -51,6 +51,7 @@ from lightning_swarm.transport.aggregator.verdicts import (
 from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundRequest, RoundStats, Work
 from lightning_swarm.transport.config import check_aggregator
 from lightning_swarm.transport.errors import SpoolError
+from lightning_swarm.transport.link import LinkWatch
 from lightning_swarm.transport.payload import PayloadLayout, byte_view
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ class SwarmAggregator:
     every island's verdicts are read (a round that raises may leave them partly written: the
     caller keeps its anchors). Payloads and messages live on the CPU: under NCCL, pass gloo
     groups (``group``: the peers, ordered by island; ``island_group``: a model-sharded
-    island's ranks, which agree on every verdict).
+    island's ranks, which agree on every verdict). A collective that times out or loses its
+    peer raises ``RoundTimeoutError`` or ``PeerLostError``, as the all-reduce does; the
+    group keeps its own timeout.
 
     Raises:
         ValueError: an option is out of range for this topology.
@@ -158,6 +161,7 @@ class SwarmAggregator:
         self._work: Work | None = None
         self._buckets: list[Tensor] = []
         self._stats: RoundStats | None = None
+        self.link = LinkWatch(group, num_islands=num_islands)  # explains, sets no timeout
 
     def spool_bytes(self) -> int:
         return self.spool.disk_bytes if self.spool is not None else 0
@@ -176,6 +180,7 @@ class SwarmAggregator:
         the round's terms and the owners weigh the mean by it: the ``Opening`` asks for no
         scale, and the swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
         self._round_index, self._names = request.round_index, dict(request.names)
+        self.link.begin(request.round_index, self._names)
         self._work = request.work
         self._buckets, self._stats = [], None
         return Opening()
@@ -190,12 +195,20 @@ class SwarmAggregator:
             shapes = self._names.values()
             flats = _joined(self._buckets).split([shape.numel() for shape in shapes])
             named = {n: f.view(s) for n, s, f in zip(self._names, shapes, flats, strict=True)}
-            self._stats = self._average(named, round_index=self._round_index)
+            self.link.started()
+            try:
+                with self.link.explained():
+                    self._stats = self._average(named, round_index=self._round_index)
+            except BaseException:
+                self.link.discard()
+                raise
+            self.link.arrived()
         return 0
 
     def agree(self) -> RoundStats:
         self.wait()
         assert self._stats is not None
+        self.link.finished()
         stats, self._stats, self._buckets = self._stats, None, []
         return stats
 
