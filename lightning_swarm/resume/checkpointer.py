@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
     begin_save,
+    check_writable,
     discard_save,
     island_file_name,
     island_rank_file_name,
@@ -39,7 +40,7 @@ from lightning_swarm.resume.records import (
     use_island_loops,
 )
 from lightning_swarm.resume.restore import Source, restore_swarm_state
-from lightning_swarm.resume.training_view import TrainingView, local_tensors
+from lightning_swarm.resume.training_view import Collectives, TrainingView, local_tensors
 from lightning_swarm.transport.agree import agree
 
 log = logging.getLogger("lightning_swarm")
@@ -109,6 +110,21 @@ class SwarmCheckpointer:
             self._pending = None
         self.summary = summary
         log.info("swarm resume: %s", self.summary)
+
+    def check_dirs(self, dirpaths: Iterable[Any], comm: Collectives) -> None:
+        """Before training: check that every checkpoint directory in ``dirpaths`` (``None``
+        entries, not resolved yet, are skipped) can be created and written on this rank
+        (``check_writable``), and agree on it across ranks (collective; call it on every rank
+        with the same directories): where any rank cannot, every rank raises the same
+        ``SwarmCheckpointError``, naming the directory and the rank."""
+        error: SwarmCheckpointError | None = None
+        try:
+            for dirpath in dirpaths:
+                if dirpath is not None:
+                    check_writable(dirpath, where=f"rank {comm.rank}: ")
+        except SwarmCheckpointError as err:  # raised below, on every rank, once all checked
+            error = err
+        agree(gather=comm.all_gather_object, error=error)
 
     def save(
         self,

@@ -70,6 +70,35 @@ def require_local_path(path: str | os.PathLike[str], *, what: str) -> Path:
     return Path(text.removeprefix("file://"))
 
 
+def check_writable(dirpath: str | os.PathLike[str], *, where: str = "") -> None:
+    """Create checkpoint directory ``dirpath`` if missing (as Lightning does at its first save)
+    and create and remove an empty file in it, so that a directory no save could write is
+    found before training. An fsspec URL is not checked (Lightning writes it through fsspec;
+    the first swarm save refuses it).
+    ``where`` (``"rank 3: "`` or ``""``) opens the message.
+
+    Raises:
+        SwarmCheckpointError: the directory cannot be created or written (a read-only
+            filesystem, no permission, a file in its place); the message names it and the fix.
+    """
+    text = os.fspath(dirpath)
+    if "://" in text and not text.startswith("file://"):
+        return
+    path = Path(text.removeprefix("file://"))
+    probe = path / f".lightning_swarm-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        probe.unlink()
+    except OSError as err:
+        raise SwarmCheckpointError(
+            f"{where}checkpoint directory {path} cannot be written ({type(err).__name__}: "
+            f"{err}), so no checkpoint could be saved in it. Point ModelCheckpoint"
+            "(dirpath=...) (or Trainer(default_root_dir=...)) at a directory every saving rank "
+            "can write, or make this one writable (its permissions, or a read-write mount)."
+        ) from err
+
+
 def resolve_mmap(config_mmap: bool) -> tuple[bool, str]:
     """Whether to map anchors, and which switch decided it: the config (``anchors.mmap``) and
     ``LIGHTNING_SWARM_ANCHOR_MMAP=0`` can only turn mapping off, never silently."""
