@@ -99,8 +99,9 @@ class SwarmConfig:
     Attributes:
         sync_every: H, inner optimizer steps between outer syncs (per optimizer).
         sync_every_s: rounds on a time budget instead: each island trains this many seconds
-            between rounds, and the fit ends at the first round where some island reached
-            ``Trainer(max_steps)`` (docs/speeds.md). Needs one fragment and ``sync_delay=0``.
+            between rounds (or until it reaches ``Trainer(max_steps)``, never past it), and the
+            fit ends at the first round where some island reached ``max_steps``
+            (docs/speeds.md). Needs one fragment and ``sync_delay=0``.
         island_size: ranks per island; must divide the world size.
         transport: how pseudo-gradients are averaged across islands: ``"allreduce"`` over the
             peer group, or ``"swarm"`` (an aggregator that spools, validates and aggregates).

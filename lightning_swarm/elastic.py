@@ -102,7 +102,5 @@ class ElasticIsland:
             "swarm/heal_time_s": totals.heal_time_s,
         }
         if self._target_rounds is not None and rounds >= self._target_rounds:
-            trainer.should_stop = True
-            # The global model, not a merge_alpha mix of it with this island's own weights.
-            self._outer_sync.land_on_anchors()
+            trainer.should_stop = True  # the strategy's end-of-fit lands it on the anchors
         return out

@@ -133,8 +133,9 @@ class SwarmStrategy(IslandDDPStrategy):
         # Rounds on a time budget: each island keeps its own global_step and data position,
         # which checkpoints record per island.
         self._own_pace = config.sync_every_s is not None
-        # An elastic fit already ends on a committed round, the same one on every island.
-        self._sync_at_end = config.sync_at_end and self._elastic is None
+        # Every island ends on the global model: one more round where the static islands all
+        # reach the end at one step; elastic islands land on the anchors of their last round.
+        self._sync_at_end = config.sync_at_end
 
     @classmethod
     @override
@@ -186,6 +187,8 @@ class SwarmStrategy(IslandDDPStrategy):
         )
         if self._budget is not None:
             self._budget.install()
+            assert self._loop is not None
+            self._loop.cap_budgets(self._budget.max_steps)
         if self._elastic is None and self.topology.num_islands > 1:
             # Lightning's per-batch SIGTERM broadcast would cross islands at every step.
             self._sigterm = IslandSigterm(trainer, self.groups.between_rounds, self.root_device)
@@ -405,7 +408,7 @@ class SwarmStrategy(IslandDDPStrategy):
         if self._loop is None or module is None or module.automatic_optimization == manual:
             return
         if self._sync_at_end and _fit_ends_after_step(module.trainer, steps_pending=pending):
-            self._log_round(self._loop.finish(), steps_pending=pending)
+            self._log_round(self._finish(), steps_pending=pending)
 
     @override
     def on_train_end(self) -> None:
@@ -416,8 +419,15 @@ class SwarmStrategy(IslandDDPStrategy):
             self._budget.restore()
         # A fit that ended where _fit_ends_after_step could not foresee it (EarlyStopping,
         # max_time): the returned module holds the global model, that step's checkpoints not.
+        # After a foreseen end every island is on the anchors already, and this runs nothing.
         if self._loop is not None and self._sync_at_end:
-            self._log_round(self._loop.finish(), steps_pending=0)
+            self._log_round(self._finish(), steps_pending=0)
+
+    def _finish(self) -> dict[str, float] | None:
+        """The end-of-fit round (``OuterLoop.finish``): an exchange only between static
+        islands, which reach the end at the same step."""
+        assert self._loop is not None
+        return self._loop.finish(exchange=self._elastic is None)
 
     def _log_round(self, metrics: dict[str, float] | None, *, steps_pending: int) -> None:
         trainer = self._trainer

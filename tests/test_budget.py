@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,13 @@ def test_budget_is_spent_after_its_seconds_and_restarts_when_the_island_leaves_a
             budget.restart(step)
     assert verdicts == [False, False, False, False, True, False]
     assert budget.round_started_step == 5 and budget.elapsed_s() == 0.25
+
+
+def test_an_island_that_reaches_max_steps_joins_a_round_before_its_budget_is_spent() -> None:
+    clock = FakeClock()
+    budget = RoundBudget(100.0, clock=clock)
+    budget.max_inner_steps = 3
+    assert [budget.spent(step) for step in (1, 2, 3)] == [False, False, True]
 
 
 def test_budget_state_continues_from_the_moment_it_is_loaded() -> None:
@@ -360,3 +368,42 @@ def test_a_fit_on_a_budget_ends_on_every_island_at_one_round(
     last = ranks[0]["steps"][-1]  # the last round left the model on its anchors
     assert all(torch.equal(a, last["named_params"][n]) for n, a in last["named_anchors"].items())
     assert trainer.max_steps == 24  # Lightning's own limit is back after the fit
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"transport": "swarm"}, {"quantize": "int8", "error_feedback": True}],
+    ids=["allreduce", "swarm", "int8"],
+)
+def test_a_budget_with_merge_alpha_ends_with_every_island_on_the_global_model(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    """The fit's last round merges with alpha; the end of the fit lands every island on the
+    anchors with no second round (one with no step since would carry no weight), and no island
+    trains past max_steps."""
+    pl.seed_everything(7)
+    strategy = SwarmStrategy(
+        sync_every_s=0.1, merge_alpha=0.5, island_size=1, start_method="fork", **options
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=30,
+        callbacks=[Recorder(str(tmp_path))],
+        limit_val_batches=0,
+        **QUIET,
+    )
+    trainer.fit(SleepyRegressor((0.01, 0.03)), regression_data())
+    ranks = load_ranks(tmp_path, 2)
+    assert ranks[0]["inner_steps"] == [30] and ranks[1]["inner_steps"][0] < 30
+    assert ranks[0]["outer_steps"] == ranks[1]["outer_steps"]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+    anchors = ranks[0]["steps"][-1]["anchors"][0]
+    assert torch.equal(ranks[0]["final"], anchors)
+    # Every earlier round merged with alpha: right after it the locals were not the anchors.
+    steps = ranks[0]["steps"]
+    rounds = [
+        b for a, b in itertools.pairwise(steps) if not torch.equal(a["anchors"][0], b["anchors"][0])
+    ]
+    assert len(rounds) >= 2 and not torch.equal(rounds[-2]["params"], rounds[-2]["anchors"][0])

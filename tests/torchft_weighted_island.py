@@ -3,8 +3,8 @@ bucket contract, run as its own process by tests/test_budget_weights.py.
 
 ``--steps`` is its weight in the weighted round. Rounds: 0 the genesis quorum (never applied),
 1 with every island's own steps, 2 with equal steps, 3 without work, 4 with the weight of
-island ``b`` broken (0). Each round's mean, scale, swarm steps and outcome go to
-``<out>/<island>.pt``.
+island ``b`` broken (31 steps since the last round, of 30 in all). Each round's mean, scale,
+swarm steps and outcome go to ``<out>/<island>.pt``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
         round_timeout_s=10.0,
     )
     membership = TorchftMembership(config, layout=model_layout({"w": torch.zeros(37)}))
-    broken = 0 if args.island == "b" else 2
+    broken = 31 if args.island == "b" else 2  # more than its 30 inner steps
     works: list[Work | None] = [
         Work(1, 1),
         Work(args.steps, 10 + args.steps),

@@ -36,7 +36,8 @@ class RoundBudget:
     """One island's time budget between two rounds. ``island_decision`` is needed with several
     ranks per island (their clocks differ). Setup is never charged: a fresh budget starts at the
     first ``spent``, a loaded one at ``continue_now``; a save stops the clock (``pause`` ..
-    ``unpause``)."""
+    ``unpause``). ``max_inner_steps`` (the fit's ``max_steps``) cuts a budget short: an island
+    that reaches it joins a round at once, so no island trains past it."""
 
     def __init__(
         self,
@@ -55,19 +56,21 @@ class RoundBudget:
         self._loaded = False  # loaded, and no step counted since
         self.round_started_step = 0  # the inner step the island left the last round after
         self.swarm_steps: int | None = None  # the most steps any island had at the last round
+        self.max_inner_steps: int | None = None
 
     def elapsed_s(self) -> float:
         if self._started_at is None:
             return self._carried_s
         return self._carried_s + self.clock() - self._started_at
 
-    def spent(self) -> bool:
-        """After an inner step: whether the island joins a round now (collective over the
-        island's ranks)."""
+    def spent(self, inner_steps: int = 0) -> bool:
+        """After inner step ``inner_steps``: whether the island joins a round now (collective
+        over the island's ranks)."""
         if self._started_at is None:
             self._started_at = self.clock()
         self._loaded = False
-        verdict = self.elapsed_s() >= self.seconds
+        cap = self.max_inner_steps
+        verdict = self.elapsed_s() >= self.seconds or (cap is not None and inner_steps >= cap)
         return verdict if self.island_decision is None else self.island_decision(verdict)
 
     def work(self, inner_steps: int) -> int:

@@ -201,8 +201,8 @@ def weighed(rows: list[HeaderRow], mine: HeaderRow, opening: Opening) -> Opening
     participants, so each scales its pseudo-gradient by ``n w_i / W``; one being healed has none.
 
     Raises:
-        BadWorkError: a participant's work is not a whole number >= 1, naming it by its place
-            in the quorum; every member reads the same rows.
+        BadWorkError: a participant's work is not a whole number from 0 to its inner steps,
+            naming it by its place in the quorum; every member reads the same rows.
     """
     participants = [(k, r) for k, r in enumerate(rows) if not r.healing]
     if not participants:

@@ -274,6 +274,12 @@ class OuterLoop:
             for budget, _ in paused:
                 budget.unpause()
 
+    def cap_budgets(self, max_inner_steps: int) -> None:
+        """Under a time budget: no island trains past ``max_inner_steps`` (``RoundBudget``)."""
+        for outer in self.outer_syncs:
+            if outer.budget is not None:
+                outer.budget.max_inner_steps = max_inner_steps
+
     def continue_budgets(self) -> None:
         """Right before the first inner step: a budget a resume loaded runs from now."""
         for outer in self.outer_syncs:
@@ -354,12 +360,12 @@ class OuterLoop:
             stacklevel=2,
         )
 
-    def finish(self) -> dict[str, float] | None:
-        """The end-of-fit round of every optimizer, in order (collective); the metrics of the
-        rounds it ran (later rounds' keys win), or None when every island held the anchors."""
+    def finish(self, *, exchange: bool = True) -> dict[str, float] | None:
+        """The end-of-fit round of every optimizer, in order (``OuterSync.finish``); the
+        metrics of the rounds it ran (later rounds' keys win), or None when it ran none."""
         metrics: dict[str, float] = {}
         for outer in self.outer_syncs:
-            for report in outer.finish():
+            for report in outer.finish(exchange=exchange):
                 metrics.update(self._record(report, outer))
         return metrics or None
 

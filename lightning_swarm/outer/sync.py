@@ -108,6 +108,7 @@ class OuterSync(SyncState):
             placeholders=defer_anchors,
             fragment_rounds=[0] * len(fragments),
             synced_at=[None if defer_anchors else 0] * len(fragments),
+            merged_at=[None] * len(fragments),
             budget=budget,
         )
         self.engine = OuterRound(self)
@@ -138,7 +139,7 @@ class OuterSync(SyncState):
         self.inner_steps += 1
         step = self.inner_steps
         if self.budget is not None:  # one fragment, no delay (``config.check_budget_options``)
-            if not self.budget.spent():
+            if not self.budget.spent(self.inner_steps):
                 return None
             try:  # the next budget starts when the island leaves this round, however it ends
                 return engine.round(0)
@@ -157,22 +158,33 @@ class OuterSync(SyncState):
             return None
         return engine.apply(applying)
 
-    def finish(self) -> list[SyncReport]:
-        """The end-of-fit round: the round in flight, then every fragment out of sync merged
-        with alpha 0; returns their reports. ``ended_at`` keeps a round from applying twice."""
+    def finish(self, *, exchange: bool = True) -> list[SyncReport]:
+        """The end-of-fit round: every island onto the anchors; returns the reports of the
+        rounds it ran. Idempotent by the state it reads: a fragment whose locals already hold
+        the anchors is left alone, so a second call runs no collective.
+
+        Per fragment: a round that merged with alpha at this very step is finished by landing
+        the locals on the anchors (what a merge with alpha 0 would have left, with no
+        exchange); a fragment with steps since its last round runs one more round with alpha
+        0 after the round in flight is applied. ``exchange=False`` (elastic islands, time
+        budgets: islands that may not all be at this step) never runs a round: such a fragment
+        lands on its anchors and this island's steps since its last round are dropped.
+        """
         reports = []
-        pending = self._apply_in_flight()
-        if pending is not None:
-            reports.append(pending)
+        exchange = exchange and self.budget is None
+        if exchange:
+            pending = self._apply_in_flight()
+            if pending is not None:
+                reports.append(pending)
         for fragment in range(len(self.fragments)):
-            # Under a time budget islands count different steps: a budgeted fit ends right
-            # after a round, where islands differ from the anchors only if it merged with alpha.
-            if self.budget is not None:
-                out_of_sync = self.schedule.merge_alpha != 0
-            else:
-                out_of_sync = self.synced_at[fragment] != self.inner_steps
-            if out_of_sync:
+            step = self.inner_steps
+            if self.synced_at[fragment] == step:
+                continue
+            if exchange and self.merged_at[fragment] != step:
                 reports.append(self.engine.round(fragment, merge_alpha=0.0))
+            else:
+                self.land_on_anchors(fragment)
+                self.synced_at[fragment] = step
         self.ended_at = self.inner_steps
         return reports
 
@@ -196,13 +208,15 @@ class OuterSync(SyncState):
         return report
 
     @torch.no_grad()
-    def land_on_anchors(self) -> None:
-        """Every parameter <- its anchor (sharded: collective over the island): how an elastic
-        fit ends, on every island alike, as ``finish`` merges with alpha 0."""
-        for name in self.owned:
-            self.params[name].copy_(self.anchors[name])
-        if self.shard is not None:
-            self.shard.gather(list(self.params), self.params)
+    def land_on_anchors(self, fragment: int | None = None) -> None:
+        """The parameters of ``fragment`` (default: all) <- their anchors (sharded: collective
+        over the island)."""
+        fragments = range(len(self.fragments)) if fragment is None else [fragment]
+        for f in fragments:
+            for name in self.owned_fragments[f]:
+                self.params[name].copy_(self.anchors[name])
+            if self.shard is not None:
+                self.shard.gather(self.fragments[f], self.params)
 
 
 def _build_outer_optimizer(

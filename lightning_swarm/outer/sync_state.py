@@ -134,7 +134,10 @@ class SyncState:
 
     ``owned_fragments``: per fragment, the owned names it contains. ``synced_at``: per fragment,
     the inner step after which its locals last equalled its anchors on every island (None:
-    unknown). ``budget``: the island's time budget (``sync_every_s``), replacing ``schedule``.
+    unknown). ``merged_at``: per fragment, the inner step of its last applied round that
+    merged with ``alpha != 0`` (the locals then hold a mix; landing them on the anchors at that
+    step ends the fragment as a round with alpha 0 would have). ``budget``: the island's time
+    budget (``sync_every_s``), replacing ``schedule``.
     """
 
     params: dict[str, torch.nn.Parameter]
@@ -156,6 +159,7 @@ class SyncState:
     fragment_rounds: list[int] = field(default_factory=list)
     synced_at: list[int | None] = field(default_factory=list)
     ended_at: int | None = None
+    merged_at: list[int | None] = field(default_factory=list)
     residuals: dict[str, Tensor] = field(default_factory=dict)
     held: RoundInFlight | None = None  # the round sent and not applied yet
     budget: RoundBudget | None = None
@@ -197,6 +201,7 @@ class SyncState:
                 fragment_rounds=list(self.fragment_rounds),
                 synced_at=list(self.synced_at),
                 ended_at=self.ended_at,
+                merged_at=list(self.merged_at),
             ),
             pending=pending,
             # The outer optimizer's state is positional: a re-shard needs the names.
@@ -296,9 +301,11 @@ class SyncState:
         c = record.counters
         self.inner_steps, self.outer_steps, self.ended_at = c.inner_steps, c.outer_steps, c.ended_at
         # Saves older than the end-of-fit round lack these: in sync unknown, fit never ended.
-        rounds, synced = c.fragment_rounds, c.synced_at
+        rounds, synced, merged = c.fragment_rounds, c.synced_at, c.merged_at
+        unknown: list[int | None] = [None] * len(self.fragments)
         self.fragment_rounds = [0] * len(self.fragments) if rounds is None else list(rounds)
-        self.synced_at = [None] * len(self.fragments) if synced is None else list(synced)
+        self.synced_at = list(unknown) if synced is None else list(synced)
+        self.merged_at = list(unknown) if merged is None else list(merged)
         self.held = None
         pending = record.pending
         if pending is not None:
@@ -376,13 +383,15 @@ class SyncState:
         may heal each rank from another island, and the shares of one island must count alike,
         as their checkpoint files are merged by them."""
         assert self.shard is not None, "only a sharded island's ranks count apart"
-        ended = -1 if self.ended_at is None else self.ended_at
-        values = [self.inner_steps, *(-1 if v is None else v for v in self.synced_at), ended]
+        marks = [*self.synced_at, *self.merged_at, self.ended_at]
+        values = [self.inner_steps, *(-1 if v is None else v for v in marks)]
         counters = torch.tensor(values, dtype=torch.int64, device=self.shard.device)
         dist.broadcast(counters, group=self.shard.group, group_src=0)
-        inner, *synced, ended = (int(v) for v in counters.tolist())
-        self.inner_steps, self.ended_at = inner, None if ended < 0 else ended
-        self.synced_at = [None if v < 0 else v for v in synced]
+        inner, *agreed = (None if v < 0 else int(v) for v in counters.tolist())
+        n = len(self.synced_at)
+        assert inner is not None
+        self.inner_steps, self.ended_at = inner, agreed[-1]
+        self.synced_at, self.merged_at = agreed[:n], agreed[n : 2 * n]
 
     def count_applied(self, fragment: int, alpha: float) -> None:
         """An applied round of ``fragment`` merged with ``alpha``: advance the counters."""
@@ -390,6 +399,8 @@ class SyncState:
         self.fragment_rounds[fragment] += 1
         if alpha == 0.0:
             self.synced_at[fragment] = self.inner_steps
+        else:
+            self.merged_at[fragment] = self.inner_steps
 
 
 def _share_text(share: tuple[int, int] | None) -> str:

@@ -19,6 +19,7 @@ class OuterCounters:
     fragment_rounds: list[int] | None = None
     synced_at: list[int | None] | None = None
     ended_at: int | None = None
+    merged_at: list[int | None] | None = None
 
 
 _CAST = {"int": int, "float": float, "bool": bool, "dict[str, Tensor]": dict}
@@ -81,6 +82,7 @@ class OuterRecord:
             "pending": None if self.pending is None else self.pending.to_dict(),
             "synced_at": c.synced_at,
             "ended_at": c.ended_at,
+            "merged_at": c.merged_at,
         }
         if self.param_names is not None:
             out["param_names"] = self.param_names
@@ -92,13 +94,14 @@ class OuterRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> OuterRecord:
         """Read a dict of ``to_dict``'s layout; ``KeyError`` when a required key is missing."""
         rounds, synced = data.get("fragment_rounds"), data.get("synced_at")
-        ended = data.get("ended_at")
+        ended, merged = data.get("ended_at"), data.get("merged_at")
         counters = OuterCounters(
             inner_steps=int(data["inner_steps"]),
             outer_steps=int(data["outer_steps"]),
             fragment_rounds=None if rounds is None else [int(v) for v in rounds],
             synced_at=None if synced is None else [None if v is None else int(v) for v in synced],
             ended_at=None if ended is None else int(ended),
+            merged_at=None if merged is None else [None if v is None else int(v) for v in merged],
         )
         pending, names, share = data.get("pending"), data.get("param_names"), data.get("share")
         return cls(

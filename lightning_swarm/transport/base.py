@@ -71,17 +71,19 @@ def checked_work(
 ) -> tuple[list[float], int]:
     """Every island's weight and the swarm's most inner steps, from the ``(steps, inner_steps)``
     each island sent (untrusted: a peer's bytes; ``names`` names the senders in messages).
-    ``BadWorkError`` names the first that is not finite whole numbers ``1 <= steps <= inner``.
+    ``BadWorkError`` names the first that is not finite whole numbers ``0 <= steps <= inner``
+    (0: an island that took no step since its last round, e.g. at an elastic island's join;
+    it adds nothing to a weighted mean, and a round where every weight is 0 is a plain mean).
     """
     for i, (steps, inner) in enumerate(rows):
-        if not (_whole(steps) and _whole(inner) and 1 <= steps <= inner):
+        if not (_whole(steps) and _whole(inner) and 0 <= steps <= inner):
             who = names[i] if names is not None else f"island {i}"
             raise BadWorkError(
                 f"{who} sent the weight {steps!r} (inner steps since the last round) with "
-                f"{inner!r} inner steps in all; a weight must be a whole number >= 1 and at "
-                "most its inner steps, so the round was not run on any island (anchors "
-                "unchanged). That island runs a different or modified lightning_swarm: run "
-                "the same version with the same sync_every_s on every island."
+                f"{inner!r} inner steps in all; a weight must be a whole number from 0 to its "
+                "inner steps, so the round was not run on any island (anchors unchanged). "
+                "Its round header is damaged, or it runs another version of lightning_swarm: "
+                "run the same version with the same sync_every_s on every island."
             )
     return [float(steps) for steps, _ in rows], int(max(inner for _, inner in rows))
 

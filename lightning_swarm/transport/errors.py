@@ -12,7 +12,7 @@ class NonFinitePseudoGradientError(SwarmError, ValueError):
 
 class BadWorkError(SwarmError, ValueError):
     """An island's weight in a time-budgeted round (its inner steps since the last round) is
-    not a whole number >= 1; the round was not run anywhere."""
+    not a whole number from 0 to its inner steps; the round was not run anywhere."""
 
 
 class SwarmRoundError(SwarmError, RuntimeError):
