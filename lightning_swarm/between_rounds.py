@@ -45,11 +45,19 @@ class IslandSigterm:
     """
 
     def __init__(
-        self, trainer: pl.Trainer, island_group: dist.ProcessGroup | None, device: torch.device
+        self,
+        trainer: pl.Trainer,
+        island_group: dist.ProcessGroup | None,
+        device: torch.device,
+        *,
+        island_index: int,
+        num_islands: int,
     ) -> None:
         self._trainer = trainer
         self._island_group = island_group
         self._device = device
+        self._island_index = island_index
+        self._num_islands = num_islands
         self._signalled = False  # this rank received SIGTERM
         self._island_signalled = False  # some rank of this island did (agreed at a batch)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -90,20 +98,34 @@ class IslandSigterm:
             raise PeerLostError(peer_lost_message(where, gone, err)) from err
         if stop:
             self._trainer._signal_connector.received_sigterm = True
-            raise SIGTERMException()
+            trainer = self._trainer
+            limit = f" of max_steps={trainer.max_steps}" if trainer.max_steps > 0 else ""
+            log.warning(
+                rank_prefixed_message(
+                    f"the fit stops early, at inner step {trainer.global_step}{limit}: island(s) "
+                    f"{stop} received SIGTERM, and every island "
+                    "stops after the round that followed (the exit code is 143, as for SIGTERM). "
+                    "Resume from the last checkpoint to go on.",
+                    trainer.global_rank,
+                )
+            )
+            raise SIGTERMException(128 + signal.SIGTERM)
 
     def on_round(self) -> None:
-        """After a round applied, on every rank: start the islands' agreement (no wait)."""
-        flag = torch.tensor([int(self._island_signalled)], device=self._device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        """After a round applied, on every rank: start the islands' agreement (no wait); one
+        flag per island, so that every rank can name the island that was signalled."""
+        flags = torch.zeros(self._num_islands, dtype=torch.int64, device=self._device)
+        flags[self._island_index] = int(self._island_signalled)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
         assert work is not None
-        self._pending.append((work, flag))
+        self._pending.append((work, flags))
 
-    def _agreed_to_stop(self) -> bool:
+    def _agreed_to_stop(self) -> list[int]:
+        """The islands that some agreement in flight found signalled (none: go on)."""
         try:
             for work, _ in self._pending:
                 work.wait()
-            return any(bool(flag.item()) for _, flag in self._pending)
+            return sorted({i for _, f in self._pending for i in f.nonzero().flatten().tolist()})
         finally:
             self._pending.clear()
 

@@ -191,7 +191,13 @@ class SwarmStrategy(IslandDDPStrategy):
             self._loop.cap_budgets(self._budget.max_steps)
         if self._elastic is None and self.topology.num_islands > 1:
             # Lightning's per-batch SIGTERM broadcast would cross islands at every step.
-            self._sigterm = IslandSigterm(trainer, self.groups.between_rounds, self.root_device)
+            self._sigterm = IslandSigterm(
+                trainer,
+                self.groups.between_rounds,
+                self.root_device,
+                island_index=self.topology.island_index,
+                num_islands=self.topology.num_islands,
+            )
             self._sigterm.install()
             warn_of_world_collectives(trainer)
 

@@ -93,7 +93,12 @@ def test_a_sigterm_on_one_rank_stops_every_island_after_the_next_round(tmp_path:
     next_round = (STOP_STEP // SYNC_EVERY + 1) * SYNC_EVERY
     finals = []
     for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{err[-3000:]}"
+        # 143 = 128 + SIGTERM on every rank, with a line that says why, on every rank.
+        assert proc.returncode == 143, f"rank {rank} exited {proc.returncode}:\n{err[-3000:]}"
+        assert (
+            f"[rank: {rank}] the fit stops early, at inner step {next_round} of max_steps=40: "
+            "island(s) [1] received SIGTERM"
+        ) in err, err[-3000:]
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         # Every rank stopped at the batch after the round that followed the signal, on
         # Lightning's own SIGTERM path, with the round's global model in place.
@@ -151,7 +156,7 @@ class _ClosedWork:
 
 def test_a_peer_island_lost_after_a_round_is_named_at_the_next_batch() -> None:
     trainer = SimpleNamespace(global_rank=0)
-    sigterm = IslandSigterm(trainer, None, torch.device("cpu"))  # type: ignore[arg-type]
+    sigterm = IslandSigterm(trainer, None, torch.device("cpu"), island_index=0, num_islands=2)  # type: ignore[arg-type]
     sigterm._pending.append((_ClosedWork(), torch.zeros(1)))  # type: ignore[arg-type]
     with pytest.raises(PeerLostError) as caught:
         sigterm.check()
