@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.atomic import atomic_save
+from lightning_swarm.resume.files import unreadable_error
 
 _T = TypeVar("_T")
 
@@ -36,9 +37,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def read_lightning_file(path: Any, load: Callable[[], _T]) -> _T:
-    """``load()`` (Lightning reading ``path``); a truncated or corrupt file raises
-    ``SwarmCheckpointError`` naming ``path``. A missing file and a refusal to unpickle an
-    object (the file is fine) keep their own errors."""
+    """``load()`` (Lightning reading ``path``); a truncated or corrupt file, and one this user
+    cannot read (``access_problem``), raise ``SwarmCheckpointError`` naming ``path``. A missing
+    file and a refusal to unpickle an object (the file is fine) keep their own errors."""
     try:
         return load()
     except (FileNotFoundError, SwarmCheckpointError):
@@ -48,7 +49,7 @@ def read_lightning_file(path: Any, load: Callable[[], _T]) -> _T:
             raise
         raise _damaged(path, err) from err
     except (OSError, RuntimeError, EOFError, ValueError) as err:
-        raise _damaged(path, err) from err
+        raise (unreadable_error("checkpoint", path, err) or _damaged(path, err)) from err
 
 
 def _damaged(path: Any, err: BaseException) -> SwarmCheckpointError:

@@ -5,6 +5,7 @@ whole and a mapped file is never rewritten. Everything loads with ``weights_only
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -201,19 +202,56 @@ def _is_orphan(root: Path) -> bool:
     return True
 
 
+# A read that failed for one of these is the filesystem's doing, not the bytes' (a truncated
+# file can make torch's reader fail with EINVAL, which therefore is not among them).
+_NO_ACCESS = {errno.EACCES, errno.EPERM}
+_NOT_FORMAT = _NO_ACCESS | {errno.EISDIR, errno.ENOTDIR, errno.EIO, errno.ESTALE}
+
+
+def access_problem(err: BaseException) -> str | None:
+    """Why a file could not be read where its filesystem, not its contents, is at fault (no
+    permission, a directory in its place, an I/O error), with the fix; ``None`` for any other
+    error (the file's format, e.g. a truncated file)."""
+    if not isinstance(err, OSError) or err.errno not in _NOT_FORMAT:
+        return None
+    if err.errno in _NO_ACCESS:
+        return (
+            f"permission denied ({err}); the file may well be intact: give the user running "
+            "the fit read access to it, its folder and its .swarm folder"
+        )
+    if err.errno == errno.EISDIR:
+        return f"it is a directory ({err}); give the path of a checkpoint file"
+    return (
+        f"the filesystem failed ({type(err).__name__}: {err}), not the file's format; check "
+        "the path, the disk or the mount"
+    )
+
+
+def unreadable_error(what: str, path: Any, err: BaseException) -> SwarmCheckpointError | None:
+    """``SwarmCheckpointError`` saying why ``what`` ``path`` could not be read when
+    ``access_problem`` knows; ``None`` otherwise (the caller reports damage)."""
+    problem = access_problem(err)
+    if problem is None:
+        return None
+    return SwarmCheckpointError(
+        f"{what} {path} cannot be read: {problem}; then try again, or resume from another "
+        "checkpoint."
+    )
+
+
 def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
     """Load one swarm file: ``(payload, legacy)``; a torch legacy (non-zipfile) file cannot be
-    mapped and is read eagerly. A missing, truncated or corrupt file is a
-    ``SwarmCheckpointError``."""
+    mapped and is read eagerly. A missing, unreadable (``access_problem``), truncated or corrupt
+    file is a ``SwarmCheckpointError``."""
     if not path.is_file():
         raise SwarmCheckpointError(
             f"swarm state file {path} is missing; the checkpoint is incomplete (a save was "
             "interrupted, or the .swarm directory was not copied with the .ckpt file). Copy it "
             "along or resume from another checkpoint."
         )
-    with open(path, "rb") as handle:
-        legacy = handle.read(4) != _ZIP_MAGIC
     try:
+        with open(path, "rb") as handle:
+            legacy = handle.read(4) != _ZIP_MAGIC
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not legacy)
     except Exception as err:
         raise _load_error(path, err) from err
@@ -226,7 +264,11 @@ def load_swarm_file(path: Path, *, mmap: bool) -> tuple[dict[str, Any], bool]:
 
 
 def _load_error(path: Path, err: Exception) -> SwarmCheckpointError:
-    # A refusal to unpickle one object (the file is fine) is told from damage.
+    # A file this user cannot read, and a refusal to unpickle one object (the file is fine),
+    # are told from damage.
+    unreadable = unreadable_error("swarm state file", path, err)
+    if unreadable is not None:
+        return unreadable
     text = str(err)
     if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in text:
         match = _REFUSED_GLOBAL.search(text)

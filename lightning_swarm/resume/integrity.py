@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.errors import IntegrityError
-from lightning_swarm.resume.files import swarm_root
+from lightning_swarm.resume.files import access_problem, swarm_root, unreadable_error
 from lightning_swarm.resume.records import FileDigest, SwarmRecord, check_loop_state
 
 CHUNK_BYTES = 8 * 2**20
@@ -35,7 +35,18 @@ def file_digest(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> FileDigest:
 
 def check_file(path: Path, expected: FileDigest, *, verify: bool) -> None:
     """Raise ``IntegrityError`` if ``path`` differs from its record: the size always, the
-    checksum only with ``verify``."""
+    checksum only with ``verify``; ``SwarmCheckpointError`` if it cannot be read
+    (``access_problem``)."""
+    try:
+        _check_file(path, expected, verify=verify)
+    except OSError as err:
+        unreadable = unreadable_error("swarm state file", path, err)
+        if unreadable is None:
+            raise
+        raise unreadable from err
+
+
+def _check_file(path: Path, expected: FileDigest, *, verify: bool) -> None:
     size = path.stat().st_size
     if size != expected.num_bytes:
         raise IntegrityError(
@@ -84,7 +95,8 @@ def checkpoint_problem(path: Path) -> str | None:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (OSError, zipfile.BadZipFile, EOFError) as err:
-        return f"truncated or corrupt ({err})"
+        problem = access_problem(err)
+        return f"truncated or corrupt ({err})" if problem is None else f"unreadable: {problem}"
     if bad is not None:
         return f"corrupt: member {bad} fails its CRC-32"
     try:
