@@ -89,6 +89,23 @@ def test_elastic_options_are_checked(options: dict[str, object], message: str) -
         ElasticConfig(**{**base, **options})  # type: ignore[arg-type]
 
 
+def test_a_lighthouse_without_a_scheme_is_refused_naming_the_url_to_give() -> None:
+    # torchft's client never connects to "host:port" (measured: "failed to connect to
+    # localhost:P within timeout" with the lighthouse up), so it is refused at construction.
+    from lightning_swarm import SwarmStrategy
+
+    options = {"membership": "torchft", "lighthouse": "localhost:29510", "island_id": "a"}
+    with pytest.raises(ValueError) as caught:
+        SwarmStrategy(**options)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "lighthouse='localhost:29510' has no scheme, and torchft connects only to a URL "
+        "(without one it reports a running lighthouse unreachable); give "
+        "lighthouse='http://localhost:29510' (the address `swarm-lighthouse` prints)."
+    )
+    accepted = ElasticConfig(lighthouse="http://localhost:29510", island_id="a")
+    assert accepted.lighthouse == "http://localhost:29510"
+
+
 def test_membership_names_and_lighthouse_arguments() -> None:
     assert check_membership("torchft") == "torchft"
     with pytest.raises(ValueError, match=r"membership must be one of \['static', 'torchft'\]"):

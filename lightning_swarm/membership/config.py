@@ -52,6 +52,14 @@ class ElasticConfig:
                 "membership='torchft' needs lighthouse='http://host:port' (the address "
                 "`swarm-lighthouse` prints)."
             )
+        if "://" not in self.lighthouse:
+            # torchft's client takes the address as a URI: without a scheme it never connects,
+            # and reports a running lighthouse unreachable after connect_timeout_s.
+            raise SwarmConfigError(
+                f"lighthouse={self.lighthouse!r} has no scheme, and torchft connects only to a "
+                f"URL (without one it reports a running lighthouse unreachable); give "
+                f"lighthouse='http://{self.lighthouse}' (the address `swarm-lighthouse` prints)."
+            )
         if not isinstance(self.island_id, str) or not self.island_id or ":" in self.island_id:
             raise SwarmConfigError(
                 f"island_id must be a non-empty name without ':', got {self.island_id!r}; give "
