@@ -137,9 +137,8 @@ def rank_main(rank: int, world: int, port: int, kind: str, chunk_mb: float, out:
     wall = torch.tensor([stats.wall_s])
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     if rank == 0:
-        peak_spool = (
-            0 if isinstance(transport, AllReduceTransport) else transport.peak_spool_bytes()
-        )
+        spool = getattr(transport, "spool", None)  # none: all-reduce, or a sharded mean
+        peak_spool = spool.peak_disk_bytes if spool is not None else 0
         result.update(
             wall_s=float(wall),
             peak_spool_bytes=peak_spool,

@@ -1,11 +1,12 @@
-"""The docs cannot rot: the README's Python snippet and the launch guide's tested commands run
-as written (the commands with a tiny model and 2 steps appended), and the README lists every
-doc."""
+"""The docs cannot rot: the README's Python snippet, the launch guide's tested commands (with a
+tiny model and 2 steps appended) and docs/your_model.md's CLI recipe run as written, and the
+README lists every doc."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -66,6 +67,35 @@ def test_launch_guide_command_runs(tmp_path: Path, index: int) -> None:
     assert "lightning_swarm run summary" in done.stdout
     assert "outer steps                              2" in done.stdout
     assert len(list(tmp_path.rglob("summary.json"))) == 1  # every rank agreed on one run dir
+
+
+def test_your_model_recipe_runs_as_written(tmp_path: Path) -> None:
+    """docs/your_model.md's CLI recipe, its command unchanged, from a copy of the checkout's
+    ``examples/`` (its ``outputs/`` land in ``tmp_path``); ``../.venv/bin/swarm-train`` is
+    this interpreter's CLI, the checkout on the path after the recipe's own ``PYTHONPATH``."""
+    page = (ROOT / "docs" / "your_model.md").read_text()
+    (command,) = [body.replace("\\\n", " ").strip() for body in TESTED.findall(page)]
+    assert command.startswith("cd examples && ")
+    shutil.copytree(
+        ROOT / "examples",
+        tmp_path / "examples",
+        ignore=shutil.ignore_patterns("outputs", "__pycache__"),
+    )
+    cli = tmp_path / ".venv" / "bin" / "swarm-train"
+    cli.parent.mkdir(parents=True)
+    cli.write_text(
+        "#!/bin/sh\n"
+        f'export PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{ROOT}"\n'
+        f'exec {shlex.quote(sys.executable)} -m lightning_swarm.cli.app "$@"\n'
+    )
+    cli.chmod(0o755)
+    done = run_in(tmp_path, ["bash", "-c", command])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lightning_swarm run summary" in done.stdout
+    (rounds,) = re.findall(r"(\d+) outer rounds", page)  # the page's own figure
+    assert int(rounds) > 1
+    assert re.findall(r"^ +outer steps +(\d+)$", done.stdout, re.MULTILINE) == [rounds]
+    assert len(list((tmp_path / "examples" / "outputs").rglob("summary.json"))) == 1
 
 
 # -- every path, test and option a doc names exists ---------------------------------------------

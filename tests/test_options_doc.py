@@ -3,8 +3,12 @@
 The page's text above the marker is prose; below it, the table is generated from the
 ``Attributes:`` sections of ``SwarmConfig``, ``AnchorConfig`` (``anchors.*``) and
 ``SwarmTransportConfig`` (``swarm.*``), with each field's default and where it must match
-(field metadata). The test fails when an option is added, removed, renamed, re-defaulted or
-re-described without the page following. Regenerate with ``python -m tests.test_options_doc``.
+(field metadata). Below the table, the section on changes at resume lists which changed options
+are refused and which warn: the refusals are ``RESUME_REFUSALS`` here, read off
+``lightning_swarm/resume/compatibility.py``; every other ``resume`` option (``RESUME_OPTIONS``,
+the options ``describe_changes`` names) warns. The test fails when an option is added, removed,
+renamed, re-defaulted or re-described without the page following. Regenerate with
+``python -m tests.test_options_doc``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lightning_swarm.config import AnchorConfig, SwarmConfig, SwarmTransportConfig
+from lightning_swarm.config import (
+    RESUME_OPTIONS,
+    AnchorConfig,
+    SwarmConfig,
+    SwarmTransportConfig,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "options.md"
@@ -66,6 +75,49 @@ def _rows(cls: type, prefix: str) -> list[str]:
     return rows
 
 
+# A changed option that a resume refuses, and when (``resume.compatibility``): the outer
+# optimizer's class (``refuse_unusable``); the island count, the island mesh and the fragments
+# with their schedule, which make up the layout fingerprint (``compare_fingerprints``,
+# ``check_layout``). Each key's options are refused only under its condition, and warn otherwise.
+RESUME_REFUSALS: dict[tuple[str, ...], str] = {
+    ("outer_optimizer",): "another optimizer class (its saved state cannot serve another)",
+    ("island_size",): (
+        "when it changes the island count (devices x num_nodes / island_size), and always with "
+        '`island_parallel="fsdp"`, whose island mesh must match (as must `island_parallel` and '
+        "`tensor_parallel_size`)"
+    ),
+    ("num_fragments", "fragment_layout", "sync_delay", "sync_every"): (
+        "when the fragments or their schedule differ, which needs Streaming DiLoCo "
+        "(`num_fragments > 1` or `sync_delay > 0`) in either run"
+    ),
+}
+
+
+def _names(names: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def resume_section() -> list[str]:
+    """Which changed options a resume refuses and which it only warns about."""
+    refused = [name for names in RESUME_REFUSALS for name in names]
+    always_warned = [name for name in RESUME_OPTIONS if name not in refused]
+    return [
+        "",
+        "## Changed at resume",
+        "",
+        "A resume compares the `resume` options above with the checkpoint's. Refused, with a "
+        "`SwarmCheckpointError` naming the fix:",
+        "",
+        *(f"- {_names(names)}: {when}." for names, when in RESUME_REFUSALS.items()),
+        "",
+        "Any other change warns once on rank 0, naming the option, its old and new value and "
+        "what follows, and the run goes on, no longer an exact continuation: every change of "
+        f"{_names(always_warned)}; a change of an option listed above when its condition does "
+        "not hold; and a changed hyperparameter of the outer optimizer (`lr`, `momentum`, ...), "
+        "whose saved value stays in force (`docs/resume.md`).",
+    ]
+
+
 def option_table() -> str:
     """The generated part of the page."""
     lines = [
@@ -82,6 +134,7 @@ def option_table() -> str:
         "| any other keyword | | | passed to Lightning's `DDPStrategy` (`start_method`, "
         "`process_group_backend`, ...) and to `DistributedDataParallel` "
         "(`find_unused_parameters`, ...); unknown keywords are refused. |",
+        *resume_section(),
     ]
     return "\n".join(lines) + "\n"
 
@@ -96,6 +149,12 @@ def test_options_page_matches_swarm_config() -> None:
     assert _page_table() == option_table(), (
         "docs/options.md is stale; regenerate with python -m tests.test_options_doc"
     )
+
+
+def test_the_refusals_name_resume_options() -> None:
+    refused = [name for names in RESUME_REFUSALS for name in names]
+    assert len(refused) == len(set(refused))
+    assert set(refused) <= {"outer_optimizer", *RESUME_OPTIONS}
 
 
 def test_every_option_has_one_row() -> None:
