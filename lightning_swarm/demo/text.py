@@ -21,10 +21,16 @@ from lightning_swarm.errors import SwarmConfigError
 
 def read_corpus(root: Path, max_bytes: int, val_every: int) -> tuple[bytes, bytes]:
     """(train, val): the ``*.py`` files under ``root`` (sorted, site-packages excluded, up to
-    ``max_bytes``), about one file in ``val_every`` held out."""
+    ``max_bytes``), about one file in ``val_every`` held out.
+
+    Raises:
+        SwarmConfigError: ``root`` is not a folder, or holds too little to split.
+    """
     if not root.is_dir():
-        raise FileNotFoundError(
-            f"corpus directory {root} does not exist; pass data.corpus_dir=<a folder of text files>"
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise SwarmConfigError(
+            f"data.corpus_dir={root} {what}; point data.corpus_dir at a folder of .py files "
+            "(read recursively), or set it to null to read the Python standard library."
         )
     files: list[tuple[bool, bytes]] = []  # (held out, content)
     total = 0
