@@ -4,11 +4,14 @@ the option to raise."""
 
 from __future__ import annotations
 
+import datetime
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_swarm import PeerLostError, RoundTimeoutError, SwarmConfig
 from lightning_swarm.config import DEFAULT_TIMEOUT_S
@@ -19,6 +22,8 @@ from lightning_swarm.transport.link import (
     FACTOR,
     LinkTimeouts,
     LinkWatch,
+    set_backend_timeout,
+    set_group_timeout,
 )
 from tests.dist_utils import run_ranks
 
@@ -141,3 +146,51 @@ def test_the_strategys_transport_derives_unless_timeout_s_is_set() -> None:
     assert timeouts(SwarmConfig(quantize="int8")) == LinkTimeouts(
         "timeout_s", DEFAULT_TIMEOUT_S, None
     )
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[dist.ProcessGroup]:
+    """An in-process gloo world of one rank, built with a 5 s timeout."""
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=5)
+    )
+    try:
+        assert dist.group.WORLD is not None
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def test_process_group_get_backend_gives_the_backend_its_timeout_lives_in(
+    world_of_one: dist.ProcessGroup,
+) -> None:
+    """torch's private ``ProcessGroup._get_backend`` (``set_backend_timeout``): the group's
+    gloo backend, which holds the timeout the group was built with."""
+    backend = world_of_one._get_backend(torch.device("cpu"))
+    assert isinstance(backend, dist.ProcessGroupGloo)
+    assert _timeout(world_of_one) == datetime.timedelta(seconds=5)
+
+
+def test_gloo_set_default_timeout_replaces_the_groups_timeout(
+    world_of_one: dist.ProcessGroup,
+) -> None:
+    """torch's private ``ProcessGroupGloo._set_default_timeout``: what ``set_group_timeout``
+    (the static transports) and elastic membership's groups set a round's timeout with."""
+    set_backend_timeout(world_of_one, datetime.timedelta(seconds=7), torch.device("cpu"))
+    assert _timeout(world_of_one) == datetime.timedelta(seconds=7)
+    assert set_group_timeout(None, 9.0)
+    assert _timeout(world_of_one) == datetime.timedelta(seconds=9)
+
+
+def test_a_torch_without_the_setter_leaves_the_timeout_and_says_so(
+    world_of_one: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(dist.ProcessGroupGloo, "_set_default_timeout")
+    with pytest.raises(AttributeError, match="_set_default_timeout"):
+        set_backend_timeout(world_of_one, datetime.timedelta(seconds=7), torch.device("cpu"))
+    assert not set_group_timeout(world_of_one, 7.0)
+    assert _timeout(world_of_one) == datetime.timedelta(seconds=5)

@@ -34,10 +34,10 @@ from lightning_swarm.membership.torchft_private import (
     install_group,
     quorum_rank,
     record_group_args,
-    set_collective_timeout,
     set_up_group_for_this_quorum,
     tap_quorums,
 )
+from lightning_swarm.transport.link import set_backend_timeout
 
 SECONDS = datetime.timedelta(seconds=1)
 
@@ -231,7 +231,8 @@ def test_wrapper_create_pg_gets_the_connect_timeout_only_while_it_runs() -> None
 
 
 def test_torch_gloo_default_timeout_can_be_raised_after_set_up() -> None:
-    """torch's ``ProcessGroup._get_backend`` and ``ProcessGroupGloo._set_default_timeout``:
+    """torch's ``ProcessGroup._get_backend`` and ``ProcessGroupGloo._set_default_timeout``
+    (``transport/link.py``'s ``set_backend_timeout``, tested there too), on torchft's group:
     the collectives' timeout replaces the connect timeout gloo was built with."""
     group = create_gloo_group(
         _recorded_wrapper(),
@@ -241,7 +242,7 @@ def test_torch_gloo_default_timeout_can_be_raised_after_set_up() -> None:
         connect_timeout=SECONDS,
         collective_timeout=SECONDS,
     )
-    set_collective_timeout(group, datetime.timedelta(seconds=7))
+    set_backend_timeout(group, datetime.timedelta(seconds=7), torch.device("cpu"))
     backend = group._get_backend(torch.device("cpu"))
     assert backend.options._timeout == datetime.timedelta(seconds=7)
 

@@ -29,8 +29,8 @@ from lightning_swarm.membership.torchft_private import (
     create_gloo_group,
     install_group,
     record_group_args,
-    set_collective_timeout,
 )
+from lightning_swarm.transport.link import set_backend_timeout
 
 KEPT_STORES = 4
 CONNECT_WAITS = 5  # gloo's first connects wait this many times its timeout (waitUntilConnected)
@@ -105,7 +105,7 @@ class QuorumGroup(ProcessGroupGloo):
         except Exception:
             self._stores.pop(address, None)  # maybe broken: connect anew next time
             raise
-        set_collective_timeout(pg, self.collective_timeout)
+        set_backend_timeout(pg, self.collective_timeout, torch.device("cpu"))
         install_group(self, pg)
 
 

@@ -3,6 +3,8 @@
 One function per name says why no public call serves and what breaks if it changes; each has a
 test in ``tests/test_torchft_private.py``. A missing name raises ``TorchftVersionError`` naming
 it and the fix (class attributes in ``check_torchft``, instance ones before they are written).
+torch's own private names (a group's timeout setter) are used in ``transport/link.py`` only,
+whose ``TORCH_PRIVATE_NAMES`` ``check_torchft`` checks with torchft's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.membership.errors import TorchftVersionError
+from lightning_swarm.transport.link import TORCH_PRIVATE_NAMES
 
 TORCHFT_VERSION = "0.2.0"  # the release whose private names this module was written against
 
@@ -24,8 +27,7 @@ CLASS_NAMES: tuple[tuple[str, str, str], ...] = (
     ("torchft.coordination", "ManagerClient", "_quorum"),
     ("torchft.process_group", "ProcessGroupWrapper", "_create_pg"),
     ("torchft.process_group", "ProcessGroupWrapper", "parent"),
-    ("torch.distributed", "ProcessGroup", "_get_backend"),
-    ("torch.distributed", "ProcessGroupGloo", "_set_default_timeout"),
+    *TORCH_PRIVATE_NAMES,
 )
 
 MANAGER = "torchft.manager.Manager"
@@ -157,16 +159,6 @@ def create_gloo_group(
     finally:
         pg.set_timeout(collective_timeout)
     return group
-
-
-def set_collective_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
-    """Bound ``group``'s later gloo collectives by ``timeout`` (its connects had less) through
-    ``ProcessGroup._get_backend`` and ``ProcessGroupGloo._set_default_timeout``: gloo takes one
-    timeout at construction. If they change, a slow but live round fails."""
-    _require(group, "torch.distributed.ProcessGroup", "_get_backend")
-    backend = group._get_backend(torch.device("cpu"))
-    _require(backend, "torch.distributed.ProcessGroupGloo", "_set_default_timeout")
-    backend._set_default_timeout(timeout)
 
 
 def install_group(pg: Any, group: dist.ProcessGroup) -> None:

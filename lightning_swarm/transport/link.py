@@ -215,16 +215,39 @@ class LinkWatch(LinkRate):
         return peer_lost_message(where, gone, cause)
 
 
+# torch's private names this package uses, here only (``set_backend_timeout``); elastic
+# membership checks them up front with torchft's (``membership/torchft_private.py``).
+TORCH_PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("torch.distributed", "ProcessGroup", "_get_backend"),
+    ("torch.distributed", "ProcessGroupGloo", "_set_default_timeout"),
+)
+
+
+def set_backend_timeout(
+    group: dist.ProcessGroup, timeout: datetime.timedelta, device: torch.device
+) -> None:
+    """Bound ``group``'s later collectives on ``device`` by ``timeout`` through torch's private
+    ``ProcessGroup._get_backend`` and ``_set_default_timeout`` of its backend: torch takes a
+    group's timeout at construction, and no public call changes it. If they change, a derived
+    round timeout is not applied and an elastic group keeps its (shorter) connect timeout.
+
+    Raises:
+        AttributeError: this torch lacks one of those names.
+    """
+    backend = group._get_backend(device)
+    backend._set_default_timeout(timeout)
+
+
 def set_group_timeout(group: dist.ProcessGroup | None, timeout_s: float) -> bool:
-    """Bound ``group``'s later collectives by ``timeout_s`` through torch's private
-    ``_get_backend`` and ``_set_default_timeout`` (no public call can); whether it could."""
+    """Bound ``group``'s (``None``: the world's) later collectives by ``timeout_s`` with
+    ``set_backend_timeout``; whether it could."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
     device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
     try:
-        backend = pg._get_backend(device)  # type: ignore[union-attr]
-        backend._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+        set_backend_timeout(pg, datetime.timedelta(seconds=timeout_s), device)
     except (AttributeError, RuntimeError):
         return False
     return True
