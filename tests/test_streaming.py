@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 import lightning_swarm.profiling as labels
-from lightning_swarm import RoundTimeoutError
+from lightning_swarm import RoundTimeoutError, SwarmError
 from lightning_swarm.algorithm import merge_into_local, outer_step, pseudo_gradient
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.outer import OuterSync, StreamingOptions, SyncWorker
@@ -170,6 +170,10 @@ def test_no_delay_exchanges_inline() -> None:
 
 
 def test_worker_failure_surfaces_at_the_apply_step() -> None:
+    """A failure of a delayed round that is not a ``SwarmError`` arrives as ``SyncWorkerError``:
+    a ``SwarmError`` (a user's ``except SwarmError`` catches every failed round, and teardown
+    warns of it instead of masking the error that ended the fit) naming the round, with the
+    worker's own error, traceback and all, as its ``__cause__`` (issue 39, item 5)."""
     worker = SyncWorker()
     try:
         outer = _streaming_outer(_params(), FakePeer(fail_at=2), worker, sync_delay=1)
@@ -179,10 +183,16 @@ def test_worker_failure_surfaces_at_the_apply_step() -> None:
             SyncWorkerError,
             match=r"outer sync of fragment 0 \(sent after inner step 4\) failed in the "
             r"background sync worker: ConnectionError: peer vanished",
-        ):
+        ) as caught:
             outer.on_inner_step()
     finally:
         worker.close()
+    err = caught.value
+    assert isinstance(err, SwarmError) and isinstance(err, RuntimeError)
+    cause = err.__cause__
+    assert isinstance(cause, ConnectionError) and str(cause) == "peer vanished"
+    frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
+    assert "average_named" in frames, frames  # where it failed, on the worker
 
 
 def _round_timeout() -> RoundTimeoutError:
