@@ -118,6 +118,45 @@ def resume_section() -> list[str]:
     ]
 
 
+def combinations_section() -> list[str]:
+    """The combination suite's factors and the pairs refused (``tests/combos.py``)."""
+    from tests import combos
+
+    def level(factor: str, value: str) -> str:
+        return f"`{factor}={value}`"
+
+    factors = "; ".join(
+        f"`{factor}`: {', '.join(f'`{v}`' for v in levels)}"
+        for factor, levels in combos.FACTORS.items()
+    )
+    return [
+        "",
+        "## Combinations",
+        "",
+        f"`tests/test_combos.py` (in `make test`; alone: `pytest -m combos`) trains "
+        f"{len(combos.pairwise_plan())} short fits of two islands that together hold every "
+        "accepted pair of levels of these factors, and checks that each ends with every island "
+        "equal and, where it saves mid-run, resumes bitwise: "
+        f"{factors}.",
+        "",
+        "Refused by `SwarmStrategy(...)` at construction, with a message naming both options:",
+        "",
+        *(
+            f"- {level(*a)} with {level(*b)}: {message.split(':')[1].strip().split(';')[0]}."
+            for (a, b), message in combos.refused_pairs()
+        ),
+        "",
+        "Refused at setup, before the first step (the module decides, not an option):",
+        "",
+        *(f"- {level(*a)} with {level(*b)}." for a, b in combos.SETUP_REFUSALS),
+        "",
+        'Elastic islands (`membership="torchft"`) run the pairs that touch the end of a fit: '
+        "`sync_every_s` with and without `merge_alpha` (`tests/test_budget_weights.py`), "
+        "`merge_alpha` (`tests/test_elastic_strategy.py`), fragments with `sync_delay` and int8 "
+        "(`tests/test_elastic_streaming.py`).",
+    ]
+
+
 def option_table() -> str:
     """The generated part of the page."""
     lines = [
@@ -135,6 +174,7 @@ def option_table() -> str:
         "`process_group_backend`, ...) and to `DistributedDataParallel` "
         "(`find_unused_parameters`, ...); unknown keywords are refused. |",
         *resume_section(),
+        *combinations_section(),
     ]
     return "\n".join(lines) + "\n"
 

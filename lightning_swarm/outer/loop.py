@@ -341,6 +341,7 @@ class OuterLoop:
         # Also after a skipped round: the anchors did not move, and they are still finite.
         flag, group = report.rejected_own, self._island_group
         if group is not None and dist.get_world_size(group) > 1:
+            outer.engine.worker_idle()  # another optimizer's exchange may use the group
             value = torch.tensor([int(flag)])
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
             flag = bool(value.item())

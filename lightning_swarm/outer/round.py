@@ -108,9 +108,17 @@ class OuterRound:
         budget.swarm_steps = opening.swarm_steps
         return opening
 
+    def worker_idle(self) -> None:
+        """Before a collective on the training thread: the background exchanges of every
+        optimizer have ended (``SyncWorker.wait_idle``); no wait without ``sync_delay``."""
+        worker = self.state.streaming.worker
+        if worker is not None:
+            worker.wait_idle()
+
     @torch.no_grad()
     def round(self, fragment: int, *, merge_alpha: float | None = None) -> SyncReport:
         """One whole round of ``fragment`` now; ``merge_alpha`` overrides the schedule's."""
+        self.worker_idle()
         if not self.streams:
             self.send(fragment, inline=True)
             return self.apply(fragment, merge_alpha=merge_alpha)
@@ -280,6 +288,7 @@ class OuterRound:
         offer = s.peer_offer() if self.transport.heals else None
         exchange = functools.partial(self._exchange, flat, deltas, s.outer_steps, place, offer)
         if inline:
+            self.worker_idle()
             try:
                 rnd.result = exchange()
             except Exception as err:
@@ -382,6 +391,7 @@ class OuterRound:
         s = self.state
         rnd = s.held
         assert rnd is not None and rnd.fragment == fragment, "apply without a matching send"
+        self.worker_idle()
         start = time.perf_counter()
         result, applied, norm = self._island_result(rnd)
         s.held = None

@@ -8,7 +8,7 @@ are its own until its future resolves. ``close`` before the process groups are d
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import torch
@@ -29,13 +29,25 @@ class SyncWorker:
         )
         self._device = device if device is not None and device.type == "cuda" else None
         self._stream: torch.cuda.Stream | None = None
+        self._last: Future[object] | None = None  # jobs run in order: the last one ends last
 
     def submit(self, job: Callable[[], _T]) -> Future[_T]:
         if self._executor is None:
             raise RuntimeError("the sync worker is closed; no exchange can be started")
         if self._device is None:
-            return self._executor.submit(job)
-        return self._executor.submit(self._on_own_stream, job)
+            future = self._executor.submit(job)
+        else:
+            future = self._executor.submit(self._on_own_stream, job)
+        self._last = future  # type: ignore[assignment]
+        return future
+
+    def wait_idle(self) -> None:
+        """Block until every job submitted so far has ended (each keeps its outcome in its
+        future). The training thread calls it before a collective of its own: with several
+        optimizers another optimizer's exchange may still run here on the same groups."""
+        last = self._last
+        if last is not None:
+            wait([last])
 
     def _on_own_stream(self, job: Callable[[], _T]) -> _T:
         assert self._device is not None
