@@ -11,6 +11,7 @@ from lightning_swarm.algorithm.model_layout import (
     ParamLayout,
     describe_difference,
     fingerprint,
+    hash63,
     model_layout,
 )
 from lightning_swarm.membership.state_wire import decode_tree, encode_tree
@@ -43,6 +44,21 @@ def test_fingerprint_is_the_hash_of_the_sorted_name_shape_dtype_text() -> None:
     text = json.dumps([["b", "(3,) float32"], ["w", "(4, 3) float32"]])
     digest = hashlib.sha256(text.encode()).digest()
     assert fingerprint(_layout()) == int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def test_the_round_headers_hashes_are_the_one_hash63() -> None:
+    # One fold of sha256 into 63 bits for the model's fingerprint, the island id and the
+    # settings (one masked it, the other shifted it: different values for the same bytes).
+    from lightning_swarm.membership.round_header import HeaderRow, encode_settings, island_hash
+
+    digest = hashlib.sha256(b"island-a").digest()
+    assert hash63(b"island-a") == int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    assert island_hash("island-a") == hash63(b"island-a")
+    row = HeaderRow(island=0, model=0, healing=0, joined_ns=0, nonce=0, finite=1)
+    settings = {"sync_every": 4, "outer_optimizer.lr": 0.7}
+    row.set_settings(settings)
+    assert row.settings == hash63(encode_settings(settings))
+    assert all(0 <= h < 2**63 for h in (row.settings, island_hash("island-a")))
 
 
 def test_global_shapes_describe_local_shards() -> None:

@@ -40,11 +40,16 @@ def model_layout(
     }
 
 
+def hash63(data: bytes) -> int:
+    """The package's one short hash: the first 8 bytes of ``data``'s sha256, little-endian, top
+    bit cleared, so that it fits a non-negative int64 (what a round header carries)."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & ((1 << 63) - 1)
+
+
 def fingerprint(layout: Mapping[str, ParamLayout]) -> int:
-    """A 63-bit hash of ``layout``, independent of the parameters' order."""
+    """A 63-bit hash (``hash63``) of ``layout``, independent of the parameters' order."""
     text = json.dumps(sorted((name, str(ParamLayout(*entry))) for name, entry in layout.items()))
-    digest = hashlib.sha256(text.encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return hash63(text.encode())
 
 
 def describe_difference(

@@ -6,7 +6,6 @@ an island being healed averages zeros and adopts the swarm's round (``opening_of
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, replace
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.budget import scale_of
+from lightning_swarm.algorithm.model_layout import hash63
 from lightning_swarm.config import ISLAND_SETTINGS, SwarmConfig
 from lightning_swarm.membership.errors import (
     DivergedIslandError,
@@ -27,10 +27,6 @@ from lightning_swarm.membership.errors import (
 from lightning_swarm.transport.base import Opening, RoundPlace, checked_work
 
 Settings = dict[str, Any]  # setting name -> a JSON value; equal on every island of a swarm
-
-
-def _hash63(data: bytes) -> int:
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
 def _json_value(value: object) -> Any:
@@ -94,7 +90,7 @@ class HeaderRow:
 
     def set_settings(self, settings: Settings) -> None:
         encoded = encode_settings(settings)
-        self.settings, self.settings_len = _hash63(encoded), len(encoded)
+        self.settings, self.settings_len = hash63(encoded), len(encoded)
 
     def tensor(self) -> Tensor:
         return torch.tensor(astuple(self), dtype=torch.int64)
@@ -105,7 +101,7 @@ class HeaderRow:
 
 
 def island_hash(island_id: str) -> int:
-    return _hash63(island_id.encode())
+    return hash63(island_id.encode())
 
 
 def reference_index(rows: list[HeaderRow]) -> int:
