@@ -289,6 +289,31 @@ def test_lightning_merge_alpha_ends_equal_and_other_settings_are_refused(tmp_pat
     assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max() for k in a}
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: a quorum timeout after the refusal
+def test_the_partner_of_a_refused_island_names_the_refusal_when_its_quorum_times_out(
+    tmp_path: Path,
+) -> None:
+    """x (another outer lr) waits first; a joins, x is refused in their first round and stops,
+    and a's quorum (min_islands=2) times out with an error that says x was refused."""
+    started: list[subprocess.Popen[bytes]] = []
+    with lighthouse() as address:
+        try:
+            x = start_island(tmp_path, address, "x", "--outer-lr", "0.1", script=SCRIPT)
+            started.append(x)
+            a = start_island(tmp_path, address, "a", "--quorum-timeout", "6", script=SCRIPT)
+            started.append(a)
+            assert finish(x, 90, tmp_path, "x") != 0
+            assert finish(a, 90, tmp_path, "a") != 0
+        finally:
+            _kill_all(started)
+    refused = (tmp_path / "x.error.0").read_text()
+    assert refused.startswith("SettingsMismatchError: island 'x' was refused"), refused
+    error = (tmp_path / "a.error.0").read_text()
+    assert error.startswith("QuorumTimeoutError: island 'a'"), error
+    assert "island_id hash" in error and "was refused in round 0" in error, error
+    assert "its DiLoCo settings differ from the swarm's" in error, error
+
+
 @pytest.mark.slow  # ~60 s on 2 busy cores; test_membership_torchft.py names the error in seconds
 @pytest.mark.timeout(400)
 def test_lightning_islands_stop_cleanly_when_the_lighthouse_stays_gone(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from lightning_swarm.membership.round_header import (
     abandons,
     island_hash,
     opening_of,
+    reference_index,
     refusal,
     swarm_settings_of,
     weighed,
@@ -169,6 +170,9 @@ class TorchftMembership:
         self._last_commit_at = time.monotonic()
         self._short_since: float | None = None  # rounds fell short of min_islands since
         self._rounds_started = 0
+        # The last member this island saw refused (its own error says why), for a quorum that
+        # then never forms: the island's partner left, and the timeout should say so.
+        self._refused_note: str | None = None
         # This rank's link rate, measured by its own exchanges, and the round's bound.
         self._link = LinkRate(num_islands=1)
         self.round_timeout_s = config.timeouts.base_s
@@ -290,7 +294,10 @@ class TorchftMembership:
         self._pg.collective_timeout = seconds(self.round_timeout_s)
         self._phase("quorum")
         assert self._watch is not None, "a rank that talks to torchft watches for suspensions"
-        request_quorum(manager, self.config, self._watch, self._last_commit_at)
+        try:
+            request_quorum(manager, self.config, self._watch, self._last_commit_at)
+        except QuorumTimeoutError as err:
+            raise self._with_refusal(err) from err
         healing = not manager.is_participating()
         self._outcome = RoundOutcome(
             genesis=manager.current_step() == 0, participants=manager.num_participants()
@@ -335,11 +342,13 @@ class TorchftMembership:
         else:
             self._short_since = self._short_since or now
             if now - self._short_since > self.config.quorum_timeout_s:
-                raise QuorumTimeoutError(
-                    f"island {self.config.island_id!r}: only {outcome.participants} island(s) "
-                    f"in the rounds of the last {now - self._short_since:.0f} s, fewer than "
-                    f"min_islands={self.config.min_islands}; start more islands or lower "
-                    "min_islands."
+                raise self._with_refusal(
+                    QuorumTimeoutError(
+                        f"island {self.config.island_id!r}: only {outcome.participants} "
+                        f"island(s) in the rounds of the last {now - self._short_since:.0f} s, "
+                        f"fewer than min_islands={self.config.min_islands}; start more islands "
+                        "or lower min_islands."
+                    )
                 )
         if outcome.committed:
             self._last_commit_at = now
@@ -375,8 +384,33 @@ class TorchftMembership:
             raise error
         if abandons(rows, self._row):
             self._manager.report_error(MembershipError("a refused island was in the round"))
+            self._note_refused(rows)
             return None
         return rows
+
+    def _note_refused(self, rows: list[HeaderRow]) -> None:
+        reference = rows[reference_index(rows)]
+        for row in rows:
+            what = (
+                "model"
+                if row.model != reference.model
+                else "DiLoCo settings"
+                if row.settings != reference.settings
+                else None
+            )
+            if what is not None:
+                self._refused_note = (
+                    f"The last island that came, island_id hash {row.island:x}, was refused in "
+                    f"round {self._rounds_started - 1}: its {what} differ from the swarm's (its "
+                    "own error names the difference); restart it with the swarm's, and this "
+                    "island's quorum forms again."
+                )
+
+    def _with_refusal(self, err: QuorumTimeoutError) -> QuorumTimeoutError:
+        """``err`` with the last refusal this island saw, if any, in its message."""
+        if self._refused_note is None:
+            return err
+        return type(err)(f"{err} {self._refused_note}")
 
     def _allgather(self, mine: Tensor) -> list[Tensor]:
         gathered = [torch.empty_like(mine) for _ in range(self._pg.size())]
