@@ -1,9 +1,9 @@
 # Two entry points, each doing its own set-up in a local virtual environment:
 #   make train   -> installs the package (with the plots extra: loss.png) and runs the main job
 #                   (2 islands on CPU, ~2 min)
-#   make test    -> installs the package with the dev extra (every optional feature the tests
-#                   exercise, the tools, setuptools for the offline wheel test), runs lint,
-#                   type check and tests
+#   make test    -> installs the package with the dev and elastic extras (every optional
+#                   feature the tests exercise, the tools, setuptools for the offline wheel
+#                   test), runs lint, type check and tests
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin

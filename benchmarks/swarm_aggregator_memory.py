@@ -1,19 +1,27 @@
-"""Aggregator host memory of the swarm transport against the number of peers, offload on/off.
+"""Aggregator host memory of the swarm transport against the number of peers, and all-reduce's.
 
 For each number of islands (2, 4, 8) and each transport setting, forks that many ranks over
 gloo, gives each a ~256 MiB pseudo-gradient (a GPT-like layout: one 128 MiB embedding plus
-32 matrices of 4 MiB) and runs one round with island 0 as the aggregator. Island 0 samples its
-own VmRSS from /proc/self/status every millisecond in a thread (and resets VmHWM before the
-round, then reads it after), so the figures are the aggregator's real peak resident memory.
+32 matrices of 4 MiB and their biases) and runs one round with island 0 as the aggregator.
 
-Also reported: the spool's peak disk use, and the wall time of one sync for the swarm
-transport and for the all-reduce transport on the same payload and ranks (max over ranks).
+What is measured is what the transport adds during one round, nothing else: the payload is
+built as the one flat float32 buffer the round engine holds (``tests.transport_rounds.
+average_flat`` runs the round on it in place) and the transport is built, before the window.
+Island 0 then resets its VmHWM (``/proc/self/clear_refs``), reads its VmRSS and RssAnon (the
+*baseline*), samples both every millisecond in a thread during the round, and reads VmHWM
+after it. *extra RSS* is the larger of the sampled peak and VmHWM, above the baseline;
+*extra anon* is the sampled RssAnon peak above its baseline: the part the kernel cannot drop
+(the rest of RSS is file pages, e.g. spool files mapped for reading).
+
+Also reported: the spool's peak disk use, and the wall time of the round for each transport on
+the same payload and ranks (max over ranks).
 
 ``--kinds ... swarm_sharded`` adds the sharded swarm transport (``swarm.aggregator="sharded"``),
-where every island aggregates its shard; island 0 is measured all the same.
+where every island aggregates its part; island 0 is measured all the same.
 
-Run: .venv/bin/python benchmarks/swarm_aggregator_memory.py [--peers 2 4 8] [--chunk-mb 4]
-     [--kinds swarm_offload swarm_sharded]
+Run from the repository root (it imports ``tests``):
+    PYTHONPATH=. .venv/bin/python benchmarks/swarm_aggregator_memory.py [--peers 2 4 8]
+        [--chunk-mb 4] [--kinds swarm_offload swarm_sharded allreduce]
 """
 
 from __future__ import annotations
@@ -31,54 +39,57 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_swarm.memory.procfs import ProcReader
 from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
-from tests.transport_rounds import average
+from tests.transport_rounds import average_flat
 
 MIB = 2**20
 
 
-def payload(seed: int) -> dict[str, torch.Tensor]:
-    """~256 MiB of float32: a 128 MiB embedding and 8 layers of four 4 MiB matrices + biases."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {"embed.weight": torch.randn(32768, 1024, generator=g)}
+def payload(seed: int) -> tuple[torch.Tensor, dict[str, torch.Size]]:
+    """~256 MiB of float32 as one flat buffer and the shapes packed in it, in order: a 128 MiB
+    embedding and 8 layers of four 4 MiB matrices + biases. Filled in place, so building it
+    never holds a second copy."""
+    shapes = {"embed.weight": torch.Size((32768, 1024))}
     for layer in range(8):
         for name in ("q", "k", "v", "o"):
-            tensors[f"h{layer}.{name}.weight"] = torch.randn(1024, 1024, generator=g)
-            tensors[f"h{layer}.{name}.bias"] = torch.randn(1024, generator=g)
-    return tensors
+            shapes[f"h{layer}.{name}.weight"] = torch.Size((1024, 1024))
+            shapes[f"h{layer}.{name}.bias"] = torch.Size((1024,))
+    flat = torch.empty(sum(shape.numel() for shape in shapes.values()))
+    flat.normal_(generator=torch.Generator().manual_seed(seed))
+    return flat, shapes
 
 
-def vm_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def status() -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon... of this process, in bytes (the benchmark needs /proc)."""
+    fields = ProcReader().status()
+    assert fields is not None, "this benchmark reads /proc/self/status (Linux)"
+    return fields
 
 
 class PeakSampler:
-    """Samples VmRSS every ``period_s`` in a daemon thread; ``peak`` is the largest seen."""
+    """Samples VmRSS and RssAnon every ``period_s`` in a daemon thread; ``peak`` holds the
+    largest of each seen, from the moment of construction to the end of the ``with``."""
+
+    FIELDS = ("VmRSS", "RssAnon")
 
     def __init__(self, period_s: float = 0.001) -> None:
         self.period_s = period_s
-        self.peak = vm_rss()
-        self.samples = 0
+        self.peak = {k: status()[k] for k in self.FIELDS}
+        self.num_samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self) -> None:
+        now = status()
+        for k in self.FIELDS:
+            self.peak[k] = max(self.peak[k], now[k])
+
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.peak = max(self.peak, vm_rss())
-            self.samples += 1
+            self._sample()
+            self.num_samples += 1
 
     def __enter__(self) -> PeakSampler:
         self._thread.start()
@@ -87,7 +98,7 @@ class PeakSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, vm_rss())
+        self._sample()
 
 
 KINDS = ("swarm_offload", "swarm_memory", "allreduce", "swarm_sharded")
@@ -122,18 +133,28 @@ def rank_main(rank: int, world: int, port: int, kind: str, chunk_mb: float, out:
     )
     spool_dir = str(Path(out).parent / "spool")
     transport = build(kind, rank, world, chunk_mb, spool_dir)
-    tensors = payload(seed=rank)
+    flat, shapes = payload(seed=rank)
+    payload_bytes = flat.numel() * flat.element_size()
     dist.barrier()
     result: dict[str, Any] = {}
     if rank == 0:
-        # Writing 5 to clear_refs resets VmHWM, so it reports this round's peak only.
+        # Writing 5 to clear_refs resets VmHWM to the current RSS: it then reports this
+        # round's peak only. Nothing is allocated between here and the round but the sampler.
         Path("/proc/self/clear_refs").write_text("5")
-        result["baseline_rss"] = vm_rss()
         with PeakSampler() as sampler:
-            stats = average(transport, tensors, round_index=0)
-        result.update(peak_rss=sampler.peak, hwm=vm_hwm(), samples=sampler.samples)
+            before = dict(sampler.peak)
+            stats = average_flat(transport, flat, shapes, round_index=0)
+        hwm = status()["VmHWM"]
+        result.update(
+            baseline_rss=before["VmRSS"],
+            baseline_anon=before["RssAnon"],
+            peak_rss=max(sampler.peak["VmRSS"], hwm),
+            peak_anon=sampler.peak["RssAnon"],
+            hwm=hwm,
+            num_samples=sampler.num_samples,
+        )
     else:
-        stats = average(transport, tensors, round_index=0)
+        stats = average_flat(transport, flat, shapes, round_index=0)
     wall = torch.tensor([stats.wall_s])
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -142,7 +163,7 @@ def rank_main(rank: int, world: int, port: int, kind: str, chunk_mb: float, out:
         result.update(
             wall_s=float(wall),
             peak_spool_bytes=peak_spool,
-            payload_bytes=sum(t.numel() * 4 for t in tensors.values()),
+            payload_bytes=payload_bytes,
             bytes_received=stats.bytes_received,
             bytes_sent=stats.bytes_sent,
         )
@@ -176,8 +197,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"cpu cores: {os.cpu_count()}, chunk_mb: {args.chunk_mb}, torch {torch.__version__}")
     header = (
-        f"{'islands':>7} {'transport':>14} {'base MiB':>9} {'peak MiB':>9} {'HWM MiB':>8} "
-        f"{'extra MiB':>9} {'spool MiB':>9} {'sync s':>7}"
+        f"{'islands':>7} {'transport':>14} {'base MiB':>9} {'extra RSS':>9} {'extra anon':>10} "
+        f"{'samples':>7} {'spool MiB':>9} {'round s':>7}"
     )
     print(header)
     results: dict[str, dict[str, Any]] = {}
@@ -185,21 +206,17 @@ def main() -> None:
         for world in args.peers:
             for kind in args.kinds:
                 r = measure(kind, world, args.chunk_mb, Path(tmp))
+                r["extra_rss"] = r["peak_rss"] - r["baseline_rss"]
+                r["extra_anon"] = r["peak_anon"] - r["baseline_anon"]
                 results[f"{kind}-{world}"] = r
-                base = r.get("baseline_rss", 0) / MIB
-                peak = r.get("peak_rss", 0) / MIB
                 print(
-                    f"{world:>7} {kind:>14} {base:>9.0f} {peak:>9.0f} {r['hwm'] / MIB:>8.0f} "
-                    f"{peak - base:>9.0f} {r['peak_spool_bytes'] / MIB:>9.0f} "
+                    f"{world:>7} {kind:>14} {r['baseline_rss'] / MIB:>9.0f} "
+                    f"{r['extra_rss'] / MIB:>9.0f} {r['extra_anon'] / MIB:>10.0f} "
+                    f"{r['num_samples']:>7} {r['peak_spool_bytes'] / MIB:>9.0f} "
                     f"{r['wall_s']:>7.2f}",
                     flush=True,
                 )
     print(f"payload per island: {results[next(iter(results))]['payload_bytes'] / MIB:.1f} MiB")
-    for kind in ("swarm_offload", "swarm_memory", "swarm_sharded"):
-        lo, hi = min(args.peers), max(args.peers)
-        if f"{kind}-{lo}" in results and f"{kind}-{hi}" in results:
-            ratio = results[f"{kind}-{hi}"]["peak_rss"] / results[f"{kind}-{lo}"]["peak_rss"]
-            print(f"{kind}: peak RSS at {hi} islands / at {lo} islands = {ratio:.3f}")
     print("json:", json.dumps(results))
 
 

@@ -3,7 +3,9 @@
 ``average`` drives a transport through its bucket contract (``transport.base.Transport``) the
 way the round engine's held round does: the tensors back to back in one float32 buffer, planned
 on the transport's buckets and blocks, every bucket started, waited for, then ``agree``; the
-mean is copied back into the caller's tensors. ``NamedRound`` is a base for stand-in transports
+mean is copied back into the caller's tensors. ``average_flat`` is that round alone, on a buffer
+the caller already holds (as the engine holds its own), so a benchmark can leave the copy in and
+out of the buffer outside what it measures. ``NamedRound`` is a base for stand-in transports
 scripted as one call per round over named tensors (``average_named``).
 """
 
@@ -16,6 +18,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from lightning_swarm.algorithm.diloco import max_abs
 from lightning_swarm.transport.base import (
     Bucket,
     Done,
@@ -51,12 +54,43 @@ def average(
     start = time.perf_counter()
     values = list(tensors.values())
     flat = torch.cat([t.reshape(-1) for t in values]) if values else torch.empty(0)
-    finite = bool(torch.isfinite(flat).all())
-    names = {n: t.shape for n, t in tensors.items()}
-    opening = transport.open(RoundRequest(round_index, finite, names, work=work))
+    shapes = {n: t.shape for n, t in tensors.items()}
+    stats = average_flat(transport, flat, shapes, round_index=round_index, work=work)
+    offset = 0
+    for t in values:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return replace(stats, wall_s=time.perf_counter() - start)
+
+
+def average_flat(
+    transport: Transport,
+    flat: Tensor,
+    shapes: Mapping[str, torch.Size],
+    *,
+    round_index: int,
+    work: Work | None = None,
+) -> RoundStats:
+    """Overwrite ``flat`` (contiguous float32: the tensors of ``shapes``, in order, back to back)
+    with its mean over ``transport``'s islands, as ``average`` does, without copying it: the
+    round allocates only what the transport does (the finite flag is one ``aminmax``, as the
+    round engine's). ``wall_s`` is this round's.
+
+    Raises:
+        ValueError: ``flat`` is not contiguous float32, or not as long as ``shapes`` together.
+        Whatever the transport raises.
+    """
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        raise ValueError(f"a round moves a contiguous float32 buffer; got {flat.dtype}")
+    sizes = [shape.numel() for shape in shapes.values()]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"shapes hold {sum(sizes)} elements, the buffer {flat.numel()}")
+    start = time.perf_counter()
+    finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
+    opening = transport.open(RoundRequest(round_index, finite, dict(shapes), work=work))
     if opening.scale != 1.0:
         flat.mul_(opening.scale)
-    plan = plan_buckets([t.numel() for t in values], transport.bucket_numel, transport.block_size)
+    plan = plan_buckets(sizes, transport.bucket_numel, transport.block_size)
     handles: list[Handle] = []
     offset = 0
     for bucket in plan:
@@ -66,10 +100,6 @@ def average(
         offset += numel
     sent = sum(handle.wait() for handle in handles)
     stats = transport.agree()
-    offset = 0
-    for t in values:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
     return replace(
         stats,
         bytes_sent=stats.bytes_sent + sent,
