@@ -179,6 +179,12 @@ class SwarmStrategy(IslandDDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        # A checkpoint directory no save could write fails here, on every rank, not at the
+        # first save (ModelCheckpoint resolved its dirpath in its own setup, before this).
+        self.checkpointer.check_dirs(
+            [getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks],
+            Collectives(self.global_rank, self.broadcast, self.barrier),
+        )
         if self.config.sync_every_s is not None:
             self._budget = BudgetFit(trainer, self.config.sync_every_s)
         # A pending swarm resume installs anchors later: build placeholders, not copies.

@@ -208,6 +208,7 @@ def test_outer_record_round_trips_and_keeps_the_saved_layout() -> None:
         "pending",
         "synced_at",
         "ended_at",
+        "merged_at",
     ]
     record = OuterRecord.from_dict(state)
     assert record.to_dict() == state
@@ -216,7 +217,7 @@ def test_outer_record_round_trips_and_keeps_the_saved_layout() -> None:
     sharded = OuterRecord(
         anchors={"w": torch.zeros(4, 3)},
         outer_optimizer={"state": {}, "param_groups": []},
-        counters=OuterCounters(6, 3, [2, 1], [None, 4], 4),
+        counters=OuterCounters(6, 3, [2, 1], [None, 4], 4, [6, None]),
         pending=pending,
         param_names=["w"],
         share=(1, 2),
@@ -237,6 +238,7 @@ def test_a_checkpoint_dict_of_todays_form_loads() -> None:
         "pending": None,
         "synced_at": [None],
         "ended_at": None,
+        "merged_at": [None],
     }
     payload = {"format": FORMAT_VERSION, "save_id": "s", "outer": [saved]}
     record = AnchorsRecord.from_dict(payload, "anchors.pt")
@@ -248,8 +250,12 @@ def test_a_checkpoint_dict_of_todays_form_loads() -> None:
         assert torch.equal(twin.anchors[name], outer.anchors[name])
     # Saves older than the per-fragment counters lack them: in sync unknown, fit never ended.
     old = {k: v for k, v in saved.items() if k not in ("fragment_rounds", "synced_at", "ended_at")}
-    twin.load_state_dict(old)
+    twin.load_state_dict({**old, "merged_at": [3]})
     assert (twin.fragment_rounds, twin.synced_at, twin.ended_at) == ([0], [None], None)
+    assert twin.merged_at == [3]
+    del old["merged_at"]  # and those older than the merge mark: merged at an unknown step
+    twin.load_state_dict(old)
+    assert twin.merged_at == [None]
 
 
 # -- catch-up ---------------------------------------------------------------------------------
