@@ -54,3 +54,29 @@ def test_a_peer_lost_outside_the_round_names_this_rank() -> None:
     assert message.startswith("rank 3: a rank of this run (the one whose address torch names)")
     assert "Connection closed by peer [10.0.0.2]:4" in message
     assert isinstance(caught.value, SwarmError) and isinstance(caught.value, RuntimeError)
+
+
+def test_the_rank_that_died_first_is_named_by_the_ranks_it_took_down(tmp_path: Path) -> None:
+    """FSDP islands of two ranks: rank 1 dies; rank 0 stops in an island collective, and the
+    other island finds rank 0 (gone as a consequence) and rank 1 missing at the next round.
+    Rank 2, whose connection to rank 0 closed, names rank 1 as the rank that died first; no
+    survivor's error puts rank 0 among the suspects."""
+    from tests.fsdp_kill_rank import WORLD as FSDP_WORLD
+
+    procs, outputs = run_rank_processes(
+        "tests.fsdp_kill_rank", [str(tmp_path)], FSDP_WORLD, 120, wait_for=1
+    )
+    assert procs[1].returncode == -9, "rank 1 was to kill itself"
+    messages = {}
+    for rank in (0, 2, 3):
+        assert procs[rank].returncode != 0, outputs[rank][1][-3000:]
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["exception"] == "PeerLostError", result
+        messages[rank] = result["message"]
+    assert "island 0 (global rank 0) went away" in messages[2], messages[2]
+    assert "Global rank 1 died first: every other rank ([0, 2, 3])" in messages[2], messages[2]
+    for rank in (0, 3):  # they may stop before rank 2 reports: rank 1 among the suspects
+        message = messages[rank]
+        assert "Global rank 1 died first" in message or (
+            "so none of them died first; the rank that did is among [1" in message
+        ), message

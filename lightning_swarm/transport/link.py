@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_swarm.errors import PeerLostError, RoundTimeoutError, SwarmError
+from lightning_swarm.transport.departures import departures_text
 
 # A round's rate varies with what shares the link and with TCP backing off: a live round is cut
 # only below a quarter of the last round's rate, while a hung peer is found in a few round-times.
@@ -81,7 +82,8 @@ def peer_lost_message(where: str, gone: str, cause: BaseException) -> str:
     """``PeerLostError``'s message: ``where`` this rank was, ``gone`` who went away."""
     return (
         f"{where}: {gone} went away: its connection closed under a collective (its process "
-        f"died or its link dropped; {first_line(cause)}). A static run cannot continue without "
+        f"died or its link dropped; {first_line(cause)}).{departures_text()} A static run "
+        "cannot continue without "
         "it. Restart the fit from the last checkpoint (ckpt_path=last), after finding why it "
         "stopped in that island's log; to train on through islands that die, use elastic "
         "islands (membership='torchft', docs/elastic.md)."
