@@ -35,6 +35,7 @@ from lightning_swarm.resume.global_weights import load_global_state_dict
 from lightning_swarm.strategy import SwarmStrategy
 from lightning_swarm.transport.errors import (
     BadWorkError,
+    LayoutMismatchError,
     NonFinitePseudoGradientError,
     SpoolError,
     SwarmRoundError,
@@ -49,6 +50,7 @@ __all__ = [
     "DivergedIslandError",
     "DuplicateIslandError",
     "HostMemoryCensus",
+    "LayoutMismatchError",
     "LighthouseLostError",
     "LighthouseUnreachableError",
     "MembershipError",

@@ -256,7 +256,6 @@ class SwarmStrategy(IslandDDPStrategy):
         module = self.lightning_module
         assert module is not None
         mesh = self.island_mesh_shape
-        shapes = {name: list(p.shape) for name, p in module.named_parameters()}
         return TrainingView(
             topology=self.topology,
             outer_syncs=self.outer_syncs,
@@ -267,8 +266,8 @@ class SwarmStrategy(IslandDDPStrategy):
             options=options_of(self.config, self.outer_syncs),
             anchors=self.config.anchors,
             collectives=Collectives(self.global_rank, self.broadcast, self.barrier),
-            # Each rank holds only its shards: the island mesh and the global shapes.
-            model_shards=None if mesh is None else ModelShards(mesh=mesh, global_shapes=shapes),
+            # Each rank holds only its shards (their slices: the outer states' layouts).
+            model_shards=None if mesh is None else ModelShards(mesh=mesh),
             loops_per_island=self._own_pace,
         )
 

@@ -57,3 +57,31 @@ def test_ring_bytes_formula() -> None:
     assert ring_allreduce_bytes(1000, 1) == 0
     assert ring_allreduce_bytes(1000, 2) == 1000
     assert ring_allreduce_bytes(1000, 4) == 1500
+
+
+def _paired_worker(rank: int, world: int, out: Path) -> None:
+    from lightning_swarm.algorithm.codecs import codec_for
+    from lightning_swarm.transport import ReduceScatterTransport
+    from lightning_swarm.transport.base import RoundRequest
+    from lightning_swarm.transport.errors import LayoutMismatchError
+
+    # Rank 1 holds another slice of "w" (its layout's fingerprint differs): refused on both.
+    names = {"w": torch.Size([3, 4])}
+    coded = {"island_index": rank, "codec": codec_for("int8", 32)}
+    for cls, extra in ((AllReduceTransport, {}), (ReduceScatterTransport, coded)):
+        transport = cls(None, num_islands=world, bucket_numel=64, **extra)
+        transport.open(RoundRequest(0, True, names, layout=7))  # the same slices: fine
+        transport.agree()
+        try:
+            transport.open(RoundRequest(1, True, names, layout=7 + rank * 2**40))
+        except LayoutMismatchError as err:
+            (out / f"{cls.__name__}.{rank}.txt").write_text(str(err))
+
+
+def test_ranks_paired_by_a_round_with_other_slices_are_refused_on_both(tmp_path: Path) -> None:
+    run_ranks(_paired_worker, 2, tmp_path, timeout_s=60)
+    for name in ("AllReduceTransport", "ReduceScatterTransport"):
+        for rank in (0, 1):
+            message = (tmp_path / f"{name}.{rank}.txt").read_text()
+            assert message.startswith("island(s) [1] hold other slices of this round's"), message
+            assert "Launch every island with the same model and the same layout" in message

@@ -29,7 +29,7 @@ from lightning_swarm.outer import OuterSync
 from lightning_swarm.outer.sync_state import SyncState
 from lightning_swarm.resume import FORMAT_VERSION, SwarmCheckpointer
 from lightning_swarm.resume.atomic import atomic_save
-from lightning_swarm.resume.compatibility import compare_fingerprints, layout_fingerprint
+from lightning_swarm.resume.compatibility import compare_fingerprints, layout_record
 from lightning_swarm.resume.errors import IntegrityError
 from lightning_swarm.resume.files import (
     MMAP_ENV,
@@ -286,7 +286,7 @@ def test_catch_up_rejects_mismatched_shapes() -> None:
 def _fp(num_islands: int = 2, fragments: object = None, **shapes: tuple[int, ...]) -> dict:
     shapes = shapes or {"w": (4, 3), "b": (3,)}
     params = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    return layout_fingerprint(num_islands, [model_layout(params)], fragments)
+    return layout_record(num_islands, [model_layout(params)], fragments)
 
 
 def test_matching_fingerprints_pass() -> None:

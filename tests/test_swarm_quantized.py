@@ -17,7 +17,7 @@ from lightning_swarm.algorithm import robust
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.transport.aggregator.contributions import CodedPayload, encode_marked
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
-from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.payload import PayloadMap
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 from tests.transport_rounds import average
@@ -25,7 +25,7 @@ from tests.transport_rounds import average
 BLOCK = 16
 # Besides payloads, to and from each other island: the round's terms (9 + n float64), its
 # verdict row (1 + 2n) and its success flag (1): as in test_swarm_transport.py.
-CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
+CONTROL_BYTES = lambda world: (world - 1) * 8 * ((10 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
 def _num_accepted(transport: SwarmAggregator) -> int:
@@ -57,7 +57,7 @@ def _quantized_mean(
 
 # -- exact results ---------------------------------------------------------------------------
 def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
-    layout = PayloadLayout.from_tensors(_contribution(0, 0))
+    layout = PayloadMap.from_tensors(_contribution(0, 0))
     for name in ("bf16", "int8", "int4"):
         codec = Codec(name, BLOCK)
         wire = CodedPayload(layout, codec).wire
@@ -201,7 +201,7 @@ def test_marked_encoding_decodes_non_finite_values_as_nan() -> None:
 
 
 def test_quantized_swarm_needs_float32() -> None:
-    layout = PayloadLayout.from_tensors({"h": torch.zeros(4, dtype=torch.float16)})
+    layout = PayloadMap.from_tensors({"h": torch.zeros(4, dtype=torch.float16)})
     with pytest.raises(ValueError, match="quantize='int8' encodes float32 pseudo-gradients"):
         CodedPayload(layout, Codec("int8"))
 

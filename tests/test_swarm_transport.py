@@ -22,7 +22,7 @@ from lightning_swarm.transport import AllReduceTransport
 from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.swarm_round import SwarmAggregator
 from lightning_swarm.transport.errors import SpoolError, SwarmRoundError
-from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.payload import PayloadMap
 from tests.dist_utils import run_ranks as _run
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 from tests.transport_rounds import average
@@ -31,7 +31,7 @@ from tests.transport_rounds import average
 # int64 fields: the round's terms (CRC, chunk, 2 stream lengths, description length, 4 rule
 # fields, one weight per island), its verdict row (status, finite and sum of squares per
 # island) and its success flag.
-CONTROL_BYTES = lambda world: (world - 1) * 8 * ((9 + world) + (1 + 2 * world) + 1)  # noqa: E731
+CONTROL_BYTES = lambda world: (world - 1) * 8 * ((10 + world) + (1 + 2 * world) + 1)  # noqa: E731
 
 
 def _num_accepted(transport: SwarmAggregator) -> int:
@@ -97,7 +97,7 @@ def _exact_worker(rank: int, world: int, spool_dir: str) -> None:
             {"weights": weights},
         ),
     }
-    payload = PayloadLayout.from_tensors(_contribution(0, 0))
+    payload = PayloadMap.from_tensors(_contribution(0, 0))
     for r in range(world):  # every island aggregates once
         for name, (transport, rule, kw) in cases.items():
             tensors = _contribution(rank, r)
@@ -200,6 +200,18 @@ def _validation_worker(rank: int, world: int, spool_dir: str) -> None:
         assert all(torch.equal(tensors[k], robust.mean([c[k] for c in expected])) for k in tensors)
     if rank == 2:
         assert "payload layout differs: names differ" in transport.last_round.rejected[3]  # type: ignore[union-attr]
+    # round 3, aggregator 3: island 1 holds other slices of the same names and shapes (its
+    # layout's fingerprint differs): it raises, the others average without it.
+    tensors = _contribution(rank, 3)
+    if rank == 1:
+        with pytest.raises(SwarmConfigError, match="layout .* differs from the aggregator's"):
+            average(transport, tensors, round_index=3, layout=2)
+    else:
+        average(transport, tensors, round_index=3, layout=1)
+        expected = [_contribution(i, 3) for i in (0, 2, 3)]
+        assert all(torch.equal(tensors[k], robust.mean([c[k] for c in expected])) for k in tensors)
+    if rank == 3:
+        assert "payload layout differs" in transport.last_round.rejected[1]  # type: ignore[union-attr]
     transport.close()
 
 
@@ -263,7 +275,7 @@ def test_skipped_round_leaves_anchors_unchanged(tmp_path: Path) -> None:
 class _TruncatingSpool(Spool):
     """Plays a disk that loses the end of a file between its write and its read."""
 
-    def reader(self, round_id: int, island: int, layout: PayloadLayout, **kw: Any) -> Any:
+    def reader(self, round_id: int, island: int, layout: PayloadMap, **kw: Any) -> Any:
         path = self.path(round_id, island)
         os.truncate(path, path.stat().st_size - 8)
         return super().reader(round_id, island, layout, **kw)

@@ -38,11 +38,12 @@ def average(
     *,
     round_index: int,
     work: Work | None = None,
+    layout: int = 0,
 ) -> RoundStats:
     """Overwrite ``tensors`` (contiguous float32, the same names and shapes on every rank) with
     their mean over ``transport``'s islands; collective as the transport's round is. ``work``
-    (a time-budgeted round) goes to ``open``, and the tensors are scaled as its ``Opening``
-    says, as the round engine does.
+    (a time-budgeted round) and ``layout`` (``RoundRequest.layout``) go to ``open``, and the
+    tensors are scaled as its ``Opening`` says, as the round engine does.
 
     Raises:
         ValueError: a tensor is not contiguous float32 (the contract moves float32 buckets).
@@ -55,7 +56,7 @@ def average(
     values = list(tensors.values())
     flat = torch.cat([t.reshape(-1) for t in values]) if values else torch.empty(0)
     shapes = {n: t.shape for n, t in tensors.items()}
-    stats = average_flat(transport, flat, shapes, round_index=round_index, work=work)
+    stats = average_flat(transport, flat, shapes, round_index=round_index, work=work, layout=layout)
     offset = 0
     for t in values:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -70,6 +71,7 @@ def average_flat(
     *,
     round_index: int,
     work: Work | None = None,
+    layout: int = 0,
 ) -> RoundStats:
     """Overwrite ``flat`` (contiguous float32: the tensors of ``shapes``, in order, back to back)
     with its mean over ``transport``'s islands, as ``average`` does, without copying it: the
@@ -87,7 +89,8 @@ def average_flat(
         raise ValueError(f"shapes hold {sum(sizes)} elements, the buffer {flat.numel()}")
     start = time.perf_counter()
     finite = flat.numel() == 0 or bool(torch.isfinite(max_abs([flat])).item())
-    opening = transport.open(RoundRequest(round_index, finite, dict(shapes), work=work))
+    request = RoundRequest(round_index, finite, dict(shapes), work=work, layout=layout)
+    opening = transport.open(request)
     if opening.scale != 1.0:
         flat.mul_(opening.scale)
     plan = plan_buckets(sizes, transport.bucket_numel, transport.block_size)

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from lightning_swarm.algorithm.budget import Clock, RoundBudget
 from lightning_swarm.algorithm.codecs import codec_for
 from lightning_swarm.algorithm.fragments import build_fragments, check_fragments
+from lightning_swarm.algorithm.model_layout import Layout
 from lightning_swarm.config import DEFAULT_TIMEOUT_S, SwarmConfig
 from lightning_swarm.errors import SwarmConfigError, SwarmError
 from lightning_swarm.outer.params import ParameterWatch, trained_params
@@ -170,7 +171,8 @@ class OuterLoop:
         self.frozen: dict[str, torch.nn.Parameter] = {}
         exclude = self.frozen if config.frozen_params == "exclude" else None
         for index, optimizer in enumerate(optimizers):
-            params = trained_params(optimizer, names, index, seen, frozen=exclude)
+            layout: Layout = {}
+            params = trained_params(optimizer, names, index, seen, frozen=exclude, layout=layout)
             if not params:
                 continue
             streaming = StreamingOptions(
@@ -195,6 +197,7 @@ class OuterLoop:
                 streaming=streaming,
                 shard=shard,
                 budget=self._budget(clock, budget_group, device),
+                layout=layout,
             )
             self.outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_swarm.algorithm.model_layout import Layout, param_layout
 from lightning_swarm.errors import SwarmConfigError
 
 
@@ -23,9 +24,11 @@ def trained_params(
     seen: set[int],
     *,
     frozen: dict[str, torch.nn.Parameter] | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, torch.nn.Parameter]:
     """The parameters ``optimizer`` holds, by module name, in a rank-independent order (a
-    DTensor as its ``local_shard``). With ``frozen`` given, frozen ones go there instead."""
+    DTensor as its ``local_shard``). With ``frozen`` given, frozen ones go there instead; with
+    ``layout`` given, each returned parameter's layout (its slice of a DTensor) goes there."""
     params: dict[str, torch.nn.Parameter] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -43,6 +46,8 @@ def trained_params(
                 frozen[name] = p
             else:
                 params[name] = local_shard(p)
+                if layout is not None:
+                    layout[name] = param_layout(p)
     return params
 
 

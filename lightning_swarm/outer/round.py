@@ -22,6 +22,7 @@ import lightning_swarm.profiling as labels
 from lightning_swarm.algorithm import global_norm, merge_into_local, outer_step
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.diloco import max_abs, sum_of_squares
+from lightning_swarm.algorithm.model_layout import fingerprint
 from lightning_swarm.algorithm.outer_optimizer import FastKind, fast_outer_kind
 from lightning_swarm.outer.bucket_step import (
     BucketJob,
@@ -63,6 +64,8 @@ class OuterRound:
         self._reduce_s = 0.0
         # This round's weight (``_open``): 1.0 unless a time budget weighs the islands.
         self._scale = 1.0
+        # The placement fingerprint of each set of names a round has sent (``_open``).
+        self._layout_prints: dict[tuple[str, ...], int] = {}
 
     def kind(self) -> FastKind | None:
         """The per-bucket outer step, or None: one ``optimizer.step()`` over the fragment."""
@@ -99,6 +102,11 @@ class OuterRound:
         """``Transport.open``; under a time budget with this island's work, keeping the
         weight's scale for this round and the swarm's most inner steps on the budget."""
         s, budget = self.state, self.state.budget
+        names = tuple(request.names)
+        if names not in self._layout_prints:  # a fragment's names are the same every round
+            own = {n: s.layout[n] for n in names}
+            self._layout_prints[names] = fingerprint(own, placement=True)
+        request = replace(request, layout=self._layout_prints[names])
         if budget is None:
             self._scale = 1.0
             return self.transport.open(request)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
+from lightning_swarm.algorithm.model_layout import Layout, model_layout
 from lightning_swarm.errors import SwarmConfigTypeError
 from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
@@ -44,6 +45,8 @@ class OuterSync(SyncState):
             outer state and rounds here; ``None`` owns all.
         budget: rounds on a time budget (``sync_every_s``) instead of every ``sync_every``
             steps (``algorithm.budget``); one fragment and no delay.
+        layout: ``params``' layout with this rank's slices (``model_layout`` of the module's
+            parameters, DTensors included); ``None``: every parameter whole, as given.
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -63,6 +66,7 @@ class OuterSync(SyncState):
         streaming: StreamingOptions | None = None,
         shard: IslandShard | None = None,
         budget: RoundBudget | None = None,
+        layout: Layout | None = None,
     ) -> None:
         params = dict(params)
         streaming = streaming or StreamingOptions()
@@ -110,6 +114,7 @@ class OuterSync(SyncState):
             synced_at=[None if defer_anchors else 0] * len(fragments),
             merged_at=[None] * len(fragments),
             budget=budget,
+            layout=layout if layout is not None else model_layout(params),
         )
         self.engine = OuterRound(self)
 

@@ -22,6 +22,7 @@ from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.diloco import keep_state_float32
 from lightning_swarm.algorithm.fragments import FragmentSchedule
+from lightning_swarm.algorithm.model_layout import Layout
 from lightning_swarm.algorithm.outer_optimizer import select_by_name
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.outer.shard import IslandShard
@@ -154,6 +155,7 @@ class SyncState:
     anchors: dict[str, Tensor]
     outer_optimizer: torch.optim.Optimizer
     placeholders: bool  # memory-less anchors awaiting a resume
+    layout: Layout  # every parameter's global shape, dtype and this rank's slice of it
     inner_steps: int = 0
     outer_steps: int = 0
     fragment_rounds: list[int] = field(default_factory=list)

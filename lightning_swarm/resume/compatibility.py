@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_swarm.algorithm.codecs import NO_CODEC
-from lightning_swarm.algorithm.model_layout import Layout, model_layout
+from lightning_swarm.algorithm.model_layout import Layout
 from lightning_swarm.config import RESUME_OPTIONS
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.records import OptionsRecord
@@ -17,21 +17,22 @@ from lightning_swarm.resume.training_view import TrainingView
 MESH_KEY = "island_mesh"
 
 
-def layout_fingerprint(
-    num_islands: int, layouts: Sequence[Layout], fragments: Any = None
-) -> dict[str, Any]:
+def layout_record(num_islands: int, layouts: Sequence[Layout], fragments: Any) -> dict[str, Any]:
+    """The checkpoint's record of the layouts (one per optimizer): rank-independent, so each
+    parameter's name and global shape only (a rank's slice follows from them and the mesh;
+    dtypes may change between save and resume)."""
     return {
         "num_islands": int(num_islands),
-        "params": [
-            [[name, list(entry.shape)] for name, entry in layout.items()] for layout in layouts
-        ],
+        "params": [[[name, list(e.shape)] for name, e in layout.items()] for layout in layouts],
         "fragments": fragments,
     }
 
 
 def current_fingerprint(host: TrainingView) -> dict[str, Any]:
-    """This run's fingerprint. Streaming DiLoCo adds its fragments and schedule: a round in
-    flight is applied at ``send_step + sync_delay`` to the fragment it was sent for."""
+    """This run's fingerprint, read off each outer state's ``layout``: the island count, every
+    parameter's name and global shape, the island mesh when model-sharded (which, with the
+    shapes, fixes each rank's slice) and, with Streaming DiLoCo, the fragments and schedule (a
+    round in flight is applied at ``send_step + sync_delay`` to the fragment it was sent for)."""
     options, shards = host.options, host.model_shards
     fragments = None
     if options["num_fragments"] > 1 or options["sync_delay"] > 0:
@@ -40,9 +41,9 @@ def current_fingerprint(host: TrainingView) -> dict[str, Any]:
             "sync_delay": options["sync_delay"],
             "layout": [o.fragments for o in host.outer_syncs],
         }
-    shapes = None if shards is None else shards.global_shapes
-    layouts = [model_layout(o.params, shapes) for o in host.outer_syncs]
-    fingerprint = layout_fingerprint(host.topology.num_islands, layouts, fragments)
+    fingerprint = layout_record(
+        host.topology.num_islands, [o.layout for o in host.outer_syncs], fragments
+    )
     if shards is not None:
         fingerprint[MESH_KEY] = dict(shards.mesh)
     return fingerprint

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_swarm.algorithm.model_layout import Layout
 from lightning_swarm.config import AnchorConfig, SwarmConfig
 from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.resume.records import OptionsRecord, Totals, plain_values
@@ -23,6 +24,8 @@ class OuterState(Protocol):
 
     @property
     def params(self) -> Mapping[str, torch.nn.Parameter]: ...
+    @property
+    def layout(self) -> Layout: ...
     @property
     def owned(self) -> Sequence[str]: ...
     @property
@@ -59,10 +62,10 @@ class Collectives:
 @dataclass(frozen=True)
 class ModelShards:
     """A model-sharded island (``island_parallel="fsdp"``): its mesh's shape
-    (``{"data_parallel": dp, "tensor_parallel": tp}``) and each parameter's full shape."""
+    (``{"data_parallel": dp, "tensor_parallel": tp}``); each parameter's global shape and
+    slice are in its outer state's ``layout``."""
 
     mesh: Mapping[str, int]
-    global_shapes: Mapping[str, Sequence[int]]
 
 
 @dataclass(frozen=True)

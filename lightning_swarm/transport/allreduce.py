@@ -27,7 +27,7 @@ from lightning_swarm.transport.base import (
     checked_work,
 )
 from lightning_swarm.transport.buckets import check_bucket
-from lightning_swarm.transport.errors import NonFinitePseudoGradientError
+from lightning_swarm.transport.errors import LayoutMismatchError, NonFinitePseudoGradientError
 from lightning_swarm.transport.link import LinkTimeouts, LinkWatch
 
 
@@ -89,11 +89,24 @@ class AllReduceTransport:
             size = dist.get_world_size(self.island_group)
             finite = agree(finite, gather=flags_over(self.island_group, size, self.device)).all_ok
         work = request.work
-        values = () if work is None else (float(work.steps), float(work.inner_steps))
+        # The layout's fingerprint in two exact halves (a float carries 53 bits), then the work.
+        values: tuple[float, ...] = (
+            float(request.layout >> 32),
+            float(request.layout & 0xFFFFFFFF),
+        )
+        values += () if work is None else (float(work.steps), float(work.inner_steps))
         flags = flags_direct if self.direct_vote else flags_over
         agreed = agree(
             finite, gather=flags(self.group, self.num_islands, self.device), values=values
         )
+        if odd := [i for i, v in enumerate(agreed.values) if v[:2] != agreed.values[0][:2]]:
+            raise LayoutMismatchError(
+                f"island(s) {odd} hold other slices of this round's parameters than island 0 "
+                "at the same place in their island (another model, or another island_size, "
+                "island_parallel or tensor_parallel_size), so their pseudo-gradients cannot "
+                "be averaged; the round was taken nowhere. Launch every island with the same "
+                "model and the same layout inside it."
+            )
         if bad := list(agreed.bad):
             raise NonFinitePseudoGradientError(
                 f"the pseudo-gradient of island(s) {bad} holds NaN or inf, so the outer step was "
@@ -103,7 +116,7 @@ class AllReduceTransport:
             )
         if work is None:
             return Opening()
-        weights, swarm_steps = checked_work([(v[0], v[1]) for v in agreed.values])
+        weights, swarm_steps = checked_work([(v[2], v[3]) for v in agreed.values])
         return Opening(scale=scale_of(weights, self._position()), swarm_steps=swarm_steps)
 
     @record_function(labels.ALLREDUCE)

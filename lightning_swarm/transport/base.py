@@ -96,8 +96,10 @@ def _whole(value: float) -> bool:
 class RoundRequest:
     """The round ``Transport.open`` opens: ``round_index`` (the outer step count it starts
     from), whether this island is ``finite``, the ``names`` packed into its buckets in order,
-    its ``place`` (``None``: inline), its ``work`` under a time budget, and the ``offer`` a
-    healing peer may be sent (read-only until the next ``open``)."""
+    its ``place`` (``None``: inline), its ``work`` under a time budget, the ``offer`` a
+    healing peer may be sent (read-only until the next ``open``), and ``layout``: the
+    fingerprint of this rank's slices of ``names`` (``model_layout.fingerprint`` with
+    ``placement``), which the ranks a round pairs up must share (0: not checked)."""
 
     round_index: int
     finite: bool
@@ -105,6 +107,7 @@ class RoundRequest:
     place: RoundPlace | None = None
     offer: Mapping[str, Any] | None = None
     work: Work | None = None
+    layout: int = 0
 
 
 @dataclass(frozen=True)

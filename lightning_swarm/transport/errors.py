@@ -10,6 +10,11 @@ class NonFinitePseudoGradientError(SwarmError, ValueError):
     """Some island's pseudo-gradient holds NaN or inf; the round was not run anywhere."""
 
 
+class LayoutMismatchError(SwarmError, ValueError):
+    """Ranks that a round pairs up hold other slices of its parameters (their model layouts
+    differ); the round was not run anywhere."""
+
+
 class BadWorkError(SwarmError, ValueError):
     """An island's weight in a time-budgeted round (its inner steps since the last round) is
     not a whole number from 0 to its inner steps; the round was not run anywhere."""

@@ -1,6 +1,8 @@
-"""The layout of one round's payload: names, shapes and dtypes, in order, and their bytes.
+"""The map of one round's payload: its tensors' names, shapes and dtypes, in order, and where
+their bytes sit (a payload's byte format, like a safetensors header; which slice of the model a
+rank holds is ``algorithm.model_layout``'s, not this).
 
-A payload is its tensors' raw bytes in layout order: the wire's chunks, and the data section of
+A payload is its tensors' raw bytes in map order: the wire's chunks, and the data section of
 a safetensors file whose header is known ahead (every tensor declared flat), so chunk ``k`` lands
 at a fixed offset. Peer descriptions are untrusted: ``from_json`` raises ``ValueError``.
 """
@@ -62,8 +64,8 @@ class ChunkPiece:
     length: int
 
 
-class PayloadLayout:
-    """Ordered tensor specs; equal layouts describe byte-compatible payloads."""
+class PayloadMap:
+    """Ordered tensor specs; equal maps describe byte-compatible payloads."""
 
     def __init__(self, entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         specs: list[TensorSpec] = []
@@ -77,7 +79,7 @@ class PayloadLayout:
         self._chunks: dict[int, list[list[ChunkPiece]]] = {}
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Tensor]) -> PayloadLayout:
+    def from_tensors(cls, tensors: Mapping[str, Tensor]) -> PayloadMap:
         """The layout of ``tensors`` in mapping order; ``ValueError`` unless each is contiguous
         with a dtype that can travel."""
         entries = []
@@ -93,7 +95,7 @@ class PayloadLayout:
         return cls(entries)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PayloadLayout) and self.key() == other.key()
+        return isinstance(other, PayloadMap) and self.key() == other.key()
 
     def __hash__(self) -> int:
         return hash(self.key())
@@ -106,7 +108,7 @@ class PayloadLayout:
         return json.dumps(self.key(), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, blob: bytes) -> PayloadLayout:
+    def from_json(cls, blob: bytes) -> PayloadMap:
         """Parse a peer's description; ``ValueError`` unless it is JSON of the expected form."""
         try:
             items = json.loads(blob.decode())
@@ -129,7 +131,7 @@ class PayloadLayout:
             entries.append((item[0], tuple(item[1]), CODE_DTYPES[item[2]]))
         return cls(entries)
 
-    def difference(self, other: PayloadLayout) -> str | None:
+    def difference(self, other: PayloadMap) -> str | None:
         """Human-readable first difference between ``other`` (a peer's) and this layout."""
         if self == other:
             return None
@@ -186,7 +188,7 @@ def byte_view(t: Tensor) -> Tensor:
 
 
 def pack_chunk(
-    sources: Sequence[Tensor], layout: PayloadLayout, k: int, chunk_bytes: int, out: Tensor
+    sources: Sequence[Tensor], layout: PayloadMap, k: int, chunk_bytes: int, out: Tensor
 ) -> int:
     """Copy chunk ``k`` of the payload ``sources`` (uint8 views) into ``out``; return its size."""
     size = 0
@@ -199,7 +201,7 @@ def pack_chunk(
 
 
 def unpack_chunk(
-    chunk: Tensor, layout: PayloadLayout, k: int, chunk_bytes: int, targets: Sequence[Tensor]
+    chunk: Tensor, layout: PayloadMap, k: int, chunk_bytes: int, targets: Sequence[Tensor]
 ) -> None:
     """Copy chunk ``k`` (uint8) back into ``targets`` (uint8 views), the inverse of pack."""
     for p in layout.chunk_pieces(k, chunk_bytes):

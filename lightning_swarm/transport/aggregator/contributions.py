@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec, Encoded
-from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
+from lightning_swarm.transport.payload import PayloadMap, TensorSpec
 
 
 class Contribution(Protocol):
@@ -44,7 +44,7 @@ class MemoryContribution:
 
 
 class MemorySink:
-    def __init__(self, layout: PayloadLayout) -> None:
+    def __init__(self, layout: PayloadMap) -> None:
         self.layout = layout
         self.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8)
 
@@ -72,7 +72,7 @@ def blocks(spec: TensorSpec, block_numel: int) -> list[tuple[int, int]]:
 
 
 def measure(
-    contribution: Contribution, layout: PayloadLayout, block_numel: int, sum_sq: bool
+    contribution: Contribution, layout: PayloadMap, block_numel: int, sum_sq: bool
 ) -> tuple[bool, float, str | None]:
     """The one validation pass over ``contribution``, block by block: whether every floating
     value is finite, the float64 sum of their squares (0.0 with ``sum_sq=False``, which saves
@@ -103,7 +103,7 @@ class CodedPayload:
     start on ``align`` (the codec block, made even for int4), so a block decodes bit for bit as
     in a whole-tensor decode. Raises ``ValueError`` unless ``layout`` is float32 only."""
 
-    def __init__(self, layout: PayloadLayout, codec: Codec) -> None:
+    def __init__(self, layout: PayloadMap, codec: Codec) -> None:
         for spec in layout.specs:
             if spec.dtype != torch.float32:
                 raise ValueError(
@@ -121,7 +121,7 @@ class CodedPayload:
                 entries.append((spec.name + SCALES_SUFFIX, (num_blocks,), torch.float32))
         for spec in layout.specs:
             entries.append((spec.name + DATA_SUFFIX, (self._data_numel(spec.numel),), data_dtype))
-        self.wire = PayloadLayout(entries)
+        self.wire = PayloadMap(entries)
         assert self.wire.data_bytes == sum(codec.encoded_nbytes(s.numel) for s in layout.specs)
         pair = 2 if codec.name == "int4" else 1
         self.align = codec.block_size * pair // math.gcd(codec.block_size, pair)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_swarm.transport.aggregator.contributions import all_finite
 from lightning_swarm.transport.base import RoundStats
-from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+from lightning_swarm.transport.payload import PayloadMap, byte_view, pack_chunk, unpack_chunk
 
 
 @dataclass
@@ -30,9 +30,9 @@ class Exchange:
     def scatter(
         self,
         sources: list[list[Tensor]],
-        wires: list[PayloadLayout],
+        wires: list[PayloadMap],
         steps: int,
-        into: list[PayloadLayout] | None = None,
+        into: list[PayloadMap] | None = None,
     ) -> Iterator[tuple[int, dict[int, Tensor]]]:
         """Send ``sources[j]`` (uint8 views in ``wires[j]``'s order) to island j, yielding
         ``(k, {peer i: chunk k of what it sent here, in into[i]'s order})`` (default: this
@@ -64,7 +64,7 @@ class Exchange:
             pieces = received.split(recv_sizes)
             yield k, {i: piece for i, piece in enumerate(pieces) if recv_sizes[i]}
 
-    def gather(self, views: list[list[Tensor]], layouts: list[PayloadLayout], steps: int) -> None:
+    def gather(self, views: list[list[Tensor]], layouts: list[PayloadMap], steps: int) -> None:
         """Send this island's result (``views[me]``, uint8, in ``layouts[me]``'s order) to every
         island, and unpack every other island's into ``views[i]``."""
         mine = [layouts[self.me]] * self.n
@@ -72,16 +72,14 @@ class Exchange:
             for i, piece in received.items():
                 unpack_chunk(piece, layouts[i], k, self.chunk_bytes, views[i])
 
-    def _size(self, layout: PayloadLayout, k: int, peer: int) -> int:
+    def _size(self, layout: PayloadMap, k: int, peer: int) -> int:
         """Bytes of chunk ``k`` of ``layout`` this island exchanges with ``peer``."""
         if peer == self.me or peer in self.silent or self.me in self.silent:
             return 0
         return max(0, min(self.chunk_bytes, layout.data_bytes - k * self.chunk_bytes))
 
 
-def folds(
-    layout: PayloadLayout, aggregation: str, max_norm: float | None, chunk_bytes: int
-) -> bool:
+def folds(layout: PayloadMap, aggregation: str, max_norm: float | None, chunk_bytes: int) -> bool:
     """Whether a round can be summed as it arrives (``PartFold``): a running-sum rule, no
     ``max_norm`` (it needs each island's norm), float32 only, chunks of whole elements (the
     caller rules out codecs). Pass the whole layout, which every island agreed on, not a part's:
@@ -103,7 +101,7 @@ class PartFold:
 
     def __init__(
         self,
-        layout: PayloadLayout,
+        layout: PayloadMap,
         own: Sequence[Tensor],
         island_index: int,
         num_islands: int,

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_swarm.memory.procfs import pid_alive
 from lightning_swarm.transport.errors import SpoolError
-from lightning_swarm.transport.payload import PayloadLayout, TensorSpec
+from lightning_swarm.transport.payload import PayloadMap, TensorSpec
 
 WriteAt = Callable[[int, memoryview, int], int]  # os.pwrite's signature: (fd, data, offset)
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -133,14 +133,14 @@ class Spool:
             )
 
     def writer(
-        self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
+        self, round_id: int, island: int, layout: PayloadMap, *, remap_bytes: int = 64 * 2**20
     ) -> SpoolWriter:
         """Create, size and lease the file for ``island``'s contribution to ``round_id``
         (``remap_bytes``: its reader's, once ``finish``\\ ed)."""
         return SpoolWriter(self, round_id, island, layout, remap_bytes)
 
     def reader(
-        self, round_id: int, island: int, layout: PayloadLayout, *, remap_bytes: int = 64 * 2**20
+        self, round_id: int, island: int, layout: PayloadMap, *, remap_bytes: int = 64 * 2**20
     ) -> SpoolReader:
         """Lease and check the committed file of ``island`` in ``round_id`` for reading."""
         return SpoolReader(self, round_id, island, layout, remap_bytes)
@@ -256,7 +256,7 @@ class SpoolWriter(AbstractContextManager["SpoolWriter"]):
     removes it (``abort``, also on leaving a ``with`` block); holds its lease until then."""
 
     def __init__(
-        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
+        self, spool: Spool, round_id: int, island: int, layout: PayloadMap, remap_bytes: int
     ) -> None:
         self.spool, self.layout, self.path = spool, layout, spool._acquire(round_id, island)
         self.round_id, self.island, self.remap_bytes = round_id, island, remap_bytes
@@ -367,7 +367,7 @@ class SpoolReader(AbstractContextManager["SpoolReader"]):
     returns the pages read from this process's RSS). Holds its lease until ``close``."""
 
     def __init__(
-        self, spool: Spool, round_id: int, island: int, layout: PayloadLayout, remap_bytes: int
+        self, spool: Spool, round_id: int, island: int, layout: PayloadMap, remap_bytes: int
     ) -> None:
         self.spool, self.layout, self.path = spool, layout, spool._acquire(round_id, island)
         self.remap_bytes = remap_bytes

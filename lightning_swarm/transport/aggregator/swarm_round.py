@@ -52,7 +52,7 @@ from lightning_swarm.transport.base import Bucket, Handle, Opening, RoundRequest
 from lightning_swarm.transport.config import check_aggregator
 from lightning_swarm.transport.errors import SpoolError
 from lightning_swarm.transport.link import LinkWatch
-from lightning_swarm.transport.payload import PayloadLayout, byte_view
+from lightning_swarm.transport.payload import PayloadMap, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class _Round:
         self.terms: RoundTerms
         self.exchange: Exchange
         self.coded: list[CodedPayload | None] = []
-        self.wires: list[PayloadLayout] = []
+        self.wires: list[PayloadMap] = []
         self.sinks: dict[int, Sink | None] = {}
         self.contributions: dict[int, Contribution] = {}
         self.stats = RoundStats()
@@ -159,6 +159,7 @@ class SwarmAggregator:
         self._round_index = 0
         self._names: dict[str, torch.Size] = {}
         self._work: Work | None = None
+        self._model = 0  # ``RoundRequest.layout``: the slices this rank sends
         self._buckets: list[Tensor] = []
         self._stats: RoundStats | None = None
         self.link = LinkWatch(group, num_islands=num_islands)  # explains, sets no timeout
@@ -181,7 +182,7 @@ class SwarmAggregator:
         scale, and the swarm's most inner steps come back in ``RoundStats.swarm_steps``."""
         self._round_index, self._names = request.round_index, dict(request.names)
         self.link.begin(request.round_index, self._names)
-        self._work = request.work
+        self._work, self._model = request.work, request.layout
         self._buckets, self._stats = [], None
         return Opening()
 
@@ -219,7 +220,7 @@ class SwarmAggregator:
         label = labels.AGGREGATOR_ROUND if self.owners == "rotating" else labels.SHARDED_ROUND
         with record_function(label):
             start = time.perf_counter()
-            layout = PayloadLayout.from_tensors(tensors)
+            layout = PayloadMap.from_tensors(tensors)
             owner: int | None = None  # sharded: every island owns a part
             if self.owners == "rotating":
                 owner = round_index % self.num_islands
@@ -267,7 +268,7 @@ class SwarmAggregator:
             stats.swarm_steps = rnd.terms.swarm_steps
             return stats
 
-    def _agree(self, rnd: _Round, layout: PayloadLayout, round_index: int) -> None:
+    def _agree(self, rnd: _Round, layout: PayloadMap, round_index: int) -> None:
         """Step 1: the round's terms, codecs, wire layouts and exchange."""
         rnd.coded = [  # an empty part has nothing to encode
             CodedPayload(p.layout, self.codec) if self.codec and p.layout.specs else None
@@ -277,17 +278,17 @@ class SwarmAggregator:
         if rnd.owner is None:
             rnd.terms = agree_parts(
                 self.group, rnd.parts, rnd.wires, self.codec, self.rule, self.chunk_bytes,
-                round_index, self.island_group, rnd.stats, self._work,
+                round_index, self.island_group, rnd.stats, self._work, self._model,
             )  # fmt: skip
         else:
             rnd.terms = agree_owner(
                 self.group, self.island_index, rnd.owner, layout, rnd.wires[rnd.owner],
-                self.codec, self.rule, self.chunk_bytes, rnd.stats, self._work,
+                self.codec, self.rule, self.chunk_bytes, rnd.stats, self._work, self._model,
             )  # fmt: skip
         silent, me, n = frozenset(rnd.terms.mismatched), self.island_index, self.num_islands
         rnd.exchange = Exchange(self.group, me, n, rnd.terms.chunk_bytes, silent, rnd.stats)
 
-    def _run(self, rnd: _Round, layout: PayloadLayout, round_id: int) -> None:
+    def _run(self, rnd: _Round, layout: PayloadMap, round_id: int) -> None:
         """Steps 2-5."""
         rule, chunk_bytes = rnd.terms.rule, rnd.terms.chunk_bytes
         # Decided on the whole layout, which every island agreed on: a part's own dtypes

@@ -5,7 +5,6 @@ together (``island_all``, ``agree_island``: every rank calls them once per round
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -14,13 +13,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_swarm.algorithm.codecs import Codec
+from lightning_swarm.algorithm.model_layout import hash63
 from lightning_swarm.algorithm.robust import AGGREGATIONS, aggregate
 from lightning_swarm.errors import SwarmConfigError
 from lightning_swarm.transport.aggregator.contributions import Contribution, blocks
 from lightning_swarm.transport.agree import agree, flags_over
 from lightning_swarm.transport.base import RoundStats, Work, checked_work
 from lightning_swarm.transport.buckets import Piece, plan_shares
-from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.payload import PayloadMap
 
 _CPU = torch.device("cpu")
 
@@ -31,14 +31,14 @@ class Part:
     names each piece ``"<tensor>[start:stop]"`` (or the whole payload's names)."""
 
     pieces: tuple[Piece, ...]
-    layout: PayloadLayout
+    layout: PayloadMap
 
     def views(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Flat views of the part's elements of ``tensors`` (in the full layout's order)."""
         return [tensors[p.tensor_index].view(-1)[p.start : p.stop] for p in self.pieces]
 
 
-def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part]:
+def plan_parts(layout: PayloadMap, num_islands: int, align: int) -> list[Part]:
     """Cut the payload into ``num_islands`` contiguous parts of whole ``align`` units (balanced
     within one unit, possibly empty), every piece starting on a codec block so that encoding a
     piece equals encoding the whole tensor. Raises ``ValueError`` unless both are >= 1."""
@@ -51,15 +51,15 @@ def plan_parts(layout: PayloadLayout, num_islands: int, align: int) -> list[Part
         for p in pieces:
             spec = layout.specs[p.tensor_index]
             entries.append((f"{spec.name}[{p.start}:{p.stop}]", (p.length,), spec.dtype))
-        parts.append(Part(tuple(pieces), PayloadLayout(entries)))
+        parts.append(Part(tuple(pieces), PayloadMap(entries)))
     return parts
 
 
-def whole_part(layout: PayloadLayout, num_islands: int, owner: int) -> list[Part]:
+def whole_part(layout: PayloadMap, num_islands: int, owner: int) -> list[Part]:
     """The whole payload to island ``owner`` (its names and shapes, so its spool files are the
     payload's), empty parts to the others."""
     whole = tuple(Piece(spec.index, 0, spec.numel) for spec in layout.specs)
-    empty = PayloadLayout([])
+    empty = PayloadMap([])
     return [Part(whole, layout) if j == owner else Part((), empty) for j in range(num_islands)]
 
 
@@ -113,7 +113,7 @@ class AggregationRule:
         targets: Sequence[Tensor],
         contributions: Mapping[int, Contribution],
         accepted: list[int],
-        layout: PayloadLayout,
+        layout: PayloadMap,
         block_numel: int,
         work: Sequence[float] | None = None,
     ) -> None:
@@ -200,7 +200,7 @@ def elsewhere_message(round_index: int, what: str) -> str:
 def agree_parts(
     group: dist.ProcessGroup | None,
     parts: list[Part],
-    wires: list[PayloadLayout],
+    wires: list[PayloadMap],
     codec: Codec | None,
     rule: AggregationRule,
     chunk_bytes: int,
@@ -208,19 +208,19 @@ def agree_parts(
     island_group: dist.ProcessGroup | None,
     stats: RoundStats,
     work: Work | None = None,
+    model: int = 0,
 ) -> RoundTerms:
     """Several owners: raise ``SwarmConfigError`` on every rank unless every island cut the
-    same parts and runs the same rule in the same chunks. ``work`` (a time-budgeted round)
-    rides in the same row; a bad one raises ``BadWorkError`` on every rank."""
+    same parts of the same slices (``model``: ``RoundRequest.layout``) and runs the same rule
+    in the same chunks. ``work`` (a time-budgeted round) rides in the same row; a bad one
+    raises ``BadWorkError`` on every rank."""
     blob = b"".join(p.layout.to_json() for p in parts)
     blob += f"{codec!r} {rule!r} {chunk_bytes}".encode()
-    if work is None:
-        row = torch.tensor([zlib.crc32(blob)], dtype=torch.int64)
-    else:  # float64 carries the CRC (< 2**32) exactly, and a weight as each island sent it
-        row = torch.tensor([zlib.crc32(blob), work.steps, work.inner_steps], dtype=torch.float64)
-    table = all_gather_rows(row, group, stats)
-    crcs = [int(c) for c in table[:, 0]]
-    odd = [i for i, c in enumerate(crcs) if c != crcs[0]]
+    row = [*_hash_columns(model, blob)]
+    row += [] if work is None else [float(work.steps), float(work.inner_steps)]
+    table = all_gather_rows(torch.tensor(row, dtype=torch.float64), group, stats)
+    hashes = [tuple(r) for r in table[:, :2].tolist()]
+    odd = [i for i, h in enumerate(hashes) if h != hashes[0]]
     (same,) = island_all([not odd], island_group)
     if not same and not odd:
         raise SwarmConfigError(elsewhere_message(round_index, "the layout or swarm options differ"))
@@ -235,29 +235,31 @@ def agree_parts(
     scatter = max(w.num_chunks(chunk_bytes) for w in wires)
     gather = max(p.layout.num_chunks(chunk_bytes) for p in parts)
     terms = RoundTerms(rule, chunk_bytes, scatter, gather)
-    return terms if work is None else _with_work(terms, table[:, 1:])
+    return terms if work is None else _with_work(terms, table[:, 2:])
 
 
 def agree_owner(
     group: dist.ProcessGroup | None,
     island_index: int,
     owner: int,
-    layout: PayloadLayout,
-    wire: PayloadLayout,
+    layout: PayloadMap,
+    wire: PayloadMap,
     codec: Codec | None,
     rule: AggregationRule,
     chunk_bytes: int,
     stats: RoundStats,
     work: Work | None = None,
+    model: int = 0,
 ) -> RoundTerms:
-    """One owner: its rule and chunk size rule the round. An island whose wire layout or
-    codec differs is *mismatched*: it moves nothing, its contribution is rejected, and it alone
-    raises after the round's collectives; the owner's log names the first difference."""
+    """One owner: its rule and chunk size rule the round. An island whose slices (``model``:
+    ``RoundRequest.layout``), wire layout or codec differ is *mismatched*: it moves nothing,
+    its contribution is rejected, and it alone raises after the round's collectives; the
+    owner's log names the first difference."""
     description = wire.to_json()
     n = dist.get_world_size(group)
     weights = rule.island_weights if rule.island_weights and len(rule.island_weights) == n else None
     row = [
-        float(zlib.crc32(description + layout.to_json() + repr(codec).encode())),
+        *_hash_columns(model, description + layout.to_json() + repr(codec).encode()),
         float(chunk_bytes),
         float(wire.num_chunks(chunk_bytes)),
         float(layout.num_chunks(chunk_bytes)),
@@ -269,7 +271,7 @@ def agree_owner(
     ] + (list(weights) if weights is not None else [math.nan] * n)
     row += [float(work.steps), float(work.inner_steps)] if work is not None else []
     table = all_gather_rows(torch.tensor(row, dtype=torch.float64), group, stats)
-    theirs = [float(v) for v in table[owner]]
+    theirs = [float(v) for v in table[owner]][1:]  # after the hash's first half: as before
     if island_index != owner:  # the owner's rule, read back from its row
         rule = AggregationRule(
             AGGREGATIONS[int(theirs[5])],
@@ -278,12 +280,20 @@ def agree_owner(
             None if math.isnan(theirs[8]) else theirs[8],
             None if math.isnan(theirs[9]) else theirs[9 : 9 + n],
         )
-    odd = [i for i in range(n) if float(table[i, 0]) != theirs[0]]
+    owners_hash = table[owner, :2].tolist()
+    odd = [i for i in range(n) if table[i, :2].tolist() != owners_hash]
     mismatched = {i: "payload layout differs from the aggregator's" for i in odd}
     if odd:
-        _name_differences(group, island_index, owner, wire, table, odd, mismatched, stats)
+        _name_differences(group, island_index, owner, wire, table[:, 1:], odd, mismatched, stats)
     terms = RoundTerms(rule, int(theirs[1]), int(theirs[2]), int(theirs[3]), mismatched)
-    return terms if work is None else _with_work(terms, table[:, 9 + n :])
+    return terms if work is None else _with_work(terms, table[:, 10 + n :])
+
+
+def _hash_columns(model: int, blob: bytes) -> tuple[float, float]:
+    """``hash63`` of the slices' fingerprint and ``blob``, in two halves a float64 carries
+    exactly (a row of ``all_gather_rows``)."""
+    digest = hash63(model.to_bytes(8, "little") + blob)
+    return float(digest >> 32), float(digest & 0xFFFFFFFF)
 
 
 def _with_work(terms: RoundTerms, columns: Tensor) -> RoundTerms:
@@ -296,7 +306,7 @@ def _name_differences(
     group: dist.ProcessGroup | None,
     island_index: int,
     owner: int,
-    wire: PayloadLayout,
+    wire: PayloadMap,
     table: Tensor,
     odd: list[int],
     mismatched: dict[int, str],
@@ -318,7 +328,7 @@ def _name_differences(
         return
     for i, piece in zip(odd, received.split([lengths[i] for i in odd]), strict=True):
         try:
-            difference = wire.difference(PayloadLayout.from_json(piece.numpy().tobytes()))
+            difference = wire.difference(PayloadMap.from_json(piece.numpy().tobytes()))
         except ValueError as err:
             mismatched[i] = f"unreadable payload description ({err})"
             continue
