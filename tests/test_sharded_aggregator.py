@@ -25,7 +25,7 @@ from lightning_swarm.transport.aggregator.spool import Spool
 from lightning_swarm.transport.aggregator.terms import plan_parts
 from lightning_swarm.transport.buckets import Piece
 from lightning_swarm.transport.errors import SwarmRoundError
-from lightning_swarm.transport.payload import PayloadLayout
+from lightning_swarm.transport.payload import PayloadMap
 from tests.dist_utils import run_ranks
 from tests.helpers import QUIET, Recorder, TinyRegressor, load_ranks, regression_data
 from tests.transport_rounds import average
@@ -41,7 +41,7 @@ def _contribution(island: int, round_index: int) -> dict[str, torch.Tensor]:
 
 # -- planning ---------------------------------------------------------------------------------
 def test_parts_cover_the_payload_on_alignment_units() -> None:
-    layout = PayloadLayout.from_tensors(_contribution(0, 0))
+    layout = PayloadMap.from_tensors(_contribution(0, 0))
     parts = plan_parts(layout, 3, 32)
     # 1412 elements: 13 + 1 + 0 + 32 units of 32 = 46 units over 3 islands: 15, 15, 16
     assert [sum(p.length for p in s.pieces) for s in parts] == [407 + 5 + 32, 480, 488]
@@ -73,12 +73,12 @@ def test_option_is_validated_and_built() -> None:
 
 # -- the mean summed as it arrives ----------------------------------------------------------
 def test_fold_sums_in_island_order_chunk_by_chunk() -> None:
-    layout = PayloadLayout.from_tensors({"x": torch.zeros(5), "y": torch.zeros(4)})
+    layout = PayloadMap.from_tensors({"x": torch.zeros(5), "y": torch.zeros(4)})
     assert folds(layout, "mean", None, 8) and folds(layout, "weighted_mean", None, 8)
     assert not folds(layout, "median", None, 8), "median needs every value per element"
     assert not folds(layout, "mean", 1.0, 8), "max_norm needs each island's norm"
     assert not folds(layout, "mean", None, 6), "a chunk must hold whole floats"
-    assert not folds(PayloadLayout.from_tensors({"h": torch.zeros(2, dtype=torch.float64)}),
+    assert not folds(PayloadMap.from_tensors({"h": torch.zeros(2, dtype=torch.float64)}),
                      "mean", None, 8)  # fmt: skip
     g = torch.Generator().manual_seed(3)
     # 9 floats in chunks of 2 (8 bytes): one chunk spans "x" and "y"; values that make float

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from lightning_swarm.transport.aggregator.spool import Spool, filesystem_type
 from lightning_swarm.transport.errors import SpoolError
-from lightning_swarm.transport.payload import PayloadLayout, byte_view, pack_chunk, unpack_chunk
+from lightning_swarm.transport.payload import PayloadMap, byte_view, pack_chunk, unpack_chunk
 
 WAIT_S = 20.0  # bound on every event wait: a hang fails the test instead of blocking the suite
 
@@ -38,7 +38,7 @@ def _payload(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _write(spool: Spool, round_id: int, island: int, tensors: dict[str, torch.Tensor], chunk=40):
-    layout = PayloadLayout.from_tensors(tensors)
+    layout = PayloadMap.from_tensors(tensors)
     views = [byte_view(t) for t in tensors.values()]
     buf = torch.empty(chunk, dtype=torch.uint8)
     with spool.writer(round_id, island, layout) as w:
@@ -51,7 +51,7 @@ def _write(spool: Spool, round_id: int, island: int, tensors: dict[str, torch.Te
 # -- layout -------------------------------------------------------------------------------------
 def test_chunks_cover_the_stream_exactly_and_unpack_is_the_inverse() -> None:
     tensors = _payload()
-    layout = PayloadLayout.from_tensors(tensors)
+    layout = PayloadMap.from_tensors(tensors)
     views = [byte_view(t) for t in tensors.values()]
     for chunk in (1, 3, 40, 64, layout.data_bytes, layout.data_bytes + 5):
         out = {k: torch.zeros_like(v) for k, v in tensors.items()}
@@ -67,28 +67,28 @@ def test_chunks_cover_the_stream_exactly_and_unpack_is_the_inverse() -> None:
 
 
 def test_description_round_trip_and_differences() -> None:
-    layout = PayloadLayout.from_tensors(_payload())
-    assert PayloadLayout.from_json(layout.to_json()) == layout
+    layout = PayloadMap.from_tensors(_payload())
+    assert PayloadMap.from_json(layout.to_json()) == layout
     other = dict(_payload())
     other["layer.bias"] = torch.zeros(14)
-    assert "'layer.bias' is [14]" in str(layout.difference(PayloadLayout.from_tensors(other)))
+    assert "'layer.bias' is [14]" in str(layout.difference(PayloadMap.from_tensors(other)))
     del other["scale"]
-    assert "missing ['scale']" in str(layout.difference(PayloadLayout.from_tensors(other)))
+    assert "missing ['scale']" in str(layout.difference(PayloadMap.from_tensors(other)))
     with pytest.raises(ValueError, match="not valid JSON"):
-        PayloadLayout.from_json(b"{nope")
+        PayloadMap.from_json(b"{nope")
     with pytest.raises(ValueError, match="malformed payload description entry"):
-        PayloadLayout.from_json(b'[["w", [-1], "F32"]]')
+        PayloadMap.from_json(b'[["w", [-1], "F32"]]')
     with pytest.raises(ValueError, match="not contiguous"):
-        PayloadLayout.from_tensors({"t": torch.zeros(4, 4).t()})
+        PayloadMap.from_tensors({"t": torch.zeros(4, 4).t()})
     with pytest.raises(ValueError, match="cannot send"):
-        PayloadLayout.from_tensors({"c": torch.zeros(2, dtype=torch.complex64)})
+        PayloadMap.from_tensors({"c": torch.zeros(2, dtype=torch.complex64)})
 
 
 # -- file format and permissions -------------------------------------------------------------
 def test_file_is_byte_exact_safetensors_with_private_permissions(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     tensors = _payload(1)
-    layout = PayloadLayout.from_tensors(tensors)
+    layout = PayloadMap.from_tensors(tensors)
     path = _write(spool, 3, 2, tensors)
     assert stat.S_IMODE(os.stat(spool.root).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -106,7 +106,7 @@ def test_file_is_byte_exact_safetensors_with_private_permissions(tmp_path: Path)
 def test_reader_copies_element_ranges_into_caller_tensors(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     tensors = _payload(2)
-    layout = PayloadLayout.from_tensors(tensors)
+    layout = PayloadMap.from_tensors(tensors)
     _write(spool, 0, 1, tensors)
     with spool.reader(0, 1, layout, remap_bytes=8) as reader:
         out = torch.empty(50)
@@ -127,7 +127,7 @@ def test_round_cleanup_close_and_finalizer_remove_everything(tmp_path: Path) -> 
     spool.release_round(0)
     assert [p.name for p in spool.files()] == ["round000001-island0001.safetensors"]
     with pytest.raises(SpoolError, match="round 0 is already cleaned up"):
-        spool.writer(0, 2, PayloadLayout.from_tensors(_payload()))
+        spool.writer(0, 2, PayloadMap.from_tensors(_payload()))
     root = spool.root
     spool.close()
     spool.close()  # idempotent
@@ -247,7 +247,7 @@ def test_disk_full_at_preallocation_removes_the_file(
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     with pytest.raises(SpoolError, match=r"ENOSPC.*creating round000000-island0001"):
-        spool.writer(0, 1, PayloadLayout.from_tensors(_payload()))
+        spool.writer(0, 1, PayloadMap.from_tensors(_payload()))
     assert spool.files() == [] and spool.disk_bytes == 0
     spool.close()
 
@@ -273,7 +273,7 @@ def test_short_writes_are_completed(tmp_path: Path) -> None:
 
 def test_incomplete_or_out_of_range_writes_publish_nothing(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
-    layout = PayloadLayout.from_tensors(_payload())
+    layout = PayloadMap.from_tensors(_payload())
     writer = spool.writer(0, 1, layout)
     writer.write(0, torch.zeros(10, dtype=torch.uint8))
     with pytest.raises(SpoolError, match=f"incomplete: 10 of {layout.data_bytes} payload bytes"):
@@ -290,7 +290,7 @@ def test_incomplete_or_out_of_range_writes_publish_nothing(tmp_path: Path) -> No
 def test_truncated_and_corrupt_files_are_refused(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     tensors = _payload()
-    layout = PayloadLayout.from_tensors(tensors)
+    layout = PayloadMap.from_tensors(tensors)
     path = _write(spool, 0, 1, tensors)
     size = path.stat().st_size
     os.truncate(path, size - 4)
@@ -319,7 +319,7 @@ def test_truncated_and_corrupt_files_are_refused(tmp_path: Path) -> None:
 def test_cleanup_deadline_defers_deletion_of_a_file_in_use(tmp_path: Path) -> None:
     spool = Spool(tmp_path, cleanup_timeout_s=0.01)
     tensors = _payload()
-    layout = PayloadLayout.from_tensors(tensors)
+    layout = PayloadMap.from_tensors(tensors)
     path = _write(spool, 0, 1, tensors)
     reader = spool.reader(0, 1, layout)
     with pytest.warns(RuntimeWarning, match=r"1 file\(s\) are still in use"):
@@ -346,7 +346,7 @@ class _RaceRound:
     def __init__(self, spool: Spool, round_id: int, islands: int, outcomes: Counter[str]):
         self.spool, self.round_id, self.outcomes = spool, round_id, outcomes
         self.payloads = {i: _payload(seed=round_id * 10 + i) for i in range(islands)}
-        self.layout = PayloadLayout.from_tensors(self.payloads[0])
+        self.layout = PayloadMap.from_tensors(self.payloads[0])
         self.leased = [threading.Event() for _ in range(islands)]
         self.committed = [threading.Event() for _ in range(islands)]
         self.reading = [threading.Event() for _ in range(islands)]
