@@ -31,7 +31,7 @@ from lightning_swarm.membership.errors import (
     TorchftVersionError,
 )
 from lightning_swarm.outer.errors import ShareFailedError, SyncWorkerError
-from lightning_swarm.resume.global_weights import load_global_state_dict
+from lightning_swarm.resume.global_model import load_global_state_dict
 from lightning_swarm.strategy import SwarmStrategy
 from lightning_swarm.transport.errors import (
     BadWorkError,

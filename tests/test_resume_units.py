@@ -209,7 +209,9 @@ def test_outer_record_round_trips_and_keeps_the_saved_layout() -> None:
         "synced_at",
         "ended_at",
         "merged_at",
+        "layout",
     ]
+    assert state["layout"]["w"] == [[4, 3], "float32", [0, 0], [4, 3]]
     record = OuterRecord.from_dict(state)
     assert record.to_dict() == state
     assert OuterRecord.from_dict(record.to_dict()) == record

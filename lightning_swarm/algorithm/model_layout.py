@@ -71,6 +71,15 @@ def model_layout(params: Mapping[str, Tensor]) -> Layout:
     return {name: param_layout(p) for name, p in params.items()}
 
 
+def plain_layout(layout: Mapping[str, ParamLayout]) -> dict[str, list[list[int] | str]]:
+    """``layout`` as plain lists (what a checkpoint stores); ``ParamLayout(*entry)`` reads an
+    entry back."""
+    return {
+        name: [list(e.shape), e.dtype, list(e.slice[0]), list(e.slice[1])]
+        for name, e in ((n, ParamLayout(*entry)) for n, entry in layout.items())
+    }
+
+
 def hash63(data: bytes) -> int:
     """The package's one short hash: the first 8 bytes of ``data``'s sha256, little-endian, top
     bit cleared, so that it fits a non-negative int64 (what a round header carries)."""

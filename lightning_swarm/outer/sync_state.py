@@ -22,7 +22,7 @@ from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.codecs import Codec
 from lightning_swarm.algorithm.diloco import keep_state_float32
 from lightning_swarm.algorithm.fragments import FragmentSchedule
-from lightning_swarm.algorithm.model_layout import Layout
+from lightning_swarm.algorithm.model_layout import Layout, plain_layout
 from lightning_swarm.algorithm.outer_optimizer import select_by_name
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.outer.shard import IslandShard
@@ -211,6 +211,7 @@ class SyncState:
             share=(self.shard.position, self.shard.size)
             if for_peer and self.shard is not None
             else None,
+            layout=None if for_peer else plain_layout({n: self.layout[n] for n in self.owned}),
         )
 
     def state_dict(self) -> dict[str, Any]:

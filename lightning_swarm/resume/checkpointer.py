@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightning_swarm.algorithm.model_layout import model_layout, plain_layout
 from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
 from lightning_swarm.resume.atomic import atomic_save, is_disk_full
 from lightning_swarm.resume.compatibility import current_fingerprint
@@ -257,8 +258,9 @@ def _write_own_files(
     )
     if per_rank or topology.local_index == 0:
         module, optimizers = host.module.state_dict(), [o.state_dict() for o in host.optimizers]
-        name = island_file_name(topology.island_index)
+        name, module_layout = island_file_name(topology.island_index), None
         if per_rank:
+            module_layout = plain_layout(model_layout(module))  # before the DTensors go local
             module, optimizers = local_tensors(module), local_tensors(optimizers)
             name = island_rank_file_name(topology.island_index, topology.local_index)
         island = IslandRecord(
@@ -268,6 +270,7 @@ def _write_own_files(
             optimizers=optimizers,
             totals=TotalsRecord.of(host.totals),
             outer_island=outer_island,
+            module_layout=module_layout,
         )
         write_file(directory, name, island.to_dict(), written)
     if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:

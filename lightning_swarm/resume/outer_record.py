@@ -66,6 +66,9 @@ class OuterRecord:
     pending: PendingRound | None = None
     param_names: list[str] | None = None
     share: tuple[int, int] | None = None
+    # The saving rank's layout of its anchors (``algorithm.model_layout``, plain lists): which
+    # slice of each parameter they are; None in saves written before slices were recorded.
+    layout: dict[str, list[Any]] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -88,6 +91,8 @@ class OuterRecord:
             out["param_names"] = self.param_names
         if self.share is not None:
             out["share"] = list(self.share)
+        if self.layout is not None:
+            out["layout"] = self.layout
         return out
 
     @classmethod
@@ -111,6 +116,7 @@ class OuterRecord:
             pending=None if pending is None else PendingRound.from_dict(pending),
             param_names=None if names is None else [str(n) for n in names],
             share=None if share is None else (int(share[0]), int(share[1])),
+            layout=data.get("layout"),
         )
 
     @classmethod

@@ -229,9 +229,12 @@ class IslandRecord:
     optimizers: list[dict[str, Any]]
     totals: TotalsRecord
     outer_island: list[dict[str, Any]]
+    # Per-rank files (model-sharded islands): the slice of each ``module`` tensor this rank
+    # holds (``algorithm.model_layout``, plain lists); None for whole tensors or older saves.
+    module_layout: dict[str, list[Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT_VERSION,
             "save_id": self.save_id,
             "island": self.island,
@@ -241,6 +244,9 @@ class IslandRecord:
             # Error-feedback residuals differ per island, like the inner optimizer state.
             "outer_island": self.outer_island,
         }
+        if self.module_layout is not None:
+            out["module_layout"] = self.module_layout
+        return out
 
     @classmethod
     def from_dict(cls, payload: object, what: str) -> IslandRecord:
@@ -254,6 +260,7 @@ class IslandRecord:
             optimizers=list(data["optimizers"]),
             totals=TotalsRecord(**{k: v for k, v in totals.items() if k in known}),
             outer_island=list(data.get("outer_island", [])),
+            module_layout=data.get("module_layout"),
         )
 
 

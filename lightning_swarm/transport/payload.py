@@ -150,16 +150,19 @@ class PayloadMap:
                 )
         return "tensor order differs"
 
-    def safetensors_header(self, metadata: Mapping[str, str] | None = None) -> bytes:
-        """The first bytes of a spool file: 8-byte little-endian length + padded JSON, every
-        tensor declared flat at its payload offset."""
+    def safetensors_header(
+        self, metadata: Mapping[str, str] | None = None, *, flat: bool = True
+    ) -> bytes:
+        """The first bytes of a safetensors file of this payload: 8-byte little-endian length
+        + padded JSON, every tensor at its payload offset, declared flat (a spool file) or in
+        its own shape (``flat=False``: an exported model)."""
         header: dict[str, object] = {}
         if metadata:
             header["__metadata__"] = dict(metadata)
         for s in self.specs:
             header[s.name] = {
                 "dtype": DTYPE_CODES[s.dtype],
-                "shape": [s.numel],
+                "shape": [s.numel] if flat else list(s.shape),
                 "data_offsets": [s.offset, s.offset + s.nbytes],
             }
         blob = json.dumps(header, separators=(",", ":")).encode()
