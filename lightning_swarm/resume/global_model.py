@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,17 +266,13 @@ def _write_shard(
     partial = path.with_name(path.name + ".partial")
     with open(partial, "wb") as handle:
         handle.write(header)
-        for tensor in _assembled(names, pieces, dtype):
-            handle.write(byte_view(tensor).numpy().data)
+        for name in names:
+            # One statement, so that each tensor is freed before the next is assembled (a loop
+            # variable would hold the last one meanwhile: two parameters alive, not one).
+            # ``assemble`` returns a new contiguous tensor: its bytes are written as they are.
+            handle.write(byte_view(assemble(name, pieces[name], dtype)).numpy().data)
     os.replace(partial, path)
     return path
-
-
-def _assembled(
-    names: list[str], pieces: dict[str, Pieces], dtype: torch.dtype | None
-) -> Iterator[Tensor]:
-    for name in names:
-        yield assemble(name, pieces[name], dtype).contiguous()
 
 
 def _write_index(
