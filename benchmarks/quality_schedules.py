@@ -92,3 +92,47 @@ class InnerLrSchedule(_RoundSchedule):
                 scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True
             ):
                 group["lr"] = lr * scale
+
+
+def inner_lr_ratio(trainer: pl.Trainer) -> float:
+    """The first inner optimizer's current lr over its base lr (``initial_lr``, which every
+    torch scheduler records; 1 without a scheduler): 1 at the peak of a schedule."""
+    group = trainer.optimizers[0].param_groups[0]
+    base = float(group.get("initial_lr", group["lr"]))
+    return float(group["lr"]) / base if base > 0 else 1.0
+
+
+class OuterStepSchedule(Callback):
+    """Candidate outer steps of issue 40, set before each round from the outside.
+
+    ``lr_by_inner``: each outer lr is its base times ``inner_lr_ratio`` at the round (the
+    inner step that ends the round), so the outer step decays with the inner schedule.
+    ``momentum_warmup_rounds``: each outer momentum ramps linearly from 0 (round 0) to its
+    base over that many rounds, so no momentum is built on the first, large pseudo-gradients.
+    Base values are the outer optimizer's own, read at the first batch.
+    """
+
+    def __init__(self, lr_by_inner: bool = False, momentum_warmup_rounds: int = 0) -> None:
+        if momentum_warmup_rounds < 0:
+            raise ValueError(f"momentum_warmup_rounds must be >= 0, got {momentum_warmup_rounds}.")
+        self.lr_by_inner = lr_by_inner
+        self.momentum_warmup_rounds = momentum_warmup_rounds
+        self._base: dict[int, tuple[float, float]] = {}
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, SwarmStrategy):
+            raise TypeError("OuterStepSchedule needs SwarmStrategy (it sets the outer step).")
+        lr_scale = inner_lr_ratio(trainer) if self.lr_by_inner else 1.0
+        for outer in strategy.outer_syncs:
+            warm = self.momentum_warmup_rounds
+            momentum_scale = min(1.0, outer.outer_steps / warm) if warm else 1.0
+            for group in outer.outer_optimizer.param_groups:
+                lr, momentum = self._base.setdefault(
+                    id(group), (float(group["lr"]), float(group.get("momentum", 0.0)))
+                )
+                group["lr"] = lr * lr_scale
+                if "momentum" in group:
+                    group["momentum"] = momentum * momentum_scale
