@@ -115,13 +115,18 @@ def test_fsdp_local_weights_of_one_island_and_another_dtype(
     assert not torch.equal(expected["net.0.weight"], _cat(ranks, "module", (0, 1))["net.0.weight"])
 
 
+def _copy(ckpt: Path, into: Path) -> Path:
+    """A copy of ``ckpt`` and its .swarm directory under ``into``, to damage."""
+    copy = into / ckpt.name
+    copy.write_bytes(ckpt.read_bytes())
+    shutil.copytree(Path(f"{ckpt}.swarm"), Path(f"{copy}.swarm"))
+    return copy
+
+
 def test_fsdp_a_missing_rank_file_is_named_not_a_partial_model(
     fsdp: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    ckpt, _ = fsdp
-    copy = tmp_path / ckpt.name
-    copy.write_bytes(ckpt.read_bytes())
-    shutil.copytree(Path(f"{ckpt}.swarm"), Path(f"{copy}.swarm"))
+    copy = _copy(fsdp[0], tmp_path)
     (shard,) = Path(f"{copy}.swarm").glob("*/anchors-rank-00001.pt")
     shard.unlink()
     with pytest.raises(SwarmCheckpointError, match=r"anchors-rank-00001\.pt is missing"):
@@ -132,10 +137,7 @@ def test_fsdp_a_missing_rank_file_is_named_not_a_partial_model(
 def test_fsdp_a_truncated_rank_file_is_named(
     fsdp: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    ckpt, _ = fsdp
-    copy = tmp_path / ckpt.name
-    copy.write_bytes(ckpt.read_bytes())
-    shutil.copytree(Path(f"{ckpt}.swarm"), Path(f"{copy}.swarm"))
+    copy = _copy(fsdp[0], tmp_path)
     (shard,) = Path(f"{copy}.swarm").glob("*/anchors-rank-00000.pt")
     shard.write_bytes(shard.read_bytes()[:-100])
     assert export_main([str(copy), str(tmp_path / "out")]) == 1
