@@ -60,6 +60,7 @@ class Variant:
     lr_sqrt_islands: bool = False
     lr_by_inner: bool = False
     momentum_warmup_rounds: int = 0
+    momentum_by_inner: bool = False
     note: str = ""
 
 
@@ -74,6 +75,15 @@ VARIANTS: dict[str, Variant] = {
     ),
     "paper_momentum_warmup": Variant(
         "swarm", 0.7, 0.9, True, momentum_warmup_rounds=6, note="paper's, momentum 0->0.9 in 6"
+    ),
+    "paper_momentum_warmup_inner": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_warmup_rounds=6,
+        momentum_by_inner=True,
+        note="paper's, momentum 0->0.9 in 6 rounds, x inner lr ratio",
     ),
     "avg_sqrt_islands": Variant(
         "swarm", 1.0, lr_sqrt_islands=True, note="no momentum, outer lr sqrt(islands)"
@@ -145,8 +155,11 @@ def run_spec(spec: dict[str, Any]) -> None:
         strategy = SwarmStrategy(
             sync_every=spec["sync_every"], outer_optimizer=outer, **spec["swarm_args"]
         )
-        if variant.lr_by_inner or variant.momentum_warmup_rounds:
-            callbacks.append(OuterStepSchedule(variant.lr_by_inner, variant.momentum_warmup_rounds))
+        if variant.lr_by_inner or variant.momentum_warmup_rounds or variant.momentum_by_inner:
+            schedule = OuterStepSchedule(
+                variant.lr_by_inner, variant.momentum_warmup_rounds, variant.momentum_by_inner
+            )
+            callbacks.append(schedule)
     pl.seed_everything(spec["seed"], workers=True)
     module = work.module(**work.module_args)
     data = work.data(**data_args)
@@ -273,6 +286,28 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pivot(results: dict[str, dict[str, Any]]) -> str:
+    """Share of the gap, one row per swarm variant, one column per (workload, islands, steps):
+    the mean over seeds, each seed's share in brackets."""
+    rows = [r for r in summary(results) if r["mean_share"] is not None]
+    points = sorted({(r["workload"], r["islands"], r["steps"]) for r in rows})
+    variants = list(dict.fromkeys(v for v in VARIANTS for r in rows if r["variant"] == v))
+    cells = {(r["variant"], (r["workload"], r["islands"], r["steps"])): r for r in rows}
+    head = " | ".join(f"{w}, {k} islands, {n} steps" for w, k, n in points)
+    lines = [f"| variant | {head} |", "|---" * (len(points) + 1) + "|"]
+    for variant in variants:
+        out = []
+        for point in points:
+            row = cells.get((variant, point))
+            if row is None:
+                out.append("not run")
+                continue
+            seeds = ", ".join(f"{100 * v:.0f}" for _, v in sorted(row["shares"].items()))
+            out.append(f"{100 * row['mean_share']:.0f}% ({seeds})")
+        lines.append(f"| {variant} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     """Validation curves, one panel per (workload, islands, steps), mean over seeds."""
     import matplotlib
@@ -372,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{run_key(spec)}: {record['final']:.4f}{text}, {record['wall_s']:.0f} s")
     results = load(args.results)
     print(table(results))
+    print(f"\nshare of the gap closed, mean over seeds (each seed)\n{pivot(results)}")
     if args.plot is not None:
         plot(results, args.plot)
 

@@ -109,14 +109,22 @@ class OuterStepSchedule(Callback):
     inner step that ends the round), so the outer step decays with the inner schedule.
     ``momentum_warmup_rounds``: each outer momentum ramps linearly from 0 (round 0) to its
     base over that many rounds, so no momentum is built on the first, large pseudo-gradients.
+    ``momentum_by_inner``: each outer momentum is also multiplied by ``inner_lr_ratio``, so
+    momentum fades as the inner schedule decays (and the outer step becomes a plain step).
     Base values are the outer optimizer's own, read at the first batch.
     """
 
-    def __init__(self, lr_by_inner: bool = False, momentum_warmup_rounds: int = 0) -> None:
+    def __init__(
+        self,
+        lr_by_inner: bool = False,
+        momentum_warmup_rounds: int = 0,
+        momentum_by_inner: bool = False,
+    ) -> None:
         if momentum_warmup_rounds < 0:
             raise ValueError(f"momentum_warmup_rounds must be >= 0, got {momentum_warmup_rounds}.")
         self.lr_by_inner = lr_by_inner
         self.momentum_warmup_rounds = momentum_warmup_rounds
+        self.momentum_by_inner = momentum_by_inner
         self._base: dict[int, tuple[float, float]] = {}
 
     def on_train_batch_start(
@@ -125,10 +133,12 @@ class OuterStepSchedule(Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, SwarmStrategy):
             raise TypeError("OuterStepSchedule needs SwarmStrategy (it sets the outer step).")
-        lr_scale = inner_lr_ratio(trainer) if self.lr_by_inner else 1.0
+        ratio = inner_lr_ratio(trainer)
+        lr_scale = ratio if self.lr_by_inner else 1.0
         for outer in strategy.outer_syncs:
             warm = self.momentum_warmup_rounds
             momentum_scale = min(1.0, outer.outer_steps / warm) if warm else 1.0
+            momentum_scale *= ratio if self.momentum_by_inner else 1.0
             for group in outer.outer_optimizer.param_groups:
                 lr, momentum = self._base.setdefault(
                     id(group), (float(group["lr"]), float(group.get("momentum", 0.0)))

@@ -45,6 +45,7 @@ def test_gap_closed_against_the_ends_of_the_same_seed() -> None:
     assert "| cnn | 2 | 300 | avg | 1.5000, 3.5000 | 50%, -25% | 12% (± 38) |" in (
         quality_check.table(results)
     )
+    assert "| avg | 12% (50, -25) |" in quality_check.pivot(results)
     del results["cnn/local@2x300-s2"]
     assert quality_check.gap_closed(results["cnn/avg@2x300-s2"], results) is None
 
@@ -90,6 +91,12 @@ def test_outer_step_schedule_scales_lr_and_warms_momentum(
         schedule.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
         assert group["lr"] == pytest.approx(0.35)  # 0.7 x 0.5, never compounded
         assert group["momentum"] == pytest.approx(momentum)
+    group["lr"], group["momentum"] = 0.7, 0.9  # a fresh fit: the optimizer's own values
+    fading = OuterStepSchedule(momentum_warmup_rounds=4, momentum_by_inner=True)
+    outer.outer_steps = 2
+    fading.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
+    assert group["lr"] == pytest.approx(0.7)  # lr_by_inner off: the base, untouched
+    assert group["momentum"] == pytest.approx(0.225)  # 0.9 x 2/4 x the inner ratio 0.5
     with pytest.raises(ValueError, match="momentum_warmup_rounds must be >= 0, got -1"):
         OuterStepSchedule(momentum_warmup_rounds=-1)
 
