@@ -308,3 +308,13 @@ def fit_tensor_parallel(out: Path, *, devices: int, **strategy_kw: Any) -> None:
         **QUIET,
     )
     trainer.fit(TensorParallelRegressor(), regression_data())
+
+
+class UnevenTensorParallelModel(TensorParallelStepModel):
+    """``Linear(6, 5)`` split column-wise over two ranks: 5 output rows do not divide by 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+        )

@@ -277,3 +277,27 @@ def test_empty_init_builds_on_meta_and_materialises_shards(tmp_path: Path) -> No
         for name, value in ranks[rank]["full"].items():
             assert torch.isfinite(value).all() and value.abs().sum() > 0, (rank, name)
             assert torch.equal(value, ranks[0]["full"][name]), (rank, name)
+
+
+def test_an_uneven_tensor_parallel_split_is_refused_at_setup_naming_the_parameter(
+    tmp_path: Path,
+) -> None:
+    import lightning.pytorch as pl
+
+    from tests.fsdp_utils import UnevenTensorParallelModel
+    from tests.helpers import QUIET
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SwarmStrategy(
+            island_size=2, island_parallel="fsdp", tensor_parallel_size=2, start_method="fork"
+        ),
+        max_steps=2,
+        **QUIET,
+    )
+    with pytest.raises(Exception) as caught:
+        trainer.fit(UnevenTensorParallelModel())
+    message = str(caught.value)
+    assert "parameter 'net.0.weight' of shape (5, 6) is split along dim 0" in message, message
+    assert "over tensor_parallel_size=2, which does not divide its 5" in message, message

@@ -45,10 +45,32 @@ def trained_params(
             if frozen is not None and not p.requires_grad:
                 frozen[name] = p
             else:
+                check_tensor_parallel_split(name, p)
                 params[name] = local_shard(p)
                 if layout is not None:
                     layout[name] = param_layout(p)
     return params
+
+
+def check_tensor_parallel_split(name: str, param: torch.Tensor) -> None:
+    """Refuse a parameter that tensor parallel splits unevenly (torch fails on it later, inside
+    a collective, naming no parameter): the layout of such a split is not mapped here."""
+    if not isinstance(param, DTensor):
+        return
+    mesh = param.device_mesh
+    for axis, placement in enumerate(param.placements):
+        names = mesh.mesh_dim_names or ()
+        if not placement.is_shard() or axis >= len(names) or names[axis] != "tensor_parallel":
+            continue
+        dim = placement.dim  # type: ignore[attr-defined]
+        size, ways = int(param.shape[dim]), int(mesh.size(axis))
+        if size % ways:
+            raise SwarmConfigError(
+                f"parameter {name!r} of shape {tuple(param.shape)} is split along dim {dim} "
+                f"over tensor_parallel_size={ways}, which does not divide its {size}; such a "
+                "split cannot be mapped. Choose sizes the tensor-parallel degree divides, or "
+                "another tensor_parallel_size, or leave that layer out of the parallel plan."
+            )
 
 
 @torch.no_grad()
