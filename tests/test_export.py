@@ -179,3 +179,10 @@ def test_a_checkpoint_without_swarm_state_or_an_unwritable_place_is_named(
     with pytest.raises(SwarmCheckpointError, match=f"export directory {blocker / 'out'}"):
         export(fsdp[0], blocker / "out")
     assert export_main([str(fsdp[0]), str(blocker / "out")]) == 1
+
+
+def test_an_island_the_checkpoint_lacks_is_named_with_the_ones_it_has(
+    fsdp: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    with pytest.raises(SwarmCheckpointError, match=r"no module state for island 5: .* \[0, 1\]"):
+        export(fsdp[0], tmp_path / "out", island=5)

@@ -86,24 +86,9 @@ def model_pieces(
         return load_swarm_file(file, mmap=True)[0]
 
     per_rank = sorted(n for n in record.files if n.startswith("island-") and "-rank-" in n)
-    target = 0 if island is None else island
-    module: list[tuple[str, Tensor, ParamLayout | None, str]] = []
-    if per_rank:  # model-sharded islands: each rank's file holds its slices of the module
-        names = [n for n in per_rank if n.startswith(f"island-{target:05d}-rank-")]
-        for name in names:
-            saved = IslandRecord.from_dict(read(name), str(directory / name))
-            layout = saved.module_layout or {}
-            if not layout:
-                raise _no_slices(directory / name)
-            module += [(k, t, _entry(layout, k), name) for k, t in saved.module.items()]
-    elif island is None:
-        module = [(k, t, None, path.name) for k, t in dict(ckpt.get("state_dict", {})).items()]
-    else:
-        names = [island_file_name(target)]
-        saved = IslandRecord.from_dict(read(names[0]), str(directory / names[0]))
-        module = [(k, t, None, names[0]) for k, t in saved.module.items()]
+    module = _module_entries(ckpt, record, read, directory, island)
     if not module:
-        where = f"island {target}" if per_rank or island is not None else "its state_dict"
+        where = "its state_dict" if island is None and not per_rank else f"island {island or 0}"
         raise SwarmCheckpointError(
             f"{path} holds no module state for {where}: the checkpoint has islands "
             f"{_islands(record.files, per_rank)}. Name one of them (--local ISLAND)."
@@ -124,6 +109,38 @@ def model_pieces(
             "was edited or mixes two runs. Use one written by SwarmStrategy as it is."
         )
     return pieces
+
+
+Entry = tuple[str, Tensor, ParamLayout | None, str]  # name, tensor, its slice, its file
+
+
+def _module_entries(
+    ckpt: dict[str, Any],
+    record: SwarmRecord,
+    read: Callable[[str], dict[str, Any]],
+    directory: Path,
+    island: int | None,
+) -> list[Entry]:
+    """The module state of ``island`` (None: island 0's, from the Lightning file unless its
+    islands are model-sharded, whose ranks' files hold their slices); [] if the save has none."""
+    target = 0 if island is None else island
+    per_rank = [n for n in sorted(record.files) if n.startswith(f"island-{target:05d}-rank-")]
+    if per_rank:
+        module: list[Entry] = []
+        for name in per_rank:
+            saved = IslandRecord.from_dict(read(name), str(directory / name))
+            if not saved.module_layout:
+                raise _no_slices(directory / name)
+            layout = saved.module_layout
+            module += [(k, t, _entry(layout, k), name) for k, t in saved.module.items()]
+        return module
+    if island is None:
+        return [(k, t, None, "state_dict") for k, t in dict(ckpt.get("state_dict", {})).items()]
+    name = island_file_name(target)
+    if name not in record.files:
+        return []
+    saved = IslandRecord.from_dict(read(name), str(directory / name))
+    return [(k, t, None, name) for k, t in saved.module.items()]
 
 
 def _anchor_pieces(
