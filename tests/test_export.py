@@ -179,6 +179,8 @@ def test_a_checkpoint_without_swarm_state_or_an_unwritable_place_is_named(
     with pytest.raises(SwarmCheckpointError, match=f"export directory {blocker / 'out'}"):
         export(fsdp[0], blocker / "out")
     assert export_main([str(fsdp[0]), str(blocker / "out")]) == 1
+    with pytest.raises(SwarmCheckpointError, match="does not exist; give the .ckpt file's path"):
+        export(tmp_path / "missing.ckpt", tmp_path / "out")
 
 
 def test_an_island_the_checkpoint_lacks_is_named_with_the_ones_it_has(

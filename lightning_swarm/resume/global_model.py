@@ -53,10 +53,6 @@ class Pieces:
     dtype: torch.dtype
     slices: list[tuple[tuple[int, ...], Tensor, str]] = field(default_factory=list)
 
-    @property
-    def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
-
 
 def model_pieces(
     ckpt_path: str | os.PathLike[str], *, island: int | None = None
@@ -342,6 +338,10 @@ def _no_slices(path: Path) -> SwarmCheckpointError:
 
 
 def _load_lightning_file(path: Path) -> dict[str, Any]:
+    """The Lightning file, mapped (as ``lightning_file.read_lightning_file`` names a damaged one,
+    a layer up)."""
+    if not path.is_file():
+        raise SwarmCheckpointError(f"checkpoint {path} does not exist; give the .ckpt file's path.")
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
