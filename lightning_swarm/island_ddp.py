@@ -45,7 +45,7 @@ from lightning_swarm.errors import (
     SwarmConfigTypeError,
     SwarmError,
 )
-from lightning_swarm.resume.compatibility import check_layout
+from lightning_swarm.resume.compatibility import MESH_KEY
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import peer_backend
 from lightning_swarm.transport.groups import (
@@ -193,10 +193,7 @@ class IslandDDPStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         swarm = checkpoint.get("swarm")
-        if isinstance(swarm, Mapping) and isinstance(swarm.get("fingerprint"), Mapping):
-            # Before Lightning loads weights that may not be there (a per-rank save has none).
-            check_layout(swarm["fingerprint"], self.island_mesh_shape, self.topology.num_islands)
-        if self._mesh is None:
+        if self._mesh is None and not _per_rank_save(checkpoint):
             super().load_model_state_dict(checkpoint, strict=strict)
         elif swarm is None and checkpoint.get("state_dict"):
             # A plain Lightning checkpoint holds the full weights on every rank: each keeps its
@@ -211,7 +208,7 @@ class IslandDDPStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self.config.model_sharded:
+        if not self.config.model_sharded and not _per_rank_save(checkpoint):
             super().load_optimizer_state_dict(checkpoint)
         elif "swarm" not in checkpoint and self.is_global_zero:
             rank_zero_warn(
@@ -393,3 +390,11 @@ def timeouts_explained(timeout_s: float, rank: int, static: bool = True) -> Iter
             "stops here instead of blocking. Look for the rank whose log ends earliest; if a "
             "step or a checkpoint legitimately takes longer, raise timeout_s."
         ) from err
+
+
+def _per_rank_save(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether model-sharded islands wrote ``checkpoint``: its module and inner optimizer
+    states are in per-rank swarm files only (the swarm restore installs them, on any layout)."""
+    swarm = checkpoint.get("swarm")
+    fingerprint = swarm.get("fingerprint") if isinstance(swarm, Mapping) else None
+    return isinstance(fingerprint, Mapping) and fingerprint.get(MESH_KEY) is not None

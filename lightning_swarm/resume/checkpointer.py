@@ -41,7 +41,12 @@ from lightning_swarm.resume.records import (
     use_island_loops,
 )
 from lightning_swarm.resume.restore import Source, restore_swarm_state
-from lightning_swarm.resume.training_view import Collectives, TrainingView, local_tensors
+from lightning_swarm.resume.training_view import (
+    Collectives,
+    TrainingView,
+    local_tensors,
+    optimizer_param_names,
+)
 from lightning_swarm.transport.agree import agree
 
 log = logging.getLogger("lightning_swarm")
@@ -271,6 +276,7 @@ def _write_own_files(
             totals=TotalsRecord.of(host.totals),
             outer_island=outer_island,
             module_layout=module_layout,
+            optimizer_params=[optimizer_param_names(o, host.module) for o in host.optimizers],
         )
         write_file(directory, name, island.to_dict(), written)
     if (topology.island_index == 0 and sharded) or host.collectives.rank == 0:

@@ -50,13 +50,10 @@ def current_fingerprint(host: TrainingView) -> dict[str, Any]:
 
 
 def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Raise ``SwarmCheckpointError`` naming every difference between two fingerprints."""
+    """Raise ``SwarmCheckpointError`` naming every difference between two fingerprints that a
+    resume cannot bridge: the parameters and their global shapes, the optimizers, the
+    fragments. The island count and mesh may differ (``resume.reshard``)."""
     problems: list[str] = []
-    if saved.get("num_islands") != current["num_islands"]:
-        problems.append(
-            f"island count: checkpoint has {saved.get('num_islands')}, this run has "
-            f"{current['num_islands']} (devices x num_nodes / island_size)"
-        )
     saved_params, current_params = saved.get("params", []), current["params"]
     if len(saved_params) != len(current_params):
         problems.append(
@@ -84,35 +81,9 @@ def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -
         raise SwarmCheckpointError(
             "the checkpoint's swarm layout does not match this run: "
             + "; ".join(problems)
-            + ". Resume with the same model, optimizers, island count and fragments, or start "
-            "from the plain weights (load them into the module without ckpt_path)."
+            + ". Resume with the same model, optimizers and fragments, or start from the plain "
+            "weights (load them into the module without ckpt_path)."
         )
-
-
-def check_layout(
-    saved: Mapping[str, Any], mesh: Mapping[str, int] | None, num_islands: int
-) -> None:
-    """Refuse a resume across DDP and model-sharded islands (``mesh`` None: DDP), or onto
-    another island mesh; run before Lightning loads any weight."""
-    saved_mesh = saved.get(MESH_KEY)
-    current_mesh = dict(mesh) if mesh is not None else None
-    if saved_mesh == current_mesh:
-        return
-    raise SwarmCheckpointError(
-        f"the checkpoint was written by {_layout(saved_mesh, saved.get('num_islands'))}, this "
-        f"run has {_layout(current_mesh, num_islands)}; model-sharded saves hold each rank's "
-        "local shards of their own layout (no re-sharding yet). Resume with the "
-        "island_parallel, island_size and tensor_parallel_size it was written with."
-    )
-
-
-def _layout(mesh: Mapping[str, Any] | None, num_islands: Any) -> str:
-    if mesh is None:
-        return f"{num_islands} DDP island(s) (island_parallel='ddp')"
-    return (
-        f"{num_islands} island(s) of data_parallel={mesh.get('data_parallel')} x "
-        f"tensor_parallel={mesh.get('tensor_parallel')} (island_parallel='fsdp')"
-    )
 
 
 def refuse_unusable(saved: OptionsRecord, current: OptionsRecord) -> None:

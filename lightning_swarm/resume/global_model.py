@@ -92,12 +92,12 @@ def model_pieces(
     anchors = {} if island is not None else _anchor_pieces(record, read, directory, per_rank)
     pieces: dict[str, Pieces] = {}
     for key, tensor, entry, where in module:
-        entry = entry or _whole(tensor)
+        entry = entry or whole_entry(tensor)
         if key in anchors:  # the global model, in the module's own dtype
             anchors[key].dtype = _dtype(entry.dtype)
             pieces.setdefault(key, anchors[key])
             continue
-        _add(pieces, key, tensor, entry, where)
+        add_piece(pieces, key, tensor, entry, where)
     unknown = sorted(set(anchors) - set(pieces))
     if unknown:
         raise SwarmCheckpointError(
@@ -128,7 +128,7 @@ def _module_entries(
             if not saved.module_layout:
                 raise _no_slices(directory / name)
             layout = saved.module_layout
-            module += [(k, t, _entry(layout, k), name) for k, t in saved.module.items()]
+            module += [(k, t, layout_entry(layout, k), name) for k, t in saved.module.items()]
         return module
     if island is None:
         return [(k, t, None, "state_dict") for k, t in dict(ckpt.get("state_dict", {})).items()]
@@ -149,14 +149,16 @@ def _anchor_pieces(
             if outer.layout is None and per_rank:
                 raise _no_slices(directory / name)
             for key, tensor in outer.anchors.items():
-                entry = _entry(outer.layout or {}, key) or _whole(tensor)
-                _add(pieces, key, tensor, entry, name)
+                entry = layout_entry(outer.layout or {}, key) or whole_entry(tensor)
+                add_piece(pieces, key, tensor, entry, name)
     return pieces
 
 
-def _add(
-    pieces: dict[str, Pieces], key: str, tensor: Tensor, entry: ParamLayout, where: str
+def add_piece(
+    pieces: dict[Any, Pieces], key: Any, tensor: Tensor, entry: ParamLayout, where: str
 ) -> None:
+    """Index ``tensor`` (the slice ``entry`` of parameter ``key``, from file ``where``) into
+    ``pieces``; ``SwarmCheckpointError`` when it contradicts its layout or another file."""
     offset, local = entry.slice
     if tuple(tensor.shape) != local:
         raise SwarmCheckpointError(
@@ -307,12 +309,12 @@ def _nbytes(p: Pieces, dtype: torch.dtype | None) -> int:
     return int(torch.Size(p.shape).numel()) * (dtype or p.dtype).itemsize
 
 
-def _entry(layout: dict[str, Any], key: str) -> ParamLayout | None:
+def layout_entry(layout: dict[str, Any], key: str) -> ParamLayout | None:
     entry = layout.get(key)
     return None if entry is None else ParamLayout(*entry)
 
 
-def _whole(tensor: Tensor) -> ParamLayout:
+def whole_entry(tensor: Tensor) -> ParamLayout:
     shape = tuple(int(s) for s in tensor.shape)
     return ParamLayout(shape, str(tensor.dtype).removeprefix("torch."), (0,) * len(shape), shape)
 

@@ -232,6 +232,9 @@ class IslandRecord:
     # Per-rank files (model-sharded islands): the slice of each ``module`` tensor this rank
     # holds (``algorithm.model_layout``, plain lists); None for whole tensors or older saves.
     module_layout: dict[str, list[Any]] | None = None
+    # Per inner optimizer, the module's name of each parameter in its state's order (what a
+    # resume onto another layout slices the state by); None in older saves.
+    optimizer_params: list[list[str]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -246,6 +249,8 @@ class IslandRecord:
         }
         if self.module_layout is not None:
             out["module_layout"] = self.module_layout
+        if self.optimizer_params is not None:
+            out["optimizer_params"] = self.optimizer_params
         return out
 
     @classmethod
@@ -261,6 +266,7 @@ class IslandRecord:
             totals=TotalsRecord(**{k: v for k, v in totals.items() if k in known}),
             outer_island=list(data.get("outer_island", [])),
             module_layout=data.get("module_layout"),
+            optimizer_params=data.get("optimizer_params"),
         )
 
 

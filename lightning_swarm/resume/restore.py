@@ -38,6 +38,7 @@ from lightning_swarm.resume.files import (
 )
 from lightning_swarm.resume.integrity import check_file, check_finite
 from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, merge_shards
+from lightning_swarm.resume.reshard import Resharded, needs_reshard, reshard, saved_layout_text
 from lightning_swarm.resume.training_view import Collectives, TrainingView, local_tensors
 from lightning_swarm.transport.agree import agree
 
@@ -73,11 +74,24 @@ def restore_swarm_state(host: TrainingView, main: Source, island_paths: Mapping[
     comm = host.collectives
     use_mmap, how = resolve_mmap(host.anchors.mmap)
     own = attempt(host, lambda: choose_source(host, main, island_paths))
-    newest = newest_source(comm, own, main)
-    loaded = attempt(host, lambda: load_sources(host, main, own, newest, use_mmap))
+    moved: Resharded | None = None
+    if needs_reshard(main.record.fingerprint, current_fingerprint(host)):
+        # The same decision on every rank: it reads the shared record and this run's layout.
+        moved = attempt(host, lambda: load_resharded(host, main, use_mmap))
+        loaded = Loaded(
+            moved.island, moved.anchors, moved.anchors, list(own.record.outer_steps), []
+        )
+    else:
+        newest = newest_source(comm, own, main)
+        loaded = attempt(host, lambda: load_sources(host, main, own, newest, use_mmap))
     warn_legacy(loaded.legacy)
     stale = install(host, loaded)
-    summary = _summary(host, main, own, loaded, how, stale)
+    if moved is None:
+        summary = _summary(host, main, own, loaded, how, stale)
+    else:
+        summary = _reshard_summary(host, main, moved, how)
+        if comm.rank == 0:
+            warn_islands(main.record, host.topology.num_islands)
     if comm.rank == 0:  # one warning of the changed options that make it inexact
         residuals = any(state.get("residuals") for state in loaded.island.outer_island)
         saved = main.record
@@ -111,6 +125,8 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
     current = current_fingerprint(host)
     compare_fingerprints(main.record.fingerprint, current)
     refuse_unusable(main.record.options, host.options)
+    if needs_reshard(main.record.fingerprint, current):
+        refuse_reshard(host, main, island_paths, current)
     island = host.topology.island_index
     if island not in island_paths:
         return main
@@ -130,6 +146,58 @@ def choose_source(host: TrainingView, main: Source, island_paths: Mapping[int, P
         )
     compare_fingerprints(record.fingerprint, current)
     return Source(path, record)
+
+
+def refuse_reshard(
+    host: TrainingView, main: Source, island_paths: Mapping[int, Path], current: Mapping[str, Any]
+) -> None:
+    """Refuse, by name, a move to another layout this resume cannot make."""
+    move = f"{saved_layout_text(main.record.fingerprint)} to {saved_layout_text(current)}"
+    if island_paths:
+        raise SwarmCheckpointError(
+            f"{main.ckpt_path} was written by {move.replace(' to ', ', this run has ')}: a "
+            "move to another layout restores every island from ckpt_path, not from "
+            "SwarmResume(island_ckpt_paths=...). Resume on the saving layout to catch the "
+            "islands up, save, then change the layout."
+        )
+    if host.loops_per_island:
+        raise SwarmCheckpointError(
+            f"{main.ckpt_path}: moving from {move} is not supported under a time budget "
+            "(sync_every_s), whose islands keep their own loop state. Resume with the layout "
+            "the checkpoint was written by."
+        )
+
+
+def load_resharded(host: TrainingView, main: Source, use_mmap: bool) -> Resharded:
+    """This rank's state from a save of another layout (``resume.reshard``), files checked."""
+    legacy: list[Path] = []
+    read = partial(read_file, main, verify=host.anchors.verify, use_mmap=use_mmap, legacy=legacy)
+    moved = reshard(host, main.record, main.directory, read)
+    check_island(host, moved.island, main.directory)
+    check_outer_states(host, moved.anchors, str(main.directory))
+    return moved
+
+
+def warn_islands(record: SwarmRecord, num_islands: int) -> None:
+    """One warning when the island count changed: what departed islands lose, what new ones
+    start from."""
+    saved = int(record.fingerprint.get("num_islands", 0))
+    rounds, steps = record.outer_steps, record.inner_steps
+    if num_islands < saved:
+        warnings.warn(
+            f"the checkpoint has {saved} islands, this run {num_islands}: island(s) "
+            f"{list(range(num_islands, saved))} are dropped with their progress since the last "
+            f"round (applied rounds {rounds}, inner steps {steps}) and their inner optimizer "
+            "state.",
+            stacklevel=3,
+        )
+    elif num_islands > saved:
+        warnings.warn(
+            f"the checkpoint has {saved} islands, this run {num_islands}: new island(s) "
+            f"{list(range(saved, num_islands))} start from the anchors of round(s) {rounds} "
+            "with island 0's inner optimizer state.",
+            stacklevel=3,
+        )
 
 
 def newest_source(comm: Collectives, own: Source, main: Source) -> tuple[list[int], str]:
@@ -343,6 +411,21 @@ def attempt(host: TrainingView, step: Callable[[], _T]) -> _T:
     agree(gather=host.collectives.all_gather_object, error=error)
     assert result is not None
     return result
+
+
+def _reshard_summary(host: TrainingView, main: Source, moved: Resharded, how: str) -> str:
+    topology, record = host.topology, main.record
+    current = current_fingerprint(host)
+    source = "the anchors (a new island)" if moved.new_island else f"island {topology.island_index}"
+    mib = moved.copied_bytes / 2**20
+    where = "a file-backed scratch mapping" if moved.file_backed else "memory"
+    return (
+        f"island {topology.island_index}, position {topology.local_index}: moved from "
+        f"{saved_layout_text(record.fingerprint)} to {saved_layout_text(current)}; restored "
+        f"round(s) {record.outer_steps} at inner step(s) {record.inner_steps} from {source} "
+        f"({how}; anchor and outer state slices: {mib:.1f} MiB copied into {where}, the rest "
+        "views of the saved files)"
+    )
 
 
 def _summary(

@@ -96,6 +96,13 @@ def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> Option
     )
 
 
+def optimizer_param_names(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[str]:
+    """The module's name of each of ``optimizer``'s parameters, in the order its state dict
+    numbers them (``"?"`` for a tensor the module does not hold)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
+
+
 def local_tensors(state: Any) -> Any:
     """``state`` with every DTensor replaced by its local shard (a view; saving copies it)."""
     if isinstance(state, DTensor):
