@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.resume.files import swarm_root
 from tests.cli_utils import RUN_TIMEOUT_S, run_group, tree_env
 from tests.fsdp_utils import TensorParallelStepModel, fit_sharded
@@ -86,30 +85,6 @@ def test_save_keeps_every_island_shards(tmp_path: Path) -> None:
     ]
     assert anchors[0]["outer"][0]["anchors"]["net.0.weight"].shape == (3, 6)
     assert anchors[1]["outer"][0]["anchors"]["net.0.weight"].shape == (2, 6)
-
-
-def test_resume_onto_another_layout_is_refused(tmp_path: Path) -> None:
-    fit_sharded(tmp_path / "full", max_steps=2, ckpt_dir=tmp_path / "ckpts")
-    ckpt = tmp_path / "ckpts" / "step=2.ckpt"
-    from tests.resume_utils import fit
-
-    with pytest.raises(Exception, match="island_parallel='ddp'") as err:
-        fit(tmp_path / "ddp", devices=4, island_size=2, max_steps=4, ckpt_path=ckpt)
-    assert "data_parallel=2 x tensor_parallel=1" in str(err.value)
-    assert SwarmCheckpointError.__name__ in str(err.value)
-    # another island mesh: the same ranks as (dp 1 x tp 2)
-    with pytest.raises(Exception, match="data_parallel=1 x tensor_parallel=2") as err:
-        fit_sharded(tmp_path / "tp", max_steps=4, ckpt_path=ckpt, tensor_parallel_size=2)
-    assert "written by 2 island(s) of data_parallel=2 x tensor_parallel=1" in str(err.value)
-
-
-def test_fsdp_run_refuses_a_ddp_checkpoint(tmp_path: Path) -> None:
-    from tests.resume_utils import fit
-
-    fit(tmp_path / "ddp", devices=4, island_size=2, max_steps=2, ckpt_dir=tmp_path / "ckpts")
-    with pytest.raises(Exception, match="island_parallel='fsdp'") as err:
-        fit_sharded(tmp_path / "fsdp", max_steps=4, ckpt_path=tmp_path / "ckpts" / "step=2.ckpt")
-    assert "2 DDP island(s) (island_parallel='ddp')" in str(err.value)
 
 
 def test_plain_checkpoint_weights_are_sharded_into_fsdp_islands(tmp_path: Path) -> None:

@@ -75,16 +75,19 @@ def _rows(cls: type, prefix: str) -> list[str]:
     return rows
 
 
-# A changed option that a resume refuses, and when (``resume.compatibility``): the outer
-# optimizer's class (``refuse_unusable``); the island count, the island mesh and the fragments
-# with their schedule, which make up the layout fingerprint (``compare_fingerprints``,
-# ``check_layout``). Each key's options are refused only under its condition, and warn otherwise.
+# A changed option that a resume refuses, and when: the outer optimizer's class
+# (``compatibility.refuse_unusable``); a move of the islands (their count or mesh) that
+# ``restore.refuse_reshard`` or ``reshard`` cannot make; the fragments with their schedule
+# (``compatibility.compare_fingerprints``). Each key's options are refused only under its
+# condition, and warn otherwise.
 RESUME_REFUSALS: dict[tuple[str, ...], str] = {
     ("outer_optimizer",): "another optimizer class (its saved state cannot serve another)",
     ("island_size",): (
-        "when it changes the island count (devices x num_nodes / island_size), and always with "
-        '`island_parallel="fsdp"`, whose island mesh must match (as must `island_parallel` and '
-        "`tensor_parallel_size`)"
+        "only when it moves the islands (their count, devices x num_nodes / island_size, or "
+        "their mesh, with `island_parallel` and `tensor_parallel_size`) from a checkpoint with "
+        "a round in flight (`sync_delay`), under a time budget (`sync_every_s`) or with "
+        "`SwarmResume(island_ckpt_paths=...)`; any other move reshards the saved state onto the "
+        "new layout (docs/resume.md)"
     ),
     ("num_fragments", "fragment_layout", "sync_delay", "sync_every"): (
         "when the fragments or their schedule differ, which needs Streaming DiLoCo "

@@ -8,13 +8,15 @@ run that moves mid-way must end where an uninterrupted run on either layout ends
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lightning_swarm.errors import SwarmCheckpointError
 from tests.reshard_utils import fit_movable, load_dumps, simulate
+from tests.resume_utils import swarm_dir
 
 STEPS = 9
 TOL = dict(rtol=0, atol=1e-5)
@@ -35,28 +37,41 @@ def test_plain_torch_reference_matches_ddp_islands(tmp_path: Path) -> None:
     _close_to(load_dumps(tmp_path / "ddp", 2), islands, "DDP 2x1 against plain torch")
 
 
-def test_fsdp_islands_mid_round_resume_as_ddp_islands(tmp_path: Path) -> None:
-    fit_movable(tmp_path / "fsdp", devices=4, max_steps=STEPS, ckpt_dir=tmp_path / "ck", **FSDP)
-    ckpt = tmp_path / "ck" / "step=5.ckpt"  # between rounds (3 and 6): the islands differ
-    fit_movable(tmp_path / "moved", devices=2, max_steps=STEPS, ckpt_path=ckpt)
-    moved = load_dumps(tmp_path / "moved", 2)
-    assert "moved from 2 FSDP island(s) of data_parallel=2" in moved[0]["summary"]
-    islands, _ = simulate({0: 2}, STEPS)
-    _close_to(load_dumps(tmp_path / "fsdp", 4), islands, "FSDP 2x2 uninterrupted")
-    _close_to(moved, islands, "FSDP 2x2 resumed as DDP 2x1")
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # devices for 2 islands, strategy options
+    "ddp 2x1": (2, {}),
+    "ddp 2x2": (4, {"island_size": 2}),  # the outer state sharded between the 2 ranks
+    "fsdp 2x2": (4, {"island_size": 2, "island_parallel": "fsdp"}),
+    "fsdp 2x4": (8, {"island_size": 4, "island_parallel": "fsdp"}),
+    "tp 2x2": (4, {"island_size": 2, "island_parallel": "fsdp", "tensor_parallel_size": 2}),
+}
+MOVES = [
+    ("fsdp 2x2", "ddp 2x1"),
+    ("ddp 2x1", "tp 2x2"),
+    ("ddp 2x2", "fsdp 2x2"),
+    ("fsdp 2x2", "ddp 2x2"),
+    ("fsdp 2x2", "fsdp 2x4"),
+    ("tp 2x2", "fsdp 2x2"),
+]
 
 
-def test_ddp_islands_mid_round_resume_as_tensor_parallel_islands(tmp_path: Path) -> None:
-    fit_movable(tmp_path / "ddp", devices=2, max_steps=STEPS, ckpt_dir=tmp_path / "ck")
+@pytest.mark.parametrize(("source", "target"), MOVES, ids=[f"{a} to {b}" for a, b in MOVES])
+def test_a_mid_round_checkpoint_moves_to_another_layout(
+    tmp_path: Path, source: str, target: str
+) -> None:
+    """Saved at step 5, between the rounds of steps 3 and 6 (the islands differ), resumed on
+    another layout: both runs end where DiLoCo in plain torch ends."""
+    devices, options = LAYOUTS[source]
     fit_movable(
-        tmp_path / "moved",
-        devices=4,
-        max_steps=STEPS,
-        ckpt_path=tmp_path / "ck" / "step=4.ckpt",
-        **TP,
+        tmp_path / "a", devices=devices, max_steps=STEPS, ckpt_dir=tmp_path / "ck", **options
     )
+    devices, options = LAYOUTS[target]
+    ckpt = tmp_path / "ck" / "step=5.ckpt"
+    fit_movable(tmp_path / "b", devices=devices, max_steps=STEPS, ckpt_path=ckpt, **options)
+    moved = load_dumps(tmp_path / "b", devices)
+    assert all("moved from 2" in dump["summary"] for dump in moved)
     islands, _ = simulate({0: 2}, STEPS)
-    _close_to(load_dumps(tmp_path / "moved", 4), islands, "DDP 2x1 resumed as TP 2x2")
+    _close_to(load_dumps(tmp_path / "a", LAYOUTS[source][0]), islands, f"{source} uninterrupted")
+    _close_to(moved, islands, f"{source} resumed as {target}")
 
 
 def test_two_islands_at_a_round_boundary_resume_as_three(tmp_path: Path) -> None:
@@ -97,3 +112,22 @@ def test_a_round_in_flight_is_refused_by_name(tmp_path: Path) -> None:
             ckpt_path=tmp_path / "ck" / "step=3.ckpt",
             **options,
         )
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_rank_file_under_a_reshard_is_named(
+    tmp_path: Path, damage: str
+) -> None:
+    fit_movable(tmp_path / "fsdp", devices=4, max_steps=4, ckpt_dir=tmp_path / "ck", **FSDP)
+    ckpt = tmp_path / "ck" / "step=4.ckpt"
+    directory = swarm_dir(ckpt)
+    victim = directory / (
+        "island-00001-rank-00001.pt" if damage == "missing" else "anchors-rank-00001.pt"
+    )
+    if damage == "missing":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(Exception, match=re.escape(victim.name)) as err:
+        fit_movable(tmp_path / "moved", devices=2, max_steps=STEPS, ckpt_path=ckpt)
+    assert "SwarmCheckpointError" in str(err.value)
