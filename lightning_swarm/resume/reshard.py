@@ -387,15 +387,8 @@ def reshard(host: TrainingView, record: SwarmRecord, directory: Path, read: Read
             f"{directory}: the saved inner optimizers hold the parameters "
             f"{island.optimizer_params}, this run's {params}; use the same configure_optimizers."
         )
-    cuts = Cuts()
-    for k, (outer, saved) in enumerate(zip(syncs, outers, strict=True)):
-        for name in outer.owned:
-            pieces = _require(saved.anchors, name, directory)
-            cuts.add(("anchor", k, name), pieces, outer.layout[name])
-        for (name, key), pieces in saved.state.items():
-            if name in outer.owned:
-                cuts.add(("state", k, name, key), pieces, outer.layout[name])
-    cut, copied, file_backed = cuts.cut(lambda key: ".".join(map(str, key[2:])), directory.parent)
+    targets = [(list(o.owned), o.layout) for o in syncs]
+    cut, copied, file_backed = cut_outer_state(outers, targets, directory)
     anchors = AnchorsRecord(
         record.save_id,
         [
@@ -405,6 +398,26 @@ def reshard(host: TrainingView, record: SwarmRecord, directory: Path, read: Read
     )
     island_record = _island_record(host, record, island, outers, params, new_island)
     return Resharded(island_record, anchors, copied, file_backed, new_island)
+
+
+def cut_outer_state(
+    outers: Sequence[OuterPieces],
+    targets: Sequence[tuple[Sequence[str], Mapping[str, ParamLayout]]],
+    directory: Path,
+) -> tuple[dict[Any, Tensor], int, bool]:
+    """Per outer optimizer, the anchors and outer state of ``targets[k]``'s (owned names,
+    layout), keyed ``("anchor", k, name)`` and ``("state", k, name, key)``: views of the saved
+    files or copies in a scratch mapping beside ``directory``. Also returns the bytes copied
+    and whether the scratch is file-backed."""
+    cuts = Cuts()
+    for k, (saved, (owned, layout)) in enumerate(zip(outers, targets, strict=True)):
+        for name in owned:
+            cuts.add(("anchor", k, name), _require(saved.anchors, name, directory), layout[name])
+        mine = set(owned)
+        for (name, key), pieces in saved.state.items():
+            if name in mine:
+                cuts.add(("state", k, name, key), pieces, layout[name])
+    return cuts.cut(lambda key: ".".join(map(str, key[2:])), directory.parent)
 
 
 def _require(pieces: Mapping[str, Pieces], name: str, directory: Path) -> Pieces:
