@@ -163,7 +163,7 @@ def _effect(
             f"{current['anchor_dtype']} on load (an eager copy in RAM, not memory-mapped)"
         )
     if name == "island_size":
-        return f"each island's saved state now seeds {current['island_size']} rank(s)"
+        return f"the saved state is resharded onto islands of {current['island_size']} rank(s)"
     return "the resumed run differs from an uninterrupted one"
 
 
