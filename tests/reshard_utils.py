@@ -99,6 +99,11 @@ class DumpFull(pl.Callback):
         self._caught = self._catcher.__enter__()
         warnings.simplefilter("always")
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A resume at max_steps trains no step, and Lightning skips on_train_end then.
+        if not (self.out / f"rank{trainer.global_rank}.pt").exists():
+            self.on_train_end(trainer, pl_module)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, SwarmStrategy)
@@ -107,6 +112,11 @@ class DumpFull(pl.Callback):
             "island": strategy.topology.island_index,
             "params": {k: _full(v) for k, v in pl_module.named_parameters()},
             "anchors": {k: v.clone() for k, v in outer.anchors.items()},
+            "momentum": {
+                name: outer.outer_optimizer.state[a]["momentum_buffer"].clone()
+                for name, a in outer.anchors.items()
+                if "momentum_buffer" in outer.outer_optimizer.state.get(a, {})
+            },
             "layout": dict(outer.layout),
             "outer_steps": outer.outer_steps,
             "summary": strategy.checkpointer.summary,

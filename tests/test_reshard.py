@@ -131,3 +131,39 @@ def test_a_missing_or_truncated_rank_file_under_a_reshard_is_named(
     with pytest.raises(Exception, match=re.escape(victim.name)) as err:
         fit_movable(tmp_path / "moved", devices=2, max_steps=STEPS, ckpt_path=ckpt)
     assert "SwarmCheckpointError" in str(err.value)
+
+
+def test_anchors_outer_state_and_island_weights_move_bit_for_bit(tmp_path: Path) -> None:
+    """FSDP 2x2 saved mid-round, resumed as DDP 2x1 for no step: every tensor is the saved
+    shards joined, bit for bit."""
+    fit_movable(tmp_path / "fsdp", devices=4, max_steps=5, ckpt_dir=tmp_path / "ck", **FSDP)
+    ckpt = tmp_path / "ck" / "step=5.ckpt"
+    fit_movable(tmp_path / "ddp", devices=2, max_steps=5, ckpt_path=ckpt, sync_at_end=False)
+    directory = swarm_dir(ckpt)
+
+    def load(name: str) -> dict:
+        return torch.load(directory / name, weights_only=True)
+
+    def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+    outer = [load(f"anchors-rank-{r:05d}.pt")["outer"][0] for r in range(2)]
+    saved_anchors = joined([o["anchors"] for o in outer])
+    momentum = joined(
+        [
+            {
+                name: o["outer_optimizer"]["state"][i]["momentum_buffer"]
+                for i, name in enumerate(o.get("param_names") or list(o["anchors"]))
+            }
+            for o in outer
+        ]
+    )
+    for dump in load_dumps(tmp_path / "ddp", 2):
+        island = dump["island"]
+        module = joined([load(f"island-{island:05d}-rank-{r:05d}.pt")["module"] for r in range(2)])
+        for name, value in dump["params"].items():
+            assert torch.equal(value, module[name]), f"island {island}: {name}"
+        for name, value in dump["anchors"].items():
+            assert torch.equal(value, saved_anchors[name]), f"anchor {name}"
+            assert torch.equal(dump["momentum"][name], momentum[name]), f"momentum {name}"
+        assert len(dump["momentum"]) == len(saved_anchors) == 4
