@@ -31,6 +31,7 @@ from lightning_swarm.membership.errors import (
     TorchftVersionError,
 )
 from lightning_swarm.outer.errors import ShareFailedError, SyncWorkerError
+from lightning_swarm.pipeline import keep_stage
 from lightning_swarm.resume.global_model import load_global_state_dict
 from lightning_swarm.strategy import SwarmStrategy
 from lightning_swarm.transport.errors import (
@@ -73,6 +74,7 @@ __all__ = [
     "SwarmStrategy",
     "SyncWorkerError",
     "TorchftVersionError",
+    "keep_stage",
     "load_global_state_dict",
 ]
 __version__ = "0.1.0"

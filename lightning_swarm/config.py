@@ -138,6 +138,14 @@ class SwarmConfig:
             module's ``configure_model`` shards it over the island's mesh; docs/fsdp.md).
         tensor_parallel_size: with ``island_parallel="fsdp"``, ranks of the island mesh's
             ``tensor_parallel`` dimension.
+        pipeline_parallel_size: pipeline stages per island (the island mesh's
+            ``pipeline_parallel`` dimension; ``island_size = pp x dp x tp``): each rank holds
+            and syncs its stage's parameters only; the module's ``configure_model`` keeps its
+            stage (``lightning_swarm.keep_stage``) and ``training_step`` runs the batch through
+            ``strategy.pipeline_step`` (docs/pipeline.md).
+        pipeline_microbatches: micro-batches each batch is split into for the pipeline
+            schedule (``None``: ``pipeline_parallel_size``).
+        pipeline_schedule: ``"1f1b"`` or ``"gpipe"`` (torch.distributed.pipelining's).
         frozen_params: parameters with ``requires_grad=False`` at setup: ``"exclude"`` (no
             anchor, never exchanged) or ``"sync"`` (kept, so they can be unfrozen mid-run).
         timeout_s: how long a static run's collectives wait before every waiting rank raises
@@ -171,6 +179,9 @@ class SwarmConfig:
     shard_outer: bool = True
     island_parallel: IslandParallel = "ddp"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int | None = None
+    pipeline_schedule: str = "1f1b"
     frozen_params: FrozenParams = "exclude"
     timeout_s: float | None = None
 
@@ -228,17 +239,23 @@ class SwarmConfig:
     @property
     def outer_sharded(self) -> bool:
         """Whether each rank of an island owns a shard of the outer state (``shard_outer``)."""
-        return self.shard_outer and self.island_size > 1 and self.island_parallel == "ddp"
+        return self.shard_outer and self.island_size > 1 and not self.model_sharded
 
     @property
     def model_sharded(self) -> bool:
-        """Whether each rank holds only its shard of the model (``island_parallel="fsdp"``)."""
-        return self.island_parallel == "fsdp"
+        """Whether each rank holds only its part of the model (``island_parallel="fsdp"``, or
+        pipeline stages): per-rank checkpoint files, an island mesh, each rank its own share."""
+        return self.island_parallel == "fsdp" or self.pipeline_parallel_size > 1
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks of an island's ``data_parallel`` mesh dimension (``island_size`` under DDP)."""
-        return self.island_size // self.tensor_parallel_size
+        return self.island_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per batch under pipeline stages (``pipeline_microbatches`` or pp)."""
+        return self.pipeline_microbatches or self.pipeline_parallel_size
 
     @property
     def anchor_torch_dtype(self) -> torch.dtype:
@@ -295,11 +312,34 @@ def _check_parallel(config: SwarmConfig) -> None:
             f"island_size={config.island_size}; an island is data_parallel x tensor_parallel "
             "ranks, so choose a divisor of island_size."
         )
+    _check_pipeline(config)
     if config.model_sharded and config.membership != "static":
         raise SwarmConfigError(
             f"membership={config.membership!r} cannot be combined with island_parallel='fsdp': "
             "elastic membership (its heal, round header and per-rank shares) is written for "
             "whole parameters on each rank, not FSDP shards; use membership='static'."
+        )
+
+
+def _check_pipeline(config: SwarmConfig) -> None:
+    """``pipeline_parallel_size``, ``pipeline_microbatches`` and ``pipeline_schedule``."""
+    from lightning_swarm.pipeline.schedule import check_schedule
+
+    pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
+    check_positive_int("pipeline_parallel_size", pp, "1 = no pipeline stages")
+    if config.pipeline_microbatches is not None:
+        check_positive_int("pipeline_microbatches", config.pipeline_microbatches, "e.g. 4")
+    if config.island_size % (pp * tp) != 0:
+        raise SwarmConfigError(
+            f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} does not divide "
+            f"island_size={config.island_size}; an island is pipeline_parallel x data_parallel "
+            "x tensor_parallel ranks, so choose sizes whose product divides island_size."
+        )
+    check_schedule(config.pipeline_schedule, config.microbatches, pp)
+    if pp > 1 and config.sync_every_s is not None:
+        raise SwarmConfigError(
+            f"pipeline_parallel_size={pp} cannot be combined with sync_every_s: rounds on a "
+            "time budget are not built for pipeline stages; use sync_every."
         )
 
 

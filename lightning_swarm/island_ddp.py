@@ -13,7 +13,7 @@ import contextlib
 import datetime
 import inspect
 import os
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -29,6 +29,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -45,10 +46,19 @@ from lightning_swarm.errors import (
     SwarmConfigTypeError,
     SwarmError,
 )
+from lightning_swarm.pipeline.glue import (
+    average_plain_grads,
+    build_runner,
+    install_clipping,
+    plain_step,
+)
+from lightning_swarm.pipeline.schedule import PipelineRunner
 from lightning_swarm.resume.compatibility import MESH_KEY
 from lightning_swarm.topology import IslandTopology
 from lightning_swarm.transport import peer_backend
 from lightning_swarm.transport.groups import (
+    MESH_DIM_NAMES,
+    PIPELINE_DIM,
     IslandMesh,
     SwarmGroups,
     build_groups,
@@ -77,6 +87,7 @@ class IslandDDPStrategy(DDPStrategy):
         self._topology: IslandTopology | None = None
         self._groups: SwarmGroups | None = None
         self._mesh: IslandMesh | None = None  # model-sharded islands, from setup to teardown
+        self._pipeline: PipelineRunner | None = None  # pipeline stages, from configure_ddp
 
     @property
     def topology(self) -> IslandTopology:
@@ -118,6 +129,7 @@ class IslandDDPStrategy(DDPStrategy):
                 self.config.tensor_parallel_size,
                 device_type=self.root_device.type,
                 backend=self._process_group_backend,
+                pipeline_parallel_size=self.config.pipeline_parallel_size,
             )
 
     @override
@@ -128,15 +140,19 @@ class IslandDDPStrategy(DDPStrategy):
 
     @property
     def island_mesh_shape(self) -> dict[str, int] | None:
-        """``{"data_parallel": dp, "tensor_parallel": tp}`` of a model-sharded island; None
-        under DDP islands (and before setup)."""
+        """``{"data_parallel": dp, "tensor_parallel": tp}`` (and ``"pipeline_parallel"``) of a
+        model-sharded island; None under DDP islands (and before setup)."""
         return self._mesh.shape if self._mesh is not None else None
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """This island's ``(data_parallel, tensor_parallel)`` mesh (``island_parallel="fsdp"``)."""
+        """This island's ``([pipeline_parallel,] data_parallel, tensor_parallel)`` mesh
+        (``island_parallel="fsdp"`` or pipeline stages)."""
         if self._mesh is None:
-            raise RuntimeError("a device mesh exists only with island_parallel='fsdp', after setup")
+            raise RuntimeError(
+                "a device mesh exists only with island_parallel='fsdp' or pipeline stages, "
+                "after setup"
+            )
         return self._mesh.mesh
 
     @override
@@ -152,10 +168,14 @@ class IslandDDPStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self._mesh is None:
             return super().distributed_sampler_kwargs
-        # One replica per (island, data-parallel rank): positions are row-major over (dp, tp),
-        # so the tensor-parallel ranks of one group share a batch.
-        tp = self._mesh.tensor_parallel_size
-        return {"num_replicas": self.world_size // tp, "rank": self.global_rank // tp}
+        # One replica per (island, data-parallel rank): the stages and tensor-parallel ranks of
+        # one data-parallel position share a batch (the first stage reads its inputs, the last
+        # its targets).
+        mesh, topology = self._mesh, self.topology
+        dp = mesh.data_parallel_size
+        _, position, _ = mesh.coordinates(topology.local_index)
+        rank = topology.island_index * dp + position
+        return {"num_replicas": topology.num_islands * dp, "rank": rank}
 
     @contextmanager
     @override
@@ -236,12 +256,57 @@ class IslandDDPStrategy(DDPStrategy):
             assert self.lightning_module is not None
             _check_sharded(self.lightning_module, self._mesh)
             # Anchors must start identical in every island: island 0's shards everywhere.
-            _align_islands(self.model, self.groups.peers)
+            _align_islands(self.model, self.groups.peers, self._mesh)
+            if self._mesh.pipeline_parallel_size > 1:
+                self._pipeline = build_runner(self._mesh, self.config, self.root_device)
+                install_clipping(self.precision_plugin, self._pipeline)
             return
         # Anchors must start identical on every rank: take global rank 0's weights everywhere,
         # before DDP (which would only sync inside the island) wraps the module.
         _sync_module_states(self.model)
         super().configure_ddp()
+
+    def pipeline_step(
+        self, inputs: Tensor, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]
+    ) -> Tensor:
+        """The batch's loss through this island's pipeline; call it from ``training_step`` and
+        ``validation_step`` in place of ``loss_fn(self(inputs), target)``.
+
+        With ``pipeline_parallel_size > 1`` the schedule runs every micro-batch's forward (the
+        module's ``forward`` on this rank's stage) and, in training, backward: the returned
+        loss (the last stage's, the same value on every rank of the island) is detached, and
+        Lightning's backward step does nothing. Without stages it is the plain forward and
+        loss, with Lightning's backward as usual.
+
+        Args:
+            inputs: the first stage's input (every rank passes its batch's; only the first
+                stage reads it).
+            target: what ``loss_fn`` compares the last stage's output with.
+            loss_fn: ``(output, target) -> loss``, a mean over the micro-batch.
+        """
+        module = self.lightning_module
+        assert module is not None
+        runner = self._pipeline
+        if runner is None:
+            return plain_step(module, inputs, target, loss_fn)
+        train = module.training and torch.is_grad_enabled()
+        return runner.run(module, inputs, target, loss_fn, train=train)
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        runner = self._pipeline
+        if runner is None or not runner.ran_backward:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran backward inside pipeline_step; Lightning zeroed the gradients since
+        # (it does between training_step and backward): they come back now, with the hooks.
+        module = self.lightning_module
+        assert module is not None and self._mesh is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        runner.give_back_grads()
+        average_plain_grads(module, self._mesh)
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -276,6 +341,7 @@ class IslandDDPStrategy(DDPStrategy):
         # reducer, bound to the island group): unwrap first, destroy the groups last. The other
         # way round, a rank can block forever inside the wrapper of a destroyed group.
         super().teardown()
+        self._pipeline = None
         if self._mesh is not None:
             self._mesh.destroy()
             self._mesh = None
@@ -317,6 +383,9 @@ def _check_sharded(module: Module, mesh: IslandMesh) -> None:
             "configure_model() and shard itself there, as with Lightning's "
             "ModelParallelStrategy. Add, for example:\n" + _CONFIGURE_MODEL_HINT
         )
+    if mesh.pipeline_parallel_size > 1:
+        _check_stages(module, mesh)
+        return  # a plain parameter of a stage is averaged over its data-parallel ranks
     if mesh.data_parallel_size == 1:
         return
     plain = [
@@ -332,13 +401,48 @@ def _check_sharded(module: Module, mesh: IslandMesh) -> None:
         )
 
 
+def _check_stages(module: Module, mesh: IslandMesh) -> None:
+    """Refuse (on every rank) a module whose ``configure_model`` did not keep one stage per
+    rank: a trained parameter held by two stages of the island, or a stage with none."""
+    group = mesh.mesh[PIPELINE_DIM].get_group()
+    names = {n for n, p in module.named_parameters() if p.requires_grad}
+    stages: list[set[str] | None] = [None] * mesh.pipeline_parallel_size
+    dist.all_gather_object(stages, names, group=group)
+    for a in range(len(stages)):
+        for b in range(a + 1, len(stages)):
+            shared = sorted((stages[a] or set()) & (stages[b] or set()))
+            if shared:
+                raise SwarmConfigError(
+                    f"pipeline_parallel_size={len(stages)}: stages {a} and {b} both hold "
+                    f"{len(shared)} trained parameter(s), e.g. {shared[:3]}: configure_model "
+                    "ignored the mesh's pipeline_parallel dimension. Keep each rank's stage "
+                    "only, e.g. lightning_swarm.keep_stage(self, self.device_mesh, "
+                    'blocks="blocks", first=["embedding"], last=["head"]).'
+                )
+    empty = [i for i, s in enumerate(stages) if not s]
+    if empty:
+        raise SwarmConfigError(
+            f"pipeline_parallel_size={len(stages)}: stage(s) {empty} hold no trained "
+            "parameter; use fewer stages than the model has blocks."
+        )
+
+
 @torch.no_grad()
-def _align_islands(module: Module, peers: dist.ProcessGroup | None) -> None:
+def _align_islands(module: Module, peers: dist.ProcessGroup | None, mesh: IslandMesh) -> None:
     """Give every island island 0's shards, and every rank global rank 0's plain tensors
     (collective). A shard goes over the peer group (the same shape in every island), so each
-    rank moves only its own shard, and all of them skip an empty one."""
+    rank moves only its own shard, and all of them skip an empty one. With pipeline stages a
+    plain tensor belongs to one stage: island 0's goes over the peer group, then along the
+    stage's data-parallel and tensor-parallel lines from their first rank."""
     tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+    staged = mesh.pipeline_parallel_size > 1
+    lines = [mesh.mesh[d].get_group() for d in MESH_DIM_NAMES] if staged else []
     for tensor in tensors:
+        if not isinstance(tensor, DTensor) and staged:
+            local = tensor.detach()
+            for line in ([peers] if peers is not None else []) + lines:
+                dist.broadcast(local, group=line, group_src=0)
+            continue
         if not isinstance(tensor, DTensor):
             local, group = tensor.detach(), None
         elif peers is not None:

@@ -41,6 +41,7 @@ from lightning_swarm.outer import (
     as_outer_optimizer,
 )
 from lightning_swarm.outer.loop import staging_device, transport_for
+from lightning_swarm.pipeline.glue import check_trainer
 from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView, options_of
 from lightning_swarm.resume.files import require_local_path, swarm_root
 from lightning_swarm.resume.training_view import ModelShards
@@ -185,6 +186,8 @@ class SwarmStrategy(IslandDDPStrategy):
             [getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks],
             Collectives(self.global_rank, self.broadcast, self.barrier),
         )
+        if self.config.pipeline_parallel_size > 1:
+            check_trainer(trainer, self.config)
         if self.config.sync_every_s is not None:
             self._budget = BudgetFit(trainer, self.config.sync_every_s)
         # A pending swarm resume installs anchors later: build placeholders, not copies.

@@ -97,28 +97,40 @@ def _own_groups(
 
 
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
+PIPELINE_DIM = "pipeline_parallel"
 
 
 @dataclass
 class IslandMesh:
-    """One rank's view of its island's ``(data_parallel, tensor_parallel)`` device mesh.
+    """One rank's view of its island's device mesh: ``(data_parallel, tensor_parallel)``, with
+    a leading ``pipeline_parallel`` dimension when the island has pipeline stages.
 
-    Position ``p`` in an island sits at ``divmod(p, tensor_parallel_size)``, so ranks at the
-    same position of every island hold the same shard (the topology's peer group). ``mesh``
-    never has an island dimension (that would be HSDP). ``destroy`` the ``created`` groups
-    after the module that used them is gone.
+    Position ``p`` in an island sits at ``(stage, dp, tp)`` in row-major order, so ranks at the
+    same position of every island hold the same stage and shard (the topology's peer group).
+    ``mesh`` never has an island dimension (that would be HSDP). ``destroy`` the ``created``
+    groups after the module that used them is gone.
     """
 
     mesh: DeviceMesh
     data_parallel_size: int
     tensor_parallel_size: int
     created: list[dist.ProcessGroup]
+    pipeline_parallel_size: int = 1
 
     @property
     def shape(self) -> dict[str, int]:
-        """``{"data_parallel": dp, "tensor_parallel": tp}``, as checkpoints record it."""
+        """``{"data_parallel": dp, "tensor_parallel": tp}`` (and ``"pipeline_parallel"`` with
+        stages), as checkpoints record it."""
         dp, tp = self.data_parallel_size, self.tensor_parallel_size
-        return {"data_parallel": dp, "tensor_parallel": tp}
+        shape = {"data_parallel": dp, "tensor_parallel": tp}
+        if self.pipeline_parallel_size > 1:
+            shape = {PIPELINE_DIM: self.pipeline_parallel_size, **shape}
+        return shape
+
+    def coordinates(self, position: int) -> tuple[int, int, int]:
+        """``(stage, dp, tp)`` of island position ``position``."""
+        stage, rest = divmod(position, self.data_parallel_size * self.tensor_parallel_size)
+        return (stage, *divmod(rest, self.tensor_parallel_size))
 
     def destroy(self) -> None:
         _destroy(self.created)
@@ -130,6 +142,7 @@ def build_island_mesh(
     *,
     device_type: str,
     backend: str | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> IslandMesh:
     """The device mesh of this rank's island (collective on every rank), by
     ``DeviceMesh.from_group`` (``init_device_mesh`` builds one mesh over the whole world only).
@@ -137,19 +150,27 @@ def build_island_mesh(
     carries the outer round's agreement, maybe on the sync worker's thread, while FSDP's
     collectives run on the training thread.
     """
-    tp = tensor_parallel_size
-    dp = topology.island_size // tp
+    pp, tp = pipeline_parallel_size, tensor_parallel_size
+    dp = topology.island_size // (tp * pp)
+    shape = (pp, dp, tp)
     lists: list[list[int]] = []
+    mine: list[int] = []
+    coordinates = None
     for island in range(topology.num_islands):
-        ranks = topology.island_ranks(island)
-        lists += [ranks[t::tp] for t in range(tp)] + [
-            ranks[d * tp : (d + 1) * tp] for d in range(dp)
-        ]
-    my_dp, my_tp = divmod(topology.local_index, tp)
-    base = topology.island_index * (tp + dp)
-    created = _own_groups(lists, [base + my_tp, base + tp + my_dp], backend, None)
-    layout = torch.tensor(topology.island_ranks(topology.island_index)).view(dp, tp)
-    mesh = DeviceMesh.from_group(
-        list(created), device_type, mesh=layout, mesh_dim_names=MESH_DIM_NAMES
-    )
-    return IslandMesh(mesh, dp, tp, created)
+        grid = torch.tensor(topology.island_ranks(island)).view(shape)
+        # Per mesh dimension, one group along it through every point of the other two.
+        for dim in ((0,) if pp > 1 else ()) + (1, 2):
+            lines = grid.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
+            for line in lines:
+                if island == topology.island_index and topology.global_rank in line:
+                    mine.append(len(lists))
+                lists.append(line)
+        if island == topology.island_index:
+            coordinates = grid
+    assert coordinates is not None
+    created = _own_groups(lists, mine, backend, None)
+    # DeviceMesh.from_group takes one group per dimension, in the mesh's dimension order.
+    names = ((PIPELINE_DIM,) if pp > 1 else ()) + MESH_DIM_NAMES
+    layout = coordinates if pp > 1 else coordinates[0]
+    mesh = DeviceMesh.from_group(list(created), device_type, mesh=layout, mesh_dim_names=names)
+    return IslandMesh(mesh, dp, tp, created, pipeline_parallel_size=pp)

@@ -1,0 +1,138 @@
+"""A module written for pipeline stages, and a fit runner that dumps each rank's stage.
+
+``StagedModel`` holds an input layer, ``NUM_BLOCKS`` blocks in a ``ModuleList`` and a head;
+``configure_model`` keeps this rank's stage (``keep_stage``) when the island has stages, and
+``training_step`` runs the batch through ``strategy.pipeline_step``, so one module trains
+with and without stages. Its data is a function of (step, island) only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_swarm import SwarmStrategy, keep_stage
+
+NUM_BLOCKS = 4
+WIDTH = 8
+
+
+def batch(step: int, island: int, rows: int = 8) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + island)
+    x = torch.randn(rows, 6, generator=g)
+    y = x[:, :3].sum(1, keepdim=True) - x[:, 3:].prod(1, keepdim=True)
+    return x, y
+
+
+class StagedModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed: nn.Module | None = nn.Linear(6, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(NUM_BLOCKS)
+        )
+        self.head: nn.Module | None = nn.Linear(WIDTH, 1)
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:
+            keep_stage(self, self.device_mesh, blocks="blocks", first=["embed"], last=["head"])
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+    def training_step(self, _: Any, batch_idx: int) -> Tensor:
+        strategy = self.trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        x, y = batch(self.trainer.global_step, strategy.topology.island_index)
+        loss = strategy.pipeline_step(x, y, nn.functional.mse_loss)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4096, 1)), batch_size=1)
+
+
+class DumpStage(pl.Callback):
+    """Every rank writes its stage's parameters, anchors, the logged loss and counters."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        outer = strategy.outer_syncs[0]
+        info = {
+            "island": strategy.topology.island_index,
+            "params": {k: v.detach().clone() for k, v in pl_module.named_parameters()},
+            "anchors": {k: v.clone() for k, v in outer.anchors.items()},
+            "anchor_bytes": outer.anchor_bytes,
+            "losses": self.losses,
+            "bytes_sent": strategy.totals.bytes_sent,
+            "summary": strategy.checkpointer.summary,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(info, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit_staged(
+    out: Path,
+    *,
+    devices: int,
+    max_steps: int,
+    ckpt_dir: Path | None = None,
+    ckpt_path: Path | None = None,
+    trainer_kw: dict[str, Any] | None = None,
+    **strategy_kw: Any,
+) -> None:
+    pl.seed_everything(0)
+    strategy_kw.setdefault("sync_every", 3)
+    strategy = SwarmStrategy(start_method="fork", **strategy_kw)
+    callbacks: list[pl.Callback] = [DumpStage(out)]
+    if ckpt_dir is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=ckpt_dir is not None,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **(trainer_kw or {}),
+    )
+    trainer.fit(StagedModel(), ckpt_path=ckpt_path)
+
+
+def island_params(out: Path, world: int) -> dict[int, dict[str, Tensor]]:
+    """Each island's full parameters, joined from its ranks' stages."""
+    islands: dict[int, dict[str, Tensor]] = {}
+    for rank in range(world):
+        dump = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        islands.setdefault(dump["island"], {}).update(dump["params"])
+    return islands
