@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torchmetrics.text import Perplexity
 
 from lightning_swarm.errors import SwarmConfigError
+from lightning_swarm.pipeline.stages import keep_stage
 
 # The demo's default sizes, quoted by the error a non-positive size raises.
 DEFAULT_SIZES = {"block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
@@ -59,11 +60,13 @@ class GPT(nn.Module):
                 f"model.n_embd={n_embd} must be divisible by model.n_head={n_head}"
             )
         self.block_size = block_size
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
+        # Under pipeline stages (keep_stage) the first stage alone keeps the embeddings and the
+        # last the final norm and head; the others hold None there, which forward skips.
+        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(block_size, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(n_embd)
+        self.head: nn.Linear | None = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -76,15 +79,25 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        t = idx.shape[1]
-        if t > self.block_size:
-            raise ValueError(f"sequence of {t} exceeds block_size {self.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+    def forward(self, x: Tensor) -> Tensor:
+        """Byte ids to logits; on a pipeline stage, from its input (ids on the first stage,
+        hidden states after) to its output (logits on the last stage, hidden states before)."""
+        if self.tok_emb is not None and self.pos_emb is not None:
+            t = x.shape[1]
+            if t > self.block_size:
+                raise ValueError(f"sequence of {t} exceeds block_size {self.block_size}")
+            pos = torch.arange(t, device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.ln_f is not None and self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def next_byte_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of the next byte (also each pipeline micro-batch's loss)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class GPTLightningModule(pl.LightningModule):
@@ -120,29 +133,57 @@ class GPTLightningModule(pl.LightningModule):
         return self.model(idx)
 
     def configure_model(self) -> None:
-        """FSDP2 over the island's ``data_parallel`` mesh when the strategy gives one."""
-        if self.device_mesh is None:
+        """With an island mesh: keep this rank's pipeline stage (when the mesh has a
+        ``pipeline_parallel`` dimension), then FSDP2 over ``data_parallel`` when it has more
+        than one rank (or no stages: the FSDP islands of docs/fsdp.md)."""
+        mesh = self.device_mesh
+        if mesh is None:
             return
-        data_parallel = self.device_mesh["data_parallel"]
+        staged = "pipeline_parallel" in (mesh.mesh_dim_names or ())
+        if staged:
+            keep_stage(
+                self.model,
+                mesh,
+                blocks="blocks",
+                first=["tok_emb", "pos_emb"],
+                last=["ln_f", "head"],
+            )
+            if mesh["data_parallel"].size() == 1:
+                return  # plain stages (DDP inside a stage averages their gradients)
+        data_parallel = mesh["data_parallel"]
         for block in self.model.blocks:
-            fully_shard(block, mesh=data_parallel)
+            if isinstance(block, Block):  # not another stage's placeholder
+                fully_shard(block, mesh=data_parallel)
         fully_shard(self.model, mesh=data_parallel)  # the embeddings, final norm and head
 
-    def _logits_and_loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        x, y = batch
-        logits = self.model(x)
-        return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    def _staged(self) -> Any:
+        """The strategy's ``pipeline_step`` when its islands have pipeline stages, else None."""
+        strategy = self.trainer.strategy
+        stages = getattr(getattr(strategy, "config", None), "pipeline_parallel_size", 1)
+        return strategy.pipeline_step if stages > 1 else None  # type: ignore[attr-defined]
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._logits_and_loss(batch)[1]
+        x, y = batch
+        pipeline_step = self._staged()
+        if pipeline_step is not None:
+            loss = pipeline_step(x, y, next_byte_loss)
+        else:
+            loss = next_byte_loss(self.model(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        logits, loss = self._logits_and_loss(batch)
-        self.val_perplexity.update(logits, batch[1])
+        x, y = batch
+        pipeline_step = self._staged()
+        if pipeline_step is not None:
+            # Logits exist on the last stage only: the loss (on every rank) is what is logged.
+            loss = pipeline_step(x, y, next_byte_loss)
+        else:
+            logits = self.model(x)
+            loss = next_byte_loss(logits, y)
+            self.val_perplexity.update(logits, y)
+            self.log("val_ppl", self.val_perplexity, prog_bar=True)
         self.log("val_loss", loss, prog_bar=True, sync_dist=self.val_across_islands)
-        self.log("val_ppl", self.val_perplexity, prog_bar=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         params = list(self.parameters())

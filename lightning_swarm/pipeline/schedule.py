@@ -28,6 +28,9 @@ from torch.distributed.tensor import DTensor
 from lightning_swarm.errors import SwarmConfigError
 
 SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# An activation's header between stages in evaluation: ndim, dtype index, shape (<= 8 dims).
+_HEADER = 10
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -45,7 +48,7 @@ class PipelineRunner:
     microbatches: int
     schedule: str
     device: torch.device
-    _built: tuple[Any, LossFn] | None = field(default=None, repr=False)
+    _built: tuple[Any, LossFn, int] | None = field(default=None, repr=False)
     # The gradients a training step computed, held off the parameters until Lightning's
     # backward step: Lightning zeroes gradients between training_step and backward.
     _grads: list[tuple[Tensor, Tensor]] | None = field(default=None, repr=False)
@@ -74,13 +77,15 @@ class PipelineRunner:
     def last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def _schedule(self, module: torch.nn.Module, loss_fn: LossFn) -> Any:
-        if self._built is None or self._built[1] is not loss_fn:
+    def _schedule(self, module: torch.nn.Module, loss_fn: LossFn, batch: int) -> Any:
+        # A stage infers its micro-batch shapes at its first step and keeps them: another
+        # batch size (an epoch's last, short batch) needs a new stage.
+        if self._built is None or self._built[1:] != (loss_fn, batch):
             stage = PipelineStage(
                 module, self.stage_index, self.num_stages, self.device, group=self.group
             )
             kind = SCHEDULES[self.schedule]
-            self._built = (kind(stage, self.microbatches, loss_fn=loss_fn), loss_fn)
+            self._built = (kind(stage, self.microbatches, loss_fn=loss_fn), loss_fn, batch)
         return self._built[0]
 
     def run(
@@ -92,38 +97,66 @@ class PipelineRunner:
         *,
         train: bool,
     ) -> Tensor:
-        """One batch through the island's pipeline: forward (and, ``train``, backward) of every
-        micro-batch; returns the batch's loss (the mean over micro-batches) on every rank, as
-        a detached 0-d tensor.
+        """One batch through the island's pipeline; returns the batch's loss on every rank,
+        as a detached 0-d tensor. Training: forward and backward of every micro-batch under
+        the schedule (the loss is the mean over micro-batches). Evaluation: the whole batch
+        forward, stage to stage, whatever its size.
 
         Raises:
-            SwarmConfigError: the batch cannot be split into ``microbatches``.
+            SwarmConfigError: a training batch cannot be split into ``microbatches``.
         """
+        if not train:
+            return self._evaluate(module, inputs, target, loss_fn)
         if inputs.shape[0] < self.microbatches or inputs.shape[0] % self.microbatches:
             raise SwarmConfigError(
                 f"pipeline_microbatches={self.microbatches} does not divide this batch of "
                 f"{inputs.shape[0]} sample(s); use a batch size that is a multiple of it, or "
                 "fewer micro-batches."
             )
-        schedule = self._schedule(module, loss_fn)
+        schedule = self._schedule(module, loss_fn, int(inputs.shape[0]))
         losses: list[Tensor] = []
         args = (inputs,) if self.first else ()
         extra: dict[str, Any] = {"target": target, "losses": losses} if self.last else {}
-        if train:
-            # Lightning zeroes gradients only after training_step: the last step's are still
-            # on the parameters, and the schedule would add to them.
-            for p in module.parameters():
-                p.grad = None
-            schedule.step(*args, return_outputs=False, **extra)
-            self.hold_grads(module)
-        else:
-            with torch.no_grad():
-                schedule.eval(*args, **extra)
+        # Lightning zeroes gradients only after training_step: the last step's are still on
+        # the parameters, and the schedule would add to them.
+        for p in module.parameters():
+            p.grad = None
+        schedule.step(*args, return_outputs=False, **extra)
+        self.hold_grads(module)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.last:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
+        return self._from_last_stage(loss)
+
+    def _from_last_stage(self, loss: Tensor) -> Tensor:
         dist.broadcast(loss, group=self.group, group_src=self.num_stages - 1)
         return loss
+
+    @torch.no_grad()
+    def _evaluate(
+        self, module: torch.nn.Module, inputs: Tensor, target: Tensor, loss_fn: LossFn
+    ) -> Tensor:
+        """Forward only, the whole batch at once: each stage receives its input (with its
+        shape and dtype, which a short batch or autocast may change), runs and sends on."""
+        x = inputs
+        if not self.first:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            dist.recv(header, group=self.group, group_src=self.stage_index - 1)
+            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+            x = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+            dist.recv(x, group=self.group, group_src=self.stage_index - 1)
+        out = module(x)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.last:
+            loss = loss_fn(out, target).detach().float()
+        else:
+            out = out.contiguous()
+            shape = [out.dim(), _DTYPES.index(out.dtype), *out.shape]
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            header[: len(shape)] = torch.tensor(shape)
+            dist.send(header, group=self.group, group_dst=self.stage_index + 1)
+            dist.send(out, group=self.group, group_dst=self.stage_index + 1)
+        return self._from_last_stage(loss)
 
     def clip_grad_norm_(self, params: Iterable[Tensor], max_norm: float) -> Tensor:
         """Scale the gradients of ``params`` (this stage's) so that their norm over every
