@@ -14,7 +14,7 @@ import torch
 from lightning_swarm.algorithm.model_layout import model_layout, plain_layout
 from lightning_swarm.errors import DiskFullError, SwarmCheckpointError
 from lightning_swarm.resume.atomic import atomic_save, is_disk_full
-from lightning_swarm.resume.compatibility import current_fingerprint
+from lightning_swarm.resume.compatibility import current_fingerprint, union_params
 from lightning_swarm.resume.files import (
     ANCHORS_FILE,
     anchor_shard_file_name,
@@ -175,7 +175,8 @@ class SwarmCheckpointer:
         agreed = agree(
             gather=comm.all_gather_object,
             error=error,
-            share=(written, own_loops),
+            # Pipeline stages hold different parameters: the record lists every rank's.
+            share=(written, own_loops, current_fingerprint(host)["params"]),
             before_raise=remove_this_save,
         )
         record = _record(host, checkpoint, save_id, agreed.shares)
@@ -201,7 +202,7 @@ def _record(
     """The save's record, from every rank's (file digests, island loop state)."""
     files: dict[str, FileDigest] = {}
     by_island: dict[int, IslandLoops] = {}
-    for part, loops in shares:
+    for part, loops, _ in shares:
         files.update(part)
         if loops is not None:
             by_island[loops[0]] = loops[1]
@@ -214,7 +215,7 @@ def _record(
     outers = host.outer_syncs
     return SwarmRecord(
         save_id=save_id,
-        fingerprint=current_fingerprint(host),
+        fingerprint={**current_fingerprint(host), "params": union_params([s[2] for s in shares])},
         anchor_dtype=str(outers[0].anchor_dtype).removeprefix("torch.") if outers else None,
         outer_steps=[o.outer_steps for o in outers],
         inner_steps=[o.inner_steps for o in outers],

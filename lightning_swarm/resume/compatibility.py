@@ -49,10 +49,30 @@ def current_fingerprint(host: TrainingView) -> dict[str, Any]:
     return fingerprint
 
 
+def union_params(per_rank: Sequence[Sequence[Any]]) -> list[list[list[Any]]]:
+    """Every rank's ``params`` of a fingerprint joined, per optimizer, in rank order (each name
+    once): the whole model when pipeline stages hold different parameters; any rank's list
+    otherwise."""
+    merged: list[dict[str, Any]] = []
+    for params in per_rank:
+        for index, entries in enumerate(params):
+            if len(merged) <= index:
+                merged.append({})
+            for name, shape in entries:
+                merged[index].setdefault(name, shape)
+    return [[[name, shape] for name, shape in m.items()] for m in merged]
+
+
+def staged(fingerprint: Mapping[str, Any]) -> bool:
+    """Whether the fingerprint's islands have pipeline stages."""
+    return "pipeline_parallel" in (fingerprint.get(MESH_KEY) or {})
+
+
 def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """Raise ``SwarmCheckpointError`` naming every difference between two fingerprints that a
     resume cannot bridge: the parameters and their global shapes, the optimizers, the
-    fragments. The island count and mesh may differ (``resume.reshard``)."""
+    fragments. The island count and mesh may differ (``resume.reshard``); a rank of a pipeline
+    stage holds part of the saved parameters."""
     problems: list[str] = []
     saved_params, current_params = saved.get("params", []), current["params"]
     if len(saved_params) != len(current_params):
@@ -62,6 +82,8 @@ def compare_fingerprints(saved: Mapping[str, Any], current: Mapping[str, Any]) -
     for index, (old_list, new_list) in enumerate(zip(saved_params, current_params, strict=False)):
         old, new = dict(old_list), dict(new_list)
         missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+        if staged(current):
+            missing = []  # this rank's stage holds some of the checkpoint's parameters
         if missing or extra:
             problems.append(
                 f"optimizer {index} parameters renamed or changed: only in checkpoint {missing}, "

@@ -282,6 +282,7 @@ def load_island(read: Read, record: SwarmRecord, island: int, directory: Path) -
     optimizers: list[dict[tuple[str, str], Pieces]] = []
     scalars: list[dict[tuple[str, str], Any]] = []
     residuals: list[dict[str, Pieces]] = []
+    union: list[list[str]] = []
     first: IslandRecord | None = None
     for name in names:
         where = str(directory / name)
@@ -299,6 +300,10 @@ def load_island(read: Read, record: SwarmRecord, island: int, directory: Path) -
         while len(optimizers) < len(saved.optimizers):
             optimizers.append({})
             scalars.append({})
+        while len(union) < len(saved.optimizer_params):
+            union.append([])
+        for k, names in enumerate(saved.optimizer_params):
+            union[k] += [n for n in names if n not in union[k]]  # a stage's files add theirs
         for k, state in enumerate(saved.optimizers):
             params = saved.optimizer_params[k]
             _state_pieces(state.get("state", {}), params, layout, where, optimizers[k], scalars[k])
@@ -314,7 +319,7 @@ def load_island(read: Read, record: SwarmRecord, island: int, directory: Path) -
         optimizers=optimizers,
         scalars=scalars,
         groups=[list(s.get("param_groups", [])) for s in first.optimizers],
-        optimizer_params=first.optimizer_params,
+        optimizer_params=union,
         residuals=residuals,
         totals=first.totals,
     )
@@ -382,10 +387,15 @@ def reshard(host: TrainingView, record: SwarmRecord, directory: Path, read: Read
         )
     island = load_island(read, record, 0 if new_island else own, directory)
     params = [optimizer_param_names(o, host.module) for o in host.optimizers]
-    if params != island.optimizer_params:
+    saved_params = island.optimizer_params
+    unknown = [
+        [n for n in names if n not in set(saved_params[k] if k < len(saved_params) else [])]
+        for k, names in enumerate(params)
+    ]
+    if len(params) != len(saved_params) or any(unknown):
         raise SwarmCheckpointError(
-            f"{directory}: the saved inner optimizers hold the parameters "
-            f"{island.optimizer_params}, this run's {params}; use the same configure_optimizers."
+            f"{directory}: the saved inner optimizers hold the parameters {saved_params}, this "
+            f"run's {params} (not saved: {unknown}); use the same configure_optimizers."
         )
     targets = [(list(o.owned), o.layout) for o in syncs]
     cut, copied, file_backed = cut_outer_state(outers, targets, directory)
@@ -499,7 +509,7 @@ def _island_record(
                     entries[key] = _cut(f"{name} ({key})", pieces, layout[name])
             if entries:
                 state[position] = entries
-        optimizers.append({"state": state, "param_groups": island.groups[k]})
+        optimizers.append({"state": state, "param_groups": _groups(host, k, island.groups[k])})
     outer_island = []
     for k, outer in enumerate(host.outer_syncs):
         saved = {} if new_island or k >= len(island.residuals) else island.residuals[k]
@@ -517,6 +527,21 @@ def _island_record(
         outer_island=outer_island,
         optimizer_params=[list(n) for n in params],
     )
+
+
+def _groups(host: TrainingView, k: int, saved: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Optimizer ``k``'s param groups: the saved hyperparameters (a scheduled lr included),
+    this run's numbering of the parameters (another stage split numbers them otherwise)."""
+    current = host.optimizers[k].state_dict()["param_groups"]
+    if len(current) != len(saved):
+        raise SwarmCheckpointError(
+            f"inner optimizer {k} has {len(current)} param group(s), the checkpoint's "
+            f"{len(saved)}; use the same configure_optimizers."
+        )
+    return [
+        {**dict(old), "params": list(new["params"])}
+        for old, new in zip(saved, current, strict=True)
+    ]
 
 
 def _cut(name: str, pieces: Pieces, part: ParamLayout) -> Tensor:

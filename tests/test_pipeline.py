@@ -1,0 +1,153 @@
+"""Pipeline-stage islands: 2 islands x 2 stages train as 2 islands of the whole model do.
+
+``StagedModel`` (``tests/pipeline_utils.py``) runs with and without stages unchanged; every
+case compares the islands' full parameters (each island's stages joined) with the pp=1 run of
+the same options, in fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_swarm import SwarmStrategy
+from lightning_swarm.errors import SwarmConfigError
+from lightning_swarm.pipeline import keep_stage, stage_blocks
+from tests.pipeline_utils import NUM_BLOCKS, StagedModel, fit_staged, island_params
+from tests.resume_utils import swarm_dir
+
+STEPS = 9
+STAGES = {"island_size": 2, "pipeline_parallel_size": 2, "pipeline_microbatches": 2}
+TOL = {"rtol": 0, "atol": 1e-5}
+
+
+def _compare(
+    tmp_path: Path, options: dict[str, Any], trainer_kw: dict | None = None, atol: float = 1e-5
+) -> list:
+    fit_staged(tmp_path / "pp1", devices=2, max_steps=STEPS, trainer_kw=trainer_kw, **options)
+    fit_staged(
+        tmp_path / "pp2", devices=4, max_steps=STEPS, trainer_kw=trainer_kw, **STAGES, **options
+    )
+    whole, staged = island_params(tmp_path / "pp1", 2), island_params(tmp_path / "pp2", 4)
+    for island, params in whole.items():
+        assert sorted(params) == sorted(staged[island])
+        for name, value in params.items():
+            torch.testing.assert_close(staged[island][name], value, rtol=0, atol=atol, msg=name)
+    return [torch.load(tmp_path / "pp2" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_stages_end_where_the_whole_model_ends(tmp_path: Path, schedule: str) -> None:
+    ranks = _compare(tmp_path, {"pipeline_schedule": schedule})
+    # The logged loss is the last stage's, on every rank of the island.
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[2]["losses"] == ranks[3]["losses"]
+    pp1 = torch.load(tmp_path / "pp1" / "rank0.pt", weights_only=False)
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(pp1["losses"]))
+    # Each rank holds, and sends, its stage's share only.
+    for rank in ranks:
+        assert 0 < rank["anchor_bytes"] < pp1["anchor_bytes"]
+        assert 0 < rank["bytes_sent"] < pp1["bytes_sent"]
+    assert ranks[0]["anchor_bytes"] + ranks[1]["anchor_bytes"] == pp1["anchor_bytes"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sync_every": 6, "num_fragments": 3, "sync_delay": 1},
+        {"transport": "swarm"},
+        {"quantize": "int8", "error_feedback": True},
+    ],
+    ids=["fragments_delay", "swarm", "int8_feedback"],
+)
+def test_options_work_with_stages(tmp_path: Path, options: dict[str, Any]) -> None:
+    # int8 blocks start at each rank's first element: a stage's differ from the whole model's.
+    _compare(tmp_path, options, atol=1e-3 if "quantize" in options else 1e-5)
+
+
+def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> None:
+    # A bound below the gradients' norm: each stage alone would clip by its own norm.
+    _compare(tmp_path, {}, trainer_kw={"gradient_clip_val": 0.05})
+
+
+def test_resume_mid_round_is_bitwise_and_moves_to_one_stage(tmp_path: Path) -> None:
+    fit_staged(tmp_path / "full", devices=4, max_steps=STEPS, ckpt_dir=tmp_path / "ck", **STAGES)
+    ckpt = tmp_path / "ck" / "step=4.ckpt"  # between the rounds of steps 3 and 6
+    names = sorted(p.name for p in swarm_dir(ckpt).iterdir())
+    assert "anchors-rank-00001.pt" in names and "island-00001-rank-00001.pt" in names
+    fit_staged(tmp_path / "resumed", devices=4, max_steps=STEPS, ckpt_path=ckpt, **STAGES)
+    full, resumed = island_params(tmp_path / "full", 4), island_params(tmp_path / "resumed", 4)
+    for island, params in full.items():
+        for name, value in params.items():
+            assert torch.equal(resumed[island][name], value), f"island {island}: {name}"
+    # The same checkpoint resumed as islands of the whole model: resharded by the layout.
+    fit_staged(tmp_path / "moved", devices=2, max_steps=STEPS, ckpt_path=ckpt)
+    moved = island_params(tmp_path / "moved", 2)
+    for island, params in full.items():
+        for name, value in params.items():
+            torch.testing.assert_close(moved[island][name], value, **TOL)
+
+
+def test_the_global_model_is_joined_from_the_stages(tmp_path: Path) -> None:
+    from lightning_swarm import load_global_state_dict
+
+    fit_staged(tmp_path / "full", devices=4, max_steps=6, ckpt_dir=tmp_path / "ck", **STAGES)
+    state = load_global_state_dict(tmp_path / "ck" / "step=6.ckpt")
+    anchors: dict[str, torch.Tensor] = {}
+    for rank in range(2):  # island 0's two stages
+        anchors |= torch.load(tmp_path / "full" / f"rank{rank}.pt", weights_only=False)["anchors"]
+    assert sorted(state) == sorted(anchors) == sorted(StagedModel().state_dict())
+    for name, value in anchors.items():
+        assert torch.equal(state[name], value), name
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_refusals_at_construction_name_the_fix() -> None:
+    with pytest.raises(SwarmConfigError, match="does not divide island_size=2"):
+        SwarmStrategy(island_size=2, pipeline_parallel_size=3)
+    with pytest.raises(SwarmConfigError, match="at least as many micro-batches as stages"):
+        SwarmStrategy(island_size=4, pipeline_parallel_size=4, pipeline_microbatches=2)
+    with pytest.raises(SwarmConfigError, match="pipeline_schedule='interleaved' is not known"):
+        SwarmStrategy(island_size=2, pipeline_parallel_size=2, pipeline_schedule="interleaved")
+    with pytest.raises(SwarmConfigError, match="sync_every_s"):
+        SwarmStrategy(island_size=2, pipeline_parallel_size=2, sync_every_s=1.0)
+
+
+def test_more_stages_than_blocks_is_refused() -> None:
+    assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    with pytest.raises(SwarmConfigError, match="every stage needs at least one block"):
+        stage_blocks(NUM_BLOCKS, NUM_BLOCKS + 1)
+    with pytest.raises(SwarmConfigError, match="not a ModuleList or ModuleDict"):
+        keep_stage(StagedModel(), None, blocks="head")
+
+
+class IgnoresTheMesh(StagedModel):
+    def configure_model(self) -> None:
+        pass
+
+
+def test_a_module_that_ignores_the_stages_is_refused(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=SwarmStrategy(start_method="fork", **STAGES),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(Exception, match="configure_model ignored the mesh's pipeline_parallel"):
+        trainer.fit(IgnoresTheMesh())
+
+
+def test_gradient_accumulation_is_refused_with_stages(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="accumulate_grad_batches=2"):
+        fit_staged(
+            tmp_path, devices=4, max_steps=2, trainer_kw={"accumulate_grad_batches": 2}, **STAGES
+        )
