@@ -3,7 +3,10 @@
 ``StagedModel`` holds an input layer, ``NUM_BLOCKS`` blocks in a ``ModuleList`` and a head;
 ``configure_model`` keeps this rank's stage (``keep_stage``) when the island has stages, and
 ``training_step`` runs the batch through ``strategy.pipeline_step``, so one module trains
-with and without stages. Its data is a function of (step, island) only.
+with and without stages; with ``island_parallel="fsdp"`` and several data-parallel ranks per
+stage it shards each part with FSDP2. Its data is a function of (step, island) only: an
+island's batch is ``SLOTS`` chunks, each data-parallel rank takes its share, so an island
+computes the same update under any layout.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy, keep_stage
@@ -23,9 +28,12 @@ NUM_BLOCKS = 4
 WIDTH = 8
 
 
-def batch(step: int, island: int, rows: int = 8) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + island)
-    x = torch.randn(rows, 6, generator=g)
+SLOTS = 2  # an island's batch: SLOTS chunks of 4 rows, dealt out over its data-parallel ranks
+
+
+def batch(step: int, island: int, slot: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * island + slot)
+    x = torch.randn(4, 6, generator=g)
     y = x[:, :3].sum(1, keepdim=True) - x[:, 3:].prod(1, keepdim=True)
     return x, y
 
@@ -41,8 +49,16 @@ class StagedModel(pl.LightningModule):
         self.head: nn.Module | None = nn.Linear(WIDTH, 1)
 
     def configure_model(self) -> None:
-        if self.device_mesh is not None:
-            keep_stage(self, self.device_mesh, blocks="blocks", first=["embed"], last=["head"])
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        keep_stage(self, mesh, blocks="blocks", first=["embed"], last=["head"])
+        strategy = self.trainer.strategy
+        fsdp = getattr(strategy, "config", None) and strategy.config.island_parallel == "fsdp"
+        if fsdp and mesh["data_parallel"].size() > 1:  # FSDP2 inside each stage
+            for part in [self.embed, *self.blocks, self.head]:
+                if part is not None and any(True for _ in part.parameters()):
+                    fully_shard(part, mesh=mesh["data_parallel"])
 
     def forward(self, x: Tensor) -> Tensor:
         if self.embed is not None:
@@ -54,7 +70,13 @@ class StagedModel(pl.LightningModule):
     def training_step(self, _: Any, batch_idx: int) -> Tensor:
         strategy = self.trainer.strategy
         assert isinstance(strategy, SwarmStrategy)
-        x, y = batch(self.trainer.global_step, strategy.topology.island_index)
+        sampler = strategy.distributed_sampler_kwargs
+        dp = sampler["num_replicas"] // strategy.topology.num_islands
+        island, position = strategy.topology.island_index, sampler["rank"] % dp
+        mine = [
+            batch(self.trainer.global_step, island, s) for s in range(SLOTS) if s % dp == position
+        ]
+        x, y = torch.cat([m[0] for m in mine]), torch.cat([m[1] for m in mine])
         loss = strategy.pipeline_step(x, y, nn.functional.mse_loss)
         self.log("train_loss", loss)
         return loss
@@ -64,6 +86,11 @@ class StagedModel(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(torch.zeros(4096, 1)), batch_size=1)
+
+
+def _full(value: Tensor) -> Tensor:
+    # A stage's FSDP-sharded parameter, gathered over its data-parallel ranks (collective).
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
 
 
 class DumpStage(pl.Callback):
@@ -82,7 +109,7 @@ class DumpStage(pl.Callback):
         outer = strategy.outer_syncs[0]
         info = {
             "island": strategy.topology.island_index,
-            "params": {k: v.detach().clone() for k, v in pl_module.named_parameters()},
+            "params": {k: _full(v) for k, v in pl_module.named_parameters()},
             "anchors": {k: v.clone() for k, v in outer.anchors.items()},
             "anchor_bytes": outer.anchor_bytes,
             "losses": self.losses,

@@ -67,6 +67,19 @@ def test_options_work_with_stages(tmp_path: Path, options: dict[str, Any]) -> No
     _compare(tmp_path, options, atol=1e-3 if "quantize" in options else 1e-5)
 
 
+@pytest.mark.parametrize("inside", ["ddp", "fsdp"])
+def test_data_parallel_inside_each_stage(tmp_path: Path, inside: str) -> None:
+    """2 islands x (2 stages x 2 data-parallel ranks): DDP (plain gradients averaged by the
+    strategy) or FSDP2 inside each stage."""
+    fit_staged(tmp_path / "pp1", devices=2, max_steps=STEPS)
+    options = {**STAGES, "island_size": 4, "island_parallel": inside}
+    fit_staged(tmp_path / "pp2", devices=8, max_steps=STEPS, **options)
+    whole, staged = island_params(tmp_path / "pp1", 2), island_params(tmp_path / "pp2", 8)
+    for island, params in whole.items():
+        for name, value in params.items():
+            torch.testing.assert_close(staged[island][name], value, **TOL, msg=name)
+
+
 def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> None:
     # A bound below the gradients' norm: each stage alone would clip by its own norm.
     _compare(tmp_path, {}, trainer_kw={"gradient_clip_val": 0.05})
