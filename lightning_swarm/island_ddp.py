@@ -266,6 +266,11 @@ class IslandDDPStrategy(DDPStrategy):
         _sync_module_states(self.model)
         super().configure_ddp()
 
+    @property
+    def pipeline_stage(self) -> int | None:
+        """This rank's pipeline stage (0-based), or None without stages."""
+        return None if self._pipeline is None else self._pipeline.stage_index
+
     def pipeline_step(
         self, inputs: Tensor, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]
     ) -> Tensor:

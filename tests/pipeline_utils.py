@@ -109,6 +109,7 @@ class DumpStage(pl.Callback):
         outer = strategy.outer_syncs[0]
         info = {
             "island": strategy.topology.island_index,
+            "stage": strategy.pipeline_stage,
             "params": {k: _full(v) for k, v in pl_module.named_parameters()},
             "anchors": {k: v.clone() for k, v in outer.anchors.items()},
             "anchor_bytes": outer.anchor_bytes,

@@ -42,6 +42,7 @@ def _compare(
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_two_stages_end_where_the_whole_model_ends(tmp_path: Path, schedule: str) -> None:
     ranks = _compare(tmp_path, {"pipeline_schedule": schedule})
+    assert [r["stage"] for r in ranks] == [0, 1, 0, 1]  # positions are (stage, dp, tp)
     # The logged loss is the last stage's, on every rank of the island.
     assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[2]["losses"] == ranks[3]["losses"]
     pp1 = torch.load(tmp_path / "pp1" / "rank0.pt", weights_only=False)
@@ -164,3 +165,92 @@ def test_gradient_accumulation_is_refused_with_stages(tmp_path: Path) -> None:
         fit_staged(
             tmp_path, devices=4, max_steps=2, trainer_kw={"accumulate_grad_batches": 2}, **STAGES
         )
+
+
+def test_the_census_names_each_rank_stage() -> None:
+    from lightning_swarm.callbacks.census import _summary_line
+
+    line = _summary_line(3, {"swarm/pipeline_stage": 1.0, "summary/num_samples": 2.0})
+    assert line.startswith("census rank 3 (stage 1): peak RSS")
+
+
+# -- the main job's CLI ----------------------------------------------------------------------
+def _compose(tmp_path: Path, overrides: list[str]) -> Any:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from lightning_swarm.cli.app import CONF_DIR
+
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        paths = [f"hydra.runtime.output_dir={tmp_path}"]
+        cfg = hydra.compose("train", overrides=[*paths, *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.n_layer=1"], r"pipeline_parallel_size=2 stages for model.n_layer=1 blocks"),
+        (["data.batch_size=5"], r"data.batch_size=5 does not split into .*=2 micro-batches"),
+        (["+trainer.accumulate_grad_batches=2"], r"accumulate_grad_batches=2"),
+        (["strategy.pipeline_parallel_size=3"], r"does not divide island_size=2"),
+    ],
+)
+def test_the_cli_refuses_a_bad_pipeline_before_launch(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    from lightning_swarm.cli.app import build
+
+    base = ["trainer.devices=4", "strategy.island_size=2", "strategy.pipeline_parallel_size=2"]
+    cfg = _compose(tmp_path, [*base, *overrides])
+    with pytest.raises(Exception, match=message):
+        build(cfg)
+
+
+def _final(run_dir: Path) -> tuple[float, int]:
+    """The run's last logged val_loss (full precision, from its CSV log) and bytes per rank."""
+    import csv
+
+    (metrics,) = run_dir.glob("logs/version_*/metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("val_loss")]
+    summary = (run_dir / "stdout.txt").read_text()
+    sent = next(line for line in summary.splitlines() if "bytes sent across islands" in line)
+    return float(rows[-1]["val_loss"]), int(sent.split()[-1].replace(",", ""))
+
+
+@pytest.mark.slow
+def test_demo_gpt_with_two_stages_matches_one_from_the_cli(tmp_path: Path) -> None:
+    """The main job with strategy.pipeline_parallel_size=2 (2 islands x 2 stages) ends at the
+    validation loss of its run without stages after 100 steps, each rank sending its stage's
+    share (about 3 minutes here: -m slow)."""
+    from tests.cli_utils import swarm_train
+
+    common = [
+        "trainer.max_steps=100",
+        "trainer.val_check_interval=100",
+        "trainer.limit_val_batches=4",
+        "trainer.enable_progress_bar=false",
+        "model.n_layer=2",
+        "data.max_bytes=300000",
+        "logger=csv",
+    ]
+    runs = {
+        "pp1": [*common, "trainer.devices=2"],
+        "pp2": [
+            *common,
+            "trainer.devices=4",
+            "strategy.island_size=2",
+            "strategy.pipeline_parallel_size=2",
+        ],
+    }
+    for name, overrides in runs.items():
+        done = swarm_train(tmp_path / name, *overrides)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (tmp_path / name / "stdout.txt").write_text(done.stdout)
+    (whole, whole_sent), (staged, staged_sent) = _final(tmp_path / "pp1"), _final(tmp_path / "pp2")
+    assert abs(whole - staged) < 1e-5, (whole, staged)
+    assert staged_sent < 0.75 * whole_sent

@@ -199,6 +199,8 @@ class HostMemoryCensus(Callback):
         report = getattr(trainer.strategy, "memory_report", None)
         if not isinstance(report, SwarmMemoryReport):
             return {}
+        stage = getattr(trainer.strategy, "pipeline_stage", None)
+        staged = {} if stage is None else {"swarm/pipeline_stage": float(stage)}
         key = report.memory_key()
         if slow or key != self._swarm_key:
             self._swarm_key = key
@@ -206,7 +208,7 @@ class HostMemoryCensus(Callback):
                 "swarm/anchor_bytes": float(report.anchor_bytes()),
                 "swarm/outer_state_bytes": float(report.outer_state_bytes()),
             }
-        out = dict(self._swarm_cache)
+        out = {**staged, **self._swarm_cache}
         # The spool fills and drains inside a sync; the transport keeps a running byte count,
         # so it is read afresh at every census step.
         spool_bytes = report.spool_bytes()
@@ -227,6 +229,9 @@ def _summary_line(rank: int | None, metrics: Mapping[str, float]) -> str:
     slope = metrics.get("summary/anon_slope_bytes_per_step")
     slope_text = "n/a" if slope is None else f"{slope / 1024:+.1f} KiB/step"
     who = "" if rank is None else f" rank {rank}"
+    stage = metrics.get("swarm/pipeline_stage")
+    if stage is not None:  # a rank holds one pipeline stage's part of the model
+        who += f" (stage {int(stage)})"
     return (
         f"census{who}: peak RSS {gib('summary/peak_rss_bytes')}, "
         f"peak anon {gib('summary/peak_anon_bytes')}, anon slope {slope_text} "

@@ -28,6 +28,7 @@ from lightning_swarm.cli.preflight import (
     check_accelerator,
     check_islands,
     check_lighthouse,
+    check_pipeline,
     plain,
     resolve_ckpt_path,
 )
@@ -134,6 +135,7 @@ def build(cfg: DictConfig) -> Run:
             strategy.config.island_size,
         )
         check_lighthouse(strategy.config)
+        check_pipeline(strategy.config, plain(cfg.model), plain(cfg.data), trainer_options)
     callbacks = [
         instantiate(c, _convert_="all")
         for c in (cfg.get("callbacks") or {}).values()

@@ -94,6 +94,40 @@ def check_islands(accelerator: str, devices: Any, num_nodes: int, island_size: i
         ) from err
 
 
+def check_pipeline(
+    config: SwarmConfig,
+    model_options: Mapping[str, Any],
+    data_options: Mapping[str, Any],
+    trainer_options: Mapping[str, Any],
+) -> None:
+    """With pipeline stages, fail now when the model has fewer blocks than stages
+    (``model.n_layer``), the batch does not split into ``pipeline_microbatches``, or gradients
+    would accumulate over batches (the schedule accumulates over micro-batches)."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return
+    layers = model_options.get("n_layer")
+    if isinstance(layers, int) and layers < pp:
+        raise SwarmConfigError(
+            f"strategy.pipeline_parallel_size={pp} stages for model.n_layer={layers} blocks: "
+            f"every stage needs at least one block; set model.n_layer >= {pp} or fewer stages."
+        )
+    batch, micro = data_options.get("batch_size"), config.microbatches
+    if isinstance(batch, int) and batch % micro:
+        raise SwarmConfigError(
+            f"data.batch_size={batch} does not split into strategy.pipeline_microbatches="
+            f"{micro} micro-batches; use a batch size that is a multiple of it, or fewer "
+            "micro-batches."
+        )
+    accumulate = trainer_options.get("accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise SwarmConfigError(
+            f"strategy.pipeline_parallel_size={pp} with trainer.accumulate_grad_batches="
+            f"{accumulate}: the schedule already accumulates over the micro-batches; raise "
+            "strategy.pipeline_microbatches and data.batch_size instead."
+        )
+
+
 # A TCP handshake takes one round trip on a live link: a few seconds tell a dead address.
 LIGHTHOUSE_CONNECT_S = 3.0
 
