@@ -12,11 +12,11 @@ islands each, ``sync_every=1``, 3 steps (3 rounds), gloo, ``start_method="fork"`
 - ``pp=2``: 2 islands of 2 stages (``keep_stage``, ``pipeline_parallel_size=2``, 1F1B with 2
   micro-batches of a batch of 4).
 
-The module is built under ``trainer.init_module(empty_init=True)`` (on the meta device), so a
-rank materialises its own stage's parameters only. Each rank reports, at the end of fit: its
-anchor bytes and outer-state bytes (``OuterLoop``'s own counts), its parameters, the bytes it
-sent per round, and its peak RSS (``VmHWM``), which includes the process's imports and Python
-heap (about the same in both).
+With stages the module is built under ``trainer.init_module(empty_init=True)`` (on the meta
+device), so a rank materialises its own stage's parameters only. Each rank reports, at the end
+of fit: its anchor bytes and outer-state bytes (``OuterLoop``'s own counts), its parameters, the
+bytes it sent per round, and its peak RSS (``VmHWM``), which includes the process's imports and
+Python heap (about the same in both).
 """
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ def fit(out: Path, width: int, layers: int, pp: int) -> list[dict[str, Any]]:
         enable_checkpointing=False,
         num_sanity_val_steps=0,
     )
-    # Built on the meta device (as a model too big for one node must be): each rank then
-    # materialises the parameters of its own stage only, after configure_model.
-    with trainer.init_module(empty_init=True):
+    # With stages, built on the meta device (as a model too big for one node must be): each
+    # rank then materialises its own stage's parameters only, after configure_model. (Without,
+    # empty_init would leave DDP's weights uninitialised.)
+    with trainer.init_module(empty_init=pp > 1):
         model = Stack(width, layers)
     trainer.fit(model)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * pp)]

@@ -314,10 +314,16 @@ def _check_parallel(config: SwarmConfig) -> None:
         )
     _check_pipeline(config)
     if config.model_sharded and config.membership != "static":
+        parts = "FSDP shards" if config.island_parallel == "fsdp" else "pipeline stages"
+        option = (
+            "island_parallel='fsdp'"
+            if config.island_parallel == "fsdp"
+            else f"pipeline_parallel_size={config.pipeline_parallel_size}"
+        )
         raise SwarmConfigError(
-            f"membership={config.membership!r} cannot be combined with island_parallel='fsdp': "
-            "elastic membership (its heal, round header and per-rank shares) is written for "
-            "whole parameters on each rank, not FSDP shards; use membership='static'."
+            f"membership={config.membership!r} cannot be combined with {option}: elastic "
+            "membership (its heal, round header and per-rank shares) is written for whole "
+            f"parameters on each rank, not {parts}; use membership='static'."
         )
 
 

@@ -127,6 +127,14 @@ def test_refusals_at_construction_name_the_fix() -> None:
         SwarmStrategy(island_size=2, pipeline_parallel_size=2, pipeline_schedule="interleaved")
     with pytest.raises(SwarmConfigError, match="sync_every_s"):
         SwarmStrategy(island_size=2, pipeline_parallel_size=2, sync_every_s=1.0)
+    with pytest.raises(SwarmConfigError, match="pipeline_parallel_size=2: elastic membership"):
+        SwarmStrategy(
+            island_size=2,
+            pipeline_parallel_size=2,
+            membership="torchft",
+            lighthouse="http://localhost:1",
+            island_id="a",
+        )
 
 
 def test_more_stages_than_blocks_is_refused() -> None:
