@@ -245,10 +245,12 @@ def island_command(
     return cmd
 
 
-def _hydra_args(num_nodes: int, island_dir: Path, overrides: Sequence[str]) -> list[str]:
+def _hydra_args(
+    num_nodes: int, island_dir: Path, overrides: Sequence[str], devices: int = 1
+) -> list[str]:
     return [
         f"trainer.num_nodes={num_nodes}",
-        "trainer.devices=1",
+        f"trainer.devices={devices}",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={island_dir}",
         "+callbacks.wan_steps._target_=wan_steps.StepTimes",
@@ -538,11 +540,16 @@ def lighthouse_command(
 
 
 def elastic_island_command(
-    plan: Plan, k: int, overrides: Sequence[str], out: Path, python: str = sys.executable
+    plan: Plan,
+    k: int,
+    overrides: Sequence[str],
+    out: Path,
+    python: str = sys.executable,
+    devices: int = 1,
 ) -> list[str]:
-    """Island ``k`` as its own launch of the Hydra app (one rank, ``membership=torchft``, island
-    id ``i<k>``), in its namespace and in a UTS namespace of its own whose host name is the
-    namespace's name (``hosts_file`` resolves it on every endpoint)."""
+    """Island ``k`` as its own launch of the Hydra app (``devices`` ranks, ``membership=torchft``,
+    island id ``i<k>``), in its namespace and in a UTS namespace of its own whose host name is
+    the namespace's name (``hosts_file`` resolves it on every endpoint)."""
     island_dir = out / f"island{k}"
     name = plan.namespace(k)
     env = [
@@ -559,7 +566,7 @@ def elastic_island_command(
         f"strategy.lighthouse={lighthouse_url(plan)}",
         f"strategy.island_id=i{k}",
     ]
-    return [*cmd, *_hydra_args(1, island_dir, [*elastic, *overrides])]
+    return [*cmd, *_hydra_args(1, island_dir, [*elastic, *overrides], devices=devices)]
 
 
 def rate_bps(rate: str) -> float:
@@ -632,6 +639,7 @@ def run_elastic(
     kill_after_s: float = 2.0,
     heartbeat_timeout_ms: int = 5_000,
     join_timeout_ms: int = 120_000,
+    devices: int = 1,
 ) -> dict[str, Any]:
     """Build ``plan`` (with its lighthouse), start the lighthouse, then every island as its own
     elastic launch; once island ``kill_island``'s log shows ``kill_round`` rounds committed with
@@ -667,7 +675,7 @@ def run_elastic(
             time.sleep(0.2)
         islands: list[IslandRun] = []
         for k in range(plan.islands):
-            cmd = elastic_island_command(plan, k, overrides, out)
+            cmd = elastic_island_command(plan, k, overrides, out, devices=devices)
             log = out / f"island{k}.log"
             with open(log, "wb") as f:
                 proc = subprocess.Popen(
@@ -962,9 +970,10 @@ def _elastic_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
         sys.exit(f"--kill-island {kill} is not an island of {plan.islands} (0..{plan.islands - 1})")
     check_or_exit(plan.prefix, False)
     cleanup(plan.prefix)
+    fsdp = ["strategy.island_size=2", "strategy.island_parallel=fsdp"] if args.fsdp_islands else []
     return run_elastic(
         plan,
-        [*ELASTIC_OVERRIDES, *overrides],
+        [*ELASTIC_OVERRIDES, *fsdp, *overrides],
         args.out,
         args.timeout,
         kill_island=kill,
@@ -972,6 +981,7 @@ def _elastic_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
         kill_after_s=args.kill_after_s,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         join_timeout_ms=args.join_timeout_ms,
+        devices=2 if args.fsdp_islands else 1,
     )
 
 
@@ -1014,6 +1024,11 @@ def main(argv: list[str] | None = None) -> None:
     elastic.add_argument("--kill-after-s", type=float, default=2.0, help="into the next round")
     elastic.add_argument("--heartbeat-timeout-ms", type=int, default=5_000)
     elastic.add_argument("--join-timeout-ms", type=int, default=120_000)
+    elastic.add_argument(
+        "--fsdp-islands",
+        action="store_true",
+        help="islands of 2 ranks, the model FSDP-sharded over them (each rank its own shard)",
+    )
     args = parser.parse_args(argv)
     if args.islands is None:
         args.islands = 3 if args.mode == "elastic" else 2

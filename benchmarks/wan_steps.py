@@ -30,6 +30,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def schedstat(path: str) -> tuple[float, float]:
@@ -59,12 +60,14 @@ def thread_cpu() -> dict[str, float]:
 
 
 def params_digest(module: pl.LightningModule) -> str:
-    """SHA-256 of the module's parameters (sorted by name, raw bytes): equal digests are
-    bitwise equal models."""
+    """SHA-256 of the module's full parameters (sorted by name, raw bytes): equal digests are
+    bitwise equal models. A sharded parameter is gathered over its mesh first (collective:
+    every rank of the island calls this)."""
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

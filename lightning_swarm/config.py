@@ -313,17 +313,12 @@ def _check_parallel(config: SwarmConfig) -> None:
             "ranks, so choose a divisor of island_size."
         )
     _check_pipeline(config)
-    if config.model_sharded and config.membership != "static":
-        parts = "FSDP shards" if config.island_parallel == "fsdp" else "pipeline stages"
-        option = (
-            "island_parallel='fsdp'"
-            if config.island_parallel == "fsdp"
-            else f"pipeline_parallel_size={config.pipeline_parallel_size}"
-        )
+    if config.pipeline_parallel_size > 1 and config.membership != "static":
         raise SwarmConfigError(
-            f"membership={config.membership!r} cannot be combined with {option}: elastic "
-            "membership (its heal, round header and per-rank shares) is written for whole "
-            f"parameters on each rank, not {parts}; use membership='static'."
+            f"membership={config.membership!r} cannot be combined with pipeline_parallel_size="
+            f"{config.pipeline_parallel_size}: elastic islands with pipeline stages are not "
+            "built (an island's stages would have to enter every quorum as one); use "
+            "membership='static', or FSDP / tensor-parallel islands without stages."
         )
 
 

@@ -48,8 +48,10 @@ class ElasticIsland:
     ) -> TorchftMembership:
         params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
         world = dist.get_world_size(island_group) if dist.is_initialized() else 1
-        # Each rank owns a share of the outer state and exchanges it itself.
-        per_rank = self.config.shard_outer and world > 1 and self.config.island_parallel == "ddp"
+        # Each rank owns a share of the outer state and exchanges it itself: its share of a
+        # DDP island's (shard_outer), or its own shards of a model-sharded island's.
+        sharded = self.config.model_sharded or self.config.shard_outer
+        per_rank = world > 1 and sharded
         self.outer_shares = world if per_rank else 1
         self.membership = TorchftMembership(
             self.options,

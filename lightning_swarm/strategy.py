@@ -229,10 +229,8 @@ class SwarmStrategy(IslandDDPStrategy):
         )
         # Elastic islands share the outer state only when each rank exchanges its own share
         # (membership per rank); a model-sharded rank's share is its own shard.
-        shares = (
-            self._elastic.outer_shares > 1
-            if self._elastic is not None
-            else not self.config.model_sharded
+        shares = not self.config.model_sharded and (
+            self._elastic is None or self._elastic.outer_shares > 1
         )
         self._loop = OuterLoop(
             self.optimizers,

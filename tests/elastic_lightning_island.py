@@ -38,6 +38,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
 from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
@@ -168,8 +171,51 @@ class Regression(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x).mean(dim=1, keepdim=True), y)
 
+    def configure_model(self) -> None:
+        # FSDP islands (--fsdp): each layer sharded over the island's data-parallel ranks;
+        # tensor-parallel islands (--tp): the first layer split by rows, the second by columns.
+        if self.device_mesh is None:
+            return
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+            return
+        dp = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            fully_shard(layer, mesh=dp)
+        fully_shard(self.net, mesh=dp)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class StopAt(pl.Callback):
+    """Ends the fit after the round the file ``path`` names, once it exists (every island that
+    takes that round stops on the same anchors)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        named = self.path.read_text().strip() if self.path.exists() else ""
+        if named and strategy.outer_syncs[0].outer_steps >= int(named):
+            trainer.should_stop = True
+
+
+class FullState(pl.Callback):
+    """The module's full state at the end of fit: an FSDP island's shards gathered over its
+    ranks (collective), while the island mesh still exists."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().contiguous()
+            for k, v in pl_module.state_dict().items()
+        }
 
 
 class Recorder(Logger):
@@ -232,6 +278,9 @@ def main() -> None:
     parser.add_argument("--delay", type=int, default=0, help="sync_delay")
     parser.add_argument("--quantize", default="none", help="int8 / int4, with error feedback")
     parser.add_argument("--budget-s", type=float, default=None, help="sync_every_s")
+    parser.add_argument("--fsdp", action="store_true", help="island_parallel='fsdp'")
+    parser.add_argument("--tp", action="store_true", help="tensor parallel over the island")
+    parser.add_argument("--stop-file", default=None, help="stop after the round it names")
     args = parser.parse_args()
     out = Path(args.out)
     seed = sum(args.island.encode())
@@ -257,15 +306,20 @@ def main() -> None:
         quantize=args.quantize,
         error_feedback=args.quantize != "none",
         shard_outer=not args.no_shard_outer,
+        island_parallel="fsdp" if args.fsdp or args.tp else "ddp",
+        tensor_parallel_size=args.devices if args.tp else 1,
         outer_optimizer=functools.partial(
             torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True
         ),
     )
     join_file = str(out / f"{args.island}.join.rank{{rank}}.safetensors")
     recorder = Recorder(out / f"{args.island}.jsonl", strategy, join_file)
-    callbacks: list[pl.Callback] = [Snapshots(out, args.island)]
+    full = FullState()
+    callbacks: list[pl.Callback] = [Snapshots(out, args.island), full]
     if args.fault:
         callbacks.append(Faults(args.fault, args.fault_rank, out, args.island))
+    if args.stop_file:
+        callbacks.append(StopAt(Path(args.stop_file)))
     if args.checkpoint_at:
         callbacks.append(CheckpointAt(args.checkpoint_at, out / f"{args.island}.ckpt"))
     trainer = pl.Trainer(
@@ -289,7 +343,7 @@ def main() -> None:
         )
         raise
     rank = trainer.global_rank
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = full.state or {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / f"{args.island}.rank{rank}.safetensors"))
     os._exit(0)  # the demo's DataLoader workers and torchft threads need no orderly exit
 

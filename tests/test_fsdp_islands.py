@@ -94,10 +94,6 @@ def test_fsdp_bytes_sent_per_round_are_the_shard(ddp_and_fsdp: tuple[list, list]
             {"island_parallel": "fsdp", "island_size": 3, "tensor_parallel_size": 2},
             "tensor_parallel_size=2 does not divide island_size=3",
         ),
-        (
-            {"island_parallel": "fsdp", "membership": "torchft", "lighthouse": "http://h:1"},
-            "membership='torchft'",
-        ),
     ],
 )
 def test_refusals_name_the_option(options: dict, names: str) -> None:
