@@ -7,12 +7,13 @@ cycle). The graph is built with ``ast`` from the source files, so nothing is exe
 Layers, top to bottom (a module may import its own layer or any layer below it):
 
 - glue: the package root, ``strategy``, ``island_ddp``, ``elastic``,
-  ``between_rounds``, ``cli/``, ``callbacks/``, ``demo/``;
+  ``between_rounds``, ``cli/``, ``callbacks/``, ``demo/``, ``pipeline/glue``;
 - outer loop: ``outer/``;
 - resume / records: ``resume/``;
 - options and membership: ``config`` (the strategy's options, built on the transport's own
   option types), ``membership/`` (who takes part in a round: torchft's quorum);
-- transport: ``transport/``;
+- transport and pipeline stages: ``transport/``, ``pipeline/`` (the stage split and the
+  schedule runner, which ``config`` checks schedules with);
 - topology: ``topology`` (plain arithmetic the transports' groups are built from);
 - algorithm: ``algorithm/``;
 - memory and constants: ``memory/``, ``errors`` (the error root), ``profiling`` (trace labels).
@@ -41,11 +42,13 @@ LAYERS: list[tuple[str, int]] = [
     (f"{PACKAGE}.cli", 7),
     (f"{PACKAGE}.callbacks", 7),
     (f"{PACKAGE}.demo", 7),
+    (f"{PACKAGE}.pipeline.glue", 7),
     (f"{PACKAGE}.outer", 6),
     (f"{PACKAGE}.resume", 5),
     (f"{PACKAGE}.membership", 4),
     (f"{PACKAGE}.config", 4),
     (f"{PACKAGE}.transport", 3),
+    (f"{PACKAGE}.pipeline", 3),
     (f"{PACKAGE}.topology", 2),
     (f"{PACKAGE}.algorithm", 1),
     (f"{PACKAGE}.memory", 0),

@@ -39,7 +39,7 @@ def _compare(
     return [torch.load(tmp_path / "pp2" / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_two_stages_end_where_the_whole_model_ends(tmp_path: Path, schedule: str) -> None:
     ranks = _compare(tmp_path, {"pipeline_schedule": schedule})
     assert [r["stage"] for r in ranks] == [0, 1, 0, 1]  # positions are (stage, dp, tp)
@@ -57,18 +57,19 @@ def test_two_stages_end_where_the_whole_model_ends(tmp_path: Path, schedule: str
 @pytest.mark.parametrize(
     "options",
     [
-        {"sync_every": 6, "num_fragments": 3, "sync_delay": 1},
-        {"transport": "swarm"},
-        {"quantize": "int8", "error_feedback": True},
+        pytest.param({"sync_every": 6, "num_fragments": 3, "sync_delay": 1}, id="fragments_delay"),
+        pytest.param({"transport": "swarm"}, id="swarm", marks=pytest.mark.slow),
+        pytest.param(
+            {"quantize": "int8", "error_feedback": True}, id="int8_feedback", marks=pytest.mark.slow
+        ),
     ],
-    ids=["fragments_delay", "swarm", "int8_feedback"],
 )
 def test_options_work_with_stages(tmp_path: Path, options: dict[str, Any]) -> None:
     # int8 blocks start at each rank's first element: a stage's differ from the whole model's.
     _compare(tmp_path, options, atol=1e-3 if "quantize" in options else 1e-5)
 
 
-@pytest.mark.parametrize("inside", ["ddp", "fsdp"])
+@pytest.mark.parametrize("inside", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_data_parallel_inside_each_stage(tmp_path: Path, inside: str) -> None:
     """2 islands x (2 stages x 2 data-parallel ranks): DDP (plain gradients averaged by the
     strategy) or FSDP2 inside each stage."""

@@ -44,17 +44,20 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {  # devices for 2 islands, str
     "fsdp 2x4": (8, {"island_size": 4, "island_parallel": "fsdp"}),
     "tp 2x2": (4, {"island_size": 2, "island_parallel": "fsdp", "tensor_parallel_size": 2}),
 }
+# The default run keeps three moves (sharded to whole, whole to tensor parallel, dp 2 to 4);
+# the rest run with -m slow, to keep the default suite inside its time budget.
+SLOW = pytest.mark.slow
 MOVES = [
-    ("fsdp 2x2", "ddp 2x1"),
-    ("ddp 2x1", "tp 2x2"),
-    ("ddp 2x2", "fsdp 2x2"),
-    ("fsdp 2x2", "ddp 2x2"),
-    ("fsdp 2x2", "fsdp 2x4"),
-    ("tp 2x2", "fsdp 2x2"),
+    pytest.param("fsdp 2x2", "ddp 2x1", id="fsdp 2x2 to ddp 2x1"),
+    pytest.param("ddp 2x1", "tp 2x2", id="ddp 2x1 to tp 2x2"),
+    pytest.param("ddp 2x2", "fsdp 2x2", id="ddp 2x2 to fsdp 2x2", marks=SLOW),
+    pytest.param("fsdp 2x2", "ddp 2x2", id="fsdp 2x2 to ddp 2x2", marks=SLOW),
+    pytest.param("fsdp 2x2", "fsdp 2x4", id="fsdp 2x2 to fsdp 2x4"),
+    pytest.param("tp 2x2", "fsdp 2x2", id="tp 2x2 to fsdp 2x2", marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize(("source", "target"), MOVES, ids=[f"{a} to {b}" for a, b in MOVES])
+@pytest.mark.parametrize(("source", "target"), MOVES)
 def test_a_mid_round_checkpoint_moves_to_another_layout(
     tmp_path: Path, source: str, target: str
 ) -> None:
@@ -114,7 +117,7 @@ def test_a_round_in_flight_is_refused_by_name(tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated"])
+@pytest.mark.parametrize("damage", ["missing", pytest.param("truncated", marks=SLOW)])
 def test_a_missing_or_truncated_rank_file_under_a_reshard_is_named(
     tmp_path: Path, damage: str
 ) -> None:
