@@ -33,7 +33,7 @@ FSDP = [*OPTS, "--fsdp"]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("inside", ["--fsdp", "--tp"])
+@pytest.mark.parametrize("inside", ["--fsdp", pytest.param("--tp", marks=pytest.mark.slow)])
 def test_sharded_islands_each_rank_sends_its_shard_and_they_end_equal(
     tmp_path: Path, inside: str
 ) -> None:
