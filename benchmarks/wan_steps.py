@@ -121,6 +121,10 @@ class StepTimes(pl.Callback):
         if loss is not None and not trainer.sanity_checking:
             self.val_points.append((end, trainer.global_step, float(loss)))
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Here, not at the fit's end: a sharded island's mesh is gone by then.
+        self.digest = params_digest(pl_module)
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         totals = getattr(trainer.strategy, "totals", None)
         record = {
@@ -128,7 +132,7 @@ class StepTimes(pl.Callback):
             "fit_s": self._now(),
             "t0_unix": self.t0_unix,
             "outer_steps_at": self.outer_steps_at,
-            "params_sha256": params_digest(pl_module),
+            "params_sha256": getattr(self, "digest", None) or params_digest(pl_module),
             "step_end_s": self.step_end_s,
             "global_step": self.global_step,
             "thread_cpu_s": self.thread_cpu_s,

@@ -313,13 +313,6 @@ def _check_parallel(config: SwarmConfig) -> None:
             "ranks, so choose a divisor of island_size."
         )
     _check_pipeline(config)
-    if config.pipeline_parallel_size > 1 and config.membership != "static":
-        raise SwarmConfigError(
-            f"membership={config.membership!r} cannot be combined with pipeline_parallel_size="
-            f"{config.pipeline_parallel_size}: elastic islands with pipeline stages are not "
-            "built (an island's stages would have to enter every quorum as one); use "
-            "membership='static', or FSDP / tensor-parallel islands without stages."
-        )
 
 
 def _check_pipeline(config: SwarmConfig) -> None:

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_swarm import SwarmStrategy
+from lightning_swarm import SwarmStrategy, keep_stage
 from lightning_swarm.membership import torchft_manager, torchft_quorum
 from lightning_swarm.membership.round_header import HeaderRow
 from lightning_swarm.membership.torchft_quorum import TorchftMembership
@@ -151,9 +151,16 @@ class CheckpointAt(pl.Callback):
             trainer.save_checkpoint(str(self.path))
 
 
+def mean_output_loss(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output.mean(dim=1, keepdim=True), y)
+
+
 class Regression(pl.LightningModule):
     """``width`` hidden units and one output; ``width=0``: two 8 x 8 layers whose outputs are
     averaged (equal tensors, so that two shares of the outer state hold exactly half each)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
     def __init__(self, width: int, step_s: float, fast_file: str | None) -> None:
         super().__init__()
@@ -169,12 +176,17 @@ class Regression(pl.LightningModule):
         fast = self.fast_file is not None and self.fast_file.exists()
         time.sleep(0.002 if fast else self.step_s)
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x).mean(dim=1, keepdim=True), y)
+        strategy = self.trainer.strategy
+        assert isinstance(strategy, SwarmStrategy)
+        return strategy.pipeline_step(x, y, mean_output_loss)
 
     def configure_model(self) -> None:
         # FSDP islands (--fsdp): each layer sharded over the island's data-parallel ranks;
         # tensor-parallel islands (--tp): the first layer split by rows, the second by columns.
         if self.device_mesh is None:
+            return
+        if "pipeline_parallel" in (self.device_mesh.mesh_dim_names or ()):  # --pp
+            keep_stage(self, self.device_mesh, blocks="net")
             return
         if self.device_mesh["tensor_parallel"].size() > 1:
             plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
@@ -280,6 +292,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="sync_every_s")
     parser.add_argument("--fsdp", action="store_true", help="island_parallel='fsdp'")
     parser.add_argument("--tp", action="store_true", help="tensor parallel over the island")
+    parser.add_argument("--pp", action="store_true", help="a pipeline stage per rank")
     parser.add_argument("--stop-file", default=None, help="stop after the round it names")
     args = parser.parse_args()
     out = Path(args.out)
@@ -307,7 +320,11 @@ def main() -> None:
         error_feedback=args.quantize != "none",
         shard_outer=not args.no_shard_outer,
         island_parallel="fsdp" if args.fsdp or args.tp else "ddp",
+        # An island of tensor-parallel ranks or stages names its size (its mesh needs it).
+        island_size=args.devices if args.tp or args.pp else 1,
         tensor_parallel_size=args.devices if args.tp else 1,
+        pipeline_parallel_size=args.devices if args.pp else 1,
+        pipeline_microbatches=2 if args.pp else None,
         outer_optimizer=functools.partial(
             torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True
         ),

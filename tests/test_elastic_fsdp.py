@@ -33,13 +33,20 @@ FSDP = [*OPTS, "--fsdp"]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("inside", ["--fsdp", pytest.param("--tp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "inside",
+    [
+        "--fsdp",
+        pytest.param("--tp", marks=pytest.mark.slow),
+        pytest.param("--pp", marks=pytest.mark.slow),
+    ],
+)
 def test_sharded_islands_each_rank_sends_its_shard_and_they_end_equal(
     tmp_path: Path, inside: str
 ) -> None:
-    """Two islands of two ranks, FSDP or tensor parallel inside: each rank's bytes per round
-    are a ring all-reduce of its own slices, and every rank ends with the same full
-    parameters."""
+    """Two islands of two ranks, FSDP, tensor parallel or two pipeline stages inside: each
+    rank's bytes per round are a ring all-reduce of its own slices (its stage's layer), and
+    every island ends with the same full parameters."""
     opts = [*OPTS, inside, "--max-steps", "24", "--step-s", "0.02"]
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse() as address:
@@ -56,8 +63,13 @@ def test_sharded_islands_each_rank_sends_its_shard_and_they_end_equal(
             assert rows[-1]["swarm/outer_steps"] == 6, (name, rank, rows[-1])
             # FSDP: half of every tensor. Tensor parallel: half of each weight and of the first
             # bias, and the whole second bias (replicated: each rank holds and sends it).
-            share = SHARE_BYTES if inside == "--fsdp" else SHARE_BYTES + 4 * 4
+            # Pipeline stages: one layer each (half the model).
+            share = SHARE_BYTES + 4 * 4 if inside == "--tp" else SHARE_BYTES
             assert set(_bytes_per_round(rows)) == {ring_allreduce_bytes(share, 2)}
+    if inside == "--pp":  # each rank holds its stage: the same stage of each island compared
+        for rank in (0, 1):
+            _assert_equal(tmp_path, [f"a.rank{rank}", f"b.rank{rank}"])
+        return
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
 
 

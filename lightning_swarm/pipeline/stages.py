@@ -4,10 +4,11 @@
 ``pipeline_parallel`` mesh dimension (``pipeline_parallel_size > 1``). Blocks are dealt out in
 contiguous runs, as evenly as the count allows (the first stages take one more when it does not
 divide). A block another stage holds is removed without renaming the rest: in a ``ModuleList``
-it becomes a parameter-free ``nn.Identity`` (so ``for block in self.blocks: x = block(x)``
-skips it), in a ``ModuleDict`` its key goes. Every kept parameter keeps its global name
-(``blocks.5.attn.weight`` on stage 1 is block 5 of the whole model), which is what pairs a
-rank with its counterparts in other islands, what checkpoints record and what an export joins.
+or ``Sequential`` it becomes a parameter-free ``nn.Identity`` (``for block in self.blocks:
+x = block(x)`` passes through it), in a ``ModuleDict`` its key goes. Every kept parameter
+keeps its global name (``blocks.5.attn.weight`` on stage 1 is block 5 of the whole model),
+which is what pairs a rank with its counterparts in other islands, what checkpoints record and
+what an export joins.
 Modules only the first (embeddings) or last (final norm, head) stage runs are set to ``None``
 elsewhere; the module's ``forward`` skips a ``None`` module, as torchtitan's models do.
 """
@@ -58,7 +59,8 @@ def keep_stage(
         module: the model (the LightningModule or a submodule of it).
         mesh: the island's device mesh (``self.device_mesh``): its ``pipeline_parallel``
             dimension gives the stage; a mesh without one keeps everything.
-        blocks: the attribute holding the blocks, a ``ModuleList`` or ``ModuleDict``.
+        blocks: the attribute holding the blocks, a ``ModuleList``, ``Sequential`` or
+            ``ModuleDict``.
         first: attributes only the first stage runs (embeddings); ``None`` on the others.
         last: attributes only the last stage runs (final norm, head); ``None`` on the others.
 
@@ -67,11 +69,12 @@ def keep_stage(
             ``ModuleDict``.
     """
     container = getattr(module, blocks, None)
-    if not isinstance(container, nn.ModuleList | nn.ModuleDict):
+    if not isinstance(container, nn.ModuleList | nn.ModuleDict | nn.Sequential):
         raise SwarmConfigError(
             f"keep_stage(blocks={blocks!r}): {type(module).__name__}.{blocks} is a "
-            f"{type(container).__name__}, not a ModuleList or ModuleDict; pass the attribute "
-            "that holds the model's repeated blocks."
+            f"{type(container).__name__}, not a ModuleList, Sequential or ModuleDict; pass the "
+            "attribute "
+            "holding the model's repeated blocks."
         )
     names = list(getattr(mesh, "mesh_dim_names", None) or ())
     if "pipeline_parallel" not in names:
@@ -79,7 +82,7 @@ def keep_stage(
     stages = mesh["pipeline_parallel"]
     stage, num_stages = stages.get_local_rank(), stages.size()
     mine = stage_blocks(len(container), num_stages)[stage]
-    if isinstance(container, nn.ModuleList):
+    if isinstance(container, nn.ModuleList | nn.Sequential):
         for index in range(len(container)):
             if index not in mine:
                 container[index] = nn.Identity()
