@@ -197,5 +197,7 @@ def test_an_fsdp_island_among_ddp_islands_is_refused_on_every_rank(tmp_path: Pat
             _kill_all(started)
     for rank in (0, 1):
         error = (tmp_path / f"y.error.{rank}").read_text()
-        assert "island 'y' was refused" in error, (rank, error)
+        assert "island 'y' was refused: it splits the model otherwise than" in error, error
+        assert "net.0.weight is (8, 8) float32 (this rank: (4, 8) at " in error, error
+        assert "the same island_parallel, number of ranks" in error, error
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])

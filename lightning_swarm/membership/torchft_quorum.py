@@ -22,7 +22,12 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from lightning_swarm.algorithm.codecs import Codec
-from lightning_swarm.algorithm.model_layout import Layout, describe_difference, fingerprint
+from lightning_swarm.algorithm.model_layout import (
+    Layout,
+    ParamLayout,
+    describe_difference,
+    fingerprint,
+)
 from lightning_swarm.membership.config import ElasticConfig, seconds
 from lightning_swarm.membership.errors import (
     DuplicateIslandError,
@@ -207,10 +212,21 @@ class TorchftMembership:
     def _load_healed(self, state: dict[str, Any]) -> None:
         swarm_layout = state.get("layout")
         if swarm_layout != self.layout:
+            theirs = {n: ParamLayout(*e) for n, e in dict(swarm_layout or {}).items()}
+            mine = {n: ParamLayout(*e) for n, e in self.layout.items()}
+            shapes = {n: (e.shape, e.dtype) for n, e in mine.items()}
+            split = shapes == {n: (e.shape, e.dtype) for n, e in theirs.items()}
+            fix = (
+                "Launch it with the swarm's island layout: the same island_parallel, number of "
+                "ranks, tensor_parallel_size and pipeline_parallel_size, so that each rank holds "
+                "the slices its counterparts hold."
+                if split  # the same model, split otherwise between the island's ranks
+                else "Start it with the model the swarm trains."
+            )
+            what = "it splits the model otherwise than" if split else "its model differs from"
             raise ModelMismatchError(
-                f"island {self.config.island_id!r} was refused: its model differs from the "
-                f"swarm's: {describe_difference(self.layout, dict(swarm_layout or {}))}. "
-                "Start it with the model the swarm trains."
+                f"island {self.config.island_id!r} was refused: {what} the swarm's: "
+                f"{describe_difference(self.layout, dict(swarm_layout or {}))}. {fix}"
             )
         self._healed = state["user"]
 
