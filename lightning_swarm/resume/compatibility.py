@@ -146,9 +146,15 @@ def describe_changes(
         for key in sorted(old_hp.keys() | new_hp.keys()):
             if old_hp.get(key) != new_hp.get(key):
                 where = f"outer optimizer {index} " if len(current.outer_optimizer) > 1 else ""
+                change = f"{where}{key} {_text(old_hp.get(key))} -> {_text(new_hp.get(key))}"
+                if key == "momentum":  # set before every round from the built value
+                    lines.append(
+                        f"{change}: the outer momentum schedule scales the new "
+                        f"{_text(new_hp.get(key))} from the next round on"
+                    )
+                    continue
                 lines.append(
-                    f"{where}{key} {_text(old_hp.get(key))} -> {_text(new_hp.get(key))}: the "
-                    f"checkpoint's {_text(old_hp.get(key))} stays in force (torch's "
+                    f"{change}: the checkpoint's {_text(old_hp.get(key))} stays in force (torch's "
                     "Optimizer.load_state_dict restores the saved hyperparameters with the "
                     "outer state); set param_groups after the resume to change it"
                 )
