@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, int]] = [
     (f"{PACKAGE}.callbacks", 7),
     (f"{PACKAGE}.demo", 7),
     (f"{PACKAGE}.outer", 6),
+    (f"{PACKAGE}.warm_start", 6),
     (f"{PACKAGE}.resume", 5),
     (f"{PACKAGE}.membership", 4),
     (f"{PACKAGE}.config", 4),
