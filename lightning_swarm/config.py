@@ -184,8 +184,8 @@ class SwarmConfig:
     tensor_parallel_size: int = 1
     frozen_params: FrozenParams = "exclude"
     timeout_s: float | None = None
-    outer_momentum_warmup: float = 0.5
-    outer_momentum_cooldown: float = 0.25
+    outer_momentum_warmup: float = field(default=0.5, metadata={"must_match": ("islands",)})
+    outer_momentum_cooldown: float = field(default=0.25, metadata={"must_match": ("islands",)})
     warm_start_steps: int = 0
 
     def __post_init__(self) -> None:
