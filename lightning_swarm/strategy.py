@@ -112,7 +112,9 @@ class SwarmStrategy(IslandDDPStrategy):
         config: every option that is plain data (``SwarmConfig``); ``None`` starts from its
             defaults.
         outer_optimizer: callable taking an iterable of tensors (the anchors) and returning a
-            ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True).
+            ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True). An SGD
+            momentum is ramped over the run by ``outer_momentum_warmup`` and
+            ``outer_momentum_cooldown`` (both 0: constant).
         **kwargs: any ``SwarmConfig`` field by name, applied over ``config`` (``anchors`` and
             ``swarm`` may be dicts); every other keyword goes to ``DDPStrategy``
             (``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
