@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -101,7 +102,7 @@ def _run_length(trainer: pl.Trainer) -> float | None:
         return float(trainer.max_steps)
     try:
         return float(trainer.estimated_stepping_batches)
-    except Exception:  # e.g. an iterable loader without a length: the schedule stays flat
+    except (MisconfigurationException, TypeError, ValueError):  # the schedule stays flat
         return None
 
 

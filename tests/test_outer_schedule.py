@@ -124,3 +124,22 @@ def test_a_restored_round_count_gives_the_same_momentum() -> None:
         second.outer_optimizer.param_groups[0]["momentum"]
         == first.outer_optimizer.param_groups[0]["momentum"]
     )
+
+
+def test_run_length_reads_max_steps_then_lightnings_estimate() -> None:
+    from types import SimpleNamespace
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_swarm.strategy import _run_length
+
+    class NoEstimate:
+        max_steps = -1
+
+        @property
+        def estimated_stepping_batches(self) -> int:
+            raise MisconfigurationException("no length")
+
+    assert _run_length(SimpleNamespace(max_steps=300, estimated_stepping_batches=7)) == 300.0  # type: ignore[arg-type]
+    assert _run_length(SimpleNamespace(max_steps=-1, estimated_stepping_batches=40)) == 40.0  # type: ignore[arg-type]
+    assert _run_length(NoEstimate()) is None  # type: ignore[arg-type]
