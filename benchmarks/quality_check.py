@@ -103,6 +103,22 @@ VARIANTS: dict[str, Variant] = {
         momentum_shares=(0.5, 0.25),
         note="paper's, momentum 0->0.9 over the first half of the rounds, ->0 over the last 1/4",
     ),
+    "nesterov_warm_half_cool_half": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_shares=(0.5, 0.5),
+        note="paper's, momentum 0->0.9 over the first half of the rounds, ->0 over the second",
+    ),
+    "nesterov_warm_quarter_cool_rest": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_shares=(0.25, 0.75),
+        note="paper's, momentum 0->0.9 over the first quarter of the rounds, ->0 over the rest",
+    ),
     "nesterov_lr1_warm_cool": Variant(
         "swarm",
         1.0,
