@@ -143,3 +143,23 @@ def test_run_length_reads_max_steps_then_lightnings_estimate() -> None:
     assert _run_length(SimpleNamespace(max_steps=300, estimated_stepping_batches=7)) == 300.0  # type: ignore[arg-type]
     assert _run_length(SimpleNamespace(max_steps=-1, estimated_stepping_batches=40)) == 40.0  # type: ignore[arg-type]
     assert _run_length(NoEstimate()) is None  # type: ignore[arg-type]
+
+
+def test_a_flat_schedule_leaves_the_momentum_as_it_is() -> None:
+    param = torch.nn.Parameter(torch.zeros(2))
+    outer = OuterSync(
+        {"w": param},
+        outer_optimizer=NESTEROV,
+        transport=AllReduceTransport(None, num_islands=1, bucket_numel=3),
+        sync_every=2,
+        momentum=MomentumSchedule(warmup=0.0, cooldown=0.0),
+    )
+    outer.set_run_length(8)
+    outer.outer_optimizer.param_groups[0]["momentum"] = 0.3  # a caller's own setting
+    outer.schedule_momentum(0)
+    assert outer.outer_optimizer.param_groups[0]["momentum"] == 0.3
+    ramped, _ = _outer(2)
+    ramped.set_run_length(8)
+    ramped.outer_optimizer.param_groups[0]["momentum"] = 0.3
+    ramped.schedule_momentum(0)
+    assert ramped.outer_optimizer.param_groups[0]["momentum"] == 0.0  # round 0 of a ramp

@@ -54,6 +54,11 @@ class MomentumSchedule:
                 f"{self.cooldown} overlap (their sum is above 1); lower one of them."
             )
 
+    @property
+    def flat(self) -> bool:
+        """No ramp at all: the momentum is left as the outer optimizer holds it."""
+        return self.warmup == 0 and self.cooldown == 0
+
     def factor(self, round_index: int, total_rounds: int | None) -> float:
         """The multiplier of the outer momentum at 0-based ``round_index`` of ``total_rounds``
         (``None``: the length is unknown; momentum stays at its full value, no ramps)."""

@@ -175,7 +175,10 @@ class SyncState:
     def schedule_momentum(self, fragment: int) -> None:
         """Before ``fragment``'s outer step: each SGD group's momentum is its own value times
         the schedule's factor at the fragment's round index, a pure function of counters a
-        resume or a heal restores (so the step is the same bits after either)."""
+        resume or a heal restores (so the step is the same bits after either). A flat schedule
+        leaves the momentum as the optimizer holds it (its own, a checkpoint's or a caller's)."""
+        if self.momentum.flat:
+            return
         factor = self.momentum.factor(self.fragment_rounds[fragment], self.total_rounds)
         groups = self.outer_optimizer.param_groups
         for group, base in zip(groups, self.base_momentum, strict=True):

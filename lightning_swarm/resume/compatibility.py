@@ -147,10 +147,11 @@ def describe_changes(
             if old_hp.get(key) != new_hp.get(key):
                 where = f"outer optimizer {index} " if len(current.outer_optimizer) > 1 else ""
                 change = f"{where}{key} {_text(old_hp.get(key))} -> {_text(new_hp.get(key))}"
-                if key == "momentum":  # set before every round from the built value
+                if key == "momentum":  # a ramp sets it before every round from the built value
                     lines.append(
-                        f"{change}: the outer momentum schedule scales the new "
-                        f"{_text(new_hp.get(key))} from the next round on"
+                        f"{change}: an outer momentum ramp scales the new {_text(new_hp.get(key))} "
+                        f"from the next round on; with none (outer_momentum_warmup and _cooldown "
+                        f"both 0) the checkpoint's {_text(old_hp.get(key))} stays in force"
                     )
                     continue
                 lines.append(
