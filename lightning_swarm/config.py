@@ -148,7 +148,8 @@ class SwarmConfig:
             which the outer SGD momentum rises from 0 to its own value (``MomentumSchedule``;
             docs/tuning.md); 0 starts at full momentum.
         outer_momentum_cooldown: share of the rounds at the end over which it falls back to 0
-            at the last round; 0 keeps it to the end. Both 0: the momentum is constant.
+            at the last round; 0 keeps it to the end. Both 0: the momentum is left as the outer
+            optimizer holds it (constant).
         warm_start_steps: a synchronous start (post-local SGD): for the first this many
             optimizer steps every rank's gradients are averaged with its counterparts in the
             other islands before the inner step (as DDP over all ranks would), with no outer
@@ -185,7 +186,7 @@ class SwarmConfig:
     frozen_params: FrozenParams = "exclude"
     timeout_s: float | None = None
     outer_momentum_warmup: float = field(default=0.5, metadata={"must_match": ("islands",)})
-    outer_momentum_cooldown: float = field(default=0.25, metadata={"must_match": ("islands",)})
+    outer_momentum_cooldown: float = field(default=0.5, metadata={"must_match": ("islands",)})
     warm_start_steps: int = 0
 
     def __post_init__(self) -> None:

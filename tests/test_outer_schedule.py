@@ -17,12 +17,19 @@ from lightning_swarm.transport.allreduce import AllReduceTransport
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
 
-def test_default_ramps_up_over_half_the_rounds_and_down_over_the_last_quarter() -> None:
-    schedule = MomentumSchedule()  # the SwarmConfig default: warmup 0.5, cooldown 0.25
+def test_default_ramps_up_over_the_first_half_and_down_over_the_second() -> None:
+    schedule = MomentumSchedule()  # the SwarmConfig default: warmup 0.5, cooldown 0.5
+    assert (schedule.warmup, schedule.cooldown) == (
+        SwarmConfig().outer_momentum_warmup,
+        SwarmConfig().outer_momentum_cooldown,
+    )
+    # 12 rounds: up by 1/6 a round from 0, down by 1/6 a round to 0 at the last round
     factors = [schedule.factor(k, 12) for k in range(12)]
-    # up over ceil(6) rounds from 0, flat, down over ceil(3) rounds to 0 at the last round
-    expected = [0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1, 1, 1, 2 / 3, 1 / 3, 0]
+    expected = [0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0]
     assert factors == pytest.approx(expected)
+    # 13 rounds: the peak round reaches the full momentum
+    assert max(schedule.factor(k, 13) for k in range(13)) == pytest.approx(6 / 7)
+    assert MomentumSchedule(warmup=0.5, cooldown=0.25).factor(7, 12) == 1.0
 
 
 def test_uneven_and_short_runs_and_no_schedule() -> None:
@@ -100,7 +107,7 @@ def test_rounds_step_with_the_scheduled_momentum_as_torch_would() -> None:
         ref_opt.step()
         assert torch.equal(outer.anchors["w"], reference.detach()), f"round {k}"
     assert used == pytest.approx([0.9 * schedule.factor(k, rounds) for k in range(rounds)])
-    assert used[0] == 0.0 and used[-1] == 0.0 and max(used) == pytest.approx(0.9)
+    assert used[0] == 0.0 and used[-1] == 0.0 and max(used) == pytest.approx(0.9 * 3 / 4)
 
 
 def test_a_restored_round_count_gives_the_same_momentum() -> None:

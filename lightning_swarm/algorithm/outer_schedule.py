@@ -3,10 +3,11 @@
 A run from scratch starts with large, fast-changing pseudo-gradients; momentum built on them
 keeps pushing the anchors for rounds after they stopped pointing anywhere useful. And at the
 end of a run whose inner learning rate has annealed, the islands barely move between rounds,
-so a full momentum buffer moves the anchors with nothing left to correct it. The schedule
-ramps the momentum up from 0 over the first ``warmup`` share of the rounds and back down to 0
-over the last ``cooldown`` share, so the first round and the last one are plain steps toward
-the islands' average.
+so a full momentum buffer moves the anchors with nothing left to correct it; over thousands of
+steps a sustained momentum also loses to plain averaging. The schedule ramps the momentum up
+from 0 over the first ``warmup`` share of the rounds and back down to 0 over the last
+``cooldown`` share (by default half and half: a triangle peaking mid-run), so the first round
+and the last one are plain steps toward the islands' average.
 
 The factor is a pure function of (round index, total rounds): a resume that restores the round
 counter restores the momentum bit for bit, and every island computes the same value.
@@ -38,7 +39,7 @@ class MomentumSchedule:
     """
 
     warmup: float = 0.5
-    cooldown: float = 0.25
+    cooldown: float = 0.5
 
     def __post_init__(self) -> None:
         for name, value in (("warmup", self.warmup), ("cooldown", self.cooldown)):
@@ -46,7 +47,7 @@ class MomentumSchedule:
                 raise SwarmConfigError(
                     f"outer_momentum_{name}={value!r} must be a share of the run's rounds from 0 "
                     f"to 1 (0 turns the ramp off), e.g. outer_momentum_{name}="
-                    f"{0.5 if name == 'warmup' else 0.25}."
+                    f"0.5."
                 )
         if self.warmup + self.cooldown > 1.0:
             raise SwarmConfigError(
