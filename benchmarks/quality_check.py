@@ -61,6 +61,8 @@ class Variant:
     lr_by_inner: bool = False
     momentum_warmup_rounds: int = 0
     momentum_by_inner: bool = False
+    momentum_shares: tuple[float, float] | None = None
+    warm_start_steps: int = 0
     note: str = ""
 
 
@@ -84,6 +86,52 @@ VARIANTS: dict[str, Variant] = {
         momentum_warmup_rounds=6,
         momentum_by_inner=True,
         note="paper's, momentum 0->0.9 in 6 rounds, x inner lr ratio",
+    ),
+    "nesterov_warm_half": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_shares=(0.5, 0.0),
+        note="paper's, momentum 0->0.9 over the first half of the rounds",
+    ),
+    "nesterov_warm_cool": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_shares=(0.5, 0.25),
+        note="paper's, momentum 0->0.9 over the first half of the rounds, ->0 over the last 1/4",
+    ),
+    "nesterov_warm_half_cool_half": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_shares=(0.5, 0.5),
+        note="paper's, momentum 0->0.9 over the first half of the rounds, ->0 over the second",
+    ),
+    "nesterov_warm_quarter_cool_rest": Variant(
+        "swarm",
+        0.7,
+        0.9,
+        True,
+        momentum_shares=(0.25, 0.75),
+        note="paper's, momentum 0->0.9 over the first quarter of the rounds, ->0 over the rest",
+    ),
+    "nesterov_lr1_warm_cool": Variant(
+        "swarm",
+        1.0,
+        0.9,
+        True,
+        momentum_shares=(0.5, 0.25),
+        note="outer lr 1.0, Nesterov, momentum 0->0.9 over the first half, ->0 over the last 1/4",
+    ),
+    "warm_start_50": Variant(
+        "swarm", warm_start_steps=50, note="default outer step after 50 synchronous steps"
+    ),
+    "warm_start_100": Variant(
+        "swarm", warm_start_steps=100, note="default outer step after 100 synchronous steps"
     ),
     "avg_sqrt_islands": Variant(
         "swarm", 1.0, lr_sqrt_islands=True, note="no momentum, outer lr sqrt(islands)"
@@ -152,12 +200,25 @@ def run_spec(spec: dict[str, Any]) -> None:
             outer = partial(
                 torch.optim.SGD, lr=lr, momentum=variant.momentum, nesterov=variant.nesterov
             )
-        strategy = SwarmStrategy(
-            sync_every=spec["sync_every"], outer_optimizer=outer, **spec["swarm_args"]
-        )
-        if variant.lr_by_inner or variant.momentum_warmup_rounds or variant.momentum_by_inner:
+        swarm_args = dict(spec["swarm_args"])
+        if variant.warm_start_steps:
+            swarm_args.setdefault("warm_start_steps", variant.warm_start_steps)
+        if outer is not None:  # today's presets and the candidates: momentum as given
+            swarm_args.setdefault("outer_momentum_warmup", 0.0)
+            swarm_args.setdefault("outer_momentum_cooldown", 0.0)
+        strategy = SwarmStrategy(sync_every=spec["sync_every"], outer_optimizer=outer, **swarm_args)
+        if (
+            variant.lr_by_inner
+            or variant.momentum_warmup_rounds
+            or variant.momentum_by_inner
+            or variant.momentum_shares
+        ):
+            shares = variant.momentum_shares
             schedule = OuterStepSchedule(
-                variant.lr_by_inner, variant.momentum_warmup_rounds, variant.momentum_by_inner
+                variant.lr_by_inner,
+                variant.momentum_warmup_rounds,
+                variant.momentum_by_inner,
+                None if shares is None else (float(shares[0]), float(shares[1])),
             )
             callbacks.append(schedule)
     pl.seed_everything(spec["seed"], workers=True)

@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_swarm.algorithm.outer_schedule import MomentumSchedule, total_rounds
 from lightning_swarm.strategy import SwarmStrategy
 
 KINDS = ("cosine", "linear", "warmup")
@@ -111,6 +112,8 @@ class OuterStepSchedule(Callback):
     base over that many rounds, so no momentum is built on the first, large pseudo-gradients.
     ``momentum_by_inner``: each outer momentum is also multiplied by ``inner_lr_ratio``, so
     momentum fades as the inner schedule decays (and the outer step becomes a plain step).
+    ``momentum_shares`` (warm-up, cool-down): the library's ``MomentumSchedule`` over the
+    run's rounds (``max_steps`` over ``sync_every``), on top of the options above.
     Base values are the outer optimizer's own, read at the first batch.
     """
 
@@ -119,12 +122,17 @@ class OuterStepSchedule(Callback):
         lr_by_inner: bool = False,
         momentum_warmup_rounds: int = 0,
         momentum_by_inner: bool = False,
+        momentum_shares: tuple[float, float] | None = None,
     ) -> None:
         if momentum_warmup_rounds < 0:
             raise ValueError(f"momentum_warmup_rounds must be >= 0, got {momentum_warmup_rounds}.")
         self.lr_by_inner = lr_by_inner
         self.momentum_warmup_rounds = momentum_warmup_rounds
         self.momentum_by_inner = momentum_by_inner
+        self.shares = None
+        if momentum_shares is not None:
+            warmup, cooldown = momentum_shares
+            self.shares = MomentumSchedule(warmup=warmup, cooldown=cooldown)
         self._base: dict[int, tuple[float, float]] = {}
 
     def on_train_batch_start(
@@ -139,6 +147,9 @@ class OuterStepSchedule(Callback):
             warm = self.momentum_warmup_rounds
             momentum_scale = min(1.0, outer.outer_steps / warm) if warm else 1.0
             momentum_scale *= ratio if self.momentum_by_inner else 1.0
+            if self.shares is not None:
+                rounds = total_rounds(trainer.max_steps, outer.sync_every)
+                momentum_scale *= self.shares.factor(outer.outer_steps, rounds)
             for group in outer.outer_optimizer.param_groups:
                 lr, momentum = self._base.setdefault(
                     id(group), (float(group["lr"]), float(group.get("momentum", 0.0)))

@@ -64,6 +64,10 @@ class Setting:
                 f"strategy.outer_optimizer.lr={lr}",
                 f"strategy.outer_optimizer.momentum={momentum}",
                 f"strategy.outer_optimizer.nesterov={str(nesterov).lower()}",
+                # The settings recorded here ran with a constant outer momentum (issue 40's
+                # schedule came later): keep them reproducible.
+                "strategy.outer_momentum_warmup=0.0",
+                "strategy.outer_momentum_cooldown=0.0",
             ]
         for key, cls, options in (
             ("outer_lr", "OuterLrSchedule", self.outer_schedule),

@@ -23,6 +23,7 @@ from lightning_swarm.algorithm.fragments import (
     as_layout,
     check_positive_int,
 )
+from lightning_swarm.algorithm.outer_schedule import MomentumSchedule
 from lightning_swarm.algorithm.robust import is_number
 from lightning_swarm.errors import SwarmConfigError, SwarmConfigTypeError
 from lightning_swarm.transport.config import (
@@ -151,6 +152,17 @@ class SwarmConfig:
         timeout_s: how long a static run's collectives wait before every waiting rank raises
             ``CollectiveTimeoutError``; ``None``: ``DEFAULT_TIMEOUT_S``, the peer group's bound
             growing with the round's payload.
+        outer_momentum_warmup: share of the run's rounds (``max_steps / sync_every``) over
+            which the outer SGD momentum rises from 0 to its own value (``MomentumSchedule``;
+            docs/tuning.md); 0 starts at full momentum.
+        outer_momentum_cooldown: share of the rounds at the end over which it falls back to 0
+            at the last round; 0 keeps it to the end. Both 0: the momentum is left as the outer
+            optimizer holds it (constant).
+        warm_start_steps: a synchronous start (post-local SGD): for the first this many
+            optimizer steps every rank's gradients are averaged with its counterparts in the
+            other islands before the inner step (as DDP over all ranks would), with no outer
+            round; then the anchors start from the islands' (equal) weights and rounds follow
+            every ``sync_every`` steps. It pays the link at every one of those steps.
     """
 
     sync_every: int = field(default=100, metadata=_RESUME_ISLANDS)
@@ -184,6 +196,9 @@ class SwarmConfig:
     pipeline_schedule: str = "1f1b"
     frozen_params: FrozenParams = "exclude"
     timeout_s: float | None = None
+    outer_momentum_warmup: float = field(default=0.5, metadata={"must_match": ("islands",)})
+    outer_momentum_cooldown: float = field(default=0.5, metadata={"must_match": ("islands",)})
+    warm_start_steps: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every, "e.g. sync_every=100 (DiLoCo's H)")
@@ -215,6 +230,8 @@ class SwarmConfig:
         _check_timeout("timeout_s", self.timeout_s, after)
         derive = "300, or None to derive it from each round's payload and the measured link rate"
         _check_timeout("round_timeout_s", self.round_timeout_s, derive)
+        self.momentum_schedule  # noqa: B018  # validates both shares, naming them
+        _check_warm_start(self)
         if self.frozen_params not in get_args(FrozenParams):
             raise SwarmConfigError(
                 f"frozen_params={self.frozen_params!r} is not known; use 'exclude' (frozen "
@@ -230,6 +247,13 @@ class SwarmConfig:
         values["merge_alpha"] = float(self.merge_alpha)
         values["error_feedback"] = bool(self.error_feedback)
         return values
+
+    @property
+    def momentum_schedule(self) -> MomentumSchedule:
+        """The outer momentum schedule of ``outer_momentum_warmup`` / ``_cooldown``."""
+        return MomentumSchedule(
+            warmup=self.outer_momentum_warmup, cooldown=self.outer_momentum_cooldown
+        )
 
     @property
     def group_timeout_s(self) -> float:
@@ -386,6 +410,45 @@ def _nested_config(cls: type[_Nested], value: object, option: str, example: str)
         f"{option} must be a dict such as {example} or an instance of {cls.__name__}, got "
         f"{type(value).__name__}."
     )
+
+
+def _check_warm_start(config: SwarmConfig) -> None:
+    """``warm_start_steps``: a count, and refused where the islands do not step together."""
+    steps = config.warm_start_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise SwarmConfigError(
+            f"warm_start_steps={steps!r} must be a whole number of optimizer steps >= 0, e.g. "
+            "warm_start_steps=100 (0, the default, starts with local steps)."
+        )
+    if steps == 0:
+        return
+    refused = [
+        (
+            config.membership != "static",
+            f"membership={config.membership!r}",
+            "islands that join and leave do not take their steps together",
+            "membership='static'",
+        ),
+        (
+            config.sync_every_s is not None,
+            f"sync_every_s={config.sync_every_s}",
+            "islands on a time budget step at their own pace",
+            "sync_every",
+        ),
+        (
+            config.island_parallel != "ddp",
+            f"island_parallel={config.island_parallel!r}",
+            "its gradients are FSDP shards, which the warm start does not average",
+            "island_parallel='ddp'",
+        ),
+    ]
+    for bad, given, why, fix in refused:
+        if bad:
+            raise SwarmConfigError(
+                f"warm_start_steps={steps} cannot be combined with {given}: the warm start "
+                f"averages gradients across islands at every step, and {why}; use {fix}, or "
+                "set warm_start_steps=0."
+            )
 
 
 def _check_budget_options(config: SwarmConfig) -> None:

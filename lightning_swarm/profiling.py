@@ -17,6 +17,8 @@ MERGE = _OUTER + "merge"
 WAIT = _OUTER + "wait"  # a delayed round: training blocked on a round still in flight
 ISLAND_GATHER = _OUTER + "island_gather"  # shard_outer: the island gathers the new parameters
 BUCKETED_ROUND = _OUTER + "bucketed_round"
+# The warm start (lightning_swarm.warm_start): one step's gradients averaged across islands.
+WARM_START = _OUTER + "warm_start"
 
 # Transports (lightning_swarm.transport): the collective under EXCHANGE.
 ALLREDUCE = _TRANSPORT + "allreduce"

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,6 +47,7 @@ from lightning_swarm.resume import Collectives, SwarmCheckpointer, TrainingView,
 from lightning_swarm.resume.files import require_local_path, swarm_root
 from lightning_swarm.resume.training_view import ModelShards
 from lightning_swarm.transport import Transport
+from lightning_swarm.warm_start import WarmStart
 
 
 def _config_from(config: SwarmConfig | None, kwargs: dict[str, Any]) -> SwarmConfig:
@@ -94,6 +96,17 @@ def _fit_ends_after_step(trainer: pl.Trainer, *, steps_pending: int) -> bool:
     return trainer.should_stop and bool(getattr(trainer.fit_loop, "_can_stop_early", True))
 
 
+def _run_length(trainer: pl.Trainer) -> float | None:
+    """The fit's inner optimizer steps: ``max_steps``, else Lightning's estimate (inf when
+    unbounded); ``None`` when it cannot tell."""
+    if trainer.max_steps != -1:
+        return float(trainer.max_steps)
+    try:
+        return float(trainer.estimated_stepping_batches)
+    except (MisconfigurationException, TypeError, ValueError):  # the schedule stays flat
+        return None
+
+
 class SwarmStrategy(IslandDDPStrategy):
     """Train any LightningModule DiLoCo-style across islands of ranks.
 
@@ -101,7 +114,9 @@ class SwarmStrategy(IslandDDPStrategy):
         config: every option that is plain data (``SwarmConfig``); ``None`` starts from its
             defaults.
         outer_optimizer: callable taking an iterable of tensors (the anchors) and returning a
-            ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True).
+            ``torch.optim.Optimizer``; default SGD(lr=0.7, momentum=0.9, nesterov=True). An SGD
+            momentum is ramped over the run by ``outer_momentum_warmup`` and
+            ``outer_momentum_cooldown`` (both 0: constant).
         **kwargs: any ``SwarmConfig`` field by name, applied over ``config`` (``anchors`` and
             ``swarm`` may be dicts); every other keyword goes to ``DDPStrategy``
             (``start_method``, ``process_group_backend``, ``find_unused_parameters``, ...).
@@ -137,6 +152,7 @@ class SwarmStrategy(IslandDDPStrategy):
         # Every island ends on the global model: one more round where the static islands all
         # reach the end at one step; elastic islands land on the anchors of their last round.
         self._sync_at_end = config.sync_at_end
+        self._warm_start: WarmStart | None = None
 
     @classmethod
     @override
@@ -190,6 +206,13 @@ class SwarmStrategy(IslandDDPStrategy):
             check_trainer(trainer, self.config)
         if self.config.sync_every_s is not None:
             self._budget = BudgetFit(trainer, self.config.sync_every_s)
+        if self.config.warm_start_steps > 0:
+            self._warm_start = WarmStart(
+                self.config.warm_start_steps,
+                self.groups.peers,
+                self.topology.num_islands,
+                self.config.bucket_numel,
+            )
         # A pending swarm resume installs anchors later: build placeholders, not copies.
         self._build_outer_loop(
             self.checkpointer.defer_anchors(resuming=trainer.ckpt_path is not None)
@@ -352,6 +375,12 @@ class SwarmStrategy(IslandDDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        trainer = self._trainer
+        if self._loop is not None and trainer is not None:
+            # The rounds start after the warm start: the momentum ramps span what is left.
+            length = _run_length(trainer)
+            warm = self.config.warm_start_steps
+            self._loop.set_run_length(None if length is None else max(0.0, length - warm))
         if self._loop is not None and self._budget is not None:
             # After any resume: its budget runs from the first step, and a fit whose stopping
             # count was already reached when it was saved ends before taking one.
@@ -389,6 +418,10 @@ class SwarmStrategy(IslandDDPStrategy):
     ) -> Any:
         if self._loop is not None:
             self._loop.check_optimizer(optimizer)
+        trainer = self._trainer
+        warm = self._warm_start
+        if warm is not None and trainer is not None and warm.covers(trainer.global_step):
+            return self._warm_step(warm, trainer, optimizer, closure, model, **kwargs)
         with self._timeouts_explained():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._loop is None:
@@ -405,6 +438,24 @@ class SwarmStrategy(IslandDDPStrategy):
             # global_step counts this step only once optimizer_step has returned.
             self._log_round(metrics, steps_pending=1)
             self._end_of_fit_round(manual=False)
+        return output
+
+    def _warm_step(
+        self,
+        warm: WarmStart,
+        trainer: pl.Trainer,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None,
+        **kwargs: Any,
+    ) -> Any:
+        """One step of the warm start: gradients averaged across islands, no outer round;
+        after the last one, the anchors start from the (equal) weights."""
+        closure = warm.averaging(closure, optimizer)
+        with self._timeouts_explained():
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._loop is not None and not warm.covers(trainer.global_step + 1):
+            self._loop.restart_from_params()
         return output
 
     @override

@@ -62,6 +62,7 @@ FACTORS: dict[str, dict[str, Level]] = {
         "exclude": {"frozen_params": "exclude"},
         "sync": {"frozen_params": "sync"},
     },
+    "warm_start_steps": {"0": {}, "8": {"warm_start_steps": 8}},
     "optimization": {"automatic": {}, "manual": {}, "manual, two optimizers": {}},
     "checkpoint": {"none": {}, "save and resume": {}},
 }

@@ -75,6 +75,9 @@ class DumpFinal(pl.Callback):
             "anchor_dtypes": [str(o.anchor_dtype) for o in strategy.outer_syncs],
             "inner_steps": [o.inner_steps for o in strategy.outer_syncs],
             "outer_steps": [o.outer_steps for o in strategy.outer_syncs],
+            "outer_momentum": [
+                o.outer_optimizer.param_groups[0].get("momentum") for o in strategy.outer_syncs
+            ],
             "optimizer": trainer.optimizers[0].state_dict(),
             "summary": strategy.checkpointer.summary,
             "global_step": trainer.global_step,

@@ -167,12 +167,21 @@ def test_census_off_leaves_records_unchanged_and_on_adds_census_keys() -> None:
     assert census.summary == {k: values[k] for k in SUMMARY}
 
 
-def test_outer_state_appears_at_the_first_sync() -> None:
+def test_outer_state_appears_with_the_first_momentum() -> None:
     _, logger = fit([HostMemoryCensus()])
     by_step = {}
     for step, metrics in logger.census():
         by_step.setdefault(step, {}).update(metrics)
-    # sync_every=2: no outer state before the first sync, which the census logs at step 2.
+    # sync_every=2: the default momentum ramp makes the first round (step 2) a plain step,
+    # with no momentum buffer; the second (step 4) builds it.
+    assert by_step[2]["census/swarm/outer_state_bytes"] == 0
+    assert by_step[4]["census/swarm/outer_state_bytes"] > 0
+    # With a constant momentum the buffer appears at the first round.
+    constant = SwarmStrategy(sync_every=2, outer_momentum_warmup=0.0)
+    _, logger = fit([HostMemoryCensus()], strategy=constant)
+    by_step = {}
+    for step, metrics in logger.census():
+        by_step.setdefault(step, {}).update(metrics)
     assert by_step[1]["census/swarm/outer_state_bytes"] == 0
     assert by_step[2]["census/swarm/outer_state_bytes"] > 0
 

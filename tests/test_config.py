@@ -181,6 +181,8 @@ def test_must_match_lists_derive_from_field_metadata() -> None:
         "quantize_block_size",
         "error_feedback",
         "anchor_dtype",
+        "outer_momentum_warmup",
+        "outer_momentum_cooldown",
     )
     names = [f.name for f in fields(SwarmConfig)]
     for derived, before in ((RESUME_OPTIONS, resume_before), (ISLAND_SETTINGS, islands_before)):

@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, int]] = [
     (f"{PACKAGE}.demo", 7),
     (f"{PACKAGE}.pipeline.glue", 7),
     (f"{PACKAGE}.outer", 6),
+    (f"{PACKAGE}.warm_start", 6),
     (f"{PACKAGE}.resume", 5),
     (f"{PACKAGE}.membership", 4),
     (f"{PACKAGE}.config", 4),

@@ -101,6 +101,24 @@ def test_outer_step_schedule_scales_lr_and_warms_momentum(
         OuterStepSchedule(momentum_warmup_rounds=-1)
 
 
+def test_outer_step_schedule_applies_the_librarys_momentum_shares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    anchor = torch.zeros(3, requires_grad=True)
+    outer_optimizer = torch.optim.SGD([anchor], lr=0.7, momentum=0.9, nesterov=True)
+    outer = SimpleNamespace(outer_optimizer=outer_optimizer, outer_steps=0, sync_every=25)
+    monkeypatch.setattr(SwarmStrategy, "outer_syncs", property(lambda self: [outer]))
+    inner = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    trainer = SimpleNamespace(strategy=SwarmStrategy(), optimizers=[inner], max_steps=300)
+    schedule = OuterStepSchedule(momentum_shares=(0.5, 0.25))  # 12 rounds: up 6, down 3
+    group = outer_optimizer.param_groups[0]
+    for rnd, momentum in ((0, 0.0), (3, 0.45), (7, 0.9), (10, 0.3), (11, 0.0)):
+        outer.outer_steps = rnd
+        schedule.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
+        assert group["momentum"] == pytest.approx(momentum)
+        assert group["lr"] == pytest.approx(0.7)
+
+
 def test_generated_images_are_deterministic_and_class_conditional() -> None:
     images, labels = quality_workloads.make_images(64, num_classes=10, size=8, noise=0.0, seed=3)
     again, same = quality_workloads.make_images(64, num_classes=10, size=8, noise=0.0, seed=3)

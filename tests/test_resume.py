@@ -201,6 +201,25 @@ def test_bfloat16_anchors_resume_exactly(tmp_path: Path) -> None:
     assert "written as bfloat16" in resumed[0]["summary"]
 
 
+# A momentum ramp whose every round differs: rounds at steps 3 and 6 and the end-of-fit round
+# at 8 use 0, 1/3 and 2/3 of the outer momentum (warm-up over all 3 rounds, no cool-down).
+RAMP = {"outer_momentum_warmup": 1.0, "outer_momentum_cooldown": 0.0}
+
+
+@pytest.mark.parametrize("transport", ["allreduce", "swarm"])
+def test_exact_resume_mid_momentum_ramp(tmp_path: Path, transport: str) -> None:
+    """The momentum a round uses is a function of the restored round count: a resume between
+    rounds of the ramp ends bitwise equal to the run that never stopped, on both transports."""
+    root = tmp_path / "full"
+    kw: dict[str, object] = {**RAMP, "transport": transport}
+    fit(root / "out", devices=2, island_size=1, max_steps=MAX_STEPS, ckpt_dir=root / "ckpts", **kw)
+    full = load_ranks(root / "out", 2)
+    momentum = full[0]["outer_momentum"]
+    assert momentum == pytest.approx([0.9 * 2 / 3]), "the last round's momentum"
+    for step in (4, 7):  # after the first and the second round
+        _resume_and_compare(root, tmp_path / f"at{step}", step, devices=2, island_size=1, **kw)
+
+
 @pytest.fixture(scope="module")
 def full_run_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 islands of 2 ranks (4 processes), checkpoints after every step."""

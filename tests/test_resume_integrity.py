@@ -112,7 +112,7 @@ def quantized_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_changed_options_are_named_in_one_warning(quantized_run: Path, tmp_path: Path) -> None:
-    outer = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9, nesterov=True)
+    outer = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.8, nesterov=True)
     with pytest.warns(UserWarning) as caught:
         fit_here(
             tmp_path / "out",
@@ -134,6 +134,7 @@ def test_changed_options_are_named_in_one_warning(quantized_run: Path, tmp_path:
         "error_feedback true -> false: the saved error-feedback residuals are dropped",
         "anchor_dtype float32 -> bfloat16: the saved float32 anchors are converted",
         "lr 0.7 -> 0.5: the checkpoint's 0.7 stays in force",
+        "momentum 0.9 -> 0.8: an outer momentum ramp scales the new 0.8 from the next round on",
         "transport allreduce -> swarm: pseudo-gradients are averaged by the swarm transport from "
         "now on",
     ):

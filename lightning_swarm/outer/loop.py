@@ -198,6 +198,7 @@ class OuterLoop:
                 shard=shard,
                 budget=self._budget(clock, budget_group, device),
                 layout=layout,
+                momentum=config.momentum_schedule,
             )
             self.outer_syncs.append(outer)
             self._by_optimizer[id(optimizer)] = outer
@@ -276,6 +277,16 @@ class OuterLoop:
         finally:
             for budget, _ in paused:
                 budget.unpause()
+
+    def restart_from_params(self) -> None:
+        """Every optimizer's anchors <- its parameters (the end of a warm start)."""
+        for outer in self.outer_syncs:
+            outer.restart_from_params()
+
+    def set_run_length(self, total_steps: float | None) -> None:
+        """The fit's length in inner steps, for the outer momentum schedule (``OuterSync``)."""
+        for outer in self.outer_syncs:
+            outer.set_run_length(total_steps)
 
     def cap_budgets(self, max_inner_steps: int) -> None:
         """Under a time budget: no island trains past ``max_inner_steps`` (``RoundBudget``)."""

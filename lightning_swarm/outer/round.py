@@ -139,7 +139,7 @@ class OuterRound:
         try:
             if s.owned_fragments[fragment]:
                 with record_function(labels.BUCKETED_ROUND):
-                    result = self._stream(s.owned_fragments[fragment], alpha)
+                    result = self._stream(fragment, alpha)
         except Exception as err:
             if s.shard is None:
                 raise
@@ -169,9 +169,11 @@ class OuterRound:
         )
 
     # -- the streamed form: one pass ----------------------------------------------------
-    def _stream(self, names: list[str], alpha: float) -> Exchanged:
-        """Open, then per bucket: form, start, wait, step, merge (this rank's ``names``)."""
+    def _stream(self, fragment: int, alpha: float) -> Exchanged:
+        """Open, then per bucket: form, start, wait, step, merge (this rank's share of
+        ``fragment``)."""
         s, t = self.state, self.transport
+        names = s.owned_fragments[fragment]
         params = [s.params[n] for n in names]
         on_cuda = params[0].device.type == "cuda" and s.anchor_device.type == "cpu"
         if on_cuda:
@@ -181,6 +183,7 @@ class OuterRound:
         allocate = self.staging.allocate_state if on_cuda else state_beside
         kind = self.kind()
         assert kind is not None
+        s.schedule_momentum(fragment)  # after _open: a heal there rebuilt the optimizer
         job = start_job(s.outer_optimizer, self._pairs(names), kind, alpha, allocate, s.outer_steps)
         numels = [p.numel() for p in params]
         self._reduce_s = 0.0
@@ -426,6 +429,7 @@ class OuterRound:
         ``deltas`` are the averaged pseudo-gradients (views of ``flat`` if given)."""
         s = self.state
         names = s.owned_fragments[fragment]
+        s.schedule_momentum(fragment)
         kind = self.kind()
         if names and kind is not None:
             if flat is None:  # a round restored from a checkpoint: its deltas by name

@@ -15,6 +15,12 @@ from torch import Tensor
 from lightning_swarm.algorithm.budget import RoundBudget
 from lightning_swarm.algorithm.fragments import FragmentSchedule, check_fragments
 from lightning_swarm.algorithm.model_layout import Layout, model_layout
+from lightning_swarm.algorithm.outer_schedule import (
+    NO_MOMENTUM_SCHEDULE,
+    MomentumSchedule,
+    base_momentum,
+    total_rounds,
+)
 from lightning_swarm.errors import SwarmConfigTypeError
 from lightning_swarm.outer.round import OuterRound
 from lightning_swarm.outer.shard import IslandShard
@@ -47,6 +53,8 @@ class OuterSync(SyncState):
             steps (``algorithm.budget``); one fragment and no delay.
         layout: ``params``' layout with this rank's slices (``model_layout`` of the module's
             parameters, DTensors included); ``None``: every parameter whole, as given.
+        momentum: how the outer SGD momentum ramps over the run's rounds (``MomentumSchedule``;
+            the run's length comes later, from ``set_run_length``); ``None``: constant.
 
     Raises:
         ValueError: the fragments do not cover the parameters exactly once, the schedule is
@@ -67,6 +75,7 @@ class OuterSync(SyncState):
         shard: IslandShard | None = None,
         budget: RoundBudget | None = None,
         layout: Layout | None = None,
+        momentum: MomentumSchedule | None = None,
     ) -> None:
         params = dict(params)
         streaming = streaming or StreamingOptions()
@@ -93,6 +102,7 @@ class OuterSync(SyncState):
         anchors = {
             n: params[n].detach().to(device=placement, dtype=anchor_dtype, copy=True) for n in owned
         }
+        outer = _build_outer_optimizer(outer_optimizer, anchors)
         self.sync_every = sync_every
         super().__init__(
             params=params,
@@ -108,15 +118,33 @@ class OuterSync(SyncState):
             anchor_dtype=anchor_dtype,
             outer_optimizer_factory=outer_optimizer,
             anchors=anchors,
-            outer_optimizer=_build_outer_optimizer(outer_optimizer, anchors),
+            outer_optimizer=outer,
             placeholders=defer_anchors,
             fragment_rounds=[0] * len(fragments),
             synced_at=[None if defer_anchors else 0] * len(fragments),
             merged_at=[None] * len(fragments),
             budget=budget,
             layout=layout if layout is not None else model_layout(params),
+            momentum=NO_MOMENTUM_SCHEDULE if momentum is None else momentum,
+            base_momentum=base_momentum(outer),
         )
         self.engine = OuterRound(self)
+
+    @torch.no_grad()
+    def restart_from_params(self) -> None:
+        """The anchors <- the parameters, before any round: where a warm start hands over
+        (its steps left every island on the same weights)."""
+        assert self.outer_steps == 0 and self.held is None, "a round ran before the restart"
+        for name in self.owned:
+            self.anchors[name].copy_(self.params[name].detach())
+        self.placeholders = False
+
+    def set_run_length(self, total_steps: float | None) -> None:
+        """The fit's length in inner steps (``None`` or inf: unknown), which places each round
+        in the momentum schedule. A time budget's rounds fall at no step known in advance:
+        its momentum stays constant."""
+        steps = None if self.budget is not None else total_steps
+        self.total_rounds = total_rounds(steps, self.sync_every)
 
     @property
     def streams(self) -> bool:

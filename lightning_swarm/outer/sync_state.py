@@ -24,6 +24,7 @@ from lightning_swarm.algorithm.diloco import keep_state_float32
 from lightning_swarm.algorithm.fragments import FragmentSchedule
 from lightning_swarm.algorithm.model_layout import Layout, plain_layout
 from lightning_swarm.algorithm.outer_optimizer import select_by_name
+from lightning_swarm.algorithm.outer_schedule import NO_MOMENTUM_SCHEDULE, MomentumSchedule
 from lightning_swarm.errors import SwarmCheckpointError
 from lightning_swarm.outer.shard import IslandShard
 from lightning_swarm.outer.worker import SyncWorker
@@ -165,6 +166,24 @@ class SyncState:
     residuals: dict[str, Tensor] = field(default_factory=dict)
     held: RoundInFlight | None = None  # the round sent and not applied yet
     budget: RoundBudget | None = None
+    # The outer momentum schedule, the run's rounds per fragment (None: unknown, constant
+    # momentum) and each param group's own momentum as the factory built it.
+    momentum: MomentumSchedule = field(default_factory=lambda: NO_MOMENTUM_SCHEDULE)
+    total_rounds: int | None = None
+    base_momentum: list[float | None] = field(default_factory=list)
+
+    def schedule_momentum(self, fragment: int) -> None:
+        """Before ``fragment``'s outer step: each SGD group's momentum is its own value times
+        the schedule's factor at the fragment's round index, a pure function of counters a
+        resume or a heal restores (so the step is the same bits after either). A flat schedule
+        leaves the momentum as the optimizer holds it (its own, a checkpoint's or a caller's)."""
+        if self.momentum.flat:
+            return
+        factor = self.momentum.factor(self.fragment_rounds[fragment], self.total_rounds)
+        groups = self.outer_optimizer.param_groups
+        for group, base in zip(groups, self.base_momentum, strict=True):
+            if base is not None:
+                group["momentum"] = base * factor
 
     # -- the record: what a save holds and a healing peer receives ---------------------------
     def record(self, *, for_peer: bool = False) -> OuterRecord:

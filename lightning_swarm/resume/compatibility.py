@@ -139,9 +139,16 @@ def describe_changes(
         for key in sorted(old_hp.keys() | new_hp.keys()):
             if old_hp.get(key) != new_hp.get(key):
                 where = f"outer optimizer {index} " if len(current.outer_optimizer) > 1 else ""
+                change = f"{where}{key} {_text(old_hp.get(key))} -> {_text(new_hp.get(key))}"
+                if key == "momentum":  # a ramp sets it before every round from the built value
+                    lines.append(
+                        f"{change}: an outer momentum ramp scales the new {_text(new_hp.get(key))} "
+                        f"from the next round on; with none (outer_momentum_warmup and _cooldown "
+                        f"both 0) the checkpoint's {_text(old_hp.get(key))} stays in force"
+                    )
+                    continue
                 lines.append(
-                    f"{where}{key} {_text(old_hp.get(key))} -> {_text(new_hp.get(key))}: the "
-                    f"checkpoint's {_text(old_hp.get(key))} stays in force (torch's "
+                    f"{change}: the checkpoint's {_text(old_hp.get(key))} stays in force (torch's "
                     "Optimizer.load_state_dict restores the saved hyperparameters with the "
                     "outer state); set param_groups after the resume to change it"
                 )

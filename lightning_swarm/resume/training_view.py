@@ -35,6 +35,8 @@ class OuterState(Protocol):
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer: ...
     @property
+    def base_momentum(self) -> Sequence[float | None]: ...
+    @property
     def fragments(self) -> Sequence[Sequence[str]]: ...
     @property
     def inner_steps(self) -> int: ...
@@ -90,9 +92,7 @@ def options_of(config: SwarmConfig, outer_syncs: Sequence[OuterState]) -> Option
     return OptionsRecord(
         values=config.resume_options(),
         outer_optimizer=[type(o.outer_optimizer).__name__ for o in outer_syncs],
-        outer_hyperparameters=[
-            plain_values(o.outer_optimizer.param_groups[0]) for o in outer_syncs
-        ],
+        outer_hyperparameters=[_built_hyperparameters(o) for o in outer_syncs],
     )
 
 
@@ -101,6 +101,16 @@ def optimizer_param_names(optimizer: torch.optim.Optimizer, module: torch.nn.Mod
     numbers them (``"?"`` for a tensor the module does not hold)."""
     names = {id(p): name for name, p in module.named_parameters()}
     return [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
+
+
+def _built_hyperparameters(outer: OuterState) -> dict[str, Any]:
+    """The first param group's options as the factory built them: the momentum schedule
+    rewrites ``momentum`` before every round, so the record keeps the value it scales."""
+    values = plain_values(outer.outer_optimizer.param_groups[0])
+    base = outer.base_momentum[0] if outer.base_momentum else None
+    if base is not None and "momentum" in values:
+        values["momentum"] = base
+    return values
 
 
 def local_tensors(state: Any) -> Any:
