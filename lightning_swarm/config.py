@@ -441,6 +441,12 @@ def _check_warm_start(config: SwarmConfig) -> None:
             "its gradients are FSDP shards, which the warm start does not average",
             "island_parallel='ddp'",
         ),
+        (
+            config.pipeline_parallel_size > 1,
+            f"pipeline_parallel_size={config.pipeline_parallel_size}",
+            "a pipeline schedule's gradients are not built for it yet",
+            "pipeline_parallel_size=1",
+        ),
     ]
     for bad, given, why, fix in refused:
         if bad:

@@ -140,6 +140,9 @@ def fit_movable(
     ``ckpt_dir`` when given."""
     pl.seed_everything(0)
     strategy_kw.setdefault("sync_every", SYNC_EVERY)
+    # A constant outer momentum, as ``simulate`` steps (the default ramps it over the run).
+    strategy_kw.setdefault("outer_momentum_warmup", 0.0)
+    strategy_kw.setdefault("outer_momentum_cooldown", 0.0)
     strategy = SwarmStrategy(start_method="fork", **strategy_kw)
     callbacks: list[pl.Callback] = [DumpFull(out)]
     if ckpt_dir is not None:
@@ -169,8 +172,9 @@ def load_dumps(out: Path, world: int) -> list[dict[str, Any]]:
 def simulate(
     islands_at: dict[int, int], max_steps: int
 ) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
-    """Plain-torch DiLoCo of ``MovableModel`` (Adam inner, the strategy's default outer step:
-    SGD lr 0.7, Nesterov momentum 0.9, a round every ``SYNC_EVERY`` steps). ``islands_at``:
+    """Plain-torch DiLoCo of ``MovableModel`` (Adam inner, the strategy's outer optimizer with
+    its momentum held constant, as ``fit_movable`` runs it: SGD lr 0.7, Nesterov momentum 0.9,
+    a round every ``SYNC_EVERY`` steps). ``islands_at``:
     from which step how many islands train (a new island starts from the anchors with island
     0's Adam state). Returns every island's final parameters and the anchors."""
     nets = [make_net()]

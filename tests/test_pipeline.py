@@ -128,6 +128,8 @@ def test_refusals_at_construction_name_the_fix() -> None:
         SwarmStrategy(island_size=2, pipeline_parallel_size=2, pipeline_schedule="interleaved")
     with pytest.raises(SwarmConfigError, match="sync_every_s"):
         SwarmStrategy(island_size=2, pipeline_parallel_size=2, sync_every_s=1.0)
+    with pytest.raises(SwarmConfigError, match="warm_start_steps=5 cannot be combined with pipe"):
+        SwarmStrategy(island_size=2, pipeline_parallel_size=2, warm_start_steps=5)
 
 
 def test_more_stages_than_blocks_is_refused() -> None:
