@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,8 +183,6 @@ def assemble(name: str, pieces: Pieces, dtype: torch.dtype | None = None) -> Ten
             elements do not add up: a rank file is missing).
     """
     shape = torch.Size(pieces.shape)
-    out = torch.empty(shape, dtype=dtype or pieces.dtype)
-    covered = 0
     for offset, tensor, where in pieces.slices:
         bounds = list(zip(offset, tensor.shape, shape, strict=False))
         inside = len(offset) == len(shape) == tensor.dim()
@@ -194,14 +192,39 @@ def assemble(name: str, pieces: Pieces, dtype: torch.dtype | None = None) -> Ten
                 f"outside its shape {tuple(shape)}; the file is damaged. Export another "
                 "checkpoint."
             )
-        out[tuple(slice(o, o + s) for o, s, _ in bounds)].copy_(tensor)
-        covered += tensor.numel()
-    if covered != shape.numel():
+    out = torch.empty(shape, dtype=dtype or pieces.dtype)
+    fix = "Copy the checkpoint's whole .swarm directory, or export another checkpoint."
+    return fill(name, pieces, (0,) * len(shape), out, fix=fix)
+
+
+def fill(name: str, pieces: Pieces, offset: Sequence[int], out: Tensor, *, fix: str) -> Tensor:
+    """Fill ``out``, the box of the parameter at ``offset``, from every saved piece that
+    overlaps it (cast to ``out``'s dtype); returns ``out``.
+
+    Raises:
+        SwarmCheckpointError: the pieces leave part of the box empty (a rank's file missing);
+            the message ends with ``fix``.
+    """
+    covered = 0
+    for start, tensor, _ in pieces.slices:
+        lo = [max(o, p) for o, p in zip(offset, start, strict=True)]
+        hi = [
+            min(o + s, p + n)
+            for o, s, p, n in zip(offset, out.shape, start, tensor.shape, strict=True)
+        ]
+        if any(a >= b for a, b in zip(lo, hi, strict=True)):
+            continue
+        source = tensor[tuple(slice(a - p, b - p) for a, b, p in zip(lo, hi, start, strict=True))]
+        out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))].copy_(
+            source
+        )
+        covered += source.numel()
+    if covered != out.numel():
         files = sorted({where for _, _, where in pieces.slices})
         raise SwarmCheckpointError(
-            f"{name}: the saved slices hold {covered} of its {shape.numel()} elements (from "
-            f"{files}); a rank's file of this checkpoint is missing or from another save. "
-            "Copy the checkpoint's whole .swarm directory, or export another checkpoint."
+            f"{name}: the saved slices hold {covered} of the {out.numel()} elements wanted "
+            f"(from {files}); a rank's file of this checkpoint is missing or from another "
+            f"save. {fix}"
         )
     return out
 

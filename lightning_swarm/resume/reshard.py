@@ -41,8 +41,15 @@ from torch import Tensor
 
 from lightning_swarm.algorithm.model_layout import ParamLayout, model_layout
 from lightning_swarm.errors import SwarmCheckpointError
+from lightning_swarm.resume.compatibility import MESH_KEY
 from lightning_swarm.resume.files import ANCHORS_FILE, anchor_shard_names, island_file_name
-from lightning_swarm.resume.global_model import Pieces, add_piece, layout_entry, whole_entry
+from lightning_swarm.resume.global_model import (
+    Pieces,
+    add_piece,
+    fill,
+    layout_entry,
+    whole_entry,
+)
 from lightning_swarm.resume.integrity import check_finite
 from lightning_swarm.resume.outer_record import OuterRecord
 from lightning_swarm.resume.records import AnchorsRecord, IslandRecord, SwarmRecord, TotalsRecord
@@ -52,7 +59,7 @@ from lightning_swarm.resume.training_view import (
     optimizer_param_names,
 )
 
-MESH_KEY = "island_mesh"
+_FIX = "Copy the checkpoint's whole .swarm directory, or resume on the layout that wrote it."
 Read = Callable[[str], dict[str, Any]]  # a file of the save by name, checked and mapped
 
 
@@ -141,36 +148,6 @@ def view_of(pieces: Pieces, offset: Sequence[int], shape: Sequence[int]) -> Tens
     return None
 
 
-def copy_into(name: str, pieces: Pieces, offset: Sequence[int], out: Tensor) -> Tensor:
-    """Fill ``out`` (the slice at ``offset``) from every saved tensor that overlaps it.
-
-    Raises:
-        SwarmCheckpointError: the saved tensors do not cover the slice (a rank file missing).
-    """
-    covered = 0
-    for start, tensor, _ in pieces.slices:
-        lo = [max(o, p) for o, p in zip(offset, start, strict=True)]
-        hi = [
-            min(o + s, p + n)
-            for o, s, p, n in zip(offset, out.shape, start, tensor.shape, strict=True)
-        ]
-        if any(a >= b for a, b in zip(lo, hi, strict=True)):
-            continue
-        source = tensor[tuple(slice(a - p, b - p) for a, b, p in zip(lo, hi, start, strict=True))]
-        out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))].copy_(
-            source
-        )
-        covered += source.numel()
-    if covered != out.numel():
-        files = sorted({where for _, _, where in pieces.slices})
-        raise SwarmCheckpointError(
-            f"{name}: the checkpoint's files hold {covered} of the {out.numel()} elements this "
-            f"rank needs (from {files}); a rank's file is missing or from another save. Copy "
-            "the checkpoint's whole .swarm directory, or resume on the layout that wrote it."
-        )
-    return out
-
-
 @dataclass
 class Cuts:
     """Slices to cut for this rank: ``wanted[key] = (pieces, offset, shape)``; ``cut`` returns
@@ -201,7 +178,7 @@ class Cuts:
             if view is None:
                 dtype = dtypes[key]
                 target = scratch.take(shape, dtype) if scratch else torch.empty(shape, dtype=dtype)
-                view = copy_into(name_of(key), pieces, offset, target)
+                view = fill(name_of(key), pieces, offset, target, fix=_FIX)
             out[key] = view
         return out, nbytes, scratch is not None and scratch.file_backed
 
@@ -550,4 +527,4 @@ def _cut(name: str, pieces: Pieces, part: ParamLayout) -> Tensor:
     view = view_of(pieces, offset, shape)
     if view is not None:
         return view
-    return copy_into(name, pieces, offset, torch.empty(shape, dtype=_dtype_of(pieces)))
+    return fill(name, pieces, offset, torch.empty(shape, dtype=_dtype_of(pieces)), fix=_FIX)
