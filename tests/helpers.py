@@ -22,6 +22,46 @@ QUIET: dict[str, Any] = {
 }
 
 
+def full_copy(value: Tensor) -> Tensor:
+    """A detached copy of the whole tensor: a DTensor gathered over its mesh (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+
+
+def fit_every_step(
+    module: pl.LightningModule,
+    strategy: pl.strategies.Strategy,
+    *,
+    devices: int,
+    max_steps: int,
+    callbacks: list[pl.Callback],
+    ckpt_dir: Path | None = None,
+    ckpt_path: Path | None = None,
+    **trainer_kw: Any,
+) -> None:
+    """One quiet CPU fit of ``module``; with ``ckpt_dir``, a checkpoint after every step
+    (named ``step=N.ckpt``); ``ckpt_path`` resumes."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if ckpt_dir is not None:
+        every = ModelCheckpoint(
+            dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
+        )
+        callbacks = [*callbacks, every]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **{**QUIET, "enable_checkpointing": ckpt_dir is not None},
+        **trainer_kw,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+
+
 def regression_data(num: int = 256, dim: int = 8, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num, dim, generator=g)

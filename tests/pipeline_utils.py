@@ -16,13 +16,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy, keep_stage
+from tests.helpers import fit_every_step, full_copy
 
 NUM_BLOCKS = 4
 WIDTH = 8
@@ -88,11 +87,6 @@ class StagedModel(pl.LightningModule):
         return DataLoader(TensorDataset(torch.zeros(4096, 1)), batch_size=1)
 
 
-def _full(value: Tensor) -> Tensor:
-    # A stage's FSDP-sharded parameter, gathered over its data-parallel ranks (collective).
-    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-
-
 class DumpStage(pl.Callback):
     """Every rank writes its stage's parameters, anchors, the logged loss and counters."""
 
@@ -110,7 +104,7 @@ class DumpStage(pl.Callback):
         info = {
             "island": strategy.topology.island_index,
             "stage": strategy.pipeline_stage,
-            "params": {k: _full(v) for k, v in pl_module.named_parameters()},
+            "params": {k: full_copy(v) for k, v in pl_module.named_parameters()},
             "anchors": {k: v.clone() for k, v in outer.anchors.items()},
             "anchor_bytes": outer.anchor_bytes,
             "losses": self.losses,
@@ -134,27 +128,16 @@ def fit_staged(
     pl.seed_everything(0)
     strategy_kw.setdefault("sync_every", 3)
     strategy = SwarmStrategy(start_method="fork", **strategy_kw)
-    callbacks: list[pl.Callback] = [DumpStage(out)]
-    if ckpt_dir is not None:
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
-            )
-        )
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    fit_every_step(
+        StagedModel(),
+        strategy,
         devices=devices,
-        strategy=strategy,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=ckpt_dir is not None,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
+        callbacks=[DumpStage(out)],
+        ckpt_dir=ckpt_dir,
+        ckpt_path=ckpt_path,
         **(trainer_kw or {}),
     )
-    trainer.fit(StagedModel(), ckpt_path=ckpt_path)
 
 
 def island_params(out: Path, world: int) -> dict[int, dict[str, Tensor]]:

@@ -18,14 +18,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swarm import SwarmStrategy
+from tests.helpers import fit_every_step, full_copy
 
 SLOTS = 4
 SYNC_EVERY = 3
@@ -81,10 +80,6 @@ class MovableModel(pl.LightningModule):
         return DataLoader(TensorDataset(torch.zeros(4096, 1)), batch_size=1)
 
 
-def _full(value: Tensor) -> Tensor:
-    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-
-
 class DumpFull(pl.Callback):
     """Every rank writes its island's full parameters and its anchors at the end of fit."""
 
@@ -110,7 +105,7 @@ class DumpFull(pl.Callback):
         outer = strategy.outer_syncs[0]
         info = {
             "island": strategy.topology.island_index,
-            "params": {k: _full(v) for k, v in pl_module.named_parameters()},
+            "params": {k: full_copy(v) for k, v in pl_module.named_parameters()},
             "anchors": {k: v.clone() for k, v in outer.anchors.items()},
             "momentum": {
                 name: outer.outer_optimizer.state[a]["momentum_buffer"].clone()
@@ -144,25 +139,15 @@ def fit_movable(
     strategy_kw.setdefault("outer_momentum_warmup", 0.0)
     strategy_kw.setdefault("outer_momentum_cooldown", 0.0)
     strategy = SwarmStrategy(start_method="fork", **strategy_kw)
-    callbacks: list[pl.Callback] = [DumpFull(out)]
-    if ckpt_dir is not None:
-        every = ModelCheckpoint(
-            dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
-        )
-        callbacks.append(every)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    fit_every_step(
+        MovableModel(),
+        strategy,
         devices=devices,
-        strategy=strategy,
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=ckpt_dir is not None,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
+        callbacks=[DumpFull(out)],
+        ckpt_dir=ckpt_dir,
+        ckpt_path=ckpt_path,
     )
-    trainer.fit(MovableModel(), ckpt_path=ckpt_path)
 
 
 def load_dumps(out: Path, world: int) -> list[dict[str, Any]]:
