@@ -24,6 +24,7 @@ from tests.test_elastic_per_rank import (
     _assert_equal,
     _by_rank,
     _bytes_per_round,
+    checkpoint_kill_and_resume,
 )
 from tests.test_elastic_strategy import SCRIPT, _kill_all
 
@@ -138,28 +139,7 @@ def test_an_fsdp_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Path
     """c (FSDP, two ranks) checkpoints at step 6: each rank writes its own shards. c is killed,
     resumes from that checkpoint while a goes on, is healed shard by shard, and a and c end
     with the same full parameters."""
-    fast, ckpt = tmp_path / "fast", tmp_path / "c.ckpt"
-    opts = [*FSDP, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
-    started: list[subprocess.Popen[bytes]] = []
-    with lighthouse(heartbeat_timeout_ms=1500) as address:
-        try:
-            a = start_island(tmp_path, address, "a", *opts, script=SCRIPT)
-            c = start_island(tmp_path, address, "c", *opts, "--checkpoint-at", "6", script=SCRIPT)
-            started += [a, c]
-            wait_for(ckpt.exists, 180, "c's checkpoint at step 6")
-            wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 4, 120, "c's later rounds")
-            for pid in [int((tmp_path / f"c.pid.rank{r}").read_text()) for r in (0, 1)]:
-                os.kill(pid, signal.SIGKILL)
-            c.wait()
-            os.rename(tmp_path / "c.jsonl", tmp_path / "c.first.jsonl")
-            c = start_island(tmp_path, address, "c", *opts, "--resume", str(ckpt), script=SCRIPT)
-            started.append(c)
-            wait_for(lambda: len(_by_rank(tmp_path, "c", 1)) >= 2, 180, "resumed c's rounds")
-            fast.write_text("")
-            for name, proc in (("a", a), ("c", c)):
-                assert finish(proc, 240, tmp_path, name) == 0, name
-        finally:
-            _kill_all(started)
+    checkpoint_kill_and_resume(tmp_path, FSDP)
     files = sorted(p.name for p in tmp_path.glob("c.ckpt.swarm/*/*.pt"))
     assert files == [
         "anchors-rank-00000.pt",

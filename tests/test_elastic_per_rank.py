@@ -216,13 +216,12 @@ def test_one_rank_of_an_island_killed_inside_a_round(
     _assert_equal(tmp_path, [f"{n}.rank{r}" for n in "ab" for r in (0, 1)])
 
 
-@pytest.mark.timeout(600)  # ~40 s on 2 busy cores
-def test_a_sharded_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Path) -> None:
-    """c (two ranks) checkpoints at step 6: each rank writes its own share of the anchors and
-    outer state. c is killed, resumes from that checkpoint while a goes on, is healed share by
-    share with its own progress since the checkpointed anchors kept, and a and c end equal."""
+def checkpoint_kill_and_resume(tmp_path: Path, island_opts: list[str]) -> None:
+    """Islands a and c of two ranks (``island_opts``); c checkpoints at step 6, is SIGKILLed a
+    few rounds later and resumes from that checkpoint while a goes on; both then finish. c's
+    first run's rounds move to ``c.first.jsonl``."""
     fast, ckpt = tmp_path / "fast", tmp_path / "c.ckpt"
-    opts = [*OPTS, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
+    opts = [*island_opts, "--max-steps", "400", "--step-s", "0.1", "--fast-file", str(fast)]
     started: list[subprocess.Popen[bytes]] = []
     with lighthouse(heartbeat_timeout_ms=1500) as address:
         try:
@@ -244,6 +243,14 @@ def test_a_sharded_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Pa
                 assert finish(proc, 240, tmp_path, name) == 0, name
         finally:
             _kill_all(started)
+
+
+@pytest.mark.timeout(600)  # ~40 s on 2 busy cores
+def test_a_sharded_island_saves_per_rank_and_resumes_into_the_swarm(tmp_path: Path) -> None:
+    """c (two ranks) checkpoints at step 6: each rank writes its own share of the anchors and
+    outer state. c is killed, resumes from that checkpoint while a goes on, is healed share by
+    share with its own progress since the checkpointed anchors kept, and a and c end equal."""
+    checkpoint_kill_and_resume(tmp_path, OPTS)
     shares = sorted(p.name for p in tmp_path.glob("c.ckpt.swarm/*/anchors-rank-*.pt"))
     assert shares == ["anchors-rank-00000.pt", "anchors-rank-00001.pt"], shares
     for rank in (0, 1):
