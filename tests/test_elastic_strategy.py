@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_swarm.algorithm.outer_schedule import MomentumSchedule
+
 from tests.dist_utils import free_port
 from tests.elastic_utils import finish, lighthouse, start_island, start_lighthouse, wait_for
 
@@ -54,6 +56,21 @@ def _first_row_after(rows: list[Row], t: float) -> tuple[Row, Row]:
     after = [r for r in rows if r["t"] > t]
     assert before and after, f"no rows around {t}"
     return before[-1], after[0]
+
+
+def _assert_momentum_follows_the_ramp(out: Path, islands: tuple[str, ...]) -> None:
+    """The default momentum ramp is a function of the swarm's round count (the islands run
+    400 steps with a round every 4: 100 rounds): every applied round's outer momentum is the
+    ramp's at that round, on every island, restarted, resumed and healed ones included."""
+    ramp, used = MomentumSchedule(), set()
+    for name in islands:
+        applied = [r for r in _rows(out, name) if "swarm/outer_momentum" in r]
+        assert applied, name
+        for row in applied:
+            expected = 0.9 * ramp.factor(int(row["swarm/outer_steps"]) - 1, 100)
+            assert row["swarm/outer_momentum"] == pytest.approx(expected), (name, row)
+            used.add(row["swarm/outer_momentum"])
+    assert len(used) > 3, used  # the ramp moved over the rounds seen
 
 
 def _kill_all(procs: list[subprocess.Popen[Any]]) -> None:
@@ -144,6 +161,7 @@ def test_lightning_islands_survive_a_kill_and_heal_a_restart(tmp_path: Path) -> 
     for name, state in final.items():
         for key, value in reference.items():
             assert value.equal(state[key]), f"{name}: {key} differs from a's"
+    _assert_momentum_follows_the_ramp(tmp_path, ("a", "b", "c.first", "c", "d"))
 
 
 @pytest.mark.slow  # ~23 s; the membership-level refusals run by default (test_membership_torchft)
@@ -257,6 +275,7 @@ def test_lightning_kill_during_heal_and_resume_into_a_swarm_of_another_size(
     final = [load_file(str(tmp_path / f"{n}.rank0.safetensors")) for n in "abc"]
     for state in final[1:]:
         assert all(final[0][k].equal(state[k]) for k in final[0])
+    _assert_momentum_follows_the_ramp(tmp_path, ("a", "b", "c.first", "c"))  # c resumed
 
 
 @pytest.mark.slow  # ~12 s; in the suite: the streaming joiner ends equal with merge_alpha 0.5,

@@ -98,10 +98,12 @@ def test_rounds_step_with_the_scheduled_momentum_as_torch_would() -> None:
         with torch.no_grad():
             param.add_(torch.linspace(-1, 1, 5) * (step + 1) ** 0.5)
         local = param.detach().clone()
-        if outer.on_inner_step() is None:
+        report = outer.on_inner_step()
+        if report is None:
             continue
         k = len(used)
         used.append(outer.outer_optimizer.param_groups[0]["momentum"])
+        assert report.outer_momentum == used[-1]  # what swarm/outer_momentum logs
         ref_opt.param_groups[0]["momentum"] = 0.9 * schedule.factor(k, rounds)
         reference.grad = reference.detach() - local
         ref_opt.step()

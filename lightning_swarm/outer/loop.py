@@ -337,6 +337,8 @@ class OuterLoop:
             f"swarm/sync_time_s{suffix}": report.wall_s,
             f"swarm/transport_time_s{suffix}": report.transport_s,
         }
+        if report.applied and report.outer_momentum is not None:
+            metrics[f"swarm/outer_momentum{suffix}"] = report.outer_momentum
         if self.config.transport == "swarm":
             self._reset_poisoned(report, outer)
             metrics["swarm/islands_reset"] = float(self.islands_reset)

@@ -166,6 +166,7 @@ class OuterRound:
             transport_s=stats.wall_s,
             non_finite_islands=stats.non_finite_islands,
             rejected_own=stats.rejected_own,
+            outer_momentum=self.state.momentum_used.get(fragment),
         )
 
     # -- the streamed form: one pass ----------------------------------------------------

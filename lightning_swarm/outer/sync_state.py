@@ -56,6 +56,8 @@ class SyncReport:
     rejected_own: bool = False
     # This island's outer state was installed from a live island's in this round (elastic).
     healed: bool = False
+    # The outer optimizer's (first group's) momentum in this round's step; None: it has none.
+    outer_momentum: float | None = None
 
 
 @dataclass
@@ -171,19 +173,23 @@ class SyncState:
     momentum: MomentumSchedule = field(default_factory=lambda: NO_MOMENTUM_SCHEDULE)
     total_rounds: int | None = None
     base_momentum: list[float | None] = field(default_factory=list)
+    # The first param group's momentum at each fragment's last outer step (what the round
+    # reports as ``swarm/outer_momentum``); None where the optimizer has no momentum.
+    momentum_used: dict[int, float | None] = field(default_factory=dict)
 
     def schedule_momentum(self, fragment: int) -> None:
         """Before ``fragment``'s outer step: each SGD group's momentum is its own value times
         the schedule's factor at the fragment's round index, a pure function of counters a
         resume or a heal restores (so the step is the same bits after either). A flat schedule
         leaves the momentum as the optimizer holds it (its own, a checkpoint's or a caller's)."""
-        if self.momentum.flat:
-            return
-        factor = self.momentum.factor(self.fragment_rounds[fragment], self.total_rounds)
         groups = self.outer_optimizer.param_groups
-        for group, base in zip(groups, self.base_momentum, strict=True):
-            if base is not None:
-                group["momentum"] = base * factor
+        if not self.momentum.flat:
+            factor = self.momentum.factor(self.fragment_rounds[fragment], self.total_rounds)
+            for group, base in zip(groups, self.base_momentum, strict=True):
+                if base is not None:
+                    group["momentum"] = base * factor
+        first = groups[0].get("momentum")
+        self.momentum_used[fragment] = float(first) if isinstance(first, (int, float)) else None
 
     # -- the record: what a save holds and a healing peer receives ---------------------------
     def record(self, *, for_peer: bool = False) -> OuterRecord:
