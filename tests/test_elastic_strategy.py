@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_swarm.algorithm.outer_schedule import MomentumSchedule
-
 from tests.dist_utils import free_port
 from tests.elastic_utils import finish, lighthouse, start_island, start_lighthouse, wait_for
 
