@@ -1,8 +1,12 @@
 """Quality check: does the swarm close the gap to DDP on *your* model? (issue 40, item 4)
 
 For one LightningModule and its data, runs at the same islands, steps and seed:
-- ``ddp``: gradients averaged every step (one rank with the islands' global batch, or one rank
-  per island with ``--ddp ranks``);
+- ``ddp``: gradients averaged every step, by default over one rank per island (``--ddp ranks``):
+  each rank reads the batches its island reads, so DDP, ``local`` and the swarm train on the
+  same data in the same order and the share compares the syncing alone; ``--ddp one_rank``
+  runs it as one rank with the islands' global batch (one process, its own data order: on the
+  demo GPT at 300 steps the order alone moved the final loss by as much as half the gap,
+  docs/tuning.md);
 - ``local``: the islands train alone, never syncing (``SwarmStrategy`` with no round);
 - the swarm variants asked for: ``default`` is ``SwarmStrategy`` as configured, with the
   library's default outer optimizer; the others (``VARIANTS``) set the outer step;
@@ -21,7 +25,7 @@ Usage:
         --data my_pkg.data:MyData --data-args '{"batch_size": 32}' --islands 2 --steps 300
     python benchmarks/quality_check.py --report --results quality_check.json
 
-``--ddp one_rank`` (the default) needs the data module to take ``batch_size``. The ``litgpt``
+``--ddp one_rank`` needs the data module to take ``batch_size``. The ``litgpt``
 workload needs ``pip install --no-deps litgpt==0.5.13`` (its import needs nothing else here).
 """
 
@@ -421,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=50, help="optimizer steps")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--variants", nargs="+", default=["ddp", "local", "default"])
-    parser.add_argument("--ddp", choices=["one_rank", "ranks"], default="one_rank")
+    parser.add_argument("--ddp", choices=["ranks", "one_rank"], default="ranks")
     parser.add_argument("--results", type=Path, default=Path("quality_check.json"))
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the curves")
     parser.add_argument("--work", type=Path, default=Path("/tmp/quality_check"))
@@ -457,7 +461,14 @@ def main(argv: list[str] | None = None) -> None:
             for name in args.variants:
                 spec = {**base, "seed": seed, "variant_name": name}
                 spec["variant"] = asdict(VARIANTS[name])
-                if run_key(spec) in load(args.results):
+                old = load(args.results).get(run_key(spec))
+                if old is not None:
+                    if name == "ddp" and old.get("ddp", "one_rank") != args.ddp:
+                        parser.error(
+                            f"{args.results} holds {run_key(spec)} made with --ddp {old['ddp']}; "
+                            f"give another --results file for --ddp {args.ddp} (a share "
+                            "compares the runs of one file)."
+                        )
                     continue
                 record = run_one(spec, args.work)
                 done = load(args.results)  # re-read: another check may have written meanwhile

@@ -57,8 +57,25 @@ def test_user_module_needs_an_import_path() -> None:
 
 def test_one_rank_ddp_needs_the_users_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        quality_check.main(["--module", "a:B", "--data", "c:D"])
+        quality_check.main(["--module", "a:B", "--data", "c:D", "--ddp", "one_rank"])
     assert "give the per-island batch in --data-args" in capsys.readouterr().err
+
+
+def test_a_results_file_holds_one_kind_of_ddp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DDP record made one way is not taken as the other's baseline: the check stops before
+    running anything and names the file, the run and the other option."""
+    results = tmp_path / "r.json"
+    key = "cnn/ddp@2x300-s1"
+    results.write_text(json.dumps({key: {"ddp": "one_rank", "final": 0.5, "curve": []}}))
+    with pytest.raises(SystemExit):
+        quality_check.main(
+            ["--workload", "cnn", "--results", str(results), "--work", str(tmp_path)]
+        )
+    err = capsys.readouterr().err
+    assert f"{results} holds {key} made with --ddp one_rank" in err
+    assert "another --results file for --ddp ranks" in err
 
 
 def test_inner_lr_ratio_reads_the_schedulers_base() -> None:
