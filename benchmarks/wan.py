@@ -905,11 +905,17 @@ ELASTIC_OVERRIDES = [
 ]
 
 
+# docs/wan.md was measured with the outer momentum held constant (the default before the
+# momentum ramp of docs/tuning.md, and what torchft's DiLoCo does): the campaign keeps it so.
+CONSTANT_MOMENTUM = ["strategy.outer_momentum_warmup=0", "strategy.outer_momentum_cooldown=0"]
+
+
 def campaign_overrides(name: str, steps: int, val_every: int) -> list[str]:
     if name in TORCHFT_CONFIGS:
         return [*TORCHFT_CONFIGS[name], f"--steps={steps}", f"--val-every={val_every}"]
     return [
         *CONFIGS[name],
+        *(CONSTANT_MOMENTUM if name != "ddp" else []),
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={val_every}",
         "logger=none",
