@@ -309,6 +309,15 @@ def gap_closed(record: dict[str, Any], results: dict[str, dict[str, Any]]) -> fl
     return None if local == ddp else (local - record["final"]) / (local - ddp)
 
 
+def with_ddp_from(
+    results: dict[str, dict[str, Any]], baselines: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``results`` with its DDP runs replaced by the DDP runs of ``baselines`` (a point whose
+    DDP run ``baselines`` lacks has none, so no share)."""
+    kept = {k: r for k, r in results.items() if r["variant"]["kind"] != "ddp"}
+    return kept | {k: r for k, r in baselines.items() if r["variant"]["kind"] == "ddp"}
+
+
 def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (workload, islands, steps, variant): final values and shares by seed."""
     rows: dict[tuple[str, int, int, str], dict[str, Any]] = {}
@@ -430,6 +439,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the curves")
     parser.add_argument("--work", type=Path, default=Path("/tmp/quality_check"))
     parser.add_argument("--report", action="store_true", help="only print table and plot")
+    parser.add_argument(
+        "--ddp-from",
+        type=Path,
+        default=None,
+        help="score against the DDP runs of this results file (e.g. --ddp ranks runs) in "
+        "place of those in --results",
+    )
     args = parser.parse_args(argv)
     if not args.report:
         if bool(args.workload) == bool(args.module and args.data):
@@ -478,6 +494,8 @@ def main(argv: list[str] | None = None) -> None:
                 text = "" if share is None else f", {100 * share:.0f}% of the gap"
                 print(f"{run_key(spec)}: {record['final']:.4f}{text}, {record['wall_s']:.0f} s")
     results = load(args.results)
+    if args.ddp_from is not None:
+        results = with_ddp_from(results, load(args.ddp_from))
     print(table(results))
     print(f"\nshare of the gap closed, mean over seeds (each seed)\n{pivot(results)}")
     if args.plot is not None:

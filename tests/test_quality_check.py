@@ -50,6 +50,18 @@ def test_gap_closed_against_the_ends_of_the_same_seed() -> None:
     assert quality_check.gap_closed(results["cnn/avg@2x300-s2"], results) is None
 
 
+def test_shares_against_the_ddp_runs_of_another_file() -> None:
+    results = {}
+    for name, value in (("ddp", 1.0), ("local", 2.0), ("avg", 1.5)):
+        record = _record(name, value)
+        results[quality_check.run_key(record)] = record
+    paired = {"cnn/ddp@2x300-s1": _record("ddp", 1.5), "cnn/local@2x300-s1": _record("local", 9.0)}
+    scored = quality_check.with_ddp_from(results, paired)
+    assert scored["cnn/local@2x300-s1"]["final"] == 2.0  # only the DDP runs are taken
+    assert quality_check.gap_closed(scored["cnn/avg@2x300-s1"], scored) == 1.0
+    assert quality_check.with_ddp_from(results, {}).get("cnn/ddp@2x300-s1") is None
+
+
 def test_user_module_needs_an_import_path() -> None:
     with pytest.raises(ValueError, match="write it as package.module:Class"):
         quality_check.workload_of({"module": "my_pkg.model", "data": "x:Y"})
