@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 import hydra
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -187,6 +188,11 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, float]:
         if run_dir is not None:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             print(write_loss_png(job.loss_history.curves, run_dir / "loss.png"), flush=True)
+    # Lightning leaves the default process group to the interpreter's exit, where its gloo
+    # threads can be torn down mid-flight (once seen: "terminate called without an active
+    # exception" on a torchrun rank after a finished fit). A finished run closes it itself.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return summary
 
 
