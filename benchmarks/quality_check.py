@@ -4,9 +4,8 @@ For one LightningModule and its data, runs at the same islands, steps and seed:
 - ``ddp``: gradients averaged every step, by default over one rank per island (``--ddp ranks``):
   each rank reads the batches its island reads, so DDP, ``local`` and the swarm train on the
   same data in the same order and the share compares the syncing alone; ``--ddp one_rank``
-  runs it as one rank with the islands' global batch (one process, its own data order: on the
-  demo GPT at 300 steps the order alone moved the final loss by as much as half the gap,
-  docs/tuning.md);
+  runs it as one rank with the islands' global batch (one process, but its own data order,
+  whose luck then enters the share: docs/tuning.md);
 - ``local``: the islands train alone, never syncing (``SwarmStrategy`` with no round);
 - the swarm variants asked for: ``default`` is ``SwarmStrategy`` as configured, with the
   library's default outer optimizer; the others (``VARIANTS``) set the outer step;
