@@ -227,13 +227,32 @@ def run_spec(spec: dict[str, Any]) -> None:
     pl.seed_everything(spec["seed"], workers=True)
     module = work.module(**work.module_args)
     data = work.data(**data_args)
+    trainer = quiet_trainer(work, devices, strategy, spec["steps"], spec["eval_every"], callbacks)
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    if trainer.global_rank == 0:
+        result = {"curve": recorder.curve, "fit_s": time.perf_counter() - start}
+        Path(spec["out"]).write_text(json.dumps(result))
+
+
+def quiet_trainer(
+    work: Any,
+    devices: int,
+    strategy: Any,
+    steps: int,
+    eval_every: int,
+    callbacks: list[Callback],
+    **options: Any,
+) -> pl.Trainer:
+    """A CPU Trainer for ``steps`` optimizer steps of ``work`` (its own Trainer options on top),
+    validating every ``eval_every`` optimizer steps, with no logger, checkpoint or bars."""
     accumulate = int(work.trainer_args.get("accumulate_grad_batches", 1))
-    trainer = pl.Trainer(
+    return pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_steps=spec["steps"],
-        val_check_interval=spec["eval_every"] * accumulate,  # batches, not optimizer steps
+        max_steps=steps,
+        val_check_interval=eval_every * accumulate,  # batches, not optimizer steps
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=False,
@@ -241,13 +260,9 @@ def run_spec(spec: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        **options,
         **work.trainer_args,
     )
-    start = time.perf_counter()
-    trainer.fit(module, data)
-    if trainer.global_rank == 0:
-        result = {"curve": recorder.curve, "fit_s": time.perf_counter() - start}
-        Path(spec["out"]).write_text(json.dumps(result))
 
 
 class _Recorder(Callback):

@@ -52,6 +52,7 @@ def _fit(spec: dict[str, Any]) -> None:
     """One fit as ``spec`` says; rank 0 writes its losses to ``spec["out"]``."""
     import torch.distributed as dist
     from lightning.pytorch.strategies import DDPStrategy
+    from quality_check import quiet_trainer
     from quality_workloads import WORKLOADS
 
     work = WORKLOADS[spec["workload"]]
@@ -76,24 +77,15 @@ def _fit(spec: dict[str, Any]) -> None:
     module = work.module(**work.module_args)
     data = Data(**{**work.data_args, "batch_size": batch})
     losses = _Losses()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1 if mode == "one_rank" else k,
-        strategy="auto"
+    strategy = (
+        "auto"
         if mode == "one_rank"
-        else DDPStrategy(process_group_backend="gloo", start_method="popen"),
-        max_steps=int(spec["steps"]),
-        val_check_interval=int(spec["steps"])
-        * int(work.trainer_args.get("accumulate_grad_batches", 1)),
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[losses],
-        **work.trainer_args,
+        else DDPStrategy(process_group_backend="gloo", start_method="popen")
+    )
+    steps = int(spec["steps"])
+    devices = 1 if mode == "one_rank" else k
+    trainer = quiet_trainer(
+        work, devices, strategy, steps, steps, [losses], use_distributed_sampler=False
     )
     trainer.fit(module, data)
     if mode == "ranks":  # every rank's training losses, to average over ranks
